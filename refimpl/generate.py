@@ -1,0 +1,118 @@
+"""Sampling and the token loop of the reference engine.
+
+`RefEngine.generate` yields token ids one at a time (the CLI streams and times them). Sampling here is NumPy;
+accel samples on the device with the same rules: temperature 0 is greedy, then top-k, then top-p (nucleus) on
+the temperature-scaled distribution, and a seed makes the draw repeatable.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from . import ops
+from .checkpoint import Checkpoint
+from .errors import GenerationError, NonFiniteError
+from .model import KVCache, forward, forward_steps
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise GenerationError(f"--max-new-tokens must be a positive integer, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise GenerationError(f"--temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise GenerationError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
+
+
+def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
+    """logits [V] -> one token id."""
+    if s.temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / s.temperature  # [V]
+    if 0 < s.top_k < z.size:
+        kth = np.partition(z, -s.top_k)[-s.top_k]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if s.top_p < 1:
+        order = np.argsort(-p, kind="stable")  # most likely first
+        cum = np.cumsum(p[order])
+        keep = order[: int(np.searchsorted(cum, s.top_p)) + 1]  # smallest prefix whose mass reaches top_p
+        q = np.zeros_like(p)
+        q[keep] = p[keep]
+        p = q / q.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+def check_prompt(prompt_ids: list[int], vocab_size: int, max_new_tokens: int, context: int) -> None:
+    if not prompt_ids:
+        raise GenerationError("the prompt is empty: give some text (or token ids) to continue")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise GenerationError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) + max_new_tokens > context:
+        raise GenerationError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds "
+                              f"the context of {context} positions")
+
+
+def first_nonfinite(steps) -> str | None:
+    """Drive a forward generator and return the name of the first activation holding NaN or Inf."""
+    for name, value in steps:
+        if not np.isfinite(np.asarray(value)).all():
+            return name
+    return None
+
+
+class RefEngine:
+    """The NumPy reference engine: float32, one sequence, a KV cache sized to the request."""
+
+    backend = "refimpl"
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt, self.config, self.params = ckpt, ckpt.config, ckpt.params
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache.allocate(self.config, capacity, lambda shape: np.zeros(shape, np.float32))
+
+    def steps(self, ids, positions, cache: KVCache, last_logits_only: bool = False):
+        """The op-by-op forward (a generator of (name, value)) for the debugger and differential tools."""
+        return forward_steps(ops, self.params, self.config, np.asarray(ids, np.int64),
+                             np.asarray(positions, np.int64), cache, last_logits_only)
+
+    def logits(self, ids, positions, cache: KVCache) -> np.ndarray:
+        """Next-token logits [V] after `ids`; NaN/Inf raise NonFiniteError naming the first activation."""
+        ids, positions = np.asarray(ids, np.int64), np.asarray(positions, np.int64)
+        out = forward(ops, self.params, self.config, ids, positions, cache, last_logits_only=True)[-1]
+        if not np.isfinite(out).all():  # cheap check per step; the name lookup reruns the step only on failure
+            name = first_nonfinite(self.steps(ids, positions, cache, last_logits_only=True))
+            raise NonFiniteError(f"NaN or Inf appeared in activation {name or 'logits'!r} at position "
+                                 f"{int(positions[0])}; generation stopped")
+        return out
+
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=()) -> Iterator[int]:
+        cfg = self.config
+        check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, cfg.max_position_embeddings)
+        rng = np.random.default_rng(s.seed)
+        cache = self.new_cache(len(prompt_ids) + s.max_new_tokens)
+        logits = self.logits(prompt_ids, np.arange(len(prompt_ids)), cache)
+        pos = len(prompt_ids)
+        for n in range(s.max_new_tokens):
+            token = sample(logits, s, rng)
+            yield token
+            if token in stop_ids or n + 1 == s.max_new_tokens:
+                return
+            logits = self.logits([token], [pos], cache)
+            pos += 1

@@ -1,0 +1,130 @@
+"""Tokenizer and chat prompts: `tokenizers.Tokenizer` from tokenizer.json, chat templates in a Jinja sandbox.
+
+Chat templates come from model files, i.e. from strangers: they are rendered only in jinja2's
+ImmutableSandboxedEnvironment, so a template that reaches for Python internals fails with a clear error.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from .config import LlamaConfig
+from .errors import CheckpointError, GenerationError
+
+# Llama 3's header format, used when a checkpoint ships no chat template.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+
+
+def _sandbox():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise GenerationError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                   ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer, chat_template: str | None = None, bos_token: str | None = None,
+                 eos_token: str | None = None, source: str = "tokenizer"):
+        self.tok, self.source = tokenizer, source
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        self.eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, cfg: LlamaConfig | None = None) -> "TextTokenizer":
+        from tokenizers import Tokenizer
+
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise CheckpointError(f"{path}: not found (the model directory needs tokenizer.json)")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library raises a bare Exception with its parse error
+            raise CheckpointError(f"{path}: not a valid tokenizers file ({str(e).splitlines()[0][:200]})") from None
+        tcfg = {}
+        tcfg_path = model_dir / "tokenizer_config.json"
+        if tcfg_path.exists():
+            try:
+                tcfg = json.loads(tcfg_path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{tcfg_path}: not valid JSON ({e})") from None
+            if not isinstance(tcfg, dict):
+                raise CheckpointError(f"{tcfg_path}: expected a JSON object")
+        template = tcfg.get("chat_template")
+        jinja = model_dir / "chat_template.jinja"
+        if jinja.exists():
+            template = jinja.read_text(encoding="utf-8")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t.get("template") for t in template if isinstance(t, dict)
+                             and t.get("name") == "default"), None)
+        if template is not None and not isinstance(template, str):
+            raise CheckpointError(f"{tcfg_path}: chat_template must be a string")
+
+        def token_text(key, token_id):
+            value = tcfg.get(key)
+            if isinstance(value, dict):  # AddedToken serialized as an object
+                value = value.get("content")
+            if value is None and token_id is not None:
+                value = tok.id_to_token(token_id)
+            return value
+
+        bos = token_text("bos_token", cfg.bos_token_id if cfg else None)
+        eos = token_text("eos_token", cfg.eos_token_ids[0] if cfg and cfg.eos_token_ids else None)
+        return cls(tok, template, bos, eos, source=str(path))
+
+    # ---- text <-> ids ----
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if self.bos_id is not None and ids[:2] == [self.bos_id, self.bos_id]:
+            ids = ids[1:]  # the text carried a BOS and the post-processor added another
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    # ---- chat ----
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        template = self.chat_template
+        if template is None:
+            if self.tok.token_to_id("<|start_header_id|>") is None:
+                raise CheckpointError(f"{self.source}: no chat template in the checkpoint and no Llama 3 header "
+                                      f"tokens to fall back on; run without --chat")
+            template = LLAMA3_TEMPLATE
+        from jinja2 import TemplateError
+        from jinja2.sandbox import SecurityError
+        try:
+            return _sandbox().from_string(template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                date_string=datetime.now().strftime("%d %b %Y"))
+        except SecurityError as e:
+            raise CheckpointError(f"{self.source}: chat template tried an unsafe operation and was stopped "
+                                  f"({e})") from None
+        except TemplateError as e:
+            raise CheckpointError(f"{self.source}: chat template failed to render ({e})") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.render_chat(messages)
+        # A template that emits its own BOS must not get a second one from the post-processor.
+        has_bos = bool(self.bos_token) and text.startswith(self.bos_token)
+        return self.encode(text, add_special_tokens=not has_bos)

@@ -1,0 +1,44 @@
+"""The `llama32` command line. Every subcommand lives in its own module and registers itself here.
+
+Errors in the user's input (`Llama32Error`) print one line on stderr and exit 2; `--debug` shows the traceback.
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from refimpl.errors import Llama32Error
+
+
+class Llama32Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Llama32Error as e:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=Llama32Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
+@click.pass_context
+def main(ctx, debug):
+    """Llama 3.2: a NumPy reference interpreter and a torch + Triton engine, checked against each other."""
+    ctx.ensure_object(dict)["debug"] = debug
+
+
+def _register():
+    from . import generate_cmd
+    main.add_command(generate_cmd.generate)
+
+
+_register()
+
+if __name__ == "__main__":
+    main()

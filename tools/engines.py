@@ -1,0 +1,53 @@
+"""Choosing a model file and a backend: shared by every CLI command."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from refimpl.checkpoint import load_checkpoint
+from refimpl.errors import GenerationError
+
+BACKENDS = ("auto", "refimpl", "accel")
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def resolve_backend(name: str) -> str:
+    """'auto' means accel where CUDA is present, else the NumPy reference."""
+    if name == "auto":
+        return "accel" if cuda_available() else "refimpl"
+    if name == "accel":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise GenerationError("--backend accel needs torch and triton: pip install 'llama32[accel]'") from None
+    return name
+
+
+def resolve_model(model: str | None) -> Path:
+    """An explicit --model path, or the default model (SmolLM2-135M-Instruct), fetched on first use."""
+    if model is not None:
+        return Path(model).expanduser()
+    from .fetch import default_model_path
+    return default_model_path(fetch_if_missing=True)
+
+
+def load_engine(model_path: Path, backend: str, device: str | None = None, dtype: str | None = None):
+    """Returns (engine, checkpoint, load seconds). Engines share `generate`, `steps`, `new_cache`, `config`."""
+    t0 = time.perf_counter()
+    ckpt = load_checkpoint(model_path)
+    if backend == "refimpl":
+        if device not in (None, "cpu"):
+            raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")
+        from refimpl.generate import RefEngine
+        engine = RefEngine(ckpt)
+    else:
+        from accel.engine import AccelEngine
+        engine = AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
+    return engine, ckpt, time.perf_counter() - t0
