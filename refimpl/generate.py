@@ -87,6 +87,13 @@ class RefEngine:
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache.allocate(self.config, capacity, lambda shape: np.zeros(shape, np.float32))
 
+    # Engines exchange activations as NumPy (the debugger compares and swaps values between backends).
+    def to_numpy(self, value) -> np.ndarray:
+        return np.asarray(value)
+
+    def from_numpy(self, array: np.ndarray, like=None) -> np.ndarray:
+        return np.asarray(array, np.float32)
+
     def steps(self, ids, positions, cache: KVCache, last_logits_only: bool = False):
         """The op-by-op forward (a generator of (name, value)) for the debugger and differential tools."""
         return forward_steps(ops, self.params, self.config, np.asarray(ids, np.int64),
