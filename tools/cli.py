@@ -4,7 +4,14 @@ Errors in the user's input (`Llama32Error`) print one line on stderr and exit 2;
 """
 from __future__ import annotations
 
+import os
 import sys
+
+# The refimpl's decode is one matrix-vector product after another. On the 2-core reference machine OpenBLAS's
+# threaded gemv ran at 12.8 GB/s on SmolLM2's lm_head and collapsed to 0.5 GB/s on a 1536×576 weight when another
+# process held a core, while one thread ran at 31 and 92 GB/s (2026-11-21): 18.7 -> 49.6 tok/s decode.
+# Must be set before NumPy loads OpenBLAS; a user's own setting wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 
@@ -36,6 +43,7 @@ def main(ctx, debug):
 def _register():
     from . import generate_cmd
     main.add_command(generate_cmd.generate)
+    main.add_command(__import__("tools.step_cmd", fromlist=["step"]).step)
 
 
 _register()
