@@ -1,0 +1,64 @@
+"""RMSNorm in Triton, with HF's casting order, and the fused residual-add + RMSNorm of the engine's fast path.
+
+One program normalizes one row [D] (Llama's D is 2048 or 3072: one block of the next power of two holds a row).
+Casting order, as HF LlamaRMSNorm: reduce in fp32, cast the normalized row back to the input dtype, *then* multiply
+by the weight (in fp32, rounded once to the output dtype, which is what torch's bf16 · bf16 product does).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, XSUM, Y, stride_x, stride_r, stride_xsum, stride_y, D, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    inside = cols < D
+    x = tl.load(X + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)  # [D]
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
+        # round the sum to the activation dtype first: the unfused `x + r` in bf16 does, and the norm reads that
+        x_sum = (x + r).to(XSUM.dtype.element_ty)
+        tl.store(XSUM + row * stride_xsum + cols, x_sum, mask=inside)
+        x = x_sum.to(tl.float32)
+    variance = tl.sum(x * x, axis=0) / D
+    normed = (x * tl.rsqrt(variance + eps)).to(X.dtype.element_ty)  # HF: cast back to the input dtype ...
+    w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
+    y = normed.to(tl.float32) * w  # ... then multiply by the weight
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=inside)
+
+
+def _launch(x, residual, weight, eps, out_sum, out):
+    T, D = x.shape
+    assert weight.shape == (D,) and x.stride(1) == 1 and weight.stride(0) == 1, "rows must be contiguous"
+    BLOCK_D = triton.next_power_of_2(D)
+    # a 2048-wide bf16 row is 4 KB: 4 warps keep 16-byte loads per thread up to D = 4096, 8 beyond
+    num_warps = 4 if BLOCK_D <= 4096 else 8
+    r = residual if residual is not None else x
+    s = out_sum if out_sum is not None else x
+    _rms_norm_kernel[(T,)](x, r, weight, s, out, x.stride(0), r.stride(0), s.stride(0), out.stride(0), D,
+                           float(eps), HAS_RESIDUAL=residual is not None, BLOCK_D=BLOCK_D, num_warps=num_warps)
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, D] (rows contiguous), weight [D] -> [T, D] in x's dtype. `out` may be a preallocated [T, D]."""
+    out = torch.empty_like(x) if out is None else out
+    _launch(x, None, weight, eps, None, out)
+    return out
+
+
+def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out_sum: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, D] -> (x + residual, rms_norm(x + residual)), both [T, D] in x's dtype, in one pass.
+
+    `out_sum=x` updates the residual stream in place (each program reads its row before writing it back).
+    """
+    assert residual.shape == x.shape and residual.stride(1) == 1
+    out_sum = torch.empty_like(x) if out_sum is None else out_sum
+    out = torch.empty_like(x) if out is None else out
+    _launch(x, residual, weight, eps, out_sum, out)
+    return out_sum, out

@@ -1,0 +1,207 @@
+"""accel.ops against refimpl.ops on CPU, fp32, tiny odd shapes.
+
+Each test runs twice: "triton" runs the Triton kernels under the interpreter (TRITON_INTERPRET=1, which
+tests/conftest.py sets without CUDA), "torch" runs accel's plain-torch CPU fallback. Real shapes, bf16 and the
+compiled kernels are in tests/test_accel_ops_gpu.py.
+
+Tolerance, fp32: atol = rtol = 1e-5. Both sides compute the same fp32 formulas; they differ only in summation
+order (reductions over D <= 72, softmax over <= 80 keys, online vs two-pass softmax) and rsqrt vs 1/sqrt, i.e. a
+few ulps of values of magnitude <= ~10 (measured: <= 5e-7). The interpreter's fp32 tl.dot is exact IEEE.
+"""
+import os
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from refimpl import ops as R
+from refimpl.config import RopeScaling
+
+A = pytest.importorskip("accel.ops")
+
+ATOL = RTOL = 1e-5
+GQA = [(4, 4), (4, 2), (8, 2), (4, 1)]  # (H, K): ratios 1, 2, 4 and MQA
+
+
+@pytest.fixture(params=["triton", "torch"])
+def path(request, monkeypatch):
+    if request.param == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors reach the kernels only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
+    monkeypatch.setattr(A, "INTERPRET", request.param == "triton")
+    return request.param
+
+
+def rng_for(*key):
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))  # reproducible (hash() is salted per process)
+
+
+def randn(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def t(a):
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def close(got, want, what, atol=ATOL, rtol=RTOL):
+    """assert_close reports the count of mismatches and where the largest one is."""
+    torch.testing.assert_close(got, t(want), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("D", [48, 72])
+def test_embedding(path, T, D):
+    rng = rng_for("emb", T, D)
+    table, ids = randn(rng, 37, D), rng.integers(0, 37, T)
+    close(A.embedding(t(ids), t(table)), R.embedding(ids, table), "embedding", atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("D", [48, 72])
+def test_rms_norm_and_fused_residual(path, T, D):
+    rng = rng_for("norm", T, D)
+    x, r, w = randn(rng, T, D) * 3, randn(rng, T, D), randn(rng, D)
+    close(A.rms_norm(t(x), t(w), 1e-5), R.rms_norm(x, w, 1e-5), "rms_norm")
+    s, h = A.add_rms_norm(t(x), t(r), t(w), 1e-6)
+    close(s, x + r, "add_rms_norm sum", atol=0, rtol=0)
+    close(h, R.rms_norm(x + r, w, 1e-6), "add_rms_norm norm")
+
+
+@pytest.mark.parametrize("E", [16, 32, 64])
+@pytest.mark.parametrize("scaling", [None, RopeScaling()])
+def test_rope_tables_far_positions(E, scaling):
+    positions = np.array([0, 1, 2, 17, 8191, 8192, 50_000, 131_071])  # past original_max_position_embeddings
+    cos, sin = A.rope_tables(t(positions), E, 500000.0, scaling)
+    want_cos, want_sin = R.rope_tables(positions, E, 500000.0, scaling)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (len(positions), E // 2)
+    # identical fp32 angles (same inv_freq, same product); torch's and NumPy's cos/sin differ by <= 1 ulp
+    close(cos, want_cos, "cos", atol=1e-6, rtol=0)
+    close(sin, want_sin, "sin", atol=1e-6, rtol=0)
+
+
+def _rope_inputs(rng, T, H, K, E):
+    positions = rng.integers(0, 5000, T)
+    cos, sin = R.rope_tables(positions, E, 500000.0, RopeScaling())
+    return randn(rng, T, H, E), randn(rng, T, K, E), randn(rng, T, K, E), cos, sin, positions
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("H,K,E", [(4, 2, 16), (3, 1, 32), (8, 8, 64)])
+def test_rope(path, T, H, K, E):
+    q, k, _, cos, sin, _ = _rope_inputs(rng_for("rope", T, H, K, E), T, H, K, E)
+    got_q, got_k = A.rope(t(q), t(k), t(cos), t(sin))
+    want_q, want_k = R.rope(q, k, cos, sin)
+    close(got_q, want_q, "rope q")
+    close(got_k, want_k, "rope k")
+
+
+@pytest.mark.parametrize("T", [1, 17])
+@pytest.mark.parametrize("H,K,E", [(4, 2, 16), (4, 1, 32)])
+def test_rope_kv_write_equals_rope_then_cache_write(path, T, H, K, E):
+    rng = rng_for("ropekv", T, H, K, E)
+    S = 40
+    positions = rng.permutation(S)[:T]  # any slots, not only a contiguous run
+    cos, sin = R.rope_tables(positions, E, 500000.0, None)
+    # q, k, v as views of one fused projection output [T, (H + 2K)·E], as the engine produces them
+    qkv = randn(rng, T, (H + 2 * K) * E)
+    q, k, v = (qkv[:, :H * E].reshape(T, H, E), qkv[:, H * E:(H + K) * E].reshape(T, K, E),
+               qkv[:, (H + K) * E:].reshape(T, K, E))
+    tq = t(qkv)
+    tq_, tk_, tv_ = (tq[:, :H * E].view(T, H, E), tq[:, H * E:(H + K) * E].view(T, K, E),
+                     tq[:, (H + K) * E:].view(T, K, E))
+    cache_k, cache_v = randn(rng, K, S, E), randn(rng, K, S, E)
+    got_ck, got_cv = t(cache_k.copy()), t(cache_v.copy())
+    got_q = A.rope_kv_write(tq_, tk_, tv_, t(cos), t(sin), got_ck, got_cv, t(positions))
+    want_q, want_k = R.rope(q, k, cos, sin)
+    cache_k[:, positions] = want_k.transpose(1, 0, 2)  # [T, K, E] -> [K, T, E]
+    cache_v[:, positions] = v.transpose(1, 0, 2)
+    close(got_q, want_q, "rope_kv_write q")
+    close(got_ck, cache_k, "rope_kv_write cache_k")
+    close(got_cv, cache_v, "rope_kv_write cache_v", atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("F", [48, 72])
+def test_swiglu_and_fused_gate_up(path, T, F):
+    rng = rng_for("swiglu", T, F)
+    gate, up = randn(rng, T, F) * 4, randn(rng, T, F)
+    want = R.swiglu(gate, up)
+    close(A.swiglu(t(gate), t(up)), want, "swiglu")
+    close(A.swiglu_gate_up(t(np.concatenate([gate, up], axis=1))), want, "swiglu_gate_up")
+
+
+def _caches(rng, K, S, E):
+    """Caches poisoned with NaN: a slot an op reads before writing it (or past the context) shows up as NaN."""
+    return np.full((K, S, E), np.nan, np.float32), np.full((K, S, E), np.nan, np.float32)
+
+
+@pytest.mark.parametrize("H,K", GQA)
+@pytest.mark.parametrize("E", [16, 64])
+@pytest.mark.parametrize("T", [3, 17])
+def test_attention_prefill_then_second_chunk(path, H, K, E, T):
+    """Chunk 1 at positions 0..T-1 into an empty cache; chunk 2 (T2 tokens) at T..T+T2-1 over the partly filled
+    cache; the rest of the cache stays NaN and must never be read."""
+    rng = rng_for("prefill", H, K, E, T)
+    S, T2 = 80, 19
+    ref_k, ref_v = _caches(rng, K, S, E)
+    got_k, got_v = t(ref_k.copy()), t(ref_v.copy())
+    for first, n in ((0, T), (T, T2)):
+        q, k, v = randn(rng, n, H, E), randn(rng, n, K, E), randn(rng, n, K, E)
+        positions = np.arange(first, first + n)
+        want = R.attention(q, k, v, ref_k, ref_v, positions)
+        got = A.attention(t(q), t(k), t(v), got_k, got_v, t(positions))
+        close(got, want, f"attention chunk at {first}")
+    # the caches hold exactly the written slots, and NaN everywhere else
+    torch.testing.assert_close(got_k, t(ref_k), atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got_v, t(ref_v), atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("H,K", GQA)
+@pytest.mark.parametrize("E", [16, 32])
+@pytest.mark.parametrize("p", [0, 5, 37, 79])
+def test_attention_decode_over_filled_cache(path, H, K, E, p):
+    """One token at position p over slots 0..p-1 already filled; S = 80 with 16-slot splits gives 5 splits, of
+    which only the first ceil((p+1)/16) hold context (the rest take the empty-split path)."""
+    rng = rng_for("decode", H, K, E, p)
+    S = 80
+    ref_k, ref_v = _caches(rng, K, S, E)
+    ref_k[:, :p], ref_v[:, :p] = randn(rng, K, p, E), randn(rng, K, p, E)
+    got_k, got_v = t(ref_k.copy()), t(ref_v.copy())
+    q, k, v = randn(rng, 1, H, E), randn(rng, 1, K, E), randn(rng, 1, K, E)
+    want = R.attention(q, k, v, ref_k, ref_v, np.array([p]))
+    close(A.attention(t(q), t(k), t(v), got_k, got_v, t(np.array([p]))), want, "attention decode (default splits)")
+    for split_len in (16, 32):
+        got = A.decode_attention(t(q), got_k, got_v, t(np.array([p])), split_len=split_len)
+        close(got, want, f"decode_attention split_len={split_len}")
+
+
+@pytest.mark.parametrize("H,K", GQA)
+@pytest.mark.parametrize("masked", [False, True])
+def test_cross_attention_with_an_all_masked_row(path, H, K, masked):
+    rng = rng_for("xattn", H, K, masked)
+    T, N, E = 5, 13, 16
+    q, k, v = randn(rng, T, H, E), randn(rng, K, N, E), randn(rng, K, N, E)
+    mask = None
+    if masked:
+        mask = rng.random((T, N)) < 0.5
+        mask[0] = False  # a text token before any image: its output must be zeros
+        mask[1] = True
+    got = A.cross_attention(t(q), t(k), t(v), None if mask is None else t(mask))
+    close(got, R.cross_attention(q, k, v, mask), "cross_attention")
+    if masked:
+        assert torch.count_nonzero(got[0]) == 0
+
+
+@pytest.mark.parametrize("R_", [1, 4])
+def test_lora_merge(R_):
+    rng = rng_for("lora", R_)
+    w, a, b = randn(rng, 24, 40), randn(rng, R_, 40), randn(rng, 24, R_)
+    want = R.lora_merge(w, a, b, 2.0)
+    close(A.lora_merge(t(w), t(a), t(b), 2.0), want, "lora_merge fp32")
+    # bf16 weight: merged in fp32, rounded once; the only difference from refimpl's fp32 result is that rounding
+    got = A.lora_merge(t(w).bfloat16(), t(a).bfloat16(), t(b).bfloat16(), 2.0)
+    assert got.dtype == torch.bfloat16
+    want_bf = R.lora_merge(t(w).bfloat16().float().numpy(), t(a).bfloat16().float().numpy(),
+                           t(b).bfloat16().float().numpy(), 2.0)
+    torch.testing.assert_close(got, t(want_bf).bfloat16(), atol=0, rtol=0)

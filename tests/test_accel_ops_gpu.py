@@ -1,0 +1,168 @@
+"""accel.ops' compiled Triton kernels on CUDA at Llama 3.2 shapes, bf16 and fp32 (skipped without CUDA).
+
+Oracle: refimpl.ops in fp32 (NumPy) on the same inputs, or, for the large attention shapes, a float64 torch
+computation on the GPU (the NumPy oracle would take minutes at T = 4096). bf16 tests draw fp32 inputs, round them
+to bf16, and give the oracle the rounded values upcast: both sides compute the same function on the same inputs.
+Every check prints `ERR op dtype shape max_abs rel` (run with -s to see the table).
+
+Tolerances (atol, rtol, and a bound on ‖got − want‖ / ‖want‖):
+  * fp32 elementwise ops: 1e-5 — fp32 math like refimpl's, plus the GPU's approximate rsqrt/exp2 (~2^-22 relative);
+  * fp32 attention: 1e-4 and rel 1e-5 — IEEE fp32 dots (input_precision="ieee"), sums over up to 4096 keys;
+  * bf16: 2e-2 and rel 1e-2 — each output is rounded to bf16 (2^-8 relative), RMSNorm and SwiGLU round twice
+    (HF's order), and attention rounds the probabilities to bf16 before the P·V product (as flash kernels do).
+Embedding and cache writes are copies: exact.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from refimpl import ops as R
+from refimpl.config import RopeScaling
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+A = pytest.importorskip("accel.ops")
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5, rel=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2, rel=1e-2)}
+ATTN_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4, rel=1e-5), torch.bfloat16: TOL[torch.bfloat16]}
+DTYPES = [torch.float32, torch.bfloat16]
+SEQ = [1, 17, 1000, 4096]
+HEADS = [(32, 8, 64), (24, 8, 128)]  # Llama 3.2 1B and 3B: (H, K, E)
+
+
+def draw(seed, *shape, dtype, scale=1.0):
+    """(tensor on the GPU in dtype, its exact values as fp32 NumPy)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(shape, generator=g, device="cuda") * scale).to(dtype)
+    return x, x.float().cpu().numpy()
+
+
+def check(what, got, want, tol):
+    want = torch.as_tensor(want).to(got.device, torch.float64)
+    got64 = got.to(torch.float64)
+    err = (got64 - want).abs().max().item()
+    rel = ((got64 - want).norm() / want.norm().clamp_min(1e-30)).item()
+    print(f"ERR {what} {str(got.dtype)[6:]} {tuple(got.shape)} max_abs={err:.3e} rel={rel:.3e}")
+    assert torch.isfinite(got64).all(), f"{what}: non-finite output"
+    torch.testing.assert_close(got64, want, atol=tol["atol"], rtol=tol["rtol"], msg=lambda m: f"{what}: {m}")
+    assert rel <= tol["rel"], f"{what}: relative error {rel:.2e} > {tol['rel']}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", SEQ)
+def test_embedding_and_norms(dtype, T):
+    table, _ = draw(1, 128256, 2048, dtype=dtype)
+    ids = torch.randint(0, 128256, (T,), device="cuda")
+    torch.testing.assert_close(A.embedding(ids, table), table[ids], atol=0, rtol=0)
+    for D in (2048, 3072):
+        x, xn = draw(2, T, D, dtype=dtype, scale=3.0)
+        r, rn = draw(3, T, D, dtype=dtype)
+        w, wn = draw(4, D, dtype=dtype)
+        check("rms_norm", A.rms_norm(x, w, 1e-5), R.rms_norm(xn, wn, 1e-5), TOL[dtype])
+        s, h = A.add_rms_norm(x, r, w, 1e-5)
+        torch.testing.assert_close(s, x + r, atol=0, rtol=0)  # the sum rounded to dtype, like torch's x + r
+        check("add_rms_norm", h, R.rms_norm(s.float().cpu().numpy(), wn, 1e-5), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", SEQ)
+@pytest.mark.parametrize("H,K,E", HEADS)
+def test_rope_and_kv_write(dtype, T, H, K, E):
+    positions_np = np.sort(np.random.default_rng(T).choice(131072, T, replace=False))
+    positions = torch.from_numpy(positions_np).cuda()
+    cos, sin = A.rope_tables(positions, E, 500000.0, RopeScaling())
+    want_cos, want_sin = R.rope_tables(positions_np, E, 500000.0, RopeScaling())
+    check("rope_tables.cos", cos, want_cos, dict(atol=1e-6, rtol=0, rel=1e-6))
+    check("rope_tables.sin", sin, want_sin, dict(atol=1e-6, rtol=0, rel=1e-6))
+    q, qn = draw(5, T, H, E, dtype=dtype)
+    k, kn = draw(6, T, K, E, dtype=dtype)
+    v, _ = draw(7, T, K, E, dtype=dtype)
+    want_q, want_k = R.rope(qn, kn, want_cos, want_sin)
+    got_q, got_k = A.rope(q, k, cos, sin)
+    check("rope.q", got_q, want_q, TOL[dtype])
+    check("rope.k", got_k, want_k, TOL[dtype])
+    cache_k = torch.full((K, 131072, E), float("nan"), dtype=dtype, device="cuda")
+    cache_v = cache_k.clone()
+    got_q2 = A.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)
+    torch.testing.assert_close(got_q2, got_q, atol=0, rtol=0)  # same kernel code path for q
+    torch.testing.assert_close(cache_k[:, positions].transpose(0, 1), got_k, atol=0, rtol=0)
+    torch.testing.assert_close(cache_v[:, positions].transpose(0, 1), v, atol=0, rtol=0)
+    assert int(torch.isnan(cache_k).any(-1).sum()) == K * (131072 - T)  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", SEQ)
+def test_swiglu(dtype, T):
+    for F in (8192,):
+        gate, gn = draw(8, T, F, dtype=dtype, scale=4.0)
+        up, un = draw(9, T, F, dtype=dtype)
+        want = R.swiglu(gn, un)
+        check("swiglu", A.swiglu(gate, up), want, TOL[dtype])
+        check("swiglu_gate_up", A.swiglu_gate_up(torch.cat([gate, up], dim=1)), want, TOL[dtype])
+
+
+def attention64(q, cache_k, cache_v, positions):
+    """float64 oracle: q [T, H, E], cache [K, S, E], positions [T] -> [T, H, E] (causal by absolute position)."""
+    T, H, E = q.shape
+    K = cache_k.shape[0]
+    n = int(positions.max()) + 1
+    k, v = cache_k[:, :n].double(), cache_v[:, :n].double()  # [K, n, E]
+    qg = q.double().reshape(T, K, H // K, E).permute(1, 2, 0, 3)  # [T, H, E] -> [K, H/K, T, E]
+    scores = qg @ k[:, None].transpose(-1, -2) / math.sqrt(E)  # [K, H/K, T, n]
+    visible = torch.arange(n, device=q.device)[None, :] <= positions[:, None]  # [T, n]
+    out = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v[:, None]  # [K, H/K, T, E]
+    return out.permute(2, 0, 1, 3).reshape(T, H, E)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,K,E", HEADS)
+@pytest.mark.parametrize("T", [17, 1000, 4096])
+def test_attention_prefill_and_second_chunk(dtype, H, K, E, T):
+    S = 8192
+    cache_k = torch.full((K, S, E), float("nan"), dtype=dtype, device="cuda")
+    cache_v = cache_k.clone()
+    for seed, first, n in ((10, 0, T), (20, T, 333)):  # a prefill, then a chunk over the partly filled cache
+        q, _ = draw(seed, n, H, E, dtype=dtype)
+        k, _ = draw(seed + 1, n, K, E, dtype=dtype)
+        v, _ = draw(seed + 2, n, K, E, dtype=dtype)
+        positions = torch.arange(first, first + n, device="cuda")
+        got = A.attention(q, k, v, cache_k, cache_v, positions)
+        check(f"attention.prefill@{first}", got, attention64(q, cache_k, cache_v, positions), ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,K,E", HEADS)
+@pytest.mark.parametrize("S,p", [(4096, 0), (4096, 16), (4096, 999), (4096, 4095), (32768, 20000)])
+def test_attention_decode(dtype, H, K, E, S, p):
+    cache_k, _ = draw(30, K, S, E, dtype=dtype)
+    cache_v, _ = draw(31, K, S, E, dtype=dtype)
+    cache_k[:, p + 1:], cache_v[:, p + 1:] = float("nan"), float("nan")  # past the context: never read
+    q, _ = draw(32, 1, H, E, dtype=dtype)
+    k, _ = draw(33, 1, K, E, dtype=dtype)
+    v, _ = draw(34, 1, K, E, dtype=dtype)
+    position = torch.tensor([p], device="cuda")
+    got = A.attention(q, k, v, cache_k, cache_v, position)  # writes slot p, then split-K over the cache
+    check(f"attention.decode@{p}/{S}", got, attention64(q, cache_k, cache_v, position), ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,K,E", HEADS)
+def test_cross_attention(dtype, H, K, E):
+    T, N = 17, 1601
+    q, qn = draw(40, T, H, E, dtype=dtype)
+    k, kn = draw(41, K, N, E, dtype=dtype)
+    v, vn = draw(42, K, N, E, dtype=dtype)
+    mask = np.random.default_rng(0).random((T, N)) < 0.5
+    mask[0] = False  # no visible image token: zeros
+    got = A.cross_attention(q, k, v, torch.from_numpy(mask).cuda())
+    check("cross_attention", got, R.cross_attention(qn, kn, vn, mask), ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_merge(dtype):
+    w, wn = draw(50, 2048, 8192, dtype=dtype)
+    a, an = draw(51, 16, 8192, dtype=dtype)
+    b, bn = draw(52, 2048, 16, dtype=dtype)
+    check("lora_merge", A.lora_merge(w, a, b, 2.0), R.lora_merge(wn, an, bn, 2.0),
+          dict(atol=1e-4, rtol=1e-5, rel=1e-5) if dtype == torch.float32 else TOL[dtype])
