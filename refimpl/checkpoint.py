@@ -45,6 +45,11 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def check_params(names_shapes: dict[str, tuple], cfg: LlamaConfig, source: str) -> list[str]:
     """Raise on missing tensors or wrong shapes; return the names of unknown extra tensors (to warn about)."""
+    if cfg.num_hidden_layers > len(names_shapes):  # a config claiming 10^12 layers: fail before listing them
+        i = next(i for i in range(len(names_shapes) + 1)
+                 if f"model.layers.{i}.input_layernorm.weight" not in names_shapes)
+        raise CheckpointError(f"{source}: missing tensor 'model.layers.{i}.input_layernorm.weight' and more "
+                              f"(config.json describes {cfg.num_hidden_layers} layers)")
     want = expected_shapes(cfg)
     missing = [n for n in want if n not in names_shapes]
     if missing:
@@ -127,7 +132,9 @@ def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Checkpoint
         raise CheckpointError(f"{path}: expected a model directory (with config.json) or a .gguf file")
     cfg = LlamaConfig.from_file(path / "config.json")
     params = {}
-    total = len(expected_shapes(cfg))
+    # 9 tensors a layer + embed + norm (+ lm_head): counted, not listed, so 10^12 claimed layers fail in
+    # check_params instead of hanging here
+    total = 9 * cfg.num_hidden_layers + 2 + (not cfg.tie_word_embeddings)
     with Progress(f"loading {path.name}", total) as bar:
         for name, array in iter_safetensors(path, cfg):
             params[name] = array

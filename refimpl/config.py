@@ -43,7 +43,7 @@ class LlamaConfig:
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
-        if self.head_dim == 0:
+        if self.head_dim == 0 and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         self.validate()
 
@@ -127,6 +127,10 @@ class LlamaConfig:
                 return rope[key]
             scaling = RopeScaling(float(rnum("factor")), float(rnum("low_freq_factor")),
                                   float(rnum("high_freq_factor")), int(rnum("original_max_position_embeddings")))
+            if not (scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
+                    and scaling.original_max_position_embeddings > 0):  # ops divide by each of these
+                raise ConfigError(f"{source}: rope_scaling needs factor > 0, 0 < low_freq_factor < "
+                                  f"high_freq_factor and original_max_position_embeddings > 0, got {rope}")
         elif rope_type == "default":
             scaling = None
         else:
@@ -141,7 +145,7 @@ class LlamaConfig:
             raise ConfigError(f"{source}: bos_token_id must be an integer, got {bos!r}")
         if not isinstance(rope_theta, (int, float)) or isinstance(rope_theta, bool):
             raise ConfigError(f"{source}: rope_theta must be a number, got {rope_theta!r}")
-        return cls(
+        fields = dict(
             vocab_size=num("vocab_size"), hidden_size=hidden, intermediate_size=num("intermediate_size"),
             num_hidden_layers=num("num_hidden_layers"), num_attention_heads=heads,
             num_key_value_heads=num("num_key_value_heads", default=heads), head_dim=head_dim,
@@ -152,6 +156,10 @@ class LlamaConfig:
             max_position_embeddings=num("max_position_embeddings", default=131072),
             extra={k: v for k, v in d.items() if k in ("torch_dtype", "dtype", "architectures")},
         )
+        try:
+            return cls(**fields)
+        except ConfigError as e:  # __post_init__ validates without knowing the file: name it here
+            raise ConfigError(f"{source}: {str(e).removeprefix('config: ')}") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "LlamaConfig":
@@ -162,6 +170,8 @@ class LlamaConfig:
             raise ConfigError(f"{path}: not found (a model directory needs config.json)") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except OSError as e:  # a directory named config.json, permission denied
+            raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
         return cls.from_hf(d, source=str(path))
 
     def to_hf(self) -> dict:

@@ -35,6 +35,8 @@ class Sampling:
             raise GenerationError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise GenerationError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and self.seed < 0:  # NumPy's generator refuses negative seeds
+            raise GenerationError(f"--seed must be >= 0, got {self.seed}")
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
@@ -85,7 +87,13 @@ class RefEngine:
         self.ckpt, self.config, self.params = ckpt, ckpt.config, ckpt.params
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache.allocate(self.config, capacity, lambda shape: np.zeros(shape, np.float32))
+        try:
+            return KVCache.allocate(self.config, capacity, lambda shape: np.zeros(shape, np.float32))
+        except MemoryError:  # np.zeros asks for the whole cache up front; refuse with the size, not a traceback
+            c = self.config
+            need = 2 * c.num_hidden_layers * c.num_key_value_heads * capacity * c.head_dim * 4
+            raise GenerationError(f"the KV cache for {capacity} positions needs {need / 2**30:.1f} GiB, more memory "
+                                  f"than is available; lower --max-new-tokens or shorten the prompt") from None
 
     # Engines exchange activations as NumPy (the debugger compares and swaps values between backends).
     def to_numpy(self, value) -> np.ndarray:
@@ -102,9 +110,11 @@ class RefEngine:
     def logits(self, ids, positions, cache: KVCache) -> np.ndarray:
         """Next-token logits [V] after `ids`; NaN/Inf raise NonFiniteError naming the first activation."""
         ids, positions = np.asarray(ids, np.int64), np.asarray(positions, np.int64)
-        out = forward(ops, self.params, self.config, ids, positions, cache, last_logits_only=True)[-1]
-        if not np.isfinite(out).all():  # cheap check per step; the name lookup reruns the step only on failure
-            name = first_nonfinite(self.steps(ids, positions, cache, last_logits_only=True))
+        with np.errstate(all="ignore"):  # non-finite values are reported below by name, not as NumPy warnings
+            out = forward(ops, self.params, self.config, ids, positions, cache, last_logits_only=True)[-1]
+            finite = np.isfinite(out).all()  # cheap check per step; the name lookup reruns the step on failure
+            name = None if finite else first_nonfinite(self.steps(ids, positions, cache, last_logits_only=True))
+        if not finite:
             raise NonFiniteError(f"NaN or Inf appeared in activation {name or 'logits'!r} at position "
                                  f"{int(positions[0])}; generation stopped")
         return out

@@ -269,8 +269,12 @@ def build_tokenizer(meta: Metadata, source: str):
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     if any(len(p) != 2 for p in pairs):
         raise CheckpointError(f"{source}: tokenizer.ggml.merges entries must be two tokens separated by a space")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="", end_of_word_suffix="",
-                               fuse_unk=False))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="", end_of_word_suffix="",
+                                   fuse_unk=False))
+    except Exception as e:  # the Rust library raises a bare Exception, e.g. a merge naming an unknown token
+        raise CheckpointError(f"{source}: tokenizer.ggml.merges/tokens do not form a BPE vocabulary "
+                              f"({str(e).splitlines()[0][:200]})") from None
     pre = meta.get("tokenizer.ggml.pre", "str", None)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's split regex
     if pre in ("llama3", "llama-v3", "llama-bpe"):

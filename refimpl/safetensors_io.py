@@ -70,12 +70,16 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: file not found") from None
         except IsADirectoryError:
             raise CheckpointError(f"{self.path}: is a directory, expected a .safetensors file") from None
+        except OSError as e:  # permission denied, I/O error: still the user's file, still one line
+            raise CheckpointError(f"{self.path}: cannot read ({e.strerror or e})") from None
         try:
             header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
         except UnicodeDecodeError:
             raise self._error("header is not UTF-8") from None
         except ValueError as e:  # JSONDecodeError is a ValueError; so is our duplicate-key error
             raise self._error(f"header is not valid JSON ({e})") from None
+        except RecursionError:  # e.g. 10^5 nested brackets: legal JSON, never a safetensors header
+            raise self._error("header JSON is nested too deeply") from None
         if not isinstance(header, dict):
             raise self._error("header is not a JSON object")
         self.metadata = header.pop("__metadata__", None) or {}
@@ -93,8 +97,8 @@ class SafetensorsFile:
             if not isinstance(entry, dict) or set(entry) - {"dtype", "shape", "data_offsets"} or len(entry) != 3:
                 raise self._error(f"{where}: expected exactly dtype, shape and data_offsets")
             dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if dtype not in _DTYPES:
-                hint = " (not supported here)" if dtype in _KNOWN_UNSUPPORTED else ""
+            if not isinstance(dtype, str) or dtype not in _DTYPES:
+                hint = " (not supported here)" if isinstance(dtype, str) and dtype in _KNOWN_UNSUPPORTED else ""
                 raise self._error(f"{where}: unknown dtype {dtype!r}{hint}; expected one of "
                                   f"{', '.join(_DTYPES)}")
             if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
@@ -105,8 +109,9 @@ class SafetensorsFile:
                 raise self._error(f"{where}: data_offsets must be [begin, end] integers, got {offsets!r}")
             begin, end = offsets
             if not 0 <= begin <= end <= data_len:
+                hint = " (truncated download?)" if 0 <= begin <= end else ""
                 raise self._error(f"{where}: data_offsets {offsets} out of range of the {data_len}-byte "
-                                  f"data section")
+                                  f"data section{hint}")
             expected = math.prod(shape) * _DTYPES[dtype][1]
             if end - begin != expected:
                 raise self._error(f"{where}: holds {end - begin} bytes but shape {shape} × {dtype} needs "

@@ -23,13 +23,38 @@ LLAMA3_TEMPLATE = (
 )
 
 
+MAX_TEMPLATE_REPEAT = 1_000_000  # items a template's '*' may build; real chat templates repeat a few spaces
+
+
+def _bounded_binop(operator, left, right):
+    """'*' and '**' as Python does them, refused when the result would be huge ('a' * 10**10, 7 ** 10**9)."""
+    from jinja2.sandbox import SecurityError
+
+    if operator == "**":  # an integer power with more than 64 Kibit takes seconds to hours of bignum work
+        if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1 and \
+                right * abs(left).bit_length() > 64 * 1024:
+            raise SecurityError(f"{left} ** {right} is too large")
+        return left ** right
+    seq, count = (left, right) if isinstance(right, int) else (right, left)
+    if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > MAX_TEMPLATE_REPEAT:
+        raise SecurityError(f"repeating a sequence {count} times is too large")
+    return left * right
+
+
 def _sandbox():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})  # also stops Jinja folding them at compile time
+
+        def call_binop(self, context, operator, left, right):
+            return _bounded_binop(operator, left, right)
 
     def raise_exception(message):
         raise GenerationError(f"chat template: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # the same settings HF renders chat templates with ({% break %} / {% continue %} appear in real templates)
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
                                                                                    ensure_ascii=ensure_ascii)
     env.globals["raise_exception"] = raise_exception
@@ -68,12 +93,17 @@ class TextTokenizer:
                 tcfg = json.loads(tcfg_path.read_text(encoding="utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise CheckpointError(f"{tcfg_path}: not valid JSON ({e})") from None
+            except OSError as e:
+                raise CheckpointError(f"{tcfg_path}: cannot read ({e.strerror or e})") from None
             if not isinstance(tcfg, dict):
                 raise CheckpointError(f"{tcfg_path}: expected a JSON object")
         template = tcfg.get("chat_template")
         jinja = model_dir / "chat_template.jinja"
         if jinja.exists():
-            template = jinja.read_text(encoding="utf-8")
+            try:
+                template = jinja.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError) as e:
+                raise CheckpointError(f"{jinja}: cannot read as UTF-8 text ({e})") from None
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t.get("template") for t in template if isinstance(t, dict)
                              and t.get("name") == "default"), None)
@@ -86,6 +116,8 @@ class TextTokenizer:
                 value = value.get("content")
             if value is None and token_id is not None:
                 value = tok.id_to_token(token_id)
+            if value is not None and not isinstance(value, str):
+                raise CheckpointError(f"{tcfg_path}: {key} must be a string, got {value!r}")
             return value
 
         bos = token_text("bos_token", cfg.bos_token_id if cfg else None)
@@ -122,6 +154,11 @@ class TextTokenizer:
                                   f"({e})") from None
         except TemplateError as e:
             raise CheckpointError(f"{self.source}: chat template failed to render ({e})") from None
+        except GenerationError:  # the template's own raise_exception(): already a clear message
+            raise
+        except Exception as e:  # 1/0, 1e308 ** 2, endless macro recursion: the template's fault, not ours
+            raise CheckpointError(f"{self.source}: chat template failed to render "
+                                  f"({type(e).__name__}: {e})") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         text = self.render_chat(messages)

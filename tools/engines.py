@@ -38,10 +38,16 @@ def resolve_model(model: str | None) -> Path:
     return default_model_path(fetch_if_missing=True)
 
 
-def load_engine(model_path: Path, backend: str, device: str | None = None, dtype: str | None = None):
-    """Returns (engine, checkpoint, load seconds). Engines share `generate`, `steps`, `new_cache`, `config`."""
+def load_engine(model_path: Path, backend: str, device: str | None = None, dtype: str | None = None,
+                lora: Path | None = None):
+    """Returns (engine, checkpoint, load seconds). Engines share `generate`, `steps`, `new_cache`, `config`.
+
+    `lora`: a PEFT adapter directory, merged into the fp32 weights before any engine sees them."""
     t0 = time.perf_counter()
     ckpt = load_checkpoint(model_path)
+    if lora is not None:
+        from refimpl.lora import load_lora, merge_lora
+        ckpt.params = merge_lora(ckpt.params, ckpt.config, load_lora(lora, ckpt.config))
     if backend == "refimpl":
         if device not in (None, "cpu"):
             raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")

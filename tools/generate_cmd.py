@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -43,12 +44,14 @@ class TextStream:
 @click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="accel weight dtype (default bf16).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
+@click.option("--lora", "lora", default=None, type=click.Path(path_type=Path),
+              help="PEFT LoRA adapter directory, merged (fp32) into the weights after loading.")
 def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, seed, backend, device, dtype,
-             as_json):
+             as_json, lora=None):
     """Generate text from PROMPT."""
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
     backend = resolve_backend(backend)
-    engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype)
+    engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora)
     tok = ckpt.tokenizer
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
