@@ -16,6 +16,7 @@ import numpy as np
 
 from .config import LlamaConfig
 from .errors import CheckpointError
+from .jsonfile import read_json_object
 from .progress import Progress
 from .safetensors_io import SafetensorsFile, save_safetensors
 
@@ -63,21 +64,11 @@ def check_params(names_shapes: dict[str, tuple], cfg: LlamaConfig, source: str) 
     return [n for n in names_shapes if n not in want]
 
 
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}); expected {what}") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{path}: expected a JSON object ({what})")
-    return d
-
-
 def weight_files(model_dir: Path) -> dict[str, Path]:
     """tensor name -> the safetensors file holding it (one file, or the shards an index names)."""
     single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index, "a safetensors index with a weight_map").get("weight_map")
+        weight_map = read_json_object(index, "a safetensors index with a weight_map").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: expected a 'weight_map' object of tensor name -> shard file")
         shards = {}
@@ -156,7 +147,7 @@ def stop_ids(model_dir: Path, cfg: LlamaConfig, tokenizer=None) -> tuple[int, ..
     ids = list(cfg.eos_token_ids)
     gen = model_dir / "generation_config.json"
     if gen.exists():
-        eos = _read_json(gen, "generation settings").get("eos_token_id")
+        eos = read_json_object(gen, "generation settings").get("eos_token_id")
         extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if not all(isinstance(e, int) and not isinstance(e, bool) for e in extra):
             raise CheckpointError(f"{gen}: eos_token_id must be an integer or a list of integers, got {eos!r}")

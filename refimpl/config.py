@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
+from .jsonfile import read_json_object
 
 
 @dataclass(frozen=True)
@@ -163,15 +164,7 @@ class LlamaConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "LlamaConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: not found (a model directory needs config.json)") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        except OSError as e:  # a directory named config.json, permission denied
-            raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+        d = read_json_object(Path(path), "a model directory needs config.json", ConfigError)
         return cls.from_hf(d, source=str(path))
 
     def to_hf(self) -> dict:

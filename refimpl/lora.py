@@ -11,7 +11,6 @@ silently merged wrong (DoRA rescales columns, lora_bias adds a bias Llama lacks,
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -22,6 +21,7 @@ from . import ops
 from .checkpoint import expected_shapes
 from .config import LlamaConfig
 from .errors import CheckpointError
+from .jsonfile import read_json_object
 from .safetensors_io import SafetensorsFile
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -37,15 +37,7 @@ def _read_config(adapter_dir: Path) -> dict:
     path = adapter_dir / "adapter_config.json"
     if not adapter_dir.is_dir():
         raise CheckpointError(f"{adapter_dir}: --lora expects a PEFT adapter directory (with adapter_config.json)")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found (a PEFT adapter directory needs adapter_config.json)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return d
+    return read_json_object(path, "a PEFT adapter directory needs adapter_config.json")
 
 
 def _check_supported(d: dict, path: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .config import LlamaConfig
 from .errors import CheckpointError, GenerationError
+from .jsonfile import read_json_object
 
 # Llama 3's header format, used when a checkpoint ships no chat template.
 LLAMA3_TEMPLATE = (
@@ -89,14 +90,7 @@ class TextTokenizer:
         tcfg = {}
         tcfg_path = model_dir / "tokenizer_config.json"
         if tcfg_path.exists():
-            try:
-                tcfg = json.loads(tcfg_path.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{tcfg_path}: not valid JSON ({e})") from None
-            except OSError as e:
-                raise CheckpointError(f"{tcfg_path}: cannot read ({e.strerror or e})") from None
-            if not isinstance(tcfg, dict):
-                raise CheckpointError(f"{tcfg_path}: expected a JSON object")
+            tcfg = read_json_object(tcfg_path, "tokenizer settings and chat_template")
         template = tcfg.get("chat_template")
         jinja = model_dir / "chat_template.jinja"
         if jinja.exists():

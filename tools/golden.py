@@ -22,6 +22,7 @@ import numpy as np
 from refimpl.compare import TOLERANCES, Comparison, Tolerance, compare
 from refimpl.config import LlamaConfig
 from refimpl.errors import Llama32Error
+from refimpl.jsonfile import read_json_object
 from refimpl.names import activation_names, split_name
 from refimpl.safetensors_io import SafetensorsFile, save_safetensors
 
@@ -174,12 +175,7 @@ def load_golden(model_dir: str | Path) -> GoldenRecord:
     """Read and validate a golden record against its checkpoint's config.json; raise GoldenError on any mismatch."""
     model_dir = Path(model_dir)
     path, hint = model_dir / MANIFEST, regenerate_hint(model_dir)
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise GoldenError(f"{path}: not found; {hint}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GoldenError(f"{path}: not valid JSON ({e}); {hint}") from None
+    manifest = read_json_object(path, "a golden manifest", GoldenError, hint)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else None
         raise GoldenError(f"{path}: not a llama32 golden manifest (format {got!r}, expected {FORMAT!r}); {hint}")

@@ -18,6 +18,7 @@ import numpy as np
 
 from refimpl.checkpoint import expected_shapes, save_checkpoint
 from refimpl.config import LlamaConfig, RopeScaling
+from refimpl.tokenizer import LLAMA3_TEMPLATE
 
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                   "<|eom_id|>", "<|eot_id|>")  # Llama 3's order (128000, 128001, 128006..128009)
@@ -34,14 +35,7 @@ VOCAB_SIZE = 256 + len(MERGES) + len(SPECIAL_TOKENS)  # 288: the tokenizer fills
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-CHAT_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
-    " + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
-)
+CHAT_TEMPLATE = LLAMA3_TEMPLATE  # Llama 3's header format, as the built-in fallback renders it
 
 
 def byte_to_unicode() -> dict[int, str]:
