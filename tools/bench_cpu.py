@@ -2,6 +2,7 @@
 
     python tools/bench_cpu.py                       # default model (SmolLM2-135M-Instruct Q4_1), 64 new tokens
     python tools/bench_cpu.py --profile --json out.json
+    python tools/bench_cpu.py --random              # random fp32 weights at SmolLM2-135M's shapes (issue 2)
 
 Both engines run greedy from the same chat prompt for a fixed number of tokens (no stop ids), in one process, one
 after the other. Decode speed is (tokens - 1) / (time of the last token - time of the first): the prefill and the
@@ -52,7 +53,7 @@ def bench_refimpl(ckpt, prompt_ids: list[int], new_tokens: int, runs: int) -> di
             "tokens": tokens}
 
 
-def bench_hf(path: Path, prompt_ids: list[int], new_tokens: int, threads: int, runs: int) -> dict:
+def bench_hf(path: Path, gguf: bool, prompt_ids: list[int], new_tokens: int, threads: int, runs: int) -> dict:
     import torch
     import transformers
     from transformers.generation.streamers import BaseStreamer
@@ -69,7 +70,9 @@ def bench_hf(path: Path, prompt_ids: list[int], new_tokens: int, threads: int, r
         def end(self):
             pass
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+    where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) if gguf else \
+        dict(pretrained_model_name_or_path=path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32,
                                                               attn_implementation="eager").eval()
     ids = torch.tensor([prompt_ids])
     kw = dict(do_sample=False, pad_token_id=0)
@@ -130,16 +133,28 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-threads", type=int, default=2, help="torch threads for HF (the machine's 2 cores)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also time each refimpl op in a decode step")
+    ap.add_argument("--random", action="store_true",
+                    help="random fp32 weights at SmolLM2-135M's shapes instead of the GGUF (32 random prompt ids)")
     ap.add_argument("--json", type=Path, default=Path("bench_cpu.json"))
     args = ap.parse_args(argv)
 
-    if args.model is None:
+    if args.random:
+        import tempfile
+
+        from refimpl.checkpoint import random_params, save_checkpoint
+        from refimpl.config import PRESETS
+        cfg = PRESETS["smollm2-135m"]
+        args.model = save_checkpoint(Path(tempfile.mkdtemp()) / "smollm2-135m-random", cfg, random_params(cfg))
+    elif args.model is None:
         from tools.fetch import default_model_path
         args.model = default_model_path(fetch_if_missing=True)
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model)
+    ckpt = load_checkpoint(args.model, with_tokenizer=not args.random)
     load_s = time.perf_counter() - t0
-    prompt_ids = ckpt.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    if args.random:
+        prompt_ids = np.random.default_rng(0).integers(0, ckpt.config.vocab_size, 32).tolist()
+    else:
+        prompt_ids = ckpt.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     record = {
         "model": str(args.model), "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
         "machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine(),
@@ -150,7 +165,7 @@ def main(argv=None) -> int:
     if not args.skip_hf:
         import transformers
         record["hf_eager"] = {"transformers": transformers.__version__,
-                              **bench_hf(args.model, prompt_ids, args.new_tokens, args.hf_threads, args.runs)}
+                              **bench_hf(args.model, not args.random, prompt_ids, args.new_tokens, args.hf_threads, args.runs)}
         record["same_tokens"] = record["hf_eager"]["tokens"] == record["refimpl"]["tokens"]
     if args.profile:
         record["refimpl_profile"] = profile_decode(ckpt, prompt_ids, args.new_tokens)

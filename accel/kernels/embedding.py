@@ -18,7 +18,7 @@ def _embedding_kernel(IDS, TABLE, OUT, stride_table, stride_out, D, BLOCK: tl.co
 
 def embedding_fwd(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """ids [T] int (device), table [V, D] -> [T, D] in table's dtype. Ids outside [0, V) are the caller's error."""
-    (T,), (V, D) = ids.shape, table.shape
+    (T,), (_, D) = ids.shape, table.shape
     assert table.stride(1) == 1
     out = torch.empty((T, D), dtype=table.dtype, device=table.device) if out is None else out
     BLOCK = min(1024, triton.next_power_of_2(D))
