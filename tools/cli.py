@@ -40,10 +40,16 @@ def main(ctx, debug):
     ctx.ensure_object(dict)["debug"] = debug
 
 
+# (module in tools/, click command in it): each command keeps its heavy imports (torch, matplotlib) inside itself,
+# so `llama32 --help` and the refimpl paths start in well under a second.
+COMMANDS = (("generate_cmd", "generate"), ("fetch_cmd", "fetch"), ("golden_cmd", "golden"), ("diff_cmd", "diff"),
+            ("step_cmd", "step"), ("bench_cmd", "bench"))
+
+
 def _register():
-    from . import generate_cmd
-    main.add_command(generate_cmd.generate)
-    main.add_command(__import__("tools.step_cmd", fromlist=["step"]).step)
+    import importlib
+    for module, name in COMMANDS:
+        main.add_command(getattr(importlib.import_module(f"tools.{module}"), name))
 
 
 _register()

@@ -1,0 +1,263 @@
+"""AccelEngine: the torch + Triton engine, with the same contract as refimpl.generate.RefEngine.
+
+Two ways through the model:
+    fast   accel.model.prefill / decode_step over fused weights; the decode step replays one CUDA graph per token
+           (captured after a warm-up, so Triton's compilation and autotuning happen outside the capture);
+    trace  `steps()`: refimpl.model.forward_steps over accel.ops and HF-named views of the same weights, yielding
+           every activation by the one name scheme. The fast path never yields, so tracing costs nothing when off.
+Sampling stays on the device (accel.sampling); generate() reads each token back together with a finite-logits
+flag in one small copy, issued before the next step is queued, so the host never idles the GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from refimpl import ops as np_ops
+from refimpl.checkpoint import Checkpoint
+from refimpl.config import LlamaConfig
+from refimpl.errors import GenerationError, NonFiniteError
+from refimpl.generate import Sampling, check_prompt
+from refimpl.model import KVCache, forward_steps
+
+from . import model as fast
+from .sampling import make_generator, sample
+from .weights import DTYPES, Weights, load_weights, params_view
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise GenerationError(f"--device {device!r} is not a device name (expected cpu, cuda or cuda:N)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise GenerationError(f"--device {device!r}: the accel backend runs on cpu or cuda[:N] only")
+    if not torch.cuda.is_available():
+        raise GenerationError(f"--device {device!r}: CUDA is not available here (torch {torch.__version__}); "
+                              f"use --device cpu")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise GenerationError(f"--device {device!r}: there is no such GPU (this machine has {count})")
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> str:
+    if dtype is None:
+        return "bf16" if device.type == "cuda" else "fp32"
+    if dtype not in DTYPES:
+        raise GenerationError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return dtype
+
+
+@dataclass
+class StaticKVCache(KVCache):
+    """refimpl's per-layer cache lists, as views of two preallocated [L, K, S, E] tensors, plus RoPE tables."""
+
+    k_all: torch.Tensor = None  # [L, K, S, E]
+    v_all: torch.Tensor = None
+    tables: fast.RopeTables = None  # cos/sin [S, E/2] fp32 for every slot
+
+
+def cache_bytes(cfg: LlamaConfig, capacity: int, element_size: int) -> int:
+    kv = 2 * cfg.num_hidden_layers * cfg.kv_size * capacity * element_size  # k and v, [L, K, S, E] each
+    return kv + 2 * capacity * (cfg.head_dim // 2) * 4  # + cos/sin tables, fp32
+
+
+def working_bytes(cfg: LlamaConfig, tokens: int, element_size: int) -> int:
+    """A generous bound on a prefill's live activations: a few [T, D], the [T, (H+2K)E] and [T, 2F] GEMM outputs,
+    the [T, F] activation, and fp32 logits/sampling buffers of the vocabulary."""
+    per_token = 6 * cfg.hidden_size + 2 * (cfg.q_size + 2 * cfg.kv_size) + 4 * cfg.intermediate_size
+    return tokens * per_token * element_size + 8 * cfg.vocab_size * 4
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Device memory a new allocation can use (driver-free plus torch's cached free blocks); None on CPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def check_fits(device: torch.device, need: int, what: str) -> None:
+    """Refuse before allocating when the device cannot hold `need` bytes."""
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise GenerationError(f"{what} needs {need / 2**30:.2f} GiB of {device} memory but only "
+                              f"{free / 2**30:.2f} GiB is free; ask for fewer tokens (prompt + --max-new-tokens)")
+
+
+class Decoder:
+    """The one-token decode step over one cache: static token/position inputs, replayed as a CUDA graph on GPU."""
+
+    def __init__(self, engine: "AccelEngine", cache: StaticKVCache, use_graph: bool):
+        dev = engine.device
+        self.token = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.position = torch.zeros(1, dtype=torch.int64, device=dev)  # slot 0: harmless before the prefill
+        self._fn = lambda: fast.decode_step(engine.kernels, engine.weights, engine.config, self.token,
+                                            self.position, cache.tables, cache.k_all, cache.v_all)
+        self.graph = None
+        if use_graph:
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):  # warm-up: compile + autotune every kernel before the capture
+                for _ in range(3):
+                    self._fn()
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._fn()  # [1, V], rewritten in place by every replay
+
+    def run(self) -> torch.Tensor:
+        """Decode self.token at self.position (already set on the device) -> logits [1, V]."""
+        if self.graph is None:
+            return self._fn()
+        self.graph.replay()
+        return self.logits
+
+    def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        self.token.copy_(token)
+        self.position.fill_(position)
+        return self.run()
+
+
+@dataclass
+class Session:
+    """A cache and the decoder captured over it, kept for the next request that fits in it."""
+
+    cache: StaticKVCache
+    decoder: Decoder
+    capacity: int = field(init=False)
+
+    def __post_init__(self):
+        self.capacity = self.cache.capacity
+
+
+class AccelEngine:
+    backend = "accel"
+
+    def __init__(self, config: LlamaConfig, weights: Weights, device: torch.device, dtype: str,
+                 use_graph: bool | None = None, use_triton: bool | None = None):
+        self.config, self.weights, self.device, self.dtype_name = config, weights, device, dtype
+        self.dtype = DTYPES[dtype]
+        self.use_graph = device.type == "cuda" if use_graph is None else use_graph
+        self.kernels = fast.Kernels(fast.triton_usable(device) if use_triton is None else use_triton)
+        self.params = params_view(weights, config)  # HF names for trace mode, views of the fused tensors
+        self._session: Session | None = None
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, device: str | None = None, dtype: str | None = None,
+                        **options) -> "AccelEngine":
+        dev = resolve_device(device)
+        dtype = resolve_dtype(dtype, dev)
+        cfg = ckpt.config
+        size = sum(a.size for a in ckpt.params.values()) * DTYPES[dtype].itemsize
+        check_fits(dev, size, f"the weights of {ckpt.path} in {dtype}")
+        return cls(cfg, load_weights(ckpt.params, cfg, dev, DTYPES[dtype]), dev, dtype, **options)
+
+    # ---- the engine contract ----
+    def new_cache(self, capacity: int) -> StaticKVCache:
+        cfg = self.config
+        if not 0 < capacity <= cfg.max_position_embeddings:
+            raise GenerationError(f"cache capacity {capacity} is outside [1, {cfg.max_position_embeddings}] "
+                                  f"(the model's max_position_embeddings)")
+        size = self.dtype.itemsize
+        check_fits(self.device, cache_bytes(cfg, capacity, size) + working_bytes(cfg, capacity, size),
+                   f"a KV cache of {capacity} positions ({cache_bytes(cfg, capacity, size) / 2**30:.2f} GiB) "
+                   f"plus working memory")
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, capacity, cfg.head_dim)  # [L, K, S, E]
+        k_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cos, sin = np_ops.rope_tables(np.arange(capacity), cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        tables = fast.RopeTables(torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device))
+        return StaticKVCache(list(k_all.unbind(0)), list(v_all.unbind(0)), k_all, v_all, tables)
+
+    def to_numpy(self, value) -> np.ndarray:
+        return value.detach().to(torch.float32).cpu().numpy()
+
+    def from_numpy(self, array: np.ndarray, like=None) -> torch.Tensor:
+        dtype, device = (like.dtype, like.device) if like is not None else (self.dtype, self.device)
+        return torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(device=device, dtype=dtype)
+
+    def steps(self, ids, positions, cache: KVCache, last_logits_only: bool = False):
+        """Trace mode: the op-by-op forward over accel.ops, yielding (name, torch tensor)."""
+        from . import ops
+        ids = torch.as_tensor(np.asarray(ids, np.int64), device=self.device)
+        positions = torch.as_tensor(np.asarray(positions, np.int64), device=self.device)
+        return forward_steps(ops, self.params, self.config, ids, positions, cache, last_logits_only)
+
+    # ---- the fast path ----
+    def session(self, capacity: int) -> Session:
+        """A cache of at least `capacity` slots with its captured decoder; reused while requests fit in it."""
+        if self._session is None or self._session.capacity < capacity:
+            self._session = None  # free the old cache and graph before allocating the new ones
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            cache = self.new_cache(capacity)
+            self._session = Session(cache, Decoder(self, cache, self.use_graph))
+        return self._session
+
+    def prefill(self, prompt_ids, sess: Session) -> torch.Tensor:
+        """The prompt (a list, or an int64 tensor already on the device) at positions 0..P-1 into the session's
+        cache -> next-token logits [1, V] (eager)."""
+        ids = torch.as_tensor(prompt_ids, dtype=torch.int64, device=self.device)
+        c = sess.cache
+        return fast.prefill(self.kernels, self.weights, self.config, ids, c.tables, c.k_all, c.v_all)
+
+    def decode_greedy(self, sess: Session, logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """n greedy tokens after the prompt's logits, with no host sync (the benchmark's loop) -> [n] on device."""
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        dec = sess.decoder
+        dec.position.fill_(start - 1)
+        for i in range(n):
+            token = fast.argmax_row(logits)  # [1]
+            out[i: i + 1].copy_(token)
+            if i + 1 < n:
+                dec.token.copy_(token)
+                dec.position.add_(1)
+                logits = dec.run()
+        return out
+
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=()) -> Iterator[int]:
+        cfg = self.config
+        check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, cfg.max_position_embeddings)
+        sess = self.session(len(prompt_ids) + s.max_new_tokens)
+        gen = make_generator(self.device, s.seed)
+        cuda = self.device.type == "cuda"
+        host = torch.empty(2, dtype=torch.int64, pin_memory=cuda)  # (token, logits all finite)
+        ready = torch.cuda.Event() if cuda else None
+        logits = self.prefill(prompt_ids, sess)
+        step_ids, pos = list(prompt_ids), len(prompt_ids)
+        for n in range(s.max_new_tokens):
+            token = sample(logits, s, gen)  # [1] on the device
+            host.copy_(torch.stack([token[0], torch.isfinite(logits).all().to(torch.int64)]), non_blocking=cuda)
+            if cuda:
+                ready.record()
+            if n + 1 < s.max_new_tokens:  # queue the next step before waiting for this token
+                logits = sess.decoder.step(token, pos)
+            if cuda:
+                ready.synchronize()
+            value, finite = host.tolist()
+            if not finite:
+                self._raise_nonfinite(step_ids, pos - len(step_ids), sess.cache)
+            yield value
+            if value in stop_ids:
+                return
+            step_ids, pos = [value], pos + 1
+
+    def _raise_nonfinite(self, ids: list[int], start: int, cache: KVCache):
+        """Rerun the failed step through trace mode and name the first activation holding NaN or Inf."""
+        positions = np.arange(start, start + len(ids))
+        name = None
+        for act, value in self.steps(ids, positions, cache, last_logits_only=True):
+            if not bool(torch.isfinite(value).all()):
+                name = act
+                break
+        raise NonFiniteError(f"NaN or Inf appeared in activation {name or 'logits'!r} at position {start}; "
+                             f"generation stopped")

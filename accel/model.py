@@ -1,0 +1,202 @@
+"""The fast forward: prefill (whole prompt) and the one-token decode step, over fused weights and a static cache.
+
+Same computation as `refimpl.model.forward` (the trace mode runs that one over `accel.ops`), rearranged for speed:
+    * fused QKV and gate_up GEMMs (accel.weights), the residual add fused into the next RMSNorm;
+    * RoPE fused into the KV-cache write (k is rotated straight into the cache slot, v copied beside it);
+    * prefill attends with the flash-attention kernel over the fresh k/v; decode with the split-sequence decode
+      kernel over the cache, its context length a device tensor so that one CUDA graph serves every position;
+    * decode reads cos/sin rows from tables precomputed for the whole cache and indexes them on the device.
+Nothing here yields, syncs with the host, or allocates a size that depends on the position: `decode_step` is
+what the engine captures in a CUDA graph.
+
+`Kernels` calls the Triton launchers of accel/kernels directly (the hot loop skips accel.ops' per-call dispatch);
+without Triton (a CPU without the interpreter) it uses the plain torch versions below.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from refimpl.config import LlamaConfig
+
+from . import ops
+from .kernels.decode_attn import decode_attention_fwd
+from .kernels.embedding import embedding_fwd
+from .kernels.flash_attn import flash_attention_fwd
+from .kernels.rms_norm import add_rms_norm_fwd, rms_norm_fwd
+from .kernels.rope import rope_kv_write_fwd
+from .kernels.swiglu import swiglu_gate_up_fwd
+from .weights import Weights
+
+
+# ---- plain torch versions of the fused ops: the path without Triton (a CPU without the interpreter), and a
+# graph-capturable baseline on CUDA. Same dtype order as the kernels (refimpl.interface's rules). ----
+
+def torch_rms_norm(x, weight, eps):
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [T, D]
+    return normed.to(x.dtype) * weight  # HF's order: cast back, then scale
+
+
+def torch_add_rms_norm(x, residual, weight, eps):
+    s = x + residual  # rounded to the activation dtype, as the unfused model does
+    return s, torch_rms_norm(s, weight, eps)
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]  # [T, h, E] -> 2 × [T, h, E/2]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, E/2] -> [T, 1, E/2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def torch_rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions):
+    cache_k.index_copy_(1, positions, _rotate(k, cos, sin).transpose(0, 1))  # [T, K, E] -> [K, T, E] at positions
+    cache_v.index_copy_(1, positions, v.transpose(0, 1))
+    return _rotate(q, cos, sin)
+
+
+def torch_swiglu_gate_up(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, 2F] -> 2 × [T, F]
+    return F.silu(gate) * up
+
+
+def _grouped(q, cache_k, cache_v, visible):
+    """q [T, H, E] over cache_k/v [K, n, E] where visible [T, n] -> [T, H, E]; fp32 scores and softmax."""
+    T, H, E = q.shape
+    K = cache_k.shape[0]
+    qg = q.float().reshape(T, K, H // K, E)  # [T, H, E] -> [T, K, H/K, E]
+    scores = torch.einsum("tkge,kne->tkgn", qg, cache_k.float()) / math.sqrt(E)  # -> [T, K, H/K, n]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.einsum("tkgn,kne->tkge", torch.softmax(scores, dim=-1), cache_v.float())  # -> [T, K, H/K, E]
+    return out.reshape(T, H, E).to(q.dtype)
+
+
+def torch_flash_attn(q, cache_k, cache_v, positions):
+    """Causal attention of q [T, H, E] at `positions` over cache slots 0..max(positions) (eager: the key count
+    comes to the host)."""
+    n = int(positions.max()) + 1
+    visible = torch.arange(n, device=q.device)[None, :] <= positions[:, None]  # [T, n]
+    return _grouped(q, cache_k[:, :n], cache_v[:, :n], visible)
+
+
+def torch_decode_attn(q, cache_k, cache_v, position):
+    """q [1, H, E] over slots 0..position of the cache. Masks the whole capacity S rather than slicing to the
+    length: a slice needs the length on the host (a sync) and a new shape each step (no CUDA graph)."""
+    visible = torch.arange(cache_k.shape[1], device=q.device)[None, :] <= position[:, None]  # [1, S]
+    return _grouped(q, cache_k, cache_v, visible)
+
+
+class Kernels:
+    """The fused ops of the fast path: the Triton launchers of accel/kernels (use_triton; CUDA, or CPU under
+    TRITON_INTERPRET=1), or the torch versions above."""
+
+    def __init__(self, use_triton: bool):
+        self.triton = use_triton
+        if use_triton:
+            self.embedding, self.rms_norm, self.add_rms_norm = embedding_fwd, rms_norm_fwd, add_rms_norm_fwd
+            self.rope_kv_write, self.swiglu_gate_up = rope_kv_write_fwd, swiglu_gate_up_fwd
+            self.flash_attn, self.decode_attn = flash_attention_fwd, decode_attention_fwd
+        else:
+            self.embedding, self.rms_norm, self.add_rms_norm = F.embedding, torch_rms_norm, torch_add_rms_norm
+            self.rope_kv_write, self.swiglu_gate_up = torch_rope_kv_write, torch_swiglu_gate_up
+            self.flash_attn, self.decode_attn = torch_flash_attn, torch_decode_attn
+
+    def describe(self) -> str:
+        return "triton kernels" if self.triton else "torch ops (no triton)"
+
+
+@functools.lru_cache(maxsize=16)
+def _row_width(n: int) -> int:
+    """A row width near 512 that divides n when one exists (128256 = 256 × 501): no tail to handle."""
+    return next((c for c in range(512, 255, -1) if n % c == 0), 512)
+
+
+def argmax_row(logits):
+    """logits [1, V] (or [V]) -> [1] int64 index of the first maximum, on the device with no host sync.
+
+    Two stages: torch's argmax along one long row ran as a single 36 µs reduction for V = 128256 (nvidia-h200,
+    2026-11-21); the max of each ~512-wide row, then of the row maxima, takes ~10 µs. Every index below is a
+    tensor op (gather/where): indexing with a 0-d tensor would call .item(), a host sync per token.
+    """
+    v = logits.reshape(-1)
+    cols = _row_width(v.numel())
+    rows = v.numel() // cols
+    if rows < 2:
+        return torch.argmax(v, dim=0, keepdim=True)
+    best, where = v[: rows * cols].view(rows, cols).max(dim=1)  # [rows]: each row's max and first index in it
+    r = torch.argmax(best, dim=0, keepdim=True)  # [1]: the first row holding the overall max
+    head = r * cols + where.gather(0, r)  # [1]
+    if rows * cols == v.numel():
+        return head
+    tail_max, tail_at = v[rows * cols:].max(dim=0, keepdim=True)  # [1] each; the tail lies after the head,
+    return torch.where(tail_max > best.gather(0, r), rows * cols + tail_at, head)  # so it wins only when larger
+
+
+def triton_usable(device: torch.device) -> bool:
+    return device.type == "cuda" or (ops.INTERPRET and device.type == "cpu")
+
+
+@dataclass
+class RopeTables:
+    cos: torch.Tensor  # [S, E/2] fp32, row p for position p
+    sin: torch.Tensor  # [S, E/2] fp32
+
+
+def _layers(ks: Kernels, w: Weights, cfg: LlamaConfig, x, cos, sin, cache_k, cache_v, positions, attend):
+    """The decoder layers over the residual stream x [T, D]; returns final_norm(x) [T, D].
+
+    `attend(i, q_rot)` -> [T, H, E] is the attention of layer i (the k/v are already in the cache).
+    Each add_rms_norm adds the previous block's output into the stream and normalizes for the next block.
+    """
+    T, eps = x.shape[0], cfg.rms_norm_eps
+    H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    h = ks.rms_norm(x, w.layers[0].attn_norm, eps)
+    for i, lw in enumerate(w.layers):
+        qkv = F.linear(h, lw.qkv)  # [T, D] -> [T, (H+2K)·E]
+        q = qkv[:, : H * E].view(T, H, E)
+        k = qkv[:, H * E: (H + K) * E].view(T, K, E)
+        v = qkv[:, (H + K) * E:].view(T, K, E)
+        q_rot = ks.rope_kv_write(q, k, v, cos, sin, cache_k[i], cache_v[i], positions)  # k_rot, v -> cache
+        a = attend(i, q_rot)  # [T, H, E]
+        o = F.linear(a.reshape(T, H * E), lw.o)  # [T, H·E] -> [T, D]
+        x, h = ks.add_rms_norm(o, x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
+        act = ks.swiglu_gate_up(F.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
+        down = F.linear(act, lw.down)  # [T, F] -> [T, D]
+        next_norm = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.norm
+        x, h = ks.add_rms_norm(down, x, next_norm, eps)  # resid_post, next attn_norm (or final_norm)
+    return h
+
+
+def prefill(ks: Kernels, w: Weights, cfg: LlamaConfig, ids, tables: RopeTables, cache_k, cache_v):
+    """ids [T] int on the device, a prompt at positions 0..T-1 -> last-token logits [1, V] (model dtype).
+
+    cache_k/cache_v [L, K, S, E]: slots 0..T-1 of every layer are written.
+    """
+    T = ids.shape[0]
+    positions = torch.arange(T, device=ids.device)
+    x = ks.embedding(ids, w.embed)  # [T, D]
+    cos, sin = tables.cos[:T], tables.sin[:T]  # [T, E/2]
+
+    def attend(i, q_rot):  # over the prompt's own k/v, which rope_kv_write has just put in the cache
+        return ks.flash_attn(q_rot, cache_k[i], cache_v[i], positions)
+
+    h = _layers(ks, w, cfg, x, cos, sin, cache_k, cache_v, positions, attend)
+    return F.linear(h[-1:], w.lm_head)  # [1, D] -> [1, V]: only the next token's logits
+
+
+def decode_step(ks: Kernels, w: Weights, cfg: LlamaConfig, token, position, tables: RopeTables, cache_k, cache_v):
+    """token [1] int, position [1] int (both on the device) -> logits [1, V]. Capturable in a CUDA graph."""
+    x = ks.embedding(token, w.embed)  # [1, D]
+    cos, sin = tables.cos.index_select(0, position), tables.sin.index_select(0, position)  # [1, E/2]
+
+    def attend(i, q_rot):  # slots 0..position; the kernel reads the length from the device tensor
+        return ks.decode_attn(q_rot, cache_k[i], cache_v[i], position)
+
+    h = _layers(ks, w, cfg, x, cos, sin, cache_k, cache_v, position, attend)
+    return F.linear(h, w.lm_head)  # [1, D] -> [1, V]
