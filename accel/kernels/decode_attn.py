@@ -1,14 +1,18 @@
 """Decode attention in Triton: ONE new token's H query heads over the KV cache, split along the sequence.
 
 Flash-decoding: with one query there is no query dimension to spread over the GPU, so the cache's sequence axis is
-cut into splits of `split_len` slots. Kernel 1 (grid K × splits) computes, for each split, the unnormalized
+cut into splits of `split_len` slots. The split kernel (grid K × splits) computes, for each split, the unnormalized
 partial output and its softmax statistics (max m, sum l, exp2 domain) for all H/K query heads of one kv head at
-once, so each K/V row is read from memory once. Kernel 2 (grid H) combines the splits:
+once, so each K/V row is read from memory once. The splits are then combined:
     out = Σ_s 2^(m_s − M) · acc_s / Σ_s 2^(m_s − M) · l_s,   M = max_s m_s.
+Combining happens either in a second kernel (grid H), or — FUSED — inside the split kernel: each program counts
+itself done on a per-kv-head counter, and the program that arrives last combines that kv head's splits, saving a
+launch and its gap. The counter is returned to 0 by that last program, so the next launch (or graph replay) finds
+it zeroed; launches that share a counter buffer must therefore not run concurrently (one stream: true here).
 
 The context length comes from a device tensor (the new token's position; it sees slots 0..pos), and the grid is
 sized for `max_len` slots (default: the cache capacity), so a CUDA graph captured once serves every step: splits
-past the current length run an empty loop and record m = −inf, l = 0, acc = 0, which the reduction weighs as 0.
+past the current length run an empty loop and record m = −inf, l = 0, acc = 0, which the combination weighs as 0.
 """
 from __future__ import annotations
 
@@ -22,17 +26,88 @@ from .flash_attn import LOG2E, dot_precision
 
 
 @triton.jit
-def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, sq_h, sk_k, sk_s, sv_k, sv_s, E, G, split_len, n_splits,
-                         qk_scale, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+def _combine_head(ACC, M, L, O, h, so_h, E, n_splits, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Combine head h's n_splits partials (rows h·n_splits + s) into O[h]. Loads bypass L1 (.cg): in the fused
+    path they read what other programs wrote during this launch."""
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < n_splits
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    m = tl.load(M + h * n_splits + offs_s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")  # [splits]
+    l = tl.load(L + h * n_splits + offs_s, mask=s_ok, other=0.0, cache_modifier=".cg")
+    acc = tl.load(ACC + (h * n_splits + offs_s)[:, None] * E + offs_e[None, :], mask=s_ok[:, None] & e_ok[None, :],
+                  other=0.0, cache_modifier=".cg")  # [splits, E]
+    w = tl.exp2(m - tl.max(m, axis=0))  # split 0 always holds slot 0, so the max is finite; empty splits weigh 0
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+    tl.store(O + h * so_h + offs_e, out.to(O.dtype.element_ty), mask=e_ok)
+
+
+@triton.jit
+def _combine_heads(ACC, M, L, O, h0, n_heads, so_h, E, n_splits, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_E: tl.constexpr):
+    """_combine_head for heads h0..h0+n_heads-1 at once: one round of loads instead of one per head (the fused
+    path's last program would otherwise wait out n_heads load latencies in a row)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < n_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    rows = (h0 + offs_h)[:, None] * n_splits + offs_s[None, :]  # [Hb, S]
+    ok = h_ok[:, None] & (offs_s < n_splits)[None, :]
+    m = tl.load(M + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")  # [Hb, S]
+    l = tl.load(L + rows, mask=ok, other=0.0, cache_modifier=".cg")
+    acc = tl.load(ACC + rows[:, :, None] * E + offs_e[None, None, :], mask=ok[:, :, None] & e_ok[None, None, :],
+                  other=0.0, cache_modifier=".cg")  # [Hb, S, E]
+    m_max = tl.where(h_ok, tl.max(m, axis=1), 0.0)  # padding heads: 0, not -inf (no NaN from -inf - -inf)
+    w = tl.exp2(m - m_max[:, None])  # [Hb, S]
+    out = tl.sum(w[:, :, None] * acc, axis=1) / tl.sum(w * l, axis=1)[:, None]  # [Hb, E]
+    tl.store(O + (h0 + offs_h)[:, None] * so_h + offs_e[None, :], out.to(O.dtype.element_ty),
+             mask=h_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale, MASKED: tl.constexpr,
+            EVEN_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One block of keys n0..n0+N into the running (acc, m, l); MASKED: the block reaches past `end`."""
+    kp = CK + (n0 + offs_n)[:, None] * sk_s + offs_e[None, :]
+    vp = CV + (n0 + offs_n)[:, None] * sv_s + offs_e[None, :]
+    if MASKED:
+        n_ok = (n0 + offs_n) < end
+        k = tl.load(kp, mask=n_ok[:, None] & e_ok[None, :], other=0.0)  # [N, E]
+        v = tl.load(vp, mask=n_ok[:, None] & e_ok[None, :], other=0.0)
+    elif EVEN_E:
+        k = tl.load(kp)
+        v = tl.load(vp)
+    else:
+        k = tl.load(kp, mask=e_ok[None, :], other=0.0)
+        v = tl.load(vp, mask=e_ok[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N], raw scores
+    if MASKED:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # log2 domain
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # += [G, N] @ [N, E]
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
+                         E: tl.constexpr, G, split_len, n_splits, qk_scale, BLOCK_G: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
+                         BLOCK_HG: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
     kh = tl.program_id(0)
     split = tl.program_id(1)
     ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # blocks [start, full_end) need no mask
     offs_g = tl.arange(0, BLOCK_G)
     g_ok = offs_g < G
     heads = kh * G + offs_g  # the query heads that read kv head kh
+    offs_n = tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     # [G, E], padded to 16 rows for tl.dot; padding rows are zeros and never stored
@@ -43,77 +118,106 @@ def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, sq_h, sk_k, sk_s, sv_k, sv_s
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_E], tl.float32)
-    for n0 in range(start, end, BLOCK_N):  # empty when this split lies past the context
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
-        kt = tl.load(CK + offs_n[None, :] * sk_s + offs_e[:, None], mask=n_ok[None, :] & e_ok[:, None], other=0.0)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [G, E] @ [E, N] -> [G, N]
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(CV + offs_n[:, None] * sv_s + offs_e[None, :], mask=n_ok[:, None] & e_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [G, N] @ [N, E]
-        m_i = m_new
+    # whole blocks inside the context, then at most one partial block; both loops are empty past the context
+    for n0 in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
+                                False, BLOCK_E == E, DOT_PRECISION)
+    for n0 in range(full_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
+                                True, BLOCK_E == E, DOT_PRECISION)
     row = heads * n_splits + split  # partials laid out [H, splits, (E)]
     tl.store(M + row, m_i, mask=g_ok)
     tl.store(L + row, l_i, mask=g_ok)
     tl.store(ACC + row[:, None] * E + offs_e[None, :], acc, mask=g_ok[:, None] & e_ok[None, :])
+    if FUSED:
+        # The CTA barrier orders every thread's partial stores before the one release-add below (done by one
+        # thread: a scalar atomic), so the program that draws the last ticket has acquired all the partials; its
+        # reads bypass L1. (A per-thread add on a [threads] tensor, tried first, was 1-2 µs slower: 128 adds on
+        # one address per program serialize in L2; sweep of 2026-11-21.)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT + kh, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_splits - 1:
+            _combine_heads(ACC, M, L, O, kh * G, G, so_h, E, n_splits, BLOCK_HG, BLOCK_S, BLOCK_E)
+            tl.store(CNT + kh, 0)  # every other program of this kv head is done: ready for the next launch
 
 
 @triton.jit
 def _decode_reduce_kernel(ACC, M, L, O, so_h, E, n_splits, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
-    h = tl.program_id(0)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < n_splits
-    offs_e = tl.arange(0, BLOCK_E)
-    e_ok = offs_e < E
-    m = tl.load(M + h * n_splits + offs_s, mask=s_ok, other=float("-inf"))  # [splits]
-    l = tl.load(L + h * n_splits + offs_s, mask=s_ok, other=0.0)
-    acc = tl.load(ACC + (h * n_splits + offs_s)[:, None] * E + offs_e[None, :], mask=s_ok[:, None] & e_ok[None, :],
-                  other=0.0)  # [splits, E]
-    w = tl.exp2(m - tl.max(m, axis=0))  # split 0 always holds slot 0, so the max is finite; empty splits weigh 0
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
-    tl.store(O + h * so_h + offs_e, out.to(O.dtype.element_ty), mask=e_ok)
+    _combine_head(ACC, M, L, O, tl.program_id(0), so_h, E, n_splits, BLOCK_S, BLOCK_E)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The fused path's per-kv-head arrival counters (zeros between launches), one buffer per device. None while
+    a CUDA graph is being captured and none exists yet: a zero-fill captured into a graph would not run before
+    the graph's first replay (the engine warms up before capturing, so this is only a guard)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def default_split_len(max_len: int, block_n: int = 64) -> int:
-    """At most 64 splits (64 × 8 kv heads = 512 programs, ~4 per SM on 132 SMs) and at least one block each."""
-    per_split = triton.cdiv(max_len, 64)
+    """16 splits up to 16k slots, 32 beyond (8 kv heads: 128 or 256 programs, one or two per SM), at least one
+    block each. Sweep on an H200 (2026-11-21, full caches, H=32 K=8 E=64): 1k best at 16 splits (5.95 µs; 64
+    splits 15.5), 8k at 16 (9.60 µs; 64 splits 10.2), 32k at 32 (24.25 µs; 64 24.5, 256 27.1): every program
+    pays a fixed start (position, q, pipeline prologue) and the combine reads every split's partials."""
+    per_split = triton.cdiv(max_len, 16 if max_len <= 16384 else 32)
     return max(block_n, triton.cdiv(per_split, block_n) * block_n)
+
+
+def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype) -> dict:
+    """Same sweep: 128-slot blocks where the split allows (8k: 9.60 µs vs 11.00 with 64), 4 warps (8: +5-15%),
+    3 stages (4: within noise); the fused combine (8k: 8.78 µs vs 9.69 with the second kernel; second sweep).
+    fp32 keeps 64-slot blocks: two 128×128 fp32 K/V stages need 272 KB of shared memory (> 227 KB, seen at E=128)."""
+    if not on_gpu:
+        return dict(BLOCK_N=16, num_warps=4, num_stages=3, FUSED=True)
+    wide = dtype != torch.float32 and (split_len is None or split_len >= 128)
+    return dict(BLOCK_N=128 if wide else 64, num_warps=4, num_stages=3, FUSED=True)
 
 
 def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor,
                          out: torch.Tensor | None = None, max_len: int | None = None,
-                         split_len: int | None = None) -> torch.Tensor:
+                         split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
     """q [1, H, E] (or [H, E]; rotated, head rows contiguous), cache_k/cache_v [K, S, E] holding slots 0..pos,
     position [1] int (device): the new token's position -> out shaped like q, in q's dtype.
 
     The grid covers `max_len` slots (default S, the capacity) in splits of `split_len` (a multiple of 16;
-    default `default_split_len(max_len)`); the actual length pos + 1 is read on the device.
+    default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
+    BLOCK_N, num_warps, num_stages and FUSED (combine in the split kernel): for tuning sweeps.
     """
     H, E = q.shape[-2:]
     NK, S, _ = cache_k.shape
     assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     assert position.numel() == 1
     max_len = S if max_len is None else max_len
-    block_n = 64 if q.is_cuda else 16
-    split_len = default_split_len(max_len, block_n) if split_len is None else split_len
-    block_n = min(block_n, split_len)
-    assert split_len % block_n == 0 and block_n >= 16, "split_len must be a multiple of 16"
+    cfg = {**_config(q.is_cuda, split_len, q.dtype), **(config or {})}
+    if split_len is None:
+        split_len = default_split_len(max_len, 64 if q.is_cuda else 16)
+        cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], split_len)
+    assert split_len % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16, "split_len must be a multiple of 16"
     n_splits = triton.cdiv(max_len, split_len)
     G = H // NK
     acc = torch.empty((H, n_splits, E), dtype=torch.float32, device=q.device)
     m = torch.empty((H, n_splits), dtype=torch.float32, device=q.device)
     l = torch.empty((H, n_splits), dtype=torch.float32, device=q.device)
-    block_e = max(16, triton.next_power_of_2(E))
-    _decode_split_kernel[(NK, n_splits)](q, cache_k, cache_v, position, acc, m, l, q.stride(-2), cache_k.stride(0),
-                                         cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), E, G, split_len,
-                                         n_splits, LOG2E / math.sqrt(E), BLOCK_G=max(16, triton.next_power_of_2(G)),
-                                         BLOCK_N=block_n, BLOCK_E=block_e, DOT_PRECISION=dot_precision(q.dtype),
-                                         num_warps=4, num_stages=3)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits,
-                                BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_E=block_e, num_warps=4)
+    cnt = _counters(q.device, NK) if cfg["FUSED"] else None
+    block_e = max(16, triton.next_power_of_2(E))
+    block_s = triton.next_power_of_2(n_splits)
+    _decode_split_kernel[(NK, n_splits)](
+        q, cache_k, cache_v, position, acc, m, l, out, m if cnt is None else cnt, q.stride(-2), cache_k.stride(0),
+        cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
+        LOG2E / math.sqrt(E), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e, BLOCK_S=block_s,
+        BLOCK_HG=triton.next_power_of_2(G), DOT_PRECISION=dot_precision(q.dtype),
+        **{**cfg, "FUSED": cnt is not None})
+    if cnt is None:
+        _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,
+                                    num_warps=4)
     return out

@@ -3,11 +3,13 @@
 The caller has already written this chunk's k/v into the cache; query t (at position positions[t]) attends to
 cache slots 0..positions[t]. Query head h reads kv head h // (H/K) straight from the [K, S, E] cache, so repeated
 K/V are never materialized. Online softmax (running max m, running sum l, unnormalized accumulator) in fp32, in the
-exp2 domain (scores pre-multiplied by log2(e)/sqrt(E): one multiply instead of a multiply and a natural exp).
+exp2 domain: raw scores are scaled by log2(e)/sqrt(E) inside the one FMA that also subtracts the running max.
 
 One program = one block of BLOCK_M queries × one query head. Its key loop has two phases: blocks of keys every
-query of the block may see (no mask: the bulk of a long prefill) and the diagonal blocks (masked per query).
+query of the block may see (no causal mask and no bounds checks: they always lie inside the context — the bulk
+of a long prefill) and the diagonal blocks (masked per query, loads bounded by the block's last visible slot).
 Any T (rows past T are masked), any E up to 128 (padded to a power of two; BLOCK_E >= 16 for tl.dot).
+K/V tiles come either through plain pointers or, on Hopper with USE_DESC, through tensor descriptors (TMA).
 """
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
+try:  # host-side TMA descriptors (triton >= 3.4); absent: the pointer path only
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs: exact IEEE products (the GPU default would be TF32, ~3e-4 relative, far from refimpl);
@@ -27,34 +34,65 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, CK, CV, start, offs_e, e_ok, key_limit, pos, sk_s, sv_s, qk_scale,
-                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    offs_n = start + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < key_limit
-    kt = tl.load(CK + offs_n[None, :] * sk_s + offs_e[:, None], mask=n_ok[None, :] & e_ok[:, None], other=0.0)
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [M, E] @ [E, N] -> [M, N], log2 domain
+def _load_kv(CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit, sk_s, sv_s,
+             MASKED: tl.constexpr, EVEN_E: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_E: tl.constexpr):
+    """K and V tiles [N, E] of keys start..start+N. Unmasked blocks lie inside the context: no bounds checks.
+    Masked (diagonal) blocks may reach past the last written slot, whose contents are arbitrary (NaN in the
+    tests): K there only feeds scores the causal mask discards, but 0 · NaN = NaN in P·V, so V is zeroed."""
+    if USE_DESC:
+        k = DK.load([kh, start, 0]).reshape(BLOCK_N, BLOCK_E)
+        v = DV.load([kh, start, 0]).reshape(BLOCK_N, BLOCK_E)
+        if MASKED:
+            v = tl.where((start + offs_n < key_limit)[:, None], v, 0.0)
+    else:
+        kp = CK + (start + offs_n)[:, None] * sk_s + offs_e[None, :]
+        vp = CV + (start + offs_n)[:, None] * sv_s + offs_e[None, :]
+        if MASKED:
+            ok = (start + offs_n < key_limit)[:, None] & e_ok[None, :]
+            k = tl.load(kp, mask=ok, other=0.0)
+            v = tl.load(vp, mask=ok, other=0.0)
+        elif EVEN_E:
+            k = tl.load(kp)
+            v = tl.load(vp)
+        else:
+            k = tl.load(kp, mask=e_ok[None, :], other=0.0)
+            v = tl.load(vp, mask=e_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit, pos, sk_s, sv_s,
+                  qk_scale, MASKED: tl.constexpr, EVEN_E: tl.constexpr, USE_DESC: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    k, v = _load_kv(CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit, sk_s, sv_s, MASKED, EVEN_E,
+                    USE_DESC, BLOCK_N, BLOCK_E)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, E] @ [E, N] -> [M, N], raw scores
     if MASKED:
-        s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))  # causal by absolute position
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        s = tl.where((start + offs_n)[None, :] <= pos[:, None], s, float("-inf"))  # causal by absolute position
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # log2 domain (qk_scale > 0 commutes with max)
+    p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score, then the exp2
     alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max (0 on the first block)
-    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(CV + offs_n[:, None] * sv_s + offs_e[None, :], mask=n_ok[:, None] & e_ok[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [M, N] @ [N, E]
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # += [M, N] @ [N, E], in place
     return acc, m_new, l_i
 
 
 @triton.jit
-def _flash_fwd_kernel(Q, CK, CV, POS, O, sq_t, sq_h, sk_k, sk_s, sv_k, sv_s, so_t, so_h, T, E, G, qk_scale,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    h = tl.program_id(1)
+def _flash_fwd_kernel(Q, CK, CV, DK, DV, POS, O, sq_t, sq_h, sk_k, sk_s, sv_k, sv_s, so_t, so_h, T,
+                      E: tl.constexpr, G, n_mblocks, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_E: tl.constexpr,
+                      USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # heads vary fastest and query blocks run last-first: under the causal mask the last blocks have the most
+    # keys, so the whole launch schedules longest-first across all heads and the tail wave is short
+    h = tl.program_id(0)
     kh = h // G  # native GQA: this query head's kv head
-    # last query blocks first: under the causal mask they have the most keys, and starting them early evens out
-    # the tail of the launch
-    offs_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = (n_mblocks - 1 - tl.program_id(1)) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < T
+    offs_n = tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
+    EVEN_E: tl.constexpr = BLOCK_E == E
     e_ok = offs_e < E
     pos = tl.load(POS + offs_m, mask=row_ok, other=0).to(tl.int32)  # [M]
     q = tl.load(Q + offs_m[:, None] * sq_t + h * sq_h + offs_e[None, :], mask=row_ok[:, None] & e_ok[None, :],
@@ -69,50 +107,79 @@ def _flash_fwd_kernel(Q, CK, CV, POS, O, sq_t, sq_h, sk_k, sk_s, sv_k, sv_s, so_
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     for start in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, CK, CV, start, offs_e, e_ok, key_limit, pos, sk_s, sv_s,
-                                      qk_scale, False, BLOCK_N, DOT_PRECISION)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit,
+                                      pos, sk_s, sv_s, qk_scale, False, EVEN_E, USE_DESC, BLOCK_N, BLOCK_E,
+                                      DOT_PRECISION)
     for start in range(full_end, key_limit, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, CK, CV, start, offs_e, e_ok, key_limit, pos, sk_s, sv_s,
-                                      qk_scale, True, BLOCK_N, DOT_PRECISION)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit,
+                                      pos, sk_s, sv_s, qk_scale, True, EVEN_E, USE_DESC, BLOCK_N, BLOCK_E,
+                                      DOT_PRECISION)
     out = acc / l_i[:, None]  # every row sees key 0, so l_i >= 1
     tl.store(O + offs_m[:, None] * so_t + h * so_h + offs_e[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & e_ok[None, :])
 
 
 def _config(T: int, E: int, dtype: torch.dtype, on_gpu: bool) -> dict:
-    """Tile sizes, from a sweep on an H200 (2026-11-21, bf16, causal, 8 kv heads, vs SDPA's flash backend):
-    E=64, T=8192: 128×64 tiles with 8 warps ran 717 µs (0.88× SDPA's 629), with 4 warps 800 µs; E=128, T=8192:
-    128×128 tiles with 8 warps 896 µs (0.84× SDPA's 749), 128×64 937 µs; 3 stages beat 2 (918 / 1014 µs).
-    fp32 halves the tiles to stay under the 227 KB of shared memory. Small T (and the interpreter) get small
-    blocks, and smaller key blocks with them."""
+    """Tile sizes, from the sweep of tools/attn_sweep.py on an H200 (2026-11-21, triton 3.6, bf16, causal, 8 kv
+    heads, T=8192; accel/NOTES.md v3, SDPA 627 µs at E=64 H=32 and 688 µs at E=128 H=24):
+    E=64: 64×64 tiles, 4 warps, 3 stages 583 µs (128×64 / 8 warps 594, 128×128 772; TMA 607: no gain here);
+    E=128: 128×128, 8 warps, 3 stages with TMA descriptors 719 µs (without TMA 827; 128×64 797-814; 4 stages of
+    128×128 exceed the 227 KB of shared memory). Where descriptors are unusable E=128 takes 128×64 (814 µs).
+    fp32 halves the tiles to stay under the shared memory. Small T (and the interpreter) get small blocks."""
     if not on_gpu:
-        block_m, block_n = 32, 32
-    elif dtype == torch.float32:
-        block_m, block_n = 64, 32
-    else:
-        block_m, block_n = 128, 64
-    block_m = max(16, min(block_m, triton.next_power_of_2(T)))
-    if on_gpu and dtype != torch.float32 and block_m == 128:
-        block_n = 128 if E > 64 else 64
-    num_warps = 8 if (on_gpu and dtype != torch.float32 and block_m == 128) else 4
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-                num_stages=2 if dtype == torch.float32 else 3)
+        return dict(BLOCK_M=max(16, min(32, triton.next_power_of_2(T))), BLOCK_N=32, num_warps=4, num_stages=3,
+                    USE_DESC=False)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=max(16, min(64, triton.next_power_of_2(T))), BLOCK_N=32, num_warps=4, num_stages=2,
+                    USE_DESC=False)
+    if E <= 64:
+        return dict(BLOCK_M=max(16, min(64, triton.next_power_of_2(T))), BLOCK_N=64, num_warps=4, num_stages=3,
+                    USE_DESC=False)
+    block_m = max(16, min(128, triton.next_power_of_2(T)))
+    return dict(BLOCK_M=block_m, BLOCK_N=128 if block_m == 128 else 64, num_warps=8 if block_m == 128 else 4,
+                num_stages=3, USE_DESC=block_m == 128)
+
+
+def _tma_fallback(cfg: dict) -> dict:
+    """The pointer path's tiles when a TMA config cannot get its descriptors (E=128: 128×64 beat 128×128)."""
+    return {**cfg, "BLOCK_N": 64} if cfg["BLOCK_M"] == 128 and cfg["num_warps"] == 8 else cfg
+
+
+def _descriptors(cache_k, cache_v, block_n: int, block_e: int, use: bool):
+    """TMA descriptors over the [K, S, E] caches (tiles [1, BLOCK_N, BLOCK_E]); None where not usable:
+    no host descriptors in this triton, not on CUDA sm_90+, or strides/base not 16-byte aligned."""
+    if not (use and TensorDescriptor is not None and cache_k.is_cuda and torch.cuda.get_device_capability(
+            cache_k.device)[0] >= 9 and block_e == cache_k.shape[2]):
+        return None
+    try:
+        return tuple(TensorDescriptor(c, list(c.shape), list(c.stride()), [1, block_n, block_e])
+                     for c in (cache_k, cache_v))
+    except AssertionError:  # alignment: fall back to pointers
+        return None
 
 
 def flash_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
                         out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """q [T, H, E] (rotated; head rows contiguous), cache_k/cache_v [K, S, E] already holding slots
     0..max(positions), positions [T] int (device) -> out [T, H, E] in q's dtype. No host synchronization.
-    `config` overrides the tile sizes of `_config` (BLOCK_M, BLOCK_N, num_warps, num_stages): for tuning sweeps."""
+    `config` overrides the tile sizes of `_config` (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_DESC): for
+    tuning sweeps."""
     T, H, E = q.shape
     NK, S, _ = cache_k.shape
     assert H % NK == 0 and E <= 128 and q.stride(2) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     assert positions.shape == (T,)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     cfg = {**_config(T, E, q.dtype, q.is_cuda), **(config or {})}
-    grid = (triton.cdiv(T, cfg["BLOCK_M"]), H)
-    _flash_fwd_kernel[grid](q, cache_k, cache_v, positions, out, q.stride(0), q.stride(1), cache_k.stride(0),
-                            cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(0), out.stride(1),
-                            T, E, H // NK, LOG2E / math.sqrt(E), BLOCK_E=max(16, triton.next_power_of_2(E)),
-                            DOT_PRECISION=dot_precision(q.dtype), **cfg)
+    block_e = max(16, triton.next_power_of_2(E))
+    use_desc = cfg.pop("USE_DESC")
+    descs = _descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
+    if use_desc and descs is None and config is None:
+        cfg = _tma_fallback(cfg)
+    dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
+    n_mblocks = triton.cdiv(T, cfg["BLOCK_M"])
+    _flash_fwd_kernel[(H, n_mblocks)](q, cache_k, cache_v, dk, dv, positions, out, q.stride(0), q.stride(1),
+                                      cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1),
+                                      out.stride(0), out.stride(1), T, E, H // NK,
+                                      n_mblocks, LOG2E / math.sqrt(E), BLOCK_E=block_e, USE_DESC=descs is not None,
+                                      DOT_PRECISION=dot_precision(q.dtype), **cfg)
     return out
