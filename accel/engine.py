@@ -100,8 +100,11 @@ class Decoder:
         dev = engine.device
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.position = torch.zeros(1, dtype=torch.int64, device=dev)  # slot 0: harmless before the prefill
-        self._fn = lambda: fast.decode_step(engine.kernels, engine.weights, engine.config, self.token,
-                                            self.position, cache.tables, cache.k_all, cache.v_all)
+        # the closure holds what the step reads, not the engine or self: a reference cycle (engine -> session ->
+        # decoder -> closure -> engine) kept dropped engines' weights alive until the next gc pass (NOTES.md: the
+        # bench's "2.2x the weights" of peak memory were two such engines left by its profiles)
+        ks, w, cfg, token, position = engine.kernels, engine.weights, engine.config, self.token, self.position
+        self._fn = lambda: fast.decode_step(ks, w, cfg, token, position, cache.tables, cache.k_all, cache.v_all)
         self.graph = None
         if use_graph:
             stream = torch.cuda.Stream(dev)

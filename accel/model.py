@@ -5,7 +5,9 @@ Same computation as `refimpl.model.forward` (the trace mode runs that one over `
     * RoPE fused into the KV-cache write (k is rotated straight into the cache slot, v copied beside it);
     * prefill attends with the flash-attention kernel over the fresh k/v; decode with the split-sequence decode
       kernel over the cache, its context length a device tensor so that one CUDA graph serves every position;
-    * decode reads cos/sin rows from tables precomputed for the whole cache and indexes them on the device.
+    * decode reads cos/sin rows from tables precomputed for the whole cache and indexes them on the device;
+    * decode's projections are Triton GEMVs (accel/kernels/gemv.py) with the RMSNorm, SwiGLU and residual add
+      folded in: 7 launches a layer instead of 11 (cuBLAS's M=1 kernel left 2/3 of the SMs idle on qkv/o).
 Nothing here yields, syncs with the host, or allocates a size that depends on the position: `decode_step` is
 what the engine captures in a CUDA graph.
 
@@ -27,6 +29,7 @@ from . import ops
 from .kernels.decode_attn import decode_attention_fwd
 from .kernels.embedding import embedding_fwd
 from .kernels.flash_attn import flash_attention_fwd
+from .kernels.gemv import gemv_fwd
 from .kernels.rms_norm import add_rms_norm_fwd, rms_norm_fwd
 from .kernels.rope import rope_kv_write_fwd
 from .kernels.swiglu import swiglu_gate_up_fwd
@@ -45,6 +48,43 @@ def torch_rms_norm(x, weight, eps):
 def torch_add_rms_norm(x, residual, weight, eps):
     s = x + residual  # rounded to the activation dtype, as the unfused model does
     return s, torch_rms_norm(s, weight, eps)
+
+
+def torch_norm_linear(x, norm_weight, weight, eps):
+    return F.linear(torch_rms_norm(x, norm_weight, eps), weight)  # [1, D] -> [1, N]
+
+
+def torch_linear_add(a, weight, residual):
+    """residual += a @ weightᵀ, in place; the product is rounded to the dtype before the add, as x + o is."""
+    return residual.add_(F.linear(a, weight))
+
+
+def torch_swiglu_linear_add(gate_up, weight, residual):
+    return residual.add_(F.linear(torch_swiglu_gate_up(gate_up), weight))
+
+
+# (N, K) weight shapes where cuBLAS beat the Triton GEMV in the decode step: these run the unfused path (norm
+# kernel + F.linear, F.linear + add) instead. gate_up of 1B and 3B: rms_norm + cuBLAS 21.22 / 29.07 µs against the
+# best fused GEMV's 22.38 / 31.37 (nvidia-h200, 2026-11-21, accel.gemv_sweep; accel/NOTES.md v3b).
+CUBLAS_SHAPES: set[tuple[int, int]] = {(16384, 2048), (16384, 3072)}
+
+
+def triton_norm_linear(x, norm_weight, weight, eps):
+    if tuple(weight.shape) in CUBLAS_SHAPES:
+        return F.linear(rms_norm_fwd(x, norm_weight, eps), weight)
+    return gemv_fwd(weight, x, norm_weight=norm_weight, eps=eps)
+
+
+def triton_linear_add(a, weight, residual):
+    if tuple(weight.shape) in CUBLAS_SHAPES:
+        return residual.add_(F.linear(a, weight))
+    return gemv_fwd(weight, a, residual=residual, out=residual)
+
+
+def triton_swiglu_linear_add(gate_up, weight, residual):
+    if tuple(weight.shape) in CUBLAS_SHAPES:
+        return residual.add_(F.linear(swiglu_gate_up_fwd(gate_up), weight))
+    return gemv_fwd(weight, gate_up, swiglu=True, residual=residual, out=residual)
 
 
 def _rotate(x, cos, sin):
@@ -102,10 +142,14 @@ class Kernels:
             self.embedding, self.rms_norm, self.add_rms_norm = embedding_fwd, rms_norm_fwd, add_rms_norm_fwd
             self.rope_kv_write, self.swiglu_gate_up = rope_kv_write_fwd, swiglu_gate_up_fwd
             self.flash_attn, self.decode_attn = flash_attention_fwd, decode_attention_fwd
+            self.norm_linear, self.linear_add = triton_norm_linear, triton_linear_add
+            self.swiglu_linear_add = triton_swiglu_linear_add
         else:
             self.embedding, self.rms_norm, self.add_rms_norm = F.embedding, torch_rms_norm, torch_add_rms_norm
             self.rope_kv_write, self.swiglu_gate_up = torch_rope_kv_write, torch_swiglu_gate_up
             self.flash_attn, self.decode_attn = torch_flash_attn, torch_decode_attn
+            self.norm_linear, self.linear_add = torch_norm_linear, torch_linear_add
+            self.swiglu_linear_add = torch_swiglu_linear_add
 
     def describe(self) -> str:
         return "triton kernels" if self.triton else "torch ops (no triton)"
@@ -190,13 +234,30 @@ def prefill(ks: Kernels, w: Weights, cfg: LlamaConfig, ids, tables: RopeTables, 
     return F.linear(h[-1:], w.lm_head)  # [1, D] -> [1, V]: only the next token's logits
 
 
+def _decode_layers(ks: Kernels, w: Weights, cfg: LlamaConfig, x, cos, sin, cache_k, cache_v, position):
+    """The decoder layers for one token, x [1, D] (updated in place) -> final_norm(x) [1, D].
+
+    Same values as `_layers` (the same roundings in the same order), with the GEMVs carrying the neighbours:
+    attn/mlp RMSNorm in the qkv/gate_up prologue, SwiGLU in down's prologue, the residual adds in o/down's epilogue.
+    """
+    eps = cfg.rms_norm_eps
+    H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    for i, lw in enumerate(w.layers):
+        qkv = ks.norm_linear(x, lw.attn_norm, lw.qkv, eps)  # [1, D] -> [1, (H+2K)·E]
+        q = qkv[:, : H * E].view(1, H, E)
+        k = qkv[:, H * E: (H + K) * E].view(1, K, E)
+        v = qkv[:, (H + K) * E:].view(1, K, E)
+        q_rot = ks.rope_kv_write(q, k, v, cos, sin, cache_k[i], cache_v[i], position)  # k_rot, v -> cache
+        a = ks.decode_attn(q_rot, cache_k[i], cache_v[i], position)  # [1, H, E] over slots 0..position
+        ks.linear_add(a.reshape(1, H * E), lw.o, x)  # x += o(a): resid_mid
+        gate_up = ks.norm_linear(x, lw.mlp_norm, lw.gate_up, eps)  # [1, D] -> [1, 2F]
+        ks.swiglu_linear_add(gate_up, lw.down, x)  # x += down(silu(gate)·up): resid_post
+    return ks.rms_norm(x, w.norm, eps)
+
+
 def decode_step(ks: Kernels, w: Weights, cfg: LlamaConfig, token, position, tables: RopeTables, cache_k, cache_v):
     """token [1] int, position [1] int (both on the device) -> logits [1, V]. Capturable in a CUDA graph."""
-    x = ks.embedding(token, w.embed)  # [1, D]
+    x = ks.embedding(token, w.embed)  # [1, D], a fresh buffer: the layers update it in place
     cos, sin = tables.cos.index_select(0, position), tables.sin.index_select(0, position)  # [1, E/2]
-
-    def attend(i, q_rot):  # slots 0..position; the kernel reads the length from the device tensor
-        return ks.decode_attn(q_rot, cache_k[i], cache_v[i], position)
-
-    h = _layers(ks, w, cfg, x, cos, sin, cache_k, cache_v, position, attend)
-    return F.linear(h, w.lm_head)  # [1, D] -> [1, V]
+    h = _decode_layers(ks, w, cfg, x, cos, sin, cache_k, cache_v, position)
+    return F.linear(h, w.lm_head)  # [1, D] -> [1, V]: cuBLAS already streams the lm_head at 4.3-4.4 TB/s

@@ -205,3 +205,44 @@ def test_lora_merge(R_):
     want_bf = R.lora_merge(t(w).bfloat16().float().numpy(), t(a).bfloat16().float().numpy(),
                            t(b).bfloat16().float().numpy(), 2.0)
     torch.testing.assert_close(got, t(want_bf).bfloat16(), atol=0, rtol=0)
+
+
+# ---- the decode GEMV (accel/kernels/gemv.py) with each fusion, against a torch composition of the unfused ops ----
+
+@pytest.mark.parametrize("N,K", [(37, 53), (67, 200)])  # neither a multiple of any block
+# default; persistent (3 programs over 10 or 17 row blocks) with K and N tails; one program a block, one K chunk
+@pytest.mark.parametrize("config", [None, (4, 32, 4, 3), (16, 64, 4, None)])
+def test_gemv_fusions_match_the_unfused_ops(N, K, config):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors reach the kernel only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
+    import torch.nn.functional as F
+
+    from accel.kernels.gemv import gemv_fwd
+    from accel.model import torch_rms_norm, torch_swiglu_gate_up
+    rng = rng_for("gemv", N, K, config)
+    w, x, nw = t(randn(rng, N, K)), t(randn(rng, 1, K) * 3), t(randn(rng, K))
+    gate_up, r = t(randn(rng, 1, 2 * K) * 3), t(randn(rng, 1, N))
+    # fp32 throughout; the two sides differ only in summation order over K <= 200 (values ~ 10-50)
+    tol = dict(atol=1e-4, rtol=1e-5)
+    close(gemv_fwd(w, x, config=config), F.linear(x, w).numpy(), "gemv", **tol)
+    close(gemv_fwd(w, x, norm_weight=nw, eps=1e-5, config=config),
+          F.linear(torch_rms_norm(x, nw, 1e-5), w).numpy(), "gemv rms_norm prologue", **tol)
+    close(gemv_fwd(w, gate_up, swiglu=True, config=config),
+          F.linear(torch_swiglu_gate_up(gate_up), w).numpy(), "gemv swiglu prologue", **tol)
+    resid = r.clone()
+    got = gemv_fwd(w, gate_up, swiglu=True, residual=resid, out=resid, config=config)  # in place, as decode does
+    assert got is resid
+    close(resid, (r + F.linear(torch_swiglu_gate_up(gate_up), w)).numpy(), "gemv swiglu + residual", **tol)
+
+
+def test_gemv_config_fills_the_gpu_at_llama_shapes():
+    """At the Llama 3.2 shapes on 132 SMs (the measured table, or the rule): at least one program an SM, never
+    more programs than row blocks, no K tail (unmasked 16-byte loads), and every warp along K (BLOCK_K = 8 bf16
+    × 32 lanes × warps), the layout in which f(x) needs no shared-memory conversion."""
+    from accel.kernels.gemv import gemv_config
+    for N, K in [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),
+                 (5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]:
+        bn, bk, warps, progs = gemv_config(N, K, 132)
+        blocks = -(-N // bn)
+        progs = blocks if progs is None else progs
+        assert 132 <= progs <= blocks and K % bk == 0 and bk == 256 * warps, (N, K, bn, bk, warps, progs)

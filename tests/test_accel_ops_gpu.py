@@ -166,3 +166,75 @@ def test_lora_merge(dtype):
     b, bn = draw(52, 2048, 16, dtype=dtype)
     check("lora_merge", A.lora_merge(w, a, b, 2.0), R.lora_merge(wn, an, bn, 2.0),
           dict(atol=1e-4, rtol=1e-5, rel=1e-5) if dtype == torch.float32 else TOL[dtype])
+
+
+# ---- the decode GEMV at the Llama 3.2 shapes (1B and 3B: qkv, o, gate_up, down) with the fusion each one runs ----
+GEMV_SHAPES = [(3072, 2048, "norm"), (2048, 2048, "residual"), (16384, 2048, "norm"), (2048, 8192, "swiglu"),
+               (5120, 3072, "norm"), (3072, 3072, "residual"), (16384, 3072, "norm"), (3072, 8192, "swiglu")]
+GEMV_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4, rel=1e-5),  # fp32 sums over K <= 8192 terms
+            torch.bfloat16: TOL[torch.bfloat16]}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,fusion", GEMV_SHAPES)
+def test_gemv_at_llama_shapes(dtype, N, K, fusion):
+    """Oracle: f(x) by the unfused torch ops in the same dtype (the same roundings), then a float64 product;
+    with the residual the product is rounded to the dtype before the add, as the unfused model does."""
+    from accel.kernels.gemv import gemv_fwd
+    from accel.model import torch_rms_norm, torch_swiglu_gate_up
+    w, _ = draw(60, N, K, dtype=dtype, scale=K ** -0.5)  # outputs O(1)
+    x, _ = draw(61, 1, 2 * K if fusion == "swiglu" else K, dtype=dtype, scale=3.0)
+    nw, _ = draw(62, K, dtype=dtype)
+    r, _ = draw(63, 1, N, dtype=dtype)
+    if fusion == "norm":
+        got, fx = gemv_fwd(w, x, norm_weight=nw, eps=1e-5), torch_rms_norm(x, nw, 1e-5)
+    elif fusion == "swiglu":
+        out = r.clone()
+        got, fx = gemv_fwd(w, x, swiglu=True, residual=out, out=out), torch_swiglu_gate_up(x)
+    else:
+        out = r.clone()
+        got, fx = gemv_fwd(w, x, residual=out, out=out), x
+    want = fx.double() @ w.double().T  # [1, K] @ [K, N] -> [1, N]
+    if fusion != "norm":
+        want = want.to(dtype).double() + r.double()
+    check(f"gemv.{fusion}", got, want, GEMV_TOL[dtype])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("S", [4096, 32768])
+def test_decode_attention_combine_paths_repeated(fused, S):
+    """Both combine paths, 20 launches in a row on fresh queries and positions (a race in the fused path's
+    last-program combine would show as a wrong or moving result), bf16 at the 1B's heads."""
+    from accel.kernels.decode_attn import decode_attention_fwd
+    H, K, E = 32, 8, 64
+    cache_k, _ = draw(60, K, S, E, dtype=torch.bfloat16)
+    cache_v, _ = draw(61, K, S, E, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(S)
+    for i in range(20):
+        p = int(torch.randint(0, S, (1,), generator=g))
+        q, _ = draw(62 + i, 1, H, E, dtype=torch.bfloat16)
+        position = torch.tensor([p], device="cuda")
+        out = torch.full_like(q, float("nan"))
+        decode_attention_fwd(q, cache_k, cache_v, position, out=out, config=dict(FUSED=fused))
+        check(f"decode fused={fused} @{p}/{S}", out, attention64(q, cache_k, cache_v, position),
+              ATTN_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("use_desc", [False, True])
+def test_flash_attention_e128_pointer_and_tma(use_desc):
+    """The 3B's E=128 runs through TMA descriptors by default on Hopper; the pointer path (elsewhere) must agree."""
+    from accel.kernels.flash_attn import flash_attention_fwd
+    H, K, E, T, S = 24, 8, 128, 1000, 2048
+    cache_k = torch.full((K, S, E), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cache_v = cache_k.clone()
+    k, _ = draw(70, K, T, E, dtype=torch.bfloat16)
+    v, _ = draw(71, K, T, E, dtype=torch.bfloat16)
+    cache_k[:, 500:500 + T], cache_v[:, 500:500 + T] = k, v
+    cache_k[:, :500], cache_v[:, :500] = draw(72, K, 500, E, dtype=torch.bfloat16)[0], draw(73, K, 500, E,
+                                                                                          dtype=torch.bfloat16)[0]
+    q, _ = draw(74, T, H, E, dtype=torch.bfloat16)
+    positions = torch.arange(500, 500 + T, device="cuda")
+    got = flash_attention_fwd(q, cache_k, cache_v, positions,
+                              config=dict(BLOCK_M=128, BLOCK_N=128 if use_desc else 64, num_warps=8, num_stages=3,
+                                          USE_DESC=use_desc))
+    check(f"flash E=128 desc={use_desc}", got, attention64(q, cache_k, cache_v, positions), ATTN_TOL[torch.bfloat16])
