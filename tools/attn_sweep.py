@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from accel.kernels.decode_attn import decode_attention_fwd, default_split_len
+from accel import timing
 from accel.kernels.flash_attn import flash_attention_fwd
 
 T0 = time.time()
@@ -33,27 +34,14 @@ DTYPE = torch.bfloat16  # float32 in the CPU smoke test: the interpreter mis-com
 
 
 def device_ms(fn, reps: int = 20) -> float:
-    """accel.bench.device_ms, copied so this script does not import the engine: calls queued behind a spin
-    kernel (long enough to cover queueing `reps` calls at <= 50 µs each), events around them, median of 3 —
-    GPU time without the host's launch cost. On CPU (a smoke test of this script): wall time."""
+    """accel.timing.device_ms, with a spin long enough to cover queueing `reps` calls at <= 50 µs each (~1.9 GHz:
+    100k cycles a call). On CPU (a smoke test of this script): wall time."""
     fn()
     if DEV != "cuda":
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    sleep_cycles = max(10_000_000, reps * 100_000)  # ~1.9 GHz: 5 ms, or 50 µs a call
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(sleep_cycles)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return sorted(times)[1]
+    return timing.device_ms(fn, reps, sleep_cycles=max(10_000_000, reps * 100_000))
 
 
 def rel_err(got, ref) -> float:
