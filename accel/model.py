@@ -64,9 +64,10 @@ def torch_swiglu_linear_add(gate_up, weight, residual):
 
 
 # (N, K) weight shapes where cuBLAS beat the Triton GEMV in the decode step: these run the unfused path (norm
-# kernel + F.linear, F.linear + add) instead. gate_up of 1B and 3B: rms_norm + cuBLAS 21.22 / 29.07 µs against the
-# best fused GEMV's 22.38 / 31.37 (nvidia-h200, 2026-11-21, accel.gemv_sweep; accel/NOTES.md v3b).
-CUBLAS_SHAPES: set[tuple[int, int]] = {(16384, 2048), (16384, 3072)}
+# kernel + F.linear, F.linear + add) instead. 3B gate_up: rms_norm + cuBLAS 29.24 µs against the best fused GEMV's
+# 30.66; 1B gate_up moved to the split-K GEMV (19.82 vs 21.71) (nvidia-h200, 2026-11-21, accel.gemv_sweep;
+# accel/NOTES.md v3c).
+CUBLAS_SHAPES: set[tuple[int, int]] = {(16384, 3072)}
 
 
 def triton_norm_linear(x, norm_weight, weight, eps):

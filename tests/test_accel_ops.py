@@ -210,8 +210,10 @@ def test_lora_merge(R_):
 # ---- the decode GEMV (accel/kernels/gemv.py) with each fusion, against a torch composition of the unfused ops ----
 
 @pytest.mark.parametrize("N,K", [(37, 53), (67, 200)])  # neither a multiple of any block
-# default; persistent (3 programs over 10 or 17 row blocks) with K and N tails; one program a block, one K chunk
-@pytest.mark.parametrize("config", [None, (4, 32, 4, 3), (16, 64, 4, None)])
+# default; persistent (3 programs over 10 or 17 row blocks) with K and N tails; one program a block, one K chunk;
+# split-K over 2 or 4 (K 53: 2 with a tail) and 7 slices with the last-ticket reduce; split with one slice
+@pytest.mark.parametrize("config", [None, ("persist", 4, 32, 4, 3), ("persist", 16, 64, 4, None),
+                                    ("split", 16, 32, 4), ("split", 8, 32, 4, None, True), ("split", 64, 256, 4)])
 def test_gemv_fusions_match_the_unfused_ops(N, K, config):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors reach the kernel only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
@@ -237,12 +239,15 @@ def test_gemv_fusions_match_the_unfused_ops(N, K, config):
 
 def test_gemv_config_fills_the_gpu_at_llama_shapes():
     """At the Llama 3.2 shapes on 132 SMs (the measured table, or the rule): at least one program an SM, never
-    more programs than row blocks, no K tail (unmasked 16-byte loads), and every warp along K (BLOCK_K = 8 bf16
-    × 32 lanes × warps), the layout in which f(x) needs no shared-memory conversion."""
+    more programs than row blocks, no K tail (unmasked 16-byte loads); the persistent kernel with every warp
+    along K (BLOCK_K = 8 bf16 × 32 lanes × warps), the layout in which f(x) needs no shared-memory conversion
+    in its loop."""
     from accel.kernels.gemv import gemv_config
     for N, K in [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),
                  (5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]:
-        bn, bk, warps, progs = gemv_config(N, K, 132)
-        blocks = -(-N // bn)
-        progs = blocks if progs is None else progs
-        assert 132 <= progs <= blocks and K % bk == 0 and bk == 256 * warps, (N, K, bn, bk, warps, progs)
+        cfg = gemv_config(N, K, 132)
+        blocks = -(-N // cfg.block_n)
+        progs = blocks * (K // cfg.block_k) if cfg.kind == "split" else cfg.programs or blocks
+        assert 132 <= progs and K % cfg.block_k == 0, (N, K, cfg)
+        if cfg.kind == "persist":
+            assert progs <= blocks and cfg.block_k == 256 * cfg.warps, (N, K, cfg)

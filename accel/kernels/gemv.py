@@ -2,19 +2,27 @@
 
 Why not cuBLAS: its M=1 kernel tiles 64 rows per CTA, so the 1B qkv/o shapes (N = 3072/2048) run on 48/32 CTAs
 of 132 SMs at 2.2 TB/s, and down (K = 8192) needs a split-K reduce launch (nvidia-h200, 2026-11-21, NOTES.md).
-Here the rows are cut into blocks of BLOCK_N whole rows (no reduction across programs), dealt evenly to a
-persistent grid of at most the programs that fit on the GPU at once (gemv_config says why); the decode step is
-launch-bound too, so the neighbouring elementwise ops fold into the GEMV:
+Two kernels, chosen per shape by TABLE (GemvConfig.kind):
+    split    grid (row blocks, K slices): each program multiplies ONE [BLOCK_N, BLOCK_K] tile, all its weight
+             loads issued at once, f(x) computed once; partials of several slices are summed in slice order by
+             the row block's last program to arrive (deterministic). Faster on 1B's four shapes and 3B's down
+             (v3c: 2.8-3.5 TB/s where the persistent kernel reached 1.7-2.9);
+    persist  row blocks of BLOCK_N whole rows dealt evenly to a persistent grid, two tiles in flight a program
+             (still faster on 3B's qkv/o, K = 3072).
+Either may be launched with programmatic dependent launch (GemvConfig.pdl; off in TABLE: NOTES.md v3c).
+The decode step is launch-bound too, so the neighbouring elementwise ops fold into the GEMV:
     PROLOGUE_NORM    f(x) = rms_norm(x, norm_weight, eps), HF's cast order (accel/kernels/rms_norm.py): every
                      program computes the rms of the 4-6 KB vector from L2, cheaper than a launch (~2.3 µs);
     PROLOGUE_SWIGLU  x = [gate | up] (the fused gate_up output, 2K long), f(x) = silu(gate)·up rounded as
                      accel/kernels/swiglu.py rounds it;
     residual         y = residual + round(W @ f(x)): the GEMV result is rounded to the dtype first, as the unfused
-                     `F.linear` then `x + r` does. `out` may be `residual` (each program reads its rows first).
+                     `F.linear` then `x + r` does. `out` may be `residual` (one program reads and writes a row).
 """
 from __future__ import annotations
 
 import functools
+import json
+from typing import NamedTuple
 
 import torch
 import triton
@@ -53,8 +61,72 @@ def _fx(X, NW, k0, cols, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _pdl_wait():
+    """Programmatic dependent launch (Hopper): a kernel launched with launch_pdl may start while the previous
+    kernel of the stream still runs; everything it does before this wait must not touch memory that kernel writes
+    or reads (here: only weight loads). The wait returns once the previous kernel has completed and its writes are
+    visible; launching our own dependents early lets the next GEMV stream its weights during our tail."""
+    tl.extra.cuda.gdc_launch_dependents()
+    tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _epilogue(acc, R, Y, rows, N, HAS_RESIDUAL: tl.constexpr):
+    if HAS_RESIDUAL:  # round the product first, as the unfused F.linear then `x + r` does
+        r = tl.load(R + tl.minimum(rows, N - 1))
+        acc = acc.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+    tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl.constexpr,
+                       HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       EVEN_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row block b, K slice s) multiplies ONE tile W[b·BN : (b+1)·BN, s·BK : (s+1)·BK] by f(x)'s slice:
+    no loop, so every weight load of the program is issued at once (the persistent kernel kept only two tiles,
+    32 KB, in flight a program and reached 1.7-2.9 TB/s), and f(x) is computed once a program. With SPLIT_K > 1
+    the fp32 partials go to P [SPLIT_K, N]; the program that draws the row block's last ticket sums them in
+    slice order (bitwise the same whoever arrives last), applies the epilogue and re-arms the counter."""
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    k0 = s * BLOCK_K
+    # rows past N re-read row N-1 (the stores are masked): weight loads stay unmasked 16-byte vectors
+    ptrs = W + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_w + k0 + cols[None, :]
+    if EVEN_K:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=k0 + cols[None, :] < K, other=0.0)
+    if USE_PDL:
+        _pdl_wait()
+    rstd = 0.0
+    if PROLOGUE == 1:  # the rms of the whole x in one round of loads (K <= 8192: <= 32 values a thread)
+        kk = tl.arange(0, K_POW2)
+        xs = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+    x = _fx(X, NW, k0, cols, K, rstd, PROLOGUE, EVEN_K)
+    part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_N]
+    if SPLIT_K == 1:
+        _epilogue(part, R, Y, rows, N, HAS_RESIDUAL)
+    else:
+        tl.store(P + s * N + rows, part, mask=rows < N)
+        # the CTA barrier orders every thread's partial stores before the one acq_rel add (a scalar atomic, one
+        # thread): the last program to arrive has acquired all partials (the pattern of accel/kernels/decode_attn)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT + b, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in range(0, SPLIT_K):
+                acc += tl.load(P + j * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, R, Y, rows, N, HAS_RESIDUAL)
+            tl.store(CNT + b, 0)  # every program of this row block has arrived: ready for the next launch
+
+
+@triton.jit
 def _gemv_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """Persistent: program p owns row blocks p, p + P, p + 2P, ... (P programs) and streams their tiles
     [BLOCK_N, BLOCK_K] as one flat sequence i = (block, K chunk), the next tile always in flight."""
     pid = tl.program_id(0)
@@ -70,6 +142,8 @@ def _gemv_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.con
         w_next = tl.load(W + rows_c[:, None] * stride_w + cols[None, :])
     else:
         w_next = tl.load(W + rows_c[:, None] * stride_w + cols[None, :], mask=cols[None, :] < K, other=0.0)
+    if USE_PDL:  # the weights never depend on the previous kernel; x, the residual and `out` may (see _pdl_wait)
+        _pdl_wait()
     rstd = 0.0
     if PROLOGUE == 1:  # once a program (a persistent program serves several row blocks)
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -108,46 +182,93 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
-# (BLOCK_N, BLOCK_K, num_warps, programs; None = one program a row block) per (N, K): the fastest fused
-# config of `accel.gemv_sweep` on nvidia-h200, 2026-11-21 10:48 UTC (accel/bench_results/
-# h200-2026-11-21-v3b-gemv-sweep.json), µs a call in a graph vs the unfused cuBLAS sequence it replaces:
-# 1B qkv 6.83 vs 8.17, o 4.87 vs 7.49, down 16.06 vs 17.02; 3B qkv 11.96 vs 12.36, o 7.69 vs 11.13, down 20.50
-# vs 21.78. gate_up lost on both models (22.38 vs 21.22, 31.37 vs 29.07): accel.model.CUBLAS_SHAPES.
-# Shapes not listed use the rule in gemv_config.
-TABLE: dict[tuple[int, int], tuple[int, int, int, int | None]] = {
-    (3072, 2048): (4, 2048, 8, 384), (2048, 2048): (4, 1024, 4, None), (2048, 8192): (4, 1024, 4, 512),
-    (5120, 3072): (4, 1024, 4, 640), (3072, 3072): (4, 1024, 4, None), (3072, 8192): (4, 2048, 8, 384),
+class GemvConfig(NamedTuple):
+    """kind "persist": _gemv_kernel on `programs` programs (None: one a row block); kind "split": _gemv_split_kernel
+    on a (row blocks, K / block_k) grid (`programs` unused). pdl: launched with programmatic dependent launch."""
+    kind: str
+    block_n: int
+    block_k: int
+    warps: int
+    programs: int | None = None
+    pdl: bool = False
+
+
+# The config per (N, K) on the GPU: the fastest of `accel.gemv_sweep` without PDL (nvidia-h200, 2026-11-21
+# 11:17 UTC, accel/bench_results/h200-2026-11-21-v3c-gemv-sweep.json), µs a call in a graph vs the unfused
+# cuBLAS sequence it replaces (vs v3b's table): 1B qkv 6.15 vs 8.16 (6.78), o 4.43 vs 7.49 (5.12), gate_up 19.82
+# vs 21.71 (cuBLAS before), down 12.12 vs 17.23 (16.27); 3B qkv 11.91 vs 12.36, o 7.76 vs 11.29 (the persistent
+# kernel still wins at K = 3072), down 17.07 vs 22.35 (21.11); 3B gate_up stays on cuBLAS (29.24 vs 30.66:
+# accel.model.CUBLAS_SHAPES). PDL configs were faster in the sweep's chains of identical GEMVs (1B qkv 4.43, o
+# 3.70) but slower in the engine's decode (1B 1072.6 vs 1091.8 tok/s, 3B 446.8 vs 450.6, same process):
+# NOTES.md v3c. Shapes not listed use the rule in gemv_config.
+TABLE: dict[tuple[int, int], GemvConfig] = {
+    (3072, 2048): GemvConfig("split", 8, 2048, 8), (2048, 2048): GemvConfig("split", 8, 2048, 8),
+    (16384, 2048): GemvConfig("split", 8, 2048, 8), (2048, 8192): GemvConfig("split", 32, 1024, 4),
+    (5120, 3072): GemvConfig("persist", 4, 1024, 4, 640), (3072, 3072): GemvConfig("persist", 4, 1024, 4, None),
+    (3072, 8192): GemvConfig("split", 16, 512, 4),
 }
 
 
+def load_choices(path: str) -> set[tuple[int, int]]:
+    """Install a sweep JSON's winners into TABLE (accel.gemv_sweep.decode_compare); returns the shapes where
+    cuBLAS won (for accel.model.CUBLAS_SHAPES)."""
+    with open(path) as f:
+        data = json.load(f)
+    cublas = set()
+    for r in data["rows"]:
+        if r["best_config"] is None and not r["use_cublas"]:
+            continue
+        if r["use_cublas"]:
+            cublas.add((r["N"], r["K"]))
+        else:
+            TABLE[(r["N"], r["K"])] = GemvConfig(*r["best_config"])
+    gemv_config.cache_clear()
+    return cublas
+
+
 @functools.lru_cache(maxsize=None)
-def gemv_config(N: int, K: int, sms: int, elem: int = 2) -> tuple[int, int, int, int | None]:
-    """(BLOCK_N, BLOCK_K, num_warps, programs) for an [N, K] matrix of `elem`-byte elements on `sms` SMs.
+def gemv_config(N: int, K: int, sms: int, elem: int = 2) -> GemvConfig:
+    """The config for an [N, K] matrix of `elem`-byte elements on `sms` SMs: TABLE, else a persistent grid:
 
     * BLOCK_K = 16 bytes × 32 lanes × 4 warps (1024 bf16): every warp lies along K, so the 1-D f(x) chunk is
       already in the layout the [BLOCK_N, BLOCK_K] tile broadcasts it to (with 512 columns Triton moved it
       through shared memory with a barrier every chunk: seen in the TTGIR, v3a);
-    * BLOCK_N = 8: 16 KB tiles, two in flight a program (the prefetch);
-    * programs: HBM at ~4.3 TB/s with ~1 µs of loaded latency needs ~32-64 KB in flight per SM; ~170 registers
-      a thread fit 3 programs of 128 threads an SM, so up to 3 × sms programs, all resident at once, with the
-      row blocks dealt out evenly (all programs the same number of tiles: they share the bandwidth and finish
-      together; the v3a grid of one block a program left a partial last wave, and re-ran the prologue per wave).
+    * BLOCK_N = 8, up to 3 × sms programs, all resident at once, with the row blocks dealt out evenly.
     """
-    if (N, K) in TABLE:
+    if (N, K) in TABLE and sms:
         return TABLE[(N, K)]
     if sms == 0:  # CPU, under TRITON_INTERPRET: its cost is per program and per op, not per byte, so one
         # program with big tiles (the engine's CPU tests ran ~7× slower with the GPU rule's many small tiles)
-        return min(64, triton.next_power_of_2(N)), min(1024, triton.next_power_of_2(K)), 4, 1
+        return GemvConfig("persist", min(64, triton.next_power_of_2(N)), min(1024, triton.next_power_of_2(K)), 4, 1)
     block_k = min(16 // elem * 32 * 4, triton.next_power_of_2(K))
     block_n = 8
     n_blocks = triton.cdiv(N, block_n)
     per = triton.cdiv(n_blocks, 3 * sms)
-    return block_n, block_k, 4, triton.cdiv(n_blocks, per)
+    return GemvConfig("persist", block_n, block_k, 4, triton.cdiv(n_blocks, per))
+
+
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown scratch stays allocated: a captured graph may still point at it
+
+
+def _scratch(device: torch.device, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel's fp32 partials and per-row-block arrival counters (zeros between launches), one pair a
+    device, grown on demand. One stream at a time (the decode step): two split GEMVs running concurrently on
+    different streams would share them. Grown before a graph capture by the engine's warm-up steps."""
+    p, c = _SCRATCH.get(device, (None, None))
+    if p is None or p.numel() < partials or c.numel() < counters:
+        if p is not None:
+            _RETIRED.extend((p, c))
+        # sized for every Llama 3.2 shape at once (16 slices × 16384 rows; 16384 / 4 row blocks): 1 MB
+        p = torch.empty(max(partials, 1 << 18), dtype=torch.float32, device=device)
+        c = torch.zeros(max(counters, 1 << 13), dtype=torch.int32, device=device)
+        _SCRATCH[device] = (p, c)
+    return p, c
 
 
 def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
              swiglu: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-             config: tuple[int, int, int, int | None] | None = None) -> torch.Tensor:
+             config: GemvConfig | tuple | None = None) -> torch.Tensor:
     """y = [residual +] weight @ f(x), weight [N, K] (rows contiguous), x [K] or [1, K] ([2K] or [1, 2K] with
     swiglu) -> [1, N] in x's dtype (or `out`). f: rms_norm with norm_weight [K], or swiglu, or identity."""
     N, K = weight.shape
@@ -161,13 +282,27 @@ def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor
     assert out.numel() == N and out.reshape(-1).stride(0) == 1
     if residual is not None:
         assert residual.numel() == N and residual.reshape(-1).stride(0) == 1
-    bn, bk, warps, programs = config or gemv_config(N, K, _sm_count(weight.device), weight.element_size())
-    n_blocks = triton.cdiv(N, bn)
-    programs = n_blocks if programs is None else min(programs, n_blocks)
+    cfg = GemvConfig(*config) if config is not None else gemv_config(N, K, _sm_count(weight.device),
+                                                                     weight.element_size())
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE
     nw = norm_weight if norm_weight is not None else xv
     r = residual if residual is not None else out
+    bn, bk = cfg.block_n, cfg.block_k
+    pdl = bool(cfg.pdl) and weight.device.type == "cuda"
+    launch = dict(num_warps=cfg.warps, **({"launch_pdl": True} if pdl else {}))
+    if cfg.kind == "split":
+        blocks, split = triton.cdiv(N, bn), triton.cdiv(K, bk)
+        p, c = _scratch(weight.device, split * N, blocks)
+        _gemv_split_kernel[(blocks, split)](weight, xv, nw, r, out, p, c, N, K, weight.stride(0), float(eps),
+                                            PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, BLOCK_N=bn,
+                                            BLOCK_K=bk, EVEN_K=K % bk == 0, K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1,
+                                            SPLIT_K=split, USE_PDL=pdl, **launch)
+        return out
+    assert cfg.kind == "persist", f"unknown GEMV kind {cfg.kind!r}"
+    n_blocks = triton.cdiv(N, bn)
+    programs = n_blocks if cfg.programs is None else min(cfg.programs, n_blocks)
     _gemv_kernel[(programs,)](weight, xv, nw, r, out, N, K, weight.stride(0), float(eps), n_blocks,
                               PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk,
-                              EVEN_K=K % bk == 0, num_warps=warps)
+                              EVEN_K=K % bk == 0, USE_PDL=pdl, **launch)
     return out
+
