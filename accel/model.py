@@ -17,7 +17,6 @@ without Triton (a CPU without the interpreter) it uses the plain torch versions 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from refimpl.config import LlamaConfig
 
 from . import ops
+from .ops import torch_add_rms_norm, torch_grouped_attention, torch_rms_norm, torch_rotate, torch_swiglu_gate_up
 from .kernels.decode_attn import decode_attention_fwd
 from .kernels.embedding import embedding_fwd
 from .kernels.flash_attn import flash_attention_fwd
@@ -36,19 +36,8 @@ from .kernels.swiglu import swiglu_gate_up_fwd
 from .weights import Weights
 
 
-# ---- plain torch versions of the fused ops: the path without Triton (a CPU without the interpreter), and a
-# graph-capturable baseline on CUDA. Same dtype order as the kernels (refimpl.interface's rules). ----
-
-def torch_rms_norm(x, weight, eps):
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [T, D]
-    return normed.to(x.dtype) * weight  # HF's order: cast back, then scale
-
-
-def torch_add_rms_norm(x, residual, weight, eps):
-    s = x + residual  # rounded to the activation dtype, as the unfused model does
-    return s, torch_rms_norm(s, weight, eps)
-
+# ---- plain torch versions of the fused ops (the rest are accel.ops' torch_*): the path without Triton (a CPU
+# without the interpreter), and a graph-capturable baseline on CUDA. Same dtype order as the kernels. ----
 
 def torch_norm_linear(x, norm_weight, weight, eps):
     return F.linear(torch_rms_norm(x, norm_weight, eps), weight)  # [1, D] -> [1, N]
@@ -88,34 +77,10 @@ def triton_swiglu_linear_add(gate_up, weight, residual):
     return gemv_fwd(weight, gate_up, swiglu=True, residual=residual, out=residual)
 
 
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]  # [T, h, E] -> 2 × [T, h, E/2]
-    c, s = cos[:, None, :], sin[:, None, :]  # [T, E/2] -> [T, 1, E/2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
 def torch_rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions):
-    cache_k.index_copy_(1, positions, _rotate(k, cos, sin).transpose(0, 1))  # [T, K, E] -> [K, T, E] at positions
+    cache_k.index_copy_(1, positions, torch_rotate(k, cos, sin).transpose(0, 1))  # [T, K, E] -> [K, T, E] at positions
     cache_v.index_copy_(1, positions, v.transpose(0, 1))
-    return _rotate(q, cos, sin)
-
-
-def torch_swiglu_gate_up(gate_up):
-    gate, up = gate_up.chunk(2, dim=-1)  # [T, 2F] -> 2 × [T, F]
-    return F.silu(gate) * up
-
-
-def _grouped(q, cache_k, cache_v, visible):
-    """q [T, H, E] over cache_k/v [K, n, E] where visible [T, n] -> [T, H, E]; fp32 scores and softmax."""
-    T, H, E = q.shape
-    K = cache_k.shape[0]
-    qg = q.float().reshape(T, K, H // K, E)  # [T, H, E] -> [T, K, H/K, E]
-    scores = torch.einsum("tkge,kne->tkgn", qg, cache_k.float()) / math.sqrt(E)  # -> [T, K, H/K, n]
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.einsum("tkgn,kne->tkge", torch.softmax(scores, dim=-1), cache_v.float())  # -> [T, K, H/K, E]
-    return out.reshape(T, H, E).to(q.dtype)
+    return torch_rotate(q, cos, sin)
 
 
 def torch_flash_attn(q, cache_k, cache_v, positions):
@@ -123,14 +88,14 @@ def torch_flash_attn(q, cache_k, cache_v, positions):
     comes to the host)."""
     n = int(positions.max()) + 1
     visible = torch.arange(n, device=q.device)[None, :] <= positions[:, None]  # [T, n]
-    return _grouped(q, cache_k[:, :n], cache_v[:, :n], visible)
+    return torch_grouped_attention(q, cache_k[:, :n], cache_v[:, :n], visible).to(q.dtype)
 
 
 def torch_decode_attn(q, cache_k, cache_v, position):
     """q [1, H, E] over slots 0..position of the cache. Masks the whole capacity S rather than slicing to the
     length: a slice needs the length on the host (a sync) and a new shape each step (no CUDA graph)."""
     visible = torch.arange(cache_k.shape[1], device=q.device)[None, :] <= position[:, None]  # [1, S]
-    return _grouped(q, cache_k, cache_v, visible)
+    return torch_grouped_attention(q, cache_k, cache_v, visible).to(q.dtype)
 
 
 class Kernels:

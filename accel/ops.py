@@ -4,8 +4,8 @@ Dispatch, decided per call from the tensor's device:
   * CUDA tensors run the Triton kernels of `accel.kernels` (one file per op: kernel + launcher);
   * CPU tensors run the same kernels under Triton's interpreter when TRITON_INTERPRET=1 (tests/conftest.py sets it
     on machines without CUDA, so CI exercises the kernels' indexing and masking on CPU);
-  * otherwise CPU tensors run plain torch code written beside each op (`_torch_*`), the same math in the same
-    dtype order, so an accel engine still runs on a CPU-only machine without the (slow) interpreter.
+  * otherwise CPU tensors run plain torch code written beside each op (`torch_*`, also the fast path's fallback in
+    accel.model), the same math in the same dtype order, so an accel engine still runs on a CPU-only machine without the (slow) interpreter.
 The variable is read once, at import: triton decides at `@triton.jit` time (also import time) whether a kernel is
 interpreted, so reading it later could route CPU tensors to kernels that cannot run on them.
 
@@ -60,7 +60,7 @@ def embedding(ids, table):
 
 # ---- rms_norm (HF order: fp32 reduce, cast to x's dtype, then weight) ----
 
-def _torch_rms_norm(x, weight, eps):
+def torch_rms_norm(x, weight, eps):
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [T, D]
     return (normed.to(x.dtype) * weight).to(x.dtype)
@@ -70,7 +70,7 @@ def rms_norm(x, weight, eps):
     if uses_triton(x):
         D = x.shape[-1]
         return rms_norm_fwd(_rows(x).reshape(-1, D), _rows(weight), eps).reshape(x.shape)
-    return _torch_rms_norm(x, weight, eps)
+    return torch_rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x, residual, weight, eps):
@@ -79,8 +79,12 @@ def add_rms_norm(x, residual, weight, eps):
         D = x.shape[-1]
         s, h = add_rms_norm_fwd(_rows(x).reshape(-1, D), _rows(residual).reshape(-1, D), _rows(weight), eps)
         return s.reshape(x.shape), h.reshape(x.shape)
-    s = x + residual
-    return s, _torch_rms_norm(s, weight, eps)
+    return torch_add_rms_norm(x, residual, weight, eps)
+
+
+def torch_add_rms_norm(x, residual, weight, eps):
+    s = x + residual  # rounded to the activation dtype, as the unfused model does
+    return s, torch_rms_norm(s, weight, eps)
 
 
 # ---- rope ----
@@ -98,7 +102,7 @@ def rope_tables(positions, head_dim, theta, scaling):
     return torch.cos(angles), torch.sin(angles)
 
 
-def _torch_rotate(x, cos, sin):
+def torch_rotate(x, cos, sin):
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]  # [T, H, E] -> 2 × [T, H, E/2]
@@ -110,7 +114,7 @@ def rope(q, k, cos, sin):
     cos, sin = cos.to(q.device, torch.float32), sin.to(q.device, torch.float32)
     if uses_triton(q):
         return rope_fwd(_rows(q), _rows(k), _rows(cos), _rows(sin))
-    return _torch_rotate(q, cos, sin), _torch_rotate(k, cos, sin)
+    return torch_rotate(q, cos, sin), torch_rotate(k, cos, sin)
 
 
 def rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions):
@@ -118,7 +122,7 @@ def rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions):
     positions = positions.to(q.device)
     if uses_triton(q):
         return rope_kv_write_fwd(_rows(q), _rows(k), _rows(v), _rows(cos), _rows(sin), cache_k, cache_v, positions)
-    q_rot, k_rot = _torch_rotate(q, cos, sin), _torch_rotate(k, cos, sin)
+    q_rot, k_rot = torch_rotate(q, cos, sin), torch_rotate(k, cos, sin)
     cache_k[:, positions] = k_rot.transpose(0, 1).to(cache_k.dtype)  # [T, K, E] -> [K, T, E] into [K, S, E]
     cache_v[:, positions] = v.transpose(0, 1).to(cache_v.dtype)
     return q_rot
@@ -132,7 +136,7 @@ def linear(x, weight):
 
 # ---- attention ----
 
-def _torch_grouped_attention(q, k, v, visible):
+def torch_grouped_attention(q, k, v, visible):
     """q [T, H, E], k/v [K, N, E], visible [T, N] bool -> [T, H, E] in fp32; every row must see a key."""
     T, H, E = q.shape
     K = k.shape[0]
@@ -153,7 +157,7 @@ def attention(q, k, v, cache_k, cache_v, positions):
         return flash_attention_fwd(_rows(q), cache_k, cache_v, positions)
     n = int(positions.max()) + 1  # keys 0..n-1 are all any query here may see
     visible = torch.arange(n, device=q.device)[None, :] <= positions[:, None]  # [T, n]: causal by absolute position
-    return _torch_grouped_attention(q, cache_k[:, :n], cache_v[:, :n], visible).to(q.dtype)
+    return torch_grouped_attention(q, cache_k[:, :n], cache_v[:, :n], visible).to(q.dtype)
 
 
 def decode_attention(q, cache_k, cache_v, position, max_len=None, split_len=None):
@@ -162,7 +166,7 @@ def decode_attention(q, cache_k, cache_v, position, max_len=None, split_len=None
         return decode_attention_fwd(_rows(q), cache_k, cache_v, position, max_len=max_len, split_len=split_len)
     n = int(position.reshape(-1)[0]) + 1
     visible = torch.ones((q.shape[0], n), dtype=torch.bool, device=q.device)
-    return _torch_grouped_attention(q, cache_k[:, :n], cache_v[:, :n], visible).to(q.dtype)
+    return torch_grouped_attention(q, cache_k[:, :n], cache_v[:, :n], visible).to(q.dtype)
 
 
 def cross_attention(q, k, v, mask=None):
@@ -171,7 +175,7 @@ def cross_attention(q, k, v, mask=None):
                else torch.as_tensor(mask).to(q.device, torch.bool))  # [T, N]
     # A text token before any image sees no key; attend to everything and then zero the row, as Mllama does.
     empty = ~visible.any(dim=-1)  # [T]
-    out = _torch_grouped_attention(q, k, v, visible | empty[:, None])
+    out = torch_grouped_attention(q, k, v, visible | empty[:, None])
     return out.masked_fill(empty[:, None, None], 0.0).to(q.dtype)  # [T, H, E]
 
 
@@ -188,7 +192,11 @@ def swiglu_gate_up(gate_up):
     """gate_up [T, 2F] (gate = first F columns, up = last F) -> silu(gate) · up, [T, F]."""
     if uses_triton(gate_up):
         return swiglu_gate_up_fwd(_rows(gate_up))
-    gate, up = gate_up.chunk(2, dim=-1)
+    return torch_swiglu_gate_up(gate_up)
+
+
+def torch_swiglu_gate_up(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, 2F] -> 2 × [T, F]
     return F.silu(gate) * up
 
 
