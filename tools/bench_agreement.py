@@ -78,7 +78,8 @@ def main(argv=None):
 
     flips = [gaps[i] for i, ok in enumerate(agree) if not ok]
     result = {
-        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "preset": args.preset,
+        "date": datetime.date.today().isoformat(), "preset": args.preset,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "accel_dtype": args.dtype, "steps": args.steps, "prompt_tokens": args.prompt_tokens,
         "top1_agreement": sum(agree) / len(agree), "disagreements": len(flips),
         "refimpl_gap_at_disagreements": flips, "refimpl_median_gap": float(np.median(gaps)),

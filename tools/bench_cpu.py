@@ -164,8 +164,8 @@ def main(argv=None) -> int:
     }
     if not args.skip_hf:
         import transformers
-        record["hf_eager"] = {"transformers": transformers.__version__,
-                              **bench_hf(args.model, not args.random, prompt_ids, args.new_tokens, args.hf_threads, args.runs)}
+        hf = bench_hf(args.model, not args.random, prompt_ids, args.new_tokens, args.hf_threads, args.runs)
+        record["hf_eager"] = {"transformers": transformers.__version__, **hf}
         record["same_tokens"] = record["hf_eager"]["tokens"] == record["refimpl"]["tokens"]
     if args.profile:
         record["refimpl_profile"] = profile_decode(ckpt, prompt_ids, args.new_tokens)

@@ -17,7 +17,8 @@ from refimpl.errors import GenerationError
 from refimpl.safetensors_io import save_safetensors
 
 from .engines import resolve_model
-from .golden import engine_dtype, engine_for, first_divergence, lockstep, report
+from .engines import engine_for
+from .golden import engine_dtype, first_divergence, lockstep, report
 from .golden_cmd import key_filter
 
 

@@ -48,12 +48,22 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
     if lora is not None:
         from refimpl.lora import load_lora, merge_lora
         ckpt.params = merge_lora(ckpt.params, ckpt.config, load_lora(lora, ckpt.config))
+    engine = engine_for(ckpt, backend, device, dtype if backend == "accel" else None)
+    return engine, ckpt, time.perf_counter() - t0
+
+
+def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None = None):
+    """An engine over an already loaded checkpoint (diff and step build two over one load)."""
     if backend == "refimpl":
+        if dtype not in (None, "fp32"):
+            raise GenerationError(f"--dtype {dtype}: the refimpl backend computes in fp32 only")
         if device not in (None, "cpu"):
             raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")
         from refimpl.generate import RefEngine
-        engine = RefEngine(ckpt)
-    else:
+        return RefEngine(ckpt)
+    try:
         from accel.engine import AccelEngine
-        engine = AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
-    return engine, ckpt, time.perf_counter() - t0
+    except ImportError as e:
+        raise GenerationError(f"--backend accel is not available here ({e}); it needs torch and triton: "
+                              f"pip install 'llama32[accel]'") from None
+    return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)

@@ -269,24 +269,6 @@ def check_golden(rec: GoldenRecord, engine, dtype: str | None = None, keep=lambd
     return rows, dtype
 
 
-def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None = None):
-    """An engine over an already loaded checkpoint (diff builds two over one load)."""
-    from refimpl.errors import GenerationError
-    if backend == "refimpl":
-        if dtype not in (None, "fp32"):
-            raise GenerationError(f"--dtype {dtype}: the refimpl backend computes in fp32 only")
-        if device not in (None, "cpu"):
-            raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")
-        from refimpl.generate import RefEngine
-        return RefEngine(ckpt)
-    try:
-        from accel.engine import AccelEngine
-    except ImportError as e:
-        raise GenerationError(f"--backend accel is not available here ({e}); it needs torch, triton and "
-                              f"accel/engine.py") from None
-    return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
-
-
 # ---------------------------------------------------------------- reporting
 
 def _group(row: Row) -> str:

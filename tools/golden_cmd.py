@@ -9,7 +9,8 @@ import click
 from refimpl.checkpoint import load_checkpoint
 from refimpl.names import matches
 
-from .golden import (DEFAULT_DIR, GoldenError, check_golden, engine_for, find_golden_dirs, first_divergence,
+from .engines import engine_for
+from .golden import (DEFAULT_DIR, GoldenError, check_golden, find_golden_dirs, first_divergence,
                      load_golden, make_golden, report)
 
 

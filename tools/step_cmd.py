@@ -13,24 +13,17 @@ from refimpl.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 from refimpl.names import activation_names
 
-from .engines import resolve_model
+from .engines import engine_for, resolve_model
 from .step_values import parse_inject
 from .stepper import Session, run_script, split_commands
 
 
 def make_engines(ckpt, backend: str, device: str | None, dtype: str | None) -> list:
     """refimpl first: with --backend both it is the oracle whose values the accel side is compared against."""
-    engines = []
-    if backend in ("refimpl", "both"):
-        from refimpl.generate import RefEngine
-        engines.append(RefEngine(ckpt))
-    if backend in ("accel", "both"):
-        try:
-            from accel.engine import AccelEngine
-        except ImportError as e:
-            raise GenerationError(f"--backend {backend} needs the accel engine (torch + triton): {e}") from None
-        engines.append(AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype))
-    return engines
+    sides = {"refimpl": ["refimpl"], "accel": ["accel"], "both": ["refimpl", "accel"]}[backend]
+    # --device/--dtype are the accel side's; the refimpl is NumPy fp32 on the CPU
+    return [engine_for(ckpt, "refimpl") if side == "refimpl" else engine_for(ckpt, "accel", device, dtype)
+            for side in sides]
 
 
 def interactive(session: Session) -> None:
