@@ -19,8 +19,8 @@ import torch
 from refimpl import ops as np_ops
 from refimpl.checkpoint import Checkpoint
 from refimpl.config import LlamaConfig
-from refimpl.errors import GenerationError, NonFiniteError
-from refimpl.generate import Sampling, check_prompt
+from refimpl.errors import GenerationError
+from refimpl.generate import Sampling, check_prompt, nonfinite_error
 from refimpl.model import KVCache, forward_steps
 
 from . import model as fast
@@ -257,10 +257,5 @@ class AccelEngine:
     def _raise_nonfinite(self, ids: list[int], start: int, cache: KVCache):
         """Rerun the failed step through trace mode and name the first activation holding NaN or Inf."""
         positions = np.arange(start, start + len(ids))
-        name = None
-        for act, value in self.steps(ids, positions, cache, last_logits_only=True):
-            if not bool(torch.isfinite(value).all()):
-                name = act
-                break
-        raise NonFiniteError(f"NaN or Inf appeared in activation {name or 'logits'!r} at position {start}; "
-                             f"generation stopped")
+        raise nonfinite_error(self.steps(ids, positions, cache, last_logits_only=True), start,
+                              all_finite=lambda value: bool(torch.isfinite(value).all()))

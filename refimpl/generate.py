@@ -70,12 +70,20 @@ def check_prompt(prompt_ids: list[int], vocab_size: int, max_new_tokens: int, co
                               f"the context of {context} positions")
 
 
-def first_nonfinite(steps) -> str | None:
+def first_nonfinite(steps, all_finite=lambda value: bool(np.isfinite(np.asarray(value)).all())) -> str | None:
     """Drive a forward generator and return the name of the first activation holding NaN or Inf."""
     for name, value in steps:
-        if not np.isfinite(np.asarray(value)).all():
+        if not all_finite(value):
             return name
     return None
+
+
+def nonfinite_error(steps, position: int, **check) -> NonFiniteError:
+    """The error for a step whose logits were not finite, naming the first bad activation of its rerun `steps`
+    (the full lookup runs only on failure; the per-step check is one reduction over the logits)."""
+    name = first_nonfinite(steps, **check)
+    return NonFiniteError(f"NaN or Inf appeared in activation {name or 'logits'!r} at position {position}; "
+                          f"generation stopped")
 
 
 class RefEngine:
@@ -112,11 +120,8 @@ class RefEngine:
         ids, positions = np.asarray(ids, np.int64), np.asarray(positions, np.int64)
         with np.errstate(all="ignore"):  # non-finite values are reported below by name, not as NumPy warnings
             out = forward(ops, self.params, self.config, ids, positions, cache, last_logits_only=True)[-1]
-            finite = np.isfinite(out).all()  # cheap check per step; the name lookup reruns the step on failure
-            name = None if finite else first_nonfinite(self.steps(ids, positions, cache, last_logits_only=True))
-        if not finite:
-            raise NonFiniteError(f"NaN or Inf appeared in activation {name or 'logits'!r} at position "
-                                 f"{int(positions[0])}; generation stopped")
+            if not np.isfinite(out).all():
+                raise nonfinite_error(self.steps(ids, positions, cache, last_logits_only=True), int(positions[0]))
         return out
 
     def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=()) -> Iterator[int]:
