@@ -36,10 +36,8 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: per-frequency divisors of llama3 rope scaling
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> how the text is split before byte-level BPE.
-# The Llama 3 split regex is the one in Meta's tokenizer.json; "smollm" splits digits one by one first, as
+# Llama 3's split is refimpl.tokenizer.LLAMA3_SPLIT; "smollm" splits digits one by one first, as
 # SmolLM2's tokenizer.json (Digits(individual_digits) + ByteLevel) and llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM do.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT2_PRE = (None, "default", "gpt2", "gpt-2")
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
 
@@ -236,23 +234,11 @@ def _byte_level_spelling(token: str, alphabet: set, to_unicode: dict) -> str:
     return token if set(token) <= alphabet else "".join(to_unicode[b] for b in token.encode("utf-8"))
 
 
-def _gpt2_bytes_to_unicode() -> dict[int, str]:
-    from tokenizers import pre_tokenizers
-    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins, one per byte
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:
-            table[b], extra = chr(256 + extra), extra + 1
-    assert set(table.values()) == set(alphabet)  # GPT-2's table; `tokenizers` exports the set, not the map
-    return table
-
-
 def build_tokenizer(meta: Metadata, source: str):
     """tokenizer.ggml.* -> refimpl.tokenizer.TextTokenizer over a `tokenizers` byte-level BPE."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    from .tokenizer import TextTokenizer
+    from .tokenizer import TextTokenizer, gpt2_bytes_to_unicode, llama3_pre_tokenizer
     model = meta.get("tokenizer.ggml.model", "str")
     if model != "gpt2":
         raise CheckpointError(f"{source}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2', as in "
@@ -263,7 +249,7 @@ def build_tokenizer(meta: Metadata, source: str):
     if len(types) != len(tokens):
         raise CheckpointError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} "
                               f"tokens")
-    to_unicode = _gpt2_bytes_to_unicode()
+    to_unicode = gpt2_bytes_to_unicode()
     alphabet = set(to_unicode.values())
     vocab = {_byte_level_spelling(t, alphabet, to_unicode): i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -278,9 +264,7 @@ def build_tokenizer(meta: Metadata, source: str):
     pre = meta.get("tokenizer.ggml.pre", "str", None)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's split regex
     if pre in ("llama3", "llama-v3", "llama-bpe"):
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                              use_regex=False)])
+        tok.pre_tokenizer = llama3_pre_tokenizer()
     elif pre == "smollm":
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:

@@ -42,6 +42,30 @@ def _bounded_binop(operator, left, right):
     return left * right
 
 
+# Byte-level BPE pieces shared by the GGUF tokenizer builder and the toy tokenizers of golden/:
+# Llama 3's pre-tokenizer split (tokenizer.json of meta-llama/Llama-3.2-1B), applied before the byte mapping.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in: printable bytes
+    stand for themselves, the rest map past 255 (`tokenizers` exports the set of characters, not this map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b], extra = chr(256 + extra), extra + 1
+    return table
+
+
+def llama3_pre_tokenizer():
+    """Llama 3's split, then bytes -> printable characters (no second GPT-2 split)."""
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 def _sandbox():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

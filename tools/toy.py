@@ -18,7 +18,7 @@ import numpy as np
 
 from refimpl.checkpoint import expected_shapes, save_checkpoint
 from refimpl.config import LlamaConfig, RopeScaling
-from refimpl.tokenizer import LLAMA3_TEMPLATE
+from refimpl.tokenizer import LLAMA3_TEMPLATE, gpt2_bytes_to_unicode, llama3_pre_tokenizer
 
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                   "<|eom_id|>", "<|eot_id|>")  # Llama 3's order (128000, 128001, 128006..128009)
@@ -31,37 +31,20 @@ MERGES = (("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", 
 
 VOCAB_SIZE = 256 + len(MERGES) + len(SPECIAL_TOKENS)  # 288: the tokenizer fills the embedding table exactly
 
-# Llama 3's pre-tokenizer split (tokenizer.json of meta-llama/Llama-3.2-1B), then bytes -> printable characters.
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
 CHAT_TEMPLATE = LLAMA3_TEMPLATE  # Llama 3's header format, as the built-in fallback renders it
-
-
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:  # control bytes and space map past 255 so every token is visible text
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def build_tokenizer():
     """A `tokenizers.Tokenizer`: ids 0..255 are the bytes in order, then the merges, then the special tokens."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
-    chars = byte_to_unicode()
+    chars = gpt2_bytes_to_unicode()
     vocab = {chars[b]: b for b in range(256)}
     for left, right in MERGES:
         assert left in vocab and right in vocab, (left, right)  # a merge must join existing tokens
         vocab[left + right] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=list(MERGES), ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    tok.pre_tokenizer = llama3_pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     bos = SPECIAL_TOKENS[0]
