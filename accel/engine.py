@@ -94,28 +94,44 @@ def check_fits(device: torch.device, need: int, what: str) -> None:
 
 
 class Decoder:
-    """The one-token decode step over one cache: static token/position inputs, replayed as a CUDA graph on GPU."""
+    """The one-token decode step over one cache: static token/position inputs, replayed as a CUDA graph on GPU.
+
+    Two graphs over the same buffers: `run` (-> logits, for sampling), and, captured on first use, the greedy
+    step (`run_greedy`), which also picks the argmax as the next token, appends it to `history` and advances
+    the position on the device, so that a greedy loop is one replay a token (accel/kernels/argmax.py).
+    """
 
     def __init__(self, engine: "AccelEngine", cache: StaticKVCache, use_graph: bool):
         dev = engine.device
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.position = torch.zeros(1, dtype=torch.int64, device=dev)  # slot 0: harmless before the prefill
-        # the closure holds what the step reads, not the engine or self: a reference cycle (engine -> session ->
+        self.step_count = torch.zeros(1, dtype=torch.int64, device=dev)  # the greedy step's index into history
+        self.history = torch.zeros(cache.capacity + 1, dtype=torch.int64, device=dev)
+        # the closures hold what the step reads, not the engine or self: a reference cycle (engine -> session ->
         # decoder -> closure -> engine) kept dropped engines' weights alive until the next gc pass (NOTES.md: the
         # bench's "2.2x the weights" of peak memory were two such engines left by its profiles)
         ks, w, cfg, token, position = engine.kernels, engine.weights, engine.config, self.token, self.position
+        step, history = self.step_count, self.history
         self._fn = lambda: fast.decode_step(ks, w, cfg, token, position, cache.tables, cache.k_all, cache.v_all)
-        self.graph = None
+        self._greedy_fn = lambda: ks.greedy_next(self._fn(), token, position, history, step)
+        self.capacity, self.use_graph = cache.capacity, use_graph
+        self.graph = self._greedy_graph = None
         if use_graph:
-            stream = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):  # warm-up: compile + autotune every kernel before the capture
-                for _ in range(3):
-                    self._fn()
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._fn()  # [1, V], rewritten in place by every replay
+            self.graph, self.logits = self._capture(self._fn, warmups=3)  # logits [1, V]: rewritten by replays
+
+    def _capture(self, fn, warmups: int):
+        """Warm-up runs on a side stream (Triton compiles and tunes outside the capture), then the capture."""
+        dev = self.token.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(warmups):
+                fn()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
 
     def run(self) -> torch.Tensor:
         """Decode self.token at self.position (already set on the device) -> logits [1, V]."""
@@ -123,6 +139,24 @@ class Decoder:
             return self._fn()
         self.graph.replay()
         return self.logits
+
+    def run_greedy(self) -> None:
+        """Decode self.token at self.position; then token = argmax, history[step_count] = token, step_count += 1,
+        position += 1, all on the device."""
+        if not self.use_graph:
+            self._greedy_fn()
+            return
+        if self._greedy_graph is None:
+            # one warm-up compiles the argmax kernel (the rest ran in __init__). It writes the cache slot at the
+            # position it runs at, so it runs at the last slot: a slot is always rewritten by the step at its
+            # own position before attention reads it, so only past slots must be left alone.
+            saved = [t.clone() for t in (self.token, self.position, self.step_count)]
+            self.position.fill_(self.capacity - 1)
+            self.step_count.fill_(self.capacity)
+            self._greedy_graph, _ = self._capture(self._greedy_fn, warmups=1)
+            for t, v in zip((self.token, self.position, self.step_count), saved):
+                t.copy_(v)
+        self._greedy_graph.replay()
 
     def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
         self.token.copy_(token)
@@ -214,18 +248,18 @@ class AccelEngine:
         return fast.prefill(self.kernels, self.weights, self.config, ids, c.tables, c.k_all, c.v_all)
 
     def decode_greedy(self, sess: Session, logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
-        """n greedy tokens after the prompt's logits, with no host sync (the benchmark's loop) -> [n] on device."""
-        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        """n greedy tokens after the prompt's logits (the prompt at positions 0..start-1), with no host sync
+        (the benchmark's loop: one greedy-graph replay a token) -> [n] on the device."""
         dec = sess.decoder
+        if start + n - 1 > dec.capacity:
+            raise GenerationError(f"{n} tokens after {start} do not fit the session's {dec.capacity} slots")
         dec.position.fill_(start - 1)
-        for i in range(n):
-            token = fast.argmax_row(logits)  # [1]
-            out[i: i + 1].copy_(token)
-            if i + 1 < n:
-                dec.token.copy_(token)
-                dec.position.add_(1)
-                logits = dec.run()
-        return out
+        dec.step_count.zero_()
+        # the first token comes from the prompt's logits: token, history[0], position = start
+        self.kernels.greedy_next(logits, dec.token, dec.position, dec.history, dec.step_count)
+        for _ in range(n - 1):
+            dec.run_greedy()
+        return dec.history[:n].clone()
 
     def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=()) -> Iterator[int]:
         cfg = self.config

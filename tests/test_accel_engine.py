@@ -261,12 +261,50 @@ def test_argmax_row_is_the_first_maximum(V):
         assert int(argmax_row(x)) == int(np.argmax(x.numpy()))
 
 
+@pytest.mark.parametrize("V", [7, 1000, 1024, 3093, 5000])
+def test_argmax_kernel_is_the_first_maximum_and_advances(V):
+    """accel/kernels/argmax.py (under TRITON_INTERPRET on CPU, compiled on CUDA): np.argmax's first-maximum rule
+    on tie-heavy rows over 1-5 programs, NaN winning as in torch.argmax, and the greedy bookkeeping."""
+    import os
+    dev = "cuda" if CUDA else "cpu"
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors reach the kernel only under TRITON_INTERPRET=1")
+    from accel.kernels.argmax import argmax_fwd
+    g = torch.Generator().manual_seed(V)
+    for _ in range(5):
+        x = torch.randint(-3, 3, (1, V), generator=g).float()
+        assert int(argmax_fwd(x.to(dev))) == int(np.argmax(x.numpy()))
+    x[0, V // 2] = float("nan")
+    assert int(argmax_fwd(x.to(dev))) == int(torch.argmax(x)) == V // 2
+    token, pos, step = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(3))
+    pos += 40
+    hist = torch.full((4,), -1, dtype=torch.int64, device=dev)
+    for i in range(3):
+        x = torch.randn(V, generator=g)
+        argmax_fwd(x.to(dev), token, pos, hist, step)
+        assert int(token) == int(hist[i]) == int(np.argmax(x.numpy())) and int(step) == i + 1 and int(pos) == 41 + i
+    assert int(hist[3]) == -1
+
+
+@pytest.mark.parametrize("which", ["kernels", "torch ops"])
+def test_decode_greedy_matches_refimpl(pair, which):
+    """The benchmark's loop (greedy step with the argmax, history and position kept on the device)."""
+    ref, acc, _ = pair
+    acc = acc if which == "kernels" else torch_only(acc)
+    sess = acc.session(len(PROMPT) + 12)
+    tokens = acc.decode_greedy(sess, acc.prefill(PROMPT, sess), len(PROMPT), 12)
+    assert tokens.tolist() == list(ref.generate(PROMPT, Sampling(max_new_tokens=12)))
+    with pytest.raises(GenerationError, match="do not fit"):  # (the session may be an earlier, larger one)
+        acc.decode_greedy(sess, acc.prefill(PROMPT, sess), len(PROMPT), sess.capacity - len(PROMPT) + 2)
+
+
 @gpu
 def test_gpu_greedy_decode_loop_never_syncs_with_the_host(tmp_path):
     ckpt = checkpoint(tmp_path, "gqa_tied")
     acc = AccelEngine.from_checkpoint(ckpt, device="cuda", dtype="bf16")
     sess = acc.session(40)
     logits = acc.prefill(PROMPT, sess)
+    acc.decode_greedy(sess, logits, len(PROMPT), 2)  # the first call captures the greedy graph (capture syncs)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronizing call (.item(), a blocking copy) raises
     try:

@@ -241,11 +241,12 @@ def test_flash_attention_e128_pointer_and_tma(use_desc):
 
 
 SPLIT_CONFIGS = [("split", 16, 1024, 4, None, False), ("split", 16, 1024, 4, None, True),
-                 ("split", 8, 2048, 8, None, True), ("persist", 4, 1024, 4, 384, True)]
+                 ("split", 8, 2048, 8, None, True), ("persist", 4, 1024, 4, 384, True),
+                 ("split", 4, 4096, 8, None, 0)]  # the last: one masked 4096-wide slice (K = 3072)
 
 
 @pytest.mark.parametrize("config", SPLIT_CONFIGS)
-@pytest.mark.parametrize("N,K,fusion", GEMV_SHAPES[:4] + GEMV_SHAPES[7:])
+@pytest.mark.parametrize("N,K,fusion", GEMV_SHAPES)
 def test_gemv_variants_at_llama_shapes(N, K, fusion, config):
     """Each kernel kind (split-K with the last-ticket reduce, persistent) with and without PDL, bf16, against the
     float64 oracle of test_gemv_at_llama_shapes; three launches must agree bit for bit (the reduce sums in slice

@@ -97,7 +97,11 @@ def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv
                          E: tl.constexpr, G, split_len, n_splits, qk_scale, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
                          BLOCK_HG: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL != 0:  # launched early (PDL): q and the new slot come from the previous kernel, so wait for it first;
+        # then let the next kernel (the o GEMV) launch and stream its weights while this latency-bound one runs
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     kh = tl.program_id(0)
     split = tl.program_id(1)
     ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
@@ -183,13 +187,14 @@ def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype) -> dict:
 
 def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor,
                          out: torch.Tensor | None = None, max_len: int | None = None,
-                         split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
+                         split_len: int | None = None, config: dict | None = None, pdl: int = 0) -> torch.Tensor:
     """q [1, H, E] (or [H, E]; rotated, head rows contiguous), cache_k/cache_v [K, S, E] holding slots 0..pos,
     position [1] int (device): the new token's position -> out shaped like q, in q's dtype.
 
     The grid covers `max_len` slots (default S, the capacity) in splits of `split_len` (a multiple of 16;
     default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
-    BLOCK_N, num_warps, num_stages and FUSED (combine in the split kernel): for tuning sweeps.
+    BLOCK_N, num_warps, num_stages and FUSED (combine in the split kernel): for tuning sweeps. pdl != 0: launched
+    with programmatic dependent launch (accel/kernels/gemv.py's modes; CUDA only).
     """
     H, E = q.shape[-2:]
     NK, S, _ = cache_k.shape
@@ -216,7 +221,8 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
         cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
         LOG2E / math.sqrt(E), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e, BLOCK_S=block_s,
         BLOCK_HG=triton.next_power_of_2(G), DOT_PRECISION=dot_precision(q.dtype),
-        **{**cfg, "FUSED": cnt is not None})
+        PDL=pdl if q.is_cuda else 0, **{**cfg, "FUSED": cnt is not None},
+        **({"launch_pdl": True} if pdl and q.is_cuda else {}))
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,
                                     num_warps=4)

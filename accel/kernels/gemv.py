@@ -9,7 +9,8 @@ Two kernels, chosen per shape by TABLE (GemvConfig.kind):
              (v3c: 2.8-3.5 TB/s where the persistent kernel reached 1.7-2.9);
     persist  row blocks of BLOCK_N whole rows dealt evenly to a persistent grid, two tiles in flight a program
              (still faster on 3B's qkv/o, K = 3072).
-Either may be launched with programmatic dependent launch (GemvConfig.pdl; off in TABLE: NOTES.md v3c).
+Either may be launched with programmatic dependent launch (PDL_EARLY / PDL_LATE below; the decode step picks the
+mode for all its kernels: accel.model.Kernels).
 The decode step is launch-bound too, so the neighbouring elementwise ops fold into the GEMV:
     PROLOGUE_NORM    f(x) = rms_norm(x, norm_weight, eps), HF's cast order (accel/kernels/rms_norm.py): every
                      program computes the rms of the 4-6 KB vector from L2, cheaper than a launch (~2.3 µs);
@@ -60,14 +61,32 @@ def _fx(X, NW, k0, cols, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
         return x.to(tl.float32)
 
 
+PDL_OFF, PDL_EARLY, PDL_LATE = 0, 1, 2
+
+
 @triton.jit
-def _pdl_wait():
-    """Programmatic dependent launch (Hopper): a kernel launched with launch_pdl may start while the previous
-    kernel of the stream still runs; everything it does before this wait must not touch memory that kernel writes
-    or reads (here: only weight loads). The wait returns once the previous kernel has completed and its writes are
-    visible; launching our own dependents early lets the next GEMV stream its weights during our tail."""
-    tl.extra.cuda.gdc_launch_dependents()
-    tl.extra.cuda.gdc_wait()
+def pdl_wait(MODE: tl.constexpr):
+    """Programmatic dependent launch (Hopper), for a kernel launched with launch_pdl: it may start while the
+    previous kernel of the stream still runs, so everything before this wait may only read memory that no
+    kernel of the step writes (the weights); the wait returns once the previous kernel has completed and its
+    writes are visible. MODE PDL_EARLY also lets our own dependents launch now (they then stream their weights
+    during our whole run); PDL_LATE lets them launch at `pdl_release`, once our weights have arrived."""
+    if MODE == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    if MODE != 0:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_release(MODE: tl.constexpr):
+    """PDL_LATE: our weight loads are consumed; the next kernel may launch and overlap our epilogue."""
+    if MODE == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_launch(mode: int, device: torch.device) -> dict:
+    """Launch options for a Triton kernel taking a PDL mode (no PDL off CUDA, e.g. under TRITON_INTERPRET)."""
+    return {"launch_pdl": True} if mode and device.type == "cuda" else {}
 
 
 @triton.jit
@@ -79,9 +98,24 @@ def _epilogue(acc, R, Y, rows, N, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
+def _tile(W, rows_c, stride_w, k0, cols, K, EVEN_K: tl.constexpr):
+    """W[rows_c, k0 : k0 + BK] ([BN, BK], zeros past K)."""
+    ptrs = W + rows_c[:, None] * stride_w + k0 + cols[None, :]
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k0 + cols[None, :] < K, other=0.0)
+
+
+@triton.jit
+def _dot_tile(w, X, NW, k0, cols, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
+    """Σ_k w[:, k] · f(x)[k0 + k] -> [BN] fp32."""
+    return tl.sum(w.to(tl.float32) * _fx(X, NW, k0, cols, K, rstd, PROLOGUE, EVEN_K)[None, :], axis=1)
+
+
+@triton.jit
 def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl.constexpr,
                        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EVEN_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+                       EVEN_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """Program (row block b, K slice s) multiplies ONE tile W[b·BN : (b+1)·BN, s·BK : (s+1)·BK] by f(x)'s slice:
     no loop, so every weight load of the program is issued at once (the persistent kernel kept only two tiles,
     32 KB, in flight a program and reached 1.7-2.9 TB/s), and f(x) is computed once a program. With SPLIT_K > 1
@@ -93,20 +127,15 @@ def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl
     cols = tl.arange(0, BLOCK_K)
     k0 = s * BLOCK_K
     # rows past N re-read row N-1 (the stores are masked): weight loads stay unmasked 16-byte vectors
-    ptrs = W + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_w + k0 + cols[None, :]
-    if EVEN_K:
-        w = tl.load(ptrs)
-    else:
-        w = tl.load(ptrs, mask=k0 + cols[None, :] < K, other=0.0)
-    if USE_PDL:
-        _pdl_wait()
+    w = _tile(W, tl.minimum(rows, N - 1).to(tl.int64), stride_w, k0, cols, K, EVEN_K)
+    pdl_wait(PDL)
     rstd = 0.0
     if PROLOGUE == 1:  # the rms of the whole x in one round of loads (K <= 8192: <= 32 values a thread)
         kk = tl.arange(0, K_POW2)
         xs = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
-    x = _fx(X, NW, k0, cols, K, rstd, PROLOGUE, EVEN_K)
-    part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_N]
+    part = _dot_tile(w, X, NW, k0, cols, K, rstd, PROLOGUE, EVEN_K)  # [BLOCK_N]
+    pdl_release(PDL)
     if SPLIT_K == 1:
         _epilogue(part, R, Y, rows, N, HAS_RESIDUAL)
     else:
@@ -126,7 +155,7 @@ def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl
 @triton.jit
 def _gemv_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """Persistent: program p owns row blocks p, p + P, p + 2P, ... (P programs) and streams their tiles
     [BLOCK_N, BLOCK_K] as one flat sequence i = (block, K chunk), the next tile always in flight."""
     pid = tl.program_id(0)
@@ -142,8 +171,7 @@ def _gemv_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.con
         w_next = tl.load(W + rows_c[:, None] * stride_w + cols[None, :])
     else:
         w_next = tl.load(W + rows_c[:, None] * stride_w + cols[None, :], mask=cols[None, :] < K, other=0.0)
-    if USE_PDL:  # the weights never depend on the previous kernel; x, the residual and `out` may (see _pdl_wait)
-        _pdl_wait()
+    pdl_wait(PDL)  # the weights never depend on the previous kernel; x, the residual and `out` may
     rstd = 0.0
     if PROLOGUE == 1:  # once a program (a persistent program serves several row blocks)
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -175,6 +203,8 @@ def _gemv_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.con
                 y = y.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
             tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if i == total - 1:  # the program's last tile has arrived
+            pdl_release(PDL)
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,28 +214,33 @@ def _sm_count(device: torch.device) -> int:
 
 class GemvConfig(NamedTuple):
     """kind "persist": _gemv_kernel on `programs` programs (None: one a row block); kind "split": _gemv_split_kernel
-    on a (row blocks, K / block_k) grid (`programs` unused). pdl: launched with programmatic dependent launch."""
+    on a (row blocks, K / block_k) grid (`programs` unused). pdl: PDL_OFF, PDL_EARLY or PDL_LATE (True reads as
+    PDL_EARLY, the one mode of the v3c sweep JSONs)."""
     kind: str
     block_n: int
     block_k: int
     warps: int
     programs: int | None = None
-    pdl: bool = False
+    pdl: int = PDL_OFF
 
 
 # The config per (N, K) on the GPU: the fastest of `accel.gemv_sweep` without PDL (nvidia-h200, 2026-11-21
 # 11:17 UTC, accel/bench_results/h200-2026-11-21-v3c-gemv-sweep.json), µs a call in a graph vs the unfused
-# cuBLAS sequence it replaces (vs v3b's table): 1B qkv 6.15 vs 8.16 (6.78), o 4.43 vs 7.49 (5.12), gate_up 19.82
-# vs 21.71 (cuBLAS before), down 12.12 vs 17.23 (16.27); 3B qkv 11.91 vs 12.36, o 7.76 vs 11.29 (the persistent
-# kernel still wins at K = 3072), down 17.07 vs 22.35 (21.11); 3B gate_up stays on cuBLAS (29.24 vs 30.66:
-# accel.model.CUBLAS_SHAPES). PDL configs were faster in the sweep's chains of identical GEMVs (1B qkv 4.43, o
-# 3.70) but slower in the engine's decode (1B 1072.6 vs 1091.8 tok/s, 3B 446.8 vs 450.6, same process):
-# NOTES.md v3c. Shapes not listed use the rule in gemv_config.
+# cuBLAS sequence it replaces (vs v3b's table): 1B qkv 6.15 vs 8.16 (6.78), o 4.43 vs 7.49 (5.12), down 12.12 vs
+# 17.23 (16.27); 3B qkv 11.91 vs 12.36. 1B gate_up: 4 × 2048 tiles, 19.27 / 19.12 µs in two sweeps (v6c, v6e)
+# against 19.56 / 19.42 with 8 × 2048 (v3c: 19.82; rms_norm + cuBLAS 21.71). 3B down: 16.83 µs with 8 × 2048
+# tiles in two sweeps (v6c, v6d) against 17.03 / 17.10 with v3c's 16 × 512 (unfused: 21.53).
+# K = 3072 (3B o, gate_up): one masked 4096-wide slice a program, no reduce (v6a, 11:42 UTC, -v6a-variants.json):
+# o 7.43 vs the persistent kernel's 7.72, gate_up 28.65 vs rms_norm + cuBLAS 29.22; engine decode 469.4 vs 461.5
+# tok/s. The lm_head with the final norm folded in (v6b): 1B 119.8 vs 129.4, 3B 177.7 vs 190.4 (rms_norm + cuBLAS).
+# qkv is fused with RoPE in the decode step now (accel/kernels/qkv_rope.py); its entries serve the unfused
+# path. PDL was slower in the engine every time (v3c, v6a): NOTES.md. Shapes not listed use gemv_config's rule.
 TABLE: dict[tuple[int, int], GemvConfig] = {
     (3072, 2048): GemvConfig("split", 8, 2048, 8), (2048, 2048): GemvConfig("split", 8, 2048, 8),
-    (16384, 2048): GemvConfig("split", 8, 2048, 8), (2048, 8192): GemvConfig("split", 32, 1024, 4),
-    (5120, 3072): GemvConfig("persist", 4, 1024, 4, 640), (3072, 3072): GemvConfig("persist", 4, 1024, 4, None),
-    (3072, 8192): GemvConfig("split", 16, 512, 4),
+    (16384, 2048): GemvConfig("split", 4, 2048, 4), (2048, 8192): GemvConfig("split", 32, 1024, 4),
+    (5120, 3072): GemvConfig("persist", 4, 1024, 4, 640), (3072, 3072): GemvConfig("split", 4, 4096, 4),
+    (16384, 3072): GemvConfig("split", 4, 4096, 8), (3072, 8192): GemvConfig("split", 8, 2048, 4),
+    (128256, 2048): GemvConfig("split", 8, 2048, 8), (128256, 3072): GemvConfig("split", 4, 4096, 8),
 }
 
 
@@ -268,9 +303,10 @@ def _scratch(device: torch.device, partials: int, counters: int) -> tuple[torch.
 
 def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
              swiglu: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-             config: GemvConfig | tuple | None = None) -> torch.Tensor:
+             config: GemvConfig | tuple | None = None, pdl: int | None = None) -> torch.Tensor:
     """y = [residual +] weight @ f(x), weight [N, K] (rows contiguous), x [K] or [1, K] ([2K] or [1, 2K] with
-    swiglu) -> [1, N] in x's dtype (or `out`). f: rms_norm with norm_weight [K], or swiglu, or identity."""
+    swiglu) -> [1, N] in x's dtype (or `out`). f: rms_norm with norm_weight [K], or swiglu, or identity.
+    pdl (not None) overrides the config's PDL mode."""
     N, K = weight.shape
     assert weight.stride(1) == 1, "weight rows must be contiguous"
     assert not (swiglu and norm_weight is not None), "one prologue at a time"
@@ -288,21 +324,21 @@ def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor
     nw = norm_weight if norm_weight is not None else xv
     r = residual if residual is not None else out
     bn, bk = cfg.block_n, cfg.block_k
-    pdl = bool(cfg.pdl) and weight.device.type == "cuda"
-    launch = dict(num_warps=cfg.warps, **({"launch_pdl": True} if pdl else {}))
+    pdl = int(cfg.pdl if pdl is None else pdl) if weight.device.type == "cuda" else PDL_OFF
+    launch = dict(num_warps=cfg.warps, **pdl_launch(pdl, weight.device))
     if cfg.kind == "split":
         blocks, split = triton.cdiv(N, bn), triton.cdiv(K, bk)
         p, c = _scratch(weight.device, split * N, blocks)
-        _gemv_split_kernel[(blocks, split)](weight, xv, nw, r, out, p, c, N, K, weight.stride(0), float(eps),
-                                            PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, BLOCK_N=bn,
-                                            BLOCK_K=bk, EVEN_K=K % bk == 0, K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1,
-                                            SPLIT_K=split, USE_PDL=pdl, **launch)
+        _gemv_split_kernel[(blocks, split)](
+            weight, xv, nw, r, out, p, c, N, K, weight.stride(0), float(eps), PROLOGUE=prologue,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
+            K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, PDL=pdl, **launch)
         return out
     assert cfg.kind == "persist", f"unknown GEMV kind {cfg.kind!r}"
     n_blocks = triton.cdiv(N, bn)
     programs = n_blocks if cfg.programs is None else min(cfg.programs, n_blocks)
     _gemv_kernel[(programs,)](weight, xv, nw, r, out, N, K, weight.stride(0), float(eps), n_blocks,
                               PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk,
-                              EVEN_K=K % bk == 0, USE_PDL=pdl, **launch)
+                              EVEN_K=K % bk == 0, PDL=pdl, **launch)
     return out
 

@@ -1,0 +1,82 @@
+"""Greedy next token in one launch: the first index of the maximum of the logits [V], written where the next
+decode step reads its token, optionally also appended to a token history and the position advanced.
+
+Two stages in one kernel: each program reduces BLOCK logits to (max, first index of it), then the program that
+draws the last ticket (the acq_rel counter pattern of accel/kernels/decode_attn.py) reduces the programs' pairs
+and re-arms the counter. Ties go to the lowest index and NaN counts as the largest value, as torch.argmax does.
+
+Why: torch's argmax over V = 128256 was one 36 µs reduction; accel.model.argmax_row's two torch stages take
+~11 µs plus three small index kernels (nvidia-h200, 2026-11-21), and the benchmark's greedy loop then added
+the token copy and the position increment: ~8 launches a token outside the CUDA graph. With this kernel inside
+the graph (accel.engine.Decoder's greedy graph) a token is one replay and nothing else.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _argmax_kernel(X, V, PV, PI, CNT, TOKEN, POS, HIST, STEP, BLOCK: tl.constexpr, P_POW2: tl.constexpr,
+                   ADVANCE: tl.constexpr):
+    pid = tl.program_id(0)
+    n = tl.num_programs(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)  # NaN wins (torch.argmax's rule); a NaN beats an inf only in torch
+    m = tl.max(x, axis=0)
+    first = tl.min(tl.where(x == m, offs, V), axis=0)  # the padding (offs >= V) never precedes a real index
+    tl.store(PV + pid, m)
+    tl.store(PI + pid, first)
+    tl.debug_barrier()  # every thread's stores before the one acq_rel ticket (decode_attn.py's pattern)
+    ticket = tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
+    if ticket == n - 1:
+        j = tl.arange(0, P_POW2)
+        pv = tl.load(PV + j, mask=j < n, other=float("-inf"), cache_modifier=".cg")
+        pi = tl.load(PI + j, mask=j < n, other=V, cache_modifier=".cg")
+        best = tl.min(tl.where(pv == tl.max(pv, axis=0), pi, V), axis=0)  # programs are in index order
+        tl.store(TOKEN, best.to(tl.int64))
+        if ADVANCE:  # the greedy loop's bookkeeping: history[step] = token, step += 1, position += 1
+            step = tl.load(STEP)
+            tl.store(HIST + step, best.to(tl.int64))
+            tl.store(STEP, step + 1)
+            tl.store(POS, tl.load(POS) + 1)
+        tl.store(CNT, 0)
+
+
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_RETIRED: list[tuple] = []  # outgrown scratch stays allocated: a captured graph may still point at it
+BLOCK = 1024  # 126 programs for V = 128256: about one an SM
+
+
+def _scratch(device: torch.device, programs: int):
+    """Per-program partials and the arrival counter (zero between launches), one set a device, grown on
+    demand before any graph capture (the engine's warm-up steps run this first)."""
+    s = _SCRATCH.get(device)
+    if s is None or s[0].numel() < programs:
+        if s is not None:
+            _RETIRED.append(s)
+        s = (torch.empty(max(programs, 256), dtype=torch.float32, device=device),
+             torch.empty(max(programs, 256), dtype=torch.int32, device=device),
+             torch.zeros(1, dtype=torch.int32, device=device))
+        _SCRATCH[device] = s
+    return s
+
+
+def argmax_fwd(logits: torch.Tensor, token: torch.Tensor | None = None, position: torch.Tensor | None = None,
+               history: torch.Tensor | None = None, step: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [V] or [1, V] -> token [1] int64 (into `token` if given), the first index of the maximum.
+    With position/history/step ([1], [n], [1] int64): also history[step] = token, step += 1, position += 1."""
+    x = logits.reshape(-1)
+    assert x.stride(0) == 1
+    V = x.numel()
+    token = torch.empty(1, dtype=torch.int64, device=x.device) if token is None else token
+    advance = position is not None
+    assert not advance or (history is not None and step is not None)
+    programs = triton.cdiv(V, BLOCK)
+    pv, pi, cnt = _scratch(x.device, programs)
+    _argmax_kernel[(programs,)](x, V, pv, pi, cnt, token, position if advance else token,
+                                history if advance else token, step if advance else token, BLOCK=BLOCK,
+                                P_POW2=max(16, triton.next_power_of_2(programs)), ADVANCE=advance, num_warps=4)
+    return token
