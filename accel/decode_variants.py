@@ -108,8 +108,9 @@ def gemv_sweep_shapes(shapes, configs) -> list[dict]:
 
 
 def eager_argmax_rate(engine, prompt_len: int = 32, new_tokens: int = 128, reps: int = 3) -> float:
-    """The v6a loop, for comparison: torch's two-stage argmax, the token copy and the position increment as
-    eager launches between plain graph replays (what decode_greedy did before the greedy graph)."""
+    """The v6a loop, for comparison: the argmax, the token copy and the position increment as eager launches
+    between plain graph replays (what decode_greedy did before the greedy graph; v6a-v6e ran torch's two-stage
+    argmax here, later runs argmax_row's one-launch kernel)."""
     import statistics
 
     from .bench import prompt_ids

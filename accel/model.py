@@ -176,11 +176,14 @@ def _row_width(n: int) -> int:
 def argmax_row(logits):
     """logits [1, V] (or [V]) -> [1] int64 index of the first maximum, on the device with no host sync.
 
-    Two stages: torch's argmax along one long row ran as a single 36 µs reduction for V = 128256 (nvidia-h200,
-    2026-11-21); the max of each ~512-wide row, then of the row maxima, takes ~10 µs. Every index below is a
-    tensor op (gather/where): indexing with a 0-d tensor would call .item(), a host sync per token.
+    On CUDA one launch of accel/kernels/argmax.py (2.8 µs for V = 128256 in a graph). Elsewhere two torch stages:
+    torch's argmax along one long row ran as a single 36 µs reduction for V = 128256 (nvidia-h200, 2026-11-21);
+    the max of each ~512-wide row, then of the row maxima, takes ~10 µs. Every index below is a tensor op
+    (gather/where): indexing with a 0-d tensor would call .item(), a host sync per token.
     """
     v = logits.reshape(-1)
+    if v.is_cuda and v.stride(0) == 1:
+        return argmax_fwd(v)
     cols = _row_width(v.numel())
     rows = v.numel() // cols
     if rows < 2:
