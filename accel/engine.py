@@ -112,8 +112,9 @@ class Decoder:
         # bench's "2.2x the weights" of peak memory were two such engines left by its profiles)
         ks, w, cfg, token, position = engine.kernels, engine.weights, engine.config, self.token, self.position
         step, history = self.step_count, self.history
-        self._fn = lambda: fast.decode_step(ks, w, cfg, token, position, cache.tables, cache.k_all, cache.v_all)
-        self._greedy_fn = lambda: ks.greedy_next(self._fn(), token, position, history, step)
+        fn = lambda: fast.decode_step(ks, w, cfg, token, position, cache.tables, cache.k_all, cache.v_all)  # noqa: E731
+        self._fn = fn
+        self._greedy_fn = lambda: ks.greedy_next(fn(), token, position, history, step)  # fn, not self._fn: no cycle
         self.capacity, self.use_graph = cache.capacity, use_graph
         self.graph = self._greedy_graph = None
         if use_graph:
