@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attn import LOG2E, dot_precision
+from .flash_attn import LOG2E, dot_precision, load_kv_tiles
 
 
 @triton.jit
@@ -69,21 +69,10 @@ def _combine_heads(ACC, M, L, O, h0, n_heads, so_h, E, n_splits, BLOCK_H: tl.con
 def _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale, MASKED: tl.constexpr,
             EVEN_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One block of keys n0..n0+N into the running (acc, m, l); MASKED: the block reaches past `end`."""
-    kp = CK + (n0 + offs_n)[:, None] * sk_s + offs_e[None, :]
-    vp = CV + (n0 + offs_n)[:, None] * sv_s + offs_e[None, :]
-    if MASKED:
-        n_ok = (n0 + offs_n) < end
-        k = tl.load(kp, mask=n_ok[:, None] & e_ok[None, :], other=0.0)  # [N, E]
-        v = tl.load(vp, mask=n_ok[:, None] & e_ok[None, :], other=0.0)
-    elif EVEN_E:
-        k = tl.load(kp)
-        v = tl.load(vp)
-    else:
-        k = tl.load(kp, mask=e_ok[None, :], other=0.0)
-        v = tl.load(vp, mask=e_ok[None, :], other=0.0)
+    k, v = load_kv_tiles(CK, CV, n0, offs_n, offs_e, e_ok, end, sk_s, sv_s, MASKED, EVEN_E)  # [N, E] each
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N], raw scores
     if MASKED:
-        s = tl.where(n_ok[None, :], s, float("-inf"))
+        s = tl.where(((n0 + offs_n) < end)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # log2 domain
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * qk_scale - m_new[:, None])

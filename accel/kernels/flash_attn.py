@@ -46,19 +46,23 @@ def _load_kv(CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit, sk_s, s
         if MASKED:
             v = tl.where((start + offs_n < key_limit)[:, None], v, 0.0)
     else:
-        kp = CK + (start + offs_n)[:, None] * sk_s + offs_e[None, :]
-        vp = CV + (start + offs_n)[:, None] * sv_s + offs_e[None, :]
-        if MASKED:
-            ok = (start + offs_n < key_limit)[:, None] & e_ok[None, :]
-            k = tl.load(kp, mask=ok, other=0.0)
-            v = tl.load(vp, mask=ok, other=0.0)
-        elif EVEN_E:
-            k = tl.load(kp)
-            v = tl.load(vp)
-        else:
-            k = tl.load(kp, mask=e_ok[None, :], other=0.0)
-            v = tl.load(vp, mask=e_ok[None, :], other=0.0)
+        k, v = load_kv_tiles(CK, CV, start, offs_n, offs_e, e_ok, key_limit, sk_s, sv_s, MASKED, EVEN_E)
     return k, v
+
+
+@triton.jit
+def load_kv_tiles(CK, CV, start, offs_n, offs_e, e_ok, key_limit, sk_s, sv_s, MASKED: tl.constexpr,
+                  EVEN_E: tl.constexpr):
+    """K and V tiles [N, E] of slots start..start+N through plain pointers (also decode_attn.py's): masked
+    blocks read zeros at slots >= key_limit, so V there is 0, never the slot's arbitrary contents."""
+    kp = CK + (start + offs_n)[:, None] * sk_s + offs_e[None, :]
+    vp = CV + (start + offs_n)[:, None] * sv_s + offs_e[None, :]
+    if MASKED:
+        ok = (start + offs_n < key_limit)[:, None] & e_ok[None, :]
+        return tl.load(kp, mask=ok, other=0.0), tl.load(vp, mask=ok, other=0.0)
+    if EVEN_E:
+        return tl.load(kp), tl.load(vp)
+    return tl.load(kp, mask=e_ok[None, :], other=0.0), tl.load(vp, mask=e_ok[None, :], other=0.0)
 
 
 @triton.jit
