@@ -1,6 +1,6 @@
 """Decode-step variants on a CUDA GPU, timed in one process on the same weights (issue 5, NOTES.md v6).
 
-`python3 -m accel.decode_variants OUT_DIR [--models=1b,3b] [--sweep] [--profile]`:
+`python3 -m accel.decode_variants OUT_DIR [--models=1b,3b] [--sweep] [--attention] [--profile]`:
   1. --sweep: the fused norm + qkv + RoPE + cache-write kernel (accel/kernels/qkv_rope.py) per config, against
      the unfused pair (split-K GEMV + rope_kv_write), and the lm_head as a GEMV with the final norm folded in
      against rms_norm + cuBLAS, µs a call in a CUDA graph over >= 256 MB of weight copies (the layers' weights do
@@ -8,7 +8,8 @@
   2. the engine's greedy decode (32-token prompt, 128 tokens, median of 3) per variant: the v6a loop (eager argmax
      between graph replays) against the greedy graph (accel/kernels/argmax.py), and with the configs the sweep
      found > 1% faster than the tables';
-  3. --profile: the per-kernel device time of eager decode steps of the fastest 1B variant.
+  3. --attention: the decode attention's split length and launch options in the engine (ATTENTION_VARIANTS);
+  4. --profile: the per-kernel device time of eager decode steps of the fastest 1B variant.
 Writes OUT_DIR/decode_variants.json. Copy the winners into qkv_rope.TABLE and gemv.TABLE by hand, with the
 numbers, in NOTES.md. Earlier rounds of this module compared PDL modes and the fused qkv (accel/bench_results/
 h200-2026-11-21-v6a-variants.json), L2 prefetch (-v6b-prefetch), a one-split decode attention (-v6c, -v6d),
@@ -188,6 +189,29 @@ LAYER_SHAPES = {"1b": [(2048, 2048, "residual"), (16384, 2048, "norm"), (2048, 8
                 "3b": [(3072, 3072, "residual"), (16384, 3072, "norm"), (3072, 8192, "swiglu")]}
 
 
+ATTENTION_VARIANTS = [dict(), dict(split_len=32), dict(split_len=128), dict(config=dict(num_warps=2)),
+                      dict(config=dict(num_warps=8)), dict(config=dict(num_stages=2)),
+                      dict(split_len=32, config=dict(num_warps=2))]
+
+
+def attention_compare(model: str, new_tokens: int = 256) -> list[dict]:
+    """Greedy decode tok/s of the engine with the decode attention's split length / launch options overridden
+    (the bench's 32 + 256 slots: 5 splits of 64 by default), same weights, same process."""
+    from .kernels.decode_attn import decode_attention_fwd
+    cfg = PRESETS[NAMES[model]]
+    w = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
+    rows = []
+    for v in ATTENTION_VARIANTS:
+        eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16")
+        eng.kernels.decode_attn = lambda q, ck, cv, pos, v=v: decode_attention_fwd(q, ck, cv, pos, **v)
+        rate, _, tokens = decode_rate(eng, 32, new_tokens, reps=3)
+        rows.append({"model": model, "attention": v, "decode_tok_s": rate})
+        print(f"decode {model} attention {v}: {rate:8.1f} tok/s", flush=True)
+        del eng
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv):
     out_dir = argv[1] if len(argv) > 1 and not argv[1].startswith("--") else "."
     models = next((a.split("=")[1] for a in argv if a.startswith("--models=")), "1b,3b").split(",")
@@ -211,6 +235,9 @@ def main(argv):
                 if t_cur is None or r["best_us"] < 0.99 * t_cur:
                     tables[m][(r["N"], r["K"])] = GemvConfig(*r["best_config"])
         print(f"sweeps {time.time() - t0:.0f} s; GEMV tables to try {tables}, qkv {qkv_tables}", flush=True)
+    if "--attention" in argv:
+        for m in models:
+            res.setdefault("attention", []).extend(attention_compare(m))
     for m in models:
         res["decode"] += engine_compare(m, tables[m], qkv_tables[m])
     print(f"decode compare {time.time() - t0:.0f} s", flush=True)
