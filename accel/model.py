@@ -98,7 +98,9 @@ def unfused_qkv_rope(norm_linear, rope_kv_write):
         K, _, E = cache_k.shape
         H = weight.shape[0] // E - 2 * K
         qkv = norm_linear(x, norm_weight, weight, eps)  # [1, D] -> [1, (H+2K)·E]
-        q, k, v = qkv[:, : H * E].view(1, H, E), qkv[:, H * E: (H + K) * E].view(1, K, E), qkv[:, (H + K) * E:].view(1, K, E)
+        q = qkv[:, : H * E].view(1, H, E)
+        k = qkv[:, H * E: (H + K) * E].view(1, K, E)
+        v = qkv[:, (H + K) * E:].view(1, K, E)
         return rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, position)  # k_rot, v -> cache; q_rot
     return qkv_rope
 

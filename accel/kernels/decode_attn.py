@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .flash_attn import LOG2E, dot_precision, load_kv_tiles
+from .gemv import pdl_launch
 
 
 @triton.jit
@@ -210,8 +211,7 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
         cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
         LOG2E / math.sqrt(E), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e, BLOCK_S=block_s,
         BLOCK_HG=triton.next_power_of_2(G), DOT_PRECISION=dot_precision(q.dtype),
-        PDL=pdl if q.is_cuda else 0, **{**cfg, "FUSED": cnt is not None},
-        **({"launch_pdl": True} if pdl and q.is_cuda else {}))
+        PDL=pdl if q.is_cuda else 0, **{**cfg, "FUSED": cnt is not None}, **pdl_launch(pdl, q.device))
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,
                                     num_warps=4)
