@@ -1,6 +1,7 @@
 """Decode-step variants on a CUDA GPU, timed in one process on the same weights (issue 5, NOTES.md v6).
 
-`python3 -m accel.decode_variants OUT_DIR [--models=1b,3b] [--sweep] [--attention] [--profile]`:
+`python3 -m accel.decode_variants OUT_DIR [--models=1b,3b] [--sweep] [--attention] [--attn-o [--only-attn-o]]
+[--profile]`:
   1. --sweep: the fused norm + qkv + RoPE + cache-write kernel (accel/kernels/qkv_rope.py) per config, against
      the unfused pair (split-K GEMV + rope_kv_write), and the lm_head as a GEMV with the final norm folded in
      against rms_norm + cuBLAS, µs a call in a CUDA graph over >= 256 MB of weight copies (the layers' weights do
@@ -212,6 +213,72 @@ def attention_compare(model: str, new_tokens: int = 256) -> list[dict]:
     return rows
 
 
+ATTN_O_VARIANTS = {  # v7a (-v7a-attn-o.json) tried block_n 16/32/64, rows 2-16, warps 4/8, maxnreg: all slower
+    "1b": [dict(), dict(spin=1), dict(spin=1, load_first=False), dict(load_first=False),
+           dict(spin=1, rows=4, warps=4, block_n=32)],
+    "3b": [dict(), dict(spin=1), dict(spin=1, load_first=False), dict(load_first=False),
+           dict(spin=1, block_n=32)],
+}
+
+
+def attn_o_compare(model: str, slots: int = 288, min_bytes: int = 256 * 2**20, engine_top: int = 2) -> dict:
+    """Decode attention + o GEMV as one launch (accel/kernels/attn_o.py) per option set against the two launches:
+    checked against them, µs a layer in a CUDA graph over >= 256 MB of o weights (cache of `slots`, position
+    slots - 1), then the engine's greedy decode with the `engine_top` fastest against the two launches."""
+    from .kernels.attn_o import attn_o_fwd
+    from .kernels.decode_attn import decode_attention_fwd
+    cfg = PRESETS[NAMES[model]]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    H, NK, E, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    g = torch.Generator(device=dev).manual_seed(7)
+    copies = max(4, -(-min_bytes // (D * H * E * 2)))
+    ws = [(torch.randn(D, H * E, device=dev, generator=g) * (H * E) ** -0.5).to(dt) for _ in range(copies)]
+    q = torch.randn(1, H, E, device=dev, generator=g).to(dt)
+    ck = torch.randn(NK, slots, E, device=dev, generator=g).to(dt)
+    cv = torch.randn(NK, slots, E, device=dev, generator=g).to(dt)
+    pos = torch.tensor([slots - 1], device=dev)
+    x0 = torch.randn(1, D, device=dev, generator=g).to(dt)
+    ks = fast.Kernels(True)
+
+    def two(w, x):
+        a = decode_attention_fwd(q, ck, cv, pos)
+        return ks.linear_add(a.reshape(1, H * E), w, x)
+
+    want = two(ws[0], x0.clone()).float()
+    x = x0.clone()
+    res = {"model": model, "slots": slots, "two_launches_us": graph_us([lambda w=w: two(w, x) for w in ws]),
+           "variants": [], "engine": []}
+    print(f"attn+o {model}: two launches {res['two_launches_us']:.2f} µs", flush=True)
+    for v in ATTN_O_VARIANTS[model] + [dict(steal_after=1, skip_own=True)]:
+        row = {"options": v}
+        try:
+            got = attn_o_fwd(q, ck, cv, pos, ws[0], x0.clone(), **v).float()
+            row["max_abs_diff"] = (got - want).abs().max().item()
+            row["us"] = graph_us([lambda w=w: attn_o_fwd(q, ck, cv, pos, w, x, **v) for w in ws])
+        except Exception as e:  # resources: reported, not timed
+            row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"attn+o {model} {v}: {row}", flush=True)
+        res["variants"].append(row)
+    del ws
+    torch.cuda.empty_cache()
+    timed = sorted((r for r in res["variants"] if "us" in r and not r["options"].get("skip_own")),
+                   key=lambda r: r["us"])
+    w = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
+    ref = None
+    for opts in [None] + [r["options"] for r in timed[:engine_top]]:
+        eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16")
+        if opts is not None:
+            eng.kernels = fast.Kernels(True, fuse_attn_o=opts or True)
+        rate, _, tokens = decode_rate(eng, 32, 256, reps=3)
+        ref = tokens if ref is None else ref
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(tokens))
+        res["engine"].append({"options": opts, "decode_tok_s": rate, "agree_with_two_launches": agree})
+        print(f"decode {model} attn_o {opts}: {rate:8.1f} tok/s  agree {agree}", flush=True)
+        del eng
+        torch.cuda.empty_cache()
+    return res
+
+
 def main(argv):
     out_dir = argv[1] if len(argv) > 1 and not argv[1].startswith("--") else "."
     models = next((a.split("=")[1] for a in argv if a.startswith("--models=")), "1b,3b").split(",")
@@ -235,6 +302,12 @@ def main(argv):
                 if t_cur is None or r["best_us"] < 0.99 * t_cur:
                     tables[m][(r["N"], r["K"])] = GemvConfig(*r["best_config"])
         print(f"sweeps {time.time() - t0:.0f} s; GEMV tables to try {tables}, qkv {qkv_tables}", flush=True)
+    if "--attn-o" in argv:
+        res["attn_o"] = [attn_o_compare(m) for m in models]
+        if "--only-attn-o" in argv:
+            with open(f"{out_dir}/decode_variants.json", "w") as f:
+                json.dump(res, f, indent=1)
+            return
     if "--attention" in argv:
         for m in models:
             res.setdefault("attention", []).extend(attention_compare(m))

@@ -62,6 +62,33 @@ def test_qkv_rope_at_llama_shapes(dtype, H, K, E, D, config):
     assert torch.isnan(ck[:, :pos]).all() and torch.isnan(ck[:, pos + 1:]).all() and torch.isnan(cv[:, :pos]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,K,E,D", [(32, 8, 64, 2048), (24, 8, 128, 3072)])  # 1B, 3B
+@pytest.mark.parametrize("opts", [{}, {"block_n": 32, "maxnreg": 168}, {"steal_after": 1, "skip_own": True}])
+def test_attn_o_at_llama_shapes(dtype, H, K, E, D, opts):
+    """Decode attention + o GEMV + residual in one launch (accel/kernels/attn_o.py) against float64: attention
+    over slots 0..pos rounded to the dtype (the kernel stores it so), the product rounded, plus x. Repeated
+    launches must agree bit for bit (counters re-armed); the last option set runs the forward-progress path."""
+    from accel.kernels.attn_o import attn_o_fwd
+    g = torch.Generator(device="cuda").manual_seed(D + E)
+    S, pos = 1000, 777
+    q = torch.randn(1, H, E, device="cuda", generator=g).to(dtype)
+    ck = torch.randn(K, S, E, device="cuda", generator=g).to(dtype)
+    cv = torch.randn(K, S, E, device="cuda", generator=g).to(dtype)
+    ck[:, pos + 1:] = float("nan")  # past the context: never read
+    cv[:, pos + 1:] = float("nan")
+    w = (torch.randn(D, H * E, device="cuda", generator=g) * (H * E) ** -0.5).to(dtype)
+    x = torch.randn(1, D, device="cuda", generator=g).to(dtype)
+    outs = [attn_o_fwd(q, ck, cv, torch.tensor([pos], device="cuda"), w, x.clone(), **opts) for _ in range(3)]
+    assert all(torch.equal(o, outs[0]) for o in outs), "repeated launches differ"
+    k = ck[:, : pos + 1].double().repeat_interleave(H // K, 0)  # [H, n, E]
+    v = cv[:, : pos + 1].double().repeat_interleave(H // K, 0)
+    p = torch.softmax(torch.einsum("he,hne->hn", q[0].double(), k) / E ** 0.5, -1)  # [H, n]
+    a = torch.einsum("hn,hne->he", p, v).to(dtype).double().reshape(1, H * E)
+    want = (a @ w.double().T).to(dtype).double() + x.double()  # [1, H·E] @ [H·E, D]
+    check("attn_o", outs[0], want, TOL[dtype])
+
+
 @pytest.fixture(scope="module")
 def wide():
     """The 1B's widths (D 2048, F 8192, H 32, K 8, E 64, V 128256) with 2 layers: the real GEMV and attention
@@ -100,11 +127,14 @@ def test_decode_variants_at_1b_width(wide):
             for _ in range(3):  # a missing wait would show as a moving result
                 got = decode_logits(cfg, w, fast.Kernels(True, fuse_qkv=fused, pdl=mode))
                 assert torch.equal(got, base[fused]), f"fused={fused} pdl={mode}: logits differ from PDL off"
+    attn_o = decode_logits(cfg, w, fast.Kernels(True, fuse_attn_o=True))  # attention + o in one launch
+    eager = decode_logits(cfg, w, fast.Kernels(True, fuse_attn_o=True), use_graph=False)
+    assert torch.equal(eager, attn_o), "attn_o: graph replay differs from eager"
     torch_ops = decode_logits(cfg, w, fast.Kernels(False))
-    for fused in (True, False):
-        for i, (a, b) in enumerate(zip(base[fused], torch_ops)):
+    for name, logits in (("fused qkv", base[True]), ("unfused qkv", base[False]), ("attn_o", attn_o)):
+        for i, (a, b) in enumerate(zip(logits, torch_ops)):
             r = compare(f"step {i}", a.cpu().numpy(), b.cpu().numpy(), TOLERANCES["bf16"])
-            assert r.ok, f"fused={fused}: {r}"
+            assert r.ok, f"{name}: {r}"
 
 
 def test_greedy_graph_at_1b_width(wide):
