@@ -1,21 +1,21 @@
-"""Decode-step variants on a CUDA GPU, timed in one process on the same weights (issue 5, NOTES.md v6).
+"""Decode-step variants on a CUDA GPU, timed in one process on the same weights (issue 5, NOTES.md v6, v7).
 
-`python3 -m accel.decode_variants OUT_DIR [--models=1b,3b] [--sweep] [--attention] [--attn-o [--only-attn-o]]
-[--profile]`:
+`python3 -m accel.decode_variants OUT_DIR [--models=1b,3b] [--sweep] [--stream] [--attention] [--profile]`:
   1. --sweep: the fused norm + qkv + RoPE + cache-write kernel (accel/kernels/qkv_rope.py) per config, against
-     the unfused pair (split-K GEMV + rope_kv_write), and the lm_head as a GEMV with the final norm folded in
-     against rms_norm + cuBLAS, µs a call in a CUDA graph over >= 256 MB of weight copies (the layers' weights do
-     not stay in the 50 MB L2 during decode either); every config is first checked against the unfused ops;
-  2. the engine's greedy decode (32-token prompt, 128 tokens, median of 3) per variant: the v6a loop (eager argmax
-     between graph replays) against the greedy graph (accel/kernels/argmax.py), and with the configs the sweep
-     found > 1% faster than the tables';
+     the unfused pair (split-K GEMV + rope_kv_write), and the layers' GEMVs per split config, µs a call in a CUDA
+     graph over >= 256 MB of weight copies (the layers' weights do not stay in the 50 MB L2 during decode
+     either); every config is first checked against the unfused ops;
+     --stream: the same for the streaming kernels (gemv kind "stream", qkv_rope with stages > 0; STREAM,
+     QKV_STREAM) and the lm_heads, after a probe that the GPU's Triton pipelines the weight loads (cp.async);
+  2. the engine's greedy decode (32-token prompt, 128 tokens, median of 3) with the built-in tables, then with
+     the configs the sweep found > 1% faster than the tables' (GEMVs, then GEMVs and qkv);
   3. --attention: the decode attention's split length and launch options in the engine (ATTENTION_VARIANTS);
   4. --profile: the per-kernel device time of eager decode steps of the fastest 1B variant.
 Writes OUT_DIR/decode_variants.json. Copy the winners into qkv_rope.TABLE and gemv.TABLE by hand, with the
 numbers, in NOTES.md. Earlier rounds of this module compared PDL modes and the fused qkv (accel/bench_results/
 h200-2026-11-21-v6a-variants.json), L2 prefetch (-v6b-prefetch), a one-split decode attention (-v6c, -v6d),
 K split into 2-3 tiles a program (-v6f-chunks), the decode attention's first block loaded with the position
-(-v6g-preload).
+(-v6g-preload), attention + o in one launch (-v7a-attn-o, -v7b-attn-o-spin), the streaming kernels (-v7c, -v7d).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
 QKV_CONFIGS = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)]  # (half_n, warps); 8 × 4096 spills (ptxas, sm_90)
 
 
-def qkv_sweep(cfg, min_bytes: int = 256 * 2**20) -> dict:
+def qkv_sweep(cfg, min_bytes: int = 256 * 2**20, configs=QKV_CONFIGS) -> dict:
     dev, dt = torch.device("cuda"), torch.bfloat16
     H, NKV, E, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     N = (H + 2 * NKV) * E
@@ -64,9 +64,10 @@ def qkv_sweep(cfg, min_bytes: int = 256 * 2**20) -> dict:
     want_k, want_v = ck[:, 300].float().clone(), cv[:, 300].float().clone()
     row = {"N": N, "K": D, "mb": N * D * 2 / 1e6, "unfused_us": graph_us([lambda w=w: unfused(w) for w in ws]),
            "configs": {}, "failed": {}}
-    for c in QKV_CONFIGS:
-        if c[0] > E // 2 or c[0] * triton.next_power_of_2(D) > 16384:
+    for c in configs:
+        if c[0] > E // 2 or (len(c) == 2 and c[0] * triton.next_power_of_2(D) > 16384):
             continue
+        c = qkv_rope.QkvConfig(*c)
         ck.zero_()
         cv.zero_()
         try:
@@ -74,13 +75,13 @@ def qkv_sweep(cfg, min_bytes: int = 256 * 2**20) -> dict:
             errs = [((a - b).norm() / b.norm()).item() for a, b in
                     ((q, want_q), (ck[:, 300].float(), want_k), (cv[:, 300].float(), want_v))]
             if max(errs) > 1e-2:
-                row["failed"][str(c)] = f"rel err {errs}"
+                row["failed"][json.dumps(list(c))] = f"rel err {errs}"
                 continue
-            row["configs"][str(list(c))] = graph_us(
+            row["configs"][json.dumps(list(c))] = graph_us(
                 [lambda w=w, c=c: qkv_rope.qkv_rope_fwd(w, x, nw, 1e-5, cos, sin, pos, ck, cv, config=c)
                  for w in ws])
         except Exception as e:  # resources: reported, not timed
-            row["failed"][str(c)] = f"{type(e).__name__}: {str(e)[:200]}"
+            row["failed"][json.dumps(list(c))] = f"{type(e).__name__}: {str(e)[:200]}"
     best = min(row["configs"], key=row["configs"].get)
     row["best"], row["best_us"] = json.loads(best), row["configs"][best]
     print(f"qkv_rope {N}x{D}: unfused {row['unfused_us']:.2f} µs, best {row['best']} {row['best_us']:.2f} µs  "
@@ -109,44 +110,16 @@ def gemv_sweep_shapes(shapes, configs) -> list[dict]:
     return rows
 
 
-def eager_argmax_rate(engine, prompt_len: int = 32, new_tokens: int = 128, reps: int = 3) -> float:
-    """The v6a loop, for comparison: the argmax, the token copy and the position increment as eager launches
-    between plain graph replays (what decode_greedy did before the greedy graph; v6a-v6e ran torch's two-stage
-    argmax here, later runs argmax_row's one-launch kernel)."""
-    import statistics
-
-    from .bench import prompt_ids
-    prompt = prompt_ids(engine.config, prompt_len)
-    sess = engine.session(prompt_len + new_tokens)
-    dec, times = sess.decoder, []
-    for r in range(reps + 1):
-        logits = engine.prefill(prompt, sess)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = torch.empty(new_tokens, dtype=torch.int64, device="cuda")
-        dec.position.fill_(prompt_len - 1)
-        for i in range(new_tokens):
-            token = fast.argmax_row(logits)
-            out[i: i + 1].copy_(token)
-            if i + 1 < new_tokens:
-                dec.token.copy_(token)
-                dec.position.add_(1)
-                logits = dec.run()
-        end.record()
-        end.synchronize()
-        if r:
-            times.append(start.elapsed_time(end))
-    return (new_tokens - 1) / (statistics.median(times) * 1e-3)
-
-
 def engine_compare(model: str, table: dict, qkv_table: dict, new_tokens: int = 128) -> list[dict]:
     """Greedy decode tok/s per variant, same weights, same process; `table`, `qkv_table`: configs to try."""
     cfg = PRESETS[NAMES[model]]
     w = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
     table0, qkv0 = dict(gemv.TABLE), dict(qkv_rope.TABLE)
-    variants = [dict(name="eager argmax loop (v6a)", eager_argmax=True), dict(name="greedy graph")]
-    if table or qkv_table:
-        variants.append(dict(name="greedy graph + swept tables", table=table, qkv=qkv_table))
+    variants = [dict(name="greedy graph")]  # v6a-v6e also ran an eager-argmax loop (removed; JSONs keep it)
+    if table:
+        variants.append(dict(name="greedy graph + swept GEMV table", table=table))
+    if qkv_table:
+        variants.append(dict(name="greedy graph + swept GEMV and qkv tables", table=table, qkv=qkv_table))
     rows = []
     for v in variants:
         gemv.TABLE.clear()
@@ -156,10 +129,7 @@ def engine_compare(model: str, table: dict, qkv_table: dict, new_tokens: int = 1
         qkv_rope.TABLE.update({**qkv0, **v.get("qkv", {})})
         qkv_rope.qkv_config.cache_clear()
         eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16")
-        if v.get("eager_argmax"):
-            rate, tokens = eager_argmax_rate(eng, 32, new_tokens), None
-        else:
-            rate, _, tokens = decode_rate(eng, 32, new_tokens, reps=3)
+        rate, _, tokens = decode_rate(eng, 32, new_tokens, reps=3)
         row = {"model": model, "variant": v["name"], "decode_tok_s": rate, "tokens": tokens,
                "table": {str(k): list(c) for k, c in v.get("table", {}).items()},
                "qkv_table": {str(k): list(c) for k, c in v.get("qkv", {}).items()}}
@@ -213,70 +183,52 @@ def attention_compare(model: str, new_tokens: int = 256) -> list[dict]:
     return rows
 
 
-ATTN_O_VARIANTS = {  # v7a (-v7a-attn-o.json) tried block_n 16/32/64, rows 2-16, warps 4/8, maxnreg: all slower
-    "1b": [dict(), dict(spin=1), dict(spin=1, load_first=False), dict(load_first=False),
-           dict(spin=1, rows=4, warps=4, block_n=32)],
-    "3b": [dict(), dict(spin=1), dict(spin=1, load_first=False), dict(load_first=False),
-           dict(spin=1, block_n=32)],
-}
+# kind "stream" (gemv._gemv_stream_kernel): (block_n, block_k, warps, programs per SM, stages)
+# (v7c, -v7c-stream.json, also tried 8 × 1024, 4 × 1024, 16 × 256, 8 × 256 tiles and 8 warps: slower)
+STREAM = [(8, 512, 4, 4, 4), (8, 512, 4, 4, 3), (8, 512, 4, 4, 5), (8, 512, 4, 5, 4), (8, 512, 4, 3, 4),
+          (16, 512, 4, 2, 4), (16, 512, 4, 3, 4), (16, 512, 4, 2, 3), (4, 512, 4, 6, 4), (16, 512, 4, 3, 3)]
+# the streaming qkv_rope kernel: (half_n, warps, stages, block_k, programs per SM)
+QKV_STREAM = [(4, 4, 4, 512, 4), (4, 4, 4, 512, 3), (8, 4, 4, 512, 2), (8, 4, 3, 512, 3), (2, 4, 4, 512, 4),
+              (4, 4, 3, 1024, 2), (8, 8, 4, 512, 2), (4, 4, 5, 512, 3)]
+LM_HEAD = {"1b": (128256, 2048, "norm"), "3b": (128256, 3072, "norm")}
 
 
-def attn_o_compare(model: str, slots: int = 288, min_bytes: int = 256 * 2**20, engine_top: int = 2) -> dict:
-    """Decode attention + o GEMV as one launch (accel/kernels/attn_o.py) per option set against the two launches:
-    checked against them, µs a layer in a CUDA graph over >= 256 MB of o weights (cache of `slots`, position
-    slots - 1), then the engine's greedy decode with the `engine_top` fastest against the two launches."""
-    from .kernels.attn_o import attn_o_fwd
-    from .kernels.decode_attn import decode_attention_fwd
-    cfg = PRESETS[NAMES[model]]
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    H, NK, E, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-    g = torch.Generator(device=dev).manual_seed(7)
-    copies = max(4, -(-min_bytes // (D * H * E * 2)))
-    ws = [(torch.randn(D, H * E, device=dev, generator=g) * (H * E) ** -0.5).to(dt) for _ in range(copies)]
-    q = torch.randn(1, H, E, device=dev, generator=g).to(dt)
-    ck = torch.randn(NK, slots, E, device=dev, generator=g).to(dt)
-    cv = torch.randn(NK, slots, E, device=dev, generator=g).to(dt)
-    pos = torch.tensor([slots - 1], device=dev)
-    x0 = torch.randn(1, D, device=dev, generator=g).to(dt)
-    ks = fast.Kernels(True)
+def stream_probe() -> dict:
+    """Does this Triton pipeline the stream kernel's weight loads through shared memory (cp.async)?"""
+    dev = torch.device("cuda")
+    w = torch.randn(3072, 3072, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(3072, device=dev, dtype=torch.bfloat16)
+    y = torch.empty(3072, device=dev, dtype=torch.bfloat16)
+    k = gemv._gemv_stream_kernel[(132,)](w, x, x, y, y, 3072, 3072, 3072, 1e-5, 384, PROLOGUE=0, HAS_RESIDUAL=False,
+                                        BLOCK_N=8, BLOCK_K=512, K_POW2=1, STAGES=4, num_warps=4, num_stages=4)
+    out = {"cp_async": k.asm["ptx"].count("cp.async"), "n_regs": getattr(k, "n_regs", None),
+           "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared}
+    print(f"stream probe {out}", flush=True)
+    return out
 
-    def two(w, x):
-        a = decode_attention_fwd(q, ck, cv, pos)
-        return ks.linear_add(a.reshape(1, H * E), w, x)
 
-    want = two(ws[0], x0.clone()).float()
-    x = x0.clone()
-    res = {"model": model, "slots": slots, "two_launches_us": graph_us([lambda w=w: two(w, x) for w in ws]),
-           "variants": [], "engine": []}
-    print(f"attn+o {model}: two launches {res['two_launches_us']:.2f} µs", flush=True)
-    for v in ATTN_O_VARIANTS[model] + [dict(steal_after=1, skip_own=True)]:
-        row = {"options": v}
-        try:
-            got = attn_o_fwd(q, ck, cv, pos, ws[0], x0.clone(), **v).float()
-            row["max_abs_diff"] = (got - want).abs().max().item()
-            row["us"] = graph_us([lambda w=w: attn_o_fwd(q, ck, cv, pos, w, x, **v) for w in ws])
-        except Exception as e:  # resources: reported, not timed
-            row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
-        print(f"attn+o {model} {v}: {row}", flush=True)
-        res["variants"].append(row)
-    del ws
-    torch.cuda.empty_cache()
-    timed = sorted((r for r in res["variants"] if "us" in r and not r["options"].get("skip_own")),
-                   key=lambda r: r["us"])
-    w = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
-    ref = None
-    for opts in [None] + [r["options"] for r in timed[:engine_top]]:
-        eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16")
-        if opts is not None:
-            eng.kernels = fast.Kernels(True, fuse_attn_o=opts or True)
-        rate, _, tokens = decode_rate(eng, 32, 256, reps=3)
-        ref = tokens if ref is None else ref
-        agree = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(tokens))
-        res["engine"].append({"options": opts, "decode_tok_s": rate, "agree_with_two_launches": agree})
-        print(f"decode {model} attn_o {opts}: {rate:8.1f} tok/s  agree {agree}", flush=True)
-        del eng
-        torch.cuda.empty_cache()
-    return res
+def stream_sweep(models) -> tuple[list, dict, dict]:
+    from .kernels.gemv import _sm_count
+    sms = _sm_count(torch.device("cuda"))
+    rows, tables, qkv_tables = [], {m: {} for m in models}, {m: {} for m in models}
+    for m in models:
+        cfg = PRESETS[NAMES[m]]
+        q = qkv_sweep(cfg, configs=QKV_CONFIGS[2:3] + [(hn, w, st, bk, per * sms) for hn, w, st, bk, per in QKV_STREAM])
+        q["model"] = m
+        rows.append(q)
+        cur = qkv_rope.TABLE.get((q["N"], q["K"]))
+        if cur is None or q["best_us"] < 0.99 * q["configs"].get(json.dumps(list(cur)), float("inf")):
+            qkv_tables[m] = {(q["N"], q["K"]): qkv_rope.QkvConfig(*q["best"])}
+        for N, K, f in LAYER_SHAPES[m] + [LM_HEAD[m]]:
+            cands = [GemvConfig("stream", bn, bk, w, per * sms, 0, st) for bn, bk, w, per, st in STREAM if K % bk == 0]
+            r = gemv_sweep_shapes([(N, K, f)], cands)[0]
+            r["model"] = m
+            rows.append(r)
+            cur = gemv.TABLE.get((N, K))
+            t_cur = r["configs"].get(json.dumps(list(cur))) if cur else None
+            if t_cur is None or r["best_us"] < 0.99 * t_cur:
+                tables[m][(N, K)] = GemvConfig(*r["best_config"])
+    return rows, tables, qkv_tables
 
 
 def main(argv):
@@ -291,7 +243,7 @@ def main(argv):
             res["qkv"].append(qkv_sweep(PRESETS[NAMES[m]]))
             q = res["qkv"][-1]
             cur = qkv_rope.TABLE.get((q["N"], q["K"]))
-            if cur is None or q["best_us"] < 0.99 * q["configs"].get(str(list(cur)), float("inf")):
+            if cur is None or q["best_us"] < 0.99 * q["configs"].get(json.dumps(list(cur)), float("inf")):
                 qkv_tables[m] = {(q["N"], q["K"]): qkv_rope.QkvConfig(*q["best"])}
             rows = [gemv_sweep_shapes([(N, K, f)], [GemvConfig("split", *c) for c in SWEEP[K]])[0]
                     for N, K, f in LAYER_SHAPES[m]]
@@ -302,12 +254,6 @@ def main(argv):
                 if t_cur is None or r["best_us"] < 0.99 * t_cur:
                     tables[m][(r["N"], r["K"])] = GemvConfig(*r["best_config"])
         print(f"sweeps {time.time() - t0:.0f} s; GEMV tables to try {tables}, qkv {qkv_tables}", flush=True)
-    if "--attn-o" in argv:
-        res["attn_o"] = [attn_o_compare(m) for m in models]
-        if "--only-attn-o" in argv:
-            with open(f"{out_dir}/decode_variants.json", "w") as f:
-                json.dump(res, f, indent=1)
-            return
     if "--attention" in argv:
         for m in models:
             res.setdefault("attention", []).extend(attention_compare(m))

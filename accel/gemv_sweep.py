@@ -4,7 +4,7 @@
     cublas        F.linear alone;
     unfused       the sequence the fused GEMV replaces (rms_norm + F.linear; F.linear + add; swiglu + F.linear
                   + add), all cuBLAS/Triton launches;
-    gemv[cfg]     the fused Triton GEMV per GemvConfig (kind persist / split, tiles, warps, programs, PDL),
+    gemv[cfg]     the fused Triton GEMV per GemvConfig (kind persist / split / stream, tiles, warps, programs, PDL),
                   each checked first against a float64 product of the same f(x) (bf16 tolerance) and for
                   bitwise-equal repeats; a config that fails either check (or to compile) is not timed.
 Writes OUT_DIR/gemv_sweep.json (the winner per shape, or cuBLAS where the unfused sequence beats every config)
@@ -40,6 +40,8 @@ SHAPES = {"1b": {"qkv": (3072, 2048, "norm"), "o": (2048, 2048, "residual"), "ga
 PDL_OK = True  # cleared by main when pdl_probe fails
 SPLIT_TILES = [(8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (8, 2048, 8), (16, 2048, 8), (32, 2048, 8),
                (16, 512, 4), (32, 512, 4), (64, 512, 4), (32, 1024, 8)]
+# (BLOCK_N, BLOCK_K, warps, programs an SM, stages) of the streaming kernel: v7's winners (NOTES.md v7)
+STREAM_TILES = [(8, 512, 4, 3, 4), (8, 512, 4, 4, 4), (16, 512, 4, 2, 3)]
 DEADLINE = float("inf")  # time.time() past which only the built-in table's configs are timed (main's budget)
 
 
@@ -79,6 +81,9 @@ def candidates(N: int, K: int, sms: int) -> list[GemvConfig]:
     for bn, bk, warps in SPLIT_TILES:
         if bk <= K and K % bk == 0 and blocks(bn) * (K // bk) >= sms:
             out += [GemvConfig("split", bn, bk, warps, None, False), GemvConfig("split", bn, bk, warps, None, True)]
+    for bn, bk, warps, per, stages in STREAM_TILES:
+        if K % bk == 0:
+            out.append(GemvConfig("stream", bn, bk, warps, min(per * sms, blocks(bn)), False, stages))
     out = [c for c in dict.fromkeys(out) if PDL_OK or not c.pdl]
     return out if time.time() < DEADLINE else out[:2]
 

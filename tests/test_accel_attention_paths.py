@@ -60,23 +60,3 @@ def test_flash_other_tiles(block_m, block_n):
                                          torch.arange(T), config=dict(BLOCK_M=block_m, BLOCK_N=block_n,
                                                                       num_warps=4, num_stages=2, USE_DESC=False))
     torch.testing.assert_close(got, torch.from_numpy(want), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("H,K,E,D", [(4, 2, 16, 40), (6, 2, 24, 37), (8, 8, 16, 64), (8, 1, 32, 48)])
-@pytest.mark.parametrize("steal", [False, True])
-def test_attn_o_is_attention_then_o_projection(H, K, E, D, steal):
-    """accel/kernels/attn_o.py: x + attention(q) @ W_oᵀ in one launch, over several launches in a row (its claim and
-    arrival counters must be re-armed each time); steal: the attention programs leave their items and the waiting o
-    programs do them all (the forward-progress path)."""
-    from accel.kernels.attn_o import attn_o_fwd
-    rng = np.random.default_rng(H * 100 + E)
-    S = 70
-    cache_k, cache_v = filled_caches(rng, K, S, E, S)
-    w_o = (rng.standard_normal((D, H * E)) / np.sqrt(H * E)).astype(np.float32)
-    for p in (69, 0, 33):
-        q = rng.standard_normal((1, H, E)).astype(np.float32)
-        x = rng.standard_normal((1, D)).astype(np.float32)
-        want = x + reference(q, cache_k, cache_v, [p]).reshape(1, H * E) @ w_o.T  # [1, H·E] @ [H·E, D]
-        got = attn_o_fwd(torch.from_numpy(q), torch.from_numpy(cache_k), torch.from_numpy(cache_v), torch.tensor([p]),
-                         torch.from_numpy(w_o), torch.from_numpy(x.copy()), steal_after=1, skip_own=steal)
-        torch.testing.assert_close(got, torch.from_numpy(want), atol=1e-5, rtol=1e-5)

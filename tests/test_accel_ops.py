@@ -211,12 +211,16 @@ def test_lora_merge(R_):
 
 @pytest.mark.parametrize("N,K", [(37, 53), (67, 200)])  # neither a multiple of any block
 # default; persistent (3 programs over 10 or 17 row blocks) with K and N tails; one program a block, one K chunk;
-# split-K over 2 or 4 (K 53: 2 with a tail) and 7 slices with the last-ticket reduce; split with one slice
+# split-K over 2 or 4 (K 53: 2 with a tail) and 7 slices with the last-ticket reduce; split with one slice;
+# streaming (K 200 only: 25 chunks of 8) over 3 programs (N tail), 2 or 4 stages
 @pytest.mark.parametrize("config", [None, ("persist", 4, 32, 4, 3), ("persist", 16, 64, 4, None),
-                                    ("split", 16, 32, 4), ("split", 8, 32, 4, None, True), ("split", 64, 256, 4)])
+                                    ("split", 16, 32, 4), ("split", 8, 32, 4, None, True), ("split", 64, 256, 4),
+                                    ("stream", 8, 8, 4, 3, 0, 2), ("stream", 16, 8, 4, None, 0, 4)])
 def test_gemv_fusions_match_the_unfused_ops(N, K, config):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors reach the kernel only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
+    if config and config[0] == "stream" and K % config[2]:
+        pytest.skip("stream: K must be a multiple of block_k")
     import torch.nn.functional as F
 
     from accel.kernels.gemv import gemv_fwd
@@ -238,8 +242,8 @@ def test_gemv_fusions_match_the_unfused_ops(N, K, config):
 
 
 @pytest.mark.parametrize("H,K,E,D", [(4, 2, 16, 40), (3, 1, 24, 53), (8, 8, 32, 64), (8, 2, 64, 37)])
-# one program a head (CPU default), or 4-column slices of each half
-@pytest.mark.parametrize("config", [None, (4, 4)])
+# one program a head (CPU default), or 4-column slices of each half; streaming: 8-wide K chunks, 3 programs
+@pytest.mark.parametrize("config", [None, (4, 4), (4, 4, 2, 8, 3)])
 @pytest.mark.parametrize("fused", [True, False])
 def test_decode_qkv_rope_matches_refimpl(H, K, E, D, config, fused):
     """The decode step's norm -> qkv -> RoPE -> cache write (accel/kernels/qkv_rope.py, or the unfused pair) for one
@@ -249,6 +253,8 @@ def test_decode_qkv_rope_matches_refimpl(H, K, E, D, config, fused):
         pytest.skip("CPU tensors reach the kernel only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
     if config and (not fused or config[0] > E // 2):
         pytest.skip("config: the fused kernel's")
+    if config and len(config) > 2 and D % config[3]:
+        pytest.skip("streaming: D must be a multiple of block_k")
     from accel.kernels.qkv_rope import qkv_rope_fwd
     from accel.model import Kernels
     rng = rng_for("qkv_rope", H, K, E, D)
@@ -289,3 +295,5 @@ def test_gemv_config_fills_the_gpu_at_llama_shapes():
         assert 132 <= progs and (K % cfg.block_k == 0 or cfg.block_k >= K), (N, K, cfg)  # or one masked slice
         if cfg.kind == "persist":
             assert progs <= blocks and cfg.block_k == 256 * cfg.warps, (N, K, cfg)
+        if cfg.kind == "stream":  # persistent, whole K chunks (its loads are never masked)
+            assert progs <= blocks and K % cfg.block_k == 0, (N, K, cfg)

@@ -242,15 +242,16 @@ def test_flash_attention_e128_pointer_and_tma(use_desc):
 
 SPLIT_CONFIGS = [("split", 16, 1024, 4, None, False), ("split", 16, 1024, 4, None, True),
                  ("split", 8, 2048, 8, None, True), ("persist", 4, 1024, 4, 384, True),
-                 ("split", 4, 4096, 8, None, 0)]  # the last: one masked 4096-wide slice (K = 3072)
+                 ("split", 4, 4096, 8, None, 0),  # one masked 4096-wide slice (K = 3072)
+                 ("stream", 8, 512, 4, 528, 0, 4), ("stream", 16, 512, 4, 264, 0, 3)]  # cp.async pipeline
 
 
 @pytest.mark.parametrize("config", SPLIT_CONFIGS)
 @pytest.mark.parametrize("N,K,fusion", GEMV_SHAPES)
 def test_gemv_variants_at_llama_shapes(N, K, fusion, config):
-    """Each kernel kind (split-K with the last-ticket reduce, persistent) with and without PDL, bf16, against the
-    float64 oracle of test_gemv_at_llama_shapes; three launches must agree bit for bit (the reduce sums in slice
-    order whichever program arrives last)."""
+    """Each kernel kind (split-K with the last-ticket reduce, persistent, streaming) with and without PDL, bf16,
+    against the float64 oracle of test_gemv_at_llama_shapes; three launches must agree bit for bit (the reduce
+    sums in slice order whichever program arrives last)."""
     from accel.kernels.gemv import gemv_fwd
     from accel.model import torch_rms_norm, torch_swiglu_gate_up
     dtype = torch.bfloat16

@@ -17,7 +17,6 @@ past the current length run an empty loop and record m = −inf, l = 0, acc = 0,
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -84,12 +83,17 @@ def _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s,
 
 
 @triton.jit
-def split_item(kh, split, Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
-               E: tl.constexpr, G, split_len, n_splits, qk_scale, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr, BLOCK_HG: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """Split `split` of kv head kh: its partial output and statistics; FUSED: the kv head's last program to
-    arrive also combines the head's splits into O. Returns whether this program was that last one."""
+def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
+                         E: tl.constexpr, G, split_len, n_splits, qk_scale, BLOCK_G: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
+                         BLOCK_HG: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL != 0:  # launched early (PDL): q and the new slot come from the previous kernel, so wait for it first;
+        # then let the next kernel (the o GEMV) launch and stream its weights while this latency-bound one runs
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    kh = tl.program_id(0)
+    split = tl.program_id(1)
     ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
@@ -126,26 +130,9 @@ def split_item(kh, split, Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, s
         # one address per program serialize in L2; sweep of 2026-11-21.)
         tl.debug_barrier()
         ticket = tl.atomic_add(CNT + kh, 1, sem="acq_rel", scope="gpu")
-        last = ticket == n_splits - 1
-        if last:
+        if ticket == n_splits - 1:
             _combine_heads(ACC, M, L, O, kh * G, G, so_h, E, n_splits, BLOCK_HG, BLOCK_S, BLOCK_E)
             tl.store(CNT + kh, 0)  # every other program of this kv head is done: ready for the next launch
-        return last
-    return False
-
-
-@triton.jit
-def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
-                         E: tl.constexpr, G, split_len, n_splits, qk_scale, BLOCK_G: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
-                         BLOCK_HG: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    if PDL != 0:  # launched early (PDL): q and the new slot come from the previous kernel, so wait for it first;
-        # then let the next kernel (the o GEMV) launch and stream its weights while this latency-bound one runs
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    split_item(tl.program_id(0), tl.program_id(1), Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s,
-               so_h, E, G, split_len, n_splits, qk_scale, BLOCK_G, BLOCK_N, BLOCK_E, BLOCK_S, FUSED, BLOCK_HG,
-               DOT_PRECISION)
 
 
 @triton.jit
@@ -188,40 +175,6 @@ def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype) -> dict:
     return dict(BLOCK_N=128 if wide else 64, num_warps=4, num_stages=3, FUSED=True)
 
 
-class Plan(NamedTuple):
-    """One decode-attention launch's sizes, scratch and compile-time options (shared with accel/kernels/attn_o.py)."""
-    n_splits: int
-    split_len: int
-    acc: torch.Tensor  # [H, splits, E] fp32 partial outputs
-    m: torch.Tensor  # [H, splits] running maxima (log2 domain)
-    l: torch.Tensor  # [H, splits] running sums
-    cnt: torch.Tensor | None  # per-kv-head arrival counters (FUSED), None: combine in a second kernel
-    meta: dict  # split_item's constexprs and the launch options
-
-
-def plan(q: torch.Tensor, cache_k: torch.Tensor, max_len: int | None = None, split_len: int | None = None,
-         config: dict | None = None) -> Plan:
-    H, E = q.shape[-2:]
-    NK, S, _ = cache_k.shape
-    max_len = S if max_len is None else max_len
-    cfg = {**_config(q.is_cuda, split_len, q.dtype), **(config or {})}
-    if split_len is None:
-        split_len = default_split_len(max_len, 64 if q.is_cuda else 16)
-        cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
-    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], split_len)
-    assert split_len % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16, "split_len must be a multiple of 16"
-    n_splits = triton.cdiv(max_len, split_len)
-    G = H // NK
-    acc = torch.empty((H, n_splits, E), dtype=torch.float32, device=q.device)
-    m = torch.empty((H, n_splits), dtype=torch.float32, device=q.device)
-    l = torch.empty((H, n_splits), dtype=torch.float32, device=q.device)
-    cnt = _counters(q.device, NK) if cfg["FUSED"] else None
-    meta = dict(BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=max(16, triton.next_power_of_2(E)),
-                BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_HG=triton.next_power_of_2(G),
-                DOT_PRECISION=dot_precision(q.dtype), **{**cfg, "FUSED": cnt is not None})
-    return Plan(n_splits, split_len, acc, m, l, cnt, meta)
-
-
 def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor,
                          out: torch.Tensor | None = None, max_len: int | None = None,
                          split_len: int | None = None, config: dict | None = None, pdl: int = 0) -> torch.Tensor:
@@ -234,17 +187,32 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     with programmatic dependent launch (accel/kernels/gemv.py's modes; CUDA only).
     """
     H, E = q.shape[-2:]
-    NK = cache_k.shape[0]
+    NK, S, _ = cache_k.shape
     assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     assert position.numel() == 1
-    pl = plan(q, cache_k, max_len, split_len, config)
+    max_len = S if max_len is None else max_len
+    cfg = {**_config(q.is_cuda, split_len, q.dtype), **(config or {})}
+    if split_len is None:
+        split_len = default_split_len(max_len, 64 if q.is_cuda else 16)
+        cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], split_len)
+    assert split_len % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16, "split_len must be a multiple of 16"
+    n_splits = triton.cdiv(max_len, split_len)
+    G = H // NK
+    acc = torch.empty((H, n_splits, E), dtype=torch.float32, device=q.device)
+    m = torch.empty((H, n_splits), dtype=torch.float32, device=q.device)
+    l = torch.empty((H, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    _decode_split_kernel[(NK, pl.n_splits)](
-        q, cache_k, cache_v, position, pl.acc, pl.m, pl.l, out, pl.m if pl.cnt is None else pl.cnt, q.stride(-2),
-        cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, H // NK,
-        pl.split_len, pl.n_splits, LOG2E / math.sqrt(E), PDL=pdl if q.is_cuda else 0, **pl.meta,
-        **pdl_launch(pdl, q.device))
-    if pl.cnt is None:
-        _decode_reduce_kernel[(H,)](pl.acc, pl.m, pl.l, out, out.stride(-2), E, pl.n_splits,
-                                    BLOCK_S=pl.meta["BLOCK_S"], BLOCK_E=pl.meta["BLOCK_E"], num_warps=4)
+    cnt = _counters(q.device, NK) if cfg["FUSED"] else None
+    block_e = max(16, triton.next_power_of_2(E))
+    block_s = triton.next_power_of_2(n_splits)
+    _decode_split_kernel[(NK, n_splits)](
+        q, cache_k, cache_v, position, acc, m, l, out, m if cnt is None else cnt, q.stride(-2), cache_k.stride(0),
+        cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
+        LOG2E / math.sqrt(E), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e, BLOCK_S=block_s,
+        BLOCK_HG=triton.next_power_of_2(G), DOT_PRECISION=dot_precision(q.dtype),
+        PDL=pdl if q.is_cuda else 0, **{**cfg, "FUSED": cnt is not None}, **pdl_launch(pdl, q.device))
+    if cnt is None:
+        _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,
+                                    num_warps=4)
     return out

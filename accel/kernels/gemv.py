@@ -2,13 +2,16 @@
 
 Why not cuBLAS: its M=1 kernel tiles 64 rows per CTA, so the 1B qkv/o shapes (N = 3072/2048) run on 48/32 CTAs
 of 132 SMs at 2.2 TB/s, and down (K = 8192) needs a split-K reduce launch (nvidia-h200, 2026-11-21, NOTES.md).
-Two kernels, chosen per shape by TABLE (GemvConfig.kind):
+Three kernels, chosen per shape by TABLE (GemvConfig.kind):
     split    grid (row blocks, K slices): each program multiplies ONE [BLOCK_N, BLOCK_K] tile, all its weight
              loads issued at once, f(x) computed once; partials of several slices are summed in slice order by
              the row block's last program to arrive (deterministic). Faster on 1B's four shapes and 3B's down
              (v3c: 2.8-3.5 TB/s where the persistent kernel reached 1.7-2.9);
     persist  row blocks of BLOCK_N whole rows dealt evenly to a persistent grid, two tiles in flight a program
-             (still faster on 3B's qkv/o, K = 3072).
+             (the unfused 3B qkv);
+    stream   persistent too, but the tiles pass through shared memory in Triton's cp.async software pipeline,
+             STAGES deep, so the bytes in flight are not bounded by registers: 3-8% faster than split on 1B's
+             down and 3B's o, gate_up and down (v7, NOTES.md).
 Either may be launched with programmatic dependent launch (PDL_EARLY / PDL_LATE below; the decode step picks the
 mode for all its kernels: accel.model.Kernels).
 The decode step is launch-bound too, so the neighbouring elementwise ops fold into the GEMV:
@@ -184,7 +187,8 @@ def _gemv_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.con
         blk = pid + (i // n_k) * nprog
         k0 = (i % n_k) * BLOCK_K
         w = w_next
-        j = i + 1  # the next tile, loaded now and used next iteration (Triton pipelines only tl.dot operands)
+        j = i + 1  # the next tile, loaded now and used next iteration (by hand; _gemv_stream_kernel leaves it to
+        # Triton's pipeliner, which does pipeline plain loads once the stride is known to be a multiple of 16)
         nrows = tl.minimum((pid + (j // n_k) * nprog) * BLOCK_N + r_off, N - 1).to(tl.int64)
         nk0 = (j % n_k) * BLOCK_K
         nptrs = W + nrows[:, None] * stride_w + nk0 + cols[None, :]
@@ -207,39 +211,78 @@ def _gemv_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.con
             pdl_release(PDL)
 
 
+@triton.jit
+def _gemv_stream_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        K_POW2: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """Persistent like _gemv_kernel (row blocks p, p + P, ...; tiles as one flat sequence), but the weight tiles
+    go through shared memory by Triton's software pipeline (cp.async), STAGES tiles in flight a program, instead
+    of through registers: bytes in flight are bounded by shared memory, not by the register file. K % BLOCK_K == 0.
+    With PDL it waits before its first load (the pipeline issues weights and x together)."""
+    pdl_wait(PDL)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_k = K // BLOCK_K
+    total = tl.cdiv(n_blocks - pid, nprog) * n_k  # tiles of this program
+    r_off = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    rstd = 0.0
+    if PROLOGUE == 1:
+        kk = tl.arange(0, K_POW2)
+        xs = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for i in tl.range(0, total, num_stages=STAGES):
+        blk = pid + (i // n_k) * nprog
+        k0 = (i % n_k) * BLOCK_K
+        rows_c = tl.minimum(blk * BLOCK_N + r_off, N - 1).to(tl.int64)  # past N: re-read row N-1, stores masked
+        w = tl.load(W + rows_c[:, None] * stride_w + k0 + cols[None, :])
+        acc += w.to(tl.float32) * _fx(X, NW, k0, cols, K, rstd, PROLOGUE, True)[None, :]
+        if k0 + BLOCK_K == K:  # the block's last chunk: its rows are done
+            _epilogue(tl.sum(acc, axis=1), R, Y, blk * BLOCK_N + r_off, N, HAS_RESIDUAL)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    pdl_release(PDL)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 class GemvConfig(NamedTuple):
-    """kind "persist": _gemv_kernel on `programs` programs (None: one a row block); kind "split": _gemv_split_kernel
-    on a (row blocks, K / block_k) grid (`programs` unused). pdl: PDL_OFF, PDL_EARLY or PDL_LATE (True reads as
-    PDL_EARLY, the one mode of the v3c sweep JSONs)."""
+    """kind "persist" / "stream": _gemv_kernel / _gemv_stream_kernel on `programs` programs (None: one a row
+    block); kind "split": _gemv_split_kernel on a (row blocks, K / block_k) grid (`programs` unused). pdl: PDL_OFF,
+    PDL_EARLY or PDL_LATE (True reads as PDL_EARLY, the one mode of the v3c sweep JSONs)."""
     kind: str
     block_n: int
     block_k: int
     warps: int
     programs: int | None = None
     pdl: int = PDL_OFF
+    stages: int = 3  # kind "stream": tiles in flight a program
 
 
 # The config per (N, K) on the GPU: the fastest of `accel.gemv_sweep` without PDL (nvidia-h200, 2026-11-21
 # 11:17 UTC, accel/bench_results/h200-2026-11-21-v3c-gemv-sweep.json), µs a call in a graph vs the unfused
-# cuBLAS sequence it replaces (vs v3b's table): 1B qkv 6.15 vs 8.16 (6.78), o 4.43 vs 7.49 (5.12), down 12.12 vs
-# 17.23 (16.27); 3B qkv 11.91 vs 12.36. 1B gate_up: 4 × 2048 tiles, 19.27 / 19.12 µs in two sweeps (v6c, v6e)
-# against 19.56 / 19.42 with 8 × 2048 (v3c: 19.82; rms_norm + cuBLAS 21.71). 3B down: 16.83 µs with 8 × 2048
-# tiles in two sweeps (v6c, v6d) against 17.03 / 17.10 with v3c's 16 × 512 (unfused: 21.53).
-# K = 3072 (3B o, gate_up): one masked 4096-wide slice a program, no reduce (v6a, 11:42 UTC, -v6a-variants.json):
-# o 7.43 vs the persistent kernel's 7.72, gate_up 28.65 vs rms_norm + cuBLAS 29.22; engine decode 469.4 vs 461.5
-# tok/s. The lm_head with the final norm folded in (v6b): 1B 119.8 vs 129.4, 3B 177.7 vs 190.4 (rms_norm + cuBLAS).
-# qkv is fused with RoPE in the decode step now (accel/kernels/qkv_rope.py); its entries serve the unfused
-# path. PDL was slower in the engine every time (v3c, v6a): NOTES.md. Shapes not listed use gemv_config's rule.
+# cuBLAS sequence it replaces (vs v3b's table): 1B qkv 6.15 vs 8.16 (6.78), o 4.43 vs 7.49 (5.12); 3B qkv 11.91
+# vs 12.36. 1B gate_up: 4 × 2048 tiles, 19.27 / 19.12 µs in two sweeps (v6c, v6e) against 19.56 / 19.42 with
+# 8 × 2048 (v3c: 19.82; rms_norm + cuBLAS 21.71). The lm_head with the final norm folded in (v6b): 1B 119.8 vs
+# 129.4, 3B 177.7 vs 190.4 (rms_norm + cuBLAS); the streaming kernel ties there (v7d: 119.2 vs 117.9, 175.2 vs
+# 175.2). Streaming kernel (v7c / v7d, two sweeps, -v7c-stream.json, -v7d-stream.json), against the split one:
+# 1B down 11.62 / 11.50 vs 12.05 / 12.09; 3B o 7.37 / 7.29 vs 7.48 / 7.43, gate_up 27.49 (16 × 512, 4 stages) /
+# 26.91 (3 stages) vs 28.25 / 28.27, down 15.61 / 15.39 vs 16.81 / 16.72; engine decode 3B 494.9 -> 515.2 tok/s,
+# 1B 1233.1 -> 1249.2 (v7d). For 1B down and 3B o / down the sweep's 396-660 programs exceed the 256 / 384 row
+# blocks (the launch caps them): one row block a program, streamed along K; 3B gate_up: 2 programs an SM over
+# 1024 blocks. 1B o and gate_up keep the split kernel (4.76 vs 4.76, 19.23 vs 19.44). Swept on 132 SMs.
+# qkv is fused with RoPE in the decode step (accel/kernels/qkv_rope.py); its entries serve the unfused path.
+# PDL was slower in the engine every time (v3c, v6a): NOTES.md. Shapes not listed use gemv_config's rule.
 TABLE: dict[tuple[int, int], GemvConfig] = {
     (3072, 2048): GemvConfig("split", 8, 2048, 8), (2048, 2048): GemvConfig("split", 8, 2048, 8),
-    (16384, 2048): GemvConfig("split", 4, 2048, 4), (2048, 8192): GemvConfig("split", 32, 1024, 4),
-    (5120, 3072): GemvConfig("persist", 4, 1024, 4, 640), (3072, 3072): GemvConfig("split", 4, 4096, 4),
-    (16384, 3072): GemvConfig("split", 4, 4096, 8), (3072, 8192): GemvConfig("split", 8, 2048, 4),
+    (16384, 2048): GemvConfig("split", 4, 2048, 4), (2048, 8192): GemvConfig("stream", 8, 512, 4, 256, PDL_OFF, 4),
+    (5120, 3072): GemvConfig("persist", 4, 1024, 4, 640),
+    (3072, 3072): GemvConfig("stream", 8, 512, 4, 384, PDL_OFF, 4),
+    (16384, 3072): GemvConfig("stream", 16, 512, 4, 264, PDL_OFF, 3),
+    (3072, 8192): GemvConfig("stream", 8, 512, 4, 384, PDL_OFF, 4),
     (128256, 2048): GemvConfig("split", 8, 2048, 8), (128256, 3072): GemvConfig("split", 4, 4096, 8),
 }
 
@@ -334,8 +377,16 @@ def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor
             HAS_RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
             K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, PDL=pdl, **launch)
         return out
-    assert cfg.kind == "persist", f"unknown GEMV kind {cfg.kind!r}"
     n_blocks = triton.cdiv(N, bn)
+    if cfg.kind == "stream":
+        assert K % bk == 0, "stream: K must be a multiple of block_k"
+        _gemv_stream_kernel[(min(cfg.programs or n_blocks, n_blocks),)](
+            weight, xv, nw, r, out, N, K, weight.stride(0), float(eps), n_blocks, PROLOGUE=prologue,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk,
+            K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, STAGES=cfg.stages, PDL=pdl,
+            num_stages=cfg.stages, **launch)
+        return out
+    assert cfg.kind == "persist", f"unknown GEMV kind {cfg.kind!r}"
     programs = n_blocks if cfg.programs is None else min(cfg.programs, n_blocks)
     _gemv_kernel[(programs,)](weight, xv, nw, r, out, N, K, weight.stride(0), float(eps), n_blocks,
                               PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk,

@@ -10,6 +10,8 @@ HALF_N columns of the first half of one head AND the HALF_N matching columns of 
 rows of the weight, [HALF_N, K] each, all loaded at once (no K loop; K = 3072 is one masked 4096-wide tile:
 three 1024-wide ones took half the registers but were slower, NOTES.md v6).
 Rows are whole (one program does the full K), so the pair is complete in the program and no reduce is needed.
+The streaming variant (_qkv_rope_stream_kernel; QkvConfig.stages > 0) walks K in tiles through shared memory
+instead, like gemv's "stream" kind: faster at the 3B's shape (NOTES.md v7).
 
 Why: at batch 1 the rope/KV-write kernel and its launch gap cost ~2 µs a layer next to a 6 µs GEMV (1B,
 nvidia-h200, 2026-11-21, NOTES.md v5), and reading the position and cos/sin rows in the kernel also drops the
@@ -25,6 +27,32 @@ import triton
 import triton.language as tl
 
 from .gemv import PDL_OFF, _fx, _sm_count, _tile, pdl_launch, pdl_release, pdl_wait
+
+
+@triton.jit
+def _rope_store(a1, a2, head, cols, col_ok, pos, COS, SIN, QO, CK, CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV,
+                E: tl.constexpr):
+    """Round the GEMV rows (as unfused), rotate q/k pairs (c, c + E/2) in fp32, store q, or k/v into the cache."""
+    half: tl.constexpr = E // 2
+    dt = QO.dtype.element_ty
+    a1 = a1.to(dt).to(tl.float32)
+    a2 = a2.to(dt).to(tl.float32)
+    if head < H + NKV:  # q and k rotate; v is copied
+        c = tl.load(COS + pos * s_cos + cols, mask=col_ok, other=1.0)
+        s = tl.load(SIN + pos * s_sin + cols, mask=col_ok, other=0.0)
+        y1 = a1 * c - a2 * s
+        y2 = a2 * c + a1 * s
+    else:
+        y1 = a1
+        y2 = a2
+    if head < H:
+        dst = QO + head * E + cols
+    elif head < H + NKV:
+        dst = CK + (head - H) * sc_k + pos * sc_s + cols
+    else:
+        dst = CV + (head - H - NKV) * scv_k + pos * scv_s + cols
+    tl.store(dst, y1.to(dt), mask=col_ok)
+    tl.store(dst + half, y2.to(dt), mask=col_ok)
 
 
 @triton.jit
@@ -49,36 +77,66 @@ def _qkv_rope_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_co
     a1 = tl.sum(w1.to(tl.float32) * fx[None, :], axis=1)  # [HN]
     a2 = tl.sum(w2.to(tl.float32) * fx[None, :], axis=1)
     pdl_release(PDL)
-    dt = QO.dtype.element_ty
-    a1 = a1.to(dt).to(tl.float32)  # the GEMV's output is rounded before RoPE reads it, as unfused
-    a2 = a2.to(dt).to(tl.float32)
     pos = tl.load(POS).to(tl.int64)
-    if head < H + NKV:  # q and k rotate; v is copied
-        c = tl.load(COS + pos * s_cos + cols, mask=col_ok, other=1.0)
-        s = tl.load(SIN + pos * s_sin + cols, mask=col_ok, other=0.0)
-        y1 = a1 * c - a2 * s
-        y2 = a2 * c + a1 * s
-    else:
-        y1 = a1
-        y2 = a2
-    if head < H:
-        dst = QO + head * E + cols
-    elif head < H + NKV:
-        dst = CK + (head - H) * sc_k + pos * sc_s + cols
-    else:
-        dst = CV + (head - H - NKV) * scv_k + pos * scv_s + cols
-    tl.store(dst, y1.to(dt), mask=col_ok)
-    tl.store(dst + half, y2.to(dt), mask=col_ok)
+    _rope_store(a1, a2, head, cols, col_ok, pos, COS, SIN, QO, CK, CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV,
+                E)
+
+
+@triton.jit
+def _qkv_rope_stream_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_cos, s_sin, sc_k, sc_s, scv_k,
+                            scv_s, H, NKV, n_blocks, E: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            K_POW2: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """The same work as _qkv_rope_kernel, persistent like gemv._gemv_stream_kernel: program p owns pair blocks
+    p, p + P, ... and streams their [HALF_N, BLOCK_K] tile pairs through shared memory (Triton's cp.async
+    pipeline, STAGES deep) instead of holding whole rows in registers. K % BLOCK_K == 0. With PDL it waits first."""
+    pdl_wait(PDL)
+    half: tl.constexpr = E // 2
+    per_head: tl.constexpr = (half + HALF_N - 1) // HALF_N
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_k = K // BLOCK_K
+    total = tl.cdiv(n_blocks - pid, nprog) * n_k
+    kk = tl.arange(0, K_POW2)
+    xs = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+    pos = tl.load(POS).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc1 = tl.zeros([HALF_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([HALF_N, BLOCK_K], dtype=tl.float32)
+    for i in tl.range(0, total, num_stages=STAGES):
+        b = pid + (i // n_k) * nprog
+        k0 = (i % n_k) * BLOCK_K
+        head = b // per_head
+        cols = (b % per_head) * HALF_N + tl.arange(0, HALF_N)
+        rows1 = (head * E + tl.minimum(cols, half - 1)).to(tl.int64)
+        w1 = tl.load(W + rows1[:, None] * stride_w + k0 + offs_k[None, :])  # [HN, BK]
+        w2 = tl.load(W + (rows1 + half)[:, None] * stride_w + k0 + offs_k[None, :])
+        fx = _fx(X, NW, k0, offs_k, K, rstd, 1, True)[None, :]
+        acc1 += w1.to(tl.float32) * fx
+        acc2 += w2.to(tl.float32) * fx
+        if k0 + BLOCK_K == K:
+            _rope_store(tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), head, cols, cols < half, pos, COS, SIN, QO, CK,
+                        CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV, E)
+            acc1 = tl.zeros([HALF_N, BLOCK_K], dtype=tl.float32)
+            acc2 = tl.zeros([HALF_N, BLOCK_K], dtype=tl.float32)
+    pdl_release(PDL)
 
 
 class QkvConfig(NamedTuple):
     half_n: int  # columns of each half-head a program owns (a power of 2)
     warps: int
+    stages: int = 0  # > 0: the streaming kernel, with this pipeline depth
+    block_k: int = 512  # streaming: K columns a tile
+    programs: int | None = None  # streaming: persistent programs (None: one a pair block)
 
 
 # Per (N, K) on the GPU: the fastest of accel.decode_variants' sweep (nvidia-h200, 2026-11-21 11:42 UTC, µs a call
-# in a graph over 256 MB of weight copies): 1B 6.28 (unfused GEMV + rope_kv_write 7.94), 3B 11.93 (13.79).
-TABLE: dict[tuple[int, int], QkvConfig] = {(3072, 2048): QkvConfig(2, 8), (5120, 3072): QkvConfig(2, 8)}
+# in a graph over 256 MB of weight copies): 1B 6.28 (unfused GEMV + rope_kv_write 7.94), 3B 11.93 (13.79). The
+# streaming kernel (v7d, -v7d-stream.json): 3B 11.18 µs with 8 × 512 tile pairs, 3 stages, one pair block a
+# program (the sweep's 396 programs are capped at the 320 blocks), vs 11.71 for (2, 8); engine 3B 515.2 -> 522.2
+# tok/s. 1B: 6.69 at best vs 6.20, kept.
+TABLE: dict[tuple[int, int], QkvConfig] = {(3072, 2048): QkvConfig(2, 8),
+                                           (5120, 3072): QkvConfig(8, 4, stages=3, block_k=512)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,11 +169,19 @@ def qkv_rope_fwd(weight: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tenso
     assert q_out.is_contiguous() and q_out.numel() == H * E
     cfg = QkvConfig(*config) if config is not None else qkv_config(N, D, E, _sm_count(weight.device))
     assert cfg.half_n == triton.next_power_of_2(cfg.half_n), f"half_n {cfg.half_n} must be a power of 2"
-    block_k = triton.next_power_of_2(D)
+    args = (weight, x, norm_weight, cos, sin, position, q_out, cache_k, cache_v, D, weight.stride(0), float(eps),
+            cos.stride(0), sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1),
+            H, NKV)
     pdl = pdl if weight.device.type == "cuda" else PDL_OFF
+    if cfg.stages:
+        assert D % cfg.block_k == 0, "streaming: D must be a multiple of block_k"
+        n_blocks = (H + 2 * NKV) * triton.cdiv(E // 2, cfg.half_n)
+        _qkv_rope_stream_kernel[(min(cfg.programs or n_blocks, n_blocks),)](
+            *args, n_blocks, E=E, HALF_N=cfg.half_n, BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(D),
+            STAGES=cfg.stages, PDL=pdl, num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(pdl, weight.device))
+        return q_out
+    block_k = triton.next_power_of_2(D)
     _qkv_rope_kernel[((H + 2 * NKV) * triton.cdiv(E // 2, cfg.half_n),)](
-        weight, x, norm_weight, cos, sin, position, q_out, cache_k, cache_v, D, weight.stride(0), float(eps),
-        cos.stride(0), sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1),
-        H, NKV, E=E, HALF_N=cfg.half_n, BLOCK_K=block_k, EVEN_K=block_k == D, PDL=pdl, num_warps=cfg.warps,
+        *args, E=E, HALF_N=cfg.half_n, BLOCK_K=block_k, EVEN_K=block_k == D, PDL=pdl, num_warps=cfg.warps,
         **pdl_launch(pdl, weight.device))
     return q_out
