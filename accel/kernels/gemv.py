@@ -64,6 +64,14 @@ def _fx(X, NW, k0, cols, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
         return x.to(tl.float32)
 
 
+@triton.jit
+def _rstd(X, K, eps, K_POW2: tl.constexpr):
+    """1 / rms(x[0:K]) in fp32, the whole x in one round of loads (K <= K_POW2 <= 8192: <= 32 values a thread)."""
+    kk = tl.arange(0, K_POW2)
+    xs = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+
+
 PDL_OFF, PDL_EARLY, PDL_LATE = 0, 1, 2
 
 
@@ -133,10 +141,8 @@ def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl
     w = _tile(W, tl.minimum(rows, N - 1).to(tl.int64), stride_w, k0, cols, K, EVEN_K)
     pdl_wait(PDL)
     rstd = 0.0
-    if PROLOGUE == 1:  # the rms of the whole x in one round of loads (K <= 8192: <= 32 values a thread)
-        kk = tl.arange(0, K_POW2)
-        xs = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+    if PROLOGUE == 1:
+        rstd = _rstd(X, K, eps, K_POW2)
     part = _dot_tile(w, X, NW, k0, cols, K, rstd, PROLOGUE, EVEN_K)  # [BLOCK_N]
     pdl_release(PDL)
     if SPLIT_K == 1:
@@ -228,9 +234,7 @@ def _gemv_stream_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE:
     cols = tl.arange(0, BLOCK_K)
     rstd = 0.0
     if PROLOGUE == 1:
-        kk = tl.arange(0, K_POW2)
-        xs = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+        rstd = _rstd(X, K, eps, K_POW2)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i in tl.range(0, total, num_stages=STAGES):
         blk = pid + (i // n_k) * nprog

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import PDL_OFF, _fx, _sm_count, _tile, pdl_launch, pdl_release, pdl_wait
+from .gemv import PDL_OFF, _fx, _rstd, _sm_count, _tile, pdl_launch, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -71,8 +71,7 @@ def _qkv_rope_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_co
     w1 = _tile(W, rows1, stride_w, 0, offs_k, K, EVEN_K)  # [HN, BK], BK = next_power_of_2(K)
     w2 = _tile(W, rows2, stride_w, 0, offs_k, K, EVEN_K)
     pdl_wait(PDL)  # x, the position and the cache slot may belong to the previous kernel
-    xs = tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+    rstd = _rstd(X, K, eps, BLOCK_K)
     fx = _fx(X, NW, 0, offs_k, K, rstd, 1, EVEN_K)  # [BK] rms_norm(x), HF's roundings
     a1 = tl.sum(w1.to(tl.float32) * fx[None, :], axis=1)  # [HN]
     a2 = tl.sum(w2.to(tl.float32) * fx[None, :], axis=1)
@@ -96,9 +95,7 @@ def _qkv_rope_stream_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, ep
     nprog = tl.num_programs(0)
     n_k = K // BLOCK_K
     total = tl.cdiv(n_blocks - pid, nprog) * n_k
-    kk = tl.arange(0, K_POW2)
-    xs = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+    rstd = _rstd(X, K, eps, K_POW2)
     pos = tl.load(POS).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     acc1 = tl.zeros([HALF_N, BLOCK_K], dtype=tl.float32)
