@@ -64,10 +64,10 @@ def qkv_sweep(cfg, min_bytes: int = 256 * 2**20, configs=QKV_CONFIGS) -> dict:
     want_k, want_v = ck[:, 300].float().clone(), cv[:, 300].float().clone()
     row = {"N": N, "K": D, "mb": N * D * 2 / 1e6, "unfused_us": graph_us([lambda w=w: unfused(w) for w in ws]),
            "configs": {}, "failed": {}}
-    for c in configs:
-        if c[0] > E // 2 or (len(c) == 2 and c[0] * triton.next_power_of_2(D) > 16384):
+    table = qkv_rope.TABLE.get((N, D))
+    for c in dict.fromkeys([qkv_rope.QkvConfig(*c) for c in ([table] if table else []) + list(configs)]):
+        if c.half_n > E // 2 or (not c.stages and c.half_n * triton.next_power_of_2(D) > 16384):
             continue
-        c = qkv_rope.QkvConfig(*c)
         ck.zero_()
         cv.zero_()
         try:
@@ -207,27 +207,39 @@ def stream_probe() -> dict:
     return out
 
 
+def qkv_winner(q: dict) -> dict:
+    """{(N, K): the sweep's best qkv_rope config} where it beats the table's config by > 1%, else {}."""
+    cur = qkv_rope.TABLE.get((q["N"], q["K"]))
+    if cur is None or q["best_us"] < 0.99 * q["configs"].get(json.dumps(list(cur)), float("inf")):
+        return {(q["N"], q["K"]): qkv_rope.QkvConfig(*q["best"])}
+    return {}
+
+
+def gemv_winner(r: dict) -> dict:
+    """{(N, K): the sweep's best GEMV config} where it beats the table's config by > 1%, else {}."""
+    cur = gemv.TABLE.get((r["N"], r["K"]))
+    t_cur = r["configs"].get(json.dumps(list(cur))) if cur else None
+    if t_cur is None or r["best_us"] < 0.99 * t_cur:
+        return {(r["N"], r["K"]): GemvConfig(*r["best_config"])}
+    return {}
+
+
 def stream_sweep(models) -> tuple[list, dict, dict]:
     from .kernels.gemv import _sm_count
     sms = _sm_count(torch.device("cuda"))
     rows, tables, qkv_tables = [], {m: {} for m in models}, {m: {} for m in models}
     for m in models:
         cfg = PRESETS[NAMES[m]]
-        q = qkv_sweep(cfg, configs=QKV_CONFIGS[2:3] + [(hn, w, st, bk, per * sms) for hn, w, st, bk, per in QKV_STREAM])
+        q = qkv_sweep(cfg, configs=[(hn, w, st, bk, per * sms) for hn, w, st, bk, per in QKV_STREAM])
         q["model"] = m
         rows.append(q)
-        cur = qkv_rope.TABLE.get((q["N"], q["K"]))
-        if cur is None or q["best_us"] < 0.99 * q["configs"].get(json.dumps(list(cur)), float("inf")):
-            qkv_tables[m] = {(q["N"], q["K"]): qkv_rope.QkvConfig(*q["best"])}
+        qkv_tables[m] = qkv_winner(q)
         for N, K, f in LAYER_SHAPES[m] + [LM_HEAD[m]]:
             cands = [GemvConfig("stream", bn, bk, w, per * sms, 0, st) for bn, bk, w, per, st in STREAM if K % bk == 0]
             r = gemv_sweep_shapes([(N, K, f)], cands)[0]
             r["model"] = m
             rows.append(r)
-            cur = gemv.TABLE.get((N, K))
-            t_cur = r["configs"].get(json.dumps(list(cur))) if cur else None
-            if t_cur is None or r["best_us"] < 0.99 * t_cur:
-                tables[m][(N, K)] = GemvConfig(*r["best_config"])
+            tables[m].update(gemv_winner(r))
     return rows, tables, qkv_tables
 
 
@@ -241,18 +253,12 @@ def main(argv):
     if "--sweep" in argv:
         for m in models:
             res["qkv"].append(qkv_sweep(PRESETS[NAMES[m]]))
-            q = res["qkv"][-1]
-            cur = qkv_rope.TABLE.get((q["N"], q["K"]))
-            if cur is None or q["best_us"] < 0.99 * q["configs"].get(json.dumps(list(cur)), float("inf")):
-                qkv_tables[m] = {(q["N"], q["K"]): qkv_rope.QkvConfig(*q["best"])}
+            qkv_tables[m] = qkv_winner(res["qkv"][-1])
             rows = [gemv_sweep_shapes([(N, K, f)], [GemvConfig("split", *c) for c in SWEEP[K]])[0]
                     for N, K, f in LAYER_SHAPES[m]]
             res.setdefault("gemv", []).extend(rows)
-            for r in rows:  # the sweep's winner where it beats the table's config by > 1%
-                cur = gemv.TABLE.get((r["N"], r["K"]))
-                t_cur = r["configs"].get(json.dumps(list(cur))) if cur else None
-                if t_cur is None or r["best_us"] < 0.99 * t_cur:
-                    tables[m][(r["N"], r["K"])] = GemvConfig(*r["best_config"])
+            for r in rows:
+                tables[m].update(gemv_winner(r))
         print(f"sweeps {time.time() - t0:.0f} s; GEMV tables to try {tables}, qkv {qkv_tables}", flush=True)
     if "--attention" in argv:
         for m in models:
