@@ -3,7 +3,7 @@
 Two ways through the model:
     fast   accel.model.prefill / decode_step over fused weights; the decode step replays one CUDA graph per token
            (captured after a warm-up, so Triton's compilation and autotuning happen outside the capture);
-    trace  `steps()`: refimpl.model.forward_steps over accel.ops and HF-named views of the same weights, yielding
+    trace  `steps()`: refimpl.model.llama.forward_steps over accel.ops and HF-named views of the same weights, yielding
            every activation by the one name scheme. The fast path never yields, so tracing costs nothing when off.
 Sampling stays on the device (accel.sampling); generate() reads each token back together with a finite-logits
 flag in one small copy, issued before the next step is queued, so the host never idles the GPU.
@@ -16,12 +16,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from refimpl import ops as np_ops
-from refimpl.checkpoint import Checkpoint
-from refimpl.config import LlamaConfig
+from refimpl.model import ops as np_ops
+from refimpl.formats.params import Checkpoint
+from refimpl.model.config import LlamaConfig
 from refimpl.errors import GenerationError
 from refimpl.generate import Sampling, check_prompt, nonfinite_error
-from refimpl.model import KVCache, forward_steps
+from refimpl.model.llama import KVCache, forward_steps
 
 from . import model as fast
 from .sampling import make_generator, sample

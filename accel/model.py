@@ -1,6 +1,6 @@
 """The fast forward: prefill (whole prompt) and the one-token decode step, over fused weights and a static cache.
 
-Same computation as `refimpl.model.forward` (the trace mode runs that one over `accel.ops`), rearranged for speed:
+Same computation as `refimpl.model.llama.forward` (the trace mode runs that one over `accel.ops`), rearranged for speed:
     * fused QKV and gate_up GEMMs (accel.weights), the residual add fused into the next RMSNorm;
     * RoPE fused into the KV-cache write (k is rotated straight into the cache slot, v copied beside it);
     * prefill attends with the flash-attention kernel over the fresh k/v; decode with the split-sequence decode
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from refimpl.config import LlamaConfig
+from refimpl.model.config import LlamaConfig
 
 from . import ops
 from .ops import torch_add_rms_norm, torch_grouped_attention, torch_rms_norm, torch_rotate, torch_swiglu_gate_up
@@ -57,7 +57,7 @@ def torch_swiglu_linear_add(gate_up, weight, residual):
 
 # (N, K) weight shapes where cuBLAS beats the Triton GEMV in the decode step: these run the unfused path (norm
 # kernel + F.linear, F.linear + add). None since v6a: the 3B gate_up, the last one, moved to a split GEMV with one
-# masked 4096-wide slice (28.65 µs vs rms_norm + cuBLAS 29.22; nvidia-h200, 2026-11-21, accel/NOTES.md v6).
+# masked 4096-wide slice (28.65 µs vs rms_norm + cuBLAS 29.22; nvidia-h200, 2026-11-21, tools/bench/NOTES.md v6).
 CUBLAS_SHAPES: set[tuple[int, int]] = set()
 
 
@@ -267,7 +267,7 @@ def _decode_layers(ks: Kernels, w: Weights, cfg: LlamaConfig, x, cos, sin, cache
         gate_up = ks.norm_linear(x, lw.mlp_norm, lw.gate_up, eps)  # [1, D] -> [1, 2F]
         ks.swiglu_linear_add(gate_up, lw.down, x)  # x += down(silu(gate)·up): resid_post
     # the final norm folded into the lm_head GEMV: 119.8 µs against rms_norm + cuBLAS's 129.4 on the 1B, 177.7
-    # against 190.4 on the 3B (nvidia-h200, 2026-11-21, accel/bench_results/h200-2026-11-21-v6b-prefetch.json)
+    # against 190.4 on the 3B (nvidia-h200, 2026-11-21, tools/bench/results/h200-2026-11-21-v6b-prefetch.json)
     return ks.norm_linear(x, w.norm, w.lm_head, eps)  # [1, D] -> [1, V]
 
 

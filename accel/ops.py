@@ -1,4 +1,4 @@
-"""The op interface (`refimpl.interface`) on torch tensors, bf16 or fp32, any device.
+"""The op interface (`refimpl.model.interface`) on torch tensors, bf16 or fp32, any device.
 
 Dispatch, decided per call from the tensor's device:
   * CUDA tensors run the Triton kernels of `accel.kernels` (one file per op: kernel + launcher);
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from refimpl.config import RopeScaling
-from refimpl.ops import llama3_inv_freq
+from refimpl.model.config import RopeScaling
+from refimpl.model.ops import llama3_inv_freq
 
 from .kernels.decode_attn import decode_attention_fwd
 from .kernels.embedding import embedding_fwd

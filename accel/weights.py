@@ -6,7 +6,7 @@ The fast forward multiplies by two fused matrices per layer instead of five sepa
 At batch 1 each GEMM is a weight-bandwidth-bound matrix-vector product of a few µs, so three launches for q/k/v
 cost ~2 launch-latencies more than one (gpt-fast fuses wq/wk/wv at load for the same reason).
 
-Trace mode (`refimpl.model.forward_steps` over `accel.ops`) wants the checkpoint's own names; `params_view` gives
+Trace mode (`refimpl.model.llama.forward_steps` over `accel.ops`) wants the checkpoint's own names; `params_view` gives
 them as `narrow` views of the fused tensors, never copies. With tied embeddings the lm_head *is* the embedding
 tensor. Tensors are loaded one at a time (host float32 -> device dtype) so the host holds at most one extra copy.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from refimpl.config import LlamaConfig
+from refimpl.model.config import LlamaConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -107,7 +107,7 @@ def load_weights(params: dict[str, np.ndarray], cfg: LlamaConfig, device, dtype:
 def random_weights(cfg: LlamaConfig, device, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> Weights:
     """Random weights built directly on the device (no NumPy round trip): for the benchmark at real shapes.
 
-    Norm weights are 1 + N(0, 0.1²) and matrices N(0, std²), as refimpl.checkpoint.random_params draws them.
+    Norm weights are 1 + N(0, 0.1²) and matrices N(0, std²), as refimpl.formats.checkpoint.random_params draws them.
     """
     g = torch.Generator(device=device)
     g.manual_seed(seed)
@@ -127,7 +127,7 @@ def random_weights(cfg: LlamaConfig, device, dtype: torch.dtype, seed: int = 0, 
 
 
 def params_view(w: Weights, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """HF-named views of the fused tensors (narrow, no copies) for refimpl.model.forward_steps."""
+    """HF-named views of the fused tensors (narrow, no copies) for refimpl.model.llama.forward_steps."""
     q, kv, F = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm}
     if not cfg.tie_word_embeddings:

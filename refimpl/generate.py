@@ -12,10 +12,10 @@ from typing import Iterator
 
 import numpy as np
 
-from . import ops
-from .checkpoint import Checkpoint
-from .errors import GenerationError, NonFiniteError
-from .model import KVCache, forward, forward_steps
+from refimpl.model import ops
+from refimpl.formats.params import Checkpoint
+from refimpl.errors import GenerationError, NonFiniteError
+from refimpl.model.llama import KVCache, forward, forward_steps
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ from pathlib import Path
 import numpy as np
 from click.testing import CliRunner
 
-from refimpl.checkpoint import random_params, save_checkpoint
-from refimpl.config import LlamaConfig
+from refimpl.formats.checkpoint import save_checkpoint
+
+from refimpl.formats.params import random_params
+from refimpl.model.config import LlamaConfig
 
 WORDS = [f"w{i}" for i in range(60)]  # tokenizer vocabulary: ids 0..59 are words, then the specials
 SPECIALS = ["<unk>", "<s>", "</s>"]

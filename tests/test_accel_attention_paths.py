@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from refimpl import ops as R
+from refimpl.model import ops as R
 
 # CPU tensors through the interpreter; on a GPU, test_accel_ops_gpu.py covers both combine paths and E=128's tiles
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -68,7 +68,7 @@ def wide():
     """The 1B's widths (D 2048, F 8192, H 32, K 8, E 64, V 128256) with 2 layers: the real GEMV and attention
     shapes, so the table's split-K configs, the fused qkv kernel and PDL run as in the 1B's decode step."""
     from accel.weights import random_weights
-    from refimpl.config import PRESETS
+    from refimpl.model.config import PRESETS
     cfg = dataclasses.replace(PRESETS["llama-3.2-1b"], num_hidden_layers=2)
     return cfg, random_weights(cfg, "cuda", torch.bfloat16, seed=3, std=0.066)
 

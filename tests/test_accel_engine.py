@@ -15,13 +15,14 @@ torch = pytest.importorskip("torch")
 from accel import engine as accel_engine  # noqa: E402
 from accel.engine import AccelEngine  # noqa: E402
 from accel.sampling import make_generator, probabilities, sample  # noqa: E402
-from refimpl.checkpoint import Checkpoint, load_checkpoint, random_params, save_checkpoint  # noqa: E402
+from refimpl.formats.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from refimpl.formats.params import Checkpoint, random_params  # noqa: E402
 from refimpl.compare import TOLERANCES, compare  # noqa: E402
-from refimpl.config import LlamaConfig, RopeScaling  # noqa: E402
+from refimpl.model.config import LlamaConfig, RopeScaling  # noqa: E402
 from refimpl.errors import GenerationError, NonFiniteError  # noqa: E402
 from refimpl.generate import RefEngine, Sampling  # noqa: E402
-from refimpl.model import collect  # noqa: E402
-from refimpl.names import activation_names  # noqa: E402
+from refimpl.model.llama import collect  # noqa: E402
+from refimpl.model.names import activation_names  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -92,7 +93,7 @@ def test_trace_names_and_values_match_refimpl(pair):
     cfg = ckpt.config
     got, logits = _trace(acc, PROMPT, acc.new_cache(16))
     assert list(got) == activation_names(cfg.num_hidden_layers)
-    from refimpl import ops as np_ops
+    from refimpl.model import ops as np_ops
     want, want_logits = collect(np_ops, ckpt.params, cfg, np.asarray(PROMPT), np.arange(len(PROMPT)),
                                 ref.new_cache(16))
     bad = [c for c in (compare(n, got[n], want[n], TOLERANCES["fp32"]) for n in want) if not c.ok]

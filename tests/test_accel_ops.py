@@ -1,4 +1,4 @@
-"""accel.ops against refimpl.ops on CPU, fp32, tiny odd shapes.
+"""accel.ops against refimpl.model.ops on CPU, fp32, tiny odd shapes.
 
 Each test runs twice: "triton" runs the Triton kernels under the interpreter (TRITON_INTERPRET=1, which
 tests/conftest.py sets without CUDA), "torch" runs accel's plain-torch CPU fallback. Real shapes, bf16 and the
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from refimpl import ops as R
-from refimpl.config import RopeScaling
+from refimpl.model import ops as R
+from refimpl.model.config import RopeScaling
 
 A = pytest.importorskip("accel.ops")
 

@@ -1,6 +1,6 @@
 """accel.ops' compiled Triton kernels on CUDA at Llama 3.2 shapes, bf16 and fp32 (skipped without CUDA).
 
-Oracle: refimpl.ops in fp32 (NumPy) on the same inputs, or, for the large attention shapes, a float64 torch
+Oracle: refimpl.model.ops in fp32 (NumPy) on the same inputs, or, for the large attention shapes, a float64 torch
 computation on the GPU (the NumPy oracle would take minutes at T = 4096). bf16 tests draw fp32 inputs, round them
 to bf16, and give the oracle the rounded values upcast: both sides compute the same function on the same inputs.
 Every check prints `ERR op dtype shape max_abs rel` (run with -s to see the table).
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from refimpl import ops as R
-from refimpl.config import RopeScaling
+from refimpl.model import ops as R
+from refimpl.model.config import RopeScaling
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 A = pytest.importorskip("accel.ops")

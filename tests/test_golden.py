@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from refimpl import ops
-from refimpl.checkpoint import load_checkpoint
+from refimpl.model import ops
+from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.compare import TOLERANCES, compare
-from refimpl.config import LlamaConfig
+from refimpl.model.config import LlamaConfig
 from refimpl.generate import RefEngine
-from refimpl.safetensors_io import SafetensorsFile, save_safetensors
+from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
 from tools.cli import main
-from tools.golden import (ACTIVATIONS, DEFAULT_DIR, MANIFEST, check_golden, find_golden_dirs, first_divergence,
+from tools.debug.golden import (ACTIVATIONS, DEFAULT_DIR, MANIFEST, check_golden, find_golden_dirs, first_divergence,
                           hf_check, load_golden, make_golden)
 from tools.toy import SPECIAL_TOKENS, TOYS, build_tokenizer, special_id
 
@@ -95,7 +95,7 @@ def test_refimpl_passes_its_own_golden_check():
 
 
 def layer1_attn_norm_fault(monkeypatch):
-    """Wrap refimpl.ops.rms_norm so that only layer 1's attn_norm of toy-gqa uses a wrong eps."""
+    """Wrap refimpl.model.ops.rms_norm so that only layer 1's attn_norm of toy-gqa uses a wrong eps."""
     target = SafetensorsFile(GQA / "model.safetensors").load("model.layers.1.input_layernorm.weight")
     real = ops.rms_norm
 

@@ -1,10 +1,10 @@
-"""Both backends implement every op of `refimpl.interface.Ops`, with the Protocol's parameter names and order."""
+"""Both backends implement every op of `refimpl.model.interface.Ops`, with the Protocol's parameter names and order."""
 import inspect
 
 import pytest
 
-from refimpl import interface
-from refimpl import ops as ref_ops
+from refimpl.model import interface
+from refimpl.model import ops as ref_ops
 
 
 def _backends():
@@ -32,7 +32,7 @@ def test_op_names_match_the_protocol():
 def test_each_backend_has_the_op_with_the_protocol_signature(op):
     want = _params(getattr(interface.Ops, op), drop_self=True)
     for backend, module in _backends():
-        assert isinstance(module, interface.Ops), f"{backend}.ops does not satisfy refimpl.interface.Ops"
+        assert isinstance(module, interface.Ops), f"{backend}.ops does not satisfy refimpl.model.interface.Ops"
         assert hasattr(module, op), f"{backend}.ops lacks {op}"
         got = _params(getattr(module, op), drop_self=False)
         assert got == want, f"{backend}.ops.{op}{got} != Ops.{op}{want}"

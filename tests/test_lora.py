@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from _badinput import assert_clean_error, generate_args, make_model, run_cli, tiny_config, write_tokenizer
-from refimpl import ops
-from refimpl.checkpoint import load_checkpoint, random_params
-from refimpl.lora import load_lora, merge_lora
-from refimpl.model import KVCache, forward
-from refimpl.safetensors_io import save_safetensors
+from refimpl.model import ops
+from refimpl.formats.checkpoint import load_checkpoint
+from refimpl.formats.params import random_params
+from refimpl.formats.lora import load_lora, merge_lora
+from refimpl.model.llama import KVCache, forward
+from refimpl.formats.safetensors_io import save_safetensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

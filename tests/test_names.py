@@ -1,11 +1,11 @@
 """The activation-name scheme is pinned: golden files, CLI filters and reports all rely on this exact order."""
 import numpy as np
 
-from refimpl import ops
-from refimpl.checkpoint import random_params
-from refimpl.config import LlamaConfig
-from refimpl.model import KVCache, forward, forward_steps
-from refimpl.names import activation_names, matches, split_name
+from refimpl.model import ops
+from refimpl.formats.params import random_params
+from refimpl.model.config import LlamaConfig
+from refimpl.model.llama import KVCache, forward, forward_steps
+from refimpl.model.names import activation_names, matches, split_name
 
 EXPECTED_TWO_LAYERS = [
     "embed",

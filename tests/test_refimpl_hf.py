@@ -10,10 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from refimpl import ops  # noqa: E402
-from refimpl.checkpoint import load_checkpoint  # noqa: E402
+from refimpl.model import ops  # noqa: E402
+from refimpl.formats.checkpoint import load_checkpoint  # noqa: E402
 from refimpl.generate import RefEngine, Sampling  # noqa: E402
-from refimpl.model import KVCache, forward  # noqa: E402
+from refimpl.model.llama import KVCache, forward  # noqa: E402
 
 ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32}

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from refimpl import ops as ref_ops
-from refimpl.checkpoint import load_checkpoint
+from refimpl.model import ops as ref_ops
+from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.generate import RefEngine
-from refimpl.interface import OP_NAMES
-from refimpl.model import collect, forward, forward_steps
-from refimpl.names import activation_names
-from refimpl.safetensors_io import SafetensorsFile
+from refimpl.model.interface import OP_NAMES
+from refimpl.model.llama import collect, forward, forward_steps
+from refimpl.model.names import activation_names
+from refimpl.formats.safetensors_io import SafetensorsFile
 from tools.cli import main
-from tools.step_values import CommandError, parse_index
-from tools.stepper import Session, run_script, split_commands
+from tools.debug.step_values import CommandError, parse_index
+from tools.debug.stepper import Session, run_script, split_commands
 from tools.toy import TOYS, write_toy_checkpoint
 
 PROMPT = "the cat sat"

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from refimpl.checkpoint import load_checkpoint
-from refimpl.tokenizer import TextTokenizer
+from refimpl.formats.checkpoint import load_checkpoint
+from refimpl.text.tokenizer import TextTokenizer
 from tools.toy import TOYS, special_id, write_toy_checkpoint
 
 transformers = pytest.importorskip("transformers")

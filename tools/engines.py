@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from refimpl.checkpoint import load_checkpoint
+from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 
 BACKENDS = ("auto", "refimpl", "accel")
@@ -34,7 +34,7 @@ def resolve_model(model: str | None) -> Path:
     """An explicit --model path, or the default model (SmolLM2-135M-Instruct), fetched on first use."""
     if model is not None:
         return Path(model).expanduser()
-    from .fetch import default_model_path
+    from tools.default_model import default_model_path
     return default_model_path(fetch_if_missing=True)
 
 
@@ -46,7 +46,7 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
     t0 = time.perf_counter()
     ckpt = load_checkpoint(model_path)
     if lora is not None:
-        from refimpl.lora import load_lora, merge_lora
+        from refimpl.formats.lora import load_lora, merge_lora
         ckpt.params = merge_lora(ckpt.params, ckpt.config, load_lora(lora, ckpt.config))
     engine = engine_for(ckpt, backend, device, dtype if backend == "accel" else None)
     return engine, ckpt, time.perf_counter() - t0

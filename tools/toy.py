@@ -16,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.checkpoint import expected_shapes, save_checkpoint
-from refimpl.config import LlamaConfig, RopeScaling
-from refimpl.tokenizer import LLAMA3_TEMPLATE, gpt2_bytes_to_unicode, llama3_pre_tokenizer
+from refimpl.formats.checkpoint import save_checkpoint
+
+from refimpl.formats.params import expected_shapes
+from refimpl.model.config import LlamaConfig, RopeScaling
+from refimpl.text.tokenizer import LLAMA3_TEMPLATE, gpt2_bytes_to_unicode, llama3_pre_tokenizer
 
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                   "<|eom_id|>", "<|eot_id|>")  # Llama 3's order (128000, 128001, 128006..128009)

@@ -266,8 +266,8 @@ class GemvConfig(NamedTuple):
     stages: int = 3  # kind "stream": tiles in flight a program
 
 
-# The config per (N, K) on the GPU: the fastest of `accel.gemv_sweep` without PDL (nvidia-h200, 2026-11-21
-# 11:17 UTC, accel/bench_results/h200-2026-11-21-v3c-gemv-sweep.json), µs a call in a graph vs the unfused
+# The config per (N, K) on the GPU: the fastest of `tools.bench.gemv_sweep` without PDL (nvidia-h200, 2026-11-21
+# 11:17 UTC, tools/bench/results/h200-2026-11-21-v3c-gemv-sweep.json), µs a call in a graph vs the unfused
 # cuBLAS sequence it replaces (vs v3b's table): 1B qkv 6.15 vs 8.16 (6.78), o 4.43 vs 7.49 (5.12); 3B qkv 11.91
 # vs 12.36. 1B gate_up: 4 × 2048 tiles, 19.27 / 19.12 µs in two sweeps (v6c, v6e) against 19.56 / 19.42 with
 # 8 × 2048 (v3c: 19.82; rms_norm + cuBLAS 21.71). The lm_head with the final norm folded in (v6b): 1B 119.8 vs
@@ -292,7 +292,7 @@ TABLE: dict[tuple[int, int], GemvConfig] = {
 
 
 def load_choices(path: str) -> set[tuple[int, int]]:
-    """Install a sweep JSON's winners into TABLE (accel.gemv_sweep.decode_compare); returns the shapes where
+    """Install a sweep JSON's winners into TABLE (tools.bench.gemv_sweep.decode_compare); returns the shapes where
     cuBLAS won (for accel.model.CUBLAS_SHAPES)."""
     with open(path) as f:
         data = json.load(f)

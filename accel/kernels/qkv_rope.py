@@ -127,7 +127,7 @@ class QkvConfig(NamedTuple):
     programs: int | None = None  # streaming: persistent programs (None: one a pair block)
 
 
-# Per (N, K) on the GPU: the fastest of accel.decode_variants' sweep (nvidia-h200, 2026-11-21 11:42 UTC, µs a call
+# Per (N, K) on the GPU: the fastest of tools.bench.decode_variants' sweep (nvidia-h200, 2026-11-21 11:42 UTC, µs a call
 # in a graph over 256 MB of weight copies): 1B 6.28 (unfused GEMV + rope_kv_write 7.94), 3B 11.93 (13.79). The
 # streaming kernel (v7d, -v7d-stream.json): 3B 11.18 µs with 8 × 512 tile pairs, 3 stages, one pair block a
 # program (the sweep's 396 programs are capped at the 320 blocks), vs 11.71 for (2, 8); engine 3B 515.2 -> 522.2

@@ -1,7 +1,7 @@
 """Rotary position embedding in Triton (HF's half-split "rotate_half" layout), q and k in one launch.
 
 For a head row x [E]: out[:E/2] = x1·cos − x2·sin, out[E/2:] = x2·cos + x1·sin, cos/sin [T, E/2] fp32.
-The rotation is computed in fp32 and cast back to the activation dtype (refimpl.interface's dtype rules).
+The rotation is computed in fp32 and cast back to the activation dtype (refimpl.model.interface's dtype rules).
 
 Two launchers:
   * `rope_fwd`: q [T, H, E], k [T, K, E] -> rotated copies (the op interface's `rope`);

@@ -1,0 +1,318 @@
+"""Loading a llama.cpp GGUF file: metadata -> LlamaConfig, tensors -> float32 in HF's names and layout, and
+tokenizer.ggml.* -> a `tokenizers` byte-level BPE.
+
+A GGUF differs from an HF checkpoint in four ways, each undone here:
+    * names: `blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight` (`hf_name`);
+    * dims are listed fastest-first (ne0, ne1), the reverse of a NumPy shape: [576, 1536] is a [1536, 576] array;
+    * weights are quantized in blocks; `gguf.quants.dequantize` widens every type the library knows to fp32;
+    * llama.cpp's converter permutes the rows of attn_q/attn_k within each head for its interleaved RoPE
+      (pairs (x0, x1), (x2, x3), ...); `unpermute_rows` restores HF's half-split layout (x_i with x_{i+E/2}), as
+      transformers' own GGUF loader does.
+The file is bounds-checked by `refimpl.formats.gguf_check.validate_gguf` before the gguf library reads it.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from refimpl.formats.params import Checkpoint, check_params
+from refimpl.model.config import LlamaConfig, RopeScaling
+from refimpl.errors import CheckpointError, ConfigError
+from refimpl.progress import Progress
+
+_REQUIRED = object()
+
+# GGUF tensor name -> HF name. Layer tensors are `blk.{i}.<key>.weight`.
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: per-frequency divisors of llama3 rope scaling
+
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> how the text is split before byte-level BPE.
+# Llama 3's split is refimpl.text.tokenizer.LLAMA3_SPLIT; "smollm" splits digits one by one first, as
+# SmolLM2's tokenizer.json (Digits(individual_digits) + ByteLevel) and llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM do.
+_GPT2_PRE = (None, "default", "gpt2", "gpt-2")
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
+
+
+# ---------------------------------------------------------------- metadata
+
+class Metadata:
+    """Typed access to a GGUFReader's key/value fields; a wrong type or a missing key names the key."""
+
+    def __init__(self, reader, source: str):
+        from gguf import GGUFValueType as T
+        self.fields, self.source = reader.fields, source
+        ints = {T.UINT8, T.INT8, T.UINT16, T.INT16, T.UINT32, T.INT32, T.UINT64, T.INT64}
+        self._kinds = {"int": ints, "float": ints | {T.FLOAT32, T.FLOAT64}, "str": {T.STRING}, "bool": {T.BOOL}}
+        self._array = T.ARRAY
+
+    def get(self, key: str, kind: str, default=_REQUIRED):
+        """kind: 'int', 'float', 'str', 'bool', or 'int[]' / 'str[]' for arrays of those."""
+        field = self.fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise ConfigError(f"{self.source}: missing GGUF metadata key {key!r}")
+            return default
+        is_array = kind.endswith("[]")
+        types = field.types
+        ok = (len(types) == 2 and types[0] == self._array and types[1] in self._kinds[kind[:-2]]) if is_array \
+            else (len(types) == 1 and types[0] in self._kinds[kind])
+        if not ok:
+            raise ConfigError(f"{self.source}: GGUF metadata {key!r} has type "
+                              f"{'/'.join(t.name for t in types)}, expected {kind}")
+        value = field.contents()
+        if kind == "int":
+            return int(value)
+        return float(value) if kind == "float" else value
+
+
+def _positive(meta: Metadata, key: str, default=_REQUIRED) -> int:
+    value = meta.get(key, "int", default)
+    if value is not None and value <= 0:
+        raise ConfigError(f"{meta.source}: GGUF metadata {key!r} must be a positive integer, got {value}")
+    return value
+
+
+def rope_scaling_from(meta: Metadata, rope_freqs: np.ndarray | None, head_dim: int,
+                      theta: float) -> RopeScaling | None:
+    """Llama 3 files carry no rope-scaling keys: the converter stores the per-frequency divisors as the
+    `rope_freqs` tensor [E/2] (1 for short wavelengths, `factor` for long ones, smooth between). GGUF keeps no
+    record of low/high_freq_factor, so we take Llama 3's published 1 and 4 (and the file's original context,
+    else 8192), and accept them only if they reproduce every divisor; anything else is refused, not guessed."""
+    from refimpl.model.ops import llama3_inv_freq
+    kind = meta.get("llama.rope.scaling.type", "str", None)
+    if kind not in (None, "none"):
+        raise ConfigError(f"{meta.source}: llama.rope.scaling.type {kind!r} is not supported (only Llama 3's "
+                          f"rope_freqs scaling or none)")
+    if rope_freqs is None:
+        return None
+    rope_freqs = rope_freqs.reshape(-1).astype(np.float64)
+    if rope_freqs.shape != (head_dim // 2,) or not np.all(rope_freqs >= 1):
+        raise ConfigError(f"{meta.source}: tensor {ROPE_FREQS!r} must hold {head_dim // 2} divisors >= 1, got "
+                          f"shape {list(rope_freqs.shape)}")
+    factor = meta.get("llama.rope.scaling.factor", "float", float(rope_freqs.max()))
+    original = _positive(meta, "llama.rope.scaling.original_context_length", 8192)
+    scaling = RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=original)
+    implied = llama3_inv_freq(head_dim, theta, None) / llama3_inv_freq(head_dim, theta, scaling)  # [E/2]
+    if not np.allclose(implied, rope_freqs, rtol=1e-4, atol=0):
+        raise ConfigError(f"{meta.source}: tensor {ROPE_FREQS!r} does not match llama3 rope scaling (factor "
+                          f"{factor:g}, low_freq_factor 1, high_freq_factor 4, original context {original}); "
+                          f"this scaling is not supported")
+    return scaling
+
+
+def config_from_gguf(meta: Metadata, shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None,
+                     vocab_size: int | None, stop: tuple[int, ...]) -> LlamaConfig:
+    """`shapes`: GGUF tensor name -> NumPy shape. vocab_size from the token list, when the file has one."""
+    arch = meta.get("general.architecture", "str")
+    if arch != "llama":
+        raise ConfigError(f"{meta.source}: general.architecture is {arch!r}; only 'llama' is supported")
+    hidden = _positive(meta, "llama.embedding_length")
+    heads = _positive(meta, "llama.attention.head_count")
+    kv_heads = _positive(meta, "llama.attention.head_count_kv", heads)
+    head_dim = _positive(meta, "llama.attention.key_length", None)
+    if head_dim is None:
+        if hidden % heads:
+            raise ConfigError(f"{meta.source}: llama.attention.head_count ({heads}) must divide "
+                              f"llama.embedding_length ({hidden}) when no key_length is given")
+        head_dim = hidden // heads
+    for key in ("llama.attention.value_length", "llama.rope.dimension_count"):
+        value = _positive(meta, key, head_dim)
+        if value != head_dim:
+            raise ConfigError(f"{meta.source}: {key} is {value} but the head size is {head_dim}; only full-width "
+                              f"RoPE with equal key/value heads is supported")
+    declared = _positive(meta, "llama.vocab_size", None)
+    embed = shapes.get("token_embd.weight", (None,))
+    vocab = vocab_size or declared or embed[0]
+    if declared is not None and declared != vocab:
+        raise ConfigError(f"{meta.source}: llama.vocab_size is {declared} but the token list holds {vocab}")
+    if vocab is None:
+        raise CheckpointError(f"{meta.source}: no token list, llama.vocab_size or token_embd.weight to size the "
+                              f"vocabulary")
+    theta = meta.get("llama.rope.freq_base", "float", 10000.0)  # llama.cpp's default when the key is absent
+    bos = meta.get("tokenizer.ggml.bos_token_id", "int", None)
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=_positive(meta, "llama.feed_forward_length"),
+        num_hidden_layers=_positive(meta, "llama.block_count"), num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, rope_theta=theta,
+        rope_scaling=rope_scaling_from(meta, rope_freqs, head_dim, theta),
+        rms_norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", "float"),
+        tie_word_embeddings="output.weight" not in shapes, bos_token_id=bos, eos_token_ids=stop,
+        max_position_embeddings=_positive(meta, "llama.context_length"),
+        extra={"gguf_file_type": meta.get("general.file_type", "int", None)},
+    )
+
+
+def stop_ids_from(meta: Metadata) -> tuple[int, ...]:
+    """eos, then end-of-turn / end-of-message where the file names them (Llama 3 Instruct: <|eot_id|>)."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids = [meta.get(key, "int", None) for key in keys]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+# ---------------------------------------------------------------- tensors
+
+def hf_name(gguf_name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for a name we do not map."""
+    stem, dot, kind = gguf_name.rpartition(".")
+    if kind == "weight" and stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.weight"
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}.weight"
+    return None
+
+
+def numpy_shape(tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists ne0 (the fastest dim) first
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf.py's `permute` of attn_q/attn_k rows: GGUF row 2i+j of a head is HF row
+    j·E/2 + i. w [n_head·E, Din] -> [n_head·E, Din]."""
+    rows, cols = w.shape
+    half = rows // n_head // 2
+    w = w.reshape(n_head, half, 2, cols)  # [n_head·E, Din] -> [heads, E/2, 2, Din]: llama.cpp's interleaved pairs
+    return w.swapaxes(1, 2).reshape(rows, cols)  # -> [heads, 2, E/2, Din] -> [n_head·E, Din]: HF's halves
+
+
+def dequantize(tensor, source: str) -> np.ndarray:
+    """One tensor as a float32 array in NumPy order; a type gguf cannot dequantize names tensor and type."""
+    import gguf
+    qtype = tensor.tensor_type
+    try:
+        # a plain ndarray view: slicing the np.memmap subclass block by block costs 2x (1.8 s vs 0.9 s, SmolLM2)
+        values = gguf.quants.dequantize(tensor.data.view(np.ndarray), qtype)
+    except NotImplementedError:
+        raise CheckpointError(f"{source}: tensor {tensor.name!r} is stored as {qtype.name}, which the gguf "
+                              f"library cannot dequantize; re-export the model as F32/F16/BF16 or a Q type") from None
+    shape = numpy_shape(tensor)
+    if values.size != int(np.prod(shape)):
+        raise CheckpointError(f"{source}: tensor {tensor.name!r} dequantizes to {values.size} values, but its "
+                              f"dims {list(shape)} need {int(np.prod(shape))}")
+    # own, writable, fp32 memory: an F32 tensor comes back as a view of the read-only file mapping
+    return np.require(values.reshape(shape), np.float32, ["C", "W", "O"])
+
+
+def load_params(reader, cfg: LlamaConfig, source: str) -> dict[str, np.ndarray]:
+    """Map names, check shapes against the config, then dequantize (and unpermute q/k) tensor by tensor."""
+    by_name = {hf_name(t.name): t for t in reader.tensors if hf_name(t.name) is not None}
+    extra = check_params({n: numpy_shape(t) for n, t in by_name.items()}, cfg, source)
+    unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and t.name != ROPE_FREQS]
+    if unknown or extra:
+        print(f"warning: {source}: ignoring {len(unknown) + len(extra)} unknown tensor(s), e.g. "
+              f"{(unknown + extra)[0]!r}", file=sys.stderr)
+    params = {}
+    with Progress(f"loading {Path(source).name}", len(by_name)) as bar:
+        for name, tensor in by_name.items():
+            if name in extra:
+                continue
+            w = dequantize(tensor, source)
+            if name.endswith("self_attn.q_proj.weight"):
+                w = unpermute_rows(w, cfg.num_attention_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                w = unpermute_rows(w, cfg.num_key_value_heads)
+            params[name] = w
+            bar.advance()
+    return params
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def _byte_level_spelling(token: str, alphabet: set, to_unicode: dict) -> str:
+    """Vocabularies store tokens in GPT-2's byte alphabet; a token written as raw UTF-8 is respelled, as
+    transformers' GGUF converter does, so merges and text meet in one spelling."""
+    return token if set(token) <= alphabet else "".join(to_unicode[b] for b in token.encode("utf-8"))
+
+
+def build_tokenizer(meta: Metadata, source: str):
+    """tokenizer.ggml.* -> refimpl.text.tokenizer.TextTokenizer over a `tokenizers` byte-level BPE."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from refimpl.text.tokenizer import TextTokenizer, gpt2_bytes_to_unicode, llama3_pre_tokenizer
+    model = meta.get("tokenizer.ggml.model", "str")
+    if model != "gpt2":
+        raise CheckpointError(f"{source}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2', as in "
+                              f"Llama 3 and SmolLM2) is supported, use the HF model directory instead")
+    tokens = meta.get("tokenizer.ggml.tokens", "str[]")
+    merges = meta.get("tokenizer.ggml.merges", "str[]")
+    types = meta.get("tokenizer.ggml.token_type", "int[]", [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise CheckpointError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} "
+                              f"tokens")
+    to_unicode = gpt2_bytes_to_unicode()
+    alphabet = set(to_unicode.values())
+    vocab = {_byte_level_spelling(t, alphabet, to_unicode): i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    if any(len(p) != 2 for p in pairs):
+        raise CheckpointError(f"{source}: tokenizer.ggml.merges entries must be two tokens separated by a space")
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="", end_of_word_suffix="",
+                                   fuse_unk=False))
+    except Exception as e:  # the Rust library raises a bare Exception, e.g. a merge naming an unknown token
+        raise CheckpointError(f"{source}: tokenizer.ggml.merges/tokens do not form a BPE vocabulary "
+                              f"({str(e).splitlines()[0][:200]})") from None
+    pre = meta.get("tokenizer.ggml.pre", "str", None)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's split regex
+    if pre in ("llama3", "llama-v3", "llama-bpe"):
+        tok.pre_tokenizer = llama3_pre_tokenizer()
+    elif pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        if pre not in _GPT2_PRE:
+            print(f"warning: {source}: pre-tokenizer {pre!r} is not known here; splitting text as GPT-2 does",
+                  file=sys.stderr)
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, <|eot_id|>) stay whole and are skipped when decoding; a control token
+    # spelled outside the byte alphabet is a converter mislabel transformers skips too.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
+                            if ty == TOKEN_CONTROL and set(t) <= alphabet])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
+                    if ty == TOKEN_USER_DEFINED and t in vocab])
+
+    def token_at(key):
+        i = meta.get(key, "int", None)
+        if i is not None and not 0 <= i < len(tokens):
+            raise CheckpointError(f"{source}: {key} is {i}, outside the {len(tokens)}-token vocabulary")
+        return None if i is None else tokens[i]
+
+    bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", "bool", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, vocab[bos])])
+    template = meta.get("tokenizer.chat_template", "str", None)
+    return TextTokenizer(tok, template, bos, eos, source=source)
+
+
+# ---------------------------------------------------------------- entry point
+
+def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
+    """A llama-architecture GGUF file -> Checkpoint with float32 HF-named params, tokenizer and stop ids."""
+    from refimpl.formats.gguf_check import validate_gguf
+    path = Path(path)
+    source = str(path)
+    validate_gguf(path)
+    from gguf import GGUFReader
+    try:
+        reader = GGUFReader(path, "r")
+    except (ValueError, KeyError) as e:  # what validate_gguf let through; kept one line for the CLI
+        raise CheckpointError(f"{source}: not a readable GGUF file ({str(e).splitlines()[0][:200]})") from None
+    meta = Metadata(reader, source)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    shapes = {t.name: numpy_shape(t) for t in reader.tensors}
+    rope = next((dequantize(t, source) for t in reader.tensors if t.name == ROPE_FREQS), None)
+    stop = stop_ids_from(meta)
+    cfg = config_from_gguf(meta, shapes, rope, len(tokens.data) if tokens is not None else None, stop)
+    params = load_params(reader, cfg, source)
+    tokenizer = build_tokenizer(meta, source) if with_tokenizer else None
+    return Checkpoint(path, cfg, params, tokenizer, stop)

@@ -1,0 +1,174 @@
+"""PEFT LoRA adapters: read a `save_pretrained` directory and merge it into the base weights (fp32).
+
+An adapter directory holds adapter_config.json and adapter_model.safetensors with keys such as
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([R, Din]) and `...lora_B.weight` ([Dout, R]).
+Merged weight = W + scale · (B @ A) with scale = alpha / r, or alpha / sqrt(r) with use_rslora; `rank_pattern`
+and `alpha_pattern` override r and alpha per module, matched as PEFT matches them (`get_pattern_key`: the first
+pattern p, in file order, for which `(.*\\.)?(p)$` matches the module name).
+
+Only what merges into plain Llama linears is accepted; every other PEFT feature is refused by name rather than
+silently merged wrong (DoRA rescales columns, lora_bias adds a bias Llama lacks, fan_in_fan_out transposes).
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from refimpl.model import ops
+from refimpl.formats.params import expected_shapes
+from refimpl.model.config import LlamaConfig
+from refimpl.errors import CheckpointError
+from refimpl.formats.jsonfile import read_json_object
+from refimpl.formats.safetensors_io import SafetensorsFile
+
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+# PEFT's save_embedding_layers="auto" also stores the full base weight of an adapted lm_head / embedding
+_BASE_LAYER_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.base_layer\.weight$")
+_LAYER_MODULE_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
+
+Adapter = list  # [(param name, lora_a [R, Din], lora_b [Dout, R], scale)]
+
+
+def _read_config(adapter_dir: Path) -> dict:
+    path = adapter_dir / "adapter_config.json"
+    if not adapter_dir.is_dir():
+        raise CheckpointError(f"{adapter_dir}: --lora expects a PEFT adapter directory (with adapter_config.json)")
+    return read_json_object(path, "a PEFT adapter directory needs adapter_config.json")
+
+
+def _check_supported(d: dict, path: Path) -> None:
+    """Refuse every adapter kind whose merge is not W + scale · B @ A on a Llama linear."""
+    peft_type = d.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise CheckpointError(f"{path}: peft_type {peft_type!r} is not supported (expected 'LORA')")
+    refusals = {
+        "use_dora": "DoRA adapters (use_dora) are not supported",
+        "fan_in_fan_out": "fan_in_fan_out adapters (GPT-2 style Conv1D) are not supported",
+        "lora_bias": "lora_bias adapters are not supported (Llama linears have no bias)",
+        "modules_to_save": "modules_to_save is not supported (only LoRA matrices are merged)",
+        "trainable_token_indices": "trainable_token_indices is not supported",
+    }
+    for key, msg in refusals.items():
+        if d.get(key):
+            raise CheckpointError(f"{path}: {msg}, got {key}={d[key]!r}")
+    bias = d.get("bias", "none")
+    if bias != "none":
+        raise CheckpointError(f"{path}: bias={bias!r} is not supported (expected 'none')")
+
+
+def _number(value, what: str, path: Path, integer: bool = False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if integer:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise CheckpointError(f"{path}: {what} must be a positive {'integer' if integer else 'number'}, "
+                              f"got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _pattern_value(patterns: dict, module: str, default, what: str, path: Path):
+    """PEFT's get_pattern_key: the first pattern (in file order) matching the end of the module name."""
+    for pattern, value in patterns.items():
+        try:
+            hit = re.match(rf"(.*\.)?({pattern})$", module)
+        except re.error as e:
+            raise CheckpointError(f"{path}: {what} key {pattern!r} is not a valid regular expression ({e})") from None
+        if hit:
+            return value
+    return default
+
+
+def module_scale(d: dict, module: str, path: Path) -> tuple[int, float]:
+    """(rank, scale) PEFT gives `module` (e.g. 'model.layers.0.self_attn.q_proj') under adapter config `d`."""
+    r = _number(d.get("r", 8), "r", path, integer=True)
+    alpha = _number(d.get("lora_alpha", 8), "lora_alpha", path)
+    rank_pattern, alpha_pattern = d.get("rank_pattern") or {}, d.get("alpha_pattern") or {}
+    if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
+        raise CheckpointError(f"{path}: rank_pattern and alpha_pattern must be objects of pattern -> value")
+    r = _number(_pattern_value(rank_pattern, module, r, "rank_pattern", path), f"rank_pattern for {module}",
+                path, integer=True)
+    alpha = _number(_pattern_value(alpha_pattern, module, alpha, "alpha_pattern", path),
+                    f"alpha_pattern for {module}", path)
+    return r, (alpha / math.sqrt(r) if d.get("use_rslora") else alpha / r)
+
+
+def _param_name(module: str, key: str, cfg: LlamaConfig, path: Path) -> str:
+    """PEFT module name -> the checkpoint parameter it adapts, refusing anything but Llama's linears."""
+    m = _LAYER_MODULE_RE.match(module)
+    if m and m.group(3) in LLAMA_LINEARS:
+        name = module + ".weight"
+    elif module == "lm_head" and not cfg.tie_word_embeddings:
+        name = "lm_head.weight"
+    else:
+        raise CheckpointError(f"{path}: tensor {key!r} adapts module {module!r}; only the Llama linears "
+                              f"({', '.join(LLAMA_LINEARS)}{', lm_head' if not cfg.tie_word_embeddings else ''}) "
+                              f"are supported")
+    if name not in expected_shapes(cfg):
+        raise CheckpointError(f"{path}: tensor {key!r} adapts {name!r}, which this base model does not have "
+                              f"(an adapter for another base? config has {cfg.num_hidden_layers} layers)")
+    return name
+
+
+def _weights_file(adapter_dir: Path) -> Path:
+    path = adapter_dir / "adapter_model.safetensors"
+    if not path.exists():
+        pickled = (adapter_dir / "adapter_model.bin").exists()
+        hint = " (adapter_model.bin is a pickle, which llama32 never loads: re-save with safe_serialization)" \
+            if pickled else ""
+        raise CheckpointError(f"{path}: not found{hint}")
+    return path
+
+
+def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
+    """Read a PEFT LoRA adapter -> [(param name, lora_a [R, Din], lora_b [Dout, R], scale)], shapes checked."""
+    adapter_dir = Path(adapter_dir)
+    d = _read_config(adapter_dir)
+    cfg_path = adapter_dir / "adapter_config.json"
+    _check_supported(d, cfg_path)
+    weights = _weights_file(adapter_dir)
+    st = SafetensorsFile(weights)
+    pairs: dict[str, dict[str, str]] = {}
+    shapes = expected_shapes(cfg)
+    for key in st.names():
+        m = _KEY_RE.match(key)
+        base = _BASE_LAYER_RE.match(key)
+        if base:  # a copy of the base weight: fine if it is this base's shape (a resized vocab is another base)
+            name = _param_name(base.group("module"), key, cfg, weights)
+            if st.tensors[key].shape != shapes[name]:
+                raise CheckpointError(f"{weights}: {key} has shape {list(st.tensors[key].shape)}, but the base "
+                                      f"model's {name} is {list(shapes[name])} (an adapter for another base?)")
+            continue
+        if not m:
+            raise CheckpointError(f"{weights}: tensor {key!r} is not a LoRA matrix "
+                                  f"(expected base_model.model.<module>.lora_A/lora_B.weight)")
+        pairs.setdefault(m.group("module"), {})[m.group("ab")] = key
+    if not pairs:
+        raise CheckpointError(f"{weights}: holds no LoRA matrices")
+    adapter = []
+    for module, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            missing = "lora_B" if "A" in ab else "lora_A"
+            raise CheckpointError(f"{weights}: module {module!r} has no {missing} matrix")
+        name = _param_name(module, ab["A"], cfg, weights)
+        rank, scale = module_scale(d, module, cfg_path)
+        d_out, d_in = shapes[name]
+        a_shape, b_shape = st.tensors[ab["A"]].shape, st.tensors[ab["B"]].shape
+        if a_shape != (rank, d_in) or b_shape != (d_out, rank):
+            raise CheckpointError(f"{weights}: {module} has lora_A {list(a_shape)} and lora_B {list(b_shape)}, "
+                                  f"expected [{rank}, {d_in}] and [{d_out}, {rank}] for this base model and "
+                                  f"rank {rank} (an adapter for another base?)")
+        adapter.append((name, np.asarray(st.load(ab["A"]), np.float32), np.asarray(st.load(ab["B"]), np.float32),
+                        scale))
+    return adapter
+
+
+def merge_lora(params: dict, cfg: LlamaConfig, adapter: Adapter) -> dict:
+    """A new params dict with every adapted weight replaced by W + scale · B @ A (fp32); others shared."""
+    merged = dict(params)
+    for name, lora_a, lora_b, scale in adapter:
+        merged[name] = ops.lora_merge(np.asarray(merged[name], np.float32), lora_a, lora_b, scale)  # [Dout, Din]
+    return merged

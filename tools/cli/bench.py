@@ -1,0 +1,104 @@
+"""`llama32 bench`: the accel engine at the real Llama 3.2 1B/3B shapes on random bf16 weights (issue 5).
+
+Prints one table (device name and date on top) and writes the same numbers as JSON with --json-out.
+The measurements live in tools.bench.gpu; this module only picks the parts and formats them.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+from pathlib import Path
+
+import click
+
+from refimpl.errors import GenerationError
+
+MODELS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
+
+
+def _fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def render(result: dict) -> str:
+    lines = [f"llama32 bench — {result['device']} — {result['date']}",
+             f"ceilings: copy {result['copy_tb_s']:.2f} TB/s (read+write), bf16 GEMM 8192^3 "
+             f"{result['gemm_tflop_s']:.0f} TFLOP/s", ""]
+    if result["models"]:
+        lines.append(f"{'model':<14}{'decode tok/s':>13}{'roofline':>10}{'% roof':>8}{'torch-ops':>10}"
+                     f"{'HF tok/s':>10}{'x HF':>7}{'prefill ms':>12}{'GPU ms':>8}{'TFLOP/s':>9}{'peak GB':>9}")
+        for r in result["models"]:
+            lines.append(f"{r['model']:<14}{r['decode_tok_s']:>13.1f}{_fmt(r.get('roofline_tok_s')):>10}"
+                         f"{_fmt(r.get('roofline_pct')):>8}{r['decode_tok_s_torch_ops']:>10.1f}"
+                         f"{_fmt(r.get('hf_tok_s')):>10}{_fmt(r.get('speedup_vs_hf')):>7}"
+                         f"{r['prefill_ms']:>12.2f}{r['prefill_gpu_ms']:>8.2f}{r['prefill_tflop_s']:>9.0f}"
+                         f"{r['peak_gpu_mem_gb']:>9.2f}")
+        lines.append("(decode: batch 1, 32-token prompt, 256 greedy tokens, one CUDA graph a step; torch-ops: the "
+                     "same engine with plain torch ops instead of the Triton kernels; prefill: "
+                     f"{result['models'][0]['prefill_tokens']} tokens, as called (host launch cost included) and "
+                     "GPU time alone; TFLOP/s of the former)")
+    if result.get("attention"):
+        lines += ["", f"{'attention fwd (causal, GQA 8 kv)':<34}{'triton ms':>10}{'SDPA ms':>9}{'triton TF/s':>12}"
+                      f"{'SDPA TF/s':>10}{'ratio':>7}{'rel err':>9}"]
+        for a in result["attention"]:
+            lines.append(f"{'S=%d H=%d E=%d' % (a['S'], a['H'], a['E']):<34}{a['triton_ms']:>10.3f}"
+                         f"{a['sdpa_ms']:>9.3f}{a['triton_tflop_s']:>12.0f}{a['sdpa_tflop_s']:>10.0f}"
+                         f"{a['ratio_triton_over_sdpa']:>7.2f}{a['rel_err_vs_sdpa']:>9.1e}")
+    if result.get("decode_attention"):
+        lines += ["", f"{'decode attention (H=32 K=8 E=64)':<34}{'triton us':>10}{'SDPA us':>9}{'TB/s':>12}"
+                      f"{'rel err':>17}"]
+        for a in result["decode_attention"]:
+            lines.append(f"{'context %d' % a['context']:<34}{a['triton_us']:>10.1f}{a['sdpa_us']:>9.1f}"
+                         f"{a['triton_tb_s']:>12.2f}{a['rel_err_vs_sdpa']:>17.1e}")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--models", default="1b,3b", show_default=True, help="Comma-separated: 1b, 3b (empty: none).")
+@click.option("--skip-hf", is_flag=True, help="Skip HF transformers' eager generate.")
+@click.option("--skip-attention", is_flag=True, help="Skip the attention micro-benchmarks.")
+@click.option("--new-tokens", default=256, show_default=True, type=int, help="Decode tokens timed.")
+@click.option("--prefill-tokens", default=2048, show_default=True, type=int)
+@click.option("--device", default="cuda", show_default=True)
+@click.option("--profile", is_flag=True, help="Also print per-kernel profiles of eager decode steps and a prefill.")
+@click.option("--json-out", "json_out", default=None, type=click.Path(dir_okay=False),
+              help="Also write the results as JSON here.")
+def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out):
+    """Benchmark the accel engine on a CUDA GPU (random weights at the real Llama 3.2 shapes)."""
+    import torch
+
+    from tools.bench import gpu as b
+    from refimpl.model.config import PRESETS
+    if not torch.cuda.is_available():
+        raise GenerationError("llama32 bench needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    chosen = [m.strip() for m in models.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in MODELS]
+    if unknown:
+        raise GenerationError(f"--models: unknown model {unknown[0]!r} (expected a list of {', '.join(MODELS)})")
+    with_hf = not skip_hf and importlib.util.find_spec("transformers") is not None
+    result = {"device": torch.cuda.get_device_name(device),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "torch": torch.__version__, "copy_tb_s": b.copy_bandwidth(device), "gemm_tflop_s": b.gemm_tflops(device),
+              "models": []}
+    try:
+        import triton
+        result["triton"] = triton.__version__
+    except ImportError:
+        pass
+    for m in chosen:
+        if profile:
+            click.echo(f"per-kernel device time of 10 eager decode steps, {MODELS[m]}:\n"
+                       + b.profile_decode(PRESETS[MODELS[m]], device))
+            click.echo(f"per-kernel device time of one {prefill_tokens}-token prefill, {MODELS[m]}:\n"
+                       + b.profile_prefill(PRESETS[MODELS[m]], device, prefill_tokens))
+        click.echo(f"benchmarking {MODELS[m]} ...", err=True)
+        result["models"].append(b.model_bench(MODELS[m], PRESETS[MODELS[m]], device, with_hf, new_tokens,
+                                              prefill_tokens=prefill_tokens, copy_tb_s=result["copy_tb_s"]))
+    if not skip_attention:
+        click.echo("benchmarking attention ...", err=True)
+        result["attention"] = b.attention_bench(device)
+        result["decode_attention"] = b.decode_attention_bench(device)
+    click.echo(render(result))
+    if json_out:
+        Path(json_out).write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,99 @@
+"""`llama32 diff`: run two backends on one prompt, op by op, and name the first activation where they part.
+
+Backend a is the reference. Both see the same tokens: the prompt, then --steps greedy decode steps chosen from
+a's logits (so a divergence in b cannot change what the two are asked to compute).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+from refimpl.formats.checkpoint import load_checkpoint
+from refimpl.compare import TOLERANCES
+from refimpl.errors import GenerationError
+from refimpl.formats.safetensors_io import save_safetensors
+
+from tools.engines import resolve_model
+from tools.engines import engine_for
+from tools.debug.golden import engine_dtype, first_divergence, lockstep, report
+from tools.cli.golden import key_filter
+
+
+def diff_engines(a, b, prompt_ids: list[int], decode_steps: int, dtype: str | None = None, keep=lambda key: True,
+                 isolate: bool = False, dump: dict | None = None):
+    """Prefill + decode steps on both engines in lockstep. Returns (rows, dtype); fills `dump` if given.
+    dtype None: bf16 tolerance if either engine computes in bf16, else fp32."""
+    dtype = dtype or ("bf16" if "bf16" in (engine_dtype(a), engine_dtype(b)) else "fp32")
+    capacity = len(prompt_ids) + decode_steps
+    cache_a, cache_b = a.new_cache(capacity), b.new_cache(capacity)
+    ids, positions, rows, last = list(prompt_ids), list(range(len(prompt_ids))), [], {}
+
+    def sink(step, name, ref, got):
+        if name == "logits":
+            last["logits"] = ref
+        if dump is not None:
+            dump[f"a/{step}/{name}"], dump[f"b/{step}/{name}"] = np.array(ref, np.float32), np.array(got, np.float32)
+
+    for k in range(decode_steps + 1):
+        step = "prefill" if k == 0 else f"decode{k - 1}"
+        reference = ((name, a.to_numpy(value)) for name, value in a.steps(ids, positions, cache_a))
+        forward = b.steps(ids, positions, cache_b)
+        rows += lockstep(reference, b, forward, TOLERANCES[dtype], keep, isolate, step, sink)
+        ids, positions = [int(np.argmax(last["logits"][-1]))], [positions[-1] + 1]
+    return rows, dtype
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--model", default=None, help="Model directory or .gguf file (default: SmolLM2-135M-Instruct).")
+@click.option("--a", "a_backend", type=click.Choice(["refimpl", "accel"]), default="refimpl", show_default=True,
+              help="The reference side.")
+@click.option("--b", "b_backend", type=click.Choice(["refimpl", "accel"]), default="accel", show_default=True,
+              help="The side under test.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
+              help="accel compute dtype, and the tolerance used (default: the engines' own; bf16 if either is).")
+@click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
+@click.option("--steps", "decode_steps", default=2, show_default=True, type=click.IntRange(0, 1024),
+              help="Greedy decode steps after the prefill.")
+@click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
+@click.option("--filter", "filters", multiple=True, help="Glob over activation names (repeatable).")
+@click.option("--isolate", is_flag=True, help="Feed b a's input to every op, so each row measures one op alone.")
+@click.option("--dump", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Save both sides' activations (safetensors, keys a/<step>/<name>, b/<step>/<name>).")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw the error per layer to a PNG (needs matplotlib).")
+@click.option("--verbose", "-v", is_flag=True, help="Print every row, not just the per-layer summary.")
+def diff(prompt, model, a_backend, b_backend, dtype, device, decode_steps, chat, filters, isolate, dump, plot,
+         verbose):
+    """Compare backends --a and --b activation by activation on PROMPT; exit 1 if they diverge."""
+    ckpt = load_checkpoint(resolve_model(model))
+    if not prompt:
+        raise GenerationError("the prompt is empty: give some text to compare on")
+    tok = ckpt.tokenizer
+    prompt_ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    if len(prompt_ids) + decode_steps > ckpt.config.max_position_embeddings:
+        raise GenerationError(f"prompt ({len(prompt_ids)} tokens) + --steps ({decode_steps}) exceeds the context "
+                              f"of {ckpt.config.max_position_embeddings} positions")
+    a = engine_for(ckpt, a_backend, device if a_backend == "accel" else None, dtype if a_backend == "accel" else None)
+    b = engine_for(ckpt, b_backend, device, dtype)
+    dumped = {} if dump else None
+    rows, used = diff_engines(a, b, prompt_ids, decode_steps, dtype, key_filter(filters), isolate, dumped)
+    if not rows:
+        raise GenerationError(f"--filter {' '.join(filters)}: matches no activation name (see refimpl/model/names.py)")
+    mode = ", each op on a's inputs" if isolate else ""
+    click.echo(f"== {ckpt.path}: a={a_backend} vs b={b_backend} ({used}{mode}), {len(prompt_ids)} prompt tokens + "
+               f"{decode_steps} decode steps")
+    for line in report(rows, used, verbose):
+        click.echo(line)
+    if dumped is not None:
+        save_safetensors(dump, dumped, metadata={"a": a_backend, "b": b_backend, "model": str(ckpt.path)})
+        click.echo(f"wrote {len(dumped)} tensors to {dump}")
+    if plot:
+        from tools.debug.plot import plot_errors
+        plot_errors(rows, plot, used, f"{ckpt.path.name}: {b_backend} vs {a_backend} ({used})")
+        click.echo(f"wrote {plot}")
+    if first_divergence(rows) is not None:
+        sys.exit(1)

@@ -1,0 +1,88 @@
+"""`llama32 generate`: stream a completion (or a chat answer) and report its speed."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from refimpl.errors import GenerationError
+from refimpl.generate import Sampling
+
+from tools.engines import BACKENDS, load_engine, resolve_backend, resolve_model
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 sequence (shown as U+FFFD)."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out, [], 0
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if self.out is not None and not text.endswith("\ufffd"):
+            self.out.write(text[self.printed:])
+            self.out.flush()
+            self.printed = len(text)
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--model", "model", default=None, help="Model directory or .gguf file (default: SmolLM2-135M-Instruct).")
+@click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
+@click.option("--system", default=None, help="System message for --chat.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 means greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
+@click.option("--seed", default=None, type=int, help="Same seed, same tokens.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+              help="auto: accel when CUDA is present, else refimpl.")
+@click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="accel weight dtype (default bf16).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
+@click.option("--lora", "lora", default=None, type=click.Path(path_type=Path),
+              help="PEFT LoRA adapter directory, merged (fp32) into the weights after loading.")
+def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, seed, backend, device, dtype,
+             as_json, lora=None):
+    """Generate text from PROMPT."""
+    settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    backend = resolve_backend(backend)
+    engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora)
+    tok = ckpt.tokenizer
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
+                                                                                   "content": prompt}]
+        prompt_ids = tok.encode_chat(messages)
+    else:
+        if not prompt:
+            raise GenerationError("the prompt is empty: give some text to continue")
+        prompt_ids = tok.encode(prompt)
+    stream = TextStream(tok, None if as_json else sys.stdout)
+    t0 = time.perf_counter()
+    times = []
+    for token in engine.generate(prompt_ids, settings, stop_ids=ckpt.stop_ids):
+        times.append(time.perf_counter())
+        stream.push(token)
+    prefill_s = times[0] - t0
+    decode_s = times[-1] - times[0]
+    decode_tps = (len(times) - 1) / decode_s if len(times) > 1 and decode_s > 0 else None
+    if as_json:
+        record = {
+            "model": str(ckpt.path), "backend": backend, "prompt": prompt, "chat": chat,
+            "prompt_ids": prompt_ids, "generated_ids": stream.ids, "text": tok.decode(stream.ids),
+            "stopped_on_eos": bool(stream.ids) and stream.ids[-1] in ckpt.stop_ids,
+            "sampling": settings.__dict__,
+            "timings": {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s,
+                        "decode_tokens_per_s": decode_tps, "prompt_tokens": len(prompt_ids),
+                        "generated_tokens": len(stream.ids)},
+        }
+        click.echo(json.dumps(record))
+        return
+    sys.stdout.write("\n")
+    rate = f"{decode_tps:.1f} tok/s" if decode_tps else "n/a"
+    click.echo(f"[{backend}] {len(prompt_ids)} prompt tokens in {prefill_s * 1000:.0f} ms, "
+               f"{len(stream.ids)} new tokens, decode {rate} (load {load_s:.1f} s)", err=True)

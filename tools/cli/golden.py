@@ -1,0 +1,63 @@
+"""`llama32 golden make` / `llama32 golden check`: record the reference's activations, check a backend against them."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from refimpl.formats.checkpoint import load_checkpoint
+from refimpl.model.names import matches
+
+from tools.engines import engine_for
+from tools.debug.golden import (DEFAULT_DIR, GoldenError, check_golden, find_golden_dirs, first_divergence,
+                     load_golden, make_golden, report)
+
+
+@click.group()
+def golden():
+    """Golden activations of the toy checkpoints in golden/: make them, check a backend against them."""
+
+
+@golden.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DIR, show_default=True,
+              help="Where the toy checkpoints and their golden records go.")
+@click.option("--hf-check/--no-hf-check", default=True, show_default=True,
+              help="Record the logit difference against HF transformers (when it is installed).")
+def make(out, hf_check):
+    """Regenerate the toy checkpoints and golden records from the refimpl (the same bytes on every run)."""
+    make_golden(out, with_hf=hf_check, log=click.echo)
+
+
+def key_filter(patterns: tuple[str, ...]):
+    """Globs match a name ('layers.1.*') or a step-qualified key ('decode0/logits')."""
+    return lambda key: matches(key.split("/", 1)[-1], patterns) or matches(key, patterns)
+
+
+@golden.command()
+@click.option("--backend", type=click.Choice(["refimpl", "accel"]), default="refimpl", show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
+              help="accel compute dtype, and the tolerance used (default: the backend's own dtype).")
+@click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
+@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=DEFAULT_DIR, show_default=True,
+              help="A golden record's directory, or a directory of them.")
+@click.option("--filter", "filters", multiple=True, help="Glob over activation names, e.g. 'layers.1.attn.*' "
+              "or 'decode0/*' (repeatable).")
+@click.option("--isolate", is_flag=True, help="Feed every op the golden input, so each row measures one op alone.")
+@click.option("--verbose", "-v", is_flag=True, help="Print every row, not just the per-layer summary.")
+def check(backend, dtype, device, golden_dir, filters, isolate, verbose):
+    """Run a backend on the recorded tokens and compare every activation; exit 1 if any is out of tolerance."""
+    failed = False
+    for model_dir in find_golden_dirs(golden_dir):
+        rec = load_golden(model_dir)
+        engine = engine_for(load_checkpoint(model_dir, with_tokenizer=False), backend, device, dtype)
+        rows, used = check_golden(rec, engine, dtype, key_filter(filters), isolate)
+        if not rows:
+            raise GoldenError(f"--filter {' '.join(filters)}: matches no activation name (see refimpl/model/names.py)")
+        mode = ", each op on golden inputs" if isolate else ""
+        click.echo(f"== {model_dir}: {backend} ({used}{mode}) vs golden made by {rec.manifest.get('tool')}")
+        for line in report(rows, used, verbose):
+            click.echo(line)
+        failed |= first_divergence(rows) is not None
+    if failed:
+        sys.exit(1)

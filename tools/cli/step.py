@@ -1,0 +1,85 @@
+"""`llama32 step`: step through one token's forward an op at a time, on one backend or two in lockstep.
+
+The session logic lives in tools/debug/stepper.py; this module only turns options into engines and feeds commands:
+from --commands, from stdin when it is not a terminal (scripts, CI), or from a `(llama32) ` prompt.
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from refimpl.formats.checkpoint import load_checkpoint
+from refimpl.errors import GenerationError
+from refimpl.model.names import activation_names
+
+from tools.engines import engine_for, resolve_model
+from tools.debug.step_values import parse_inject
+from tools.debug.stepper import Session, run_script, split_commands
+
+
+def make_engines(ckpt, backend: str, device: str | None, dtype: str | None) -> list:
+    """refimpl first: with --backend both it is the oracle whose values the accel side is compared against."""
+    sides = {"refimpl": ["refimpl"], "accel": ["accel"], "both": ["refimpl", "accel"]}[backend]
+    # --device/--dtype are the accel side's; the refimpl is NumPy fp32 on the CPU
+    return [engine_for(ckpt, "refimpl") if side == "refimpl" else engine_for(ckpt, "accel", device, dtype)
+            for side in sides]
+
+
+def interactive(session: Session) -> None:
+    try:
+        import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
+    except ImportError:
+        pass
+    while True:
+        try:
+            line = input("(llama32) ")
+        except EOFError:
+            click.echo()
+            return
+        if not session.run(line):
+            return
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--model", default=None, help="Model directory or .gguf file (default: SmolLM2-135M-Instruct).")
+@click.option("--position", default=None, type=int,
+              help="Prompt position (from 0) of the token to step through [default: the last one].")
+@click.option("--backend", type=click.Choice(["refimpl", "accel", "both"]), default="refimpl", show_default=True,
+              help="both: refimpl and accel side by side, compared after every op.")
+@click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
+              help="accel dtype (default bf16 on CUDA, fp32 on CPU).")
+@click.option("--commands", default=None, help='Run these commands and exit, e.g. "b layers.1.*; c; p; q".')
+@click.option("--inherited", is_flag=True,
+              help="With --backend both: feed each backend its own outputs (default: lockstep, the second backend "
+                   "gets the first's inputs at every op).")
+@click.option("--inject", default=None, metavar="NAME=nan|zero|noise",
+              help="Replace activation NAME in the first backend (refimpl with --backend both).")
+def step(prompt, model, position, backend, device, dtype, commands, inherited, inject):
+    """Step through the forward of one token of PROMPT, op by op.
+
+    Stops before the first op of the token's one-token forward (after a prefill of the tokens before it) and
+    reads commands: n, c, b PATTERN, bd TOL, p, show, diff, top, dump, where, list, q; h lists them.
+    """
+    if inherited and backend != "both":
+        raise GenerationError("--inherited compares two backends: use it with --backend both")
+    if backend == "refimpl" and device not in (None, "cpu"):
+        raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")
+    if not prompt:
+        raise GenerationError("the prompt is empty: give some text to step through")
+    ckpt = load_checkpoint(resolve_model(model))
+    names = activation_names(ckpt.config.num_hidden_layers)
+    fault = parse_inject(inject, names) if inject else None
+    ids = ckpt.tokenizer.encode(prompt)
+    session = Session(make_engines(ckpt, backend, device, dtype), ids,
+                      len(ids) - 1 if position is None else position, ckpt.tokenizer,
+                      lockstep=not inherited, inject=fault, out=click.echo)
+    session.say(*session.banner())
+    if commands is not None:
+        run_script(session, split_commands(commands))
+    elif not sys.stdin.isatty():
+        run_script(session, split_commands(sys.stdin.read()))
+    else:
+        interactive(session)

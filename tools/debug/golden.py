@@ -1,0 +1,320 @@
+"""Golden activations: record every named activation of the reference once, check any backend against them later.
+
+A golden record lives beside its toy checkpoint (golden/<toy>/):
+    golden.json           manifest: format + version, config fingerprint, token ids and positions per step, dtype,
+                          the tool that made it, and the max logit difference HF transformers showed at that time
+    golden.safetensors    fp32 activations keyed "<step>/<name>" ("prefill/layers.0.attn.q", "decode0/logits")
+
+Steps are a prefill over a chat prompt whose positions run past the toy's original_max_position_embeddings, then
+greedy decode steps against the same KV cache. The comparison itself (`lockstep`) is shared with `llama32 diff`:
+it drives the tested engine's forward generator op by op beside a reference stream, in forward order, so the first
+failing row is the first op that diverged.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from refimpl.compare import TOLERANCES, Comparison, Tolerance, compare
+from refimpl.model.config import LlamaConfig
+from refimpl.errors import Llama32Error
+from refimpl.formats.jsonfile import read_json_object
+from refimpl.model.names import activation_names, split_name
+from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
+
+FORMAT, FORMAT_VERSION = "llama32-golden", 1
+MANIFEST, ACTIVATIONS = "golden.json", "golden.safetensors"
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "golden"
+# 51 prefill tokens with the toy tokenizer: positions 0..52 over 2 decode steps, past original_max_position 32.
+PROMPT = [{"role": "user", "content": "Write one line about the sea, its tides and the moon."}]
+DECODE_STEPS = 2
+
+
+class GoldenError(Llama32Error):
+    """A golden record is missing, stale, foreign, or does not match its checkpoint."""
+
+
+def tool_version() -> str:
+    """The package version: installed metadata, else the checkout's pyproject.toml."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return f"llama32 {version('llama32')}"
+    except PackageNotFoundError:
+        import tomllib
+        pyproject = DEFAULT_DIR.parent / "pyproject.toml"
+        return f"llama32 {tomllib.loads(pyproject.read_text())['project']['version']}"
+
+
+def regenerate_hint(model_dir: Path) -> str:
+    root = model_dir.resolve().parent
+    return "regenerate with `llama32 golden make" + ("`" if root == DEFAULT_DIR else f" --out {root}`")
+
+
+def activation_shapes(cfg: LlamaConfig, tokens: int) -> dict[str, tuple[int, ...]]:
+    """The shape of every named activation for a forward over `tokens` tokens (all logits rows)."""
+    T, D, F = tokens, cfg.hidden_size, cfg.intermediate_size
+    H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_kind = {"attn.q": (T, H, E), "attn.q_rot": (T, H, E), "attn.out": (T, H, E),
+                "attn.k": (T, K, E), "attn.v": (T, K, E), "attn.k_rot": (T, K, E),
+                "mlp.gate": (T, F), "mlp.up": (T, F), "mlp.act": (T, F), "logits": (T, cfg.vocab_size)}
+    return {n: per_kind.get(split_name(n)[1], (T, D)) for n in activation_names(cfg.num_hidden_layers)}
+
+
+# ---------------------------------------------------------------- recording
+
+@dataclass(frozen=True)
+class Step:
+    name: str  # "prefill", "decode0", ...
+    ids: list[int]
+    positions: list[int]
+
+
+def record(engine, prompt_ids: list[int], decode_steps: int) -> tuple[list[Step], dict[str, np.ndarray]]:
+    """Prefill + greedy decode steps on a fresh cache; every activation as "<step>/<name>" -> fp32 array."""
+    cache = engine.new_cache(len(prompt_ids) + decode_steps)
+    steps, acts = [Step("prefill", list(prompt_ids), list(range(len(prompt_ids))))], {}
+    while True:
+        step = steps[-1]
+        for name, value in engine.steps(step.ids, step.positions, cache):
+            acts[f"{step.name}/{name}"] = np.array(engine.to_numpy(value), np.float32)
+        if len(steps) > decode_steps:
+            return steps, acts
+        token = int(np.argmax(acts[f"{step.name}/logits"][-1]))  # greedy: the next id a user would see
+        pos = step.positions[-1] + 1
+        steps.append(Step(f"decode{len(steps) - 1}", [token], [pos]))
+
+
+def hf_check(model_dir: Path, steps: list[Step], acts: dict[str, np.ndarray]) -> dict | None:
+    """Run HF transformers' LlamaForCausalLM over the whole sequence at once (no cache) and compare its logits
+    with ours from the cached steps. None where torch/transformers are not installed."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = [i for s in steps for i in s.ids]
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].numpy()  # [T, V]
+    ours = np.concatenate([acts[f"{s.name}/logits"] for s in steps])  # [T, V]
+    max_abs = float(np.abs(theirs - ours).max())
+    # two significant digits: summation order may move the last bits between runs, the record must not
+    return {"transformers": transformers.__version__, "max_abs_logits": float(f"{max_abs:.1e}"),
+            "max_abs_ref_logits": float(f"{np.abs(ours).max():.3g}")}
+
+
+def make_golden(out_root: str | Path = DEFAULT_DIR, with_hf: bool = True, log: Callable = print) -> list[Path]:
+    """Write every toy checkpoint and its golden record under out_root; the same bytes on every run."""
+    from refimpl.formats.checkpoint import load_checkpoint
+    from refimpl.generate import RefEngine
+
+    from tools.toy import TOYS, write_toy_checkpoint
+    made = []
+    for spec in TOYS:
+        model_dir = write_toy_checkpoint(spec, out_root)
+        ckpt = load_checkpoint(model_dir)
+        prompt_ids = ckpt.tokenizer.encode_chat(PROMPT)
+        steps, acts = record(RefEngine(ckpt), prompt_ids, DECODE_STEPS)
+        save_safetensors(model_dir / ACTIVATIONS, acts, metadata={"format": FORMAT})
+        check = hf_check(model_dir, steps, acts) if with_hf else None
+        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "tool": tool_version(), "model": spec.name,
+                    "config_fingerprint": ckpt.config.fingerprint(), "dtype": "fp32", "backend": "refimpl",
+                    "prompt": PROMPT, "steps": [s.__dict__ for s in steps], "activations": ACTIVATIONS,
+                    "hf_check": check}
+        (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        hf = f"HF logits max |diff| {check['max_abs_logits']:.1e}" if check else "HF check skipped"
+        log(f"{model_dir}: {len(acts)} activations, {len(prompt_ids)} prefill tokens + {DECODE_STEPS} decode "
+            f"steps (positions 0..{steps[-1].positions[-1]}); {hf}")
+        made.append(model_dir)
+    return made
+
+
+# ---------------------------------------------------------------- loading and validation
+
+@dataclass
+class GoldenRecord:
+    model_dir: Path
+    manifest: dict
+    steps: list[Step]
+    tensors: SafetensorsFile
+
+    def get(self, step: str, name: str) -> np.ndarray:
+        return self.tensors.load(f"{step}/{name}")
+
+
+def find_golden_dirs(root: str | Path) -> list[Path]:
+    """`root` itself if it holds a manifest, else its subdirectories that do."""
+    root = Path(root)
+    if (root / MANIFEST).exists():
+        return [root]
+    found = sorted(p.parent for p in root.glob(f"*/{MANIFEST}")) if root.is_dir() else []
+    if not found:
+        raise GoldenError(f"{root}: no {MANIFEST} here or in its subdirectories; create the golden files with "
+                          f"`llama32 golden make --out {root}`")
+    return found
+
+
+def _steps(manifest: dict, where: str) -> list[Step]:
+    raw = manifest.get("steps")
+    ok = isinstance(raw, list) and raw and all(
+        isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("ids"), list)
+        and isinstance(s.get("positions"), list) and len(s["ids"]) == len(s["positions"]) > 0
+        and all(isinstance(i, int) for i in s["ids"] + s["positions"]) for s in raw)
+    if not ok:
+        raise GoldenError(f"{where}: 'steps' must be a list of {{name, ids, positions}} with equal-length integer "
+                          f"lists")
+    return [Step(s["name"], s["ids"], s["positions"]) for s in raw]
+
+
+def load_golden(model_dir: str | Path) -> GoldenRecord:
+    """Read and validate a golden record against its checkpoint's config.json; raise GoldenError on any mismatch."""
+    model_dir = Path(model_dir)
+    path, hint = model_dir / MANIFEST, regenerate_hint(model_dir)
+    manifest = read_json_object(path, "a golden manifest", GoldenError, hint)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else None
+        raise GoldenError(f"{path}: not a llama32 golden manifest (format {got!r}, expected {FORMAT!r}); {hint}")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise GoldenError(f"{path}: golden format version {manifest.get('version')!r}, but this llama32 reads "
+                          f"version {FORMAT_VERSION}; {hint}")
+    cfg = LlamaConfig.from_file(model_dir / "config.json")
+    if manifest.get("config_fingerprint") != cfg.fingerprint():
+        raise GoldenError(f"{path}: recorded for config fingerprint {manifest.get('config_fingerprint')!r}, but "
+                          f"{model_dir / 'config.json'} now gives {cfg.fingerprint()!r}; {hint}")
+    steps = _steps(manifest, str(path))
+    tensors = SafetensorsFile(model_dir / str(manifest.get("activations", ACTIVATIONS)))
+    for step in steps:
+        for name, shape in activation_shapes(cfg, len(step.ids)).items():
+            key = f"{step.name}/{name}"
+            if key not in tensors.tensors:
+                raise GoldenError(f"{tensors.path}: missing tensor {key!r}; {hint}")
+            if tensors.tensors[key].shape != shape:
+                raise GoldenError(f"{tensors.path}: tensor {key!r} has shape {list(tensors.tensors[key].shape)}, "
+                                  f"but config.json and the {len(step.ids)} recorded tokens imply {list(shape)}; "
+                                  f"{hint}")
+    return GoldenRecord(model_dir, manifest, steps, tensors)
+
+
+# ---------------------------------------------------------------- comparing, op by op
+
+@dataclass(frozen=True)
+class Row:
+    step: str
+    cmp: Comparison
+
+    @property
+    def key(self) -> str:
+        return f"{self.step}/{self.cmp.name}"
+
+
+def dtype_name(value) -> str:
+    """'bf16' for a bfloat16/float16 array or tensor, else 'fp32' (what picks the tolerance)."""
+    return "bf16" if "float16" in str(getattr(value, "dtype", "")) else "fp32"
+
+
+def lockstep(reference: Iterator[tuple[str, np.ndarray]], engine, steps, tol: Tolerance,
+             keep: Callable[[str], bool] = lambda key: True, isolate: bool = False, step: str = "",
+             sink: Callable | None = None) -> list[Row]:
+    """Drive `steps` (the engine's forward generator) beside `reference` ((name, fp32 array) in forward order),
+    comparing each activation whose key ("<step>/<name>") `keep` accepts. With `isolate`, every op gets the
+    reference's input (its value is sent back in place of the engine's own), so each row measures one op alone
+    instead of the error so far.
+    `sink(step, name, ref, got)` sees every pair (for --dump)."""
+    rows, sent = [], None
+    while True:
+        try:
+            name, value = steps.send(sent)
+        except StopIteration:
+            missing = next(reference, (None,))[0]
+            if missing is not None:
+                raise RuntimeError(f"{engine.backend} engine stopped before {missing!r}")
+            return rows
+        ref_name, ref = next(reference, (None, None))
+        if ref_name != name:
+            raise RuntimeError(f"{engine.backend} engine yielded {name!r} where the reference has {ref_name!r}; "
+                               f"both must follow refimpl.model.names.activation_names")
+        got = engine.to_numpy(value)
+        if keep(f"{step}/{name}" if step else name):
+            rows.append(Row(step, compare(name, got, ref, tol)))
+        if sink is not None:
+            sink(step, name, ref, got)
+        sent = engine.from_numpy(ref, like=value) if isolate else None
+
+
+def engine_dtype(engine) -> str:
+    """The dtype an engine computes in, read off one token's embedding (the forward stops right there)."""
+    steps = engine.steps([0], [0], engine.new_cache(1))
+    _, value = next(steps)
+    steps.close()
+    return dtype_name(value)
+
+
+def check_golden(rec: GoldenRecord, engine, dtype: str | None = None, keep=lambda key: True,
+                 isolate: bool = False) -> tuple[list[Row], str]:
+    """Run the recorded steps on a fresh cache; returns (rows in forward order, dtype whose tolerance applied).
+    dtype None: the engine's own."""
+    dtype = dtype or engine_dtype(engine)
+    cache = engine.new_cache(max(p for s in rec.steps for p in s.positions) + 1)
+    names = activation_names(engine.config.num_hidden_layers)
+    rows = []
+    for step in rec.steps:
+        reference = ((name, rec.get(step.name, name)) for name in names)
+        forward = engine.steps(step.ids, step.positions, cache)
+        rows += lockstep(reference, engine, forward, TOLERANCES[dtype], keep, isolate, step.name)
+    return rows, dtype
+
+
+# ---------------------------------------------------------------- reporting
+
+def _group(row: Row) -> str:
+    layer, kind = split_name(row.cmp.name)
+    return f"layer {layer}" if layer is not None else ("embed" if kind == "embed" else "head")
+
+
+def _verdict(c: Comparison) -> str:
+    return "ok" if c.ok else f"FAIL ({c.problem})" if c.problem else "FAIL"
+
+
+def format_row(row: Row) -> str:
+    c = row.cmp
+    return (f"{row.key:<34} {str(list(c.shape)):<14} {c.max_abs:>9.2e} {c.max_rel:>9.2e} {c.nmse:>9.2e}  "
+            f"{_verdict(c)}")
+
+
+def first_divergence(rows: list[Row]) -> Row | None:
+    return next((r for r in rows if not r.cmp.ok), None)
+
+
+def report(rows: list[Row], dtype: str, verbose: bool = False) -> list[str]:
+    """The table: every row (verbose), or one line per step and layer plus the failing rows; then the verdict."""
+    tol = TOLERANCES[dtype]
+    header = f"{'name':<34} {'shape':<14} {'max abs':>9} {'max rel':>9} {'NMSE':>9}  verdict"
+    lines = [f"tolerance {dtype}: NMSE <= {tol.nmse:.0e} and max rel <= {tol.max_rel:.0e} (max rel = max abs / "
+             f"max |reference|)"]
+    if verbose:
+        lines += [header] + [format_row(r) for r in rows]
+    else:
+        lines.append(f"{'step':<9} {'group':<9} {'checked':>7} {'failed':>6} {'worst NMSE':>10} {'worst rel':>9}")
+        groups: dict[tuple[str, str], list[Row]] = {}
+        for r in rows:
+            groups.setdefault((r.step, _group(r)), []).append(r)
+        for (step, group), rs in groups.items():
+            lines.append(f"{step:<9} {group:<9} {len(rs):>7} {sum(not r.cmp.ok for r in rs):>6} "
+                         f"{max(r.cmp.nmse for r in rs):>10.2e} {max(r.cmp.max_rel for r in rs):>9.2e}")
+        failing = [r for r in rows if not r.cmp.ok]
+        if failing:
+            lines += ["failing rows:", header] + [format_row(r) for r in failing]
+    first = first_divergence(rows)
+    if first is None:
+        lines.append(f"all {len(rows)} activations within {dtype} tolerance")
+    else:
+        c = first.cmp
+        why = c.problem or (f"max rel {c.max_rel:.2e} (limit {tol.max_rel:.0e}), NMSE {c.nmse:.2e} "
+                            f"(limit {tol.nmse:.0e}), worst at index {list(c.worst)}")
+        lines.append(f"first divergence: {first.key}: {why}")
+    return lines
