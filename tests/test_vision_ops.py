@@ -48,7 +48,7 @@ def test_gelu_is_the_exact_erf_form(shape):
     assert np.abs(got - tanh_form).max() > 1e-4  # the test can tell the two forms apart
 
 
-@pytest.mark.parametrize("L,H,K,E", [(13, 4, 4, 8), (24, 6, 2, 5), (9, 3, 1, 16)])
+@pytest.mark.parametrize("L,H,K,E", [(13, 4, 4, 8), (24, 6, 2, 5), (9, 3, 1, 16), (1100, 2, 1, 3)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_encoder_attention(L, H, K, E, masked):
     rng = np.random.default_rng(L * H + E)
