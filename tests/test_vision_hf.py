@@ -154,3 +154,27 @@ def test_both_key_name_schemes_load_and_match(tmp_path):
     assert np.abs(ref_logits(cfg, a.params, ids, images) - hf_logits(model, ids, *arrays)).max() < ATOL
     for name in params:  # bf16 on disk: equal to the fp32 weights up to bf16 rounding
         np.testing.assert_allclose(b.params[name], params[name], rtol=2 ** -8, atol=1e-30)
+
+
+def test_image_inputs_that_do_not_fit_the_prompt_or_config_are_one_line_errors():
+    from refimpl.errors import GenerationError
+
+    _, cfg, params = setup(kv_heads=2)
+    engine = MllamaEngine(Checkpoint(None, cfg, params))
+    ids = [1, IMAGE, 9, IMAGE]
+    _, one_image = inputs_for(cfg, [1, IMAGE, 9], [(1, 1)])
+    cases = [
+        (lambda: list(engine.generate(ids, Sampling(max_new_tokens=2), images=one_image)),
+         "2 <|image|> token(s) but 1 image"),
+        (lambda: list(engine.generate([1, 9], Sampling(max_new_tokens=2), images=one_image)),
+         "0 <|image|> token(s) but 1 image"),
+        (lambda: list(engine.generate([1, IMAGE, 9, 8], Sampling(max_new_tokens=2), images=one_image)),
+         "cross_attention_mask has 3 rows for a prompt of 4 tokens"),
+        (lambda: ImageInputs.from_arrays(cfg.vision, np.zeros((1, 4, 3, 14, 14)), [1], [[1, 0, 0, 0]]),
+         r"pixel_values has shape \[1, 4, 3, 14, 14\], expected \[images, 4, 3, 28, 28\]"),
+        (lambda: ImageInputs.from_arrays(cfg.vision, one_image.pixel_values, [9], [[1, 0, 0, 0]]),
+         r"aspect_ratio_ids must be 1 ids in \[1, 8\]"),
+    ]
+    for call, message in cases:
+        with pytest.raises(GenerationError, match=message):
+            call()
