@@ -32,7 +32,7 @@ def ref_logits(cfg, params, ids, images=None):
 
 
 def inputs_for(cfg, ids, grids, seed=0):
-    pixels, ar_ids, ar_mask = image_arrays(grids, seed)
+    pixels, ar_ids, ar_mask = image_arrays(grids, seed, tile=cfg.vision.image_size)
     xmask = cross_mask(ids, [r * c for r, c in grids])
     return (pixels, ar_ids, ar_mask, xmask), ImageInputs.from_arrays(cfg.vision, pixels, ar_ids, ar_mask, xmask)
 
@@ -45,6 +45,16 @@ CASES = {  # name: (model settings, prompt, tile grid of each image)
     "two-adjacent-images-share-the-text": (dict(kv_heads=2, cross_layers=(0, 2)), [1, IMAGE, IMAGE, 9, 8, 7],
                                            [(4, 1), (1, 2)]),
 }
+
+
+def test_large_tiles_pad_like_the_real_model():
+    """16×16 patches + class = 257 tokens padded to 264: 7 pad tokens a tile, as the real 560-pixel tiles' 1601 -> 1608;
+    3 of 4 tiles real."""
+    settings, ids, grids = dict(kv_heads=2, tile=224, text_layers=2, cross_layers=(1,)), [1, IMAGE, 9, 7], [(1, 3)]
+    model, cfg, params = setup(**settings)
+    assert (cfg.vision.tokens_per_tile, cfg.vision.padded_tokens_per_tile) == (257, 264)
+    arrays, images = inputs_for(cfg, ids, grids)
+    assert np.abs(ref_logits(cfg, params, ids, images) - hf_logits(model, ids, *arrays)).max() < ATOL
 
 
 @pytest.mark.parametrize("case", CASES)
