@@ -257,7 +257,8 @@ def default_configs(T: int, S: int, E: int, dtype: torch.dtype, on_gpu: bool) ->
         c = dict(BLOCK_M=_small(T, 32), BLOCK_N=_small(S, 32), num_warps=4, num_stages=2)
         return {"fwd": c, "dq": c, "dkdv": c}
     big = E > 64
-    return {"fwd": dict(BLOCK_M=_small(T, 128), BLOCK_N=_small(S, 64), num_warps=8 if big else 4, num_stages=3),
+    return {"fwd": dict(BLOCK_M=_small(T, 128 if big else 64), BLOCK_N=_small(S, 64), num_warps=8 if big else 4,
+                        num_stages=3),  # the inference forward's sweep (flash_attn._config, without TMA)
             "dq": dict(BLOCK_M=_small(T, 128), BLOCK_N=_small(S, 64 if big else 64), num_warps=8 if big else 4,
                        num_stages=2 if big else 3),
             "dkdv": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 128), num_warps=8 if big else 4,
