@@ -76,15 +76,16 @@ def test_against_numpy_oracle(B, T, S, H, K, E, causal, lengths):
 
 
 @interpreted
-@pytest.mark.parametrize("bm,bn", [(16, 32), (32, 16)])
-def test_other_tiles_and_random_mask(bm, bn):
-    """Unequal query/key blocks (the causal loop splits of both passes) and a random mask with empty rows."""
+@pytest.mark.parametrize("bm,bn,split", [(16, 32, 1), (32, 16, 2)])
+def test_other_tiles_and_random_mask(bm, bn, split):
+    """Unequal query/key blocks (the causal loop splits of both passes), the dK/dV pass's head split, and a random
+    mask with empty rows."""
     B, T, S, H, K, E = 1, 45, 45, 4, 2, 16
     q, k, v, do = inputs(B, T, S, H, K, E, seed=bm)
     mask = torch.rand(B, T, S, generator=torch.Generator().manual_seed(bn)) > 0.5
     mask[:, 5] = False
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
-    got = triton_grads(q, k, v, do, True, mask, {"fwd": cfg, "dq": cfg, "dkdv": cfg})
+    got = triton_grads(q, k, v, do, True, mask, {"fwd": cfg, "dq": cfg, "dkdv": {**cfg, "SPLIT": split}})
     for name, g, w in zip(("o", "dq", "dk", "dv"), got, oracle(q, k, v, do, True, mask)):
         torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 

@@ -192,54 +192,53 @@ def _dkdv_block(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, MASKb, m, offs_m, offs_n, o
 
 @triton.jit
 def _dkdv_kernel(Q, K, V, MASK, DO, LSE, DELTA, DK, DV, sq_b, sq_t, sq_h, sk_b, sk_s, sk_k, sv_b, sv_s, sv_k,
-                 sdo_b, sdo_t, sdo_h, sdk_b, sdk_s, sdk_k, sdv_b, sdv_s, sdv_k, sm_b, sm_t, sm_s, T, S, NK, G,
-                 qk_scale, sm_scale, E: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 sdo_b, sdo_t, sdo_h, sdk_p, sdk_b, sdk_s, sdk_k, sdv_p, sdv_b, sdv_s, sdv_k, sm_b, sm_t, sm_s, T, S,
+                 NK, G, G_PART, qk_scale, sm_scale, E: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                 EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     bk = tl.program_id(0)  # kv heads fastest, key blocks first-first: under the causal mask key block 0 has most rows
     b = (bk // NK).to(tl.int64)
     kh = bk % NK
     n0 = tl.program_id(1) * BLOCK_N
+    part = tl.program_id(2)  # this program's share of the group: query heads g0 .. g0 + G_PART - 1
+    g0 = part * G_PART
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
     EVEN_E: tl.constexpr = BLOCK_E == E
     e_ok = offs_e < E
     k, v = load_kv_tiles(K + b * sk_b + kh * sk_k, V + b * sv_b + kh * sv_k, n0, offs_n, offs_e, e_ok, S, sk_s,
-                         sv_s, True, EVEN_E)  # [N, E] each, read once for the whole group
+                         sv_s, True, EVEN_E)  # [N, E] each, read once for all the program's query heads
     offs_n = n0 + offs_n
     MASKb = MASK + b * sm_b
+    dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    # (head, query block) pairs in one flat loop each, so the software pipeline runs across heads without draining
+    m_full = 0
     if CAUSAL:  # query blocks from the one holding row n0; from m_full on every row sees every key of the block
         m_lo = (n0 // BLOCK_M) * BLOCK_M
         m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N, BLOCK_M) * BLOCK_M, T)
-    else:
-        m_lo = 0
-        m_full = 0
-    dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-    for g in range(G):
-        h = kh * G + g
-        Qb = Q + b * sq_b + h * sq_h
-        DOb = DO + b * sdo_b + h * sdo_h
-        LSEb = LSE + (bk * G + g).to(tl.int64) * T  # [B, H, T] row of (b, h): (b·K + kh)·G + g == b·H + h
-        DELTAb = DELTA + (bk * G + g).to(tl.int64) * T
-        for m in range(m_lo, m_full, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, MASKb, m, offs_m, offs_n, offs_e, e_ok, T, S,
-                                 sq_t, sdo_t, sm_t, sm_s, qk_scale, True, CAUSAL, HAS_MASK, False, EVEN_E,
+        n_diag = tl.maximum(tl.cdiv(m_full - m_lo, BLOCK_M), 0)
+        for i in range(0, G_PART * n_diag):
+            h = kh * G + g0 + i // n_diag
+            bh = (b * NK * G + h) * T  # [B, H, T] row of (b, h)
+            dk, dv = _dkdv_block(dk, dv, k, v, Q + b * sq_b + h * sq_h, DO + b * sdo_b + h * sdo_h, LSE + bh,
+                                 DELTA + bh, MASKb, m_lo + (i % n_diag) * BLOCK_M, offs_m, offs_n, offs_e, e_ok, T,
+                                 S, sq_t, sdo_t, sm_t, sm_s, qk_scale, True, CAUSAL, HAS_MASK, False, EVEN_E,
                                  DOT_PRECISION)
-        m_even = m_full + ((T - m_full) // BLOCK_M) * BLOCK_M
-        for m in range(m_full, m_even, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, MASKb, m, offs_m, offs_n, offs_e, e_ok, T, S,
-                                 sq_t, sdo_t, sm_t, sm_s, qk_scale, False, CAUSAL, HAS_MASK, True, EVEN_E,
-                                 DOT_PRECISION)
-        for m in range(m_even, T, BLOCK_M):  # the ragged last query block
-            dk, dv = _dkdv_block(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, MASKb, m, offs_m, offs_n, offs_e, e_ok, T, S,
-                                 sq_t, sdo_t, sm_t, sm_s, qk_scale, False, CAUSAL, HAS_MASK, False, EVEN_E,
-                                 DOT_PRECISION)
+    n_full = tl.cdiv(T - m_full, BLOCK_M)
+    for i in range(0, G_PART * n_full):
+        h = kh * G + g0 + i // n_full
+        bh = (b * NK * G + h) * T
+        dk, dv = _dkdv_block(dk, dv, k, v, Q + b * sq_b + h * sq_h, DO + b * sdo_b + h * sdo_h, LSE + bh,
+                             DELTA + bh, MASKb, m_full + (i % n_full) * BLOCK_M, offs_m, offs_n, offs_e, e_ok, T, S,
+                             sq_t, sdo_t, sm_t, sm_s, qk_scale, False, CAUSAL, HAS_MASK, EVEN_T, EVEN_E,
+                             DOT_PRECISION)
     n_ok = (offs_n < S)[:, None] & e_ok[None, :]
-    tl.store(DK + b * sdk_b + kh * sdk_k + offs_n[:, None] * sdk_s + offs_e[None, :],
+    tl.store(DK + part * sdk_p + b * sdk_b + kh * sdk_k + offs_n[:, None] * sdk_s + offs_e[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok)
-    tl.store(DV + b * sdv_b + kh * sdv_k + offs_n[:, None] * sdv_s + offs_e[None, :], dv.to(DV.dtype.element_ty),
-             mask=n_ok)
+    tl.store(DV + part * sdv_p + b * sdv_b + kh * sdv_k + offs_n[:, None] * sdv_s + offs_e[None, :],
+             dv.to(DV.dtype.element_ty), mask=n_ok)
 
 
 def _small(n: int, cap: int) -> int:
@@ -256,13 +255,13 @@ def default_configs(T: int, S: int, E: int, dtype: torch.dtype, on_gpu: bool) ->
     if dtype == torch.float32:
         c = dict(BLOCK_M=_small(T, 32), BLOCK_N=_small(S, 32), num_warps=4, num_stages=2)
         return {"fwd": c, "dq": c, "dkdv": c}
-    big = E > 64
-    return {"fwd": dict(BLOCK_M=_small(T, 128 if big else 64), BLOCK_N=_small(S, 64), num_warps=8 if big else 4,
-                        num_stages=3),  # the inference forward's sweep (flash_attn._config, without TMA)
-            "dq": dict(BLOCK_M=_small(T, 128), BLOCK_N=_small(S, 64 if big else 64), num_warps=8 if big else 4,
-                       num_stages=2 if big else 3),
-            "dkdv": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 128), num_warps=8 if big else 4,
-                         num_stages=2 if big else 3)}
+    if E <= 64:
+        return {"fwd": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3),
+                "dq": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3),
+                "dkdv": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3)}
+    return {"fwd": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3),
+            "dq": dict(BLOCK_M=_small(T, 128), BLOCK_N=_small(S, 64), num_warps=8, num_stages=3),
+            "dkdv": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 128), num_warps=8, num_stages=3)}
 
 
 def _check(q, k, v, mask):
@@ -324,19 +323,30 @@ def flash_attn_dq(q, k, v, o, lse, do, causal, mask, config=None):
 
 
 def flash_attn_dkdv(q, k, v, do, lse, delta, causal, mask, config=None):
-    """The dK/dV pass (GQA-native: one program per key block of a kv head, looping over its query heads)."""
+    """The dK/dV pass (GQA-native: one program per key block of a kv head, looping over its query heads).
+    config["SPLIT"] = P > 1 (P divides H/K) gives each (key block, kv head) P programs of H/K/P query heads each,
+    for parallelism on short sequences: they write fp32 partial sums that are then added in a fixed order (still
+    deterministic, and K/V are never repeated)."""
     B, T, H, E = q.shape
     S, NK = k.shape[1], k.shape[2]
-    cfg, _, bn = _launch_cfg(config or default_configs(T, S, E, q.dtype, q.is_cuda)["dkdv"])
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    cfg, bm, bn = _launch_cfg(config or default_configs(T, S, E, q.dtype, q.is_cuda)["dkdv"])
+    split = cfg.pop("SPLIT", 1)
+    assert (H // NK) % split == 0, "SPLIT must divide the group size H/K"
+    if split == 1:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        pk, pv = dk.unsqueeze(0), dv.unsqueeze(0)
+    else:
+        pk = torch.empty((split, *k.shape), dtype=torch.float32, device=k.device)  # [P, B, S, K, E]
+        pv = torch.empty_like(pk)
     mk, ms = _mask_args(mask, q)
-    _dkdv_kernel[(B * NK, triton.cdiv(S, bn))](q, k, v, mk, do, lse, delta, dk, dv, *q.stride()[:3],
-                                              *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
-                                              *dv.stride()[:3], *ms, T, S, NK, H // NK, LOG2E / math.sqrt(E),
-                                              1.0 / math.sqrt(E), E=E, CAUSAL=causal, HAS_MASK=mask is not None,
-                                              BLOCK_E=max(16, triton.next_power_of_2(E)),
-                                              DOT_PRECISION=dot_precision(q.dtype), **cfg)
-    return dk, dv
+    _dkdv_kernel[(B * NK, triton.cdiv(S, bn), split)](
+        q, k, v, mk, do, lse, delta, pk, pv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+        *pk.stride()[:4], *pv.stride()[:4], *ms, T, S, NK, H // NK, H // NK // split, LOG2E / math.sqrt(E),
+        1.0 / math.sqrt(E), E=E, CAUSAL=causal, HAS_MASK=mask is not None, EVEN_T=T % bm == 0,
+        BLOCK_E=max(16, triton.next_power_of_2(E)), DOT_PRECISION=dot_precision(q.dtype), **cfg)
+    if split == 1:
+        return dk, dv
+    return pk.sum(0).to(k.dtype), pv.sum(0).to(v.dtype)
 
 
 def flash_attn_bwd(q, k, v, o, lse, do, causal: bool = True, mask=None, configs: dict | None = None):

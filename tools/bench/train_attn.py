@@ -4,7 +4,8 @@
 
 bf16, causal, B=1, 8 kv heads, S=2048 and 8192, E=64 (H=32, Llama 3.2 1B) and E=128 (H=24, 3B). Backward FLOPs
 are counted as 2.5× the causal forward's (4·S²·E·H / 2), whatever each implementation actually computes.
-SDPA runs with enable_gqa=True (no repeated K/V) under the flash backend and under torch's default choice; where
+SDPA runs with enable_gqa=True (no repeated K/V) under the flash backend, the cuDNN backend and torch's default
+choice (the same as one of those two); where
 a backend refuses enable_gqa it runs on K/V repeated per query head (outside the timed region; its backward then
 omits the sum over the group, in SDPA's favour) and the row says `gqa: repeated`.
 Both backwards are timed from a saved forward: ours flash_attn_bwd (dQ pass + dK/dV pass), SDPA's
@@ -31,13 +32,16 @@ KV = 8
 DEV, DTYPE = "cuda", torch.bfloat16  # a CPU smoke test of this script swaps these (interpreter, fp32)
 
 SWEEP_DQ = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in
-            ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 4, 5), (128, 32, 8, 4),
-             (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3))]
-SWEEP_DKDV = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in
-              ((64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 3), (32, 128, 4, 3), (32, 128, 4, 5),
-               (32, 128, 8, 3), (16, 128, 4, 4), (64, 64, 4, 3), (32, 64, 4, 4), (128, 128, 8, 2))]
+            ((64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3),
+             (64, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3))]
+_DKDV = ((64, 64, 4, 3), (32, 64, 4, 4), (64, 64, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2),
+         (64, 128, 8, 3), (64, 128, 8, 4), (128, 64, 8, 3))
+SWEEP_DKDV = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in _DKDV]
+# the head split (more programs on short sequences) on the tiles that led the first sweep
+SWEEP_DKDV_SPLIT = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in
+                    ((64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 8, 3), (32, 128, 4, 3))]
 SWEEP_FWD = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in
-             ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4))]
+             ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 4), (64, 128, 4, 3))]
 
 
 def rel(a, b) -> float:
@@ -84,7 +88,8 @@ def bench_shape(S, H, E, sweep, rows, deadline):
         print(rows[-1], flush=True)
 
     from torch.nn.attention import SDPBackend
-    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_default", None)):
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa_default", None)):
         for gqa in (True, False):
             try:
                 fn, grads = sdpa_backward(q, k, v, do, backend, gqa)
@@ -117,7 +122,9 @@ def bench_shape(S, H, E, sweep, rows, deadline):
         except Exception as e:
             rows.append({**base, "variant": "pass_fwd", "config": cfg, "error": repr(e)[:200]})
         print(rows[-1], flush=True)
-    for part, configs in (("dq", SWEEP_DQ), ("dkdv", SWEEP_DKDV)):
+    G = H // KV
+    splits = [{**c, "SPLIT": p} for p in range(2, G + 1) if G % p == 0 for c in SWEEP_DKDV_SPLIT]
+    for part, configs in (("dq", SWEEP_DQ), ("dkdv", SWEEP_DKDV + splits)):
         for cfg in configs:
             if time.time() > deadline:
                 rows.append({**base, "variant": f"pass_{part}", "config": cfg, "error": "skipped: time budget"})
@@ -175,7 +182,7 @@ def main():
     import triton
     if not torch.cuda.is_available():
         raise SystemExit("error: tools.bench.train_attn needs a CUDA GPU")
-    meta = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.utcnow().isoformat(timespec="seconds"),
+    meta = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "triton": triton.__version__, "dtype": "bf16", "causal": True, "B": 1,
             "flop_count": "backward = 2.5 x causal forward (4*S*S*E*H/2)"}
     rows: list[dict] = []
