@@ -194,8 +194,8 @@ def _dkdv_block(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, MASKb, m, offs_m, offs_n, o
 def _dkdv_kernel(Q, K, V, MASK, DO, LSE, DELTA, DK, DV, sq_b, sq_t, sq_h, sk_b, sk_s, sk_k, sv_b, sv_s, sv_k,
                  sdo_b, sdo_t, sdo_h, sdk_p, sdk_b, sdk_s, sdk_k, sdv_p, sdv_b, sdv_s, sdv_k, sm_b, sm_t, sm_s, T, S,
                  NK, G, G_PART, qk_scale, sm_scale, E: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                 EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 EVEN_T: tl.constexpr, FLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
     bk = tl.program_id(0)  # kv heads fastest, key blocks first-first: under the causal mask key block 0 has most rows
     b = (bk // NK).to(tl.int64)
     kh = bk % NK
@@ -211,29 +211,51 @@ def _dkdv_kernel(Q, K, V, MASK, DO, LSE, DELTA, DK, DV, sq_b, sq_t, sq_h, sk_b, 
                          sv_s, True, EVEN_E)  # [N, E] each, read once for all the program's query heads
     offs_n = n0 + offs_n
     MASKb = MASK + b * sm_b
-    dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-    # (head, query block) pairs in one flat loop each, so the software pipeline runs across heads without draining
+    m_lo = 0
     m_full = 0
     if CAUSAL:  # query blocks from the one holding row n0; from m_full on every row sees every key of the block
         m_lo = (n0 // BLOCK_M) * BLOCK_M
         m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N, BLOCK_M) * BLOCK_M, T)
-        n_diag = tl.maximum(tl.cdiv(m_full - m_lo, BLOCK_M), 0)
-        for i in range(0, G_PART * n_diag):
-            h = kh * G + g0 + i // n_diag
-            bh = (b * NK * G + h) * T  # [B, H, T] row of (b, h)
+    dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    if FLAT:  # (head, query block) pairs in one loop per region: the pipeline does not drain between heads
+        if CAUSAL:
+            n_diag = tl.maximum(tl.cdiv(m_full - m_lo, BLOCK_M), 0)
+            for i in range(0, G_PART * n_diag):
+                h = kh * G + g0 + i // n_diag
+                bh = (b * NK * G + h) * T  # [B, H, T] row of (b, h)
+                dk, dv = _dkdv_block(dk, dv, k, v, Q + b * sq_b + h * sq_h, DO + b * sdo_b + h * sdo_h, LSE + bh,
+                                     DELTA + bh, MASKb, m_lo + (i % n_diag) * BLOCK_M, offs_m, offs_n, offs_e, e_ok,
+                                     T, S, sq_t, sdo_t, sm_t, sm_s, qk_scale, True, CAUSAL, HAS_MASK, False, EVEN_E,
+                                     DOT_PRECISION)
+        n_full = tl.cdiv(T - m_full, BLOCK_M)
+        for i in range(0, G_PART * n_full):
+            h = kh * G + g0 + i // n_full
+            bh = (b * NK * G + h) * T
             dk, dv = _dkdv_block(dk, dv, k, v, Q + b * sq_b + h * sq_h, DO + b * sdo_b + h * sdo_h, LSE + bh,
-                                 DELTA + bh, MASKb, m_lo + (i % n_diag) * BLOCK_M, offs_m, offs_n, offs_e, e_ok, T,
-                                 S, sq_t, sdo_t, sm_t, sm_s, qk_scale, True, CAUSAL, HAS_MASK, False, EVEN_E,
+                                 DELTA + bh, MASKb, m_full + (i % n_full) * BLOCK_M, offs_m, offs_n, offs_e, e_ok, T,
+                                 S, sq_t, sdo_t, sm_t, sm_s, qk_scale, False, CAUSAL, HAS_MASK, EVEN_T, EVEN_E,
                                  DOT_PRECISION)
-    n_full = tl.cdiv(T - m_full, BLOCK_M)
-    for i in range(0, G_PART * n_full):
-        h = kh * G + g0 + i // n_full
-        bh = (b * NK * G + h) * T
-        dk, dv = _dkdv_block(dk, dv, k, v, Q + b * sq_b + h * sq_h, DO + b * sdo_b + h * sdo_h, LSE + bh,
-                             DELTA + bh, MASKb, m_full + (i % n_full) * BLOCK_M, offs_m, offs_n, offs_e, e_ok, T, S,
-                             sq_t, sdo_t, sm_t, sm_s, qk_scale, False, CAUSAL, HAS_MASK, EVEN_T, EVEN_E,
-                             DOT_PRECISION)
+    else:  # one loop per head and region (faster on long sequences: no index arithmetic per block)
+        for g in range(g0, g0 + G_PART):
+            h = kh * G + g
+            Qb = Q + b * sq_b + h * sq_h
+            DOb = DO + b * sdo_b + h * sdo_h
+            LSEb = LSE + (b * NK * G + h) * T  # [B, H, T] row of (b, h)
+            DELTAb = DELTA + (b * NK * G + h) * T
+            for m in range(m_lo, m_full, BLOCK_M):
+                dk, dv = _dkdv_block(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, MASKb, m, offs_m, offs_n, offs_e, e_ok, T,
+                                     S, sq_t, sdo_t, sm_t, sm_s, qk_scale, True, CAUSAL, HAS_MASK, False, EVEN_E,
+                                     DOT_PRECISION)
+            m_even = m_full + ((T - m_full) // BLOCK_M) * BLOCK_M
+            for m in range(m_full, m_even, BLOCK_M):
+                dk, dv = _dkdv_block(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, MASKb, m, offs_m, offs_n, offs_e, e_ok, T,
+                                     S, sq_t, sdo_t, sm_t, sm_s, qk_scale, False, CAUSAL, HAS_MASK, True, EVEN_E,
+                                     DOT_PRECISION)
+            for m in range(m_even, T, BLOCK_M):  # the ragged last query block
+                dk, dv = _dkdv_block(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, MASKb, m, offs_m, offs_n, offs_e, e_ok, T,
+                                     S, sq_t, sdo_t, sm_t, sm_s, qk_scale, False, CAUSAL, HAS_MASK, False, EVEN_E,
+                                     DOT_PRECISION)
     n_ok = (offs_n < S)[:, None] & e_ok[None, :]
     tl.store(DK + part * sdk_p + b * sdk_b + kh * sdk_k + offs_n[:, None] * sdk_s + offs_e[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok)
@@ -245,9 +267,12 @@ def _small(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
 
-def default_configs(T: int, S: int, E: int, dtype: torch.dtype, on_gpu: bool) -> dict:
-    """Tile sizes {"fwd", "dq", "dkdv"} -> dict(BLOCK_M, BLOCK_N, num_warps, num_stages). The GPU choice is the
-    tools/bench/train_attn.py sweep's (NOTES.md); fp32 takes smaller tiles to stay inside shared memory."""
+def default_configs(B: int, T: int, S: int, K: int, H: int, E: int, dtype: torch.dtype, on_gpu: bool) -> dict:
+    """Tile sizes {"fwd", "dq", "dkdv"} -> dict(BLOCK_M, BLOCK_N, num_warps, num_stages[, SPLIT]): the fastest of
+    tools/bench/train_attn.py's sweeps on an H100 (bf16, causal, 8 kv heads, B=1; tools/bench/NOTES.md).
+    The dK/dV pass has only B·K·S/BLOCK_N programs; where that is a fraction of a wave (S=2048: 256) E=64 splits
+    each group of query heads over 2 programs (0.131 ms against 0.153 unsplit); E=128 did not gain from it.
+    fp32 takes small tiles to stay inside shared memory."""
     if not on_gpu:  # the interpreter: small tiles are fastest
         m, n = _small(T, 32), _small(S, 32)
         c = dict(BLOCK_M=m, BLOCK_N=n, num_warps=4, num_stages=1)
@@ -255,13 +280,19 @@ def default_configs(T: int, S: int, E: int, dtype: torch.dtype, on_gpu: bool) ->
     if dtype == torch.float32:
         c = dict(BLOCK_M=_small(T, 32), BLOCK_N=_small(S, 32), num_warps=4, num_stages=2)
         return {"fwd": c, "dq": c, "dkdv": c}
+    few_programs = B * K * triton.cdiv(S, 64) <= 512
+    fwd = dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3)
     if E <= 64:
-        return {"fwd": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3),
-                "dq": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3),
-                "dkdv": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3)}
-    return {"fwd": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3),
-            "dq": dict(BLOCK_M=_small(T, 128), BLOCK_N=_small(S, 64), num_warps=8, num_stages=3),
-            "dkdv": dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 128), num_warps=8, num_stages=3)}
+        dkdv = dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3)
+        if few_programs and (H // K) % 2 == 0:
+            dkdv["SPLIT"] = 2
+        elif not few_programs:
+            dkdv = dict(BLOCK_M=_small(T, 32), BLOCK_N=_small(S, 128), num_warps=4, num_stages=3)
+        return {"fwd": fwd, "dq": dict(fwd), "dkdv": dkdv}
+    dkdv = (dict(BLOCK_M=_small(T, 32), BLOCK_N=_small(S, 64), num_warps=4, num_stages=4) if few_programs else
+            dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 128), num_warps=8, num_stages=3))
+    return {"fwd": fwd, "dq": dict(BLOCK_M=_small(T, 128), BLOCK_N=_small(S, 64), num_warps=8, num_stages=3),
+            "dkdv": dkdv}
 
 
 def _check(q, k, v, mask):
@@ -291,7 +322,7 @@ def flash_attn_train_fwd(q, k, v, causal: bool = True, mask=None, config: dict |
     _check(q, k, v, mask)
     B, T, H, E = q.shape
     S, NK = k.shape[1], k.shape[2]
-    cfg, bm, _ = _launch_cfg(config or default_configs(T, S, E, q.dtype, q.is_cuda)["fwd"])
+    cfg, bm, _ = _launch_cfg(config or default_configs(B, T, S, NK, H, E, q.dtype, q.is_cuda)["fwd"])
     o = torch.empty_like(q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     mk, ms = _mask_args(mask, q)
@@ -308,7 +339,7 @@ def flash_attn_dq(q, k, v, o, lse, do, causal, mask, config=None):
     """The dQ pass: -> (dq [B, T, H, E] in q's dtype, Δ [B, H, T] fp32) (Δ is the dK/dV pass's input)."""
     B, T, H, E = q.shape
     S, NK = k.shape[1], k.shape[2]
-    cfg, bm, _ = _launch_cfg(config or default_configs(T, S, E, q.dtype, q.is_cuda)["dq"])
+    cfg, bm, _ = _launch_cfg(config or default_configs(B, T, S, NK, H, E, q.dtype, q.is_cuda)["dq"])
     dq = torch.empty_like(q)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     mk, ms = _mask_args(mask, q)
@@ -329,7 +360,7 @@ def flash_attn_dkdv(q, k, v, do, lse, delta, causal, mask, config=None):
     deterministic, and K/V are never repeated)."""
     B, T, H, E = q.shape
     S, NK = k.shape[1], k.shape[2]
-    cfg, bm, bn = _launch_cfg(config or default_configs(T, S, E, q.dtype, q.is_cuda)["dkdv"])
+    cfg, bm, bn = _launch_cfg(config or default_configs(B, T, S, NK, H, E, q.dtype, q.is_cuda)["dkdv"])
     split = cfg.pop("SPLIT", 1)
     assert (H // NK) % split == 0, "SPLIT must divide the group size H/K"
     if split == 1:
@@ -342,7 +373,7 @@ def flash_attn_dkdv(q, k, v, do, lse, delta, causal, mask, config=None):
     _dkdv_kernel[(B * NK, triton.cdiv(S, bn), split)](
         q, k, v, mk, do, lse, delta, pk, pv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
         *pk.stride()[:4], *pv.stride()[:4], *ms, T, S, NK, H // NK, H // NK // split, LOG2E / math.sqrt(E),
-        1.0 / math.sqrt(E), E=E, CAUSAL=causal, HAS_MASK=mask is not None, EVEN_T=T % bm == 0,
+        1.0 / math.sqrt(E), E=E, CAUSAL=causal, HAS_MASK=mask is not None, EVEN_T=T % bm == 0, FLAT=split > 1,
         BLOCK_E=max(16, triton.next_power_of_2(E)), DOT_PRECISION=dot_precision(q.dtype), **cfg)
     if split == 1:
         return dk, dv
@@ -354,7 +385,8 @@ def flash_attn_bwd(q, k, v, o, lse, do, causal: bool = True, mask=None, configs:
     `configs` overrides {"dq": ..., "dkdv": ...} tile sizes."""
     _check(q, k, v, mask)
     do = do if do.stride(3) == 1 else do.contiguous()
-    configs = configs or default_configs(q.shape[1], k.shape[1], q.shape[3], q.dtype, q.is_cuda)
+    configs = configs or default_configs(q.shape[0], q.shape[1], k.shape[1], k.shape[2], q.shape[2], q.shape[3],
+                                         q.dtype, q.is_cuda)
     dq, delta = flash_attn_dq(q, k, v, o, lse, do, causal, mask, configs["dq"])
     dk, dv = flash_attn_dkdv(q, k, v, do, lse, delta, causal, mask, configs["dkdv"])
     return dq, dk, dv

@@ -102,7 +102,7 @@ def bench_shape(S, H, E, sweep, rows, deadline):
     o, lse = flash_attn_train_fwd(q, k, v, True)
     ms_fwd = device_ms(lambda: flash_attn_train_fwd(q, k, v, True), reps=10, sleep_cycles=100_000_000)
     rows.append({**base, "variant": "ours_fwd_lse", "ms": ms_fwd, "tflop_s": fwd_tf / ms_fwd / 1e9})
-    defaults = default_configs(S, S, E, q.dtype, q.is_cuda)
+    defaults = default_configs(1, S, S, KV, H, E, q.dtype, q.is_cuda)
     record("ours", lambda: flash_attn_bwd(q, k, v, o, lse, do, True), flash_attn_bwd(q, k, v, o, lse, do, True),
            configs={k_: defaults[k_] for k_ in ("dq", "dkdv")})
     if not sweep:
