@@ -43,6 +43,15 @@ def _mask_scores(s, q_idx, k_idx, T, S, MASK, sm_t, sm_s, CAUSAL: tl.constexpr, 
 
 
 @triton.jit
+def _key_range(m0, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the query block m0 .. m0 + BLOCK_M: keys [0, full_end) need no mask (whole blocks every row sees: under
+    the causal mask, those below m0), keys [full_end, key_end) are the masked diagonal / ragged blocks."""
+    if CAUSAL:
+        return (tl.minimum(m0, S) // BLOCK_N) * BLOCK_N, tl.minimum(m0 + BLOCK_M, S)
+    return (S // BLOCK_N) * BLOCK_N, S
+
+
+@triton.jit
 def _fwd_block(acc, m_i, l_i, q, Kb, Vb, MASKb, start, offs_m, offs_n, offs_e, e_ok, T, S, sk_s, sv_s, sm_t, sm_s,
                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_E: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
@@ -81,12 +90,7 @@ def _fwd_kernel(Q, K, V, MASK, O, LSE, sq_b, sq_t, sq_h, sk_b, sk_s, sk_k, sv_b,
     Kb = K + b * sk_b + (h // G) * sk_k
     Vb = V + b * sv_b + (h // G) * sv_k
     MASKb = MASK + b * sm_b
-    if CAUSAL:  # keys below m0 are visible to every row of the block
-        key_end = tl.minimum(m0 + BLOCK_M, S)
-        full_end = (tl.minimum(m0, S) // BLOCK_N) * BLOCK_N
-    else:
-        key_end = S
-        full_end = (S // BLOCK_N) * BLOCK_N
+    full_end, key_end = _key_range(m0, S, CAUSAL, BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
@@ -149,12 +153,7 @@ def _dq_kernel(Q, K, V, MASK, O, DO, LSE, DELTA, DQ, sq_b, sq_t, sq_h, sk_b, sk_
     Kb = K + b * sk_b + (h // G) * sk_k
     Vb = V + b * sv_b + (h // G) * sv_k
     MASKb = MASK + b * sm_b
-    if CAUSAL:
-        key_end = tl.minimum(m0 + BLOCK_M, S)
-        full_end = (tl.minimum(m0, S) // BLOCK_N) * BLOCK_N
-    else:
-        key_end = S
-        full_end = (S // BLOCK_N) * BLOCK_N
+    full_end, key_end = _key_range(m0, S, CAUSAL, BLOCK_M, BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     for start in range(0, full_end, BLOCK_N):
         dq = _dq_block(dq, q, do, lse, delta, Kb, Vb, MASKb, start, offs_m, offs_n, offs_e, e_ok, T, S, sk_s, sv_s,
@@ -303,53 +302,44 @@ def _check(q, k, v, mask):
     assert all(x.stride(3) == 1 for x in (q, k, v)), "head rows must be contiguous"
 
 
-def _mask_args(mask, like):
-    """(pointer, strides) of the mask as bytes; a placeholder when there is none (HAS_MASK is then False)."""
-    if mask is None:
-        return like, (0, 0, 0)
-    m = mask.view(torch.uint8)
-    return m, tuple(m.stride())
-
-
-def _launch_cfg(cfg: dict) -> tuple[dict, int, int]:
-    c = dict(cfg)
-    return c, c["BLOCK_M"], c["BLOCK_N"]
+def _setup(q, k, mask, config: dict | None, part: str):
+    """What every launcher needs: (B, T, H, E, S, K), a copy of the tile config of `part` (the defaults unless
+    given), the mask as bytes with its strides (a placeholder and zeros when there is none: HAS_MASK is then
+    False), and the constexprs all three kernels share."""
+    B, T, H, E = q.shape
+    S, NK = k.shape[1], k.shape[2]
+    cfg = dict(config or default_configs(B, T, S, NK, H, E, q.dtype, q.is_cuda)[part])
+    m = q if mask is None else mask.view(torch.uint8)
+    strides = (0, 0, 0) if mask is None else tuple(m.stride())
+    consts = dict(E=E, HAS_MASK=mask is not None, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                  DOT_PRECISION=dot_precision(q.dtype))
+    return (B, T, H, E, S, NK), cfg, m, strides, consts
 
 
 def flash_attn_train_fwd(q, k, v, causal: bool = True, mask=None, config: dict | None = None):
     """q [B, T, H, E], k/v [B, S, K, E], mask [B, T, S] bool or None -> (o [B, T, H, E] in q's dtype,
     lse [B, H, T] fp32, log2 domain, +inf for rows that see no key). `config` overrides the tile sizes."""
     _check(q, k, v, mask)
-    B, T, H, E = q.shape
-    S, NK = k.shape[1], k.shape[2]
-    cfg, bm, _ = _launch_cfg(config or default_configs(B, T, S, NK, H, E, q.dtype, q.is_cuda)["fwd"])
+    (B, T, H, E, S, NK), cfg, mk, ms, consts = _setup(q, k, mask, config, "fwd")
     o = torch.empty_like(q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    mk, ms = _mask_args(mask, q)
-    n_mblocks = triton.cdiv(T, bm)
+    n_mblocks = triton.cdiv(T, cfg["BLOCK_M"])
     _fwd_kernel[(B * H, n_mblocks)](q, k, v, mk, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                                    *o.stride()[:3], *ms, T, S, H, H // NK, n_mblocks, LOG2E / math.sqrt(E), E=E,
-                                    CAUSAL=causal, HAS_MASK=mask is not None,
-                                    BLOCK_E=max(16, triton.next_power_of_2(E)),
-                                    DOT_PRECISION=dot_precision(q.dtype), **cfg)
+                                    *o.stride()[:3], *ms, T, S, H, H // NK, n_mblocks, LOG2E / math.sqrt(E),
+                                    CAUSAL=causal, **consts, **cfg)
     return o, lse
 
 
 def flash_attn_dq(q, k, v, o, lse, do, causal, mask, config=None):
     """The dQ pass: -> (dq [B, T, H, E] in q's dtype, Δ [B, H, T] fp32) (Δ is the dK/dV pass's input)."""
-    B, T, H, E = q.shape
-    S, NK = k.shape[1], k.shape[2]
-    cfg, bm, _ = _launch_cfg(config or default_configs(B, T, S, NK, H, E, q.dtype, q.is_cuda)["dq"])
+    (B, T, H, E, S, NK), cfg, mk, ms, consts = _setup(q, k, mask, config, "dq")
     dq = torch.empty_like(q)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    mk, ms = _mask_args(mask, q)
-    n_mblocks = triton.cdiv(T, bm)
+    n_mblocks = triton.cdiv(T, cfg["BLOCK_M"])
     _dq_kernel[(B * H, n_mblocks)](q, k, v, mk, o, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3],
                                    *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *ms, T, S,
-                                   H, H // NK, n_mblocks, LOG2E / math.sqrt(E), 1.0 / math.sqrt(E), E=E,
-                                   CAUSAL=causal, HAS_MASK=mask is not None,
-                                   BLOCK_E=max(16, triton.next_power_of_2(E)),
-                                   DOT_PRECISION=dot_precision(q.dtype), **cfg)
+                                   H, H // NK, n_mblocks, LOG2E / math.sqrt(E), 1.0 / math.sqrt(E), CAUSAL=causal,
+                                   **consts, **cfg)
     return dq, delta
 
 
@@ -358,9 +348,7 @@ def flash_attn_dkdv(q, k, v, do, lse, delta, causal, mask, config=None):
     config["SPLIT"] = P > 1 (P divides H/K) gives each (key block, kv head) P programs of H/K/P query heads each,
     for parallelism on short sequences: they write fp32 partial sums that are then added in a fixed order (still
     deterministic, and K/V are never repeated)."""
-    B, T, H, E = q.shape
-    S, NK = k.shape[1], k.shape[2]
-    cfg, bm, bn = _launch_cfg(config or default_configs(B, T, S, NK, H, E, q.dtype, q.is_cuda)["dkdv"])
+    (B, T, H, E, S, NK), cfg, mk, ms, consts = _setup(q, k, mask, config, "dkdv")
     split = cfg.pop("SPLIT", 1)
     assert (H // NK) % split == 0, "SPLIT must divide the group size H/K"
     if split == 1:
@@ -369,12 +357,10 @@ def flash_attn_dkdv(q, k, v, do, lse, delta, causal, mask, config=None):
     else:
         pk = torch.empty((split, *k.shape), dtype=torch.float32, device=k.device)  # [P, B, S, K, E]
         pv = torch.empty_like(pk)
-    mk, ms = _mask_args(mask, q)
-    _dkdv_kernel[(B * NK, triton.cdiv(S, bn), split)](
+    _dkdv_kernel[(B * NK, triton.cdiv(S, cfg["BLOCK_N"]), split)](
         q, k, v, mk, do, lse, delta, pk, pv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
         *pk.stride()[:4], *pv.stride()[:4], *ms, T, S, NK, H // NK, H // NK // split, LOG2E / math.sqrt(E),
-        1.0 / math.sqrt(E), E=E, CAUSAL=causal, HAS_MASK=mask is not None, EVEN_T=T % bm == 0, FLAT=split > 1,
-        BLOCK_E=max(16, triton.next_power_of_2(E)), DOT_PRECISION=dot_precision(q.dtype), **cfg)
+        1.0 / math.sqrt(E), CAUSAL=causal, EVEN_T=T % cfg["BLOCK_M"] == 0, FLAT=split > 1, **consts, **cfg)
     if split == 1:
         return dk, dv
     return pk.sum(0).to(k.dtype), pv.sum(0).to(v.dtype)
