@@ -12,7 +12,9 @@ Backward (FlashAttention-2 with Δ precomputed; no atomics, so bit-for-bit deter
     (stored for the next pass), then recomputes P blockwise from the saved lse and accumulates dQ = dS · K.
   * dK/dV pass: one program = BLOCK_N keys of one kv head. It loops over the H/K query heads of the group and
     their query blocks, accumulating dV = Pᵀ · dO and dK = dSᵀ · Q in fp32 registers: each K/V tile is read once
-    for the whole group, and repeated K/V never exist in memory.
+    for the whole group, and repeated K/V never exist in memory. Where the pass has too few programs for the GPU
+    (short sequences), SPLIT gives a group's heads to several programs whose fp32 partial dK/dV are summed in a
+    fixed order afterwards; those programs walk (head, query block) pairs in one flat loop.
 Both passes split their loop as the inference forward does: blocks every row fully sees (no causal mask, no bounds
 checks) and the diagonal / ragged-edge blocks (masked). Any T and S; E up to 128, padded to a power of two.
 """

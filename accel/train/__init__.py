@@ -1,1 +1,2 @@
-"""Training pieces of the accel backend: autograd-wrapped kernels (attention.py), ..."""
+"""Training pieces of the accel backend: differentiable ops over the Triton kernels (attention.py: FlashAttention
+forward and backward)."""
