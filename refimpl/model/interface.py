@@ -8,7 +8,7 @@ Dimension letters, used in every shape comment of the project:
     T  tokens in this call            S  KV-cache capacity (positions)     D  hidden_size
     F  intermediate_size              V  vocab_size                         H  query heads
     K  key/value heads (H % K == 0)   E  head_dim                           R  LoRA rank
-    N  cross-attention (image) tokens
+    N  cross-attention (image) tokens   B  sequences in a training batch
 
 Vision letters (the image encoder of Llama 3.2 Vision; H and E there are the encoder's heads and head_dim):
     I  images in the prompt           A  tiles per image (max_num_tiles)    C  colour channels
