@@ -110,8 +110,7 @@ class Decoder:
         self.step_count = torch.zeros(1, dtype=torch.int64, device=dev)  # the greedy step's index into history
         self.history = torch.zeros(cache.capacity + 1, dtype=torch.int64, device=dev)
         # the closures hold what the step reads, not the engine or self: a reference cycle (engine -> session ->
-        # decoder -> closure -> engine) kept dropped engines' weights alive until the next gc pass (NOTES.md: the
-        # bench's "2.2x the weights" of peak memory were two such engines left by its profiles)
+        # decoder -> closure -> engine) kept dropped engines' weights alive until the next gc pass
         w, cfg, tuning, token, position = engine.weights, engine.config, engine.tuning, self.token, self.position
         step, history, torch_only = self.step_count, self.history, not engine.triton
 

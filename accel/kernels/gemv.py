@@ -51,8 +51,8 @@ def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl
                        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        EVEN_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr):
     """Program (row block b, K slice s) multiplies ONE tile W[b·BN : (b+1)·BN, s·BK : (s+1)·BK] by f(x)'s slice:
-    no loop, so every weight load of the program is issued at once (the persistent kernel kept only two tiles,
-    32 KB, in flight a program and reached 1.7-2.9 TB/s), and f(x) is computed once a program. With SPLIT_K > 1
+    no loop, so every weight load of the program is issued at once (the persistent kernel keeps only two tiles
+    in flight a program), and f(x) is computed once a program. With SPLIT_K > 1
     the fp32 partials go to P [SPLIT_K, N]; the program that draws the row block's last ticket sums them in
     slice order (bitwise the same whoever arrives last), applies the epilogue and re-arms the counter."""
     b = tl.program_id(0)

@@ -4,7 +4,7 @@ GEMV      (N, K) of the weight -> GemvConfig (accel/kernels/gemv.py); shapes not
 QKV_ROPE  (N, K) of the fused qkv weight -> QkvConfig (accel/kernels/qkv_rope.py); else `qkv_rope.qkv_config`'s rule.
 A `Tuning` bundles one table of each plus the decode attention's launch options; the engine runs `DEFAULT`.
 Benchmarks that try other configs build their own `Tuning` and pass it in (tools/bench/decode_variants.py): nothing
-here is rewritten at run time. The measurements behind every row are in tools/bench/NOTES.md (nvidia-h200, 132 SMs).
+here is rewritten at run time. The measurements behind every row (on 132 SMs) are in tools/bench/NOTES.md.
 """
 from __future__ import annotations
 

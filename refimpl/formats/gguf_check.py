@@ -6,7 +6,7 @@ same layout with `struct` over a read-only mmap (nothing is copied), checks ever
 left before using it, and raises CheckpointError naming the file, the byte offset and what was expected. A file that
 passes is one GGUFReader opens without error and whose tensors the library can dequantize.
 
-Layout (v2/v3; v1's 32-bit counts are not accepted):
+Layout (GGUF versions 2 and 3; version 1's 32-bit counts are not accepted):
     magic "GGUF" | u32 version | u64 tensor_count | u64 kv_count
     kv_count × (string key | u32 value_type | value)        string = u64 length + UTF-8 bytes
     tensor_count × (string name | u32 n_dims | n_dims × u64 dim | u32 ggml_type | u64 offset)

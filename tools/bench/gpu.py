@@ -1,4 +1,4 @@
-"""Measurements for `llama32 bench` (issue 5): device ceilings, the engine's decode and prefill, HF's eager
+"""Measurements for `llama32 bench`: device ceilings, the engine's decode and prefill, HF's eager
 generate on the same weights, and the attention kernels against torch SDPA.
 
 Method (shared/BASELINES.md, device METHOD.md): CUDA events after warm-up, median of repeats, random data (never
