@@ -140,16 +140,21 @@ def _read_alignment(cur: _Cursor, type_code: int, start: int) -> int:
     return value
 
 
+def _first_time(cur: _Cursor, seen: set, name: str, what: str, start: int) -> str:
+    """`name`, recorded in `seen`; a second occurrence is an error at `start`."""
+    if name in seen:
+        raise cur.error(f"duplicate {what} {name!r}", at=start)
+    seen.add(name)
+    return name
+
+
 def _read_metadata(cur: _Cursor, kv_count: int) -> int:
     """Walk the key/value section; return the data alignment it sets (32 by default)."""
     gguf = _gguf()
     alignment, keys = gguf.GGUF_DEFAULT_ALIGNMENT, set()
     for _ in range(kv_count):
         start = cur.pos
-        key = cur.string("metadata key")
-        if key in keys:
-            raise cur.error(f"duplicate metadata key {key!r}", at=start)
-        keys.add(key)
+        key = _first_time(cur, keys, cur.string("metadata key"), "metadata key", start)
         type_code = cur.u32(f"value type of {key!r}")
         if key == "general.alignment":
             alignment = _read_alignment(cur, type_code, start)
@@ -162,10 +167,7 @@ def _read_tensor_info(cur: _Cursor, names: set) -> tuple[str, int, int, int]:
     """One tensor info -> (name, ggml type, data bytes, offset in the data section)."""
     gguf = _gguf()
     start = cur.pos
-    name = cur.string("tensor name")
-    if name in names:
-        raise cur.error(f"duplicate tensor name {name!r}", at=start)
-    names.add(name)
+    name = _first_time(cur, names, cur.string("tensor name"), "tensor name", start)
     n_dims = cur.u32(f"tensor {name!r} n_dims")
     if not 1 <= n_dims <= GGML_MAX_DIMS:
         raise cur.error(f"tensor {name!r}: n_dims is {n_dims}, expected 1..{GGML_MAX_DIMS}", at=start)
