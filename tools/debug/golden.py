@@ -26,7 +26,7 @@ from refimpl.formats.jsonfile import read_json_object
 from refimpl.model.names import activation_names, split_name
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
 
-from tools.debug.lockstep import Row, compare_rows, engine_dtype, first_divergence, report  # noqa: F401 (re-exported)
+from tools.debug.lockstep import Row, compare_rows, engine_dtype
 
 FORMAT, FORMAT_VERSION = "llama32-golden", 1
 MANIFEST, ACTIVATIONS = "golden.json", "golden.safetensors"
