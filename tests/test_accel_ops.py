@@ -26,7 +26,7 @@ GQA = [(4, 4), (4, 2), (8, 2), (4, 1)]  # (H, K): ratios 1, 2, 4 and MQA
 
 
 @pytest.fixture(params=["triton", "torch"])
-def path(request, monkeypatch):
+def path(request):
     if request.param == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors reach the kernels only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
     with A.torch_only(request.param == "torch"):
@@ -298,3 +298,33 @@ def test_gemv_config_fills_the_gpu_at_llama_shapes():
             assert progs <= blocks and cfg.block_k == 256 * cfg.warps, (N, K, cfg)
         if cfg.kind == "stream":  # persistent, whole K chunks (its loads are never masked)
             assert progs <= blocks and K % cfg.block_k == 0, (N, K, cfg)
+
+
+@pytest.mark.parametrize("N,K", [(37, 53), (64, 40)])
+def test_decode_gemv_ops_match_refimpl(path, N, K):
+    """The fused decode ops norm_linear, linear_add, swiglu_linear_add through the op layer (GEMV kernel or torch
+    version) against refimpl's rms_norm / swiglu / linear and the residual add."""
+    rng = rng_for("gemv-ops", N, K)
+    w, x, nw, r = randn(rng, N, K), randn(rng, 1, K) * 3, randn(rng, K), randn(rng, 1, N)
+    w_down, gate_up = randn(rng, N, K), randn(rng, 1, 2 * K) * 3
+    tol = dict(atol=1e-4, rtol=1e-5)  # fp32, sums over K <= 53 of values ~ 10
+    close(A.norm_linear(t(x), t(nw), t(w), 1e-5), R.linear(R.rms_norm(x, nw, 1e-5), w), "norm_linear", **tol)
+    resid = t(r.copy())
+    assert A.linear_add(t(x), t(w), resid) is resid
+    close(resid, r + R.linear(x, w), "linear_add", **tol)
+    resid = t(r.copy())
+    A.swiglu_linear_add(t(gate_up), t(w_down), resid)
+    close(resid, r + R.linear(R.swiglu(gate_up[:, :K], gate_up[:, K:]), w_down), "swiglu_linear_add", **tol)
+
+
+@pytest.mark.parametrize("V", [7, 1000, 1537])
+def test_argmax_row_and_greedy_next(path, V):
+    """The first index of the maximum (ties included), and greedy_next's bookkeeping on the device tensors."""
+    rng = rng_for("argmax", V)
+    logits = randn(rng, 1, V)
+    logits[0, V // 3] = logits[0, V - 1] = logits.max() + 1  # a tie: the first one wins
+    assert int(A.argmax_row(t(logits))) == V // 3
+    token, position = torch.zeros(1, dtype=torch.int64), torch.tensor([4])
+    history, step = torch.full((3,), -1, dtype=torch.int64), torch.tensor([1])
+    A.greedy_next(t(logits), token, position, history, step)
+    assert (int(token), int(position), history.tolist(), int(step)) == (V // 3, 5, [-1, V // 3, -1], 2)
