@@ -9,7 +9,6 @@ Dimension letters, used in every shape comment of the project:
     F  intermediate_size              V  vocab_size                         H  query heads
     K  key/value heads (H % K == 0)   E  head_dim                           R  LoRA rank
     N  cross-attention (image) tokens
-    I  images in one prompt           A  tile slots (max_image_tiles)     P  tile side in pixels
 
 Dtype rules (accel; the refimpl is float32 throughout):
     * activations flow in the model dtype (bf16 or fp32); weights are in the model dtype;

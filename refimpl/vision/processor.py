@@ -1,13 +1,13 @@
 """Llama 3.2 Vision image preprocessing, pixel for pixel as HF's `MllamaImageProcessor` (its PIL backend).
 
-One image becomes a canvas of up to `max_image_tiles` square tiles of P×P pixels:
+One image becomes a canvas of up to `max_image_tiles` square tiles of X×X pixels:
     1. choose the tile arrangement (rows × columns) whose canvas needs the smallest upscale, or else the smallest
        downscale; equal scales go to the smaller canvas;
     2. resize with aspect ratio kept (PIL, the file's `resample`, bilinear by default) so the image fits the canvas
        and no side is below one tile;
     3. zero-pad bottom and right to the canvas, rescale by 1/255, normalize with the file's mean/std;
     4. cut the canvas into tiles, row by row.
-A prompt's images are stacked as pixel_values [I, A, 3, P, P] (unused tile slots zero), with aspect_ratio_ids [I]
+A prompt's images are stacked as pixel_values [I, A, C, X, X] (C = 3) (unused tile slots zero), with aspect_ratio_ids [I]
 (1-based index of the arrangement in `supported_aspect_ratios`) and aspect_ratio_mask [I, A].
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ class ImageProcessorConfig:
 class ImageBatch:
     """One prompt's images, as the vision encoder takes them."""
 
-    pixel_values: np.ndarray  # [I, A, 3, P, P] float32, tile slots past num_tiles[i] are zero
+    pixel_values: np.ndarray  # [I, A, C, X, X] float32, tile slots past num_tiles[i] are zero
     aspect_ratio_ids: np.ndarray  # [I] int64, 1-based index into supported_aspect_ratios(A)
     aspect_ratio_mask: np.ndarray  # [I, A] int64, 1 for the image's tiles
     num_tiles: list[int]  # tiles used by each image
@@ -136,38 +136,38 @@ def fit_to_canvas(height: int, width: int, canvas_height: int, canvas_width: int
 
 
 def normalize(canvas: np.ndarray, cfg: ImageProcessorConfig) -> np.ndarray:
-    """uint8 canvas [3, h, w] -> float32 [3, h, w]: x · rescale_factor (in float64, then rounded to float32),
+    """uint8 canvas [C, h, w] -> float32 [C, h, w]: x · rescale_factor (in float64, then rounded to float32),
     then (x − mean) / std in float32, HF's order and precisions."""
     x = canvas
     if cfg.do_rescale:
         x = (x.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
     x = x.astype(np.float32)
     if cfg.do_normalize:
-        mean = np.array(cfg.image_mean, dtype=np.float32)[:, None, None]  # [3, 1, 1]
+        mean = np.array(cfg.image_mean, dtype=np.float32)[:, None, None]  # [C, 1, 1]
         std = np.array(cfg.image_std, dtype=np.float32)[:, None, None]
         x = (x - mean) / std
     return x
 
 
 def split_tiles(canvas: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """[3, rows·P, cols·P] -> [rows·cols, 3, P, P], tiles in row-major order."""
+    """[C, rows·X, cols·X] -> [rows·cols, C, X, X], tiles in row-major order."""
     c, h, w = canvas.shape
     p = h // rows
-    x = canvas.reshape(c, rows, p, cols, p)  # [3, rows, P, cols, P]
-    x = x.transpose(1, 3, 0, 2, 4)  # [rows, cols, 3, P, P]
-    return np.ascontiguousarray(x.reshape(rows * cols, c, p, p))  # [rows·cols, 3, P, P]
+    x = canvas.reshape(c, rows, p, cols, p)  # [C, rows, X, cols, X]
+    x = x.transpose(1, 3, 0, 2, 4)  # [rows, cols, C, X, X]
+    return np.ascontiguousarray(x.reshape(rows * cols, c, p, p))  # [rows·cols, C, X, X]
 
 
 def image_tiles(image, cfg: ImageProcessorConfig) -> tuple[np.ndarray, tuple[int, int]]:
-    """An RGB PIL image -> (tiles [n, 3, P, P] float32, (rows, cols))."""
+    """An RGB PIL image -> (tiles [n, C, X, X] float32, (rows, cols))."""
     if image.mode != "RGB":
         raise ValueError(f"image_tiles takes RGB images, got mode {image.mode}")  # callers convert first
     p = cfg.tile_size
     canvas_h, canvas_w = optimal_canvas(image.height, image.width, cfg.max_image_tiles, p)
     new_h, new_w = fit_to_canvas(image.height, image.width, canvas_h, canvas_w, p)
-    resized = np.asarray(image.resize((new_w, new_h), resample=cfg.resample))  # [h, w, 3] uint8
-    canvas = np.zeros((3, canvas_h, canvas_w), dtype=np.uint8)  # zero padding bottom and right
-    canvas[:, :new_h, :new_w] = resized.transpose(2, 0, 1)  # [h, w, 3] -> [3, h, w]
+    resized = np.asarray(image.resize((new_w, new_h), resample=cfg.resample))  # [h, w, C] uint8
+    canvas = np.zeros((3, canvas_h, canvas_w), dtype=np.uint8)  # [C, canvas h, canvas w], zero padding bottom and right
+    canvas[:, :new_h, :new_w] = resized.transpose(2, 0, 1)  # [h, w, C] -> [C, h, w]
     rows, cols = canvas_h // p, canvas_w // p
     return split_tiles(normalize(canvas, cfg), rows, cols), (rows, cols)
 
@@ -182,7 +182,7 @@ def preprocess(images: list, cfg: ImageProcessorConfig) -> ImageBatch:
         raise ValueError("preprocess needs at least one image")
     a, p = cfg.max_image_tiles, cfg.tile_size
     arrangements = supported_aspect_ratios(a)
-    pixel_values = np.zeros((len(images), a, 3, p, p), dtype=np.float32)  # [I, A, 3, P, P]
+    pixel_values = np.zeros((len(images), a, 3, p, p), dtype=np.float32)  # [I, A, C, X, X]
     ids = np.zeros(len(images), dtype=np.int64)  # [I]
     mask = np.zeros((len(images), a), dtype=np.int64)  # [I, A]
     mask[:, 0] = 1  # HF marks the first slot of every image, even a padding one
