@@ -14,7 +14,8 @@ from typing import Iterator
 import numpy as np
 
 from refimpl.model.config import LlamaConfig
-from refimpl.errors import CheckpointError
+from refimpl.model.mllama_config import is_mllama_config
+from refimpl.errors import CheckpointError, ConfigError
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.progress import Progress
 from refimpl.formats.gguf_loader import load_gguf
@@ -43,21 +44,27 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json{hint}")
 
 
-def iter_safetensors(model_dir: Path, cfg: LlamaConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (name, float32 array) for every expected tensor, validating names and shapes first."""
+def read_headers(model_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str, tuple[int, ...]]]:
+    """({tensor name: the opened file holding it}, {tensor name: shape}) from the headers alone."""
     where = weight_files(model_dir)
     files = {path: SafetensorsFile(path) for path in set(where.values())}
-    shapes = {}
+    holder, shapes = {}, {}
     for name, path in where.items():
         if name not in files[path].tensors:
             raise CheckpointError(f"{model_dir / 'model.safetensors.index.json'}: tensor {name!r} is listed in "
                                   f"{path.name}, which does not contain it")
-        shapes[name] = files[path].tensors[name].shape
+        holder[name], shapes[name] = files[path], files[path].tensors[name].shape
+    return holder, shapes
+
+
+def iter_safetensors(model_dir: Path, cfg: LlamaConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, float32 array) for every expected tensor, validating names and shapes first."""
+    holder, shapes = read_headers(model_dir)
     extra = check_params(shapes, cfg, str(model_dir))
     if extra:
         print(f"warning: {model_dir}: ignoring {len(extra)} unknown tensor(s), e.g. {extra[0]!r}", file=sys.stderr)
     for name in expected_shapes(cfg):
-        yield name, files[where[name]].load(name)
+        yield name, holder[name].load(name)
 
 
 def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
@@ -69,6 +76,9 @@ def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Checkpoint
         raise CheckpointError(f"{path}: no such file or directory (expected a model directory or a .gguf file)")
     if not path.is_dir():
         raise CheckpointError(f"{path}: expected a model directory (with config.json) or a .gguf file")
+    if is_mllama_config(read_json_object(path / "config.json", "a model directory needs config.json", ConfigError)):
+        from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
+        return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer)
     cfg = LlamaConfig.from_file(path / "config.json")
     params = {}
     # 9 tensors a layer + embed + norm (+ lm_head): counted, not listed, so 10^12 claimed layers fail in
