@@ -73,7 +73,8 @@ class Ops(Protocol):
         """Non-causal GQA attention of text queries over precomputed image keys/values (Llama 3.2 Vision).
 
         q [T, H, E], k/v [K, N, E], mask [T, N] bool (True = may attend) or None (all visible) -> [T, H, E].
-        A query row with no visible key outputs zeros (Mllama's full_text_row_masked_out_mask).
+        A query row with no visible key outputs zeros (Meta's reference zeroes such rows so). HF's Mllama, which
+        refimpl.model.mllama reproduces, never passes such a row: it lets it attend to every image token.
         """
 
     def lora_merge(self, weight: Array, lora_a: Array, lora_b: Array, scale: float) -> Array:

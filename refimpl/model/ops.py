@@ -137,7 +137,13 @@ def gelu(x):
     return (0.5 * x64 * (1.0 + erf(x64 / np.sqrt(2.0)))).astype(F32)
 
 
+ENCODER_QUERY_BLOCK = 512  # a 4-tile image has L = 6432: whole [H, L, L] scores would take 2.6 GB in fp32
+
+
 def encoder_attention(q, k, v, mask=None):
     L = q.shape[0]
     visible = np.ones((L, L), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)  # [L, L]
-    return _grouped_attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), visible)  # [L, K, E] -> [K, L, E]
+    kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [L, K, E] -> [K, L, E]
+    blocks = range(0, L, ENCODER_QUERY_BLOCK)  # rows are independent: blocks of queries bound the score matrix
+    return np.concatenate([_grouped_attention(q[s:s + ENCODER_QUERY_BLOCK], kt, vt,
+                                              visible[s:s + ENCODER_QUERY_BLOCK]) for s in blocks])  # [L, H, E]
