@@ -191,3 +191,28 @@ def test_make_reproduces_the_vision_record(tmp_path):
     assert a.names() == b.names()
     for name in a.names():  # BLAS summation order may move last bits
         np.testing.assert_allclose(a.load(name), b.load(name), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# ---- diff and step ----
+
+def test_diff_with_image_covers_the_encoder():
+    result = run_cli(["diff", "Look: <|image|> the sea.", "--model", TOY, "--image", IMAGE, "--a", "refimpl",
+                      "--b", "refimpl", "--steps", "1", "--filter", "vision.*", "--filter", "layers.1.xattn*"])
+    assert result.exit_code == 0, result.output
+    assert "prefill   vision" in result.output and "prefill   layer 1" in result.output
+
+
+def test_step_breaks_in_the_encoder_and_a_cross_attention_layer():
+    prompt = "Look: <|image|> the sea."
+    result = run_cli(["step", prompt, "--model", TOY, "--image", IMAGE,
+                      "--commands", "b vision.out; c; b layers.3.xattn.out; c; c; top 1; q"])
+    assert result.exit_code == 0, result.output
+    assert "op 55/119 vision.out [1, 4, 5, 96]" in result.output  # 1 image, 4 tile slots, 5 tokens, 32·3 features
+    assert "layers.3.xattn.out [1, 4, 16]" in result.output
+    first = generate("--image", IMAGE, prompt=prompt, tokens=1)["generated_ids"][0]
+    assert f"  1. {first} " in result.output  # the stepped forward predicts what generate produces
+
+
+def test_step_image_with_text_only_checkpoint():
+    result = run_cli(["step", "hi", "--model", DEFAULT_DIR / "toy-gqa", "--image", IMAGE])
+    assert_clean_error(result, "text-only checkpoint")

@@ -39,3 +39,17 @@ def prompt_inputs(ckpt, prompt: str, image_paths: tuple[Path, ...] | list[Path],
     record = {"images": [{"path": str(path), "num_tiles": n, "aspect_ratio_id": int(ar)} for path, n, ar in
                          zip(image_paths, req.batch.num_tiles, req.batch.aspect_ratio_ids)]}
     return PromptInputs(req.prompt_ids, {"images": req.images}, record)
+
+
+def forward_names(cfg, inputs: dict | None = None) -> list[str]:
+    """The activation names of one forward: a vision engine's call given `inputs` (its images, or None)."""
+    from refimpl.model.names import activation_names, mllama_activation_names
+    if not hasattr(cfg, "vision"):
+        return activation_names(cfg.num_hidden_layers)
+    has_images = bool(inputs) and inputs.get("images") is not None
+    return mllama_activation_names(cfg, encode_images=has_images, image_in_cache=has_images)
+
+
+def token_rows(cfg) -> int:
+    """Ids a prompt may hold: a vision model's embedding has rows past the text vocabulary (<|image|>)."""
+    return cfg.text.embedding_rows if hasattr(cfg, "text") else cfg.vocab_size

@@ -17,15 +17,17 @@ from refimpl.errors import GenerationError
 from refimpl.formats.safetensors_io import save_safetensors
 
 from tools.engines import resolve_model
+from tools.vision_inputs import prompt_inputs
 from tools.engines import engine_for
 from tools.debug.golden import engine_dtype, first_divergence, lockstep, report
 from tools.cli.golden import key_filter
 
 
 def diff_engines(a, b, prompt_ids: list[int], decode_steps: int, dtype: str | None = None, keep=lambda key: True,
-                 isolate: bool = False, dump: dict | None = None):
+                 isolate: bool = False, dump: dict | None = None, inputs: dict | None = None):
     """Prefill + decode steps on both engines in lockstep. Returns (rows, dtype); fills `dump` if given.
-    dtype None: bf16 tolerance if either engine computes in bf16, else fp32."""
+    dtype None: bf16 tolerance if either engine computes in bf16, else fp32. `inputs`: a vision engine's
+    images, given to both prefills."""
     dtype = dtype or ("bf16" if "bf16" in (engine_dtype(a), engine_dtype(b)) else "fp32")
     capacity = len(prompt_ids) + decode_steps
     cache_a, cache_b = a.new_cache(capacity), b.new_cache(capacity)
@@ -39,8 +41,9 @@ def diff_engines(a, b, prompt_ids: list[int], decode_steps: int, dtype: str | No
 
     for k in range(decode_steps + 1):
         step = "prefill" if k == 0 else f"decode{k - 1}"
-        reference = ((name, a.to_numpy(value)) for name, value in a.steps(ids, positions, cache_a))
-        forward = b.steps(ids, positions, cache_b)
+        extra = (inputs or {}) if k == 0 else {}
+        reference = ((name, a.to_numpy(value)) for name, value in a.steps(ids, positions, cache_a, **extra))
+        forward = b.steps(ids, positions, cache_b, **extra)
         rows += lockstep(reference, b, forward, TOLERANCES[dtype], keep, isolate, step, sink)
         ids, positions = [int(np.argmax(last["logits"][-1]))], [positions[-1] + 1]
     return rows, dtype
@@ -66,21 +69,28 @@ def diff_engines(a, b, prompt_ids: list[int], decode_steps: int, dtype: str | No
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw the error per layer to a PNG (needs matplotlib).")
 @click.option("--verbose", "-v", is_flag=True, help="Print every row, not just the per-layer summary.")
+@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
+              help="An image for a Llama 3.2 Vision checkpoint (repeatable), as in generate.")
 def diff(prompt, model, a_backend, b_backend, dtype, device, decode_steps, chat, filters, isolate, dump, plot,
-         verbose):
+         verbose, images=()):
     """Compare backends --a and --b activation by activation on PROMPT; exit 1 if they diverge."""
     ckpt = load_checkpoint(resolve_model(model))
     if not prompt:
         raise GenerationError("the prompt is empty: give some text to compare on")
     tok = ckpt.tokenizer
-    prompt_ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    vision = prompt_inputs(ckpt, prompt, images, chat)
+    if vision is not None:
+        prompt_ids = vision.ids
+    else:
+        prompt_ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     if len(prompt_ids) + decode_steps > ckpt.config.max_position_embeddings:
         raise GenerationError(f"prompt ({len(prompt_ids)} tokens) + --steps ({decode_steps}) exceeds the context "
                               f"of {ckpt.config.max_position_embeddings} positions")
     a = engine_for(ckpt, a_backend, device if a_backend == "accel" else None, dtype if a_backend == "accel" else None)
     b = engine_for(ckpt, b_backend, device, dtype)
     dumped = {} if dump else None
-    rows, used = diff_engines(a, b, prompt_ids, decode_steps, dtype, key_filter(filters), isolate, dumped)
+    rows, used = diff_engines(a, b, prompt_ids, decode_steps, dtype, key_filter(filters), isolate, dumped,
+                              vision.engine_kwargs if vision is not None else None)
     if not rows:
         raise GenerationError(f"--filter {' '.join(filters)}: matches no activation name (see refimpl/model/names.py)")
     mode = ", each op on a's inputs" if isolate else ""
