@@ -125,3 +125,22 @@ def test_tokenizer_without_image_token():
     text_only = TextTokenizer(build_tokenizer(), VISION_CHAT_TEMPLATE, BOS, EOS, source="text/tokenizer.json")
     with pytest.raises(GenerationError, match="text/tokenizer.json: the tokenizer has no <\\|image\\|> token"):
         ours_for(text_only, "<|image|>hi", images(1))
+
+
+def test_chat_template_json_and_fallback(tmp_path, ours):
+    """A processor's chat_template.json is read (vision checkpoints ship one); without any template the Llama 3
+    fallback gets the images as <|image|> text at the start of the user turn."""
+    import json
+    build_vision_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
+    plain = TextTokenizer.from_dir(tmp_path)
+    assert plain.chat_template is None
+    fallback = ours_for(plain, "Hi", images(1), chat=True)
+    bos, img = plain.tok.token_to_id(BOS), plain.tok.token_to_id("<|image|>")
+    header_end = plain.tok.token_to_id("<|end_header_id|>")
+    assert fallback.ids[0] == bos and fallback.ids.count(bos) == 1
+    assert fallback.ids[fallback.ids.index(header_end) + 2] == img  # after "\n\n"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": VISION_CHAT_TEMPLATE}))
+    from_json = TextTokenizer.from_dir(tmp_path)
+    assert from_json.chat_template == VISION_CHAT_TEMPLATE
+    assert ours_for(from_json, "Hi", images(1), chat=True).ids == ours_for(ours, "Hi", images(1), chat=True).ids

@@ -111,7 +111,11 @@ def build_vision_prompt(tokenizer, prompt: str, num_tiles: list[int], max_image_
                         system: str | None = None) -> VisionPrompt:
     """The prompt's ids for its images (num_tiles: tiles of each image, in order) and its cross-attention mask."""
     image_id = image_token_id(tokenizer)
-    if chat:
+    if chat and tokenizer.chat_template is None:  # the built-in Llama 3 fallback reads string contents only
+        text = prompt if IMAGE_TOKEN in prompt else IMAGE_TOKEN * len(num_tiles) + prompt
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        ids = chat_prompt_ids(tokenizer, messages, len(num_tiles))
+    elif chat:
         ids = chat_prompt_ids(tokenizer, chat_messages(prompt, len(num_tiles), system), len(num_tiles))
     else:
         ids = raw_prompt_ids(tokenizer, prompt, len(num_tiles))
