@@ -90,7 +90,7 @@ def test_chat_equals_hf(n_images, ours, hf):
     messages = chat_messages("What is in the picture?", n_images, system="Answer briefly.")
     mine = build_vision_prompt(ours, "What is in the picture?", preprocess(
         imgs, ImageProcessorConfig.from_dict(SETTINGS)).num_tiles, 4, chat=True, system="Answer briefly.")
-    with_images = [dict(m, content=[dict(p, image=img) for p, img in zip(
+    with_images = [m if isinstance(m["content"], str) else dict(m, content=[dict(p, image=img) for p, img in zip(
         [p for p in m["content"] if p["type"] == "image"], imgs)] + [p for p in m["content"] if p["type"] != "image"])
         for m in messages]
     theirs = hf.apply_chat_template(with_images, add_generation_prompt=True, tokenize=True, return_dict=True,

@@ -94,7 +94,7 @@ def chat_messages(prompt: str, n_images: int, system: str | None = None) -> list
     text places them with its own image tokens), then the text."""
     parts = [] if IMAGE_TOKEN in prompt else [{"type": "image"}] * n_images
     parts = parts + [{"type": "text", "text": prompt}]
-    system_turn = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
+    system_turn = [{"role": "system", "content": system}] if system else []  # a string: every template reads it
     return system_turn + [{"role": "user", "content": parts}]
 
 
