@@ -24,7 +24,7 @@ def encoder_attention(q, k, v, mask=None):
     K = k.shape[1]
     qf = q.float().transpose(0, 1)  # [L, H, E] -> [H, L, E]
     kf = k.float().transpose(0, 1).repeat_interleave(H // K, dim=0)  # [L, K, E] -> [H, L, E]
-    vf = v.float().transpose(0, 1).repeat_interleave(H // K, dim=0)
+    vf = v.float().transpose(0, 1).repeat_interleave(H // K, dim=0)  # [L, K, E] -> [H, L, E]
     scores = qf @ kf.transpose(-1, -2) / math.sqrt(E)  # [H, L, E] @ [H, E, L] -> [H, L, L]
     if mask is not None:
         scores = scores.masked_fill(~torch.as_tensor(mask, device=q.device).bool(), float("-inf"))

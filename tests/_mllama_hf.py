@@ -19,7 +19,8 @@ IMAGE = VOCAB
 TILE = 28  # pixels: 2×2 patches of 14 + a class token = 5 tokens per tile, padded to 8
 
 
-def hf_config(kv_heads: int = 2, rope_scaling: bool = True, cross_layers=(1, 3), text_layers: int = 4) -> dict:
+def hf_config(kv_heads: int = 2, rope_scaling: bool = True, cross_layers=(1, 3), text_layers: int = 4,
+              tile: int = TILE) -> dict:
     rope = ({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
              "high_freq_factor": 4.0, "original_max_position_embeddings": 16} if rope_scaling
             else {"rope_type": "default", "rope_theta": 10000.0})
@@ -31,7 +32,7 @@ def hf_config(kv_heads: int = 2, rope_scaling: bool = True, cross_layers=(1, 3),
                          bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
                          initializer_range=0.15),
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_global_layers=1,
-                           attention_heads=4, image_size=TILE, patch_size=14, max_num_tiles=4,
+                           attention_heads=4, image_size=tile, patch_size=14, max_num_tiles=4,
                            vision_output_dim=32 * 3, intermediate_layers_indices=[0, 2], norm_eps=1e-5),
     )
 
@@ -58,18 +59,18 @@ def ref_params(model) -> dict[str, np.ndarray]:
     return {hub_name(k): v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def image_arrays(tiles_per_image: list[tuple[int, int]], seed: int = 0, max_tiles: int = 4):
+def image_arrays(tiles_per_image: list[tuple[int, int]], seed: int = 0, max_tiles: int = 4, tile: int = TILE):
     """pixel_values [I, A, 3, X, X] (zeros in padding tiles), aspect_ratio_ids [I], aspect_ratio_mask [I, A] for
     images of the given (rows, columns) tile grids, in the layout MllamaImageProcessor returns."""
     ratios = [(1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (3, 1), (4, 1)]
     rng = np.random.default_rng(seed)
     I = len(tiles_per_image)
-    pixels = np.zeros((I, max_tiles, 3, TILE, TILE), np.float32)
+    pixels = np.zeros((I, max_tiles, 3, tile, tile), np.float32)
     ids = np.zeros(I, np.int64)
     mask = np.zeros((I, max_tiles), np.int64)
     for i, grid in enumerate(tiles_per_image):
         n = grid[0] * grid[1]
-        pixels[i, :n] = rng.standard_normal((n, 3, TILE, TILE)).astype(np.float32)
+        pixels[i, :n] = rng.standard_normal((n, 3, tile, tile)).astype(np.float32)
         ids[i] = ratios.index(grid) + 1
         mask[i, :n] = 1
     return pixels, ids, mask

@@ -9,7 +9,7 @@ import pytest
 from refimpl.errors import CheckpointError, ConfigError
 from refimpl.formats import safetensors_io
 from refimpl.formats.checkpoint import load_checkpoint
-from refimpl.formats.mllama_checkpoint import check_mllama_dir, expected_mllama_shapes
+from refimpl.formats.mllama_checkpoint import check_mllama_dir, expected_mllama_shapes, save_mllama_checkpoint
 from refimpl.formats.safetensors_io import save_safetensors
 from refimpl.model.mllama_config import MllamaConfig
 
@@ -98,7 +98,8 @@ def test_90b_header_mismatch_is_one_line(tmp_path, no_data_reads, fault):
 def tiny_config():
     return {"model_type": "mllama", "image_token_index": 40,
             "text_config": {"vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
-                            "num_attention_heads": 2, "num_key_value_heads": 1, "cross_attention_layers": [1]},
+                            "num_attention_heads": 2, "num_key_value_heads": 1, "cross_attention_layers": [1],
+                            "bos_token_id": 1, "eos_token_id": 2},
             "vision_config": {"hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 2,
                               "num_global_layers": 1, "attention_heads": 2, "image_size": 14, "patch_size": 7,
                               "vision_output_dim": 16, "intermediate_layers_indices": [1]}}
@@ -108,8 +109,7 @@ def test_load_checkpoint_dispatches_and_names_a_wrong_tensor(tmp_path):
     cfg = MllamaConfig.from_hf(tiny_config())
     rng = np.random.default_rng(0)
     params = {n: rng.standard_normal(s).astype(np.float32) for n, s in expected_mllama_shapes(cfg).items()}
-    (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
-    save_safetensors(tmp_path / "model.safetensors", params)
+    save_mllama_checkpoint(tmp_path, cfg, params)
     ckpt = load_checkpoint(tmp_path, with_tokenizer=False)
     assert ckpt.config == cfg and all(np.array_equal(ckpt.params[n], params[n]) for n in params)
     params["multi_modal_projector.bias"] = np.zeros(15, np.float32)
@@ -135,3 +135,22 @@ def test_bad_config_fields_are_named(edit, field):
     with pytest.raises(ConfigError, match=field) as e:
         MllamaConfig.from_hf(d, source="model/config.json")
     assert str(e.value).startswith("model/config.json") and "\n" not in str(e.value)
+
+
+def test_to_hf_round_trips_and_hf_builds_the_same_shapes():
+    """config.json as written by to_hf: read back equal, and HF's MllamaForConditionalGeneration built from it has
+    exactly the tensors (names and shapes) the config implies here."""
+    torch = pytest.importorskip("torch")
+    from transformers import MllamaConfig as HFConfig
+    from transformers import MllamaForConditionalGeneration
+
+    from refimpl.formats.mllama_checkpoint import hub_name
+
+    cfg = MllamaConfig.from_hf(tiny_config())
+    d = cfg.to_hf()
+    assert MllamaConfig.from_hf(json.loads(json.dumps(d))) == cfg
+    d["text_config"]["pad_token_id"] = None  # HF's default pad id (128004) lies outside this tiny vocabulary
+    torch.manual_seed(0)
+    model = MllamaForConditionalGeneration(HFConfig(**{k: v for k, v in d.items() if k != "model_type"}))
+    hf_shapes = {hub_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    assert hf_shapes == expected_mllama_shapes(cfg)

@@ -32,7 +32,7 @@ def ref_logits(cfg, params, ids, images=None):
 
 
 def inputs_for(cfg, ids, grids, seed=0):
-    pixels, ar_ids, ar_mask = image_arrays(grids, seed)
+    pixels, ar_ids, ar_mask = image_arrays(grids, seed, tile=cfg.vision.image_size)
     xmask = cross_mask(ids, [r * c for r, c in grids])
     return (pixels, ar_ids, ar_mask, xmask), ImageInputs.from_arrays(cfg.vision, pixels, ar_ids, ar_mask, xmask)
 
@@ -45,6 +45,16 @@ CASES = {  # name: (model settings, prompt, tile grid of each image)
     "two-adjacent-images-share-the-text": (dict(kv_heads=2, cross_layers=(0, 2)), [1, IMAGE, IMAGE, 9, 8, 7],
                                            [(4, 1), (1, 2)]),
 }
+
+
+def test_large_tiles_pad_like_the_real_model():
+    """16×16 patches + class = 257 tokens padded to 264: 7 pad tokens a tile, as the real 560-pixel tiles' 1601 -> 1608;
+    3 of 4 tiles real."""
+    settings, ids, grids = dict(kv_heads=2, tile=224, text_layers=2, cross_layers=(1,)), [1, IMAGE, 9, 7], [(1, 3)]
+    model, cfg, params = setup(**settings)
+    assert (cfg.vision.tokens_per_tile, cfg.vision.padded_tokens_per_tile) == (257, 264)
+    arrays, images = inputs_for(cfg, ids, grids)
+    assert np.abs(ref_logits(cfg, params, ids, images) - hf_logits(model, ids, *arrays)).max() < ATOL
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -154,3 +164,27 @@ def test_both_key_name_schemes_load_and_match(tmp_path):
     assert np.abs(ref_logits(cfg, a.params, ids, images) - hf_logits(model, ids, *arrays)).max() < ATOL
     for name in params:  # bf16 on disk: equal to the fp32 weights up to bf16 rounding
         np.testing.assert_allclose(b.params[name], params[name], rtol=2 ** -8, atol=1e-30)
+
+
+def test_image_inputs_that_do_not_fit_the_prompt_or_config_are_one_line_errors():
+    from refimpl.errors import GenerationError
+
+    _, cfg, params = setup(kv_heads=2)
+    engine = MllamaEngine(Checkpoint(None, cfg, params))
+    ids = [1, IMAGE, 9, IMAGE]
+    _, one_image = inputs_for(cfg, [1, IMAGE, 9], [(1, 1)])
+    cases = [
+        (lambda: list(engine.generate(ids, Sampling(max_new_tokens=2), images=one_image)),
+         "2 <|image|> token(s) but 1 image"),
+        (lambda: list(engine.generate([1, 9], Sampling(max_new_tokens=2), images=one_image)),
+         "0 <|image|> token(s) but 1 image"),
+        (lambda: list(engine.generate([1, IMAGE, 9, 8], Sampling(max_new_tokens=2), images=one_image)),
+         "cross_attention_mask has 3 rows for a prompt of 4 tokens"),
+        (lambda: ImageInputs.from_arrays(cfg.vision, np.zeros((1, 4, 3, 14, 14)), [1], [[1, 0, 0, 0]]),
+         r"pixel_values has shape \[1, 4, 3, 14, 14\], expected \[images, 4, 3, 28, 28\]"),
+        (lambda: ImageInputs.from_arrays(cfg.vision, one_image.pixel_values, [9], [[1, 0, 0, 0]]),
+         r"aspect_ratio_ids must be 1 ids in \[1, 8\]"),
+    ]
+    for call, message in cases:
+        with pytest.raises(GenerationError, match=message):
+            call()

@@ -7,6 +7,7 @@ Every name and shape is checked from the safetensors headers before any tensor d
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 from refimpl.errors import CheckpointError
 from refimpl.formats.checkpoint import read_headers, stop_ids
 from refimpl.formats.params import Checkpoint, check_shapes
+from refimpl.formats.safetensors_io import save_safetensors
 from refimpl.model.mllama_config import MllamaConfig
 from refimpl.progress import Progress
 
@@ -138,3 +140,14 @@ def load_mllama_checkpoint(model_dir: str | Path, with_tokenizer: bool = True) -
         from refimpl.text.tokenizer import TextTokenizer
         tokenizer = TextTokenizer.from_dir(model_dir, cfg)
     return Checkpoint(model_dir, cfg, params, tokenizer, stop_ids(model_dir, cfg, tokenizer))
+
+
+def save_mllama_checkpoint(model_dir: str | Path, cfg: MllamaConfig, params: dict[str, np.ndarray],
+                           dtype: str = "F32") -> Path:
+    """Write config.json + model.safetensors with the Hub's names (golden files, tests)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    save_safetensors(model_dir / "model.safetensors", {hub_name(n): a for n, a in params.items()}, dtype=dtype,
+                     metadata={"format": "pt"})
+    return model_dir

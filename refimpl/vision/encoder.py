@@ -103,9 +103,11 @@ def vision_steps(ops, params: dict, cfg: VisionConfig, pixel_values, aspect_rati
     L = A * Q
     pre = "vision_model."
     weight = params[pre + "patch_embedding.weight"].reshape(U, -1)  # [U, C, Z, Z] -> [U, C·Z·Z]
-    x = unfold_patches(pixel_values, cfg.patch_size) @ weight.T  # [I, A, P-1, C·Z·Z] @ [C·Z·Z, U] -> [I, A, P-1, U]
+    patches = unfold_patches(pixel_values, cfg.patch_size).reshape(I * A * (P - 1), -1)  # -> [I·A·(P-1), C·Z·Z]
+    x = ops.linear(patches, weight).reshape(I, A, P - 1, U)  # [I·A·(P-1), C·Z·Z] -> [I, A, P-1, U]
     x = yield from emit("vision.patch_embed", x)
-    x = x + aspect_ratio_embedding(params, pre + "pre_tile_positional_embedding.", aspect_ratio_ids, A)
+    pre_tile = aspect_ratio_embedding(params, pre + "pre_tile_positional_embedding.", aspect_ratio_ids, A)
+    x = x + pre_tile  # [I, A, P-1, U] + [I, A, 1, U]
     x = yield from emit("vision.pre_tile", x)
     cls = np.broadcast_to(params[pre + "class_embedding"], (I, A, 1, U))  # [U] -> [I, A, 1, U]
     x = np.concatenate([cls, x], axis=2)  # -> [I, A, P, U]
@@ -121,12 +123,13 @@ def vision_steps(ops, params: dict, cfg: VisionConfig, pixel_values, aspect_rati
     for i in range(cfg.num_hidden_layers):
         x = yield from encoder_layer(ops, layer_params(params, "transformer", i), x, visible, cfg,
                                      f"vision.layers.{i}.", gated=False, I=I)
-        kept.append(x)  # HF keeps each layer's output; intermediate_layers_indices picks among them
+        kept.append(x)  # each layer's *output*, as transformers 5 keeps them (Meta's reference and 4.x: its input)
     x = ops.layer_norm(x, params[pre + "layernorm_post.weight"], params[pre + "layernorm_post.bias"],
                        PRE_POST_NORM_EPS)
     x = yield from emit("vision.layernorm_post", x)  # [I·L, U]
     x = x.reshape(I, A, Q, U)  # [I·L, U] -> [I, A, Q, U]
-    x = x + aspect_ratio_embedding(params, pre + "post_tile_positional_embedding.", aspect_ratio_ids, A)
+    post_tile = aspect_ratio_embedding(params, pre + "post_tile_positional_embedding.", aspect_ratio_ids, A)
+    x = x + post_tile  # [I, A, Q, U] + [I, A, 1, U]: padding tokens get it too, as in HF
     x = yield from emit("vision.post_tile", x.reshape(I * L, U))  # -> [I·L, U]
     for i in range(cfg.num_global_layers):
         x = yield from encoder_layer(ops, layer_params(params, "global_transformer", i), x, visible, cfg,
@@ -143,5 +146,5 @@ def vision_steps(ops, params: dict, cfg: VisionConfig, pixel_values, aspect_rati
 def project(ops, params: dict, features) -> Steps:
     """Image features [I, A, P, O] -> the text model's image tokens [N, D], N = I·A·P in image, tile, token order."""
     rows = features.reshape(-1, features.shape[-1])  # [I, A, P, O] -> [N, O]
-    out = ops.linear(rows, params["multi_modal_projector.weight"]) + params["multi_modal_projector.bias"]
-    return (yield from emit("projector", out))  # [N, O] @ [O, D] -> [N, D]
+    out = ops.linear(rows, params["multi_modal_projector.weight"]) + params["multi_modal_projector.bias"]  # -> [N, D]
+    return (yield from emit("projector", out))
