@@ -211,3 +211,17 @@ def test_non_rgb_with_convert_off():
 def test_bad_preprocessor_config(change, field):
     with pytest.raises(ConfigError, match=f"preprocessor_config.json: {field}"):
         ImageProcessorConfig.from_dict({**SETTINGS, **change})
+
+
+def test_preprocessing_runs_without_torch():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys; from refimpl.vision.image_io import load_image;"
+            "from refimpl.vision.processor import ImageProcessorConfig, preprocess;"
+            "cfg = ImageProcessorConfig.from_dir('golden/toy-vision');"
+            "batch = preprocess([load_image('golden/toy-vision/image.png')], cfg);"
+            "print(batch.num_tiles, [m for m in ('torch', 'transformers', 'accel', 'tools') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[3] []", out.stdout + out.stderr
