@@ -20,7 +20,7 @@ from refimpl.model import ops as np_ops
 from refimpl.formats.params import Checkpoint
 from refimpl.model.config import LlamaConfig
 from refimpl.errors import GenerationError
-from refimpl.generate import Sampling, check_prompt, nonfinite_error
+from refimpl.generate import Sampling, check_prompt, nonfinite_error, text_only
 from refimpl.model.llama import KVCache, forward_steps
 
 from . import model as fast
@@ -234,8 +234,9 @@ class AccelEngine:
         dtype, device = (like.dtype, like.device) if like is not None else (self.dtype, self.device)
         return torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(device=device, dtype=dtype)
 
-    def steps(self, ids, positions, cache: KVCache, last_logits_only: bool = False):
+    def steps(self, ids, positions, cache: KVCache, last_logits_only: bool = False, **inputs):
         """Trace mode: the op-by-op forward over accel.ops, yielding (name, torch tensor)."""
+        text_only(inputs)
         ids = torch.as_tensor(np.asarray(ids, np.int64), device=self.device)
         positions = torch.as_tensor(np.asarray(positions, np.int64), device=self.device)
         return forward_steps(ops, self.params, self.config, ids, positions, cache, last_logits_only)
@@ -274,7 +275,8 @@ class AccelEngine:
             dec.run_greedy()
         return dec.history[:n].clone()
 
-    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=()) -> Iterator[int]:
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), **inputs) -> Iterator[int]:
+        text_only(inputs)
         cfg = self.config
         check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, cfg.max_position_embeddings)
         sess = self.session(len(prompt_ids) + s.max_new_tokens)

@@ -27,12 +27,13 @@ class Engine(Protocol):
         """An empty KV cache for `capacity` positions (GenerationError when it does not fit the model or memory)."""
 
     def steps(self, ids: Iterable[int], positions: Iterable[int], cache: KVCache,
-              last_logits_only: bool = False) -> Iterator[tuple[str, Value]]:
+              last_logits_only: bool = False, **inputs) -> Iterator[tuple[str, Value]]:
         """Trace mode: the forward of `ids` at `positions` over `cache` (updated in place), op by op, yielding
         (activation name, value) in refimpl.model.names' order; a consumer may `send()` a replacement value back
-        (lockstep debugging feeds one backend's outputs to the other). Logits last, [1, V] if last_logits_only."""
+        (lockstep debugging feeds one backend's outputs to the other). Logits last, [1, V] if last_logits_only.
+        `inputs`: a multimodal model's extra prompt inputs (a vision engine's `images`); text engines take none."""
 
-    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids: Iterable[int] = ()) -> Iterator[int]:
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids: Iterable[int] = (), **inputs) -> Iterator[int]:
         """New token ids after the prompt, one at a time, at most s.max_new_tokens, ending after a stop id."""
 
     def to_numpy(self, value: Value) -> np.ndarray:

@@ -23,3 +23,7 @@ class GenerationError(Llama32Error):
 
 class NonFiniteError(Llama32Error):
     """NaN or Inf appeared in an activation; the message names the first one."""
+
+
+class ImageError(Llama32Error):
+    """An image file cannot be read (not an image, truncated, too many pixels, a mode with no RGB conversion)."""

@@ -86,6 +86,12 @@ def nonfinite_error(steps, position: int, **check) -> NonFiniteError:
                           f"generation stopped")
 
 
+def text_only(inputs: dict) -> None:
+    """A text model's engine refuses the prompt inputs only a multimodal model reads (images)."""
+    if any(v is not None for v in inputs.values()):
+        raise GenerationError(f"this model reads text only; it takes no {', '.join(sorted(inputs))}")
+
+
 class RefEngine:
     """The NumPy reference engine: float32, one sequence, a KV cache sized to the request."""
 
@@ -110,8 +116,9 @@ class RefEngine:
     def from_numpy(self, array: np.ndarray, like=None) -> np.ndarray:
         return np.asarray(array, np.float32)
 
-    def steps(self, ids, positions, cache: KVCache, last_logits_only: bool = False):
+    def steps(self, ids, positions, cache: KVCache, last_logits_only: bool = False, **inputs):
         """The op-by-op forward (a generator of (name, value)) for the debugger and differential tools."""
+        text_only(inputs)
         return forward_steps(ops, self.params, self.config, np.asarray(ids, np.int64),
                              np.asarray(positions, np.int64), cache, last_logits_only)
 

@@ -54,11 +54,18 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
 
 def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None = None):
     """An engine over an already loaded checkpoint (diff and step build two over one load)."""
+    from refimpl.model.mllama_config import MllamaConfig
+    if isinstance(ckpt.config, MllamaConfig) and backend != "refimpl":
+        raise GenerationError(f"{ckpt.path}: Llama 3.2 Vision runs on the refimpl backend only for now; "
+                              f"pass --backend refimpl")
     if backend == "refimpl":
         if dtype not in (None, "fp32"):
             raise GenerationError(f"--dtype {dtype}: the refimpl backend computes in fp32 only")
         if device not in (None, "cpu"):
             raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")
+        if isinstance(ckpt.config, MllamaConfig):
+            from refimpl.generate_mllama import MllamaEngine
+            return MllamaEngine(ckpt)
         from refimpl.generate import RefEngine
         return RefEngine(ckpt)
     try:

@@ -115,7 +115,11 @@ class TextTokenizer:
         tcfg_path = model_dir / "tokenizer_config.json"
         if tcfg_path.exists():
             tcfg = read_json_object(tcfg_path, "tokenizer settings and chat_template")
-        template = tcfg.get("chat_template")
+        template, template_file = tcfg.get("chat_template"), tcfg_path
+        processor_template = model_dir / "chat_template.json"  # the processor's (vision checkpoints ship one)
+        if processor_template.exists():
+            template_file = processor_template
+            template = read_json_object(processor_template, "the processor's chat_template").get("chat_template")
         jinja = model_dir / "chat_template.jinja"
         if jinja.exists():
             try:
@@ -126,7 +130,7 @@ class TextTokenizer:
             template = next((t.get("template") for t in template if isinstance(t, dict)
                              and t.get("name") == "default"), None)
         if template is not None and not isinstance(template, str):
-            raise CheckpointError(f"{tcfg_path}: chat_template must be a string")
+            raise CheckpointError(f"{template_file}: chat_template must be a string")
 
         def token_text(key, token_id):
             value = tcfg.get(key)

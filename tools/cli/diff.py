@@ -15,6 +15,7 @@ from refimpl.errors import GenerationError
 from refimpl.formats.safetensors_io import save_safetensors
 
 from tools.engines import resolve_model
+from tools.vision_inputs import prompt_inputs
 from tools.engines import engine_for
 from tools.debug.diff import diff_engines
 from tools.debug.lockstep import first_divergence, report
@@ -41,21 +42,28 @@ from tools.cli.golden import key_filter
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw the error per layer to a PNG (needs matplotlib).")
 @click.option("--verbose", "-v", is_flag=True, help="Print every row, not just the per-layer summary.")
+@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
+              help="An image for a Llama 3.2 Vision checkpoint (repeatable), as in generate.")
 def diff(prompt, model, a_backend, b_backend, dtype, device, decode_steps, chat, filters, isolate, dump, plot,
-         verbose):
+         verbose, images=()):
     """Compare backends --a and --b activation by activation on PROMPT; exit 1 if they diverge."""
     ckpt = load_checkpoint(resolve_model(model))
     if not prompt:
         raise GenerationError("the prompt is empty: give some text to compare on")
     tok = ckpt.tokenizer
-    prompt_ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    vision = prompt_inputs(ckpt, prompt, images, chat)
+    if vision is not None:
+        prompt_ids = vision.ids
+    else:
+        prompt_ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     if len(prompt_ids) + decode_steps > ckpt.config.max_position_embeddings:
         raise GenerationError(f"prompt ({len(prompt_ids)} tokens) + --steps ({decode_steps}) exceeds the context "
                               f"of {ckpt.config.max_position_embeddings} positions")
     a = engine_for(ckpt, a_backend, device if a_backend == "accel" else None, dtype if a_backend == "accel" else None)
     b = engine_for(ckpt, b_backend, device, dtype)
     dumped = {} if dump else None
-    rows, used = diff_engines(a, b, prompt_ids, decode_steps, dtype, key_filter(filters), isolate, dumped)
+    rows, used = diff_engines(a, b, prompt_ids, decode_steps, dtype, key_filter(filters), isolate, dumped,
+                              vision.engine_kwargs if vision is not None else None)
     if not rows:
         raise GenerationError(f"--filter {' '.join(filters)}: matches no activation name (see refimpl/model/names.py)")
     mode = ", each op on a's inputs" if isolate else ""

@@ -12,6 +12,7 @@ from refimpl.errors import GenerationError
 from refimpl.generate import Sampling
 
 from tools.engines import BACKENDS, load_engine, resolve_backend, resolve_model
+from tools.vision_inputs import prompt_inputs
 
 
 class TextStream:
@@ -46,14 +47,20 @@ class TextStream:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
 @click.option("--lora", "lora", default=None, type=click.Path(path_type=Path),
               help="PEFT LoRA adapter directory, merged (fp32) into the weights after loading.")
+@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
+              help="An image for a Llama 3.2 Vision checkpoint (repeatable): the prompt's <|image|> tokens take "
+                   "the images in order; without any, the images go before the text.")
 def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, seed, backend, device, dtype,
-             as_json, lora=None):
+             as_json, lora=None, images=()):
     """Generate text from PROMPT."""
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
     backend = resolve_backend(backend)
     engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora)
     tok = ckpt.tokenizer
-    if chat:
+    vision = prompt_inputs(ckpt, prompt, images, chat, system)
+    if vision is not None:
+        prompt_ids = vision.ids
+    elif chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
                                                                                    "content": prompt}]
         prompt_ids = tok.encode_chat(messages)
@@ -64,7 +71,8 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
     stream = TextStream(tok, None if as_json else sys.stdout)
     t0 = time.perf_counter()
     times = []
-    for token in engine.generate(prompt_ids, settings, stop_ids=ckpt.stop_ids):
+    inputs = vision.engine_kwargs if vision is not None else {}
+    for token in engine.generate(prompt_ids, settings, stop_ids=ckpt.stop_ids, **inputs):
         times.append(time.perf_counter())
         stream.push(token)
     prefill_s = times[0] - t0
@@ -79,6 +87,7 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
             "timings": {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s,
                         "decode_tokens_per_s": decode_tps, "prompt_tokens": len(prompt_ids),
                         "generated_tokens": len(stream.ids)},
+            **(vision.record if vision is not None else {}),
         }
         click.echo(json.dumps(record))
         return

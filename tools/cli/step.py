@@ -6,14 +6,15 @@ from --commands, from stdin when it is not a terminal (scripts, CI), or from a `
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
-from refimpl.model.names import activation_names
 
 from tools.engines import engine_for, resolve_model
+from tools.vision_inputs import forward_names, prompt_inputs
 from tools.debug.step_values import parse_inject
 from tools.debug.stepper import Session, run_script, split_commands
 
@@ -57,7 +58,10 @@ def interactive(session: Session) -> None:
                    "gets the first's inputs at every op).")
 @click.option("--inject", default=None, metavar="NAME=nan|zero|noise",
               help="Replace activation NAME in the first backend (refimpl with --backend both).")
-def step(prompt, model, position, backend, device, dtype, commands, inherited, inject):
+@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
+              help="An image for a Llama 3.2 Vision checkpoint (repeatable), as in generate; the stepped token's "
+                   "forward encodes it again, so breakpoints in vision.* and the cross-attention layers work.")
+def step(prompt, model, position, backend, device, dtype, commands, inherited, inject, images=()):
     """Step through the forward of one token of PROMPT, op by op.
 
     Stops before the first op of the token's one-token forward (after a prefill of the tokens before it) and
@@ -70,12 +74,13 @@ def step(prompt, model, position, backend, device, dtype, commands, inherited, i
     if not prompt:
         raise GenerationError("the prompt is empty: give some text to step through")
     ckpt = load_checkpoint(resolve_model(model))
-    names = activation_names(ckpt.config.num_hidden_layers)
-    fault = parse_inject(inject, names) if inject else None
-    ids = ckpt.tokenizer.encode(prompt)
+    vision = prompt_inputs(ckpt, prompt, images, chat=False)
+    inputs = vision.engine_kwargs if vision is not None else None
+    fault = parse_inject(inject, forward_names(ckpt.config, inputs)) if inject else None
+    ids = vision.ids if vision is not None else ckpt.tokenizer.encode(prompt)
     session = Session(make_engines(ckpt, backend, device, dtype), ids,
                       len(ids) - 1 if position is None else position, ckpt.tokenizer,
-                      lockstep=not inherited, inject=fault, out=click.echo)
+                      lockstep=not inherited, inject=fault, out=click.echo, inputs=inputs)
     session.say(*session.banner())
     if commands is not None:
         run_script(session, split_commands(commands))

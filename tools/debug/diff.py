@@ -13,9 +13,10 @@ from tools.debug.lockstep import compare_rows, engine_dtype, reference_stream
 
 
 def diff_engines(a, b, prompt_ids: list[int], decode_steps: int, dtype: str | None = None, keep=lambda key: True,
-                 isolate: bool = False, dump: dict | None = None):
+                 isolate: bool = False, dump: dict | None = None, inputs: dict | None = None):
     """Prefill + decode steps on both engines in lockstep. Returns (rows, dtype); fills `dump` if given.
-    dtype None: bf16 tolerance if either engine computes in bf16, else fp32."""
+    dtype None: bf16 tolerance if either engine computes in bf16, else fp32. `inputs`: a vision engine's
+    images, given to both prefills."""
     dtype = dtype or ("bf16" if "bf16" in (engine_dtype(a), engine_dtype(b)) else "fp32")
     capacity = len(prompt_ids) + decode_steps
     cache_a, cache_b = a.new_cache(capacity), b.new_cache(capacity)
@@ -29,8 +30,9 @@ def diff_engines(a, b, prompt_ids: list[int], decode_steps: int, dtype: str | No
 
     for k in range(decode_steps + 1):
         step = "prefill" if k == 0 else f"decode{k - 1}"
-        reference = reference_stream(a, a.steps(ids, positions, cache_a))
-        rows += compare_rows(reference, b, b.steps(ids, positions, cache_b), TOLERANCES[dtype], keep, isolate, step,
-                             sink)
+        extra = (inputs or {}) if k == 0 else {}
+        reference = reference_stream(a, a.steps(ids, positions, cache_a, **extra))
+        rows += compare_rows(reference, b, b.steps(ids, positions, cache_b, **extra), TOLERANCES[dtype], keep,
+                             isolate, step, sink)
         ids, positions = [int(np.argmax(last["logits"][-1]))], [positions[-1] + 1]
     return rows, dtype

@@ -75,13 +75,14 @@ class Step:
     positions: list[int]
 
 
-def record(engine, prompt_ids: list[int], decode_steps: int) -> tuple[list[Step], dict[str, np.ndarray]]:
-    """Prefill + greedy decode steps on a fresh cache; every activation as "<step>/<name>" -> fp32 array."""
+def record(engine, prompt_ids: list[int], decode_steps: int, **inputs) -> tuple[list[Step], dict[str, np.ndarray]]:
+    """Prefill + greedy decode steps on a fresh cache; every activation as "<step>/<name>" -> fp32 array.
+    `inputs`: a multimodal engine's prompt inputs (images), given to the prefill only."""
     cache = engine.new_cache(len(prompt_ids) + decode_steps)
     steps, acts = [Step("prefill", list(prompt_ids), list(range(len(prompt_ids))))], {}
     while True:
         step = steps[-1]
-        for name, value in engine.steps(step.ids, step.positions, cache):
+        for name, value in engine.steps(step.ids, step.positions, cache, **(inputs if len(steps) == 1 else {})):
             acts[f"{step.name}/{name}"] = np.array(engine.to_numpy(value), np.float32)
         if len(steps) > decode_steps:
             return steps, acts
@@ -133,6 +134,8 @@ def make_golden(out_root: str | Path = DEFAULT_DIR, with_hf: bool = True, log: C
         log(f"{model_dir}: {len(acts)} activations, {len(prompt_ids)} prefill tokens + {DECODE_STEPS} decode "
             f"steps (positions 0..{steps[-1].positions[-1]}); {hf}")
         made.append(model_dir)
+    from tools.debug.vision_golden import make_vision_golden
+    made.append(make_vision_golden(Path(out_root), with_hf, log))
     return made
 
 

@@ -87,6 +87,8 @@ def engine_dtype(engine) -> str:
 
 def _group(row: Row) -> str:
     layer, kind = split_name(row.cmp.name)
+    if kind.startswith(("vision.", "projector", "pixel_values", "cross_attention_mask")):
+        return "vision"
     return f"layer {layer}" if layer is not None else ("embed" if kind == "embed" else "head")
 
 

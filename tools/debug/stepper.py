@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from refimpl.errors import GenerationError
-from refimpl.model.names import activation_names
 from refimpl.formats.safetensors_io import save_safetensors
 
 from tools.debug.lockstep import lockstep as drive, reference_stream
+from tools.vision_inputs import forward_names, token_rows
 from tools.debug.step_values import INT, CommandError, Diff, difference, g, injected, parse_index, softmax64, stats_lines
 
 HELP = """commands (separate several with ';'):
@@ -75,14 +75,17 @@ def run_to_end(sides: list[Side], lockstep: bool) -> None:
 class Session:
     def __init__(self, engines: list, prompt_ids: list[int], position: int, tokenizer=None,
                  lockstep: bool = True, inject: tuple[str, str] | None = None, out: Callable[[str], None] = print,
-                 labels: list[str] | None = None):
+                 labels: list[str] | None = None, inputs: dict | None = None):
         cfg = engines[0].config
-        self.names = activation_names(cfg.num_hidden_layers)
+        # inputs: a vision engine's images, given to the prefill and again to the stepped token's forward, which
+        # so re-encodes the image: the encoder and the cross-attention layers can be stepped through
+        self.inputs = inputs or {}
+        self.names = forward_names(cfg, self.inputs)
         if not prompt_ids:
             raise GenerationError("the prompt is empty: give some text to step through")
-        bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
+        bad = [t for t in prompt_ids if not 0 <= t < token_rows(cfg)]
         if bad:
-            raise GenerationError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+            raise GenerationError(f"token id {bad[0]} is outside the vocabulary [0, {token_rows(cfg)})")
         if not 0 <= position < len(prompt_ids):
             raise GenerationError(f"--position {position}: the prompt has {len(prompt_ids)} tokens, so the "
                                   f"position must be in [0, {len(prompt_ids) - 1}]")
@@ -104,10 +107,10 @@ class Session:
         if self.position > 0:
             ids, pos = self.ids[:self.position], list(range(self.position))
             for s, cache in zip(self.sides, caches):
-                s.gen = s.engine.steps(ids, pos, cache, last_logits_only=True)
+                s.gen = s.engine.steps(ids, pos, cache, last_logits_only=True, **self.inputs)
             run_to_end(self.sides, self.lockstep)
         for s, cache in zip(self.sides, caches):
-            s.gen = s.engine.steps([self.ids[self.position]], [self.position], cache)
+            s.gen = s.engine.steps([self.ids[self.position]], [self.position], cache, **self.inputs)
 
     # ---- text ----
     def token_text(self, token: int) -> str:
