@@ -23,3 +23,7 @@ class GenerationError(Llama32Error):
 
 class NonFiniteError(Llama32Error):
     """NaN or Inf appeared in an activation; the message names the first one."""
+
+
+class DataError(Llama32Error):
+    """A training or evaluation data file (JSONL) is malformed: the message names the file and line."""

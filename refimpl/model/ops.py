@@ -104,3 +104,9 @@ def cross_attention(q, k, v, mask=None):
 def lora_merge(weight, lora_a, lora_b, scale):
     delta = lora_b.astype(F32) @ lora_a.astype(F32)  # [Dout, R] @ [R, Din] -> [Dout, Din]
     return (weight.astype(F32) + F32(scale) * delta).astype(weight.dtype)
+
+
+def lora_linear(x, weight, lora_a, lora_b, scale):
+    low = x.astype(F32) @ lora_a.T.astype(F32)  # [T, Din] @ [Din, R] -> [T, R]
+    delta = low @ lora_b.T.astype(F32)  # [T, R] @ [R, Dout] -> [T, Dout]
+    return (linear(x, weight) + F32(scale) * delta).astype(x.dtype)

@@ -46,12 +46,15 @@ class TextStream:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
 @click.option("--lora", "lora", default=None, type=click.Path(path_type=Path),
               help="PEFT LoRA adapter directory, merged (fp32) into the weights after loading.")
+@click.option("--lora-mode", type=click.Choice(["merged", "unmerged"]), default="merged", show_default=True,
+              help="unmerged: keep the base weights and add scale·(x·Aᵀ)·Bᵀ at run time (refimpl backend).")
 def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, seed, backend, device, dtype,
-             as_json, lora=None):
+             as_json, lora=None, lora_mode="merged"):
     """Generate text from PROMPT."""
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
     backend = resolve_backend(backend)
-    engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora)
+    engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora,
+                                       lora_mode=lora_mode)
     tok = ckpt.tokenizer
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",

@@ -1,0 +1,119 @@
+"""The training forward: frozen base weights in the model dtype, trainable fp32 LoRA pairs, loss on label tokens.
+
+One decoder layer is one `torch.utils.checkpoint` unit: only each layer's input [B, T, D] is kept between forward and
+backward, the rest is recomputed (the same RNG state, so LoRA dropout masks repeat). The base GEMMs use the fused
+qkv / gate_up matrices of accel.weights (one GEMM instead of three / two); each LoRA branch adds its own low-rank
+term to its slice. The loss never materialises [B·T, V] logits: the trained positions are gathered first and the
+lm_head + cross-entropy run in checkpointed chunks, so the fp32 logits of one chunk exist at a time.
+Sequences are right-padded: causal attention already hides later pad keys from real queries, so no mask is needed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from accel.ops import rope_tables
+from accel.train.lora import LoraModule
+from accel.weights import Weights
+from refimpl.model.config import LlamaConfig
+from refimpl.train.data import IGNORE
+
+LOSS_CHUNK = 1024  # rows of [rows, V] fp32 logits alive at once (0.5 GB at V = 128256)
+
+
+def sdpa_attention(q, k, v, causal=True, mask=None):
+    """q [B, T, H, E], k/v [B, S, K, E], mask [B, T, S] bool or None -> [B, T, H, E] (torch SDPA, GQA-aware)."""
+    attn_mask = None if mask is None else mask[:, None]  # [B, T, S] -> [B, 1, T, S]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+                                       is_causal=causal and mask is None, enable_gqa=True)  # [B, H, T, E]
+    return o.transpose(1, 2)
+
+
+flash_attention = sdpa_attention
+
+
+def rms_norm(x, weight, eps):
+    """HF's order: normalise in fp32, cast to x's dtype, then multiply by the weight."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rope(x, cos, sin):
+    """x [B, T, H, E], cos/sin [T, E/2] fp32 -> rotated (rotate_half layout), computed in fp32."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]  # [B, T, H, E/2] each
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, E/2] -> [T, 1, E/2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+class TrainModel:
+    def __init__(self, weights: Weights, cfg: LlamaConfig, lora: dict[str, LoraModule], dropout: float = 0.0,
+                 checkpointing: bool = True):
+        self.w, self.cfg, self.lora, self.dropout, self.checkpointing = weights, cfg, lora, dropout, checkpointing
+        self.training = True
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for m in self.lora.values() for p in (m.a, m.b)]
+
+    def _adapt(self, out, x, name: str):
+        """out [.., Dout] = x @ Wᵀ in the model dtype; add the LoRA term of `name` in fp32 if it is adapted."""
+        m = self.lora.get(name)
+        if m is None:
+            return out
+        xa = x.to(m.a.dtype)
+        if self.dropout and self.training:
+            xa = F.dropout(xa, self.dropout, True)
+        delta = F.linear(F.linear(xa, m.a), m.b)  # [B, T, Din] -> [B, T, R] -> [B, T, Dout]
+        return (out + m.scale * delta).to(x.dtype)
+
+    def _layer(self, x, i: int, cos, sin):
+        cfg, lw, p = self.cfg, self.w.layers[i], f"model.layers.{i}."
+        B, T, _ = x.shape
+        H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+        q, k, v = F.linear(h, lw.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)  # [B, T, (H+2K)·E]
+        q = self._adapt(q, h, p + "self_attn.q_proj.weight").view(B, T, H, E)
+        k = self._adapt(k, h, p + "self_attn.k_proj.weight").view(B, T, K, E)
+        v = self._adapt(v, h, p + "self_attn.v_proj.weight").view(B, T, K, E)
+        a = flash_attention(rope(q, cos, sin), rope(k, cos, sin), v, causal=True)  # [B, T, H, E]
+        a = a.reshape(B, T, cfg.q_size)
+        x = x + self._adapt(F.linear(a, lw.o), a, p + "self_attn.o_proj.weight")  # [B, T, H·E] -> [B, T, D]
+        h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)  # [B, T, 2F] -> 2 × [B, T, F]
+        gate = self._adapt(gate, h, p + "mlp.gate_proj.weight")
+        up = self._adapt(up, h, p + "mlp.up_proj.weight")
+        act = F.silu(gate) * up
+        return x + self._adapt(F.linear(act, lw.down), act, p + "mlp.down_proj.weight")  # [B, T, F] -> [B, T, D]
+
+    def hidden(self, ids):
+        """ids [B, T] -> final-norm hidden states [B, T, D] in the model dtype."""
+        T = ids.shape[1]
+        cos, sin = rope_tables(torch.arange(T, device=ids.device), self.cfg.head_dim, self.cfg.rope_theta,
+                               self.cfg.rope_scaling)  # [T, E/2] fp32 each
+        x = F.embedding(ids, self.w.embed)  # [B, T, D]
+        for i in range(self.cfg.num_hidden_layers):
+            if self.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(self._layer, x, i, cos, sin, use_reentrant=False)
+            else:
+                x = self._layer(x, i, cos, sin)
+        return rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)
+
+    def loss_sum(self, ids, labels):
+        """Summed cross-entropy (fp32) over the label tokens of ids [B, T], labels [B, T] (IGNORE elsewhere),
+        each predicted from the previous position; and the number of such tokens."""
+        h = self.hidden(ids)[:, :-1]  # [B, T-1, D]: position t predicts labels[t + 1]
+        targets = labels[:, 1:]  # [B, T-1]
+        keep = targets != IGNORE
+        h, targets = h[keep], targets[keep]  # [N, D], [N]: only trained positions reach the lm_head
+        total = h.new_zeros((), dtype=torch.float32)
+        for start in range(0, h.shape[0], LOSS_CHUNK):
+            rows = slice(start, start + LOSS_CHUNK)
+            total = total + checkpoint(_chunk_loss, h[rows], self.w.lm_head, targets[rows], use_reentrant=False)
+        return total, int(targets.numel())
+
+
+def _chunk_loss(h, lm_head, targets):
+    logits = F.linear(h, lm_head).float()  # [N, D] -> [N, V], upcast as HF's loss does
+    return F.cross_entropy(logits, targets, reduction="sum")
