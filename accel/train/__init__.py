@@ -1,0 +1,1 @@
+"""Training pieces of the accel backend: autograd-wrapped kernels (attention.py), ..."""
