@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from accel.ops import rope_tables
+from accel.train.attention import attention_reference, flash_attention
 from accel.train.lora import LoraModule
 from accel.weights import Weights
 from refimpl.model.config import LlamaConfig
@@ -22,15 +23,10 @@ from refimpl.train.data import IGNORE
 LOSS_CHUNK = 1024  # rows of [rows, V] fp32 logits alive at once (0.5 GB at V = 128256)
 
 
-def sdpa_attention(q, k, v, causal=True, mask=None):
-    """q [B, T, H, E], k/v [B, S, K, E], mask [B, T, S] bool or None -> [B, T, H, E] (torch SDPA, GQA-aware)."""
-    attn_mask = None if mask is None else mask[:, None]  # [B, T, S] -> [B, 1, T, S]
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
-                                       is_causal=causal and mask is None, enable_gqa=True)  # [B, H, T, E]
-    return o.transpose(1, 2)
-
-
-flash_attention = sdpa_attention
+def attention(q, k, v):
+    """Causal GQA attention, q [B, T, H, E], k/v [B, T, K, E] -> [B, T, H, E]: the Triton FlashAttention on CUDA;
+    on the CPU its plain-torch twin (the interpreter would run the kernel, slowly, at every CPU training step)."""
+    return flash_attention(q, k, v, causal=True) if q.is_cuda else attention_reference(q, k, v, causal=True)
 
 
 def rms_norm(x, weight, eps):
@@ -77,7 +73,7 @@ class TrainModel:
         q = self._adapt(q, h, p + "self_attn.q_proj.weight").view(B, T, H, E)
         k = self._adapt(k, h, p + "self_attn.k_proj.weight").view(B, T, K, E)
         v = self._adapt(v, h, p + "self_attn.v_proj.weight").view(B, T, K, E)
-        a = flash_attention(rope(q, cos, sin), rope(k, cos, sin), v, causal=True)  # [B, T, H, E]
+        a = attention(rope(q, cos, sin), rope(k, cos, sin), v)  # [B, T, H, E]
         a = a.reshape(B, T, cfg.q_size)
         x = x + self._adapt(F.linear(a, lw.o), a, p + "self_attn.o_proj.weight")  # [B, T, H·E] -> [B, T, D]
         h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
