@@ -178,8 +178,8 @@ class TextTokenizer:
             raise CheckpointError(f"{self.source}: chat template failed to render "
                                   f"({type(e).__name__}: {e})") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt)
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.render_chat(messages)
         # A template that emits its own BOS must not get a second one from the post-processor.
         has_bos = bool(self.bos_token) and text.startswith(self.bos_token)
         return self.encode(text, add_special_tokens=not has_bos)

@@ -84,9 +84,12 @@ def read_conversations(path: str | Path) -> list[tuple[int, list[dict]]]:
 
 
 def encode_conversation(tokenizer, messages: list[dict], where: str = "sample") -> tuple[list[int], list[int]]:
-    """(ids [T], labels [T]): ids of the full rendering; labels keep the part after the prompt's rendering."""
-    prompt = tokenizer.encode_chat(messages[:-1], add_generation_prompt=True)
-    ids = tokenizer.encode_chat(messages, add_generation_prompt=False)
+    """(ids [T], labels [T]): ids of the full rendering; labels keep the part after the prompt's rendering.
+
+    Tokenized as HF's apply_chat_template does: the rendered text alone, no special tokens added (a template that
+    wants <|begin_of_text|> emits it itself)."""
+    prompt = tokenizer.encode(tokenizer.render_chat(messages[:-1], add_generation_prompt=True), False)
+    ids = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=False), False)
     if ids[:len(prompt)] != prompt or len(ids) == len(prompt):
         # a template whose prompt rendering is not a prefix of the full one (e.g. it strips reasoning from earlier
         # turns) has no well-defined "assistant tokens"; refusing beats training on the wrong span
