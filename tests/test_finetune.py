@@ -37,11 +37,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def hf_chat_model(path, seed=0, kv_heads=2, layers=2):
+def hf_chat_model(path, seed=0, kv_heads=2, layers=2, hidden=32):
     torch.manual_seed(seed)
     eos = [special_id(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")]
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=hidden * 3 // 2, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=kv_heads, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=True, initializer_range=0.1, bos_token_id=special_id("<|begin_of_text|>"),
         eos_token_id=eos, attn_implementation="eager",
@@ -105,16 +105,16 @@ def finetune_args(base, data, out, *extra):
             *map(str, extra)]
 
 
-@pytest.mark.parametrize("kv_heads,targets", [(2, TARGETS), (1, ["q_proj", "v_proj", "down_proj"])])
-def test_one_sgd_step_equals_hf_peft(tmp_path, kv_heads, targets):
-    base = hf_chat_model(tmp_path / "base", kv_heads=kv_heads)
+def sgd_step_errors(tmp_path, kv_heads, targets, hidden=32, device="cpu"):
+    """Run one SGD step through the CLI and through HF + PEFT; per LoRA matrix: (|got - want|, |step|, |want|)."""
+    base = hf_chat_model(tmp_path / "base", kv_heads=kv_heads, hidden=hidden)
     model = init_adapter(base, tmp_path / "init", targets)
     data = write_jsonl(tmp_path / "train.jsonl", CONVERSATIONS)
     lr = 0.5
     # 4 samples = batch 2 × 2 accumulated micro-batches: one step sees all of them, in whatever order
     result = run_cli(finetune_args(tmp_path / "base", data, tmp_path / "out", "--init-adapter", tmp_path / "init",
                                    "--optimizer", "sgd", "--max-steps", "1", "--lr", lr, "--batch-size", 2,
-                                   "--grad-accum", 2, "--dropout", 0, "--json"))
+                                   "--grad-accum", 2, "--dropout", 0, "--json", "--device", device))
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in result.stdout.splitlines()]
 
@@ -135,14 +135,18 @@ def test_one_sgd_step_equals_hf_peft(tmp_path, kv_heads, targets):
     want = lora_tensors(model)
     got = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
 
-    assert records[0]["step"] == 1 and records[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert records[0]["step"] == 1 and records[0]["loss"] == pytest.approx(loss, rel=1e-4)
     assert records[-1]["done"] and records[-1]["steps"] == 1
     assert got.keys() == want.keys() and len(got) == 2 * len(targets) * 2
-    for key in want:
-        step = np.linalg.norm(want[key] - before[key])
-        assert step > 1e-3 * np.linalg.norm(before[key]), key  # the step really moves this matrix
-        err = np.linalg.norm(got[key] - want[key])
-        assert err <= 1e-4 * np.linalg.norm(want[key]) and err <= 1e-3 * step, (key, err, step)
+    return {key: (np.linalg.norm(got[key] - want[key]), np.linalg.norm(want[key] - before[key]),
+                  np.linalg.norm(want[key])) for key in want}
+
+
+@pytest.mark.parametrize("kv_heads,targets", [(2, TARGETS), (1, ["q_proj", "v_proj", "down_proj"])])
+def test_one_sgd_step_equals_hf_peft(tmp_path, kv_heads, targets):
+    for key, (err, step, size) in sgd_step_errors(tmp_path, kv_heads, targets).items():
+        assert step > 1e-3 * size, key  # the step really moves this matrix
+        assert err <= 1e-4 * size and err <= 1e-3 * step, (key, err, step)
 
 
 def test_adamw_halves_loss_and_adapter_loads_in_peft_and_generate(tmp_path):
