@@ -52,8 +52,8 @@ def hf_chat_model(path, seed=0, kv_heads=2, layers=2, hidden=32):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn_like(p))  # HF starts norms at exactly 1: a skipped multiply would hide
-        # unit-scale embeddings: with std 0.1 the tied lm_head caps every logit near 3 and no adapter can fit
-        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        # logits of std ~6 at any width: with std 0.1 the tied lm_head caps every logit near 3 and no adapter fits
+        model.model.embed_tokens.weight.normal_(0.0, (32 / hidden) ** 0.5)
     model.save_pretrained(path)
     build_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
