@@ -37,10 +37,14 @@ def module_name(param_name: str) -> str:
     return param_name.removesuffix(".weight")
 
 
+def weight_name(layer: int, linear: str) -> str:
+    """(3, 'q_proj') -> 'model.layers.3.self_attn.q_proj.weight'."""
+    return f"model.layers.{layer}.{'self_attn' if linear in LLAMA_LINEARS[:4] else 'mlp'}.{linear}.weight"
+
+
 def target_names(cfg, targets: tuple[str, ...]) -> list[str]:
     """Checkpoint weight names of every linear whose short name (q_proj, ...) is in `targets`, in layer order."""
-    return [f"model.layers.{i}.{'self_attn' if t in LLAMA_LINEARS[:4] else 'mlp'}.{t}.weight"
-            for i in range(cfg.num_hidden_layers) for t in LLAMA_LINEARS if t in targets]
+    return [weight_name(i, t) for i in range(cfg.num_hidden_layers) for t in LLAMA_LINEARS if t in targets]
 
 
 def init_lora(shapes: dict, names: list[str], rank: int, scale: float, seed: int) -> dict[str, LoraModule]:

@@ -15,14 +15,16 @@ from torch.utils.checkpoint import checkpoint
 
 from accel.ops import rope_tables
 from accel.train.attention import attention_reference, flash_attention
-from accel.train.lora import LoraModule
+from accel.train.lora import LoraModule, weight_name
+from refimpl.formats.lora import LLAMA_LINEARS
 from accel.weights import Weights
 from refimpl.model.config import LlamaConfig
 from refimpl.train.data import IGNORE
 
-LOSS_CHUNK = 1024  # rows of [rows, V] fp32 logits alive at once (0.5 GB at V = 128256)
+LOSS_CHUNK = 512  # rows of [rows, V] fp32 logits alive at once (0.25 GB at V = 128256)
 
 
+@torch.compiler.disable
 def attention(q, k, v):
     """Causal GQA attention, q [B, T, H, E], k/v [B, T, K, E] -> [B, T, H, E]: the Triton FlashAttention on CUDA;
     on the CPU its plain-torch twin (the interpreter would run the kernel, slowly, at every CPU training step)."""
@@ -44,44 +46,62 @@ def rope(x, cos, sin):
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
+def _adapt(out, x, adapter, dropout: float):
+    """out [.., Dout] = x @ Wᵀ in the model dtype; add adapter = (A, B, scale)'s LoRA term in fp32 (or nothing)."""
+    if adapter is None:
+        return out
+    a, b, scale = adapter
+    xa = x.to(a.dtype)
+    if dropout:
+        xa = F.dropout(xa, dropout, True)
+    delta = F.linear(F.linear(xa, a), b)  # [B, T, Din] -> [B, T, R] -> [B, T, Dout]
+    return (out + scale * delta).to(x.dtype)
+
+
+def decoder_layer(x, cos, sin, weights: tuple, adapters: tuple, shape: tuple, eps: float, dropout: float):
+    """One decoder layer over plain tensors (so one compiled graph serves every layer).
+
+    x [B, T, D]; weights = (attn_norm, qkv, o, mlp_norm, gate_up, down) of accel.weights.LayerWeights; adapters =
+    one (A, B, scale) or None per LLAMA_LINEARS entry (q, k, v, o, gate, up, down); shape = (H, K, E, F)."""
+    attn_norm, qkv, o_w, mlp_norm, gate_up, down = weights
+    aq, ak, av, ao, ag, au, ad = adapters
+    H, K, E, Fi = shape
+    B, T, _ = x.shape
+    h = rms_norm(x, attn_norm, eps)
+    q, k, v = F.linear(h, qkv).split([H * E, K * E, K * E], dim=-1)  # [B, T, D] -> [B, T, (H+2K)·E]
+    q = _adapt(q, h, aq, dropout).view(B, T, H, E)
+    k = _adapt(k, h, ak, dropout).view(B, T, K, E)
+    v = _adapt(v, h, av, dropout).view(B, T, K, E)
+    a = attention(rope(q, cos, sin), rope(k, cos, sin), v).reshape(B, T, H * E)  # [B, T, H, E] -> [B, T, H·E]
+    x = x + _adapt(F.linear(a, o_w), a, ao, dropout)  # [B, T, H·E] -> [B, T, D]
+    h = rms_norm(x, mlp_norm, eps)
+    gate, up = F.linear(h, gate_up).split([Fi, Fi], dim=-1)  # [B, T, D] -> 2 × [B, T, F]
+    act = F.silu(_adapt(gate, h, ag, dropout)) * _adapt(up, h, au, dropout)
+    return x + _adapt(F.linear(act, down), act, ad, dropout)  # [B, T, F] -> [B, T, D]
+
+
 class TrainModel:
     def __init__(self, weights: Weights, cfg: LlamaConfig, lora: dict[str, LoraModule], dropout: float = 0.0,
-                 checkpointing: bool = True):
+                 checkpointing: bool = True, compile: bool = False):
         self.w, self.cfg, self.lora, self.dropout, self.checkpointing = weights, cfg, lora, dropout, checkpointing
         self.training = True
+        # compiled, the norms, RoPE, SiLU·up and LoRA scalings fuse into a few kernels; attention stays the Triton
+        # kernel (a graph break); dynamic=False: every layer has the same shapes, so one graph serves them all
+        self.layer_fn = torch.compile(decoder_layer, dynamic=False) if compile else decoder_layer
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for m in self.lora.values() for p in (m.a, m.b)]
 
-    def _adapt(self, out, x, name: str):
-        """out [.., Dout] = x @ Wᵀ in the model dtype; add the LoRA term of `name` in fp32 if it is adapted."""
-        m = self.lora.get(name)
-        if m is None:
-            return out
-        xa = x.to(m.a.dtype)
-        if self.dropout and self.training:
-            xa = F.dropout(xa, self.dropout, True)
-        delta = F.linear(F.linear(xa, m.a), m.b)  # [B, T, Din] -> [B, T, R] -> [B, T, Dout]
-        return (out + m.scale * delta).to(x.dtype)
-
     def _layer(self, x, i: int, cos, sin):
-        cfg, lw, p = self.cfg, self.w.layers[i], f"model.layers.{i}."
-        B, T, _ = x.shape
-        H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-        q, k, v = F.linear(h, lw.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)  # [B, T, (H+2K)·E]
-        q = self._adapt(q, h, p + "self_attn.q_proj.weight").view(B, T, H, E)
-        k = self._adapt(k, h, p + "self_attn.k_proj.weight").view(B, T, K, E)
-        v = self._adapt(v, h, p + "self_attn.v_proj.weight").view(B, T, K, E)
-        a = attention(rope(q, cos, sin), rope(k, cos, sin), v)  # [B, T, H, E]
-        a = a.reshape(B, T, cfg.q_size)
-        x = x + self._adapt(F.linear(a, lw.o), a, p + "self_attn.o_proj.weight")  # [B, T, H·E] -> [B, T, D]
-        h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)  # [B, T, 2F] -> 2 × [B, T, F]
-        gate = self._adapt(gate, h, p + "mlp.gate_proj.weight")
-        up = self._adapt(up, h, p + "mlp.up_proj.weight")
-        act = F.silu(gate) * up
-        return x + self._adapt(F.linear(act, lw.down), act, p + "mlp.down_proj.weight")  # [B, T, F] -> [B, T, D]
+        cfg, lw = self.cfg, self.w.layers[i]
+        adapters = []
+        for t in LLAMA_LINEARS:
+            m = self.lora.get(weight_name(i, t))
+            adapters.append(None if m is None else (m.a, m.b, m.scale))
+        return self.layer_fn(x, cos, sin, (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down),
+                             tuple(adapters), (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                               cfg.intermediate_size), cfg.rms_norm_eps,
+                             self.dropout if self.training else 0.0)
 
     def hidden(self, ids):
         """ids [B, T] -> final-norm hidden states [B, T, D] in the model dtype."""
