@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from _badinput import assert_clean_error, run_cli
+from _badinput import run_cli
 from tools.toy import CHAT_TEMPLATE, VOCAB_SIZE, build_tokenizer, special_id
 
 torch = pytest.importorskip("torch")

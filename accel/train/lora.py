@@ -15,12 +15,19 @@ import torch.nn.functional as F
 from refimpl.formats.lora import LLAMA_LINEARS
 
 
-def lora_linear(x, weight, lora_a, lora_b, scale, dropout: float = 0.0, training: bool = False):
-    """x [..., Din], weight [Dout, Din], lora_a [R, Din], lora_b [Dout, R] -> [..., Dout] in x's dtype."""
-    base = F.linear(x, weight)  # [..., Din] -> [..., Dout]
-    xa = F.dropout(x.to(lora_a.dtype), dropout, training) if dropout else x.to(lora_a.dtype)
+def add_lora(base, x, lora_a, lora_b, scale, dropout: float = 0.0):
+    """base [..., Dout] = x @ Wᵀ (however computed: the trainer slices it out of a fused GEMM), x [..., Din] ->
+    base + scale · (dropout(x) @ Aᵀ) @ Bᵀ, [..., Dout] in x's dtype; the LoRA branch in A's dtype (fp32)."""
+    xa = x.to(lora_a.dtype)
+    if dropout:
+        xa = F.dropout(xa, dropout, True)
     delta = F.linear(F.linear(xa, lora_a), lora_b)  # [..., Din] -> [..., R] -> [..., Dout]
     return (base + scale * delta).to(x.dtype)
+
+
+def lora_linear(x, weight, lora_a, lora_b, scale):
+    """The interface op: x [..., Din], weight [Dout, Din], lora_a [R, Din], lora_b [Dout, R] -> [..., Dout]."""
+    return add_lora(F.linear(x, weight), x, lora_a, lora_b, scale)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from accel.ops import rope_tables
 from accel.train.attention import attention_reference, flash_attention
-from accel.train.lora import LoraModule, weight_name
+from accel.train.lora import LoraModule, add_lora, weight_name
 from refimpl.formats.lora import LLAMA_LINEARS
 from accel.weights import Weights
 from refimpl.model.config import LlamaConfig
@@ -48,14 +48,7 @@ def rope(x, cos, sin):
 
 def _adapt(out, x, adapter, dropout: float):
     """out [.., Dout] = x @ Wᵀ in the model dtype; add adapter = (A, B, scale)'s LoRA term in fp32 (or nothing)."""
-    if adapter is None:
-        return out
-    a, b, scale = adapter
-    xa = x.to(a.dtype)
-    if dropout:
-        xa = F.dropout(xa, dropout, True)
-    delta = F.linear(F.linear(xa, a), b)  # [B, T, Din] -> [B, T, R] -> [B, T, Dout]
-    return (out + scale * delta).to(x.dtype)
+    return out if adapter is None else add_lora(out, x, *adapter, dropout=dropout)
 
 
 def decoder_layer(x, cos, sin, weights: tuple, adapters: tuple, shape: tuple, eps: float, dropout: float):

@@ -1,19 +1,16 @@
 """One fine-tuning run put together: checkpoint + data + LoRA state -> a TrainModel, and saving its adapter."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-
-import torch
 
 from accel.train.adapter import adapter_config, save_adapter
 from accel.train.lora import from_adapter, init_lora, target_names
 from accel.train.loop import TrainSettings, evaluate, plan_steps, train
 from accel.train.model import TrainModel
 from accel.weights import DTYPES, load_weights
-from refimpl.errors import CheckpointError, DataError
+from refimpl.errors import CheckpointError
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.formats.lora import load_lora
@@ -30,6 +27,7 @@ class SessionSettings:
     max_length: int = 2048
     seed: int = 0
     init_adapter: Path | None = None
+    compile: bool = False
 
 
 class Session:
@@ -57,7 +55,7 @@ class Session:
             m.a.data, m.b.data = m.a.data.to(device), m.b.data.to(device)
         weights = load_weights(ckpt.params, cfg, device, DTYPES[dtype])
         ckpt.params = None  # the fp32 host copy is no longer needed
-        return cls(TrainModel(weights, cfg, lora, s.dropout), samples, eval_samples, config, device)
+        return cls(TrainModel(weights, cfg, lora, s.dropout, compile=s.compile), samples, eval_samples, config, device)
 
     def planned_steps(self, settings: TrainSettings) -> int:
         return len(plan_steps(self.samples, settings))

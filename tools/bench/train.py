@@ -43,13 +43,16 @@ def ours(cfg: LlamaConfig, weights, device, seq: int, batch: int, rank: int, rep
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = _ids(cfg, batch, seq, device)
 
+    losses = []
+
     def step():
         total, n = model.loss_sum(ids, ids)
         (total / n).backward()
+        losses.append(float(total.detach()) / n)  # (one host sync a step; the first shows eager == compiled)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _measure(step, batch * seq, device, reps)
+    return {**_measure(step, batch * seq, device, reps), "first_loss": losses[0]}
 
 
 def hf_peft(cfg: LlamaConfig, held: list, device, seq: int, batch: int, rank: int, reps: int) -> dict:
@@ -66,12 +69,16 @@ def hf_peft(cfg: LlamaConfig, held: list, device, seq: int, batch: int, rank: in
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = _ids(cfg, batch, seq, device)
 
+    losses = []
+
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    out = _measure(step, batch * seq, device, reps)
+    out = {**_measure(step, batch * seq, device, reps), "first_loss": losses[0]}
     out["attn_implementation"] = model.config._attn_implementation
     return out
 
