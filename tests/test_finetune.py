@@ -188,3 +188,26 @@ def test_adamw_halves_loss_and_adapter_loads_in_peft_and_generate(tmp_path):
     with torch.no_grad():
         want = [int(loaded(input_ids=torch.tensor([ids])).logits[0, -1].argmax())]
     assert json.loads(gen.stdout)["generated_ids"][0] == want[0]
+
+
+def test_ctrl_c_saves_the_adapter_as_it_stands(tmp_path):
+    from accel.train.loop import TrainSettings
+    from accel.train.session import Session, SessionSettings
+    hf_chat_model(tmp_path / "base")
+    data = write_jsonl(tmp_path / "train.jsonl", CONVERSATIONS)
+    session = Session.open(tmp_path / "base", data, None, "cpu", "fp32", print,
+                           SessionSettings(rank=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj")))
+    seen = []
+
+    def on_step(record):
+        seen.append(record["step"])
+        if record["step"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        session.train(TrainSettings(lr=1e-2, max_steps=10), tmp_path / "out", on_step)
+    saved = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert seen == [1, 2] and len(saved) == 2 * 2 * 2
+    for m in session.model.lora.values():  # the file holds the state after step 2, B moved off its zero start
+        b = saved[f"base_model.model.{m.name}.lora_B.weight"]
+        assert np.array_equal(b, m.b.detach().numpy()) and np.abs(b).max() > 0
