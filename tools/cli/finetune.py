@@ -110,7 +110,11 @@ def finetune(model, data, out, eval_data, rank, alpha, dropout, target, lr, opti
             tps = f"{record['tokens_per_s']:.0f}" if record["tokens_per_s"] else "-"
             bar.advance(1, f"loss {record['loss']:.4f} lr {record['lr']:.2e} {tps} tok/s")
 
-        summary = session.train(settings, out, on_step)
+        try:
+            summary = session.train(settings, out, on_step)
+        except KeyboardInterrupt:
+            click.echo(f"\ninterrupted after {bar.done} steps: the adapter as it stands is saved in {out}", err=True)
+            raise
     final = {"done": True, "out": str(out), **summary}
     if session.eval_samples:
         final["eval_loss"] = session.evaluate(batch_size)
