@@ -52,12 +52,14 @@ def visible_keys(T: int, S: int, causal: bool, mask: torch.Tensor | None, device
 
 
 def attention_reference(q, k, v, causal: bool = True, mask=None) -> torch.Tensor:
-    """flash_attention's math in plain torch (differentiable by autograd): scores and softmax in fp32."""
+    """flash_attention's math in plain torch (differentiable by autograd): scores and softmax in fp32 (fp64 inputs:
+    fp64)."""
     B, T, H, E = q.shape
     S, NK = k.shape[1], k.shape[2]
-    qf = q.float().transpose(1, 2)  # [B, T, H, E] -> [B, H, T, E]
-    kf = k.float().transpose(1, 2).repeat_interleave(H // NK, dim=1)  # [B, S, K, E] -> [B, H, S, E]
-    vf = v.float().transpose(1, 2).repeat_interleave(H // NK, dim=1)
+    ct = torch.promote_types(q.dtype, torch.float32)  # fp32 math for bf16 / fp32, fp64 stays fp64 (gradcheck)
+    qf = q.to(ct).transpose(1, 2)  # [B, T, H, E] -> [B, H, T, E]
+    kf = k.to(ct).transpose(1, 2).repeat_interleave(H // NK, dim=1)  # [B, S, K, E] -> [B, H, S, E]
+    vf = v.to(ct).transpose(1, 2).repeat_interleave(H // NK, dim=1)
     scores = qf @ kf.transpose(2, 3) / math.sqrt(E)  # [B, H, T, E] @ [B, H, E, S] -> [B, H, T, S]
     vis = visible_keys(T, S, causal, mask, q.device)[:, None]  # [B, 1, T, S]
     empty = ~vis.any(dim=-1, keepdim=True)  # [B, 1, T, 1]: rows that see nothing attend everywhere, then get 0

@@ -8,7 +8,7 @@ Dimension letters, used in every shape comment of the project:
     T  tokens in this call            S  KV-cache capacity (positions)     D  hidden_size
     F  intermediate_size              V  vocab_size                         H  query heads
     K  key/value heads (H % K == 0)   E  head_dim                           R  LoRA rank
-    N  cross-attention (image) tokens
+    N  cross-attention (image) tokens   B  sequences in a training batch
 
 Dtype rules (accel; the refimpl is float32 throughout):
     * activations flow in the model dtype (bf16 or fp32); weights are in the model dtype;
