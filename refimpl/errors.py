@@ -27,3 +27,7 @@ class NonFiniteError(Llama32Error):
 
 class ImageError(Llama32Error):
     """An image file cannot be read (not an image, truncated, too many pixels, a mode with no RGB conversion)."""
+
+
+class DataError(Llama32Error):
+    """A training or evaluation data file (JSONL) is malformed: the message names the file and line."""

@@ -14,14 +14,15 @@ class Progress:
         self.stream = stream or sys.stderr
         self.start, self.delay_s, self.shown = time.perf_counter(), delay_s, False
 
-    def advance(self, n: int = 1) -> None:
+    def advance(self, n: int = 1, info: str = "") -> None:
+        """Count n more items done; `info` (e.g. "loss 1.23") is shown after the bar."""
         self.done += n
         elapsed = time.perf_counter() - self.start
         if elapsed >= self.delay_s and self.stream.isatty():
             width = 30
             filled = int(width * self.done / self.total)
             self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
-                              f"{self.done}/{self.total} {elapsed:.1f}s")
+                              f"{self.done}/{self.total} {elapsed:.1f}s{' ' + info if info else ''}")
             self.stream.flush()
             self.shown = True
 

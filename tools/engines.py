@@ -39,15 +39,20 @@ def resolve_model(model: str | None) -> Path:
 
 
 def load_engine(model_path: Path, backend: str, device: str | None = None, dtype: str | None = None,
-                lora: Path | None = None):
+                lora: Path | None = None, lora_mode: str = "merged"):
     """Returns (engine, checkpoint, load seconds). Engines share `generate`, `steps`, `new_cache`, `config`.
 
-    `lora`: a PEFT adapter directory, merged into the fp32 weights before any engine sees them."""
+    `lora`: a PEFT adapter directory, merged into the fp32 weights before any engine sees them ("merged"), or kept
+    beside the untouched base weights and added at run time ("unmerged", refimpl only)."""
     t0 = time.perf_counter()
+    if lora is not None and lora_mode == "unmerged" and backend != "refimpl":
+        raise GenerationError("--lora-mode unmerged runs on --backend refimpl only (accel serves merged adapters)")
     ckpt = load_checkpoint(model_path)
     if lora is not None:
-        from refimpl.formats.lora import load_lora, merge_lora
-        ckpt.params = merge_lora(ckpt.params, ckpt.config, load_lora(lora, ckpt.config))
+        from refimpl.formats.lora import attach_lora, load_lora, merge_lora
+        adapter = load_lora(lora, ckpt.config)
+        ckpt.params = (attach_lora(ckpt.params, adapter) if lora_mode == "unmerged"
+                       else merge_lora(ckpt.params, ckpt.config, adapter))
     engine = engine_for(ckpt, backend, device, dtype if backend == "accel" else None)
     return engine, ckpt, time.perf_counter() - t0
 

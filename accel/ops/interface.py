@@ -22,7 +22,7 @@ from ..kernels.rope import rope_fwd
 from ..kernels.swiglu import swiglu_fwd
 from .dispatch import rows, uses_triton
 from .fused import causal_attention, decode_attention
-from .torch_ops import kv_write, torch_grouped_attention, torch_rms_norm, torch_rotate, torch_swiglu
+from .torch_ops import add_lora, kv_write, torch_grouped_attention, torch_rms_norm, torch_rotate, torch_swiglu
 
 
 def embedding(ids, table):
@@ -91,3 +91,8 @@ def swiglu(gate, up):
 def lora_merge(weight, lora_a, lora_b, scale):
     delta = lora_b.float() @ lora_a.float()  # [Dout, R] @ [R, Din] -> [Dout, Din], fp32 (bf16 would round twice)
     return (weight.float() + float(scale) * delta).to(weight.dtype)
+
+
+def lora_linear(x, weight, lora_a, lora_b, scale):
+    """The interface op: x [..., Din], weight [Dout, Din], lora_a [R, Din], lora_b [Dout, R] -> [..., Dout]."""
+    return add_lora(F.linear(x, weight), x, lora_a, lora_b, scale)

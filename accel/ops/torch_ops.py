@@ -140,3 +140,13 @@ def torch_greedy_next(logits, token, position, history, step):
     step.add_(1)
     position.add_(1)
     return token
+
+
+def add_lora(base, x, lora_a, lora_b, scale, dropout: float = 0.0):
+    """base [..., Dout] = x @ Wᵀ (however computed: the trainer slices it out of a fused GEMM), x [..., Din] ->
+    base + scale · (dropout(x) @ Aᵀ) @ Bᵀ, [..., Dout] in x's dtype; the LoRA branch in A's dtype (fp32)."""
+    xa = x.to(lora_a.dtype)
+    if dropout:
+        xa = F.dropout(xa, dropout, True)
+    delta = F.linear(F.linear(xa, lora_a), lora_b)  # [..., Din] -> [..., R] -> [..., Dout]
+    return (base + scale * delta).to(x.dtype)

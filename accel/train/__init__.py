@@ -1,2 +1,3 @@
 """Training pieces of the accel backend: differentiable ops over the Triton kernels (attention.py: FlashAttention
-forward and backward)."""
+forward and backward), LoRA (lora.py), the training forward (model.py), the optimisation loop (loop.py), PEFT adapter
+files (adapter.py), one run put together (session.py)."""

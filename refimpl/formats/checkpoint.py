@@ -123,3 +123,36 @@ def save_checkpoint(model_dir: str | Path, cfg: LlamaConfig, params: dict[str, n
     (model_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
     save_safetensors(model_dir / "model.safetensors", params, dtype=dtype, metadata={"format": "pt"})
     return model_dir
+
+
+def weight_dtype(model_dir: Path, name: str = "model.embed_tokens.weight") -> str:
+    """The safetensors dtype (BF16, F16, F32) a checkpoint directory stores its weights in."""
+    path = weight_files(model_dir)[name]
+    return SafetensorsFile(path).tensors[name].dtype
+
+
+def save_sharded(model_dir: str | Path, params: dict[str, np.ndarray], dtype: str, max_shard_bytes: int) -> list[Path]:
+    """Write params as HF's sharded layout: model-0000i-of-0000n.safetensors (each at most max_shard_bytes unless a
+    single tensor is larger) plus model.safetensors.index.json; one file without an index when it all fits."""
+    model_dir = Path(model_dir)
+    itemsize = 4 if dtype == "F32" else 2
+    shards, size = [[]], 0
+    for name, array in params.items():
+        nbytes = array.size * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    n = len(shards)
+    files = [model_dir / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+             for i in range(n)]
+    weight_map = {}
+    for names, path in zip(shards, files):
+        save_safetensors(path, {name: params[name] for name in names}, dtype=dtype, metadata={"format": "pt"})
+        weight_map.update({name: path.name for name in names})
+    if n > 1:
+        total = sum(params[name].size * itemsize for name in weight_map)
+        (model_dir / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    return files

@@ -20,6 +20,7 @@ import numpy as np
 from refimpl.model import ops
 from refimpl.formats.params import expected_shapes
 from refimpl.model.config import LlamaConfig
+from refimpl.model.llama import LoraWeight
 from refimpl.errors import CheckpointError
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.formats.safetensors_io import SafetensorsFile
@@ -172,3 +173,11 @@ def merge_lora(params: dict, cfg: LlamaConfig, adapter: Adapter) -> dict:
     for name, lora_a, lora_b, scale in adapter:
         merged[name] = ops.lora_merge(np.asarray(merged[name], np.float32), lora_a, lora_b, scale)  # [Dout, Din]
     return merged
+
+
+def attach_lora(params: dict, adapter: Adapter) -> dict:
+    """A new params dict serving the adapter unmerged: each adapted weight becomes a LoraWeight; base untouched."""
+    attached = dict(params)
+    for name, lora_a, lora_b, scale in adapter:
+        attached[name] = LoraWeight(params[name], lora_a, lora_b, scale)
+    return attached

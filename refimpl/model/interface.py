@@ -82,6 +82,11 @@ class Ops(Protocol):
         in fp32 and cast to weight's dtype (merging in bf16 rounds twice). PEFT: scale = alpha/r, or
         alpha/sqrt(r) with use_rslora."""
 
+    def lora_linear(self, x: Array, weight: Array, lora_a: Array, lora_b: Array, scale: float) -> Array:
+        """Unmerged LoRA: x [T, Din], weight [Dout, Din], lora_a [R, Din], lora_b [Dout, R] ->
+        x @ weightᵀ + scale · (x @ lora_aᵀ) @ lora_bᵀ, [T, Dout]; the base weights stay untouched. The LoRA branch
+        is computed in fp32 (as PEFT casts x to the adapter's dtype) and the sum cast to x's dtype."""
+
 
 @runtime_checkable
 class VisionOps(Protocol):
@@ -105,4 +110,4 @@ class VisionOps(Protocol):
 VISION_OP_NAMES: tuple[str, ...] = ("layer_norm", "gelu", "encoder_attention")
 
 OP_NAMES: tuple[str, ...] = ("embedding", "rms_norm", "rope_tables", "rope", "linear", "attention", "swiglu",
-                             "cross_attention", "lora_merge")
+                             "cross_attention", "lora_merge", "lora_linear")

@@ -42,6 +42,27 @@ class KVCache:
         return self.k[0].shape[1]
 
 
+@dataclass(frozen=True)
+class LoraWeight:
+    """A base weight [Dout, Din] served with its unmerged LoRA pair: lora_a [R, Din], lora_b [Dout, R]."""
+
+    weight: Any
+    lora_a: Any
+    lora_b: Any
+    scale: float
+
+    @property
+    def shape(self):
+        return self.weight.shape
+
+
+def project(ops, x, w):
+    """x @ wᵀ for a plain weight, or the unmerged LoRA sum for a LoraWeight."""
+    if isinstance(w, LoraWeight):
+        return ops.lora_linear(x, w.weight, w.lora_a, w.lora_b, w.scale)
+    return ops.linear(x, w)
+
+
 def lm_head(params: dict, cfg: LlamaConfig):
     return params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]  # [V, D]
 
@@ -50,18 +71,18 @@ def attention_block(ops, p: dict, x, cfg: LlamaConfig, i: int, cos, sin, cache: 
     n = f"layers.{i}."
     T = x.shape[0]
     h = yield from emit(n + "attn_norm", ops.rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps))
-    q = ops.linear(h, p["self_attn.q_proj.weight"]).reshape(T, cfg.num_attention_heads, cfg.head_dim)  # [T, D] -> [T, H, E]
+    q = project(ops, h, p["self_attn.q_proj.weight"]).reshape(T, cfg.num_attention_heads, cfg.head_dim)  # [T, D] -> [T, H, E]
     q = yield from emit(n + "attn.q", q)
-    k = ops.linear(h, p["self_attn.k_proj.weight"]).reshape(T, cfg.num_key_value_heads, cfg.head_dim)  # [T, D] -> [T, K, E]
+    k = project(ops, h, p["self_attn.k_proj.weight"]).reshape(T, cfg.num_key_value_heads, cfg.head_dim)  # [T, D] -> [T, K, E]
     k = yield from emit(n + "attn.k", k)
-    v = ops.linear(h, p["self_attn.v_proj.weight"]).reshape(T, cfg.num_key_value_heads, cfg.head_dim)  # [T, D] -> [T, K, E]
+    v = project(ops, h, p["self_attn.v_proj.weight"]).reshape(T, cfg.num_key_value_heads, cfg.head_dim)  # [T, D] -> [T, K, E]
     v = yield from emit(n + "attn.v", v)
     q_rot, k_rot = ops.rope(q, k, cos, sin)
     q_rot = yield from emit(n + "attn.q_rot", q_rot)
     k_rot = yield from emit(n + "attn.k_rot", k_rot)
     a = ops.attention(q_rot, k_rot, v, cache.k[i], cache.v[i], positions)  # -> [T, H, E]
     a = yield from emit(n + "attn.out", a)
-    o = ops.linear(a.reshape(T, cfg.q_size), p["self_attn.o_proj.weight"])  # [T, H·E] -> [T, D]
+    o = project(ops, a.reshape(T, cfg.q_size), p["self_attn.o_proj.weight"])  # [T, H·E] -> [T, D]
     o = yield from emit(n + "attn.o_proj", o)
     return (yield from emit(n + "resid_mid", x + o))
 
@@ -70,10 +91,10 @@ def mlp_branch(ops, p: dict, x, cfg: LlamaConfig, i: int) -> Steps:
     """The MLP's contribution to the residual stream, [T, D] (norm, SwiGLU, down projection)."""
     n = f"layers.{i}."
     h = yield from emit(n + "mlp_norm", ops.rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps))
-    gate = yield from emit(n + "mlp.gate", ops.linear(h, p["mlp.gate_proj.weight"]))  # [T, D] -> [T, F]
-    up = yield from emit(n + "mlp.up", ops.linear(h, p["mlp.up_proj.weight"]))  # [T, D] -> [T, F]
+    gate = yield from emit(n + "mlp.gate", project(ops, h, p["mlp.gate_proj.weight"]))  # [T, D] -> [T, F]
+    up = yield from emit(n + "mlp.up", project(ops, h, p["mlp.up_proj.weight"]))  # [T, D] -> [T, F]
     act = yield from emit(n + "mlp.act", ops.swiglu(gate, up))  # [T, F]
-    return (yield from emit(n + "mlp.down", ops.linear(act, p["mlp.down_proj.weight"])))  # [T, F] -> [T, D]
+    return (yield from emit(n + "mlp.down", project(ops, act, p["mlp.down_proj.weight"])))  # [T, F] -> [T, D]
 
 
 def mlp_block(ops, p: dict, x, cfg: LlamaConfig, i: int) -> Steps:
@@ -103,7 +124,7 @@ def forward_steps(ops, params: dict, cfg: LlamaConfig, ids, positions, cache: KV
     x = yield from emit("final_norm", ops.rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps))
     if last_logits_only:
         x = x[-1:]  # generation needs only the next token's logits: skip T-1 rows of the largest GEMM
-    return (yield from emit("logits", ops.linear(x, lm_head(params, cfg))))  # [T, D] -> [T, V]
+    return (yield from emit("logits", project(ops, x, lm_head(params, cfg))))  # [T, D] -> [T, V]
 
 
 def run_steps(steps: Steps):

@@ -106,6 +106,12 @@ def lora_merge(weight, lora_a, lora_b, scale):
     return (weight.astype(F32) + F32(scale) * delta).astype(weight.dtype)
 
 
+def lora_linear(x, weight, lora_a, lora_b, scale):
+    low = x.astype(F32) @ lora_a.T.astype(F32)  # [T, Din] @ [Din, R] -> [T, R]
+    delta = low @ lora_b.T.astype(F32)  # [T, R] @ [R, Dout] -> [T, Dout]
+    return (linear(x, weight) + F32(scale) * delta).astype(x.dtype)
+
+
 # ---- vision ops (interface.VisionOps) ----
 
 def layer_norm(x, weight, bias, eps):

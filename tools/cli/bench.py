@@ -62,9 +62,10 @@ def render(result: dict) -> str:
 @click.option("--prefill-tokens", default=2048, show_default=True, type=int)
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--profile", is_flag=True, help="Also print per-kernel profiles of eager decode steps and a prefill.")
+@click.option("--train", "train", is_flag=True, help="Only the LoRA training benchmark (ours vs HF + PEFT).")
 @click.option("--json-out", "json_out", default=None, type=click.Path(dir_okay=False),
               help="Also write the results as JSON here.")
-def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out):
+def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out, train=False):
     """Benchmark the accel engine on a CUDA GPU (random weights at the real Llama 3.2 shapes)."""
     import torch
 
@@ -86,6 +87,17 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
         result["triton"] = triton.__version__
     except ImportError:
         pass
+    if train:
+        from tools.bench.train import render as render_train, train_bench
+        result["train"] = []
+        for m in chosen:
+            click.echo(f"benchmarking LoRA training, {MODELS[m]} ...", err=True)
+            result["train"].append(train_bench(MODELS[m], PRESETS[MODELS[m]], device, with_hf,
+                                               seq=prefill_tokens))
+        click.echo(render_train(result["train"]))
+        if json_out:
+            Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
+        return
     for m in chosen:
         if profile:
             click.echo(f"per-kernel device time of 10 eager decode steps, {MODELS[m]}:\n"

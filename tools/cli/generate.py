@@ -50,12 +50,15 @@ class TextStream:
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
               help="An image for a Llama 3.2 Vision checkpoint (repeatable): the prompt's <|image|> tokens take "
                    "the images in order; without any, the images go before the text.")
+@click.option("--lora-mode", type=click.Choice(["merged", "unmerged"]), default="merged", show_default=True,
+              help="unmerged: keep the base weights and add scale·(x·Aᵀ)·Bᵀ at run time (refimpl backend).")
 def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, seed, backend, device, dtype,
-             as_json, lora=None, images=()):
+             as_json, lora=None, images=(), lora_mode="merged"):
     """Generate text from PROMPT."""
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
     backend = resolve_backend(backend)
-    engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora)
+    engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora,
+                                       lora_mode=lora_mode)
     tok = ckpt.tokenizer
     vision = prompt_inputs(ckpt, prompt, images, chat, system)
     if vision is not None:

@@ -1,0 +1,126 @@
+"""`llama32 finetune`: LoRA fine-tuning on chat JSONL; the output directory is a PEFT adapter.
+
+Base weights stay frozen in the model dtype; LoRA matrices and optimiser state are fp32. Samples are right-padded
+per micro-batch (not packed): causal attention needs no mask then, and each sample's loss is exactly what it
+would be alone, which keeps the one-step check against HF + PEFT exact. Image samples are refused for now.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from refimpl.errors import GenerationError
+
+from tools.engines import resolve_model
+
+
+def _targets(spec: str) -> tuple[str, ...]:
+    from refimpl.formats.lora import LLAMA_LINEARS
+    if spec == "all-linear":
+        return LLAMA_LINEARS
+    names = tuple(t.strip() for t in spec.split(",") if t.strip())
+    bad = [t for t in names if t not in LLAMA_LINEARS]
+    if bad or not names:
+        raise GenerationError(f"--target: unknown module {bad[0] if bad else spec!r} (expected all-linear or a "
+                              f"comma-separated list of {', '.join(LLAMA_LINEARS)})")
+    return names
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise GenerationError(message)
+
+
+@click.command()
+@click.option("--model", "model", default=None, help="Base model directory or .gguf file.")
+@click.option("--data", required=True, type=click.Path(path_type=Path), help="Training JSONL (messages or query/response).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output PEFT adapter directory.")
+@click.option("--eval-data", type=click.Path(path_type=Path), default=None, help="JSONL evaluated after training.")
+@click.option("--rank", default=8, show_default=True, type=int)
+@click.option("--alpha", default=32.0, show_default=True, type=float)
+@click.option("--dropout", default=0.05, show_default=True, type=float, help="LoRA dropout on the adapter input.")
+@click.option("--target", default="all-linear", show_default=True, help="all-linear or e.g. q_proj,v_proj.")
+@click.option("--lr", default=1e-4, show_default=True, type=float)
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
+              help="sgd: plain p -= lr·grad (no momentum, no weight decay).")
+@click.option("--weight-decay", default=0.0, show_default=True, type=float, help="AdamW's decoupled decay.")
+@click.option("--warmup-steps", default=0, show_default=True, type=int)
+@click.option("--epochs", default=1, show_default=True, type=int)
+@click.option("--max-steps", default=None, type=int, help="Stop after N optimiser steps (overrides --epochs).")
+@click.option("--batch-size", default=1, show_default=True, type=int)
+@click.option("--grad-accum", default=1, show_default=True, type=int, help="Micro-batches per optimiser step.")
+@click.option("--max-length", default=2048, show_default=True, type=int,
+              help="Longer samples are skipped (with a warning naming their lines), never truncated.")
+@click.option("--seed", default=0, show_default=True, type=int, help="LoRA init, shuffling and dropout.")
+@click.option("--init-adapter", type=click.Path(path_type=Path), default=None,
+              help="Start from this PEFT adapter (its rank, alpha and targets replace --rank/--alpha/--target).")
+@click.option("--save-every", default=None, type=int, help="Also write OUT/checkpoint-N every N steps.")
+@click.option("--backend", type=click.Choice(["accel"]), default="accel", show_default=True)
+@click.option("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda when present).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
+              help="Base weight dtype (default bf16 on CUDA, fp32 on CPU).")
+@click.option("--compile/--no-compile", "compile_layers", default=None,
+              help="torch.compile the decoder layer (default: on CUDA; a minute of compiling, then faster steps).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON record per step on stdout, then a final record.")
+def finetune(model, data, out, eval_data, rank, alpha, dropout, target, lr, optimizer, weight_decay, warmup_steps,
+             epochs, max_steps, batch_size, grad_accum, max_length, seed, init_adapter, save_every, backend, device,
+             dtype, compile_layers, as_json):
+    """Fine-tune a LoRA adapter on chat data (JSONL) and write it as a PEFT adapter directory."""
+    _check(rank > 0, f"--rank must be a positive integer, got {rank}")
+    _check(alpha > 0, f"--alpha must be positive, got {alpha}")
+    _check(0 <= dropout < 1, f"--dropout must be in [0, 1), got {dropout}")
+    _check(lr > 0, f"--lr must be positive, got {lr}")
+    _check(weight_decay >= 0, f"--weight-decay must be >= 0, got {weight_decay}")
+    for name, value in (("--epochs", epochs), ("--batch-size", batch_size), ("--grad-accum", grad_accum),
+                        ("--max-length", max_length), ("--max-steps", max_steps), ("--save-every", save_every)):
+        _check(value is None or value > 0, f"{name} must be a positive integer, got {value}")
+    _check(warmup_steps >= 0, f"--warmup-steps must be >= 0, got {warmup_steps}")
+    _check(seed >= 0, f"--seed must be >= 0, got {seed}")
+    targets = _targets(target)
+    try:
+        import torch
+    except ImportError:
+        raise GenerationError("llama32 finetune needs torch: pip install 'llama32[accel]'") from None
+    from accel.train.session import Session, SessionSettings
+    from accel.train.loop import TrainSettings
+    from refimpl.progress import Progress
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise GenerationError(f"--device {device!r} is not a torch device (e.g. cuda, cuda:1, cpu)") from None
+    dtype = dtype or ("bf16" if torch.device(device).type == "cuda" else "fp32")
+    warn = lambda msg: click.echo(f"warning: {msg}", err=True)  # noqa: E731
+    if compile_layers is None:
+        compile_layers = torch.device(device).type == "cuda"
+    session = Session.open(resolve_model(model), data, eval_data, device, dtype, warn, SessionSettings(
+        rank, alpha, dropout, targets, max_length, seed, init_adapter, compile_layers))
+    settings = TrainSettings(lr, optimizer, weight_decay, warmup_steps, epochs, max_steps, batch_size, grad_accum,
+                             seed, save_every)
+    total = session.planned_steps(settings)
+    with Progress("finetune", total, delay_s=0.0) as bar:
+        def on_step(record):
+            if as_json:
+                click.echo(json.dumps(record))
+                sys.stdout.flush()
+            tps = f"{record['tokens_per_s']:.0f}" if record["tokens_per_s"] else "-"
+            bar.advance(1, f"loss {record['loss']:.4f} lr {record['lr']:.2e} {tps} tok/s")
+
+        try:
+            summary = session.train(settings, out, on_step)
+        except KeyboardInterrupt:
+            click.echo(f"\ninterrupted after {bar.done} steps: the adapter as it stands is saved in {out}", err=True)
+            raise
+    final = {"done": True, "out": str(out), **summary}
+    if session.eval_samples:
+        final["eval_loss"] = session.evaluate(batch_size)
+    if as_json:
+        click.echo(json.dumps(final))
+    else:
+        eval_text = f", eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else ""
+        click.echo(f"wrote {out} after {summary['steps']} steps ({summary['tokens']} tokens in "
+                   f"{summary['seconds']:.1f} s){eval_text}", err=True)

@@ -1,0 +1,78 @@
+"""`llama32 lora merge`: bake a PEFT LoRA adapter into the base weights and write a complete HF checkpoint.
+
+The merge is W + scale · B @ A in fp32 (refimpl.formats.lora), then stored in the base's own dtype (bf16 stays
+bf16), sharded with an index as HF does; config, tokenizer and generation files are copied alongside.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import click
+
+from refimpl.errors import GenerationError
+
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "chat_template.jinja")
+DTYPE_TAGS = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+    for unit, factor in units.items():
+        if text.upper().endswith(unit):
+            try:
+                return int(float(text[:-2]) * factor)
+            except ValueError:
+                break
+    raise GenerationError(f"--max-shard-size: expected e.g. 5GB, 500MB or 100KB, got {text!r}")
+
+
+def _write_gguf_side_files(ckpt, out: Path) -> None:
+    """A GGUF holds its config and tokenizer inside: write them out as the HF files transformers reads."""
+    cfg, tok = ckpt.config, ckpt.tokenizer
+    (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": cfg.bos_token_id,
+                                                            "eos_token_id": list(ckpt.stop_ids)}, indent=2) + "\n")
+    if tok is not None:
+        tok.tok.save(str(out / "tokenizer.json"))
+        tcfg = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "tokenizer_class": "PreTrainedTokenizerFast"}
+        if tok.chat_template:
+            tcfg["chat_template"] = tok.chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2) + "\n")
+
+
+@click.group()
+def lora():
+    """LoRA adapter tools."""
+
+
+@lora.command()
+@click.option("--model", "model", required=True, type=click.Path(path_type=Path), help="Base model dir or .gguf.")
+@click.option("--adapter", required=True, type=click.Path(path_type=Path), help="PEFT adapter directory.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory for the merged checkpoint.")
+@click.option("--dtype", type=click.Choice(sorted(DTYPE_TAGS)), default=None,
+              help="Stored dtype (default: the base checkpoint's; fp32 for GGUF).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+def merge(model, adapter, out, dtype, max_shard_size):
+    """Merge ADAPTER into MODEL and write a Hugging Face checkpoint to OUT."""
+    from refimpl.formats.checkpoint import load_checkpoint, save_sharded, weight_dtype
+    from refimpl.formats.lora import load_lora, merge_lora
+
+    shard_bytes = _size(max_shard_size)
+    if out.exists() and any(out.iterdir()):
+        raise GenerationError(f"--out {out}: exists and is not empty; choose a new directory")
+    ckpt = load_checkpoint(model)
+    merged = merge_lora(ckpt.params, ckpt.config, load_lora(adapter, ckpt.config))
+    gguf = not Path(model).is_dir()
+    tag = DTYPE_TAGS[dtype] if dtype else ("F32" if gguf else weight_dtype(Path(model)))
+    out.mkdir(parents=True, exist_ok=True)
+    files = save_sharded(out, merged, tag, shard_bytes)
+    if gguf:
+        _write_gguf_side_files(ckpt, out)
+    else:
+        for name in COPIED:
+            if (Path(model) / name).is_file():
+                shutil.copyfile(Path(model) / name, out / name)
+    click.echo(f"wrote {out}: {len(files)} safetensors file(s) in {tag}", err=True)
