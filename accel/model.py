@@ -165,6 +165,9 @@ class Kernels:
             self.qkv_rope = unfused_qkv_rope(torch_norm_linear, torch_rope_kv_write)
             self.greedy_next = torch_greedy_next
 
+        from .quant_ops import quantized_kernels
+        quantized_kernels(self, unfused_qkv_rope)  # a quantized weight takes the quantized GEMV of each fused op
+
     def describe(self) -> str:
         return "triton kernels" if self.triton else "torch ops (no triton)"
 
