@@ -38,22 +38,41 @@ def resolve_model(model: str | None) -> Path:
     return default_model_path(fetch_if_missing=True)
 
 
+def parse_quant(quant: str | None):
+    """`--quant` text -> refimpl.quant.formats.QuantSpec, or None."""
+    if quant is None:
+        return None
+    from refimpl.quant.formats import QuantSpec
+    return QuantSpec.parse(quant)
+
+
 def load_engine(model_path: Path, backend: str, device: str | None = None, dtype: str | None = None,
-                lora: Path | None = None):
+                lora: Path | None = None, quant: str | None = None):
     """Returns (engine, checkpoint, load seconds). Engines share `generate`, `steps`, `new_cache`, `config`.
 
-    `lora`: a PEFT adapter directory, merged into the fp32 weights before any engine sees them."""
+    `lora`: a PEFT adapter directory, merged into the fp32 weights before any engine sees them.
+    `quant` (`--quant`): int8/int4 quantize after the merge (accel on its device, the refimpl in NumPy: the same
+    bits); gguf keeps a GGUF file's blocks."""
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(model_path)
+    spec = parse_quant(quant)
+    keep_blocks = spec is not None and spec.format == "gguf"
+    if keep_blocks and lora is not None:
+        raise GenerationError("--lora cannot be merged into --quant gguf's quantized blocks; use --quant int8/int4")
+    ckpt = load_checkpoint(model_path, quant=spec if keep_blocks else None)
     if lora is not None:
         from refimpl.formats.lora import load_lora, merge_lora
         ckpt.params = merge_lora(ckpt.params, ckpt.config, load_lora(lora, ckpt.config))
-    engine = engine_for(ckpt, backend, device, dtype if backend == "accel" else None)
+    if spec is not None and not keep_blocks and backend == "refimpl":
+        from refimpl.quant.apply import quantize_params
+        ckpt.params = quantize_params(ckpt.params, ckpt.config, spec)
+    engine = engine_for(ckpt, backend, device, dtype if backend == "accel" else None,
+                        quant=spec if not keep_blocks and backend == "accel" else None)
     return engine, ckpt, time.perf_counter() - t0
 
 
-def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None = None):
-    """An engine over an already loaded checkpoint (diff and step build two over one load)."""
+def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None = None, quant=None):
+    """An engine over an already loaded checkpoint (diff and step build two over one load). `quant`: a QuantSpec
+    accel quantizes with on its device (a checkpoint already holding quantized records runs them as they are)."""
     if backend == "refimpl":
         if dtype not in (None, "fp32"):
             raise GenerationError(f"--dtype {dtype}: the refimpl backend computes in fp32 only")
@@ -66,4 +85,4 @@ def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None 
     except ImportError as e:
         raise GenerationError(f"--backend accel is not available here ({e}); it needs torch and triton: "
                               f"pip install 'llama32[accel]'") from None
-    return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
+    return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, quant=quant)

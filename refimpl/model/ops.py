@@ -61,7 +61,7 @@ def rope(q, k, cos, sin):
 
 def linear(x, weight):
     if isinstance(weight, QuantizedLinear):  # a quantized model runs on its dequantized values, in fp32
-        weight = weight.dequantize()  # -> [Dout, Din]
+        weight = weight.values  # dequantized once, [Dout, Din]
     return x @ weight.T  # [T, Din] @ [Din, Dout] -> [T, Dout]
 
 

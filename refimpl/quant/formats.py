@@ -23,6 +23,7 @@ GGUF blocks (`q8_0`, `q4_0`, `q4_1`) are kept as the file stores them; refimpl.q
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +40,7 @@ class QuantError(Llama32Error):
     """A quantization request or a quantized tensor that cannot be used."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QuantizedLinear:
     """One quantized weight matrix [N, K] = [Dout, Din].
 
@@ -65,6 +66,11 @@ class QuantizedLinear:
             return dequantize_int4(self.data, self.scales, self.mins, self.group)
         from refimpl.quant.gguf_blocks import dequantize_blocks
         return dequantize_blocks(self.format, self.data, self.shape)
+
+    @functools.cached_property
+    def values(self) -> np.ndarray:
+        """`dequantize()` computed once, on first use (the refimpl's forward multiplies by it every call)."""
+        return self.dequantize()
 
     def take_rows(self, order: np.ndarray) -> "QuantizedLinear":
         """The rows in `order` (a row permutation is exact on any format: blocks never cross rows)."""

@@ -46,12 +46,15 @@ class TextStream:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
 @click.option("--lora", "lora", default=None, type=click.Path(path_type=Path),
               help="PEFT LoRA adapter directory, merged (fp32) into the weights after loading.")
+@click.option("--quant", default=None, metavar="FORMAT",
+              help="Weight-only quantization: int8, int4[:G] (G = 32, 64, 128; default 64), or gguf (keep a GGUF "
+                   "file's Q8_0/Q4_0/Q4_1 blocks); append :bf16-head to keep the lm_head unquantized.")
 def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, seed, backend, device, dtype,
-             as_json, lora=None):
+             as_json, lora=None, quant=None):
     """Generate text from PROMPT."""
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
     backend = resolve_backend(backend)
-    engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora)
+    engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora, quant=quant)
     tok = ckpt.tokenizer
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
@@ -72,7 +75,7 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
     decode_tps = (len(times) - 1) / decode_s if len(times) > 1 and decode_s > 0 else None
     if as_json:
         record = {
-            "model": str(ckpt.path), "backend": backend, "prompt": prompt, "chat": chat,
+            "model": str(ckpt.path), "backend": backend, "quant": quant, "prompt": prompt, "chat": chat,
             "prompt_ids": prompt_ids, "generated_ids": stream.ids, "text": tok.decode(stream.ids),
             "stopped_on_eos": bool(stream.ids) and stream.ids[-1] in ckpt.stop_ids,
             "sampling": settings.__dict__,
