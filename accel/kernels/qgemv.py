@@ -24,6 +24,22 @@ from .gemv import PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, _epilogue, _fx,
 
 
 @triton.jit
+def _code_value(v, OFFSET: tl.constexpr):
+    """int32 v in [0, 255] -> float(v − OFFSET), exactly, without an int-to-float conversion (a quarter-rate
+    instruction, which would bound the 4-bit GEMV below the memory bandwidth): the bits 0x4B000000 | v are the
+    float 2^23 + v, and one subtraction removes 2^23 + OFFSET."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
+def _codes(byte, half, BITS: tl.constexpr, OFFSET: tl.constexpr):
+    """The codes of a tile of bytes as fp32, minus OFFSET: the int8 itself, or the low (half 0) / high nibble."""
+    if BITS == 8:
+        return _code_value(byte.to(tl.int32) + 128, OFFSET + 128)  # signed: shifted into [0, 255]
+    return _code_value((byte.to(tl.int32) >> (4 * half)) & 15, OFFSET)
+
+
+@triton.jit
 def _codes_times_x(Q, X, NW, rows_c, k0, j, K, stride_q, rstd, BITS: tl.constexpr, OFFSET: tl.constexpr,
                    PROLOGUE: tl.constexpr):
     """-> (Q·f(x) [BN, BYTES] summed per byte, f(x) summed per byte [BYTES]) for the tile at column k0."""
@@ -32,12 +48,10 @@ def _codes_times_x(Q, X, NW, rows_c, k0, j, K, stride_q, rstd, BITS: tl.constexp
     byte = tl.load(Q + rows_c[:, None] * stride_q + k0 // PACK + j[None, :], mask=inside[None, :], other=0)
     if BITS == 8:
         x = _fx(X, NW, k0, j, K, rstd, PROLOGUE, False)  # [BYTES] fp32, zeros past K
-        return byte.to(tl.float32) * x[None, :], x
+        return _codes(byte, 0, BITS, OFFSET) * x[None, :], x
     xe = _fx(X, NW, k0, 2 * j, K, rstd, PROLOGUE, False)  # f(x) at the even columns (low nibbles)
     xo = _fx(X, NW, k0, 2 * j + 1, K, rstd, PROLOGUE, False)
-    lo = (byte & 15).to(tl.float32) - OFFSET
-    hi = (byte >> 4).to(tl.float32) - OFFSET
-    return lo * xe[None, :] + hi * xo[None, :], xe + xo
+    return _codes(byte, 0, BITS, OFFSET) * xe[None, :] + _codes(byte, 1, BITS, OFFSET) * xo[None, :], xe + xo
 
 
 @triton.jit
@@ -109,10 +123,7 @@ def _dequant_kernel(Q, S, M, Y, N, K, stride_q, stride_s, stride_y, BITS: tl.con
     inside = (rows < N)[:, None] & (k0 + j * PACK < K)[None, :]
     byte = tl.load(Q + rows64[:, None] * stride_q + k0 // PACK + j[None, :], mask=inside, other=0)
     for half in tl.static_range(PACK):
-        if BITS == 8:
-            code = byte.to(tl.float32)
-        else:
-            code = ((byte >> (4 * half)) & 15).to(tl.float32) - OFFSET
+        code = _codes(byte, half, BITS, OFFSET)
         cols = k0 + j * PACK + half
         g = cols // GROUP
         s = tl.load(S + rows64[:, None] * stride_s + g[None, :], mask=inside, other=0.0).to(tl.float32)
