@@ -185,6 +185,31 @@ def test_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion):
 
 
 @gpu
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_gguf_gemv_at_a_llama_shape_gpu(fmt):
+    rec = gguf_record(fmt, 3072, 2048, seed=6)
+    t = from_quantized_linear(rec, "cuda")
+    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    got = qgemv(t, x).double().cpu().numpy()[0]
+    want = oracle_product(rec, x.float().cpu().numpy()[0])
+    assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max() + 1e-3
+
+
+@gpu
+@pytest.mark.parametrize("spec", ["int8", "int4:64"])
+@pytest.mark.parametrize("N, K", [(16384, 2048), (3072, 8192)])
+def test_dequantize_at_llama_shapes_equals_the_oracle_gpu(spec, N, K):
+    from refimpl.quant.formats import dequantize_int4, dequantize_int8
+    w = torch.randn(N, K, device="cuda") * 0.02
+    t = quantize(w, QuantSpec.parse(spec))
+    q, s = t.q.cpu().numpy(), t.scale.float().cpu().numpy()
+    want = dequantize_int8(q, s) if spec == "int8" else dequantize_int4(q, s, t.low.float().cpu().numpy(), 64)
+    np.testing.assert_array_equal(bits(t.dequantize().cpu().numpy()), bits(want))
+    np.testing.assert_array_equal(t.dequantize(torch.bfloat16).float().cpu().numpy(),
+                                  torch.from_numpy(want).to(torch.bfloat16).float().numpy())
+
+
+@gpu
 @pytest.mark.parametrize("spec", ["int8", "int4:64"])
 def test_quantized_bf16_engine_on_gpu_tracks_the_refimpl(tmp_path, spec):
     cfg = tiny_config(tied=True)

@@ -35,8 +35,10 @@ def _code_value(v, OFFSET: tl.constexpr):
 def _codes(byte, half, BITS: tl.constexpr, OFFSET: tl.constexpr):
     """The codes of a tile of bytes as fp32, minus OFFSET: the int8 itself, or the low (half 0) / high nibble."""
     if BITS == 8:
-        return _code_value(byte.to(tl.int32) + 128, OFFSET + 128)  # signed: shifted into [0, 255]
-    return _code_value((byte.to(tl.int32) >> (4 * half)) & 15, OFFSET)
+        v = _code_value(byte.to(tl.int32) + 128, OFFSET + 128)  # signed: shifted into [0, 255]
+    else:
+        v = _code_value((byte.to(tl.int32) >> (4 * half)) & 15, OFFSET)
+    return v
 
 
 @triton.jit
@@ -47,11 +49,14 @@ def _codes_times_x(Q, X, NW, rows_c, k0, j, K, stride_q, rstd, BITS: tl.constexp
     inside = k0 + j * PACK < K
     byte = tl.load(Q + rows_c[:, None] * stride_q + k0 // PACK + j[None, :], mask=inside[None, :], other=0)
     if BITS == 8:
-        x = _fx(X, NW, k0, j, K, rstd, PROLOGUE, False)  # [BYTES] fp32, zeros past K
-        return _codes(byte, 0, BITS, OFFSET) * x[None, :], x
-    xe = _fx(X, NW, k0, 2 * j, K, rstd, PROLOGUE, False)  # f(x) at the even columns (low nibbles)
-    xo = _fx(X, NW, k0, 2 * j + 1, K, rstd, PROLOGUE, False)
-    return _codes(byte, 0, BITS, OFFSET) * xe[None, :] + _codes(byte, 1, BITS, OFFSET) * xo[None, :], xe + xo
+        xs = _fx(X, NW, k0, j, K, rstd, PROLOGUE, False)  # [BYTES] fp32, zeros past K
+        prod = _codes(byte, 0, BITS, OFFSET) * xs[None, :]
+    else:
+        xe = _fx(X, NW, k0, 2 * j, K, rstd, PROLOGUE, False)  # f(x) at the even columns (low nibbles)
+        xo = _fx(X, NW, k0, 2 * j + 1, K, rstd, PROLOGUE, False)
+        prod = _codes(byte, 0, BITS, OFFSET) * xe[None, :] + _codes(byte, 1, BITS, OFFSET) * xo[None, :]
+        xs = xe + xo
+    return prod, xs  # (one return: Triton compiles the code after a constexpr-if's return too)
 
 
 @triton.jit
@@ -61,17 +66,18 @@ def _qtile(Q, S, M, X, NW, rows_c, k0, j, K, stride_q, stride_s, rstd, n_groups,
     """Σ_k W[rows, k0 + k] · f(x)[k0 + k] over one [BLOCK_N, BLOCK_K] tile -> [BLOCK_N] fp32 (PER_ROW: unscaled)."""
     prod, xs = _codes_times_x(Q, X, NW, rows_c, k0, j, K, stride_q, rstd, BITS, OFFSET, PROLOGUE)
     if PER_ROW:
-        return tl.sum(prod, axis=1)
-    GB: tl.constexpr = BLOCK_K // GROUP  # groups in the tile
-    GP: tl.constexpr = GROUP * BITS // 8  # bytes a group
-    inner = tl.sum(tl.reshape(prod, [BLOCK_N, GB, GP]), axis=2)  # [BN, GB]
-    g = k0 // GROUP + tl.arange(0, GB)
-    s = tl.load(S + rows_c[:, None] * stride_s + g[None, :], mask=g[None, :] < n_groups, other=0.0)
-    out = tl.sum(inner * s.to(tl.float32), axis=1)
-    if HAS_MIN:
-        xg = tl.sum(tl.reshape(xs, [GB, GP]), axis=1)  # [GB]: Σ f(x) a group
-        m = tl.load(M + rows_c[:, None] * stride_s + g[None, :], mask=g[None, :] < n_groups, other=0.0)
-        out += tl.sum(m.to(tl.float32) * xg[None, :], axis=1)
+        out = tl.sum(prod, axis=1)
+    else:
+        GB: tl.constexpr = BLOCK_K // GROUP  # groups in the tile
+        GP: tl.constexpr = GROUP * BITS // 8  # bytes a group
+        inner = tl.sum(tl.reshape(prod, [BLOCK_N, GB, GP]), axis=2)  # [BN, GB]
+        g = k0 // GROUP + tl.arange(0, GB)
+        s = tl.load(S + rows_c[:, None] * stride_s + g[None, :], mask=g[None, :] < n_groups, other=0.0)
+        out = tl.sum(inner * s.to(tl.float32), axis=1)
+        if HAS_MIN:
+            xg = tl.sum(tl.reshape(xs, [GB, GP]), axis=1)  # [GB]: Σ f(x) a group
+            m = tl.load(M + rows_c[:, None] * stride_s + g[None, :], mask=g[None, :] < n_groups, other=0.0)
+            out += tl.sum(m.to(tl.float32) * xg[None, :], axis=1)
     return out
 
 
