@@ -42,12 +42,13 @@ def _codes(byte, half, BITS: tl.constexpr, OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _codes_times_x(Q, X, NW, rows_c, k0, j, K, stride_q, rstd, BITS: tl.constexpr, OFFSET: tl.constexpr,
+def _codes_times_x(Q, X, NW, rows_c, kb0, j, K, KB, stride_q, rstd, BITS: tl.constexpr, OFFSET: tl.constexpr,
                    PROLOGUE: tl.constexpr):
-    """-> (Q·f(x) [BN, BYTES] summed per byte, f(x) summed per byte [BYTES]) for the tile at column k0."""
+    """-> (Q·f(x) [BN, BYTES] summed per byte, f(x) summed per byte [BYTES]) for the tile at byte column kb0
+    (KB bytes a row). Indexing and masking in bytes, not columns, keeps the loads 16-byte vectors."""
     PACK: tl.constexpr = 8 // BITS
-    inside = k0 + j * PACK < K
-    byte = tl.load(Q + rows_c[:, None] * stride_q + k0 // PACK + j[None, :], mask=inside[None, :], other=0)
+    k0 = kb0 * PACK
+    byte = tl.load(Q + rows_c[:, None] * stride_q + kb0 + j[None, :], mask=kb0 + j[None, :] < KB, other=0)
     if BITS == 8:
         xs = _fx(X, NW, k0, j, K, rstd, PROLOGUE, False)  # [BYTES] fp32, zeros past K
         prod = _codes(byte, 0, BITS, OFFSET) * xs[None, :]
@@ -60,18 +61,19 @@ def _codes_times_x(Q, X, NW, rows_c, k0, j, K, stride_q, rstd, BITS: tl.constexp
 
 
 @triton.jit
-def _qtile(Q, S, M, X, NW, rows_c, k0, j, K, stride_q, stride_s, rstd, n_groups, BITS: tl.constexpr,
+def _qtile(Q, S, M, X, NW, rows_c, kb0, j, K, KB, stride_q, stride_s, rstd, n_groups, BITS: tl.constexpr,
            OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr,
            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Σ_k W[rows, k0 + k] · f(x)[k0 + k] over one [BLOCK_N, BLOCK_K] tile -> [BLOCK_N] fp32 (PER_ROW: unscaled)."""
-    prod, xs = _codes_times_x(Q, X, NW, rows_c, k0, j, K, stride_q, rstd, BITS, OFFSET, PROLOGUE)
+    """Σ_k W[rows, k0 + k] · f(x)[k0 + k] over one [BLOCK_N, BLOCK_K] tile at byte column kb0 = k0·BITS/8
+    -> [BLOCK_N] fp32 (PER_ROW: unscaled)."""
+    prod, xs = _codes_times_x(Q, X, NW, rows_c, kb0, j, K, KB, stride_q, rstd, BITS, OFFSET, PROLOGUE)
     if PER_ROW:
         out = tl.sum(prod, axis=1)
     else:
         GB: tl.constexpr = BLOCK_K // GROUP  # groups in the tile
         GP: tl.constexpr = GROUP * BITS // 8  # bytes a group
         inner = tl.sum(tl.reshape(prod, [BLOCK_N, GB, GP]), axis=2)  # [BN, GB]
-        g = k0 // GROUP + tl.arange(0, GB)
+        g = kb0 // GP + tl.arange(0, GB)
         s = tl.load(S + rows_c[:, None] * stride_s + g[None, :], mask=g[None, :] < n_groups, other=0.0)
         out = tl.sum(inner * s.to(tl.float32), axis=1)
         if HAS_MIN:
@@ -82,24 +84,25 @@ def _qtile(Q, S, M, X, NW, rows_c, k0, j, K, stride_q, stride_s, rstd, n_groups,
 
 
 @triton.jit
-def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, stride_q, stride_s, eps, n_groups, k_split,
+def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, eps, n_groups, kb_split,
                   BITS: tl.constexpr, OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
                   PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr):
-    """Program (row block b, K slice s): rows b·BN .. (b+1)·BN over columns s·k_split .. (s+1)·k_split."""
+    """Program (row block b, K slice s): rows b·BN .. (b+1)·BN over bytes s·kb_split .. (s+1)·kb_split of Q."""
     b = tl.program_id(0)
     sp = tl.program_id(1)
     rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
-    j = tl.arange(0, BLOCK_K * BITS // 8)
+    BYTES: tl.constexpr = BLOCK_K * BITS // 8
+    j = tl.arange(0, BYTES)
     rstd = 0.0
     if PROLOGUE == 1:
         rstd = _rstd(X, K, eps, K_POW2)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    k_lo = sp * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        acc += _qtile(Q, S, M, X, NW, rows_c, k0, j, K, stride_q, stride_s, rstd, n_groups, BITS, OFFSET, GROUP,
+    kb_lo = sp * kb_split
+    kb_hi = tl.minimum(kb_lo + kb_split, KB)
+    for kb0 in tl.range(kb_lo, kb_hi, BYTES, num_stages=STAGES):
+        acc += _qtile(Q, S, M, X, NW, rows_c, kb0, j, K, KB, stride_q, stride_s, rstd, n_groups, BITS, OFFSET, GROUP,
                       HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K)
     if PER_ROW:
         acc *= tl.load(S + rows_c * stride_s).to(tl.float32)
@@ -124,10 +127,11 @@ def _dequant_kernel(Q, S, M, Y, N, K, stride_q, stride_s, stride_y, BITS: tl.con
     PACK: tl.constexpr = 8 // BITS
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, BLOCK_K // PACK)
-    k0 = tl.program_id(1) * BLOCK_K
+    kb0 = tl.program_id(1) * (BLOCK_K // PACK)  # in bytes, as the GEMV indexes
+    k0 = kb0 * PACK
     rows64 = rows.to(tl.int64)
-    inside = (rows < N)[:, None] & (k0 + j * PACK < K)[None, :]
-    byte = tl.load(Q + rows64[:, None] * stride_q + k0 // PACK + j[None, :], mask=inside, other=0)
+    inside = (rows < N)[:, None] & (kb0 + j < (K + PACK - 1) // PACK)[None, :]
+    byte = tl.load(Q + rows64[:, None] * stride_q + kb0 + j[None, :], mask=inside, other=0)
     for half in tl.static_range(PACK):
         code = _codes(byte, half, BITS, OFFSET)
         cols = k0 + j * PACK + half
@@ -184,11 +188,12 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
     blocks = triton.cdiv(N, cfg.block_n)
     k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(K, k_split)
+    pack = 8 // bits
     p, c = _scratch(q.device, split * N, blocks) if split > 1 else (out, out)
     _qgemv_kernel[(blocks, split)](
         q, scale, low if low is not None else scale, xv, norm_weight if norm_weight is not None else xv,
-        residual if residual is not None else out, out, p, c, N, K, q.stride(0), scale.stride(0), float(eps),
-        scale.shape[1], k_split, BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row,
+        residual if residual is not None else out, out, p, c, N, K, triton.cdiv(K, pack), q.stride(0),
+        scale.stride(0), float(eps), scale.shape[1], k_split // pack, BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
         num_warps=cfg.warps, num_stages=cfg.stages)
