@@ -137,7 +137,7 @@ def params_view(w: Weights, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """HF-named views of the fused tensors (narrow, no copies) for refimpl.model.llama.forward_steps."""
     q, kv, F = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm}
-    if not cfg.tie_word_embeddings:
+    if w.lm_head is not w.embed:  # untied, or a tied lm_head quantized apart from the embedding (accel.quant_ops)
         out["lm_head.weight"] = w.lm_head
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."

@@ -74,6 +74,7 @@ def records():
     """One of each format at odd shapes: 37 rows (not a row block multiple), K not a power of two."""
     out = {spec: QuantSpec.parse(spec).quantize(weights(37, 200, seed=2)) for spec in INT_SPECS}
     out.update({fmt: gguf_record(fmt, 37, 160, seed=3) for fmt in ("q8_0", "q4_0", "q4_1")})
+    out["int4:64 (G > K)"] = QuantSpec.parse("int4:64").quantize(weights(37, 48, seed=2))  # one short group a row
     return out
 
 
@@ -127,7 +128,7 @@ def tiny_gguf(tmp_path, qtype):
     return write_gguf(tmp_path / f"{qtype.name}.gguf", cfg, random_params(cfg, seed=9, std=0.15), qtype=qtype)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4:32:bf16-head", "gguf-q4_0", "gguf-q4_1"])
+@pytest.mark.parametrize("spec", ["int8", "int4:32:bf16-head", "int4:64", "gguf-q4_0", "gguf-q4_1"])
 def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
     """Greedy tokens and every step's logits of one quantized toy model on both engines (accel fp32, CPU)."""
     if spec.startswith("gguf"):

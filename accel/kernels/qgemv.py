@@ -155,7 +155,7 @@ class QGemvConfig(NamedTuple):
 def qgemv_config(N: int, K: int, bits: int, group: int, sms: int) -> QGemvConfig:
     """512 bytes of a row a tile (16 B a lane of a warp); row blocks × K slices ≈ 4 programs an SM, each slice a
     whole number of tiles. On CPU (the interpreter, whose cost is per program and per op): one big-tile program."""
-    per_row = group >= K
+    per_row = group >= K and bits == 8
     if sms == 0:
         bk = max(min(1024, triton.next_power_of_2(K)), 1 if per_row else group)
         return QGemvConfig(min(32, triton.next_power_of_2(N)), bk, 4, 1, 1)
@@ -181,7 +181,7 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
     assert xv.stride(0) == 1 and xv.numel() == (2 * K if swiglu else K), "x must be contiguous [K] (swiglu: [2K])"
     assert not (swiglu and norm_weight is not None), "one prologue at a time"
     out = torch.empty((1, N), dtype=x.dtype, device=x.device) if out is None else out
-    per_row = group >= K
+    per_row = group >= K and low is None  # one scale a row, applied after the sum (with minima: the group path)
     cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, _sm_count(q.device))
     assert per_row or cfg.block_k % group == 0, "a tile holds whole groups"
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE
