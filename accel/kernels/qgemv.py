@@ -62,8 +62,8 @@ def _codes_times_x(Q, X, NW, rows_c, kb0, j, K, KB, stride_q, rstd, BITS: tl.con
 
 @triton.jit
 def _qtile(Q, S, M, X, NW, rows_c, kb0, j, K, KB, stride_q, stride_s, rstd, n_groups, BITS: tl.constexpr,
-           OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+           OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+           PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Σ_k W[rows, k0 + k] · f(x)[k0 + k] over one [BLOCK_N, BLOCK_K] tile at byte column kb0 = k0·BITS/8
     -> [BLOCK_N] fp32 (PER_ROW: unscaled)."""
     prod, xs = _codes_times_x(Q, X, NW, rows_c, kb0, j, K, KB, stride_q, rstd, BITS, OFFSET, PROLOGUE)
@@ -86,8 +86,8 @@ def _qtile(Q, S, M, X, NW, rows_c, kb0, j, K, KB, stride_q, stride_s, rstd, n_gr
 @triton.jit
 def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, eps, n_groups, kb_split,
                   BITS: tl.constexpr, OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
-                  PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr):
+                  PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr):
     """Program (row block b, K slice s): rows b·BN .. (b+1)·BN over bytes s·kb_split .. (s+1)·kb_split of Q."""
     b = tl.program_id(0)
     sp = tl.program_id(1)
@@ -170,8 +170,8 @@ def qgemv_config(N: int, K: int, bits: int, group: int, sms: int) -> QGemvConfig
 
 
 def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int, group: int,
-              K: int, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
-              residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              K: int, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+              swiglu: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
               config: QGemvConfig | tuple | None = None) -> torch.Tensor:
     """y = [residual +] W @ f(x) for the quantized W [N, K] (module doc), x [K] or [1, K] ([2K] with swiglu)
     -> [1, N] in x's dtype (or `out`); f and the epilogue as accel.kernels.gemv.gemv_fwd."""
@@ -193,8 +193,9 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
     _qgemv_kernel[(blocks, split)](
         q, scale, low if low is not None else scale, xv, norm_weight if norm_weight is not None else xv,
         residual if residual is not None else out, out, p, c, N, K, triton.cdiv(K, pack), q.stride(0),
-        scale.stride(0), float(eps), scale.shape[1], k_split // pack, BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row,
-        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        scale.stride(0), float(eps), scale.shape[1], k_split // pack, BITS=bits, OFFSET=offset, GROUP=group,
+        HAS_MIN=low is not None, PER_ROW=per_row, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return out
