@@ -145,7 +145,10 @@ def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
     ref = RefEngine(ckpt)
     s = Sampling(max_new_tokens=3)
     prompt = [3, 17, 42, 5]
-    assert list(acc.generate(prompt, s)) == list(ref.generate(prompt, s))
+    tokens = list(ref.generate(prompt, s))
+    assert list(acc.generate(prompt, s)) == tokens
+    torch_ops = AccelEngine(acc.config, acc.weights, acc.device, acc.dtype_name, use_triton=False)
+    assert list(torch_ops.generate(prompt, s)) == tokens  # the path without Triton
     ref_cache, acc_cache = ref.new_cache(8), acc.new_cache(8)
     want = ref.logits(prompt, np.arange(4), ref_cache)
     sess = acc.session(8)

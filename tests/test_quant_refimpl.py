@@ -163,3 +163,18 @@ def test_gguf_quant_on_a_safetensors_directory_is_refused(tmp_path):
     save_checkpoint(tmp_path / "m", cfg, random_params(cfg))
     with pytest.raises(CheckpointError, match="--quant gguf"):
         load_checkpoint(tmp_path / "m", with_tokenizer=False, quant=QuantSpec.parse("gguf"))
+
+
+@pytest.mark.parametrize("extra, needles", [(["--quant", "int4:48"], ["--quant", "int4 group"]),
+                                            (["--quant", "gguf"], ["--quant gguf", "not a .gguf"])])
+def test_cli_refuses_bad_quant_with_one_line(tmp_path, extra, needles):
+    from _badinput import assert_clean_error, generate_args, make_model, run_cli
+    assert_clean_error(run_cli(generate_args(make_model(tmp_path / "m"), *extra)), *needles)
+
+
+def test_cli_generates_with_int8_on_the_refimpl(tmp_path):
+    from _badinput import generate_args, make_model, run_cli
+    result = run_cli(generate_args(make_model(tmp_path / "m"), "--quant", "int8", "--json"))
+    assert result.exit_code == 0, result.output
+    import json
+    assert json.loads(result.stdout.splitlines()[-1])["quant"] == "int8"
