@@ -202,13 +202,15 @@ class AccelEngine:
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, device: str | None = None, dtype: str | None = None,
-                        **options) -> "AccelEngine":
+                        quant=None, **options) -> "AccelEngine":
+        """quant: a refimpl.quant.formats.QuantSpec (int8/int4: quantized on the device, bit for bit the refimpl's
+        quantization); a checkpoint already holding quantized records (refimpl.quant) runs them as they are."""
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
         cfg = ckpt.config
-        size = sum(a.size for a in ckpt.params.values()) * DTYPES[dtype].itemsize
+        size = sum(getattr(a, "size", 0) or a.nbytes for a in ckpt.params.values()) * DTYPES[dtype].itemsize
         check_fits(dev, size, f"the weights of {ckpt.path} in {dtype}")
-        return cls(cfg, load_weights(ckpt.params, cfg, dev, DTYPES[dtype]), dev, dtype, **options)
+        return cls(cfg, load_weights(ckpt.params, cfg, dev, DTYPES[dtype], quant), dev, dtype, **options)
 
     # ---- the engine contract ----
     def new_cache(self, capacity: int) -> StaticKVCache:

@@ -48,7 +48,7 @@ class Weights:
         tensors = [self.norm, self.lm_head]
         for w in self.layers:
             tensors += [w.attn_norm, w.qkv, w.o, w.mlp_norm, w.gate_up, w.down]
-        n = sum(t.numel() * t.element_size() for t in tensors)
+        n = sum(t.nbytes for t in tensors)  # .nbytes: a torch tensor's, or a quantized matrix's (accel.quant_ops)
         if self.lm_head is not self.embed:
             n += self.embed.shape[1] * self.embed.element_size()
         return n
@@ -58,7 +58,7 @@ class Weights:
         for t in [self.embed, self.norm, self.lm_head] + [x for w in self.layers for x in vars(w).values()]:
             if id(t) not in seen:
                 seen.add(id(t))
-                n += t.numel() * t.element_size()
+                n += t.nbytes
         return n
 
 
@@ -83,8 +83,15 @@ def _fill_rows(dst: torch.Tensor, parts: list[np.ndarray]) -> torch.Tensor:
     return dst
 
 
-def load_weights(params: dict[str, np.ndarray], cfg: LlamaConfig, device, dtype: torch.dtype) -> Weights:
-    """float32 NumPy params keyed by HF names -> fused device tensors in `dtype`."""
+def load_weights(params: dict[str, np.ndarray], cfg: LlamaConfig, device, dtype: torch.dtype,
+                 quant=None) -> Weights:
+    """float32 NumPy params keyed by HF names -> fused device tensors in `dtype`.
+
+    quant (a refimpl.quant.formats.QuantSpec), or params holding refimpl QuantizedLinear records: the linear
+    layers become accel.quant_ops.QuantTensors instead."""
+    from . import quant_ops
+    if quant is not None or quant_ops.is_quantized(params):
+        return quant_ops.load_quantized_weights(params, cfg, device, dtype, quant)
     D, F = cfg.hidden_size, cfg.intermediate_size
     qkv_rows = cfg.q_size + 2 * cfg.kv_size
     layers = []
@@ -130,7 +137,7 @@ def params_view(w: Weights, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """HF-named views of the fused tensors (narrow, no copies) for refimpl.model.llama.forward_steps."""
     q, kv, F = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm}
-    if not cfg.tie_word_embeddings:
+    if w.lm_head is not w.embed:  # untied, or a tied lm_head quantized apart from the embedding (accel.quant_ops)
         out["lm_head.weight"] = w.lm_head
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."

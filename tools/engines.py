@@ -38,27 +38,48 @@ def resolve_model(model: str | None) -> Path:
     return default_model_path(fetch_if_missing=True)
 
 
+def parse_quant(quant: str | None):
+    """`--quant` text -> refimpl.quant.formats.QuantSpec, or None."""
+    if quant is None:
+        return None
+    from refimpl.quant.formats import QuantSpec
+    return QuantSpec.parse(quant)
+
+
 def load_engine(model_path: Path, backend: str, device: str | None = None, dtype: str | None = None,
-                lora: Path | None = None, lora_mode: str = "merged"):
+                lora: Path | None = None, lora_mode: str = "merged", quant: str | None = None):
     """Returns (engine, checkpoint, load seconds). Engines share `generate`, `steps`, `new_cache`, `config`.
 
     `lora`: a PEFT adapter directory, merged into the fp32 weights before any engine sees them ("merged"), or kept
-    beside the untouched base weights and added at run time ("unmerged", refimpl only)."""
+    beside the untouched base weights and added at run time ("unmerged", refimpl only).
+    `quant` (`--quant`): int8/int4 quantize after the merge (accel on its device, the refimpl in NumPy: the same
+    bits); gguf keeps a GGUF file's blocks."""
     t0 = time.perf_counter()
     if lora is not None and lora_mode == "unmerged" and backend != "refimpl":
         raise GenerationError("--lora-mode unmerged runs on --backend refimpl only (accel serves merged adapters)")
-    ckpt = load_checkpoint(model_path)
+    spec = parse_quant(quant)
+    keep_blocks = spec is not None and spec.format == "gguf"
+    if keep_blocks and lora is not None:
+        raise GenerationError("--lora cannot be merged into --quant gguf's quantized blocks; use --quant int8/int4")
+    if spec is not None and lora is not None and lora_mode == "unmerged":
+        raise GenerationError("--quant needs a merged adapter: drop --lora-mode unmerged")
+    ckpt = load_checkpoint(model_path, quant=spec if keep_blocks else None)
     if lora is not None:
         from refimpl.formats.lora import attach_lora, load_lora, merge_lora
         adapter = load_lora(lora, ckpt.config)
         ckpt.params = (attach_lora(ckpt.params, adapter) if lora_mode == "unmerged"
                        else merge_lora(ckpt.params, ckpt.config, adapter))
-    engine = engine_for(ckpt, backend, device, dtype if backend == "accel" else None)
+    if spec is not None and not keep_blocks and backend == "refimpl":
+        from refimpl.quant.apply import quantize_params
+        ckpt.params = quantize_params(ckpt.params, ckpt.config, spec)
+    engine = engine_for(ckpt, backend, device, dtype if backend == "accel" else None,
+                        quant=spec if not keep_blocks and backend == "accel" else None)
     return engine, ckpt, time.perf_counter() - t0
 
 
-def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None = None):
-    """An engine over an already loaded checkpoint (diff and step build two over one load)."""
+def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None = None, quant=None):
+    """An engine over an already loaded checkpoint (diff and step build two over one load). `quant`: a QuantSpec
+    accel quantizes with on its device (a checkpoint already holding quantized records runs them as they are)."""
     from refimpl.model.mllama_config import MllamaConfig
     if isinstance(ckpt.config, MllamaConfig) and backend != "refimpl":
         raise GenerationError(f"{ckpt.path}: Llama 3.2 Vision runs on the refimpl backend only for now; "
@@ -78,4 +99,4 @@ def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None 
     except ImportError as e:
         raise GenerationError(f"--backend accel is not available here ({e}); it needs torch and triton: "
                               f"pip install 'llama32[accel]'") from None
-    return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
+    return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, quant=quant)

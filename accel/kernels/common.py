@@ -1,5 +1,6 @@
-"""Triton helpers shared by the decode-step kernels (gemv.py, qkv_rope.py): the GEMV prologue f(x), the RMSNorm
-reciprocal, an unmasked-row weight tile, and the SM count the launch rules size their grids by."""
+"""Triton helpers shared by the decode-step kernels (gemv.py, qgemv.py, qkv_rope.py): the GEMV prologue f(x), the
+RMSNorm reciprocal, an unmasked-row weight tile, the residual epilogue, the split-K scratch, and the SM count the
+launch rules size their grids by."""
 from __future__ import annotations
 
 import functools
@@ -60,3 +61,30 @@ def row_tile(W, rows_c, stride_w, k0, cols, K, EVEN_K: tl.constexpr):
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+@triton.jit
+def epilogue(acc, R, Y, rows, N, HAS_RESIDUAL: tl.constexpr):
+    if HAS_RESIDUAL:  # round the product first, as the unfused F.linear then `x + r` does
+        r = tl.load(R + tl.minimum(rows, N - 1))
+        acc = acc.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+    tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=rows < N)
+
+
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown scratch stays allocated: a captured graph may still point at it
+
+
+def split_scratch(device: torch.device, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split-K GEMV's fp32 partials (gemv.py, qgemv.py) and per-row-block arrival counters (zeros between launches), one pair a
+    device, grown on demand. One stream at a time (the decode step): two split GEMVs running concurrently on
+    different streams would share them. Grown before a graph capture by the engine's warm-up steps."""
+    p, c = _SCRATCH.get(device, (None, None))
+    if p is None or p.numel() < partials or c.numel() < counters:
+        if p is not None:
+            _RETIRED.extend((p, c))
+        # sized for every Llama 3.2 shape at once (16 slices × 16384 rows; 16384 / 4 row blocks): 1 MB
+        p = torch.empty(max(partials, 1 << 18), dtype=torch.float32, device=device)
+        c = torch.zeros(max(counters, 1 << 13), dtype=torch.int32, device=device)
+        _SCRATCH[device] = (p, c)
+    return p, c

@@ -28,16 +28,9 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .common import PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, prologue_fx, rms_rstd, row_tile, sm_count
+from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, prologue_fx, rms_rstd, row_tile,
+                     sm_count, split_scratch)
 from .tuning import GemvConfig
-
-
-@triton.jit
-def _epilogue(acc, R, Y, rows, N, HAS_RESIDUAL: tl.constexpr):
-    if HAS_RESIDUAL:  # round the product first, as the unfused F.linear then `x + r` does
-        r = tl.load(R + tl.minimum(rows, N - 1))
-        acc = acc.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
-    tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
@@ -67,7 +60,7 @@ def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl
         rstd = rms_rstd(X, K, eps, K_POW2)
     part = _dot_tile(w, X, NW, k0, cols, K, rstd, PROLOGUE, EVEN_K)  # [BLOCK_N]
     if SPLIT_K == 1:
-        _epilogue(part, R, Y, rows, N, HAS_RESIDUAL)
+        epilogue(part, R, Y, rows, N, HAS_RESIDUAL)
     else:
         tl.store(P + s * N + rows, part, mask=rows < N)
         # the CTA barrier orders every thread's partial stores before the one acq_rel add (a scalar atomic, one
@@ -78,7 +71,7 @@ def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for j in range(0, SPLIT_K):
                 acc += tl.load(P + j * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, R, Y, rows, N, HAS_RESIDUAL)
+            epilogue(acc, R, Y, rows, N, HAS_RESIDUAL)
             tl.store(CNT + b, 0)  # every program of this row block has arrived: ready for the next launch
 
 
@@ -158,7 +151,7 @@ def _gemv_stream_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE:
         w = tl.load(W + rows_c[:, None] * stride_w + k0 + cols[None, :])
         acc += w.to(tl.float32) * prologue_fx(X, NW, k0, cols, K, rstd, PROLOGUE, True)[None, :]
         if k0 + BLOCK_K == K:  # the block's last chunk: its rows are done
-            _epilogue(tl.sum(acc, axis=1), R, Y, blk * BLOCK_N + r_off, N, HAS_RESIDUAL)
+            epilogue(tl.sum(acc, axis=1), R, Y, blk * BLOCK_N + r_off, N, HAS_RESIDUAL)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
 
@@ -189,25 +182,6 @@ def _rule_config(N: int, K: int, sms: int, elem: int) -> GemvConfig:
     return GemvConfig("persist", block_n, block_k, 4, triton.cdiv(n_blocks, per))
 
 
-_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown scratch stays allocated: a captured graph may still point at it
-
-
-def _scratch(device: torch.device, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split kernel's fp32 partials and per-row-block arrival counters (zeros between launches), one pair a
-    device, grown on demand. One stream at a time (the decode step): two split GEMVs running concurrently on
-    different streams would share them. Grown before a graph capture by the engine's warm-up steps."""
-    p, c = _SCRATCH.get(device, (None, None))
-    if p is None or p.numel() < partials or c.numel() < counters:
-        if p is not None:
-            _RETIRED.extend((p, c))
-        # sized for every Llama 3.2 shape at once (16 slices × 16384 rows; 16384 / 4 row blocks): 1 MB
-        p = torch.empty(max(partials, 1 << 18), dtype=torch.float32, device=device)
-        c = torch.zeros(max(counters, 1 << 13), dtype=torch.int32, device=device)
-        _SCRATCH[device] = (p, c)
-    return p, c
-
-
 def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
              swiglu: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
              config: GemvConfig | tuple | None = None,
@@ -235,7 +209,7 @@ def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor
     launch = dict(num_warps=cfg.warps)
     if cfg.kind == "split":
         blocks, split = triton.cdiv(N, bn), triton.cdiv(K, bk)
-        p, c = _scratch(weight.device, split * N, blocks)
+        p, c = split_scratch(weight.device, split * N, blocks)
         _gemv_split_kernel[(blocks, split)](
             weight, xv, nw, r, out, p, c, N, K, weight.stride(0), float(eps), PROLOGUE=prologue,
             HAS_RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,

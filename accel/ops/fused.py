@@ -1,6 +1,9 @@
 """The fused ops (contract: accel.ops.fused_interface), each a Triton kernel or its torch version (accel.ops.dispatch)."""
 from __future__ import annotations
 
+import torch
+
+from .. import quant_ops as quant
 from ..kernels.argmax import argmax_fwd
 from ..kernels.decode_attn import decode_attention_fwd
 from ..kernels.flash_attn import flash_attention_fwd
@@ -50,27 +53,40 @@ def decode_attention(q, cache_k, cache_v, position, tuning: Tuning = DEFAULT):
 
 
 def qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v, tuning: Tuning = DEFAULT):
+    if is_quantized(weight):
+        return quant.quant_qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v)
     if uses_triton(x):
         return qkv_rope_fwd(weight, x, norm_weight, eps, cos, sin, position, cache_k, cache_v, table=tuning.qkv_rope)
     return torch_qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v)
 
 
 def norm_linear(x, norm_weight, weight, eps, tuning: Tuning = DEFAULT):
+    if is_quantized(weight):
+        return quant.quant_norm_linear(x, norm_weight, weight, eps)
     if uses_triton(x):
         return gemv_fwd(weight, x, norm_weight=norm_weight, eps=eps, table=tuning.gemv)
     return torch_norm_linear(x, norm_weight, weight, eps)
 
 
 def linear_add(a, weight, residual, tuning: Tuning = DEFAULT):
+    if is_quantized(weight):
+        return quant.quant_linear_add(a, weight, residual)
     if uses_triton(a):
         return gemv_fwd(weight, a, residual=residual, out=residual, table=tuning.gemv)
     return torch_linear_add(a, weight, residual)
 
 
 def swiglu_linear_add(gate_up, weight, residual, tuning: Tuning = DEFAULT):
+    if is_quantized(weight):
+        return quant.quant_swiglu_linear_add(gate_up, weight, residual)
     if uses_triton(gate_up):
         return gemv_fwd(weight, gate_up, swiglu=True, residual=residual, out=residual, table=tuning.gemv)
     return torch_swiglu_linear_add(gate_up, weight, residual)
+
+
+def is_quantized(weight) -> bool:
+    """A weight-only quantized matrix (accel.quant_ops.QuantTensor) takes the quantized GEMV of the same fused op."""
+    return not isinstance(weight, torch.Tensor)
 
 
 def argmax_row(logits):

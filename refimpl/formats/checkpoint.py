@@ -67,11 +67,25 @@ def iter_safetensors(model_dir: Path, cfg: LlamaConfig) -> Iterator[tuple[str, n
         yield name, holder[name].load(name)
 
 
-def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
-    """Load a model directory or a .gguf file into float32 NumPy parameters (plus tokenizer and stop ids)."""
-    path = Path(path)
+def load_checkpoint(path: str | Path, with_tokenizer: bool = True, quant=None) -> Checkpoint:
+    """Load a model directory or a .gguf file into float32 NumPy parameters (plus tokenizer and stop ids).
+
+    quant (a refimpl.quant.formats.QuantSpec, `--quant`): int8/int4 quantize the linear layers after loading;
+    gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are stored."""
+    ckpt = _load(Path(path), with_tokenizer, quant is not None and quant.format == "gguf",
+                 quant is None or quant.lm_head)
+    if quant is not None and quant.format != "gguf":
+        from refimpl.quant.apply import quantize_params
+        ckpt.params = quantize_params(ckpt.params, ckpt.config, quant)
+    return ckpt
+
+
+def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: bool) -> Checkpoint:
     if path.suffix == ".gguf" or (path.is_file() and _is_gguf(path)):
-        return load_gguf(path, with_tokenizer=with_tokenizer)
+        return load_gguf(path, with_tokenizer, keep_blocks, lm_head_blocks)
+    if keep_blocks:
+        raise CheckpointError(f"{path}: --quant gguf keeps a GGUF file's quantized blocks; this is not a .gguf file "
+                              f"(use --quant int8 or int4 to quantize it)")
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory (expected a model directory or a .gguf file)")
     if not path.is_dir():

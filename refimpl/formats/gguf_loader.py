@@ -203,8 +203,25 @@ def dequantize(tensor, source: str) -> np.ndarray:
     return np.require(values.reshape(shape), np.float32, ["C", "W", "O"])
 
 
-def load_params(reader, cfg: LlamaConfig, source: str) -> dict[str, np.ndarray]:
-    """Map names, check shapes against the config, then dequantize (and unpermute q/k) tensor by tensor."""
+def kept_blocks(tensor, shape: tuple[int, ...]):
+    """A Q8_0/Q4_0/Q4_1 tensor as its raw blocks (refimpl.quant), or None for another type (dequantized)."""
+    from refimpl.quant.formats import GGUF_FORMATS, QuantizedLinear
+    fmt = tensor.tensor_type.name.lower()
+    if fmt not in GGUF_FORMATS:
+        return None
+    data = np.array(tensor.data.view(np.uint8).reshape(shape[0], -1))  # [N, K/32 · bytes a block], owned
+    return QuantizedLinear(fmt, shape, data, None, None, 32)
+
+
+def unpermute_order(rows: int, n_head: int) -> np.ndarray:
+    """`unpermute_rows` as a row order: HF row r is GGUF row order[r] (for tensors kept as blocks)."""
+    return unpermute_rows(np.arange(rows)[:, None], n_head)[:, 0]
+
+
+def load_params(reader, cfg: LlamaConfig, source: str, keep_blocks: frozenset = frozenset()) -> dict:
+    """Map names, check shapes against the config, then dequantize (and unpermute q/k) tensor by tensor.
+
+    Names in `keep_blocks` stored as Q8_0/Q4_0/Q4_1 stay as their blocks (refimpl.quant.QuantizedLinear)."""
     by_name = {hf_name(t.name): t for t in reader.tensors if hf_name(t.name) is not None}
     extra = check_params({n: numpy_shape(t) for n, t in by_name.items()}, cfg, source)
     unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and t.name != ROPE_FREQS]
@@ -216,13 +233,21 @@ def load_params(reader, cfg: LlamaConfig, source: str) -> dict[str, np.ndarray]:
         for name, tensor in by_name.items():
             if name in extra:
                 continue
-            w = dequantize(tensor, source)
-            if name.endswith("self_attn.q_proj.weight"):
-                w = unpermute_rows(w, cfg.num_attention_heads)
-            elif name.endswith("self_attn.k_proj.weight"):
-                w = unpermute_rows(w, cfg.num_key_value_heads)
+            w = kept_blocks(tensor, numpy_shape(tensor)) if name in keep_blocks else None
+            if w is None:
+                w = dequantize(tensor, source)
+            heads = {"self_attn.q_proj.weight": cfg.num_attention_heads,
+                     "self_attn.k_proj.weight": cfg.num_key_value_heads}.get(name.split(".", 3)[-1])
+            if heads and isinstance(w, np.ndarray):
+                w = unpermute_rows(w, heads)
+            elif heads:
+                w = w.take_rows(unpermute_order(w.shape[0], heads))
             params[name] = w
             bar.advance()
+    if "lm_head.weight" in keep_blocks and cfg.tie_word_embeddings:  # the tied lm_head reads the embedding's blocks
+        head = kept_blocks(by_name["model.embed_tokens.weight"], numpy_shape(by_name["model.embed_tokens.weight"]))
+        if head is not None:
+            params["lm_head.weight"] = head
     return params
 
 
@@ -296,8 +321,12 @@ def build_tokenizer(meta: Metadata, source: str):
 
 # ---------------------------------------------------------------- entry point
 
-def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
-    """A llama-architecture GGUF file -> Checkpoint with float32 HF-named params, tokenizer and stop ids."""
+def load_gguf(path: str | Path, with_tokenizer: bool = True, keep_blocks: bool = False,
+              keep_lm_head_blocks: bool = True) -> Checkpoint:
+    """A llama-architecture GGUF file -> Checkpoint with float32 HF-named params, tokenizer and stop ids.
+
+    keep_blocks (`--quant gguf`): linear layers (and the lm_head, with keep_lm_head_blocks) stored as Q8_0,
+    Q4_0 or Q4_1 stay quantized as QuantizedLinear records of their blocks."""
     from refimpl.formats.gguf_check import validate_gguf
     path = Path(path)
     source = str(path)
@@ -313,6 +342,10 @@ def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
     rope = next((dequantize(t, source) for t in reader.tensors if t.name == ROPE_FREQS), None)
     stop = stop_ids_from(meta)
     cfg = config_from_gguf(meta, shapes, rope, len(tokens.data) if tokens is not None else None, stop)
-    params = load_params(reader, cfg, source)
+    keep = frozenset()
+    if keep_blocks:
+        from refimpl.quant.apply import quantized_names
+        keep = frozenset(quantized_names(cfg, keep_lm_head_blocks))
+    params = load_params(reader, cfg, source, keep)
     tokenizer = build_tokenizer(meta, source) if with_tokenizer else None
     return Checkpoint(path, cfg, params, tokenizer, stop)

@@ -54,7 +54,9 @@ class Ops(Protocol):
         out[..., :E/2] = x1·cos − x2·sin, out[..., E/2:] = x2·cos + x1·sin, with cos/sin [T, E/2]."""
 
     def linear(self, x: Array, weight: Array) -> Array:
-        """x [T, Din], weight [Dout, Din] (the checkpoint's layout) -> x @ weightᵀ, [T, Dout]. No bias (Llama)."""
+        """x [T, Din], weight [Dout, Din] (the checkpoint's layout) -> x @ weightᵀ, [T, Dout]. No bias (Llama).
+        weight may be quantized (refimpl.quant.formats.QuantizedLinear, accel.quant_ops.QuantTensor): the product
+        is by its dequantized values."""
 
     def attention(self, q: Array, k: Array, v: Array, cache_k: Array, cache_v: Array,
                   positions: Array) -> Array:

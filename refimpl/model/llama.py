@@ -64,7 +64,8 @@ def project(ops, x, w):
 
 
 def lm_head(params: dict, cfg: LlamaConfig):
-    return params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]  # [V, D]
+    """[V, D]; a tied model's lm_head is the embedding unless quantization gave it its own tensor."""
+    return params.get("lm_head.weight", params["model.embed_tokens.weight"])
 
 
 def attention_block(ops, p: dict, x, cfg: LlamaConfig, i: int, cos, sin, cache: KVCache, positions) -> Steps:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl.model.config import RopeScaling
+from refimpl.quant.formats import QuantizedLinear
 
 F32 = np.float32
 
@@ -59,6 +60,8 @@ def rope(q, k, cos, sin):
 
 
 def linear(x, weight):
+    if isinstance(weight, QuantizedLinear):  # a quantized model runs on its dequantized values, in fp32
+        weight = weight.values  # dequantized once, [Dout, Din]
     return x @ weight.T  # [T, Din] @ [Din, Dout] -> [T, Dout]
 
 

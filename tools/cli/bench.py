@@ -63,9 +63,12 @@ def render(result: dict) -> str:
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--profile", is_flag=True, help="Also print per-kernel profiles of eager decode steps and a prefill.")
 @click.option("--train", "train", is_flag=True, help="Only the LoRA training benchmark (ours vs HF + PEFT).")
+@click.option("--quant", "quant", default=None,
+              help="Comma-separated --quant formats (e.g. int8,int4): rows beside bf16, measured in the same run.")
 @click.option("--json-out", "json_out", default=None, type=click.Path(dir_okay=False),
               help="Also write the results as JSON here.")
-def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out, train=False):
+def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out, train=False,
+          quant=None):
     """Benchmark the accel engine on a CUDA GPU (random weights at the real Llama 3.2 shapes)."""
     import torch
 
@@ -107,10 +110,23 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
         click.echo(f"benchmarking {MODELS[m]} ...", err=True)
         result["models"].append(b.model_bench(MODELS[m], PRESETS[MODELS[m]], device, with_hf, new_tokens,
                                               prefill_tokens=prefill_tokens, copy_tb_s=result["copy_tb_s"]))
+    if quant:
+        from tools.bench import quant_gpu
+        from tools.engines import parse_quant
+        specs = [str(parse_quant(q.strip())) for q in quant.split(",") if q.strip()]
+        result["quant"], result["quant_gemv"] = [], {}
+        for m in chosen:
+            click.echo(f"benchmarking {MODELS[m]} quantized ({', '.join(specs)}) ...", err=True)
+            result["quant"] += quant_gpu.quant_bench(MODELS[m], PRESETS[MODELS[m]], device, specs, new_tokens,
+                                                     prefill_tokens, result["copy_tb_s"])
+            result["quant_gemv"][MODELS[m]] = quant_gpu.gemv_bench(PRESETS[MODELS[m]], device, specs)
     if not skip_attention:
         click.echo("benchmarking attention ...", err=True)
         result["attention"] = b.attention_bench(device)
         result["decode_attention"] = b.decode_attention_bench(device)
     click.echo(render(result))
+    if quant:
+        from tools.bench.quant_gpu import render as render_quant
+        click.echo("\n" + render_quant(result))
     if json_out:
         Path(json_out).write_text(json.dumps(result, indent=2) + "\n")

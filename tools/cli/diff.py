@@ -16,7 +16,7 @@ from refimpl.formats.safetensors_io import save_safetensors
 
 from tools.engines import resolve_model
 from tools.vision_inputs import prompt_inputs
-from tools.engines import engine_for
+from tools.engines import engine_for, parse_quant
 from tools.debug.diff import diff_engines
 from tools.debug.lockstep import first_divergence, report
 from tools.cli.golden import key_filter
@@ -32,6 +32,9 @@ from tools.cli.golden import key_filter
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
               help="accel compute dtype, and the tolerance used (default: the engines' own; bf16 if either is).")
 @click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
+@click.option("--quant", default=None, metavar="FORMAT",
+              help="Weight-only quantization: int8, int4[:G] (G = 32, 64, 128; default 64), or gguf (keep a GGUF "
+                   "file's Q8_0/Q4_0/Q4_1 blocks); append :bf16-head to keep the lm_head unquantized.")
 @click.option("--steps", "decode_steps", default=2, show_default=True, type=click.IntRange(0, 1024),
               help="Greedy decode steps after the prefill.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
@@ -44,10 +47,10 @@ from tools.cli.golden import key_filter
 @click.option("--verbose", "-v", is_flag=True, help="Print every row, not just the per-layer summary.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
               help="An image for a Llama 3.2 Vision checkpoint (repeatable), as in generate.")
-def diff(prompt, model, a_backend, b_backend, dtype, device, decode_steps, chat, filters, isolate, dump, plot,
+def diff(prompt, model, a_backend, b_backend, dtype, device, quant, decode_steps, chat, filters, isolate, dump, plot,
          verbose, images=()):
     """Compare backends --a and --b activation by activation on PROMPT; exit 1 if they diverge."""
-    ckpt = load_checkpoint(resolve_model(model))
+    ckpt = load_checkpoint(resolve_model(model), quant=parse_quant(quant))  # both engines run the same records
     if not prompt:
         raise GenerationError("the prompt is empty: give some text to compare on")
     tok = ckpt.tokenizer

@@ -52,13 +52,16 @@ class TextStream:
                    "the images in order; without any, the images go before the text.")
 @click.option("--lora-mode", type=click.Choice(["merged", "unmerged"]), default="merged", show_default=True,
               help="unmerged: keep the base weights and add scale·(x·Aᵀ)·Bᵀ at run time (refimpl backend).")
+@click.option("--quant", default=None, metavar="FORMAT",
+              help="Weight-only quantization: int8, int4[:G] (G = 32, 64, 128; default 64), or gguf (keep a GGUF "
+                   "file's Q8_0/Q4_0/Q4_1 blocks); append :bf16-head to keep the lm_head unquantized.")
 def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, seed, backend, device, dtype,
-             as_json, lora=None, images=(), lora_mode="merged"):
+             as_json, lora=None, images=(), lora_mode="merged", quant=None):
     """Generate text from PROMPT."""
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
     backend = resolve_backend(backend)
     engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora,
-                                       lora_mode=lora_mode)
+                                       lora_mode=lora_mode, quant=quant)
     tok = ckpt.tokenizer
     vision = prompt_inputs(ckpt, prompt, images, chat, system)
     if vision is not None:
@@ -83,7 +86,7 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
     decode_tps = (len(times) - 1) / decode_s if len(times) > 1 and decode_s > 0 else None
     if as_json:
         record = {
-            "model": str(ckpt.path), "backend": backend, "prompt": prompt, "chat": chat,
+            "model": str(ckpt.path), "backend": backend, "quant": quant, "prompt": prompt, "chat": chat,
             "prompt_ids": prompt_ids, "generated_ids": stream.ids, "text": tok.decode(stream.ids),
             "stopped_on_eos": bool(stream.ids) and stream.ids[-1] in ckpt.stop_ids,
             "sampling": settings.__dict__,

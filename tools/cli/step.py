@@ -13,7 +13,7 @@ import click
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 
-from tools.engines import engine_for, resolve_model
+from tools.engines import engine_for, parse_quant, resolve_model
 from tools.vision_inputs import forward_names, prompt_inputs
 from tools.debug.step_values import parse_inject
 from tools.debug.stepper import Session, run_script, split_commands
@@ -50,6 +50,9 @@ def interactive(session: Session) -> None:
 @click.option("--backend", type=click.Choice(["refimpl", "accel", "both"]), default="refimpl", show_default=True,
               help="both: refimpl and accel side by side, compared after every op.")
 @click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
+@click.option("--quant", default=None, metavar="FORMAT",
+              help="Weight-only quantization: int8, int4[:G] (G = 32, 64, 128; default 64), or gguf (keep a GGUF "
+                   "file's Q8_0/Q4_0/Q4_1 blocks); append :bf16-head to keep the lm_head unquantized.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
               help="accel dtype (default bf16 on CUDA, fp32 on CPU).")
 @click.option("--commands", default=None, help='Run these commands and exit, e.g. "b layers.1.*; c; p; q".')
@@ -61,7 +64,7 @@ def interactive(session: Session) -> None:
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
               help="An image for a Llama 3.2 Vision checkpoint (repeatable), as in generate; the stepped token's "
                    "forward encodes it again, so breakpoints in vision.* and the cross-attention layers work.")
-def step(prompt, model, position, backend, device, dtype, commands, inherited, inject, images=()):
+def step(prompt, model, position, backend, device, quant, dtype, commands, inherited, inject, images=()):
     """Step through the forward of one token of PROMPT, op by op.
 
     Stops before the first op of the token's one-token forward (after a prefill of the tokens before it) and
@@ -73,7 +76,7 @@ def step(prompt, model, position, backend, device, dtype, commands, inherited, i
         raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")
     if not prompt:
         raise GenerationError("the prompt is empty: give some text to step through")
-    ckpt = load_checkpoint(resolve_model(model))
+    ckpt = load_checkpoint(resolve_model(model), quant=parse_quant(quant))  # both engines run the same records
     vision = prompt_inputs(ckpt, prompt, images, chat=False)
     inputs = vision.engine_kwargs if vision is not None else None
     fault = parse_inject(inject, forward_names(ckpt.config, inputs)) if inject else None

@@ -1,0 +1,249 @@
+"""Weight-only quantized weights on the device: the QuantTensor record, quantizing on the device (bit for bit
+refimpl.quant's oracle), loading refimpl's QuantizedLinear records, and the quantized versions of the decode
+step's fused GEMV ops (accel.ops.fused sends a QuantTensor weight here).
+
+One device layout serves every format (accel/kernels/qgemv.py): codes, then a scale (and a minimum) per GROUP
+columns. int8 and int4 are refimpl.quant.formats' own layouts; GGUF blocks are rearranged once at load:
+    Q8_0  -> 8-bit codes, GROUP 32, scale d (fp16)
+    Q4_0  -> 4-bit codes repacked low-nibble-first, offset 8, GROUP 32, scale d: (q − 8)·d, as the file defines it
+    Q4_1  -> 4-bit codes repacked, GROUP 32, scale d, minimum m (fp16)
+Every product code·scale is exact in fp32 (≤ 8 × 11 significant bits), so dequantizing here gives the oracle's
+bits. The prefill multiplies by a dequantized copy in a scratch buffer per shape (one per matrix shape, reused
+layer after layer: stream order keeps the reuse safe) with cuBLAS; a one-row product (the prefill's lm_head,
+trace mode's decode) takes the GEMV.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from refimpl.quant.formats import QuantizedLinear, QuantSpec, pack_nibbles
+from refimpl.quant.gguf_blocks import block_fields
+
+from . import ops
+from .ops.torch_ops import torch_linear_add, torch_norm_linear, torch_swiglu_linear_add
+
+
+@dataclass(eq=False)
+class QuantTensor:
+    """A quantized [N, K] matrix on the device (module doc). Usable as F.linear's weight (__torch_function__)."""
+
+    fmt: str  # int8 | int4 | q8_0 | q4_0 | q4_1
+    bits: int
+    group: int  # columns a scale; K for int8's one scale a row
+    q: torch.Tensor  # int8 [N, K] or uint8 [N, K/2]
+    scale: torch.Tensor  # [N, ceil(K/group)]
+    low: torch.Tensor | None  # minima, like scale, or None
+    K: int
+    offset: int = 0  # subtracted from every code (GGUF Q4_0: 8)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.K)
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.q, self.scale, self.low) if t is not None)
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantTensor":
+        """Rows start .. start+length (views): HF-named views of the fused matrices (accel.weights.params_view)."""
+        assert dim == 0, "a quantized matrix narrows along its rows only"
+        pick = lambda t: None if t is None else t.narrow(0, start, length)  # noqa: E731
+        return QuantTensor(self.fmt, self.bits, self.group, pick(self.q), pick(self.scale), pick(self.low), self.K,
+                           self.offset)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=dtype, device=self.device) if out is None else out
+        if ops.uses_triton(self.q):
+            from .kernels.qgemv import dequantize_fwd
+            return dequantize_fwd(self.q, self.scale, self.low, self.bits, self.offset, self.group, self.K, out)
+        return out.copy_(torch_dequantize(self))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is not F.linear:
+            return NotImplemented
+        x, weight = args[0], args[1]
+        return quant_linear(x, weight)
+
+
+def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
+    """Stack matrices of one format along the rows (the fused qkv and gate_up)."""
+    a = parts[0]
+    assert all((p.fmt, p.bits, p.group, p.K, p.offset) == (a.fmt, a.bits, a.group, a.K, a.offset) for p in parts)
+    low = None if a.low is None else torch.cat([p.low for p in parts])
+    return QuantTensor(a.fmt, a.bits, a.group, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                       low, a.K, a.offset)
+
+
+# ---------------------------------------------------------------- quantizing on the device
+
+def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantTensor:
+    """w [N, K] (any float dtype; computed in fp32) -> int8 or int4 QuantTensor, the bits of
+    refimpl.quant.formats.quantize_int8 / quantize_int4 on the same fp32 values (same ops, same order)."""
+    w = w.to(torch.float32)
+    N, K = w.shape
+    if spec.format == "int8":
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).to(torch.bfloat16).float()  # [N, 1]
+        q = torch.clamp(torch.round(_divide_or_zero(w, scale)), -127, 127).to(torch.int8)
+        return QuantTensor("int8", 8, K, q, scale.to(torch.bfloat16), None, K)
+    G = spec.group
+    pad = -K % G
+    g = torch.cat([w, w[:, -1:].expand(N, pad)], dim=1).view(N, -1, G)  # [N, ceil(K/G), G], edge-padded
+    lo, hi = g.amin(dim=2), g.amax(dim=2)  # [N, ceil(K/G)]
+    scale = ((hi - lo) / 15).to(torch.bfloat16).float()
+    low = lo.to(torch.bfloat16).float()
+    q = torch.clamp(torch.round(_divide_or_zero(g - low[..., None], scale[..., None])), 0, 15).to(torch.uint8)
+    q = q.view(N, -1)[:, :K].view(N, K // 2, 2)  # [N, K] -> [N, K/2, 2]
+    packed = q[..., 0] | (q[..., 1] << 4)  # low nibble first
+    return QuantTensor("int4", 4, G, packed.contiguous(), scale.to(torch.bfloat16), low.to(torch.bfloat16), K)
+
+
+def _divide_or_zero(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    return torch.where(den == 0, torch.zeros_like(num), num / torch.where(den == 0, torch.ones_like(den), den))
+
+
+def torch_dequantize(t: QuantTensor) -> torch.Tensor:
+    """fp32 [N, K] with torch ops (the path without Triton)."""
+    N, K = t.shape
+    if t.bits == 8:
+        codes = t.q.float()
+    else:
+        codes = torch.stack([t.q & 15, t.q >> 4], dim=-1).view(N, K).float() - t.offset  # [N, K/2, 2] -> [N, K]
+    per_col = torch.arange(K, device=t.device) // t.group
+    w = codes * t.scale.float()[:, per_col]
+    return w + t.low.float()[:, per_col] if t.low is not None else w
+
+
+# ---------------------------------------------------------------- from refimpl's records
+
+def from_quantized_linear(w: QuantizedLinear, device) -> QuantTensor:
+    """A refimpl QuantizedLinear (int8/int4, or GGUF blocks as stored) -> the device layout (module doc)."""
+    dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    N, K = w.shape
+    if w.format == "int8":
+        return QuantTensor("int8", 8, K, dev(w.data), dev(w.scales).to(torch.bfloat16), None, K)
+    if w.format == "int4":
+        return QuantTensor("int4", 4, w.group, dev(w.data), dev(w.scales).to(torch.bfloat16),
+                           dev(w.mins).to(torch.bfloat16), K)
+    d, m, codes = block_fields(w.format, w.data, w.shape)  # [N, K/32, 1] fp32 (fp16 values), ..., [N, K/32, 32]
+    d = d.reshape(N, -1)  # [N, K/32]
+    if w.format == "q8_0":
+        return QuantTensor("q8_0", 8, 32, dev(codes.reshape(N, K)), dev(d).half(), None, K)
+    low = None if w.format == "q4_0" else dev(m.reshape(N, -1)).half()  # [N, K/32]
+    return QuantTensor(w.format, 4, 32, dev(pack_nibbles(codes.reshape(N, K))), dev(d).half(), low, K,
+                       8 if w.format == "q4_0" else 0)
+
+
+# ---------------------------------------------------------------- the products
+
+_DEQUANT_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def quant_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """F.linear(x, w) for x [..., K]: the GEMV for one row, else a dequantized scratch copy and cuBLAS."""
+    N, K = w.shape
+    if x.numel() == K and ops.uses_triton(x):
+        return qgemv(w, x.reshape(1, K)).view(*x.shape[:-1], N)
+    key = (w.shape, x.dtype, x.device)
+    scratch = _DEQUANT_SCRATCH.get(key)
+    if scratch is None:
+        scratch = _DEQUANT_SCRATCH[key] = torch.empty(w.shape, dtype=x.dtype, device=x.device)
+    return F.linear(x, w.dequantize(x.dtype, out=scratch))
+
+
+def qgemv(w: QuantTensor, x, **kw) -> torch.Tensor:
+    from .kernels.qgemv import qgemv_fwd
+    return qgemv_fwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, **kw)
+
+
+def quant_norm_linear(x, norm_weight, w: QuantTensor, eps):
+    """ops.norm_linear for a quantized weight: the quantized GEMV with the same RMSNorm prologue."""
+    if ops.uses_triton(x):
+        return qgemv(w, x, norm_weight=norm_weight, eps=eps)
+    return torch_norm_linear(x, norm_weight, w.dequantize(x.dtype), eps)
+
+
+def quant_linear_add(a, w: QuantTensor, residual):
+    if ops.uses_triton(a):
+        return qgemv(w, a, residual=residual, out=residual)
+    return torch_linear_add(a, w.dequantize(a.dtype), residual)
+
+
+def quant_swiglu_linear_add(gate_up, w: QuantTensor, residual):
+    if ops.uses_triton(gate_up):
+        return qgemv(w, gate_up, swiglu=True, residual=residual, out=residual)
+    return torch_swiglu_linear_add(gate_up, w.dequantize(gate_up.dtype), residual)
+
+
+def quant_qkv_rope(x, norm_weight, w: QuantTensor, eps, cos, sin, position, cache_k, cache_v):
+    """ops.qkv_rope for a quantized weight, unfused: the quantized GEMV with the norm prologue, then
+    ops.rope_kv_write at the position's rows of the cos/sin tables [S, E/2]."""
+    K, _, E = cache_k.shape
+    H = w.shape[0] // E - 2 * K
+    qkv = quant_norm_linear(x, norm_weight, w, eps)  # [1, D] -> [1, (H+2K)·E]
+    q = qkv[:, : H * E].view(1, H, E)
+    k = qkv[:, H * E: (H + K) * E].view(1, K, E)
+    v = qkv[:, (H + K) * E:].view(1, K, E)
+    cos, sin = cos.index_select(0, position), sin.index_select(0, position)  # [S, E/2] -> [1, E/2]
+    return ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, position)  # k_rot, v -> cache; q_rot
+
+
+# ---------------------------------------------------------------- loading
+
+def is_quantized(params: dict) -> bool:
+    return any(isinstance(v, QuantizedLinear) for v in params.values())
+
+
+def _matrix(parts: list, device, spec: QuantSpec | None, dtype: torch.dtype):
+    """Host matrices stacked by rows -> a QuantTensor (refimpl records converted, fp32 arrays quantized by
+    `spec`), or a dense device tensor in `dtype` (no spec, or GGUF parts of mixed or unsupported types)."""
+    from .weights import _host
+    if all(isinstance(p, QuantizedLinear) for p in parts) and len({p.format for p in parts}) == 1:
+        return cat_rows([from_quantized_linear(p, device) for p in parts])
+    dense = torch.cat([_host(p.dequantize() if isinstance(p, QuantizedLinear) else p).to(device) for p in parts])
+    if spec is None or spec.format == "gguf":
+        return dense.to(dtype)
+    return quantize(dense, spec)
+
+
+def load_quantized_weights(params: dict, cfg, device, dtype: torch.dtype, spec: QuantSpec | None):
+    """accel.weights.load_weights for a quantized run: the linear layers (and the lm_head unless
+    spec.lm_head is False) as QuantTensors, the embedding and norms dense in `dtype`."""
+    from .weights import LayerWeights, Weights, _to_device
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        layers.append(LayerWeights(
+            attn_norm=_to_device(params[p + "input_layernorm.weight"], device, dtype),
+            qkv=_matrix([params[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], device, spec, dtype),
+            o=_matrix([params[p + "self_attn.o_proj.weight"]], device, spec, dtype),
+            mlp_norm=_to_device(params[p + "post_attention_layernorm.weight"], device, dtype),
+            gate_up=_matrix([params[p + "mlp.gate_proj.weight"], params[p + "mlp.up_proj.weight"]], device, spec,
+                            dtype),
+            down=_matrix([params[p + "mlp.down_proj.weight"]], device, spec, dtype)))
+    embed = _to_device(params["model.embed_tokens.weight"], device, dtype)
+    head = params.get("lm_head.weight")
+    if isinstance(head, QuantizedLinear) or (spec is not None and spec.format != "gguf" and spec.lm_head):
+        lm_head = _matrix([head if head is not None else params["model.embed_tokens.weight"]], device, spec, dtype)
+    else:
+        lm_head = embed if head is None else _to_device(head, device, dtype)
+    return Weights(embed, layers, _to_device(params["model.norm.weight"], device, dtype), lm_head)
+
+
+def quantize_weights(w, spec: QuantSpec):
+    """Dense device Weights (the benchmark's random weights) -> the same model quantized on the device; each
+    dense matrix is dropped once quantized."""
+    for lw in w.layers:
+        lw.qkv, lw.o = quantize(lw.qkv, spec), quantize(lw.o, spec)
+        lw.gate_up, lw.down = quantize(lw.gate_up, spec), quantize(lw.down, spec)
+    if spec.lm_head:
+        w.lm_head = quantize(w.lm_head, spec)
+    return w

@@ -1,0 +1,43 @@
+"""Which tensors a `--quant` run quantizes: every linear layer, and the lm_head unless the spec says bf16-head.
+
+The lm_head of a model with tied embeddings becomes its own quantized tensor (`lm_head.weight`) while the
+embedding stays as loaded: the embedding is a row gather, one row a token, and reading it costs nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from refimpl.model.config import LlamaConfig
+from refimpl.progress import Progress
+from refimpl.quant.formats import QuantizedLinear, QuantSpec
+
+LINEAR_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+LM_HEAD = "lm_head.weight"
+
+
+def quantized_names(cfg: LlamaConfig, lm_head: bool) -> list[str]:
+    names = [f"model.layers.{i}.{k}" for i in range(cfg.num_hidden_layers) for k in LINEAR_KEYS]
+    return names + [LM_HEAD] if lm_head else names
+
+
+def quantize_params(params: dict, cfg: LlamaConfig, spec: QuantSpec) -> dict:
+    """fp32 params -> a new dict with the linear layers as QuantizedLinear (int8 / int4 specs)."""
+    out = dict(params)
+    names = quantized_names(cfg, spec.lm_head)
+    with Progress(f"quantizing to {spec}", len(names)) as bar:
+        for name in names:
+            w = params[name] if name in params else params["model.embed_tokens.weight"]  # tied lm_head
+            out[name] = spec.quantize(w)
+            bar.advance()
+    return out
+
+
+def dequantize_params(params: dict) -> dict:
+    """Every QuantizedLinear replaced by its fp32 values (the same math, run once instead of every call)."""
+    return {k: v.dequantize() if isinstance(v, QuantizedLinear) else v for k, v in params.items()}
+
+
+def weight_values(w) -> np.ndarray:
+    """A parameter as fp32 values: a QuantizedLinear dequantized, an array as it is."""
+    return w.dequantize() if isinstance(w, QuantizedLinear) else w

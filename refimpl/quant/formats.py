@@ -1,0 +1,187 @@
+"""Weight-only quantization formats, the oracle: quantize, pack and dequantize, exactly and in small steps.
+
+A quantized matrix W [N, K] (the checkpoint's [Dout, Din]) is a `QuantizedLinear`; the refimpl runs it by
+`dequantize()` then the fp32 product, so the engines compare op by op on the same dequantized values.
+
+    int8   per output row, symmetric:   s[n] = bf16(max_k |W[n, k]| / 127)
+                                        q[n, k] = clip(rint(W[n, k] / s[n]), -127, 127)          int8 [N, K]
+                                        W ≈ q · s
+    int4   per group of G along K, asymmetric (scale and minimum, as GGUF's Q4_1):
+                                        s[n, g] = bf16((max − min) / 15),  m[n, g] = bf16(min)   over the group
+                                        q[n, k] = clip(rint((W[n, k] − m) / s), 0, 15)
+                                        W ≈ q · s + m
+           packed two a byte along K: byte j of a row = q[2j] | q[2j+1] << 4 (low nibble first)   uint8 [N, K/2]
+
+Asymmetric int4 because weight groups are rarely centred on 0: the 16 levels span [min, max] exactly instead of
+±max|w| (15 of 16 levels with a symmetric code), about half the rounding error for one more bf16 per group.
+Scales and minima are always rounded to bf16 (round half to even), whatever dtype the engine computes in: the
+quantized weights are then the same bits in the fp32 refimpl and in a bf16 or fp32 accel engine. The divisions are
+fp32 with the rounded scale, rint is round half to even; a zero scale (a constant group) gives q = 0.
+The last group of a row may be shorter than G (SmolLM2's K = 576 with G = 128): its min/max are over its own values.
+
+GGUF blocks (`q8_0`, `q4_0`, `q4_1`) are kept as the file stores them; refimpl.quant.gguf_blocks reads them.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from refimpl.errors import Llama32Error
+
+F32 = np.float32
+INT_FORMATS = ("int8", "int4")
+GGUF_FORMATS = ("q8_0", "q4_0", "q4_1")
+INT4_GROUPS = (32, 64, 128)
+
+
+class QuantError(Llama32Error):
+    """A quantization request or a quantized tensor that cannot be used."""
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedLinear:
+    """One quantized weight matrix [N, K] = [Dout, Din].
+
+    format  'int8' | 'int4' | 'q8_0' | 'q4_0' | 'q4_1'
+    data    int8 [N, K] (int8) | uint8 [N, K/2] nibbles (int4) | uint8 [N, K/32 · bytes a block] (GGUF blocks)
+    scales  fp32 holding bf16 values: [N, 1] (int8), [N, ceil(K/G)] (int4); None for GGUF (inside the blocks)
+    mins    int4: [N, ceil(K/G)], like scales; else None
+    group   elements sharing one scale along K: K (int8), G (int4), 32 (GGUF)
+    """
+
+    format: str
+    shape: tuple[int, int]
+    data: np.ndarray
+    scales: np.ndarray | None
+    mins: np.ndarray | None
+    group: int
+
+    def dequantize(self) -> np.ndarray:
+        """-> fp32 [N, K], the values every engine must multiply by."""
+        if self.format == "int8":
+            return dequantize_int8(self.data, self.scales)
+        if self.format == "int4":
+            return dequantize_int4(self.data, self.scales, self.mins, self.group)
+        from refimpl.quant.gguf_blocks import dequantize_blocks
+        return dequantize_blocks(self.format, self.data, self.shape)
+
+    @functools.cached_property
+    def values(self) -> np.ndarray:
+        """`dequantize()` computed once, on first use (the refimpl's forward multiplies by it every call)."""
+        return self.dequantize()
+
+    def take_rows(self, order: np.ndarray) -> "QuantizedLinear":
+        """The rows in `order` (a row permutation is exact on any format: blocks never cross rows)."""
+        pick = lambda a: None if a is None else np.ascontiguousarray(a[order])  # noqa: E731
+        return QuantizedLinear(self.format, (len(order), self.shape[1]), pick(self.data), pick(self.scales),
+                               pick(self.mins), self.group)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes as an engine stores them: codes plus bf16 scales/minima (GGUF: the blocks)."""
+        extra = sum(a.size * 2 for a in (self.scales, self.mins) if a is not None)
+        return self.data.nbytes + extra
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 -> the nearest bf16 value (ties to even), returned as fp32. Finite inputs."""
+    bits = np.ascontiguousarray(x, F32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.view(F32)
+
+
+def _divide_or_zero(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """num / den in fp32, 0 where den is 0 (a constant row or group)."""
+    safe = np.where(den == 0, F32(1), den)
+    return np.where(den == 0, F32(0), num / safe).astype(F32)
+
+
+# ---------------------------------------------------------------- int8, per output row
+
+def quantize_int8(w: np.ndarray) -> QuantizedLinear:
+    w = np.asarray(w, F32)  # [N, K]
+    scale = round_bf16(np.abs(w).max(axis=1, keepdims=True) / F32(127))  # [N, 1]
+    q = np.clip(np.rint(_divide_or_zero(w, scale)), -127, 127).astype(np.int8)  # [N, K]
+    return QuantizedLinear("int8", w.shape, q, scale, None, w.shape[1])
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return q.astype(F32) * scale  # [N, K] * [N, 1] -> [N, K]
+
+
+# ---------------------------------------------------------------- int4, groups of G along K
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """uint8 codes 0..15 [N, K] (K even) -> [N, K/2]: byte j = q[2j] | q[2j+1] << 4."""
+    pairs = q.reshape(q.shape[0], -1, 2)  # [N, K] -> [N, K/2, 2]
+    return (pairs[..., 0] | (pairs[..., 1] << np.uint8(4))).astype(np.uint8)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """[N, K/2] -> uint8 codes [N, K] (low nibble first)."""
+    pairs = np.stack([packed & np.uint8(0x0F), packed >> np.uint8(4)], axis=-1)  # [N, K/2, 2]
+    return pairs.reshape(packed.shape[0], -1)  # -> [N, K]
+
+
+def _groups(w: np.ndarray, G: int) -> np.ndarray:
+    """[N, K] -> [N, ceil(K/G), G]; a short last group is padded with its own last value (min/max unchanged)."""
+    N, K = w.shape
+    pad = -K % G
+    return np.pad(w, ((0, 0), (0, pad)), mode="edge").reshape(N, -1, G)
+
+
+def quantize_int4(w: np.ndarray, group: int) -> QuantizedLinear:
+    w = np.asarray(w, F32)  # [N, K]
+    N, K = w.shape
+    if K % 2:
+        raise QuantError(f"int4 packs two values a byte: the input dimension must be even, got {K}")
+    g = _groups(w, group)  # [N, ceil(K/G), G]
+    lo, hi = g.min(axis=2), g.max(axis=2)  # [N, ceil(K/G)] each
+    scale = round_bf16((hi - lo) / F32(15))
+    low = round_bf16(lo)
+    q = np.clip(np.rint(_divide_or_zero(g - low[..., None], scale[..., None])), 0, 15).astype(np.uint8)
+    q = q.reshape(N, -1)[:, :K]  # [N, ceil(K/G), G] -> [N, K]
+    return QuantizedLinear("int4", (N, K), pack_nibbles(q), scale, low, group)
+
+
+def dequantize_int4(packed: np.ndarray, scale: np.ndarray, low: np.ndarray, group: int) -> np.ndarray:
+    q = unpack_nibbles(packed).astype(F32)  # [N, K]
+    per_col = np.arange(q.shape[1]) // group  # [K]: each column's group
+    return q * scale[:, per_col] + low[:, per_col]  # [N, K]
+
+
+# ---------------------------------------------------------------- which format
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """`--quant` parsed: 'int8', 'int4' (G = 64), 'int4:G', or 'gguf' (keep the file's Q8_0/Q4_0/Q4_1 blocks);
+    a ':bf16-head' suffix leaves the lm_head unquantized."""
+
+    format: str
+    group: int | None = None
+    lm_head: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> "QuantSpec":
+        parts = text.strip().lower().split(":")
+        head = parts[-1] != "bf16-head"
+        parts = parts if head else parts[:-1]
+        fmt, rest = parts[0], parts[1:]
+        usage = "expected int8, int4, int4:32, int4:64, int4:128 or gguf, optionally followed by :bf16-head"
+        if fmt not in ("int8", "int4", "gguf") or len(rest) > (fmt == "int4"):
+            raise QuantError(f"--quant {text!r}: {usage}")
+        group = None
+        if fmt == "int4":
+            group = int(rest[0]) if rest and rest[0].isdigit() else 64 if not rest else None
+            if group not in INT4_GROUPS:
+                raise QuantError(f"--quant {text!r}: the int4 group must be one of {INT4_GROUPS}")
+        return cls(fmt, group, head)
+
+    def __str__(self) -> str:
+        base = f"int4:{self.group}" if self.format == "int4" else self.format
+        return base if self.lm_head else base + ":bf16-head"
+
+    def quantize(self, w: np.ndarray) -> QuantizedLinear:
+        return quantize_int8(w) if self.format == "int8" else quantize_int4(w, self.group)

@@ -1,0 +1,230 @@
+"""accel's quantized weights against the oracle (refimpl.quant): quantize and dequantize bit for bit, the
+quantized GEMV against "dequantize with the oracle, then multiply", and quantized models end to end.
+
+On CPU the Triton kernels run under the interpreter (fp32); the GPU tests (skipped without CUDA) repeat the bit
+checks on the device and run the GEMV at the Llama 3.2 shapes in bf16.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+from accel.engine import AccelEngine  # noqa: E402
+from accel.kernels.qgemv import QGemvConfig  # noqa: E402
+from accel.quant_ops import from_quantized_linear, qgemv, quantize  # noqa: E402
+from refimpl.compare import TOLERANCES, compare  # noqa: E402
+from refimpl.formats.checkpoint import load_checkpoint  # noqa: E402
+from refimpl.formats.params import Checkpoint, random_params  # noqa: E402
+from refimpl.generate import RefEngine, Sampling  # noqa: E402
+from refimpl.model import ops as np_ops  # noqa: E402
+from refimpl.quant.apply import quantize_params  # noqa: E402
+from refimpl.quant.formats import QuantizedLinear, QuantSpec  # noqa: E402
+from test_gguf import tiny_config, write_gguf  # noqa: E402
+from test_quant_refimpl import edge_blocks  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+INT_SPECS = ["int8", "int4:32", "int4:64", "int4:128"]
+Q = gguf.GGMLQuantizationType
+
+
+def weights(N, K, seed=0):
+    return (np.random.default_rng(seed).standard_normal((N, K)) * 0.05).astype(np.float32)
+
+
+def gguf_record(fmt, N, K, seed=0, edges=False) -> QuantizedLinear:
+    """GGUF blocks as a file stores them: quantized by the gguf library, or random bytes with edge fp16 fields."""
+    if edges:
+        data = edge_blocks(fmt, np.random.default_rng(seed), N * K // 32).reshape(N, -1)
+    else:
+        data = gguf.quants.quantize(weights(N, K, seed), getattr(Q, fmt.upper()))
+    return QuantizedLinear(fmt, (N, K), data, None, None, 32)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("spec", INT_SPECS)
+def test_quantize_and_dequantize_equal_the_oracle_bit_for_bit(spec, device):
+    w = weights(37, 200)  # 200: a short last group for G = 64 and 128
+    w[3] = 0  # a zero row: scale 0, codes 0
+    w[5, :40] = 0.01  # a constant group
+    ref = QuantSpec.parse(spec).quantize(w)
+    t = quantize(torch.from_numpy(w).to(device), QuantSpec.parse(spec))
+    np.testing.assert_array_equal(t.q.cpu().numpy(), ref.data)
+    np.testing.assert_array_equal(bits(t.scale.float().cpu().numpy()), bits(ref.scales))
+    if ref.mins is not None:
+        np.testing.assert_array_equal(bits(t.low.float().cpu().numpy()), bits(ref.mins))
+    np.testing.assert_array_equal(bits(t.dequantize().cpu().numpy()), bits(ref.dequantize()))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("edges", [False, True], ids=["quantized", "edge-blocks"])
+def test_gguf_blocks_dequantize_to_the_oracle_bit_for_bit(fmt, edges, device):
+    ref = gguf_record(fmt, 11, 96, seed=1, edges=edges)
+    t = from_quantized_linear(ref, device)
+    np.testing.assert_array_equal(bits(t.dequantize().cpu().numpy()), bits(ref.dequantize()))
+
+
+def records():
+    """One of each format at odd shapes: 37 rows (not a row block multiple), K not a power of two."""
+    out = {spec: QuantSpec.parse(spec).quantize(weights(37, 200, seed=2)) for spec in INT_SPECS}
+    out.update({fmt: gguf_record(fmt, 37, 160, seed=3) for fmt in ("q8_0", "q4_0", "q4_1")})
+    out["int4:64 (G > K)"] = QuantSpec.parse("int4:64").quantize(weights(37, 48, seed=2))  # one short group a row
+    return out
+
+
+RECORDS = records()
+
+
+def oracle_product(rec: QuantizedLinear, x: np.ndarray) -> np.ndarray:
+    return rec.dequantize().astype(np.float64) @ x.astype(np.float64)  # [N, K] @ [K] -> [N]
+
+
+def check_fp32(got, want, rec, x):
+    """Within fp32 summation error: |Σ w·x| rounding is bounded by K·eps·Σ|w·x|."""
+    bound = 4 * rec.shape[1] * 2.0 ** -24 * (np.abs(rec.dequantize()) @ np.abs(x)) + 1e-7
+    assert (np.abs(got - want) <= bound).all(), f"max excess {np.max(np.abs(got - want) - bound):.3g}"
+
+
+@pytest.mark.parametrize("name", list(RECORDS))
+@pytest.mark.parametrize("fusion", ["plain", "norm", "swiglu", "residual"])
+def test_quantized_gemv_is_dequantize_then_multiply(name, fusion):
+    rec = RECORDS[name]
+    N, K = rec.shape
+    t = from_quantized_linear(rec, "cpu")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(2 * K if fusion == "swiglu" else K).astype(np.float32)
+    r = rng.standard_normal(N).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    kw, fx = {}, x
+    if fusion == "norm":
+        kw, fx = dict(norm_weight=torch.from_numpy(nw), eps=1e-5), np_ops.rms_norm(x[None], nw, 1e-5)[0]
+    elif fusion == "swiglu":
+        kw, fx = dict(swiglu=True), np_ops.swiglu(x[None, :K], x[None, K:])[0]
+    elif fusion == "residual":
+        kw = dict(residual=torch.from_numpy(r.copy()))
+    got = qgemv(t, torch.from_numpy(x)[None], **kw)[0].numpy()
+    want = oracle_product(rec, fx) + (r if fusion == "residual" else 0)
+    check_fp32(got, want, rec, fx)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4:32", "q4_1"])
+def test_quantized_gemv_split_k_sums_slices_in_order(name):
+    rec = RECORDS[name]
+    t = from_quantized_linear(rec, "cpu")
+    x = np.random.default_rng(5).standard_normal(rec.shape[1]).astype(np.float32)
+    cfg = QGemvConfig(16, 64 if t.group < t.K else 32, 4, 2, 1)  # two K slices (and a ragged last one)
+    got = qgemv(t, torch.from_numpy(x)[None], config=cfg)[0].numpy()
+    check_fp32(got, oracle_product(rec, x), rec, x)
+
+
+def tiny_gguf(tmp_path, qtype):
+    cfg = tiny_config(tied=True)
+    return write_gguf(tmp_path / f"{qtype.name}.gguf", cfg, random_params(cfg, seed=9, std=0.15), qtype=qtype)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4:64:bf16-head", "gguf-q4_0"])
+def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
+    """Greedy tokens and every step's logits of one quantized toy model on both engines (accel fp32, CPU)."""
+    if spec.startswith("gguf"):
+        path = tiny_gguf(tmp_path, getattr(Q, spec.split("-")[1].upper()))
+        ckpt = load_checkpoint(path, with_tokenizer=False, quant=QuantSpec.parse("gguf"))
+        acc = AccelEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32")
+    else:
+        cfg = tiny_config(tied=True)
+        dense = Checkpoint(tmp_path, cfg, random_params(cfg, seed=10, std=0.15))
+        ckpt = Checkpoint(tmp_path, cfg, quantize_params(dense.params, cfg, QuantSpec.parse(spec)))
+        # accel quantizes the fp32 weights itself, on the device: the same bits as the refimpl's records
+        acc = AccelEngine.from_checkpoint(dense, device="cpu", dtype="fp32", quant=QuantSpec.parse(spec))
+    assert type(acc.weights.layers[0].qkv).__name__ == "QuantTensor"
+    ref = RefEngine(ckpt)
+    s = Sampling(max_new_tokens=3)
+    prompt = [3, 17, 42, 5]
+    tokens = list(ref.generate(prompt, s))
+    assert list(acc.generate(prompt, s)) == tokens
+    torch_ops = AccelEngine(acc.config, acc.weights, acc.device, acc.dtype_name, use_triton=False)
+    assert list(torch_ops.generate(prompt, s)) == tokens  # the path without Triton
+    ref_cache, acc_cache = ref.new_cache(8), acc.new_cache(8)
+    want = ref.logits(prompt, np.arange(4), ref_cache)
+    sess = acc.session(8)
+    got = acc.to_numpy(acc.prefill(prompt, sess))[0]
+    assert compare("logits", got, want, TOLERANCES["fp32"]).ok
+    tok = int(np.argmax(want))
+    want = ref.logits([tok], [4], ref_cache)
+    got = acc.to_numpy(sess.decoder.step(torch.tensor([tok]), 4))[0]
+    assert compare("logits", got, want, TOLERANCES["fp32"]).ok
+    del acc_cache
+
+
+@gpu
+@pytest.mark.parametrize("spec", ["int8", "int4:32", "int4:64", "int4:128"])
+@pytest.mark.parametrize("N, K, fusion", [(3072, 2048, "norm"), (2048, 2048, "residual"), (16384, 2048, "norm"),
+                                          (2048, 8192, "swiglu"), (128256, 2048, "norm"), (5120, 3072, "norm"),
+                                          (3072, 8192, "swiglu")])
+def test_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(N, K, device="cuda", generator=g) * 0.02
+    t = quantize(w, QuantSpec.parse(spec))
+    x = torch.randn(1, 2 * K if fusion == "swiglu" else K, device="cuda", generator=g).to(torch.bfloat16)
+    r = torch.randn(1, N, device="cuda", generator=g).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).to(torch.bfloat16)
+    from accel.ops import torch_rms_norm, torch_swiglu_gate_up
+    kw, fx = {}, x
+    if fusion == "norm":
+        kw, fx = dict(norm_weight=nw, eps=1e-5), torch_rms_norm(x, nw, 1e-5)
+    elif fusion == "swiglu":
+        kw, fx = dict(swiglu=True), torch_swiglu_gate_up(x)
+    elif fusion == "residual":
+        kw = dict(residual=r.clone())
+    got = qgemv(t, x, **kw).float()
+    want = fx.double() @ t.dequantize().double().T + (r.double() if fusion == "residual" else 0)
+    # bf16 output: one rounding of the result (and of the residual sum), 2^-8 relative
+    err = (got.double() - want).abs().max().item()
+    assert err <= 2 ** -7 * want.abs().max().item() + 1e-3, err
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_gguf_gemv_at_a_llama_shape_gpu(fmt):
+    rec = gguf_record(fmt, 3072, 2048, seed=6)
+    t = from_quantized_linear(rec, "cuda")
+    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    got = qgemv(t, x).double().cpu().numpy()[0]
+    want = oracle_product(rec, x.float().cpu().numpy()[0])
+    assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max() + 1e-3
+
+
+@gpu
+@pytest.mark.parametrize("spec", ["int8", "int4:64"])
+@pytest.mark.parametrize("N, K", [(16384, 2048), (3072, 8192)])
+def test_dequantize_at_llama_shapes_equals_the_oracle_gpu(spec, N, K):
+    from refimpl.quant.formats import dequantize_int4, dequantize_int8
+    w = torch.randn(N, K, device="cuda") * 0.02
+    t = quantize(w, QuantSpec.parse(spec))
+    q, s = t.q.cpu().numpy(), t.scale.float().cpu().numpy()
+    want = dequantize_int8(q, s) if spec == "int8" else dequantize_int4(q, s, t.low.float().cpu().numpy(), 64)
+    np.testing.assert_array_equal(bits(t.dequantize().cpu().numpy()), bits(want))
+    np.testing.assert_array_equal(t.dequantize(torch.bfloat16).float().cpu().numpy(),
+                                  torch.from_numpy(want).to(torch.bfloat16).float().numpy())
+
+
+@gpu
+@pytest.mark.parametrize("spec", ["int8", "int4:64"])
+def test_quantized_bf16_engine_on_gpu_tracks_the_refimpl(tmp_path, spec):
+    cfg = tiny_config(tied=True)
+    dense = Checkpoint(tmp_path, cfg, random_params(cfg, seed=11, std=0.15))
+    ckpt = Checkpoint(tmp_path, cfg, quantize_params(dense.params, cfg, QuantSpec.parse(spec)))
+    acc = AccelEngine.from_checkpoint(dense, device="cuda", dtype="bf16", quant=QuantSpec.parse(spec))
+    ref = RefEngine(ckpt)
+    prompt = [3, 17, 42, 5]
+    want = ref.logits(prompt, np.arange(4), ref.new_cache(8))
+    sess = acc.session(16)
+    got = acc.to_numpy(acc.prefill(prompt, sess))[0]
+    assert compare("logits", got, want, TOLERANCES["bf16"]).ok
+    s = Sampling(max_new_tokens=6)
+    assert list(acc.generate(prompt, s))[:2] == list(ref.generate(prompt, s))[:2]  # graph replays, bf16

@@ -1,0 +1,158 @@
+"""Quality of weight-only quantization: KL divergence and top-1 agreement against the unquantized model.
+
+Teacher-forced over a fixed English passage (256 tokens): at every position the quantized model's next-token
+distribution Q is compared with the unquantized one's P; reported per format are mean KL(P || Q) in nats over the
+positions and the fraction where argmax Q == argmax P. Formats: int8, int4 with G = 32/64/128, each with the
+lm_head quantized and kept unquantized (":bf16-head"). A benchmark, not a test: it asserts nothing.
+
+    python -m tools.bench.quant_quality                       # SmolLM2-135M-Instruct on the CPU (the refimpl)
+    python -m tools.bench.quant_quality --random-1b --device cuda   # random Llama-3.2-1B-shaped weights (accel bf16)
+
+SmolLM2: the default model's Q4_1 GGUF dequantized to fp32 is the "unquantized" model; the quantized models
+requantize those fp32 weights. The refimpl runs them dequantized once (refimpl.quant.apply.dequantize_params):
+the same arithmetic as the refimpl's --quant forward, without redoing it per call.
+Random 1B: accel's bf16 engine in trace mode (all 256 positions' logits), the quantized engines quantizing the
+same bf16 weights on the device; the tied embedding is scaled to std 0.066 so logits have a standard deviation
+near 3, as in trained models (tools/bench/agreement.py does the same).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as the CLI: one OpenBLAS thread on a shared machine
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+SPECS = ["int8", "int8:bf16-head", "int4:32", "int4:32:bf16-head", "int4:64", "int4:64:bf16-head", "int4:128",
+         "int4:128:bf16-head"]
+TOKENS = 256
+
+# Public domain (Dickens, A Tale of Two Cities, 1859): ordinary English the model has seen the like of.
+PASSAGE = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, "
+    "it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of "
+    "Darkness, it was the spring of hope, it was the winter of despair, we had everything before us, we had nothing "
+    "before us, we were all going direct to Heaven, we were all going direct the other way - in short, the period "
+    "was so far like the present period, that some of its noisiest authorities insisted on its being received, for "
+    "good or for evil, in the superlative degree of comparison only. There were a king with a large jaw and a queen "
+    "with a plain face, on the throne of England; there were a king with a large jaw and a queen with a fair face, "
+    "on the throne of France. In both countries it was clearer than crystal to the lords of the State preserves of "
+    "loaves and fishes, that things in general were settled for ever. It was the year of Our Lord one thousand "
+    "seven hundred and seventy-five. Spiritual revelations were conceded to England at that favoured period, as at "
+    "this. Mrs. Southcott had recently attained her five-and-twentieth blessed birthday, of whom a prophetic private "
+    "in the Life Guards had heralded the sublime appearance by announcing that arrangements were made for the "
+    "swallowing up of London and Westminster. Even the Cock-lane ghost had been laid only a round dozen of years, "
+    "after rapping out its messages, as the spirits of this very year last past (supernaturally deficient in "
+    "originality) rapped out theirs. Mere messages in the earthly order of events had lately come to the English "
+    "Crown and People, from a congress of British subjects in America.")
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def kl_and_top1(ref_logits: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
+    """[T, V] each -> (mean over T of KL(P_ref || P), fraction of T with the same argmax)."""
+    lp, lq = log_softmax(ref_logits), log_softmax(logits)
+    kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)  # [T]
+    return float(kl.mean()), float((ref_logits.argmax(-1) == logits.argmax(-1)).mean())
+
+
+def smollm2_rows(specs: list[str]) -> tuple[dict, list[dict]]:
+    from refimpl.formats.checkpoint import load_checkpoint
+    from refimpl.model import ops
+    from refimpl.model.llama import KVCache, forward
+    from refimpl.quant.apply import dequantize_params, quantize_params
+    from refimpl.quant.formats import QuantSpec
+    from tools.default_model import default_model_path
+
+    path = default_model_path(fetch_if_missing=True)
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.config
+    ids = np.asarray(ckpt.tokenizer.encode(PASSAGE)[:TOKENS], np.int64)
+    assert len(ids) == TOKENS, f"the passage gives only {len(ids)} tokens"
+
+    def logits_of(params):
+        cache = KVCache.allocate(cfg, TOKENS, lambda s: np.zeros(s, np.float32))
+        return forward(ops, params, cfg, ids, np.arange(TOKENS), cache)  # [T, V]
+
+    t0 = time.perf_counter()
+    ref = logits_of(ckpt.params)
+    print(f"unquantized forward of {TOKENS} tokens: {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = []
+    for text in specs:
+        spec = QuantSpec.parse(text)
+        t0 = time.perf_counter()
+        params = dequantize_params(quantize_params(ckpt.params, cfg, spec))
+        kl, top1 = kl_and_top1(ref, logits_of(params))
+        rows.append({"quant": text, "kl_mean": kl, "top1_agreement": top1, "seconds": time.perf_counter() - t0})
+        print(f"{text:<22} KL {kl:.3e}  top-1 {top1:.4f}  ({rows[-1]['seconds']:.0f} s)", flush=True)
+    return {"model": f"SmolLM2-135M-Instruct ({path.name}, dequantized to fp32)", "engine": "refimpl fp32 (CPU)",
+            "machine": platform.processor() or platform.machine()}, rows
+
+
+def random_1b_rows(specs: list[str], device: str) -> tuple[dict, list[dict]]:
+    import torch
+
+    from accel.engine import AccelEngine
+    from accel.quant_ops import quantize_weights
+    from accel.weights import random_weights
+    from refimpl.model.config import PRESETS
+    from refimpl.model.llama import run_steps
+    from refimpl.quant.formats import QuantSpec
+
+    cfg = PRESETS["llama-3.2-1b"]
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, TOKENS)
+
+    def logits_of(spec):
+        w = random_weights(cfg, device, torch.bfloat16, seed=0)
+        w.embed.mul_(0.066 / 0.02)  # tied: the lm_head too
+        if spec is not None:
+            w = quantize_weights(w, spec)
+        engine = AccelEngine(cfg, w, torch.device(device), "bf16", use_graph=False)
+        cache = engine.new_cache(TOKENS)
+        with torch.no_grad():
+            out = run_steps(engine.steps(ids, np.arange(TOKENS), cache))  # [T, V]
+        return out.float().cpu().numpy()
+
+    ref = logits_of(None)
+    rows = []
+    for text in specs:
+        t0 = time.perf_counter()
+        kl, top1 = kl_and_top1(ref, logits_of(QuantSpec.parse(text)))
+        rows.append({"quant": text, "kl_mean": kl, "top1_agreement": top1, "seconds": time.perf_counter() - t0})
+        print(f"{text:<22} KL {kl:.3e}  top-1 {top1:.4f}", flush=True)
+    return {"model": "random Llama-3.2-1B-shaped weights (seed 0, embedding std 0.066), random token ids",
+            "engine": "accel bf16 trace mode", "machine": torch.cuda.get_device_name(device)}, rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--random-1b", action="store_true", help="random Llama-3.2-1B weights on --device (accel)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated --quant formats")
+    ap.add_argument("--json-out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    specs = [s for s in args.specs.split(",") if s]
+    head, rows = random_1b_rows(specs, args.device) if args.random_1b else smollm2_rows(specs)
+    result = {**head, "tokens": TOKENS, "date": datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M UTC"), "rows": rows}
+    print(f"\n{result['model']} — {result['engine']} — {result['date']}")
+    print(f"{'quant':<22}{'mean KL (nats)':>16}{'top-1 agree':>13}")
+    for r in rows:
+        print(f"{r['quant']:<22}{r['kl_mean']:>16.3e}{r['top1_agreement']:>13.4f}")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
