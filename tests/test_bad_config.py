@@ -102,7 +102,7 @@ def test_config_json_is_a_directory(tmp_path):
     model = make_model(tmp_path / "m")
     (model / "config.json").unlink()
     (model / "config.json").mkdir()
-    assert_clean_error(run_cli(generate_args(model)), "config.json", "cannot read")
+    assert_clean_error(run_cli(generate_args(model)), "config.json", "is a directory, expected a regular file")
 
 
 def test_directory_without_weights(tmp_path):
