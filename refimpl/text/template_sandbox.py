@@ -156,7 +156,7 @@ def _sandbox_class():
                     raise _error("integer product is too large")
                 seq, count = (left, right) if isinstance(right, int) else (right, left)
                 if _size(seq) and isinstance(count, int) and _size(seq) * count > MAX_CHARS:
-                    raise _error(f"repeating a sequence {count} times is past the template limit of {MAX_CHARS}")
+                    raise _error(f"repeating a sequence {count} times is too large (template limit {MAX_CHARS})")
             elif operator == "+":
                 if _size(left) + _size(right) > MAX_CHARS:
                     raise _error(f"'+' would build more than the template limit of {MAX_CHARS}")

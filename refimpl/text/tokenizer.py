@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 
 from refimpl.model.config import LlamaConfig
-from refimpl.errors import CheckpointError, GenerationError
+from refimpl.errors import CheckpointError, GenerationError, quote
 from refimpl.formats.jsonfile import MAX_JSON_BYTES, read_json_object
 from refimpl.formats.safe_open import read_bytes, stat_path
 from refimpl.text.template_sandbox import render, sandbox
@@ -48,6 +48,15 @@ def llama3_pre_tokenizer():
     from tokenizers import Regex, pre_tokenizers
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def check_text(text: str, what: str) -> None:
+    """Text from the OS (argv, files read with surrogateescape) can hold lone surrogates no tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(f"{what} is not valid UTF-8 text (undecodable byte {quote(text[e.start])} at "
+                              f"character {e.start})") from None
 
 
 def _raise_exception(message):
@@ -114,6 +123,7 @@ class TextTokenizer:
 
     # ---- text <-> ids ----
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_text(text, "the prompt")
         ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         if self.bos_id is not None and ids[:2] == [self.bos_id, self.bos_id]:
             ids = ids[1:]  # the text carried a BOS and the post-processor added another

@@ -20,6 +20,7 @@ from tools.engines import resolve_model
 from tools.engines import engine_for
 from tools.debug.golden import engine_dtype, first_divergence, lockstep, report
 from tools.cli.golden import key_filter
+from tools.cli.params import Count, UserPath
 
 
 def diff_engines(a, b, prompt_ids: list[int], decode_steps: int, dtype: str | None = None, keep=lambda key: True,
@@ -56,14 +57,14 @@ def diff_engines(a, b, prompt_ids: list[int], decode_steps: int, dtype: str | No
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
               help="accel compute dtype, and the tolerance used (default: the engines' own; bf16 if either is).")
 @click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
-@click.option("--steps", "decode_steps", default=2, show_default=True, type=click.IntRange(0, 1024),
+@click.option("--steps", "decode_steps", default=2, show_default=True, type=Count(0, 1024),
               help="Greedy decode steps after the prefill.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
 @click.option("--filter", "filters", multiple=True, help="Glob over activation names (repeatable).")
 @click.option("--isolate", is_flag=True, help="Feed b a's input to every op, so each row measures one op alone.")
-@click.option("--dump", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--dump", type=UserPath(output=True), default=None,
               help="Save both sides' activations (safetensors, keys a/<step>/<name>, b/<step>/<name>).")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--plot", type=UserPath(output=True), default=None,
               help="Draw the error per layer to a PNG (needs matplotlib).")
 @click.option("--verbose", "-v", is_flag=True, help="Print every row, not just the per-layer summary.")
 def diff(prompt, model, a_backend, b_backend, dtype, device, decode_steps, chat, filters, isolate, dump, plot,

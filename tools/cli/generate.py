@@ -12,6 +12,7 @@ from refimpl.errors import GenerationError
 from refimpl.generate import Sampling
 
 from tools.engines import BACKENDS, load_engine, resolve_backend, resolve_model
+from tools.cli.params import UserPath
 
 
 class TextStream:
@@ -44,7 +45,7 @@ class TextStream:
 @click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="accel weight dtype (default bf16).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
-@click.option("--lora", "lora", default=None, type=click.Path(path_type=Path),
+@click.option("--lora", "lora", default=None, type=UserPath(),
               help="PEFT LoRA adapter directory, merged (fp32) into the weights after loading.")
 def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, seed, backend, device, dtype,
              as_json, lora=None):
