@@ -73,25 +73,25 @@ def _number(value, what: str, path: Path, integer: bool = False):
     return int(value) if integer else float(value)
 
 
-def _pattern_value(patterns: dict, module: str, default, what: str, path: Path):
+def _pattern_value(patterns: dict, module: str, default, what: str, matcher: BoundedMatcher):
     """PEFT's get_pattern_key: the first pattern (in file order) matching the end of the module name."""
-    matcher = BoundedMatcher(path)
     for pattern, value in patterns.items():
         if matcher.match(rf"(.*\.)?({pattern})$", module, f"{what} key", pattern):
             return value
     return default
 
 
-def module_scale(d: dict, module: str, path: Path) -> tuple[int, float]:
+def module_scale(d: dict, module: str, path: Path, matcher: BoundedMatcher | None = None) -> tuple[int, float]:
     """(rank, scale) PEFT gives `module` (e.g. 'model.layers.0.self_attn.q_proj') under adapter config `d`."""
+    matcher = matcher or BoundedMatcher(path)
     r = _number(d.get("r", 8), "r", path, integer=True)
     alpha = _number(d.get("lora_alpha", 8), "lora_alpha", path)
     rank_pattern, alpha_pattern = d.get("rank_pattern") or {}, d.get("alpha_pattern") or {}
     if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
         raise CheckpointError(f"{path}: rank_pattern and alpha_pattern must be objects of pattern -> value")
-    r = _number(_pattern_value(rank_pattern, module, r, "rank_pattern", path), f"rank_pattern for {module}",
+    r = _number(_pattern_value(rank_pattern, module, r, "rank_pattern", matcher), f"rank_pattern for {module}",
                 path, integer=True)
-    alpha = _number(_pattern_value(alpha_pattern, module, alpha, "alpha_pattern", path),
+    alpha = _number(_pattern_value(alpha_pattern, module, alpha, "alpha_pattern", matcher),
                     f"alpha_pattern for {module}", path)
     return r, (alpha / math.sqrt(r) if d.get("use_rslora") else alpha / r)
 
@@ -151,7 +151,8 @@ def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
         raise CheckpointError(f"{weights}: holds no LoRA matrices")
     for module, ab in pairs.items():  # a matrix for a module this base lacks or llama32 cannot merge: refused
         _param_name(module, "a tensor adapts", cfg, weights)
-    targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path)
+    matcher = BoundedMatcher(cfg_path)  # one matching budget for the whole adapter
+    targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher)
     for module in targeted:  # PEFT raises on a targeted module it cannot adapt; llama32 merges only linears
         _param_name(module, "target_modules selects", cfg, cfg_path)
     skipped = [module for module in pairs if module not in set(targeted)]
@@ -166,7 +167,7 @@ def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
             missing = "lora_B" if "A" in ab else "lora_A"
             raise CheckpointError(f"{weights}: module {module!r} has no {missing} matrix")
         name = _param_name(module, "a tensor adapts", cfg, weights)
-        rank, scale = module_scale(d, module, cfg_path)
+        rank, scale = module_scale(d, module, cfg_path, matcher)
         d_out, d_in = shapes[name]
         a_shape, b_shape = st.tensors[ab["A"]].shape, st.tensors[ab["B"]].shape
         if a_shape != (rank, d_in) or b_shape != (d_out, rank):

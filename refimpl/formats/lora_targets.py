@@ -12,13 +12,14 @@ with the same syntax and result as `re` for every pattern that finishes.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from refimpl.errors import CheckpointError, quote
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_DEFAULT_TARGETS = ["q_proj", "v_proj"]  # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["llama"]
-MATCH_SECONDS = 0.25  # one match of a pattern against a module name; real patterns take microseconds
+MATCH_SECONDS = 1.0  # all pattern matching for one adapter; real patterns take microseconds a match
 MAX_PATTERN_CHARS = 10_000
 
 
@@ -34,11 +35,13 @@ def llama_modules(num_layers: int) -> list[str]:
 
 
 class BoundedMatcher:
-    """re.match / re.fullmatch semantics, each call limited to MATCH_SECONDS; errors name the config field."""
+    """re.match / re.fullmatch semantics; all calls together limited to MATCH_SECONDS of matching (so 400 module
+    names times a slow pattern cannot add up either); errors name the config field."""
 
     def __init__(self, path: Path):
         self.path = path
         self._compiled: dict[str, object] = {}
+        self.spent = 0.0
 
     def _compile(self, pattern, what: str):
         import regex
@@ -58,11 +61,15 @@ class BoundedMatcher:
 
     def _run(self, method: str, pattern: str, text: str, what: str, shown: str):
         compiled = self._compile(pattern, what)
+        start = time.perf_counter()
         try:
-            return getattr(compiled, method)(text, timeout=MATCH_SECONDS)
+            return getattr(compiled, method)(text, timeout=max(MATCH_SECONDS - self.spent, 1e-3))
         except TimeoutError:
-            raise CheckpointError(f"{self.path}: {what} {quote(shown)} takes more than {MATCH_SECONDS:g} s to "
-                                  f"match {quote(text)} (a pattern that backtracks exponentially?)") from None
+            raise CheckpointError(f"{self.path}: {what} {quote(shown)} took more than {MATCH_SECONDS:g} s to "
+                                  f"match module names such as {quote(text)} (a pattern that backtracks "
+                                  f"exponentially?)") from None
+        finally:
+            self.spent += time.perf_counter() - start
 
     def fullmatch(self, pattern: str, text: str, what: str) -> bool:
         return self._run("fullmatch", pattern, text, what, pattern) is not None
@@ -136,7 +143,7 @@ def is_targeted(d: dict, key: str, m: BoundedMatcher) -> bool:
     return index is not None and (index == layers if isinstance(layers, int) else index in layers)
 
 
-def targeted_modules(d: dict, num_layers: int, path: Path) -> list[str]:
+def targeted_modules(d: dict, num_layers: int, path: Path, m: BoundedMatcher | None = None) -> list[str]:
     """The module names PEFT adapts in a Llama of `num_layers` layers; refused where PEFT raises."""
     _check_shape(d, path)
     if isinstance(d.get("target_modules"), list) and not all(isinstance(t, str) for t in d["target_modules"]):
@@ -144,7 +151,7 @@ def targeted_modules(d: dict, num_layers: int, path: Path) -> list[str]:
                               f"{quote(d['target_modules'])}")
     if isinstance(d.get("target_modules"), str) and d["target_modules"].lower() == "all-linear":
         d = {**d, "target_modules": list(LLAMA_LINEARS)}  # PEFT: every nn.Linear except the output layer
-    m = BoundedMatcher(path)
+    m = m or BoundedMatcher(path)
     hits = [key for key in llama_modules(num_layers) if is_targeted(d, key, m)]
     if not hits:
         targets = d.get("target_modules", PEFT_DEFAULT_TARGETS)
