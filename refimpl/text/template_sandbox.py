@@ -25,7 +25,7 @@ from datetime import datetime
 
 MAX_STEPS = 1_000_000  # real chat templates take a few steps per message; 50k messages fit
 MAX_SECONDS = 10.0
-MAX_CHARS = 16 * 1024 * 1024  # any one string or sequence a template builds, and the rendered prompt
+MAX_CHARS = 16 * 1024 * 1024  # any one string (characters) or sequence (8 × items) a template builds; the output
 MAX_WIDTH = 100_000  # width/count arguments (center, indent, truncate, batch, ljust...): real templates use < 100
 MAX_INT_BITS = 64 * 1024  # integer arithmetic past 64 Kibit is seconds to hours of bignum work
 MAX_JSON_INDENT = 64
@@ -53,7 +53,10 @@ def _error(message: str) -> Exception:
 
 
 def _size(value) -> int:
-    return len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else 0
+    """Characters of a string; 8 per item of a container (its pointer), so both kinds share one budget."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    return 8 * len(value) if isinstance(value, (list, tuple, dict)) else 0
 
 
 def _check_width(value, what: str) -> None:
@@ -121,7 +124,8 @@ def _sandbox_class():
 
         def checked(self, value, what: str = "a value"):
             if _size(value) > MAX_CHARS:
-                raise _error(f"{what} of {_size(value)} items is past the template limit of {MAX_CHARS}")
+                raise _error(f"{what} is too large ({_size(value)} characters or 8 × items; template limit "
+                             f"{MAX_CHARS})")
             return value
 
         def loop_budget(self, iterable):
