@@ -15,7 +15,7 @@ import numpy as np
 from refimpl.model import ops
 from refimpl.formats.params import Checkpoint
 from refimpl.errors import GenerationError, NonFiniteError, quote
-from refimpl.model.llama import KVCache, forward, forward_steps
+from refimpl.model.llama import KVCache, forward_steps, run_steps
 
 
 @dataclass(frozen=True)
@@ -115,21 +115,25 @@ class RefEngine:
         return forward_steps(ops, self.params, self.config, np.asarray(ids, np.int64),
                              np.asarray(positions, np.int64), cache, last_logits_only)
 
-    def logits(self, ids, positions, cache: KVCache) -> np.ndarray:
-        """Next-token logits [V] after `ids`; NaN/Inf raise NonFiniteError naming the first activation."""
+    def logits(self, ids, positions, cache: KVCache, **inputs) -> np.ndarray:
+        """Next-token logits [V] after `ids`; NaN/Inf raise NonFiniteError naming the first activation.
+        `inputs`: a multimodal engine's extra prompt inputs (images), passed on to `steps`."""
         ids, positions = np.asarray(ids, np.int64), np.asarray(positions, np.int64)
         with np.errstate(all="ignore"):  # non-finite values are reported below by name, not as NumPy warnings
-            out = forward(ops, self.params, self.config, ids, positions, cache, last_logits_only=True)[-1]
+            out = run_steps(self.steps(ids, positions, cache, last_logits_only=True, **inputs))[-1]
             if not np.isfinite(out).all():
-                raise nonfinite_error(self.steps(ids, positions, cache, last_logits_only=True), int(positions[0]))
+                raise nonfinite_error(self.steps(ids, positions, cache, last_logits_only=True, **inputs),
+                                      int(positions[0]))
         return out
 
-    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=()) -> Iterator[int]:
-        cfg = self.config
-        check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, cfg.max_position_embeddings)
+    def check_prompt(self, prompt_ids: list[int], s: Sampling, **inputs) -> None:
+        check_prompt(prompt_ids, self.config.vocab_size, s.max_new_tokens, self.config.max_position_embeddings)
+
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), **inputs) -> Iterator[int]:
+        self.check_prompt(prompt_ids, s, **inputs)
         rng = np.random.default_rng(s.seed)
         cache = self.new_cache(len(prompt_ids) + s.max_new_tokens)
-        logits = self.logits(prompt_ids, np.arange(len(prompt_ids)), cache)
+        logits = self.logits(prompt_ids, np.arange(len(prompt_ids)), cache, **inputs)
         pos = len(prompt_ids)
         for n in range(s.max_new_tokens):
             token = sample(logits, s, rng)

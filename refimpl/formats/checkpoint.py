@@ -15,25 +15,32 @@ from typing import Iterator
 import numpy as np
 
 from refimpl.model.config import LlamaConfig
-from refimpl.errors import CheckpointError
+from refimpl.model.mllama_config import is_mllama_config
+from refimpl.errors import CheckpointError, ConfigError
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.progress import Progress
 from refimpl.formats.gguf_loader import load_gguf
 from refimpl.formats.params import Checkpoint, check_params, expected_shapes
 from refimpl.formats.safe_open import check_path, open_regular, stat_path
-from refimpl.formats.safetensors_io import save_safetensors
+from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
 from refimpl.formats.shards import open_shards, weight_files  # noqa: F401  (weight_files: re-exported)
+
+
+def read_headers(model_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str, tuple[int, ...]]]:
+    """({tensor name: the opened file holding it}, {tensor name: shape}) from the headers alone."""
+    where, files = open_shards(model_dir)
+    holder = {name: files[path] for name, path in where.items()}
+    return holder, {name: st.tensors[name].shape for name, st in holder.items()}
 
 
 def iter_safetensors(model_dir: Path, cfg: LlamaConfig) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, float32 array) for every expected tensor, validating names and shapes first."""
-    where, files = open_shards(model_dir)
-    shapes = {name: files[path].tensors[name].shape for name, path in where.items()}
+    holder, shapes = read_headers(model_dir)
     extra = check_params(shapes, cfg, str(model_dir))
     if extra:
         print(f"warning: {model_dir}: ignoring {len(extra)} unknown tensor(s), e.g. {extra[0]!r}", file=sys.stderr)
     for name in expected_shapes(cfg):
-        yield name, files[where[name]].load_weight(name)
+        yield name, holder[name].load_weight(name)
 
 
 def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
@@ -46,6 +53,9 @@ def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Checkpoint
         raise CheckpointError(f"{path}: no such file or directory (expected a model directory or a .gguf file)")
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{path}: expected a model directory (with config.json) or a .gguf file")
+    if is_mllama_config(read_json_object(path / "config.json", "a model directory needs config.json", ConfigError)):
+        from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
+        return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer)
     cfg = LlamaConfig.from_file(path / "config.json")
     params = {}
     # 9 tensors a layer + embed + norm (+ lm_head): counted, not listed, so 10^12 claimed layers fail in

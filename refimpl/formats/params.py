@@ -43,12 +43,16 @@ def check_params(names_shapes: dict[str, tuple], cfg: LlamaConfig, source: str) 
                  if f"model.layers.{i}.input_layernorm.weight" not in names_shapes)
         raise CheckpointError(f"{source}: missing tensor 'model.layers.{i}.input_layernorm.weight' and more "
                               f"(config.json describes {cfg.num_hidden_layers} layers)")
-    want = expected_shapes(cfg)
+    return check_shapes(names_shapes, expected_shapes(cfg), source, f"{cfg.num_hidden_layers} layers")
+
+
+def check_shapes(names_shapes: dict[str, tuple], want: dict[str, tuple], source: str, layers: str) -> list[str]:
+    """Raise on a tensor of `want` missing or shaped otherwise; return the unknown extra names.
+    `layers` says what config.json describes ("16 layers"), for the message."""
     missing = [n for n in want if n not in names_shapes]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}{more} (config.json describes "
-                              f"{cfg.num_hidden_layers} layers)")
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}{more} (config.json describes {layers})")
     for n, shape in want.items():
         if tuple(names_shapes[n]) != shape:
             raise CheckpointError(f"{source}: tensor {n!r} has shape {list(names_shapes[n])}, but config.json "

@@ -10,6 +10,12 @@ Dimension letters, used in every shape comment of the project:
     K  key/value heads (H % K == 0)   E  head_dim                           R  LoRA rank
     N  cross-attention (image) tokens
 
+Vision letters (the image encoder of Llama 3.2 Vision; H and E there are the encoder's heads and head_dim):
+    I  images in the prompt           A  tiles per image (max_num_tiles)    C  colour channels
+    X  tile side in pixels            Z  patch side in pixels (14)          P  tokens per tile: patches + class
+    Q  P padded to a multiple of 8    L  encoder sequence, A·Q              U  encoder hidden_size
+    M  encoder intermediate_size      J  intermediate layers kept           O  vision_output_dim, U·(1 + J)
+
 Dtype rules (accel; the refimpl is float32 throughout):
     * activations flow in the model dtype (bf16 or fp32); weights are in the model dtype;
     * rms_norm reduces in fp32, casts the normalized value back to the input dtype, *then* multiplies by the weight
@@ -67,7 +73,8 @@ class Ops(Protocol):
         """Non-causal GQA attention of text queries over precomputed image keys/values (Llama 3.2 Vision).
 
         q [T, H, E], k/v [K, N, E], mask [T, N] bool (True = may attend) or None (all visible) -> [T, H, E].
-        A query row with no visible key outputs zeros (Mllama's full_text_row_masked_out_mask).
+        A query row with no visible key outputs zeros (Meta's reference zeroes such rows so). HF's Mllama, which
+        refimpl.model.mllama reproduces, never passes such a row: it lets it attend to every image token.
         """
 
     def lora_merge(self, weight: Array, lora_a: Array, lora_b: Array, scale: float) -> Array:
@@ -75,6 +82,27 @@ class Ops(Protocol):
         in fp32 and cast to weight's dtype (merging in bf16 rounds twice). PEFT: scale = alpha/r, or
         alpha/sqrt(r) with use_rslora."""
 
+
+@runtime_checkable
+class VisionOps(Protocol):
+    """The extra ops of the Llama 3.2 Vision encoder (accel: `accel.vision_ops`)."""
+
+    def layer_norm(self, x: Array, weight: Array, bias: Array, eps: float) -> Array:
+        """x [..., U], weight/bias [U] -> (x − mean) / sqrt(var + eps) · weight + bias, biased variance over the
+        last axis (torch's LayerNorm), [..., U]. Reduces in fp32."""
+
+    def gelu(self, x: Array) -> Array:
+        """x · Φ(x) with the exact erf form of the normal CDF (torch's default GELU, HF's ACT2FN['gelu']), [...]."""
+
+    def encoder_attention(self, q: Array, k: Array, v: Array, mask: Array | None = None) -> Array:
+        """Non-causal attention within one sequence (the vision encoder; no cache, no RoPE).
+
+        q [L, H, E], k/v [L, K, E], mask [L, L] bool (True = may attend) or None (all visible) -> [L, H, E].
+        Scale 1/sqrt(E); every row must see at least one key (the encoder's padding mask guarantees it).
+        """
+
+
+VISION_OP_NAMES: tuple[str, ...] = ("layer_norm", "gelu", "encoder_attention")
 
 OP_NAMES: tuple[str, ...] = ("embedding", "rms_norm", "rope_tables", "rope", "linear", "attention", "swiglu",
                              "cross_attention", "lora_merge")

@@ -66,14 +66,19 @@ def attention_block(ops, p: dict, x, cfg: LlamaConfig, i: int, cos, sin, cache: 
     return (yield from emit(n + "resid_mid", x + o))
 
 
-def mlp_block(ops, p: dict, x, cfg: LlamaConfig, i: int) -> Steps:
+def mlp_branch(ops, p: dict, x, cfg: LlamaConfig, i: int) -> Steps:
+    """The MLP's contribution to the residual stream, [T, D] (norm, SwiGLU, down projection)."""
     n = f"layers.{i}."
     h = yield from emit(n + "mlp_norm", ops.rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps))
     gate = yield from emit(n + "mlp.gate", ops.linear(h, p["mlp.gate_proj.weight"]))  # [T, D] -> [T, F]
     up = yield from emit(n + "mlp.up", ops.linear(h, p["mlp.up_proj.weight"]))  # [T, D] -> [T, F]
     act = yield from emit(n + "mlp.act", ops.swiglu(gate, up))  # [T, F]
-    down = yield from emit(n + "mlp.down", ops.linear(act, p["mlp.down_proj.weight"]))  # [T, F] -> [T, D]
-    return (yield from emit(n + "resid_post", x + down))
+    return (yield from emit(n + "mlp.down", ops.linear(act, p["mlp.down_proj.weight"])))  # [T, F] -> [T, D]
+
+
+def mlp_block(ops, p: dict, x, cfg: LlamaConfig, i: int) -> Steps:
+    down = yield from mlp_branch(ops, p, x, cfg, i)
+    return (yield from emit(f"layers.{i}.resid_post", x + down))
 
 
 _LAYER_KEYS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -81,9 +86,9 @@ _LAYER_KEYS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k
                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
-def layer_params(params: dict, i: int) -> dict:
+def layer_params(params: dict, i: int, prefix: str = "model.layers.") -> dict:
     """The layer's tensors, keyed by their names inside the layer (`self_attn.q_proj.weight`)."""
-    return {key: params[f"model.layers.{i}.{key}"] for key in _LAYER_KEYS}
+    return {key: params[f"{prefix}{i}.{key}"] for key in _LAYER_KEYS}
 
 
 def forward_steps(ops, params: dict, cfg: LlamaConfig, ids, positions, cache: KVCache,

@@ -2,7 +2,7 @@
 
 float32 in, float32 out. Each op is a small pure function; the shape comments use the letters declared in
 `refimpl.model.interface` (T tokens, S cache, D hidden, F ffn, V vocab, H q-heads, K kv-heads, E head_dim, R rank,
-N image tokens).
+N image tokens). The vision ops (`interface.VisionOps`) follow the text ops.
 """
 from __future__ import annotations
 
@@ -104,3 +104,46 @@ def cross_attention(q, k, v, mask=None):
 def lora_merge(weight, lora_a, lora_b, scale):
     delta = lora_b.astype(F32) @ lora_a.astype(F32)  # [Dout, R] @ [R, Din] -> [Dout, Din]
     return (weight.astype(F32) + F32(scale) * delta).astype(weight.dtype)
+
+
+# ---- vision ops (interface.VisionOps) ----
+
+def layer_norm(x, weight, bias, eps):
+    mean = np.mean(x, axis=-1, keepdims=True)  # [..., U] -> [..., 1]
+    centered = x - mean
+    variance = np.mean(centered * centered, axis=-1, keepdims=True)  # biased, as torch's LayerNorm
+    return centered / np.sqrt(variance + F32(eps)) * weight + bias  # [..., U] * [U] + [U] -> [..., U]
+
+
+# Coefficients of the Chebyshev fit to erfc(z)·exp(z²) (Numerical Recipes, `erfcc`): fractional error < 1.2e-7
+# everywhere, evaluated in float64, so erf is good to the last bit of a float32 result.
+_ERFC_COEFFS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398,
+                1.48851587, -0.82215223, 0.17087277)
+
+
+def erf(x):
+    z = np.abs(np.asarray(x, np.float64))
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = np.zeros_like(z)
+    for c in reversed(_ERFC_COEFFS[1:]):
+        poly = (poly + c) * t
+    erfc = t * np.exp(-z * z + _ERFC_COEFFS[0] + poly)
+    return np.where(np.asarray(x) >= 0, 1.0 - erfc, erfc - 1.0)
+
+
+def gelu(x):
+    """x · Φ(x) with the exact (erf) normal CDF, as torch's default GELU (HF's ACT2FN['gelu']); no tanh form."""
+    x64 = np.asarray(x, np.float64)
+    return (0.5 * x64 * (1.0 + erf(x64 / np.sqrt(2.0)))).astype(F32)
+
+
+ENCODER_QUERY_BLOCK = 512  # a 4-tile image has L = 6432: whole [H, L, L] scores would take 2.6 GB in fp32
+
+
+def encoder_attention(q, k, v, mask=None):
+    L = q.shape[0]
+    visible = np.ones((L, L), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)  # [L, L]
+    kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [L, K, E] -> [K, L, E]
+    blocks = range(0, L, ENCODER_QUERY_BLOCK)  # rows are independent: blocks of queries bound the score matrix
+    return np.concatenate([_grouped_attention(q[s:s + ENCODER_QUERY_BLOCK], kt, vt,
+                                              visible[s:s + ENCODER_QUERY_BLOCK]) for s in blocks])  # [L, H, E]
