@@ -178,3 +178,35 @@ def test_fuzz_config_fields(changes, rope):
         assert d.get("hidden_act", "silu") == "silu" and d.get("attention_bias", False) is False
         json.dumps(cfg.to_hf())
     assert time.perf_counter() - t0 < 1.0
+
+
+# ---- Llama 3.2 Vision: the same table mechanism over MllamaConfig and its two sub-configs ----
+def mllama_field_names():
+    from transformers.models.mllama import configuration_mllama as m
+    common = {f.name for f in dataclasses.fields(transformers.PretrainedConfig)}
+    return {cls: {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")} | common
+            for cls in (m.MllamaConfig, m.MllamaTextConfig, m.MllamaVisionConfig)}
+
+
+def test_mllama_tables_cover_every_hf_field():
+    from refimpl.model.config_fields import MLLAMA_FIELDS, MLLAMA_TEXT_FIELDS, MLLAMA_VISION_FIELDS
+    tables = dict(zip(mllama_field_names(), (MLLAMA_FIELDS, MLLAMA_TEXT_FIELDS, MLLAMA_VISION_FIELDS)))
+    for cls, table in tables.items():
+        missing = sorted(n for n in mllama_field_names()[cls] if n not in table)
+        assert not missing, f"{cls.__name__}: decide {missing} in refimpl/model/config_fields.py"
+
+
+@pytest.mark.parametrize("section, name, value", [
+    ("text_config", "hidden_act", "gelu"), ("text_config", "mlp_bias", True), ("text_config", "attention_bias", True),
+    ("text_config", "tie_word_embeddings", "no"), ("text_config", "rope_scaling", {"rope_type": "yarn"}),
+    ("vision_config", "hidden_act", "quick_gelu"), ("vision_config", "model_type", "clip_vision_model"),
+    (None, "architectures", ["LlavaForConditionalGeneration"]), (None, "quantization_config", {"bits": 4}),
+])
+def test_mllama_refused_fields(section, name, value):
+    from test_vision_checkpoint import tiny_config as mllama_tiny
+    from refimpl.model.mllama_config import MllamaConfig
+    d = mllama_tiny()
+    MllamaConfig.from_hf(d)  # the unedited config is fine
+    (d[section] if section else d)[name] = value
+    with pytest.raises(ConfigError, match=name):
+        MllamaConfig.from_hf(d)

@@ -141,3 +141,34 @@ ROPE_FIELDS: dict[str, Field] = {
         "attention_factor", "beta_fast", "beta_slow", "short_factor", "long_factor", "mscale", "mscale_all_dim",
         "truncate")},
 }
+
+# HF's MllamaConfig (transformers/models/mllama/configuration_mllama.py): the outer config, then its sub-configs.
+MLLAMA_FIELDS: dict[str, Field] = {
+    **PRETRAINED_FIELDS,
+    "architectures": refused_unless(absent_or(lambda v: isinstance(v, list) and "MllamaForConditionalGeneration" in v),
+                                    "['MllamaForConditionalGeneration'] or none"),
+    "model_type": refused_unless(equals("mllama"), "'mllama'"),
+    "text_config": implemented("checked with MLLAMA_TEXT_FIELDS, then read as a Llama decoder"),
+    "vision_config": implemented("checked with MLLAMA_VISION_FIELDS"),
+    "image_token_index": implemented(), "image_token_id": implemented("transformers 5's name for image_token_index"),
+}
+
+MLLAMA_TEXT_FIELDS: dict[str, Field] = {
+    **LLAMA_FIELDS,  # the decoder is read by LlamaConfig.from_hf, so every Llama decision holds
+    "model_type": refused_unless(equals("mllama_text_model", "llama"), "'mllama_text_model'"),
+    "cross_attention_layers": implemented(),
+    "head_dim": ignored("HF's Mllama derives it from hidden_size / num_attention_heads and never reads it"),
+    "dropout": ignored("dropout is applied only while training"),
+}
+
+MLLAMA_VISION_FIELDS: dict[str, Field] = {
+    **PRETRAINED_FIELDS,
+    "model_type": refused_unless(equals("mllama_vision_model"), "'mllama_vision_model'"),
+    **{k: implemented() for k in (
+        "hidden_size", "num_hidden_layers", "num_global_layers", "attention_heads", "num_channels",
+        "intermediate_size", "vision_output_dim", "image_size", "patch_size", "norm_eps", "max_num_tiles",
+        "intermediate_layers_indices", "supported_aspect_ratios")},
+    "hidden_act": refused_unless(equals("gelu"), "'gelu' (the vision encoder's exact-erf GELU)"),
+    "initializer_range": ignored("only initialises new weights; loaded weights replace them"),
+    "attention_dropout": ignored("dropout is applied only while training"),
+}
