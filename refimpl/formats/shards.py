@@ -50,6 +50,8 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         return {name: single for name in SafetensorsFile(regular_file(single)).names()}
     found = sorted(p.name for p in model_dir.glob("*.safetensors"))
     hint = f" (found {', '.join(found)} without an index)" if found else ""
+    if not found and any(model_dir.glob("pytorch_model*.bin")):
+        hint = " (pytorch_model.bin is a pickle, which llama32 never loads: re-save with safe_serialization)"
     raise CheckpointError(f"{model_dir}: no {SINGLE} or {INDEX}{hint}")
 
 
