@@ -278,3 +278,22 @@ def test_quote_and_one_line():
     assert len(line) <= MAX_LINE_CHARS and "\n" not in line and "\x00" not in line
     line.encode("utf-8")  # printable on any terminal
     assert str(Llama32Error("a\nb")) == "a\\nb"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("ids", [10 ** 9], "token id 1000000000, outside the vocabulary"), ("ids", [-1], "token id -1"),
+    ("positions", [2 ** 70], "position"),
+])
+def test_golden_manifest_out_of_range(tmp_path, field, value, message):
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[1] / "golden" / "toy-gqa"
+    d = shutil.copytree(src, tmp_path / "toy-gqa")
+    manifest = json.loads((d / "golden.json").read_text())
+    manifest["steps"][1][field] = value
+    (d / "golden.json").write_text(json.dumps(manifest))
+    assert_clean_error(run_cli(["golden", "check", "--golden", d]), "golden.json", message)
+
+
+def test_nul_in_dump_option(tmp_path):
+    model = make_model(tmp_path / "m")
+    assert_clean_error(run_cli(["diff", "w1", "--model", model, "--b", "refimpl", "--dump", "x\0.st"]), "--dump", "NUL")
