@@ -15,6 +15,7 @@ import re
 MAX_VALUE_CHARS = 80  # one quoted value
 MAX_LINE_CHARS = 300  # the whole `error: ...` line
 MAX_RUN_CHARS = 160  # an unquoted run without spaces: room for a long path, not for a 100,000-character name
+MIN_RUN_CHARS = 48  # how far a run is shortened when the whole line is too long
 _LONG_RUN = re.compile(r"\S{%d,}" % (MAX_RUN_CHARS + 1))
 
 
@@ -39,6 +40,14 @@ def one_line(message: str, limit: int = MAX_LINE_CHARS - len("error: ")) -> str:
     text = str(message).encode("utf-8", "backslashreplace").decode("utf-8")
     text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
     text = _LONG_RUN.sub(lambda m: _shorten(m.group(), MAX_RUN_CHARS), text)
+    # still too long: shorten the longest unbroken runs (paths) first, so the words that explain survive
+    while len(text) > limit:
+        runs = [m for m in re.finditer(r"\S{%d,}" % (MIN_RUN_CHARS + 1), text)]
+        if not runs:
+            break
+        run = max(runs, key=lambda m: len(m.group()))
+        keep = max(MIN_RUN_CHARS, len(run.group()) - (len(text) - limit))
+        text = text[:run.start()] + _shorten(run.group(), keep) + text[run.end():]
     return _shorten(text, limit)
 
 

@@ -162,3 +162,45 @@ def test_module_list_is_hf_s():
                                    num_attention_heads=2, num_key_value_heads=1)
     names = [n for n, _ in transformers.LlamaForCausalLM(cfg).named_modules() if n]
     assert llama_modules(3) == names
+
+
+# ---- fuzz: our module choice equals PEFT's check_target_module_exists on random configs ----
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+NAMES = st.sampled_from(["q_proj", "v_proj", "down_proj", "mlp", "self_attn", "lm_head", "layers", "0", "norm",
+                         "model.layers.1.self_attn.k_proj", "up_proj", "embed_tokens"])
+REGEXES = st.sampled_from([r".*q_proj", r"model\.layers\.[01]\.mlp\..*", r".*\.(k|o)_proj", r"lm_head", r".*",
+                           r"(.*)*X", r"[^.]+"])
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(targets=st.none() | st.lists(NAMES, max_size=4) | REGEXES,
+       layers=st.none() | st.integers(-1, 3) | st.lists(st.integers(0, 3), max_size=3),
+       pattern=st.none() | st.sampled_from(["layers", ["blocks", "layers"], "h", ""]),
+       exclude=st.none() | st.lists(NAMES, max_size=2) | REGEXES)
+def test_fuzz_targets_agree_with_peft(targets, layers, pattern, exclude):
+    from types import SimpleNamespace
+    from peft.tuners.tuners_utils import check_target_module_exists
+    d = {"target_modules": targets, "layers_to_transform": layers, "layers_pattern": pattern,
+         "exclude_modules": exclude}
+    t0 = time.perf_counter()
+    try:
+        ours = targeted_modules(d, 2, Path("adapter_config.json"))
+    except CheckpointError as e:
+        ours = None
+        assert len(str(e)) <= 300
+    assert time.perf_counter() - t0 < 5
+    if isinstance(targets, str) and (layers is not None or pattern is not None) or (pattern and layers is None):
+        assert ours is None  # LoraConfig.__post_init__ raises for these
+        return
+    peft_cfg = SimpleNamespace(target_modules=["q_proj", "v_proj"] if targets is None else targets,
+                               layers_to_transform=layers, layers_pattern=pattern, exclude_modules=exclude,
+                               target_parameters=None, modules_to_save=None)
+    theirs = [k for k in llama_modules(2)
+              if check_target_module_exists(peft_cfg, k) and type(check_target_module_exists(peft_cfg, k)).__name__
+              != "_ExcludedModule"]
+    if ours is None:
+        assert not theirs or any(k.split(".")[-1] not in lora_targets.LLAMA_LINEARS for k in theirs) or not theirs
+    else:
+        assert ours == theirs

@@ -23,7 +23,7 @@ from refimpl.formats.gguf_loader import load_gguf
 from refimpl.formats.params import Checkpoint, check_params, expected_shapes
 from refimpl.formats.safe_open import check_path, open_regular, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
-from refimpl.formats.shards import open_shards, weight_files  # noqa: F401  (weight_files: re-exported)
+from refimpl.formats.shards import open_shards
 
 
 def read_headers(model_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str, tuple[int, ...]]]:

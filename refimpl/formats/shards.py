@@ -27,8 +27,8 @@ def shard_path(model_dir: Path, shard, index: Path) -> Path:
     name = check_path(shard, f"{index}: shard name")
     parts = PurePosixPath(shard.replace("\\", "/")).parts
     if name.is_absolute() or shard.startswith(("/", "\\")) or ".." in parts or (parts and ":" in parts[0]):
-        raise CheckpointError(f"{index}: shard name {quote(shard)} must be a file name inside {model_dir} "
-                              f"(no absolute path, no '..')")
+        raise CheckpointError(f"{index}: names shard {quote(shard)}, but a shard must be a file inside "
+                              f"{model_dir} (no absolute path, no '..')")
     path = model_dir / shard
     st = stat_path(path, f"a shard named in {index.name}")
     if st is None or not stat.S_ISREG(st.st_mode):
@@ -42,7 +42,8 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     single, index = model_dir / SINGLE, model_dir / INDEX
     if stat_path(index) is not None:
         weight_map = read_json_object(index, "a safetensors index with a weight_map").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
+        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in
+                                                                         weight_map.values()):
             raise CheckpointError(f"{index}: expected a 'weight_map' object of tensor name -> shard file")
         shards = {shard: shard_path(model_dir, shard, index) for shard in dict.fromkeys(weight_map.values())}
         return {name: shards[shard] for name, shard in weight_map.items()}

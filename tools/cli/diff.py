@@ -6,7 +6,6 @@ a's logits (so a divergence in b cannot change what the two are asked to compute
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 import numpy as np
