@@ -158,7 +158,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) |
                                                                                 max_size=4), max_leaves=10)
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from(sorted(LLAMA_FIELDS) + ["rope_scaling"]), JSON, max_size=4),
        st.dictionaries(st.sampled_from(sorted(ROPE_FIELDS)), JSON, max_size=3))
 def test_fuzz_config_fields(changes, rope):

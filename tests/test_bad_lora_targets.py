@@ -171,10 +171,10 @@ from hypothesis import strategies as st  # noqa: E402
 NAMES = st.sampled_from(["q_proj", "v_proj", "down_proj", "mlp", "self_attn", "lm_head", "layers", "0", "norm",
                          "model.layers.1.self_attn.k_proj", "up_proj", "embed_tokens"])
 REGEXES = st.sampled_from([r".*q_proj", r"model\.layers\.[01]\.mlp\..*", r".*\.(k|o)_proj", r"lm_head", r".*",
-                           r"(.*)*X", r"[^.]+"])
+                           r"[^.]+"])  # no backtracking pattern: the oracle (re) would hang on it
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(targets=st.none() | st.lists(NAMES, max_size=4) | REGEXES,
        layers=st.none() | st.integers(-1, 3) | st.lists(st.integers(0, 3), max_size=3),
        pattern=st.none() | st.sampled_from(["layers", ["blocks", "layers"], "h", ""]),
