@@ -14,7 +14,7 @@ import numpy as np
 
 from refimpl.model import ops
 from refimpl.formats.params import Checkpoint
-from refimpl.errors import GenerationError, NonFiniteError
+from refimpl.errors import GenerationError, NonFiniteError, quote
 from refimpl.model.llama import KVCache, forward_steps, run_steps
 
 
@@ -35,8 +35,8 @@ class Sampling:
             raise GenerationError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise GenerationError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.seed is not None and self.seed < 0:  # NumPy's generator refuses negative seeds
-            raise GenerationError(f"--seed must be >= 0, got {self.seed}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 64:  # torch's generators take 64-bit seeds
+            raise GenerationError(f"--seed must be in [0, 2^64), got {quote(self.seed)}")
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:

@@ -59,7 +59,7 @@ def test_config_claiming_a_trillion_layers_fails_fast(tmp_path):
     ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number"),
     ({"num_hidden_layers": True}, "field 'num_hidden_layers' must be an integer, got True"),
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported (expected 'llama')"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type = 'yarn' is not supported"),
     ({"rope_scaling": "llama3"}, "rope_scaling must be an object or null"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor must be a number"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
@@ -102,7 +102,7 @@ def test_config_json_is_a_directory(tmp_path):
     model = make_model(tmp_path / "m")
     (model / "config.json").unlink()
     (model / "config.json").mkdir()
-    assert_clean_error(run_cli(generate_args(model)), "config.json", "cannot read")
+    assert_clean_error(run_cli(generate_args(model)), "config.json", "is a directory, expected a regular file")
 
 
 def test_directory_without_weights(tmp_path):

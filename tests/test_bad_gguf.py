@@ -205,8 +205,9 @@ def test_huge_counts_allocate_nothing(tmp_path, case):
     assert peak < 1024 * 1024, peak
 
 
-def test_big_endian_file_passes(tmp_path):
-    """GGUF files written on big-endian machines are legal; the walk follows GGUFReader's byte-order rule."""
+def test_big_endian_file_is_refused(tmp_path):
+    """GGUFReader opens a big-endian file, but gguf.quants.dequantize hands its weights back byte-swapped (checked
+    here, so the refusal stays justified): refuse instead of computing with them."""
     path = tmp_path / "be.gguf"
     w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
     w.add_block_count(1)
@@ -215,7 +216,11 @@ def test_big_endian_file_passes(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    validate_gguf(path)
+    tensor = gguf.GGUFReader(path).tensors[0]
+    assert not np.array_equal(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.ones((2, 32), np.float32))
+    with pytest.raises(CheckpointError, match="big-endian GGUF"):
+        validate_gguf(path)
+    assert_clean_error(run_cli(generate_args(path)), "be.gguf", "big-endian")
 
 
 # ---- through the CLI, once the GGUF loader exists ----

@@ -30,7 +30,7 @@ def model(tmp_path_factory):
     (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
     (["--top-p", "nan"], "--top-p must be in (0, 1]"),
     (["--top-k", "-1"], "--top-k must be >= 0"),
-    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--seed", "-1"], "--seed must be in [0, 2^64)"),
     (["--max-new-tokens", "62"], "prompt (3 tokens) + --max-new-tokens (62) exceeds the context of 64 positions"),
     (["--backend", "refimpl", "--device", "cuda:0"], "--device 'cuda:0': the refimpl backend runs on the CPU only"),
 ])

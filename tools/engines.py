@@ -6,6 +6,7 @@ from pathlib import Path
 
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
+from refimpl.formats.safe_open import check_path
 
 BACKENDS = ("auto", "refimpl", "accel")
 
@@ -33,7 +34,7 @@ def resolve_backend(name: str) -> str:
 def resolve_model(model: str | None) -> Path:
     """An explicit --model path, or the default model (SmolLM2-135M-Instruct), fetched on first use."""
     if model is not None:
-        return Path(model).expanduser()
+        return check_path(model, "--model", GenerationError).expanduser()
     from tools.default_model import default_model_path
     return default_model_path(fetch_if_missing=True)
 

@@ -7,6 +7,7 @@ Tensors come back as float32 NumPy arrays keyed by the checkpoint's names; shape
 from __future__ import annotations
 
 import json
+import stat
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -20,41 +21,16 @@ from refimpl.formats.jsonfile import read_json_object
 from refimpl.progress import Progress
 from refimpl.formats.gguf_loader import load_gguf
 from refimpl.formats.params import Checkpoint, check_params, expected_shapes
+from refimpl.formats.safe_open import check_path, open_regular, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
-
-
-def weight_files(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> the safetensors file holding it (one file, or the shards an index names)."""
-    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = read_json_object(index, "a safetensors index with a weight_map").get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: expected a 'weight_map' object of tensor name -> shard file")
-        shards = {}
-        for shard in set(weight_map.values()):
-            path = (model_dir / shard).resolve()
-            if path.parent != model_dir.resolve() or not path.is_file():
-                raise CheckpointError(f"{index}: names shard {shard!r}, which is not a file in {model_dir}")
-            shards[shard] = path
-        return {name: shards[shard] for name, shard in weight_map.items()}
-    if single.exists():
-        return {name: single for name in SafetensorsFile(single).names()}
-    found = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    hint = f" (found {', '.join(found)} without an index)" if found else ""
-    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json{hint}")
+from refimpl.formats.shards import open_shards, weight_files
 
 
 def read_headers(model_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str, tuple[int, ...]]]:
     """({tensor name: the opened file holding it}, {tensor name: shape}) from the headers alone."""
-    where = weight_files(model_dir)
-    files = {path: SafetensorsFile(path) for path in set(where.values())}
-    holder, shapes = {}, {}
-    for name, path in where.items():
-        if name not in files[path].tensors:
-            raise CheckpointError(f"{model_dir / 'model.safetensors.index.json'}: tensor {name!r} is listed in "
-                                  f"{path.name}, which does not contain it")
-        holder[name], shapes[name] = files[path], files[path].tensors[name].shape
-    return holder, shapes
+    where, files = open_shards(model_dir)
+    holder = {name: files[path] for name, path in where.items()}
+    return holder, {name: st.tensors[name].shape for name, st in holder.items()}
 
 
 def iter_safetensors(model_dir: Path, cfg: LlamaConfig) -> Iterator[tuple[str, np.ndarray]]:
@@ -64,7 +40,7 @@ def iter_safetensors(model_dir: Path, cfg: LlamaConfig) -> Iterator[tuple[str, n
     if extra:
         print(f"warning: {model_dir}: ignoring {len(extra)} unknown tensor(s), e.g. {extra[0]!r}", file=sys.stderr)
     for name in expected_shapes(cfg):
-        yield name, holder[name].load(name)
+        yield name, holder[name].load_weight(name)
 
 
 def load_checkpoint(path: str | Path, with_tokenizer: bool = True, quant=None) -> Checkpoint:
@@ -81,14 +57,16 @@ def load_checkpoint(path: str | Path, with_tokenizer: bool = True, quant=None) -
 
 
 def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: bool) -> Checkpoint:
-    if path.suffix == ".gguf" or (path.is_file() and _is_gguf(path)):
+    path = check_path(path, "model path")
+    st = stat_path(path, "expected a model directory or a .gguf file")
+    if path.suffix == ".gguf" or (st is not None and stat.S_ISREG(st.st_mode) and _is_gguf(path)):
         return load_gguf(path, with_tokenizer, keep_blocks, lm_head_blocks)
     if keep_blocks:
         raise CheckpointError(f"{path}: --quant gguf keeps a GGUF file's quantized blocks; this is not a .gguf file "
                               f"(use --quant int8 or int4 to quantize it)")
-    if not path.exists():
+    if st is None:
         raise CheckpointError(f"{path}: no such file or directory (expected a model directory or a .gguf file)")
-    if not path.is_dir():
+    if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{path}: expected a model directory (with config.json) or a .gguf file")
     if is_mllama_config(read_json_object(path / "config.json", "a model directory needs config.json", ConfigError)):
         from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
@@ -110,7 +88,7 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
 
 
 def _is_gguf(path: Path) -> bool:
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return f.read(4) == b"GGUF"
 
 
@@ -118,7 +96,7 @@ def stop_ids(model_dir: Path, cfg: LlamaConfig, tokenizer=None) -> tuple[int, ..
     """Every eos id: generation_config.json's list (e.g. <|eot_id|>, <|eom_id|>), config.json's, the tokenizer's."""
     ids = list(cfg.eos_token_ids)
     gen = model_dir / "generation_config.json"
-    if gen.exists():
+    if stat_path(gen) is not None:
         eos = read_json_object(gen, "generation settings").get("eos_token_id")
         extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if not all(isinstance(e, int) and not isinstance(e, bool) for e in extra):

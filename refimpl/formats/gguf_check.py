@@ -11,12 +11,15 @@ Layout (GGUF versions 2 and 3; version 1's 32-bit counts are not accepted):
     kv_count × (string key | u32 value_type | value)        string = u64 length + UTF-8 bytes
     tensor_count × (string name | u32 n_dims | n_dims × u64 dim | u32 ggml_type | u64 offset)
     padding to general.alignment (default 32) | data section (tensor offsets are relative to its start)
-The byte order is the writer's: a version whose low 16 bits are zero means the file is byte-swapped (as GGUFReader).
+The byte order is the writer's: a version whose low 16 bits are zero means the file is big-endian (as GGUFReader
+decides). Such files are refused: the header would parse, but the weights would be read in the wrong byte order
+(quantized blocks hold fp16 scales that nothing here swaps), a silent wrong answer.
 """
 from __future__ import annotations
 
 import math
 import mmap
+import os
 import struct
 from functools import lru_cache
 from pathlib import Path
@@ -24,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.errors import CheckpointError
+from refimpl.formats.safe_open import open_regular
 
 GGML_MAX_DIMS = 4  # ggml.h; gguf-py does not export it
 SUPPORTED_VERSIONS = (2, 3)  # gguf-py's READER_SUPPORTED_VERSIONS
@@ -58,10 +62,10 @@ def can_dequantize(type_code: int) -> bool:
 
 
 class _Cursor:
-    """Reads little- or big-endian values from a buffer, refusing to step past its end."""
+    """Reads little-endian values from a buffer, refusing to step past its end."""
 
     def __init__(self, buf, path: Path):
-        self.buf, self.path, self.pos, self.order = buf, path, 0, "<"
+        self.buf, self.path, self.pos = buf, path, 0
 
     def error(self, msg: str, at: int | None = None) -> CheckpointError:
         return CheckpointError(f"{self.path}: {msg} (at byte {self.pos if at is None else at})")
@@ -77,7 +81,7 @@ class _Cursor:
     def unpack(self, fmt: str, what: str):
         size = struct.calcsize(fmt)
         self.need(size, what)
-        (value,) = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
         self.pos += size
         return value
 
@@ -199,8 +203,9 @@ def _walk(cur: _Cursor, size: int) -> None:
     cur.pos = 4
     version = cur.u32("version")
     if version & 0xFFFF == 0:  # written on a machine of the other byte order
-        cur.order = ">"
         version = struct.unpack(">I", struct.pack("<I", version))[0]
+        raise cur.error(f"big-endian GGUF (version {version} byte-swapped) is not supported; convert the model "
+                        f"on a little-endian machine (llama.cpp's default)", at=4)
     if version not in SUPPORTED_VERSIONS:
         raise cur.error(f"GGUF version {version} is not supported (expected 2 or 3)", at=4)
     tensor_count = cur.u64("tensor count")
@@ -233,14 +238,8 @@ def _walk(cur: _Cursor, size: int) -> None:
 def validate_gguf(path: str | Path) -> None:
     """Raise CheckpointError if `path` is not a GGUF file that gguf.GGUFReader can safely open and dequantize."""
     path = Path(path)
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: is a directory, expected a .gguf file") from None
-    with f:
-        size = path.stat().st_size
+    with open_regular(path, "expected a .gguf file") as f:
+        size = os.fstat(f.fileno()).st_size
         if size < 4 + 4 + 8 + 8:
             raise CheckpointError(f"{path}: file is {size} bytes, shorter than a GGUF header (24 bytes)")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import re
+import stat
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +23,11 @@ from refimpl.model import ops
 from refimpl.formats.params import expected_shapes
 from refimpl.model.config import LlamaConfig
 from refimpl.model.llama import LoraWeight
-from refimpl.errors import CheckpointError
+from refimpl.errors import CheckpointError, quote
 from refimpl.formats.jsonfile import read_json_object
+from refimpl.formats.lora_targets import LLAMA_LINEARS, BoundedMatcher, targeted_modules
+from refimpl.formats.safe_open import check_path, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile
-
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 # PEFT's save_embedding_layers="auto" also stores the full base weight of an adapted lm_head / embedding
 _BASE_LAYER_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.base_layer\.weight$")
@@ -36,7 +38,8 @@ Adapter = list  # [(param name, lora_a [R, Din], lora_b [Dout, R], scale)]
 
 def _read_config(adapter_dir: Path) -> dict:
     path = adapter_dir / "adapter_config.json"
-    if not adapter_dir.is_dir():
+    st = stat_path(check_path(adapter_dir, "--lora"))
+    if st is None or not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{adapter_dir}: --lora expects a PEFT adapter directory (with adapter_config.json)")
     return read_json_object(path, "a PEFT adapter directory needs adapter_config.json")
 
@@ -71,53 +74,51 @@ def _number(value, what: str, path: Path, integer: bool = False):
     return int(value) if integer else float(value)
 
 
-def _pattern_value(patterns: dict, module: str, default, what: str, path: Path):
+def _pattern_value(patterns: dict, module: str, default, what: str, matcher: BoundedMatcher):
     """PEFT's get_pattern_key: the first pattern (in file order) matching the end of the module name."""
     for pattern, value in patterns.items():
-        try:
-            hit = re.match(rf"(.*\.)?({pattern})$", module)
-        except re.error as e:
-            raise CheckpointError(f"{path}: {what} key {pattern!r} is not a valid regular expression ({e})") from None
-        if hit:
+        if matcher.match(rf"(.*\.)?({pattern})$", module, f"{what} key", pattern):
             return value
     return default
 
 
-def module_scale(d: dict, module: str, path: Path) -> tuple[int, float]:
+def module_scale(d: dict, module: str, path: Path, matcher: BoundedMatcher | None = None) -> tuple[int, float]:
     """(rank, scale) PEFT gives `module` (e.g. 'model.layers.0.self_attn.q_proj') under adapter config `d`."""
+    matcher = matcher or BoundedMatcher(path)
     r = _number(d.get("r", 8), "r", path, integer=True)
     alpha = _number(d.get("lora_alpha", 8), "lora_alpha", path)
     rank_pattern, alpha_pattern = d.get("rank_pattern") or {}, d.get("alpha_pattern") or {}
     if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
         raise CheckpointError(f"{path}: rank_pattern and alpha_pattern must be objects of pattern -> value")
-    r = _number(_pattern_value(rank_pattern, module, r, "rank_pattern", path), f"rank_pattern for {module}",
+    r = _number(_pattern_value(rank_pattern, module, r, "rank_pattern", matcher), f"rank_pattern for {module}",
                 path, integer=True)
-    alpha = _number(_pattern_value(alpha_pattern, module, alpha, "alpha_pattern", path),
+    alpha = _number(_pattern_value(alpha_pattern, module, alpha, "alpha_pattern", matcher),
                     f"alpha_pattern for {module}", path)
     return r, (alpha / math.sqrt(r) if d.get("use_rslora") else alpha / r)
 
 
-def _param_name(module: str, key: str, cfg: LlamaConfig, path: Path) -> str:
-    """PEFT module name -> the checkpoint parameter it adapts, refusing anything but Llama's linears."""
+def _param_name(module: str, how: str, cfg: LlamaConfig, path: Path) -> str:
+    """PEFT module name -> the checkpoint parameter it adapts, refusing anything but Llama's linears.
+    `how` says where the module came from ("a tensor adapts", "target_modules selects")."""
     m = _LAYER_MODULE_RE.match(module)
     if m and m.group(3) in LLAMA_LINEARS:
         name = module + ".weight"
     elif module == "lm_head" and not cfg.tie_word_embeddings:
         name = "lm_head.weight"
     else:
-        raise CheckpointError(f"{path}: tensor {key!r} adapts module {module!r}; only the Llama linears "
+        raise CheckpointError(f"{path}: {how} module {quote(module)}; only the Llama linears "
                               f"({', '.join(LLAMA_LINEARS)}{', lm_head' if not cfg.tie_word_embeddings else ''}) "
                               f"are supported")
     if name not in expected_shapes(cfg):
-        raise CheckpointError(f"{path}: tensor {key!r} adapts {name!r}, which this base model does not have "
+        raise CheckpointError(f"{path}: LoRA matrices for {quote(name)}, which this base model does not have "
                               f"(an adapter for another base? config has {cfg.num_hidden_layers} layers)")
     return name
 
 
 def _weights_file(adapter_dir: Path) -> Path:
     path = adapter_dir / "adapter_model.safetensors"
-    if not path.exists():
-        pickled = (adapter_dir / "adapter_model.bin").exists()
+    if stat_path(path) is None:
+        pickled = stat_path(adapter_dir / "adapter_model.bin") is not None
         hint = " (adapter_model.bin is a pickle, which llama32 never loads: re-save with safe_serialization)" \
             if pickled else ""
         raise CheckpointError(f"{path}: not found{hint}")
@@ -138,24 +139,36 @@ def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
         m = _KEY_RE.match(key)
         base = _BASE_LAYER_RE.match(key)
         if base:  # a copy of the base weight: fine if it is this base's shape (a resized vocab is another base)
-            name = _param_name(base.group("module"), key, cfg, weights)
+            name = _param_name(base.group("module"), "a base_layer tensor copies", cfg, weights)
             if st.tensors[key].shape != shapes[name]:
                 raise CheckpointError(f"{weights}: {key} has shape {list(st.tensors[key].shape)}, but the base "
                                       f"model's {name} is {list(shapes[name])} (an adapter for another base?)")
             continue
         if not m:
-            raise CheckpointError(f"{weights}: tensor {key!r} is not a LoRA matrix "
+            raise CheckpointError(f"{weights}: tensor {quote(key)} is not a LoRA matrix "
                                   f"(expected base_model.model.<module>.lora_A/lora_B.weight)")
         pairs.setdefault(m.group("module"), {})[m.group("ab")] = key
     if not pairs:
         raise CheckpointError(f"{weights}: holds no LoRA matrices")
+    for module, ab in pairs.items():  # a matrix for a module this base lacks or llama32 cannot merge: refused
+        _param_name(module, "a tensor adapts", cfg, weights)
+    matcher = BoundedMatcher(cfg_path)  # one matching budget for the whole adapter
+    targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher)
+    for module in targeted:  # PEFT raises on a targeted module it cannot adapt; llama32 merges only linears
+        _param_name(module, "target_modules selects", cfg, cfg_path)
+    skipped = [module for module in pairs if module not in set(targeted)]
+    if skipped:  # PEFT loads only what the config targets and ignores the rest of the file
+        print(f"warning: {weights}: ignoring LoRA matrices of {len(skipped)} module(s) the config does not target "
+              f"(as PEFT does), e.g. {quote(skipped[0])}", file=sys.stderr)
     adapter = []
     for module, ab in pairs.items():
+        if module in skipped:
+            continue
         if set(ab) != {"A", "B"}:
             missing = "lora_B" if "A" in ab else "lora_A"
             raise CheckpointError(f"{weights}: module {module!r} has no {missing} matrix")
-        name = _param_name(module, ab["A"], cfg, weights)
-        rank, scale = module_scale(d, module, cfg_path)
+        name = _param_name(module, "a tensor adapts", cfg, weights)
+        rank, scale = module_scale(d, module, cfg_path, matcher)
         d_out, d_in = shapes[name]
         a_shape, b_shape = st.tensors[ab["A"]].shape, st.tensors[ab["B"]].shape
         if a_shape != (rank, d_in) or b_shape != (d_out, rank):

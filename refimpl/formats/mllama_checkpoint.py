@@ -133,7 +133,7 @@ def load_mllama_checkpoint(model_dir: str | Path, with_tokenizer: bool = True) -
     with Progress(f"loading {model_dir.name}", len(want)) as bar:
         for hub in want:
             file, name = located[hub]
-            params[hub] = file.load(name)
+            params[hub] = file.load_weight(name)
             bar.advance()
     tokenizer = None
     if with_tokenizer:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from refimpl.errors import CheckpointError
+from refimpl.errors import CheckpointError, quote
+from refimpl.formats.jsonfile import no_duplicate_keys
+from refimpl.formats.safe_open import open_regular
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
 
@@ -28,6 +31,7 @@ _DTYPES = {  # safetensors dtype -> (NumPy storage dtype, bytes per element)
     "U64": (np.uint64, 8), "U32": (np.uint32, 4), "U16": (np.uint16, 2), "U8": (np.uint8, 1),
     "BOOL": (np.bool_, 1),
 }
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # what a weight may be stored as; integers would be quantized codes
 _KNOWN_UNSUPPORTED = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
 
 
@@ -39,23 +43,14 @@ class TensorInfo:
     end: int
 
 
-def _no_duplicates(pairs):
-    seen = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ValueError(f"duplicate key {key!r}")
-        seen[key] = value
-    return seen
-
-
 class SafetensorsFile:
     """Header parsed and validated on open; tensors read on demand with `load(name)`."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
+        with open_regular(self.path, "expected a .safetensors file") as f:
+            size = os.fstat(f.fileno()).st_size
+            try:
                 head = f.read(8)
                 if len(head) < 8:
                     raise self._error(f"file is {size} bytes, shorter than the 8-byte header length")
@@ -66,14 +61,10 @@ class SafetensorsFile:
                     raise self._error(f"header length {n} runs past the end of the {size}-byte file "
                                       f"(truncated download?)")
                 raw = f.read(n)
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: file not found") from None
-        except IsADirectoryError:
-            raise CheckpointError(f"{self.path}: is a directory, expected a .safetensors file") from None
-        except OSError as e:  # permission denied, I/O error: still the user's file, still one line
-            raise CheckpointError(f"{self.path}: cannot read ({e.strerror or e})") from None
+            except OSError as e:  # an I/O error: still the user's file, still one line
+                raise CheckpointError(f"{self.path}: cannot read ({e.strerror or e})") from None
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
         except UnicodeDecodeError:
             raise self._error("header is not UTF-8") from None
         except ValueError as e:  # JSONDecodeError is a ValueError; so is our duplicate-key error
@@ -93,7 +84,7 @@ class SafetensorsFile:
     def _validate(self, header: dict, data_start: int, data_len: int) -> dict[str, TensorInfo]:
         infos, spans = {}, []
         for name, entry in header.items():
-            where = f"tensor {name!r}"
+            where = f"tensor {quote(name)}"
             if not isinstance(entry, dict) or set(entry) - {"dtype", "shape", "data_offsets"} or len(entry) != 3:
                 raise self._error(f"{where}: expected exactly dtype, shape and data_offsets")
             dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
@@ -132,6 +123,14 @@ class SafetensorsFile:
     def names(self) -> list[str]:
         return list(self.tensors)
 
+    def load_weight(self, name: str) -> np.ndarray:
+        """A model weight as float32; integer or boolean storage (quantized codes, masks) is refused, not cast."""
+        dtype = self.tensors[name].dtype
+        if dtype not in FLOAT_DTYPES:
+            raise self._error(f"tensor {quote(name)} is stored as {dtype}; a weight must be one of "
+                              f"{', '.join(FLOAT_DTYPES)} (a quantized checkpoint needs its own loader)")
+        return self.load(name)
+
     def load(self, name: str) -> np.ndarray:
         """The tensor widened to float32 (floating dtypes) or in its own integer dtype."""
         info = self.tensors[name]
@@ -142,11 +141,11 @@ class SafetensorsFile:
                 return np.zeros(info.shape, np.float32)
             # zero-copy: pages are read when touched
             return np.memmap(self.path, np.float32, mode="r", offset=info.begin, shape=info.shape)
-        with open(self.path, "rb") as f:
+        with open_regular(self.path) as f:
             f.seek(info.begin)
             raw = np.fromfile(f, storage, count=count)
         if raw.size != count:
-            raise self._error(f"tensor {name!r}: file ended early (truncated download?)")
+            raise self._error(f"tensor {quote(name)}: file ended early (truncated download?)")
         raw = raw.reshape(info.shape)
         if info.dtype == "BF16":
             return bf16_to_f32(raw)

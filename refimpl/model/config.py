@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refimpl.errors import ConfigError
+from refimpl.errors import ConfigError, quote
+from refimpl.model.config_fields import LLAMA_FIELDS, ROPE_FIELDS, check_fields
 from refimpl.formats.jsonfile import read_json_object
 
 
@@ -65,8 +66,9 @@ class LlamaConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2 ** 63:
+                raise ConfigError(f"{source}: {name} must be a positive integer, got {quote(value)}"
+                                  f"{' (at most 2^63 - 1)' if isinstance(value, int) and value > 0 else ''}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"{source}: num_key_value_heads ({self.num_key_value_heads}) must divide "
                               f"num_attention_heads ({self.num_attention_heads})")
@@ -90,7 +92,8 @@ class LlamaConfig:
             raise ConfigError(f"{source}: expected a JSON object")
         model_type = d.get("model_type", "llama")
         if model_type != "llama":
-            raise ConfigError(f"{source}: model_type {model_type!r} is not supported (expected 'llama')")
+            raise ConfigError(f"{source}: model_type {quote(model_type)} is not supported (expected 'llama')")
+        check_fields(d, LLAMA_FIELDS, source)
 
         def num(name, kind=int, default=None):
             if name not in d or d[name] is None:
@@ -99,11 +102,13 @@ class LlamaConfig:
                 return default
             value = d[name]
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if kind is int:
-                ok = ok and float(value).is_integer()
+            if kind is int and isinstance(value, float):
+                ok = value.is_integer()
+            elif kind is float and isinstance(value, int):
+                ok = ok and abs(value) < 2 ** 1000  # float(10**400) overflows
             if not ok:
                 raise ConfigError(f"{source}: field {name!r} must be a{'n integer' if kind is int else ' number'}, "
-                                  f"got {value!r}")
+                                  f"got {quote(value)}")
             return kind(value)
 
         hidden = num("hidden_size")
@@ -118,34 +123,37 @@ class LlamaConfig:
         # transformers >= 5 writes rope settings as "rope_parameters" (with rope_theta inside it).
         rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         if not isinstance(rope, dict):
-            raise ConfigError(f"{source}: rope_scaling must be an object or null, got {rope!r}")
+            raise ConfigError(f"{source}: rope_scaling must be an object or null, got {quote(rope)}")
+        check_fields(rope, ROPE_FIELDS, source, prefix="rope_scaling.")
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "llama3":
             def rnum(key):
                 if not isinstance(rope.get(key), (int, float)) or isinstance(rope.get(key), bool):
-                    raise ConfigError(f"{source}: rope_scaling.{key} must be a number, got {rope.get(key)!r}")
+                    raise ConfigError(f"{source}: rope_scaling.{key} must be a number, got {quote(rope.get(key))}")
                 return rope[key]
             scaling = RopeScaling(float(rnum("factor")), float(rnum("low_freq_factor")),
                                   float(rnum("high_freq_factor")), int(rnum("original_max_position_embeddings")))
-            if not (scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
+            if not (all(math.isfinite(x) for x in (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor))
+                    and scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
                     and scaling.original_max_position_embeddings > 0):  # ops divide by each of these
                 raise ConfigError(f"{source}: rope_scaling needs factor > 0, 0 < low_freq_factor < "
-                                  f"high_freq_factor and original_max_position_embeddings > 0, got {rope}")
+                                  f"high_freq_factor and original_max_position_embeddings > 0, got {quote(rope)}")
         elif rope_type == "default":
             scaling = None
         else:
-            raise ConfigError(f"{source}: rope_scaling type {rope_type!r} is not supported "
+            raise ConfigError(f"{source}: rope_scaling type {quote(rope_type)} is not supported "
                               f"(expected 'llama3' or none)")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        if not all(isinstance(e, int) for e in eos_ids):
-            raise ConfigError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_ids):
+            raise ConfigError(f"{source}: eos_token_id must be an integer or a list of integers (token ids >= 0), "
+                              f"got {quote(eos)}")
         bos = d.get("bos_token_id")
-        if bos is not None and not isinstance(bos, int):
-            raise ConfigError(f"{source}: bos_token_id must be an integer, got {bos!r}")
+        if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool) or bos < 0):
+            raise ConfigError(f"{source}: bos_token_id must be a token id (an integer >= 0), got {quote(bos)}")
         if not isinstance(rope_theta, (int, float)) or isinstance(rope_theta, bool):
-            raise ConfigError(f"{source}: rope_theta must be a number, got {rope_theta!r}")
+            raise ConfigError(f"{source}: rope_theta must be a number, got {quote(rope_theta)}")
         fields = dict(
             vocab_size=num("vocab_size"), hidden_size=hidden, intermediate_size=num("intermediate_size"),
             num_hidden_layers=num("num_hidden_layers"), num_attention_heads=heads,

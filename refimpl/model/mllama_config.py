@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from refimpl.errors import ConfigError
+from refimpl.errors import ConfigError, quote
+from refimpl.model.config_fields import MLLAMA_FIELDS, MLLAMA_TEXT_FIELDS, MLLAMA_VISION_FIELDS, check_fields
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.model.config import LlamaConfig
 
@@ -155,10 +156,13 @@ class MllamaConfig:
     def from_hf(cls, d: dict, source: str = "config.json") -> "MllamaConfig":
         if not isinstance(d, dict) or d.get("model_type") != "mllama":
             raise ConfigError(f"{source}: expected a config with model_type 'mllama'")
+        check_fields(d, MLLAMA_FIELDS, source)
         text, vision = d.get("text_config", {}), d.get("vision_config", {})
         for key, value in (("text_config", text), ("vision_config", vision)):
             if not isinstance(value, dict):
-                raise ConfigError(f"{source}: {key} must be an object, got {value!r}")
+                raise ConfigError(f"{source}: {key} must be an object, got {quote(value)}")
+        check_fields(text, MLLAMA_TEXT_FIELDS, source, prefix="text_config.")
+        check_fields(vision, MLLAMA_VISION_FIELDS, source, prefix="vision_config.")
         image_token = d.get("image_token_index", d.get("image_token_id", 128256))
         if not isinstance(image_token, int) or isinstance(image_token, bool) or image_token < 0:
             raise ConfigError(f"{source}: image_token_index must be a non-negative integer, got {image_token!r}")
@@ -191,8 +195,6 @@ def is_mllama_config(d) -> bool:
 
 
 def _text_from_hf(d: dict, source: str) -> MllamaTextConfig:
-    if d.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: text_config.hidden_act {d['hidden_act']!r} is not supported (expected 'silu')")
     merged = {**_TEXT_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
     layers = merged.pop("cross_attention_layers")
     if not isinstance(layers, list):
@@ -209,9 +211,6 @@ def _text_from_hf(d: dict, source: str) -> MllamaTextConfig:
 
 
 def _vision_from_hf(d: dict, source: str) -> VisionConfig:
-    if d.get("hidden_act", "gelu") != "gelu":
-        raise ConfigError(f"{source}: vision_config.hidden_act {d['hidden_act']!r} is not supported "
-                          f"(expected 'gelu')")
     fields = {}
     for f in dataclasses.fields(VisionConfig):
         if d.get(f.name) is None:

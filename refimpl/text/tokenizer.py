@@ -1,17 +1,19 @@
 """Tokenizer and chat prompts: `tokenizers.Tokenizer` from tokenizer.json, chat templates in a Jinja sandbox.
 
-Chat templates come from model files, i.e. from strangers: they are rendered only in jinja2's
-ImmutableSandboxedEnvironment, so a template that reaches for Python internals fails with a clear error.
+Chat templates come from model files, i.e. from strangers: they are rendered only in the budgeted sandbox of
+refimpl.text.template_sandbox, so a template that reaches for Python internals, loops for hours or builds gigabytes
+fails with a clear error.
 """
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from pathlib import Path
 
 from refimpl.model.config import LlamaConfig
-from refimpl.errors import CheckpointError, GenerationError
-from refimpl.formats.jsonfile import read_json_object
+from refimpl.errors import CheckpointError, GenerationError, quote
+from refimpl.formats.jsonfile import MAX_JSON_BYTES, read_json_object
+from refimpl.formats.safe_open import read_bytes, stat_path
+from refimpl.text.template_sandbox import render, sandbox
 
 # Llama 3's header format, used when a checkpoint ships no chat template.
 LLAMA3_TEMPLATE = (
@@ -22,24 +24,6 @@ LLAMA3_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
-
-
-MAX_TEMPLATE_REPEAT = 1_000_000  # items a template's '*' may build; real chat templates repeat a few spaces
-
-
-def _bounded_binop(operator, left, right):
-    """'*' and '**' as Python does them, refused when the result would be huge ('a' * 10**10, 7 ** 10**9)."""
-    from jinja2.sandbox import SecurityError
-
-    if operator == "**":  # an integer power with more than 64 Kibit takes seconds to hours of bignum work
-        if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1 and \
-                right * abs(left).bit_length() > 64 * 1024:
-            raise SecurityError(f"{left} ** {right} is too large")
-        return left ** right
-    seq, count = (left, right) if isinstance(right, int) else (right, left)
-    if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > MAX_TEMPLATE_REPEAT:
-        raise SecurityError(f"repeating a sequence {count} times is too large")
-    return left * right
 
 
 # Byte-level BPE pieces shared by the GGUF tokenizer builder and the toy tokenizers of golden/:
@@ -66,25 +50,17 @@ def llama3_pre_tokenizer():
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-def _sandbox():
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def check_text(text: str, what: str) -> None:
+    """Text from the OS (argv, files read with surrogateescape) can hold lone surrogates no tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(f"{what} is not valid UTF-8 text (undecodable byte {quote(text[e.start])} at "
+                              f"character {e.start})") from None
 
-    class BoundedSandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**"})  # also stops Jinja folding them at compile time
 
-        def call_binop(self, context, operator, left, right):
-            return _bounded_binop(operator, left, right)
-
-    def raise_exception(message):
-        raise GenerationError(f"chat template: {message}")
-
-    # the same settings HF renders chat templates with ({% break %} / {% continue %} appear in real templates)
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                   ensure_ascii=ensure_ascii)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+def _raise_exception(message):
+    raise GenerationError(f"chat template: {message}")
 
 
 class TextTokenizer:
@@ -105,15 +81,18 @@ class TextTokenizer:
         from tokenizers import Tokenizer
 
         path = model_dir / "tokenizer.json"
-        if not path.exists():
+        if stat_path(path) is None:
             raise CheckpointError(f"{path}: not found (the model directory needs tokenizer.json)")
+        raw = read_bytes(path, "the model directory needs tokenizer.json", limit=MAX_JSON_BYTES)
         try:
-            tok = Tokenizer.from_file(str(path))
+            tok = Tokenizer.from_str(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{path}: not a valid tokenizers file (not UTF-8 at byte {e.start})") from None
         except Exception as e:  # the Rust library raises a bare Exception with its parse error
             raise CheckpointError(f"{path}: not a valid tokenizers file ({str(e).splitlines()[0][:200]})") from None
         tcfg = {}
         tcfg_path = model_dir / "tokenizer_config.json"
-        if tcfg_path.exists():
+        if stat_path(tcfg_path) is not None:
             tcfg = read_json_object(tcfg_path, "tokenizer settings and chat_template")
         template, template_file = tcfg.get("chat_template"), tcfg_path
         processor_template = model_dir / "chat_template.json"  # the processor's (vision checkpoints ship one)
@@ -121,11 +100,11 @@ class TextTokenizer:
             template_file = processor_template
             template = read_json_object(processor_template, "the processor's chat_template").get("chat_template")
         jinja = model_dir / "chat_template.jinja"
-        if jinja.exists():
+        if stat_path(jinja) is not None:
             try:
-                template = jinja.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError) as e:
-                raise CheckpointError(f"{jinja}: cannot read as UTF-8 text ({e})") from None
+                template = read_bytes(jinja, "a chat template", limit=MAX_JSON_BYTES).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{jinja}: cannot read as UTF-8 text ({e.reason} at byte {e.start})") from None
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t.get("template") for t in template if isinstance(t, dict)
                              and t.get("name") == "default"), None)
@@ -148,6 +127,7 @@ class TextTokenizer:
 
     # ---- text <-> ids ----
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_text(text, "the prompt")
         ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         if self.bos_id is not None and ids[:2] == [self.bos_id, self.bos_id]:
             ids = ids[1:]  # the text carried a BOS and the post-processor added another
@@ -167,7 +147,7 @@ class TextTokenizer:
         from jinja2 import TemplateError
         from jinja2.sandbox import SecurityError
         try:
-            return _sandbox().from_string(template).render(
+            return render(sandbox(_raise_exception), template,
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                 date_string=datetime.now().strftime("%d %b %Y"))

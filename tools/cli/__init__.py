@@ -14,21 +14,36 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 
-from refimpl.errors import Llama32Error
+from refimpl.errors import Llama32Error, one_line
 
 
 class Llama32Group(click.Group):
+    """Runs a subcommand; the user's errors become one `error:` line and exit 2.
+
+    OSError and UnicodeError are the last resort: every reader checks its paths and text first (refimpl's
+    safe_open, the tokenizer), but a failure the OS reports from somewhere unforeseen (a disk that fills while
+    --dump writes) is still the user's environment, not a llama32 bug, and gets one line too."""
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except Llama32Error as e:
+        except (Llama32Error, OSError, UnicodeError) as e:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {one_line(_describe(e))}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+
+
+def _describe(e: Exception) -> str:
+    if isinstance(e, Llama32Error):
+        return str(e)
+    if isinstance(e, OSError):
+        where = e.filename if e.filename is not None else ""
+        return f"{where}: {e.strerror or e}" if where else str(e.strerror or e)
+    return f"text is not valid UTF-8 ({e})"
 
 
 @click.group(cls=Llama32Group, context_settings={"help_option_names": ["-h", "--help"]})

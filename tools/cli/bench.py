@@ -14,6 +14,8 @@ import click
 
 from refimpl.errors import GenerationError
 
+from tools.cli.params import Count, UserPath
+
 MODELS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
 
 
@@ -58,14 +60,14 @@ def render(result: dict) -> str:
 @click.option("--models", default="1b,3b", show_default=True, help="Comma-separated: 1b, 3b (empty: none).")
 @click.option("--skip-hf", is_flag=True, help="Skip HF transformers' eager generate.")
 @click.option("--skip-attention", is_flag=True, help="Skip the attention micro-benchmarks.")
-@click.option("--new-tokens", default=256, show_default=True, type=int, help="Decode tokens timed.")
-@click.option("--prefill-tokens", default=2048, show_default=True, type=int)
+@click.option("--new-tokens", default=256, show_default=True, type=Count(1), help="Decode tokens timed.")
+@click.option("--prefill-tokens", default=2048, show_default=True, type=Count(1))
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--profile", is_flag=True, help="Also print per-kernel profiles of eager decode steps and a prefill.")
 @click.option("--train", "train", is_flag=True, help="Only the LoRA training benchmark (ours vs HF + PEFT).")
 @click.option("--quant", "quant", default=None,
               help="Comma-separated --quant formats (e.g. int8,int4): rows beside bf16, measured in the same run.")
-@click.option("--json-out", "json_out", default=None, type=click.Path(dir_okay=False),
+@click.option("--json-out", "json_out", default=None, type=UserPath(output=True),
               help="Also write the results as JSON here.")
 def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out, train=False,
           quant=None):

@@ -6,7 +6,6 @@ a's logits (so a divergence in b cannot change what the two are asked to compute
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
@@ -20,6 +19,7 @@ from tools.engines import engine_for, parse_quant
 from tools.debug.diff import diff_engines
 from tools.debug.lockstep import first_divergence, report
 from tools.cli.golden import key_filter
+from tools.cli.params import Count, UserPath
 
 
 @click.command()
@@ -35,17 +35,17 @@ from tools.cli.golden import key_filter
 @click.option("--quant", default=None, metavar="FORMAT",
               help="Weight-only quantization: int8, int4[:G] (G = 32, 64, 128; default 64), or gguf (keep a GGUF "
                    "file's Q8_0/Q4_0/Q4_1 blocks); append :bf16-head to keep the lm_head unquantized.")
-@click.option("--steps", "decode_steps", default=2, show_default=True, type=click.IntRange(0, 1024),
+@click.option("--steps", "decode_steps", default=2, show_default=True, type=Count(0, 1024),
               help="Greedy decode steps after the prefill.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
 @click.option("--filter", "filters", multiple=True, help="Glob over activation names (repeatable).")
 @click.option("--isolate", is_flag=True, help="Feed b a's input to every op, so each row measures one op alone.")
-@click.option("--dump", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--dump", type=UserPath(output=True), default=None,
               help="Save both sides' activations (safetensors, keys a/<step>/<name>, b/<step>/<name>).")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--plot", type=UserPath(output=True), default=None,
               help="Draw the error per layer to a PNG (needs matplotlib).")
 @click.option("--verbose", "-v", is_flag=True, help="Print every row, not just the per-layer summary.")
-@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
+@click.option("--image", "images", multiple=True, type=UserPath(),
               help="An image for a Llama 3.2 Vision checkpoint (repeatable), as in generate.")
 def diff(prompt, model, a_backend, b_backend, dtype, device, quant, decode_steps, chat, filters, isolate, dump, plot,
          verbose, images=()):

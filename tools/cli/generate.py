@@ -13,6 +13,7 @@ from refimpl.generate import Sampling
 
 from tools.engines import BACKENDS, load_engine, resolve_backend, resolve_model
 from tools.vision_inputs import prompt_inputs
+from tools.cli.params import UserPath
 
 
 class TextStream:
@@ -45,9 +46,9 @@ class TextStream:
 @click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="accel weight dtype (default bf16).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
-@click.option("--lora", "lora", default=None, type=click.Path(path_type=Path),
+@click.option("--lora", "lora", default=None, type=UserPath(),
               help="PEFT LoRA adapter directory, merged (fp32) into the weights after loading.")
-@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
+@click.option("--image", "images", multiple=True, type=UserPath(),
               help="An image for a Llama 3.2 Vision checkpoint (repeatable): the prompt's <|image|> tokens take "
                    "the images in order; without any, the images go before the text.")
 @click.option("--lora-mode", type=click.Choice(["merged", "unmerged"]), default="merged", show_default=True,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
@@ -10,6 +9,7 @@ from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.model.names import matches
 
 from tools.engines import engine_for
+from tools.cli.params import UserPath
 from tools.debug.golden import DEFAULT_DIR, GoldenError, check_golden, find_golden_dirs, load_golden, make_golden
 from tools.debug.lockstep import first_divergence, report
 from tools.debug.vision_golden import check_vision_golden, is_vision_golden, load_vision_golden
@@ -21,7 +21,7 @@ def golden():
 
 
 @golden.command()
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DIR, show_default=True,
+@click.option("--out", type=UserPath(output=True), default=DEFAULT_DIR, show_default=True,
               help="Where the toy checkpoints and their golden records go.")
 @click.option("--hf-check/--no-hf-check", default=True, show_default=True,
               help="Record the logit difference against HF transformers (when it is installed).")
@@ -40,7 +40,7 @@ def key_filter(patterns: tuple[str, ...]):
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
               help="accel compute dtype, and the tolerance used (default: the backend's own dtype).")
 @click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
-@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=DEFAULT_DIR, show_default=True,
+@click.option("--golden", "golden_dir", type=UserPath(), default=DEFAULT_DIR, show_default=True,
               help="A golden record's directory, or a directory of them.")
 @click.option("--filter", "filters", multiple=True, help="Glob over activation names, e.g. 'layers.1.attn.*' "
               "or 'decode0/*' (repeatable).")

@@ -6,13 +6,13 @@ from --commands, from stdin when it is not a terminal (scripts, CI), or from a `
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 
+from tools.cli.params import UserPath
 from tools.engines import engine_for, parse_quant, resolve_model
 from tools.vision_inputs import forward_names, prompt_inputs
 from tools.debug.step_values import parse_inject
@@ -61,7 +61,7 @@ def interactive(session: Session) -> None:
                    "gets the first's inputs at every op).")
 @click.option("--inject", default=None, metavar="NAME=nan|zero|noise",
               help="Replace activation NAME in the first backend (refimpl with --backend both).")
-@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path),
+@click.option("--image", "images", multiple=True, type=UserPath(),
               help="An image for a Llama 3.2 Vision checkpoint (repeatable), as in generate; the stepped token's "
                    "forward encodes it again, so breakpoints in vision.* and the cross-attention layers work.")
 def step(prompt, model, position, backend, device, quant, dtype, commands, inherited, inject, images=()):

@@ -21,7 +21,7 @@ import numpy as np
 
 from refimpl.compare import TOLERANCES
 from refimpl.model.config import LlamaConfig
-from refimpl.errors import Llama32Error
+from refimpl.errors import Llama32Error, quote
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.model.names import activation_names, split_name
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
@@ -192,6 +192,15 @@ def load_golden(model_dir: str | Path) -> GoldenRecord:
         raise GoldenError(f"{path}: recorded for config fingerprint {manifest.get('config_fingerprint')!r}, but "
                           f"{model_dir / 'config.json'} now gives {cfg.fingerprint()!r}; {hint}")
     steps = _steps(manifest, str(path))
+    for step in steps:
+        bad = next((i for i in step.ids if not 0 <= i < cfg.vocab_size), None)
+        if bad is not None:
+            raise GoldenError(f"{path}: step {quote(step.name)} has token id {quote(bad)}, outside the vocabulary "
+                              f"[0, {cfg.vocab_size}); {hint}")
+        bad = next((p for p in step.positions if not 0 <= p < cfg.max_position_embeddings), None)
+        if bad is not None:
+            raise GoldenError(f"{path}: step {quote(step.name)} has position {quote(bad)}, outside [0, "
+                              f"{cfg.max_position_embeddings}); {hint}")
     tensors = SafetensorsFile(model_dir / str(manifest.get("activations", ACTIVATIONS)))
     for step in steps:
         for name, shape in activation_shapes(cfg, len(step.ids)).items():

@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from refimpl.errors import GenerationError
+from refimpl.errors import GenerationError, Llama32Error, one_line
+from refimpl.formats.safe_open import check_path
 from refimpl.formats.safetensors_io import save_safetensors
 
 from tools.debug.lockstep import lockstep as drive, reference_stream
@@ -209,8 +210,8 @@ class Session:
             if handler is None:
                 raise CommandError(f"unknown command {cmd!r} (h for help)")
             return handler(self, args, line.strip()[len(cmd):].strip()) is not False
-        except CommandError as e:
-            self.say(f"error: {e}")
+        except (CommandError, Llama32Error) as e:  # the session reports it and goes on
+            self.say(f"error: {one_line(str(e))}")
             return True
 
     def need_running(self) -> None:
@@ -334,7 +335,7 @@ class Session:
         meta = {"prompt_ids": json.dumps(self.ids), "position": str(self.position),
                 "mode": "single" if len(self.sides) == 1 else "lockstep" if self.lockstep else "inherited"}
         try:
-            save_safetensors(args[0], tensors, metadata=meta)
+            save_safetensors(check_path(args[0], "dump FILE"), tensors, metadata=meta)
         except OSError as e:
             raise CommandError(f"dump {args[0]}: {e.strerror or e}") from None
         self.say(f"dumped {len(tensors)} tensors to {args[0]}")

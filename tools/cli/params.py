@@ -1,0 +1,55 @@
+"""Click parameter types for the llama32 CLI: what a malformed value is (click's usage error, its convention) is
+kept apart from a value out of range (the project's one `error:` line, exit 2).
+
+`--max-new-tokens ten` is a usage error: click prints its usage block. `--steps -1` is a well-formed number the
+command cannot use: it raises GenerationError like every other bad input, so it reads the same as the rest.
+"""
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import click
+
+from refimpl.errors import GenerationError
+from refimpl.formats.safe_open import check_path, stat_path
+
+
+def _option_name(param) -> str:
+    return (param.opts[-1] if getattr(param, "opts", None) else param.human_readable_name) if param else "value"
+
+
+class Count(click.ParamType):
+    """An integer in [low, high]: not an integer is click's usage error, out of range is GenerationError."""
+
+    name = "integer"
+
+    def __init__(self, low: int | None = 0, high: int | None = None):
+        self.low, self.high = low, high
+
+    def convert(self, value, param, ctx):
+        number = click.INT.convert(value, param, ctx)
+        if (self.low is not None and number < self.low) or (self.high is not None and number > self.high):
+            bounds = (f"between {self.low} and {self.high}" if self.low is not None and self.high is not None
+                      else f">= {self.low}" if self.low is not None else f"<= {self.high}")
+            raise GenerationError(f"{_option_name(param)} must be {bounds}, got {number}")
+        return number
+
+
+class UserPath(click.ParamType):
+    """A path the user typed: refused if no file name could hold it (NUL). `output` paths must have an existing
+    parent directory (a typo in --dump's directory is reported before an hour of work, not after)."""
+
+    name = "path"
+
+    def __init__(self, output: bool = False):
+        self.output = output
+
+    def convert(self, value, param, ctx):
+        path = check_path(value, _option_name(param), GenerationError)
+        if self.output:
+            parent = path.expanduser().absolute().parent
+            st = stat_path(parent, f"the directory of {_option_name(param)}", GenerationError)
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                raise GenerationError(f"{_option_name(param)} {path}: directory {parent} does not exist")
+        return Path(path)
