@@ -1,6 +1,8 @@
 """Choosing a model file and a backend: shared by every CLI command."""
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -10,7 +12,24 @@ from refimpl.errors import GenerationError
 BACKENDS = ("auto", "refimpl", "accel")
 
 
+# From a checkout, and with the CPU-only torch wheel first where there is no GPU (the default wheel pulls the CUDA
+# toolkit, several GB)
+ACCEL_HINT = ("pip install -e '.[accel]' from the checkout (on a machine without a GPU, first: pip install torch "
+              "--index-url https://download.pytorch.org/whl/cpu)")
+
+
+def gpu_possible() -> bool:
+    """False when no GPU can be present, decided without importing torch (about a second of start-up): no NVIDIA
+    or AMD device files, or CUDA_VISIBLE_DEVICES hiding every device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd"))
+
+
 def cuda_available() -> bool:
+    if not gpu_possible():
+        return False
     try:
         import torch
     except ImportError:
@@ -19,21 +38,27 @@ def cuda_available() -> bool:
 
 
 def resolve_backend(name: str) -> str:
-    """'auto' means accel where CUDA is present, else the NumPy reference."""
+    """'auto' means accel where CUDA is present, else the NumPy reference (on CPU it decodes about as fast as accel
+    in fp32 and starts a second sooner, without importing torch: tools/bench/NOTES.md, CPU engines)."""
     if name == "auto":
         return "accel" if cuda_available() else "refimpl"
     if name == "accel":
         try:
             import torch  # noqa: F401
         except ImportError:
-            raise GenerationError("--backend accel needs torch and triton: pip install 'llama32[accel]'") from None
+            raise GenerationError(f"--backend accel needs torch and triton: {ACCEL_HINT}") from None
     return name
 
 
 def resolve_model(model: str | None) -> Path:
-    """An explicit --model path, or the default model (SmolLM2-135M-Instruct), fetched on first use."""
+    """An explicit --model path, a Hub id found in the local Hugging Face cache, or the default model
+    (SmolLM2-135M-Instruct), fetched on first use."""
     if model is not None:
-        return Path(model).expanduser()
+        path = Path(model).expanduser()
+        from tools.hf_cache import looks_like_repo_id, resolve_repo_id
+        if not path.exists() and looks_like_repo_id(model):
+            return resolve_repo_id(model)
+        return path
     from tools.default_model import default_model_path
     return default_model_path(fetch_if_missing=True)
 
@@ -48,7 +73,10 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
     if lora is not None:
         from refimpl.formats.lora import load_lora, merge_lora
         ckpt.params = merge_lora(ckpt.params, ckpt.config, load_lora(lora, ckpt.config))
-    engine = engine_for(ckpt, backend, device, dtype if backend == "accel" else None)
+    if backend == "refimpl" and dtype == "fp32":
+        print("note: --dtype fp32 changes nothing for the refimpl backend, which always computes in fp32",
+              file=sys.stderr)
+    engine = engine_for(ckpt, backend, device, dtype)
     return engine, ckpt, time.perf_counter() - t0
 
 
@@ -65,5 +93,5 @@ def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None 
         from accel.engine import AccelEngine
     except ImportError as e:
         raise GenerationError(f"--backend accel is not available here ({e}); it needs torch and triton: "
-                              f"pip install 'llama32[accel]'") from None
+                              f"{ACCEL_HINT}") from None
     return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)

@@ -69,6 +69,9 @@ def diff_engines(a, b, prompt_ids: list[int], decode_steps: int, dtype: str | No
 def diff(prompt, model, a_backend, b_backend, dtype, device, decode_steps, chat, filters, isolate, dump, plot,
          verbose):
     """Compare backends --a and --b activation by activation on PROMPT; exit 1 if they diverge."""
+    if plot:
+        from tools.debug.plot import require_matplotlib
+        require_matplotlib()
     ckpt = load_checkpoint(resolve_model(model))
     if not prompt:
         raise GenerationError("the prompt is empty: give some text to compare on")
