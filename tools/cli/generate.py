@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -11,6 +12,7 @@ import click
 from refimpl.errors import GenerationError
 from refimpl.generate import Sampling
 
+from tools.chat_session import stop_notice, wants_chat
 from tools.engines import BACKENDS, load_engine, resolve_backend, resolve_model
 
 
@@ -29,15 +31,40 @@ class TextStream:
             self.printed = len(text)
 
 
+def read_prompt(prompt: str) -> str:
+    """PROMPT as given, or all of stdin for '-'."""
+    if prompt != "-":
+        return prompt
+    text = sys.stdin.read()
+    return text[:-1] if text.endswith("\n") else text  # `echo text |` adds one newline that is not the prompt's
+
+
+def fit_to_context(n_prompt: int, max_new_tokens: int, context: int) -> int:
+    """--max-new-tokens, lowered (with a notice) so that prompt + new tokens fit the model's context."""
+    room = context - n_prompt
+    if room <= 0:
+        raise GenerationError(f"the prompt ({n_prompt} tokens) fills the model's context of {context} positions; "
+                              f"shorten it")
+    if max_new_tokens > room:
+        click.echo(f"note: --max-new-tokens {max_new_tokens} lowered to {room}: the prompt ({n_prompt} tokens) and "
+                   f"the answer must fit the model's context of {context} positions", err=True)
+        return room
+    return max_new_tokens
+
+
 @click.command()
 @click.argument("prompt")
-@click.option("--model", "model", default=None, help="Model directory or .gguf file (default: SmolLM2-135M-Instruct).")
-@click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
+@click.option("--model", "model", default=None,
+              help="Model directory, .gguf file, or Hub id in the local HF cache (default: SmolLM2-135M-Instruct).")
+@click.option("--chat/--no-chat", default=None,
+              help="Wrap the prompt in the model's chat template (default: on for instruct models with a template).")
 @click.option("--system", default=None, help="System message for --chat.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 means greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
+              help="HF's: seen tokens' logits divided by it (multiplied if negative); 1 disables it.")
 @click.option("--seed", default=None, type=int, help="Same seed, same tokens.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
               help="auto: accel when CUDA is present, else refimpl.")
@@ -46,13 +73,19 @@ class TextStream:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
 @click.option("--lora", "lora", default=None, type=click.Path(path_type=Path),
               help="PEFT LoRA adapter directory, merged (fp32) into the weights after loading.")
-def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, seed, backend, device, dtype,
-             as_json, lora=None):
-    """Generate text from PROMPT."""
-    settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
+def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed,
+             backend, device, dtype, as_json, lora=None):
+    """Generate text from PROMPT ('-' reads it from stdin)."""
+    prompt = read_prompt(prompt)
+    settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
     backend = resolve_backend(backend)
     engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora)
     tok = ckpt.tokenizer
+    if chat is None:
+        chat = wants_chat(ckpt)
+        if chat:
+            click.echo("chat mode: the prompt goes through the model's chat template (--no-chat for raw completion)",
+                       err=True)
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
                                                                                    "content": prompt}]
@@ -61,12 +94,21 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
         if not prompt:
             raise GenerationError("the prompt is empty: give some text to continue")
         prompt_ids = tok.encode(prompt)
+    settings = replace(settings, max_new_tokens=fit_to_context(len(prompt_ids), max_new_tokens,
+                                                               ckpt.config.max_position_embeddings))
     stream = TextStream(tok, None if as_json else sys.stdout)
     t0 = time.perf_counter()
     times = []
-    for token in engine.generate(prompt_ids, settings, stop_ids=ckpt.stop_ids):
-        times.append(time.perf_counter())
-        stream.push(token)
+    try:
+        for token in engine.generate(prompt_ids, settings, stop_ids=ckpt.stop_ids):
+            times.append(time.perf_counter())
+            stream.push(token)
+    except KeyboardInterrupt:
+        if not as_json:
+            sys.stdout.write("\n")  # end the half-printed line, so the shell prompt and the notice start clean
+            sys.stdout.flush()
+        raise
+    notice = stop_notice(stream.ids, ckpt.stop_ids, settings.max_new_tokens, tok)
     prefill_s = times[0] - t0
     decode_s = times[-1] - times[0]
     decode_tps = (len(times) - 1) / decode_s if len(times) > 1 and decode_s > 0 else None
@@ -81,8 +123,12 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
                         "generated_tokens": len(stream.ids)},
         }
         click.echo(json.dumps(record))
+        if notice:
+            click.echo(f"note: {notice}", err=True)
         return
     sys.stdout.write("\n")
+    if notice:
+        click.echo(f"note: {notice}", err=True)
     rate = f"{decode_tps:.1f} tok/s" if decode_tps else "n/a"
     click.echo(f"[{backend}] {len(prompt_ids)} prompt tokens in {prefill_s * 1000:.0f} ms, "
                f"{len(stream.ids)} new tokens, decode {rate} (load {load_s:.1f} s)", err=True)
