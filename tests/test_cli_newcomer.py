@@ -202,6 +202,18 @@ def test_no_gpu_means_no_torch_import():
     assert out.stdout.split() == ["refimpl", "False"], out.stderr
 
 
+def test_gpu_possible_reads_device_files_and_cuda_visible_devices(monkeypatch):
+    from tools import engines
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(engines.os.path, "exists", lambda p: p == "/dev/nvidiactl")
+    assert engines.gpu_possible()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert not engines.gpu_possible()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(engines.os.path, "exists", lambda p: False)
+    assert not engines.gpu_possible()
+
+
 def test_plot_without_matplotlib_fails_before_the_diff(monkeypatch):
     import tools.cli.diff as diff_cli
     monkeypatch.setitem(sys.modules, "matplotlib", None)

@@ -19,12 +19,13 @@ ACCEL_HINT = ("pip install -e '.[accel]' from the checkout (on a machine without
 
 
 def gpu_possible() -> bool:
-    """False when no GPU can be present, decided without importing torch (about a second of start-up): no NVIDIA
-    or AMD device files, or CUDA_VISIBLE_DEVICES hiding every device."""
+    """False when no GPU can be present, decided without importing torch (about a second of start-up): no NVIDIA,
+    AMD or WSL2 GPU device files, or CUDA_VISIBLE_DEVICES hiding every device."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return False
-    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd"))
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd",
+                                             "/dev/dxg"))
 
 
 def cuda_available() -> bool:
