@@ -38,19 +38,27 @@ def decode_rate(stamps: list[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+def cpu_ms_per_token(cpu_stamps: list[float]) -> float:
+    """Process CPU time (all threads) per decoded token: on a shared machine, the part of the cost that other
+    processes' load does not stretch (for a one-thread engine; a two-thread one counts both threads)."""
+    return 1000 * (cpu_stamps[-1] - cpu_stamps[0]) / (len(cpu_stamps) - 1)
+
+
 def bench_refimpl(ckpt, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
     engine = RefEngine(ckpt)
     list(engine.generate(prompt_ids, Sampling(max_new_tokens=4)))  # warm-up: page in weights, BLAS buffers
-    rates, tokens = [], None
+    rates, cpu_ms, tokens = [], [], None
     for _ in range(runs):
-        t0, stamps, out = time.perf_counter(), [], []
+        t0, stamps, cpus, out = time.perf_counter(), [], [], []
         for token in engine.generate(prompt_ids, Sampling(max_new_tokens=new_tokens)):
             stamps.append(time.perf_counter())
+            cpus.append(time.process_time())
             out.append(token)
         rates.append(decode_rate(stamps))
+        cpu_ms.append(cpu_ms_per_token(cpus))
         tokens = out
     return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "prefill_s": stamps[0] - t0,
-            "tokens": tokens}
+            "cpu_ms_per_token": statistics.median(cpu_ms), "tokens": tokens}
 
 
 def bench_hf(path: Path, gguf: bool, prompt_ids: list[int], new_tokens: int, threads: int, runs: int) -> dict:
@@ -62,10 +70,11 @@ def bench_hf(path: Path, gguf: bool, prompt_ids: list[int], new_tokens: int, thr
 
     class Stamps(BaseStreamer):
         def __init__(self):
-            self.times = []
+            self.times, self.cpus = [], []
 
         def put(self, value):  # first call: the prompt; then one call per new token
             self.times.append(time.perf_counter())
+            self.cpus.append(time.process_time())
 
         def end(self):
             pass
@@ -76,7 +85,7 @@ def bench_hf(path: Path, gguf: bool, prompt_ids: list[int], new_tokens: int, thr
                                                               attn_implementation="eager").eval()
     ids = torch.tensor([prompt_ids])
     kw = dict(do_sample=False, pad_token_id=0)
-    rates, tokens = [], None
+    rates, cpu_ms, tokens = [], [], None
     with torch.no_grad():
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
         for _ in range(runs):
@@ -85,8 +94,10 @@ def bench_hf(path: Path, gguf: bool, prompt_ids: list[int], new_tokens: int, thr
             # suppressing eos changed anything)
             out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=streamer, **kw)
             rates.append(decode_rate(streamer.times[1:]))
+            cpu_ms.append(cpu_ms_per_token(streamer.cpus[1:]))
             tokens = out[0, len(prompt_ids):].tolist()
-    return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "threads": threads, "tokens": tokens}
+    return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "threads": threads,
+            "cpu_ms_per_token": statistics.median(cpu_ms), "tokens": tokens}
 
 
 def bench_accel_cpu(ckpt, prompt_ids: list[int], new_tokens: int, threads: int, runs: int) -> dict:
@@ -97,15 +108,18 @@ def bench_accel_cpu(ckpt, prompt_ids: list[int], new_tokens: int, threads: int, 
     torch.set_num_threads(threads)
     engine = AccelEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32")
     list(engine.generate(prompt_ids, Sampling(max_new_tokens=4)))  # warm-up
-    rates, tokens = [], None
+    rates, cpu_ms, tokens = [], [], None
     for _ in range(runs):
-        stamps, out = [], []
+        stamps, cpus, out = [], [], []
         for token in engine.generate(prompt_ids, Sampling(max_new_tokens=new_tokens)):
             stamps.append(time.perf_counter())
+            cpus.append(time.process_time())
             out.append(token)
         rates.append(decode_rate(stamps))
+        cpu_ms.append(cpu_ms_per_token(cpus))
         tokens = out
-    return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "threads": threads, "tokens": tokens}
+    return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "threads": threads,
+            "cpu_ms_per_token": statistics.median(cpu_ms), "tokens": tokens}
 
 
 def openblas_core() -> str | None:
@@ -221,14 +235,15 @@ def main(argv=None) -> int:
     print(f"{Path(args.model).name}: {len(prompt_ids)} prompt tokens, {args.new_tokens} new tokens, greedy, "
           f"{m['cpus']} CPUs (1-min load {m['load_avg_1min']:.1f} -> {m['load_avg_1min_after']:.1f}), "
           f"OpenBLAS core {m['openblas_core']}, {m['openblas_threads']} BLAS thread(s)")
-    print(f"{'engine':<26}{'decode tok/s':>14}{'runs':>28}")
+    print(f"{'engine':<26}{'decode tok/s':>14}{'CPU ms/token':>14}{'runs':>28}")
     rows = [("refimpl (NumPy fp32)", record["refimpl"])]
     if "hf_eager" in record:
         rows.append((f"HF eager fp32, {args.hf_threads} threads", record["hf_eager"]))
     if "accel_cpu_fp32" in record:
         rows.append((f"accel CPU fp32, {args.hf_threads} thr", record["accel_cpu_fp32"]))
     for label, r in rows:
-        print(f"{label:<26}{r['decode_tok_s']:>14.1f}{', '.join(f'{x:.1f}' for x in r['runs_tok_s']):>28}")
+        print(f"{label:<26}{r['decode_tok_s']:>14.1f}{r['cpu_ms_per_token']:>14.1f}"
+              f"{', '.join(f'{x:.1f}' for x in r['runs_tok_s']):>28}")
     if "same_tokens" in record:
         print(f"identical greedy tokens (HF vs refimpl): {record['same_tokens']}")
     if "accel_same_tokens" in record:
