@@ -39,6 +39,8 @@ def test_instruct_model_chats_by_default_and_says_so(instruct_dir):
     rec = json.loads(r.stdout)
     tok = load_checkpoint(instruct_dir).tokenizer
     assert rec["chat"] and rec["prompt_ids"] == tok.encode_chat([{"role": "user", "content": "hello"}])
+    assert rec["notes"][0].startswith("chat mode:") and r.stderr == ""  # --json: notes in the record
+    r = run("generate", "--model", instruct_dir, "--max-new-tokens", "3", "hello")
     assert r.stderr.count("chat mode:") == 1 and "--no-chat" in r.stderr
     raw = json.loads(run("generate", "--model", instruct_dir, "--max-new-tokens", "3", "--json", "--no-chat",
                          "hello").stdout)

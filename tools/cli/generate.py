@@ -39,17 +39,16 @@ def read_prompt(prompt: str) -> str:
     return text[:-1] if text.endswith("\n") else text  # `echo text |` adds one newline that is not the prompt's
 
 
-def fit_to_context(n_prompt: int, max_new_tokens: int, context: int) -> int:
-    """--max-new-tokens, lowered (with a notice) so that prompt + new tokens fit the model's context."""
+def fit_to_context(n_prompt: int, max_new_tokens: int, context: int) -> tuple[int, str | None]:
+    """--max-new-tokens, lowered so that prompt + new tokens fit the model's context, and the notice saying so."""
     room = context - n_prompt
     if room <= 0:
         raise GenerationError(f"the prompt ({n_prompt} tokens) fills the model's context of {context} positions; "
                               f"shorten it")
     if max_new_tokens > room:
-        click.echo(f"note: --max-new-tokens {max_new_tokens} lowered to {room}: the prompt ({n_prompt} tokens) and "
-                   f"the answer must fit the model's context of {context} positions", err=True)
-        return room
-    return max_new_tokens
+        return room, (f"--max-new-tokens {max_new_tokens} lowered to {room}: the prompt ({n_prompt} tokens) and the "
+                      f"answer must fit the model's context of {context} positions")
+    return max_new_tokens, None
 
 
 @click.command()
@@ -81,11 +80,14 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
     backend = resolve_backend(backend)
     engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora)
     tok = ckpt.tokenizer
+    notes = []  # on stderr as they come, or in the --json record (stdout stays one JSON line)
     if chat is None:
         chat = wants_chat(ckpt)
         if chat:
-            click.echo("chat mode: the prompt goes through the model's chat template (--no-chat for raw completion)",
-                       err=True)
+            notes.append("chat mode: the prompt goes through the model's chat template (--no-chat for raw "
+                         "completion)")
+            if not as_json:
+                click.echo(notes[-1], err=True)
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
                                                                                    "content": prompt}]
@@ -94,8 +96,12 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
         if not prompt:
             raise GenerationError("the prompt is empty: give some text to continue")
         prompt_ids = tok.encode(prompt)
-    settings = replace(settings, max_new_tokens=fit_to_context(len(prompt_ids), max_new_tokens,
-                                                               ckpt.config.max_position_embeddings))
+    fitted, note = fit_to_context(len(prompt_ids), max_new_tokens, ckpt.config.max_position_embeddings)
+    settings = replace(settings, max_new_tokens=fitted)
+    if note:
+        notes.append(f"note: {note}")
+        if not as_json:
+            click.echo(notes[-1], err=True)
     stream = TextStream(tok, None if as_json else sys.stdout)
     t0 = time.perf_counter()
     times = []
@@ -109,6 +115,7 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
             sys.stdout.flush()
         raise
     notice = stop_notice(stream.ids, ckpt.stop_ids, settings.max_new_tokens, tok)
+    notes += [f"note: {notice}"] if notice else []
     prefill_s = times[0] - t0
     decode_s = times[-1] - times[0]
     decode_tps = (len(times) - 1) / decode_s if len(times) > 1 and decode_s > 0 else None
@@ -121,10 +128,9 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
             "timings": {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s,
                         "decode_tokens_per_s": decode_tps, "prompt_tokens": len(prompt_ids),
                         "generated_tokens": len(stream.ids)},
+            "notes": notes,
         }
         click.echo(json.dumps(record))
-        if notice:
-            click.echo(f"note: {notice}", err=True)
         return
     sys.stdout.write("\n")
     if notice:
