@@ -44,9 +44,9 @@ def cpu_ms_per_token(cpu_stamps: list[float]) -> float:
     return 1000 * (cpu_stamps[-1] - cpu_stamps[0]) / (len(cpu_stamps) - 1)
 
 
-def bench_refimpl(ckpt, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
-    engine = RefEngine(ckpt)
-    list(engine.generate(prompt_ids, Sampling(max_new_tokens=4)))  # warm-up: page in weights, BLAS buffers
+def time_engine(engine, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
+    """Greedy decode of `new_tokens` after one warm-up (pages in weights, BLAS buffers), `runs` times."""
+    list(engine.generate(prompt_ids, Sampling(max_new_tokens=4)))
     rates, cpu_ms, tokens = [], [], None
     for _ in range(runs):
         t0, stamps, cpus, out = time.perf_counter(), [], [], []
@@ -59,6 +59,10 @@ def bench_refimpl(ckpt, prompt_ids: list[int], new_tokens: int, runs: int) -> di
         tokens = out
     return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "prefill_s": stamps[0] - t0,
             "cpu_ms_per_token": statistics.median(cpu_ms), "tokens": tokens}
+
+
+def bench_refimpl(ckpt, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
+    return time_engine(RefEngine(ckpt), prompt_ids, new_tokens, runs)
 
 
 def bench_hf(path: Path, gguf: bool, prompt_ids: list[int], new_tokens: int, threads: int, runs: int) -> dict:
@@ -107,19 +111,7 @@ def bench_accel_cpu(ckpt, prompt_ids: list[int], new_tokens: int, threads: int, 
     from accel.engine import AccelEngine
     torch.set_num_threads(threads)
     engine = AccelEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32")
-    list(engine.generate(prompt_ids, Sampling(max_new_tokens=4)))  # warm-up
-    rates, cpu_ms, tokens = [], [], None
-    for _ in range(runs):
-        stamps, cpus, out = [], [], []
-        for token in engine.generate(prompt_ids, Sampling(max_new_tokens=new_tokens)):
-            stamps.append(time.perf_counter())
-            cpus.append(time.process_time())
-            out.append(token)
-        rates.append(decode_rate(stamps))
-        cpu_ms.append(cpu_ms_per_token(cpus))
-        tokens = out
-    return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "threads": threads,
-            "cpu_ms_per_token": statistics.median(cpu_ms), "tokens": tokens}
+    return {**time_engine(engine, prompt_ids, new_tokens, runs), "threads": threads}
 
 
 def openblas_core() -> str | None:
