@@ -26,7 +26,7 @@ from refimpl.model.llama import KVCache, forward_steps
 from . import model as fast
 from . import ops
 from .kernels.tuning import DEFAULT, Tuning
-from .sampling import make_generator, sample
+from .sampling import make_generator, penalize, sample
 from .weights import DTYPES, Weights, load_weights, params_view
 
 
@@ -254,13 +254,19 @@ class AccelEngine:
             self._session = Session(cache, Decoder(self, cache, self.use_graph))
         return self._session
 
-    def prefill(self, prompt_ids, sess: Session) -> torch.Tensor:
-        """The prompt (a list, or an int64 tensor already on the device) at positions 0..P-1 into the session's
-        cache -> next-token logits [1, V] (eager)."""
+    def prefill(self, prompt_ids, sess: Session, start: int = 0) -> torch.Tensor:
+        """The prompt (a list, or an int64 tensor already on the device) at positions start..start+P-1 into the
+        session's cache -> next-token logits [1, V] (eager)."""
         ids = torch.as_tensor(prompt_ids, dtype=torch.int64, device=self.device)
         c = sess.cache
         with ops.torch_only(not self.triton):
-            return fast.prefill(self.weights, self.config, ids, c.tables, c.k_all, c.v_all)
+            return fast.prefill(self.weights, self.config, ids, c.tables, c.k_all, c.v_all, start)
+
+    def _session_over(self, cache: StaticKVCache) -> Session:
+        """The session whose cache is `cache` (a chat keeps one across turns), its decoder captured once."""
+        if self._session is None or self._session.cache is not cache:
+            self._session = Session(cache, Decoder(self, cache, self.use_graph))
+        return self._session
 
     def decode_greedy(self, sess: Session, logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
         """n greedy tokens after the prompt's logits (the prompt at positions 0..start-1), with no host sync
@@ -277,19 +283,31 @@ class AccelEngine:
             dec.run_greedy()
         return dec.history[:n].clone()
 
-    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), **inputs) -> Iterator[int]:
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: StaticKVCache | None = None,
+                 start: int = 0, **inputs) -> Iterator[int]:
+        """refimpl.generate.RefEngine.generate's contract: with `cache` (from new_cache), the prompt goes at
+        positions start.. after the earlier tokens already in it."""
         text_only(inputs)
         cfg = self.config
-        check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, cfg.max_position_embeddings)
-        sess = self.session(len(prompt_ids) + s.max_new_tokens)
+        context = cfg.max_position_embeddings if cache is None else cache.capacity
+        check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, context, start)
+        sess = self.session(len(prompt_ids) + s.max_new_tokens) if cache is None else self._session_over(cache)
         gen = make_generator(self.device, s.seed)
         cuda = self.device.type == "cuda"
         host = torch.empty(2, dtype=torch.int64, pin_memory=cuda)  # (token, logits all finite)
         ready = torch.cuda.Event() if cuda else None
-        logits = self.prefill(prompt_ids, sess)
-        step_ids, pos = list(prompt_ids), len(prompt_ids)
+        logits = self.prefill(prompt_ids, sess, start)
+        step_ids, pos = list(prompt_ids), start + len(prompt_ids)
+        seen = None
+        if s.repetition_penalty != 1:
+            seen = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=self.device)  # [V]
+            seen[torch.as_tensor(prompt_ids, device=self.device)] = True
         for n in range(s.max_new_tokens):
+            if seen is not None:
+                logits = penalize(logits, seen, s.repetition_penalty)
             token = sample(logits, s, gen)  # [1] on the device
+            if seen is not None:
+                seen[token] = True
             host.copy_(torch.stack([token[0], torch.isfinite(logits).all().to(torch.int64)]), non_blocking=cuda)
             if cuda:
                 ready.record()

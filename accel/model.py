@@ -56,15 +56,16 @@ def _layers(w: Weights, cfg: LlamaConfig, x, cos, sin, cache_k, cache_v, positio
     return h
 
 
-def prefill(w: Weights, cfg: LlamaConfig, ids, tables: RopeTables, cache_k, cache_v):
-    """ids [T] int on the device, a prompt at positions 0..T-1 -> last-token logits [1, V] (model dtype).
+def prefill(w: Weights, cfg: LlamaConfig, ids, tables: RopeTables, cache_k, cache_v, start: int = 0):
+    """ids [T] int on the device, a prompt at positions start..start+T-1 -> last-token logits [1, V] (model dtype).
 
-    cache_k/cache_v [L, K, S, E]: slots 0..T-1 of every layer are written.
+    cache_k/cache_v [L, K, S, E]: slots start..start+T-1 of every layer are written; slots before start must
+    already hold the earlier tokens (a chat continuing its history).
     """
     T = ids.shape[0]
-    positions = torch.arange(T, device=ids.device)
+    positions = torch.arange(start, start + T, device=ids.device)
     x = ops.embedding(ids, w.embed)  # [T, D]
-    cos, sin = tables.cos[:T], tables.sin[:T]  # [T, E/2]
+    cos, sin = tables.cos[start:start + T], tables.sin[start:start + T]  # [T, E/2]
 
     def attend(i, q_rot):  # over the prompt's own k/v, which rope_kv_write has just put in the cache
         return ops.causal_attention(q_rot, cache_k[i], cache_v[i], positions)

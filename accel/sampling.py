@@ -1,5 +1,6 @@
 """Sampling on the device, with the rules of refimpl.generate.sample, and no host sync.
 
+    penalty           repetition penalty on the logits of seen tokens (`penalize`, HF's rule), before the rest
     temperature 0     greedy (argmax)
     else              z = logits / temperature; top-k keeps the k largest z (ties at the k-th value kept);
                       top-p keeps the smallest most-likely-first prefix whose probability mass reaches top_p;
@@ -42,6 +43,12 @@ def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         p = torch.where(keep, p, torch.zeros_like(p))
         p = p / p.sum()
     return p
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits [1, V], seen [V] bool -> logits [1, V]: refimpl.generate.penalize on the device (no host sync)."""
+    pushed = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, pushed, logits)
 
 
 def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator) -> torch.Tensor:

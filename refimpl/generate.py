@@ -1,8 +1,14 @@
 """Sampling and the token loop of the reference engine.
 
 `RefEngine.generate` yields token ids one at a time (the CLI streams and times them). Sampling here is NumPy;
-accel samples on the device with the same rules: temperature 0 is greedy, then top-k, then top-p (nucleus) on
-the temperature-scaled distribution, and a seed makes the draw repeatable.
+accel samples on the device with the same rules: the repetition penalty first (HF's: the logit of every token
+already in the prompt or the output is divided by the penalty when positive, multiplied when negative), then
+temperature 0 is greedy, else top-k, then top-p (nucleus) on the temperature-scaled distribution; a seed makes
+the draw repeatable.
+
+Both engines share one contract for continuing a sequence (a chat keeping its history in the KV cache):
+`generate(ids, s, stop_ids, cache=c, start=n)` writes `ids` at positions n.. of a cache from `new_cache`, whose
+slots 0..n-1 already hold the earlier tokens; the last token yielded is not yet in the cache.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ class Sampling:
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0  # 1: off
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -35,8 +42,17 @@ class Sampling:
             raise GenerationError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise GenerationError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise GenerationError(f"--repetition-penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
         if self.seed is not None and not 0 <= self.seed < 2 ** 64:  # torch's generators take 64-bit seeds
             raise GenerationError(f"--seed must be in [0, 2^64), got {quote(self.seed)}")
+
+
+def penalize(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """logits [V], seen [V] bool -> logits [V] with every seen token's logit pushed down by `penalty`
+    (divided when positive, multiplied when negative: a plain division would raise a negative logit)."""
+    p = np.float32(penalty)
+    return np.where(seen, np.where(logits > 0, logits / p, logits * p), logits)
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
@@ -59,15 +75,17 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
     return int(rng.choice(p.size, p=p))
 
 
-def check_prompt(prompt_ids: list[int], vocab_size: int, max_new_tokens: int, context: int) -> None:
+def check_prompt(prompt_ids: list[int], vocab_size: int, max_new_tokens: int, context: int, start: int = 0) -> None:
+    """`context`: the positions available (the model's, or a given cache's); `start`: where the prompt goes."""
     if not prompt_ids:
         raise GenerationError("the prompt is empty: give some text (or token ids) to continue")
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise GenerationError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    if len(prompt_ids) + max_new_tokens > context:
-        raise GenerationError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds "
-                              f"the context of {context} positions")
+    if start + len(prompt_ids) + max_new_tokens > context:
+        held = f"{start} earlier tokens + " if start else ""
+        raise GenerationError(f"{held}prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({max_new_tokens}) "
+                              f"exceeds the context of {context} positions")
 
 
 def first_nonfinite(steps, all_finite=lambda value: bool(np.isfinite(np.asarray(value)).all())) -> str | None:
@@ -133,17 +151,27 @@ class RefEngine:
                                       int(positions[0]))
         return out
 
-    def check_prompt(self, prompt_ids: list[int], s: Sampling, **inputs) -> None:
-        check_prompt(prompt_ids, self.config.vocab_size, s.max_new_tokens, self.config.max_position_embeddings)
+    def check_prompt(self, prompt_ids: list[int], s: Sampling, context: int, start: int = 0, **inputs) -> None:
+        check_prompt(prompt_ids, self.config.vocab_size, s.max_new_tokens, context, start)
 
-    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), **inputs) -> Iterator[int]:
-        self.check_prompt(prompt_ids, s, **inputs)
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: KVCache | None = None,
+                 start: int = 0, **inputs) -> Iterator[int]:
+        """New tokens after the prompt; with `cache` (from new_cache), the prompt goes at positions start.. after
+        the earlier tokens already in it (a chat continuing its history)."""
+        cfg = self.config
+        context = cfg.max_position_embeddings if cache is None else cache.capacity
+        self.check_prompt(prompt_ids, s, context, start, **inputs)
         rng = np.random.default_rng(s.seed)
-        cache = self.new_cache(len(prompt_ids) + s.max_new_tokens)
-        logits = self.logits(prompt_ids, np.arange(len(prompt_ids)), cache, **inputs)
-        pos = len(prompt_ids)
+        cache = cache or self.new_cache(len(prompt_ids) + s.max_new_tokens)
+        logits = self.logits(prompt_ids, np.arange(start, start + len(prompt_ids)), cache, **inputs)
+        pos = start + len(prompt_ids)
+        seen = np.zeros(cfg.vocab_size, bool)  # [V]: for the repetition penalty
+        seen[[t for t in prompt_ids if t < cfg.vocab_size]] = True  # an image token lies past the logits' rows
         for n in range(s.max_new_tokens):
+            if s.repetition_penalty != 1:
+                logits = penalize(logits, seen, s.repetition_penalty)
             token = sample(logits, s, rng)
+            seen[token] = True
             yield token
             if token in stop_ids or n + 1 == s.max_new_tokens:
                 return

@@ -34,9 +34,10 @@ class MllamaEngine(RefEngine):
         return forward_steps(ops, self.params, self.config, np.asarray(ids, np.int64),
                              np.asarray(positions, np.int64), cache, images, last_logits_only)
 
-    def check_prompt(self, prompt_ids: list[int], s: Sampling, images: ImageInputs | None = None) -> None:
+    def check_prompt(self, prompt_ids: list[int], s: Sampling, context: int, start: int = 0,
+                     images: ImageInputs | None = None) -> None:
         cfg = self.config
-        check_prompt(prompt_ids, cfg.text.embedding_rows, s.max_new_tokens, cfg.max_position_embeddings)
+        check_prompt(prompt_ids, cfg.text.embedding_rows, s.max_new_tokens, context, start)
         check_images(prompt_ids, cfg.image_token_index, images)
 
 

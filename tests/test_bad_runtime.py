@@ -31,11 +31,18 @@ def model(tmp_path_factory):
     (["--top-p", "nan"], "--top-p must be in (0, 1]"),
     (["--top-k", "-1"], "--top-k must be >= 0"),
     (["--seed", "-1"], "--seed must be in [0, 2^64)"),
-    (["--max-new-tokens", "62"], "prompt (3 tokens) + --max-new-tokens (62) exceeds the context of 64 positions"),
     (["--backend", "refimpl", "--device", "cuda:0"], "--device 'cuda:0': the refimpl backend runs on the CPU only"),
 ])
 def test_bad_generate_argument(model, args, expected):
     assert_clean_error(run_cli(generate_args(model, *args)), expected)
+
+
+def test_max_new_tokens_past_the_context(model):
+    """Lowered to what fits, with a notice; a prompt that alone fills the context is an error."""
+    result = run_cli(generate_args(model, "--max-new-tokens", "62"))
+    assert result.exit_code == 0, result.output
+    assert "--max-new-tokens 62 lowered to 61" in result.output
+    assert_clean_error(run_cli(generate_args(model, prompt="x " * 70)), "fills the model's context of 64 positions")
 
 
 @pytest.mark.parametrize("prompt", ["", "   "])

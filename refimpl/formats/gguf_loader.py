@@ -12,12 +12,16 @@ The file is bounds-checked by `refimpl.formats.gguf_check.validate_gguf` before 
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from refimpl.formats.gguf_quants import fast_dequantize
 from refimpl.formats.params import Checkpoint, check_params
 from refimpl.model.config import LlamaConfig, RopeScaling
 from refimpl.errors import CheckpointError, ConfigError
@@ -40,16 +44,18 @@ ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: per-frequency divisors of llama3
 # SmolLM2's tokenizer.json (Digits(individual_digits) + ByteLevel) and llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM do.
 _GPT2_PRE = (None, "default", "gpt2", "gpt-2")
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
+_FLOAT_TYPES = {0: np.float32, 1: np.float16}  # ggml F32, F16: typed data that a byte-swapped file stores swapped
 
 
 # ---------------------------------------------------------------- metadata
 
 class Metadata:
-    """Typed access to a GGUFReader's key/value fields; a wrong type or a missing key names the key."""
+    """Typed access to a GGUF header's key/value fields (gguf_check.GGUFHeader.fields: key -> (type codes,
+    value)); a wrong type or a missing key names the key."""
 
-    def __init__(self, reader, source: str):
+    def __init__(self, fields: dict, source: str):
         from gguf import GGUFValueType as T
-        self.fields, self.source = reader.fields, source
+        self.fields, self.source = fields, source
         ints = {T.UINT8, T.INT8, T.UINT16, T.INT16, T.UINT32, T.INT32, T.UINT64, T.INT64}
         self._kinds = {"int": ints, "float": ints | {T.FLOAT32, T.FLOAT64}, "str": {T.STRING}, "bool": {T.BOOL}}
         self._array = T.ARRAY
@@ -62,13 +68,15 @@ class Metadata:
                 raise ConfigError(f"{self.source}: missing GGUF metadata key {key!r}")
             return default
         is_array = kind.endswith("[]")
-        types = field.types
+        types, value = field
         ok = (len(types) == 2 and types[0] == self._array and types[1] in self._kinds[kind[:-2]]) if is_array \
             else (len(types) == 1 and types[0] in self._kinds[kind])
         if not ok:
-            raise ConfigError(f"{self.source}: GGUF metadata {key!r} has type "
-                              f"{'/'.join(t.name for t in types)}, expected {kind}")
-        value = field.contents()
+            from gguf import GGUFValueType
+            names = "/".join(GGUFValueType(t).name for t in types)
+            raise ConfigError(f"{self.source}: GGUF metadata {key!r} has type {names}, expected {kind}")
+        if is_array:
+            return value.tolist() if isinstance(value, np.ndarray) else value
         if kind == "int":
             return int(value)
         return float(value) if kind == "float" else value
@@ -172,8 +180,27 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class FileTensor:
+    """One tensor of the file: its header entry and its bytes (a view of the read-only file mapping)."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    dims: tuple[int, ...]  # GGUF order, ne0 first
+    data: np.ndarray  # uint8 [n_bytes]
+    byte_order: str = "<"
+
+
+def file_tensors(path: Path, header) -> list[FileTensor]:
+    """The header's tensors over one read-only memory map of the file (nothing is read until dequantized)."""
+    from gguf import GGMLQuantizationType
+    raw = np.memmap(path, np.uint8, mode="r")
+    return [FileTensor(t.name, GGMLQuantizationType(t.type_code), t.dims,
+                       raw[t.start:t.start + t.n_bytes].view(np.ndarray), header.order) for t in header.tensors]
+
+
 def numpy_shape(tensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists ne0 (the fastest dim) first
+    return tuple(int(d) for d in reversed(tensor.dims))  # GGUF lists ne0 (the fastest dim) first
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -190,8 +217,12 @@ def dequantize(tensor, source: str) -> np.ndarray:
     import gguf
     qtype = tensor.tensor_type
     try:
-        # a plain ndarray view: slicing the np.memmap subclass block by block costs 2x (1.8 s vs 0.9 s, SmolLM2)
-        values = gguf.quants.dequantize(tensor.data.view(np.ndarray), qtype)
+        if tensor.byte_order == ">" and qtype in _FLOAT_TYPES:  # a big-endian writer's floats (as GGUFReader)
+            values = tensor.data.view(np.dtype(_FLOAT_TYPES[qtype]).newbyteorder(">")).astype(np.float32)
+        else:
+            values = fast_dequantize(tensor.data, qtype)
+            if values is None:
+                values = gguf.quants.dequantize(tensor.data, qtype)
     except NotImplementedError:
         raise CheckpointError(f"{source}: tensor {tensor.name!r} is stored as {qtype.name}, which the gguf "
                               f"library cannot dequantize; re-export the model as F32/F16/BF16 or a Q type") from None
@@ -199,8 +230,10 @@ def dequantize(tensor, source: str) -> np.ndarray:
     if values.size != int(np.prod(shape)):
         raise CheckpointError(f"{source}: tensor {tensor.name!r} dequantizes to {values.size} values, but its "
                               f"dims {list(shape)} need {int(np.prod(shape))}")
-    # own, writable, fp32 memory: an F32 tensor comes back as a view of the read-only file mapping
-    return np.require(values.reshape(shape), np.float32, ["C", "W", "O"])
+    # own, writable, fp32 memory: an F32 tensor comes back as a view of the read-only file mapping (the other
+    # types come back freshly computed, and copying 135M values again would cost a tenth of a second)
+    values = values.reshape(shape)
+    return np.array(values, np.float32) if not values.flags.writeable else values.astype(np.float32, copy=False)
 
 
 def kept_blocks(tensor, shape: tuple[int, ...]):
@@ -218,30 +251,35 @@ def unpermute_order(rows: int, n_head: int) -> np.ndarray:
     return unpermute_rows(np.arange(rows)[:, None], n_head)[:, 0]
 
 
-def load_params(reader, cfg: LlamaConfig, source: str, keep_blocks: frozenset = frozenset()) -> dict:
-    """Map names, check shapes against the config, then dequantize (and unpermute q/k) tensor by tensor.
+def load_params(tensors: list[FileTensor], cfg: LlamaConfig, source: str, pool=None,
+                keep_blocks: frozenset = frozenset()) -> dict:
+    """Map names, check shapes against the config, then dequantize (and unpermute q/k) tensor by tensor, on the
+    threads of `pool` when given (NumPy releases the GIL in the block arithmetic).
 
     Names in `keep_blocks` stored as Q8_0/Q4_0/Q4_1 stay as their blocks (refimpl.quant.QuantizedLinear)."""
-    by_name = {hf_name(t.name): t for t in reader.tensors if hf_name(t.name) is not None}
+    by_name = {hf_name(t.name): t for t in tensors if hf_name(t.name) is not None}
     extra = check_params({n: numpy_shape(t) for n, t in by_name.items()}, cfg, source)
-    unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and t.name != ROPE_FREQS]
+    unknown = [t.name for t in tensors if hf_name(t.name) is None and t.name != ROPE_FREQS]
     if unknown or extra:
         print(f"warning: {source}: ignoring {len(unknown) + len(extra)} unknown tensor(s), e.g. "
               f"{(unknown + extra)[0]!r}", file=sys.stderr)
+    def load(name: str):
+        tensor = by_name[name]
+        w = kept_blocks(tensor, numpy_shape(tensor)) if name in keep_blocks else None
+        if w is None:
+            w = dequantize(tensor, source)
+        heads = {"self_attn.q_proj.weight": cfg.num_attention_heads,
+                 "self_attn.k_proj.weight": cfg.num_key_value_heads}.get(name.split(".", 3)[-1])
+        if heads and isinstance(w, np.ndarray):
+            w = unpermute_rows(w, heads)
+        elif heads:
+            w = w.take_rows(unpermute_order(w.shape[0], heads))
+        return w
+
+    names = [name for name in by_name if name not in extra]
     params = {}
-    with Progress(f"loading {Path(source).name}", len(by_name)) as bar:
-        for name, tensor in by_name.items():
-            if name in extra:
-                continue
-            w = kept_blocks(tensor, numpy_shape(tensor)) if name in keep_blocks else None
-            if w is None:
-                w = dequantize(tensor, source)
-            heads = {"self_attn.q_proj.weight": cfg.num_attention_heads,
-                     "self_attn.k_proj.weight": cfg.num_key_value_heads}.get(name.split(".", 3)[-1])
-            if heads and isinstance(w, np.ndarray):
-                w = unpermute_rows(w, heads)
-            elif heads:
-                w = w.take_rows(unpermute_order(w.shape[0], heads))
+    with Progress(f"loading {Path(source).name}", len(names)) as bar:
+        for name, w in zip(names, map(load, names) if pool is None else pool.map(load, names)):
             params[name] = w
             bar.advance()
     if "lm_head.weight" in keep_blocks and cfg.tie_word_embeddings:  # the tied lm_head reads the embedding's blocks
@@ -330,22 +368,21 @@ def load_gguf(path: str | Path, with_tokenizer: bool = True, keep_blocks: bool =
     from refimpl.formats.gguf_check import validate_gguf
     path = Path(path)
     source = str(path)
-    validate_gguf(path)
-    from gguf import GGUFReader
-    try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, KeyError) as e:  # what validate_gguf let through; kept one line for the CLI
-        raise CheckpointError(f"{source}: not a readable GGUF file ({str(e).splitlines()[0][:200]})") from None
-    meta = Metadata(reader, source)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    shapes = {t.name: numpy_shape(t) for t in reader.tensors}
-    rope = next((dequantize(t, source) for t in reader.tensors if t.name == ROPE_FREQS), None)
+    header = validate_gguf(path)  # the bounds-checked walk keeps what it read: no second parse
+    meta = Metadata(header.fields, source)
+    tensors = file_tensors(path, header)
+    tokens = header.fields.get("tokenizer.ggml.tokens")
+    shapes = {t.name: numpy_shape(t) for t in tensors}
+    rope = next((dequantize(t, source) for t in tensors if t.name == ROPE_FREQS), None)
     stop = stop_ids_from(meta)
-    cfg = config_from_gguf(meta, shapes, rope, len(tokens.data) if tokens is not None else None, stop)
+    cfg = config_from_gguf(meta, shapes, rope, len(tokens[1]) if tokens is not None else None, stop)
     keep = frozenset()
     if keep_blocks:
         from refimpl.quant.apply import quantized_names
         keep = frozenset(quantized_names(cfg, keep_lm_head_blocks))
-    params = load_params(reader, cfg, source, keep)
-    tokenizer = build_tokenizer(meta, source) if with_tokenizer else None
+    # dequantizing is most of the start-up: spread it over the cores, and build the tokenizer meanwhile
+    with ThreadPoolExecutor(max_workers=min(4, len(os.sched_getaffinity(0)))) as pool:
+        tokenizer = pool.submit(build_tokenizer, meta, source) if with_tokenizer else None
+        params = load_params(tensors, cfg, source, pool, keep)
+        tokenizer = tokenizer.result() if tokenizer is not None else None
     return Checkpoint(path, cfg, params, tokenizer, stop)

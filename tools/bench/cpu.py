@@ -4,8 +4,10 @@
     python -m tools.bench.cpu --profile --json out.json
     python -m tools.bench.cpu --random              # random fp32 weights at SmolLM2-135M's shapes
 
-Both engines run greedy from the same chat prompt for a fixed number of tokens (no stop ids), in one process, one
-after the other. Decode speed is (tokens - 1) / (time of the last token - time of the first): the prefill and the
+The engines (refimpl, HF eager fp32, and accel's torch path on CPU in fp32 when torch is installed) run greedy
+from the same chat prompt for a fixed number of tokens (no stop ids), in one process, one after the other. The
+record names the machine's state: CPUs, 1-minute load average before and after, OpenBLAS's core type and threads,
+torch's threads; JSON is written only with --json. Decode speed is (tokens - 1) / (time of the last token - time of the first): the prefill and the
 first token are left out. `--profile` also times each op of the refimpl's one-token forward (summed over the
 decode), to show where a decode step goes. A benchmark, not a test: it asserts nothing.
 """
@@ -36,19 +38,31 @@ def decode_rate(stamps: list[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def bench_refimpl(ckpt, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
-    engine = RefEngine(ckpt)
-    list(engine.generate(prompt_ids, Sampling(max_new_tokens=4)))  # warm-up: page in weights, BLAS buffers
-    rates, tokens = [], None
+def cpu_ms_per_token(cpu_stamps: list[float]) -> float:
+    """Process CPU time (all threads) per decoded token: on a shared machine, the part of the cost that other
+    processes' load does not stretch (for a one-thread engine; a two-thread one counts both threads)."""
+    return 1000 * (cpu_stamps[-1] - cpu_stamps[0]) / (len(cpu_stamps) - 1)
+
+
+def time_engine(engine, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
+    """Greedy decode of `new_tokens` after one warm-up (pages in weights, BLAS buffers), `runs` times."""
+    list(engine.generate(prompt_ids, Sampling(max_new_tokens=4)))
+    rates, cpu_ms, tokens = [], [], None
     for _ in range(runs):
-        t0, stamps, out = time.perf_counter(), [], []
+        t0, stamps, cpus, out = time.perf_counter(), [], [], []
         for token in engine.generate(prompt_ids, Sampling(max_new_tokens=new_tokens)):
             stamps.append(time.perf_counter())
+            cpus.append(time.process_time())
             out.append(token)
         rates.append(decode_rate(stamps))
+        cpu_ms.append(cpu_ms_per_token(cpus))
         tokens = out
     return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "prefill_s": stamps[0] - t0,
-            "tokens": tokens}
+            "cpu_ms_per_token": statistics.median(cpu_ms), "tokens": tokens}
+
+
+def bench_refimpl(ckpt, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
+    return time_engine(RefEngine(ckpt), prompt_ids, new_tokens, runs)
 
 
 def bench_hf(path: Path, gguf: bool, prompt_ids: list[int], new_tokens: int, threads: int, runs: int) -> dict:
@@ -60,10 +74,11 @@ def bench_hf(path: Path, gguf: bool, prompt_ids: list[int], new_tokens: int, thr
 
     class Stamps(BaseStreamer):
         def __init__(self):
-            self.times = []
+            self.times, self.cpus = [], []
 
         def put(self, value):  # first call: the prompt; then one call per new token
             self.times.append(time.perf_counter())
+            self.cpus.append(time.process_time())
 
         def end(self):
             pass
@@ -74,7 +89,7 @@ def bench_hf(path: Path, gguf: bool, prompt_ids: list[int], new_tokens: int, thr
                                                               attn_implementation="eager").eval()
     ids = torch.tensor([prompt_ids])
     kw = dict(do_sample=False, pad_token_id=0)
-    rates, tokens = [], None
+    rates, cpu_ms, tokens = [], [], None
     with torch.no_grad():
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
         for _ in range(runs):
@@ -83,8 +98,35 @@ def bench_hf(path: Path, gguf: bool, prompt_ids: list[int], new_tokens: int, thr
             # suppressing eos changed anything)
             out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=streamer, **kw)
             rates.append(decode_rate(streamer.times[1:]))
+            cpu_ms.append(cpu_ms_per_token(streamer.cpus[1:]))
             tokens = out[0, len(prompt_ids):].tolist()
-    return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "threads": threads, "tokens": tokens}
+    return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "threads": threads,
+            "cpu_ms_per_token": statistics.median(cpu_ms), "tokens": tokens}
+
+
+def bench_accel_cpu(ckpt, prompt_ids: list[int], new_tokens: int, threads: int, runs: int) -> dict:
+    """accel on CPU in fp32 (torch kernels; Triton runs on GPUs only, outside its interpreter)."""
+    import torch
+
+    from accel.engine import AccelEngine
+    torch.set_num_threads(threads)
+    engine = AccelEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32")
+    return {**time_engine(engine, prompt_ids, new_tokens, runs), "threads": threads}
+
+
+def openblas_core() -> str | None:
+    """The core type OpenBLAS picked (or was told by OPENBLAS_CORETYPE), asked from NumPy's own OpenBLAS."""
+    import ctypes
+    import glob
+    libs = glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*"))
+    for lib in libs:
+        cdll = ctypes.CDLL(lib)
+        for symbol in ("scipy_openblas_get_corename64_", "openblas_get_corename64_", "openblas_get_corename"):
+            fn = getattr(cdll, symbol, None)
+            if fn is not None:
+                fn.restype = ctypes.c_char_p
+                return fn().decode()
+    return None
 
 
 class TimedOps:
@@ -133,7 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also time each refimpl op in a decode step")
     ap.add_argument("--random", action="store_true",
                     help="random fp32 weights at SmolLM2-135M's shapes instead of the GGUF (32 random prompt ids)")
-    ap.add_argument("--json", type=Path, default=Path("bench_cpu.json"))
+    ap.add_argument("--skip-accel", action="store_true", help="skip accel on CPU (fp32, torch kernels)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the record here")
     args = ap.parse_args(argv)
 
     if args.random:
@@ -159,7 +202,8 @@ def main(argv=None) -> int:
         "model": str(args.model), "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
         "machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine(),
                     "load_avg_1min": os.getloadavg()[0], "numpy": np.__version__,
-                    "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS")},
+                    "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "openblas_core": openblas_core(),
+                    "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())},
         "refimpl": {"load_s": load_s, **bench_refimpl(ckpt, prompt_ids, args.new_tokens, args.runs)},
     }
     if not args.skip_hf:
@@ -167,26 +211,45 @@ def main(argv=None) -> int:
         hf = bench_hf(args.model, not args.random, prompt_ids, args.new_tokens, args.hf_threads, args.runs)
         record["hf_eager"] = {"transformers": transformers.__version__, **hf}
         record["same_tokens"] = record["hf_eager"]["tokens"] == record["refimpl"]["tokens"]
+    if not args.skip_accel:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            args.skip_accel = True
+    if not args.skip_accel:
+        record["accel_cpu_fp32"] = bench_accel_cpu(ckpt, prompt_ids, args.new_tokens, args.hf_threads, args.runs)
+        record["accel_same_tokens"] = record["accel_cpu_fp32"]["tokens"] == record["refimpl"]["tokens"]
     if args.profile:
         record["refimpl_profile"] = profile_decode(ckpt, prompt_ids, args.new_tokens)
+    record["machine"]["load_avg_1min_after"] = os.getloadavg()[0]
 
+    m = record["machine"]
     print(f"{Path(args.model).name}: {len(prompt_ids)} prompt tokens, {args.new_tokens} new tokens, greedy, "
-          f"{record['machine']['cpus']} CPUs (1-min load {record['machine']['load_avg_1min']:.1f})")
-    print(f"{'engine':<26}{'decode tok/s':>14}{'runs':>28}")
+          f"{m['cpus']} CPUs (1-min load {m['load_avg_1min']:.1f} -> {m['load_avg_1min_after']:.1f}), "
+          f"OpenBLAS core {m['openblas_core']}, {m['openblas_threads']} BLAS thread(s)")
+    print(f"{'engine':<26}{'decode tok/s':>14}{'CPU ms/token':>14}{'runs':>28}")
     rows = [("refimpl (NumPy fp32)", record["refimpl"])]
     if "hf_eager" in record:
         rows.append((f"HF eager fp32, {args.hf_threads} threads", record["hf_eager"]))
+    if "accel_cpu_fp32" in record:
+        rows.append((f"accel CPU fp32, {args.hf_threads} thr", record["accel_cpu_fp32"]))
     for label, r in rows:
-        print(f"{label:<26}{r['decode_tok_s']:>14.1f}{', '.join(f'{x:.1f}' for x in r['runs_tok_s']):>28}")
+        print(f"{label:<26}{r['decode_tok_s']:>14.1f}{r['cpu_ms_per_token']:>14.1f}"
+              f"{', '.join(f'{x:.1f}' for x in r['runs_tok_s']):>28}")
     if "same_tokens" in record:
-        print(f"identical greedy tokens: {record['same_tokens']}")
+        print(f"identical greedy tokens (HF vs refimpl): {record['same_tokens']}")
+    if "accel_same_tokens" in record:
+        print(f"identical greedy tokens (accel vs refimpl): {record['accel_same_tokens']}")
+    if "hf_eager" in record:
+        print(f"refimpl / HF: {record['refimpl']['decode_tok_s'] / record['hf_eager']['decode_tok_s']:.2f}x")
     if args.profile:
         p = record["refimpl_profile"]
         print(f"\nrefimpl decode step: {p['step_ms']:.1f} ms/token")
         for name, ms in p["ms_per_token"].items():
             print(f"  {name:<24}{ms:8.2f} ms  {100 * ms / p['step_ms']:5.1f} %")
-    args.json.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\nwrote {args.json}")
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
     return 0
 
 

@@ -46,8 +46,18 @@ def _describe(e: Exception) -> str:
     return f"text is not valid UTF-8 ({e})"
 
 
+def _print_version(ctx, param, value):
+    if not value or ctx.resilient_parsing:
+        return
+    from tools.debug.golden import tool_version  # installed metadata, else the checkout's pyproject.toml
+    click.echo(tool_version())
+    ctx.exit()
+
+
 @click.group(cls=Llama32Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print the version and exit.")
 @click.pass_context
 def main(ctx, debug):
     """Llama 3.2: a NumPy reference interpreter and a torch + Triton engine, checked against each other."""
@@ -56,7 +66,7 @@ def main(ctx, debug):
 
 # (module in tools/cli/, click command of the same name): each command keeps its heavy imports (torch, matplotlib) inside itself,
 # so `llama32 --help` and the refimpl paths start in well under a second.
-COMMANDS = ("generate", "fetch", "golden", "diff", "step", "bench", "finetune", "lora")
+COMMANDS = ("generate", "chat", "fetch", "golden", "diff", "step", "bench", "finetune", "lora")
 
 
 def _register():

@@ -50,7 +50,10 @@ from tools.cli.params import Count, UserPath
 def diff(prompt, model, a_backend, b_backend, dtype, device, quant, decode_steps, chat, filters, isolate, dump, plot,
          verbose, images=()):
     """Compare backends --a and --b activation by activation on PROMPT; exit 1 if they diverge."""
-    ckpt = load_checkpoint(resolve_model(model), quant=parse_quant(quant))  # both engines run the same records
+    if plot:
+        from tools.debug.plot import require_matplotlib
+        require_matplotlib()
+        ckpt = load_checkpoint(resolve_model(model), quant=parse_quant(quant))  # both engines run the same records
     if not prompt:
         raise GenerationError("the prompt is empty: give some text to compare on")
     tok = ckpt.tokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -11,6 +12,7 @@ import click
 from refimpl.errors import GenerationError
 from refimpl.generate import Sampling
 
+from tools.chat_session import stop_notice, wants_chat
 from tools.engines import BACKENDS, load_engine, resolve_backend, resolve_model
 from tools.vision_inputs import prompt_inputs
 from tools.cli.params import UserPath
@@ -31,15 +33,39 @@ class TextStream:
             self.printed = len(text)
 
 
+def read_prompt(prompt: str) -> str:
+    """PROMPT as given, or all of stdin for '-'."""
+    if prompt != "-":
+        return prompt
+    text = sys.stdin.read()
+    return text[:-1] if text.endswith("\n") else text  # `echo text |` adds one newline that is not the prompt's
+
+
+def fit_to_context(n_prompt: int, max_new_tokens: int, context: int) -> tuple[int, str | None]:
+    """--max-new-tokens, lowered so that prompt + new tokens fit the model's context, and the notice saying so."""
+    room = context - n_prompt
+    if room <= 0:
+        raise GenerationError(f"the prompt ({n_prompt} tokens) fills the model's context of {context} positions; "
+                              f"shorten it")
+    if max_new_tokens > room:
+        return room, (f"--max-new-tokens {max_new_tokens} lowered to {room}: the prompt ({n_prompt} tokens) and the "
+                      f"answer must fit the model's context of {context} positions")
+    return max_new_tokens, None
+
+
 @click.command()
 @click.argument("prompt")
-@click.option("--model", "model", default=None, help="Model directory or .gguf file (default: SmolLM2-135M-Instruct).")
-@click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
+@click.option("--model", "model", default=None,
+              help="Model directory, .gguf file, or Hub id in the local HF cache (default: SmolLM2-135M-Instruct).")
+@click.option("--chat/--no-chat", default=None,
+              help="Wrap the prompt in the model's chat template (default: on for instruct models with a template).")
 @click.option("--system", default=None, help="System message for --chat.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 means greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
+              help="HF's: seen tokens' logits divided by it (multiplied if negative); 1 disables it.")
 @click.option("--seed", default=None, type=int, help="Same seed, same tokens.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
               help="auto: accel when CUDA is present, else refimpl.")
@@ -56,14 +82,23 @@ class TextStream:
 @click.option("--quant", default=None, metavar="FORMAT",
               help="Weight-only quantization: int8, int4[:G] (G = 32, 64, 128; default 64), or gguf (keep a GGUF "
                    "file's Q8_0/Q4_0/Q4_1 blocks); append :bf16-head to keep the lm_head unquantized.")
-def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, seed, backend, device, dtype,
-             as_json, lora=None, images=(), lora_mode="merged", quant=None):
-    """Generate text from PROMPT."""
-    settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
+def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed,
+             backend, device, dtype, as_json, lora=None, images=(), lora_mode="merged", quant=None):
+    """Generate text from PROMPT ('-' reads it from stdin)."""
+    prompt = read_prompt(prompt)
+    settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
     backend = resolve_backend(backend)
     engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora,
                                        lora_mode=lora_mode, quant=quant)
     tok = ckpt.tokenizer
+    notes = []  # on stderr as they come, or in the --json record (stdout stays one JSON line)
+    if chat is None:
+        chat = wants_chat(ckpt)
+        if chat:
+            notes.append("chat mode: the prompt goes through the model's chat template (--no-chat for raw "
+                         "completion)")
+            if not as_json:
+                click.echo(notes[-1], err=True)
     vision = prompt_inputs(ckpt, prompt, images, chat, system)
     if vision is not None:
         prompt_ids = vision.ids
@@ -75,13 +110,27 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
         if not prompt:
             raise GenerationError("the prompt is empty: give some text to continue")
         prompt_ids = tok.encode(prompt)
+    fitted, note = fit_to_context(len(prompt_ids), max_new_tokens, ckpt.config.max_position_embeddings)
+    settings = replace(settings, max_new_tokens=fitted)
+    if note:
+        notes.append(f"note: {note}")
+        if not as_json:
+            click.echo(notes[-1], err=True)
     stream = TextStream(tok, None if as_json else sys.stdout)
     t0 = time.perf_counter()
     times = []
     inputs = vision.engine_kwargs if vision is not None else {}
-    for token in engine.generate(prompt_ids, settings, stop_ids=ckpt.stop_ids, **inputs):
-        times.append(time.perf_counter())
-        stream.push(token)
+    try:
+        for token in engine.generate(prompt_ids, settings, stop_ids=ckpt.stop_ids, **inputs):
+            times.append(time.perf_counter())
+            stream.push(token)
+    except KeyboardInterrupt:
+        if not as_json:
+            sys.stdout.write("\n")  # end the half-printed line, so the shell prompt and the notice start clean
+            sys.stdout.flush()
+        raise
+    notice = stop_notice(stream.ids, ckpt.stop_ids, settings.max_new_tokens, tok)
+    notes += [f"note: {notice}"] if notice else []
     prefill_s = times[0] - t0
     decode_s = times[-1] - times[0]
     decode_tps = (len(times) - 1) / decode_s if len(times) > 1 and decode_s > 0 else None
@@ -95,10 +144,13 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
                         "decode_tokens_per_s": decode_tps, "prompt_tokens": len(prompt_ids),
                         "generated_tokens": len(stream.ids)},
             **(vision.record if vision is not None else {}),
+            "notes": notes,
         }
         click.echo(json.dumps(record))
         return
     sys.stdout.write("\n")
+    if notice:
+        click.echo(f"note: {notice}", err=True)
     rate = f"{decode_tps:.1f} tok/s" if decode_tps else "n/a"
     click.echo(f"[{backend}] {len(prompt_ids)} prompt tokens in {prefill_s * 1000:.0f} ms, "
                f"{len(stream.ids)} new tokens, decode {rate} (load {load_s:.1f} s)", err=True)

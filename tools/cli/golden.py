@@ -26,7 +26,10 @@ def golden():
 @click.option("--hf-check/--no-hf-check", default=True, show_default=True,
               help="Record the logit difference against HF transformers (when it is installed).")
 def make(out, hf_check):
-    """Regenerate the toy checkpoints and golden records from the refimpl (the same bytes on every run)."""
+    """Regenerate the toy checkpoints and golden records from the refimpl.
+
+    Checkpoints and manifests: the same bytes everywhere. Activations: the same bytes on the same machine; on
+    another CPU or BLAS build the last bits may differ, within the fp32 tolerance that `golden check` applies."""
     make_golden(out, with_hf=hf_check, log=click.echo)
 
 

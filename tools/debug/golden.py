@@ -112,7 +112,12 @@ def hf_check(model_dir: Path, steps: list[Step], acts: dict[str, np.ndarray]) ->
 
 
 def make_golden(out_root: str | Path = DEFAULT_DIR, with_hf: bool = True, log: Callable = print) -> list[Path]:
-    """Write every toy checkpoint and its golden record under out_root; the same bytes on every run."""
+    """Write every toy checkpoint and its golden record under out_root.
+
+    Deterministic everywhere: the checkpoints (seeded PCG64 weights, tokenizer, configs) and the manifest.
+    Deterministic on one machine only: the activations. Their last bits follow the BLAS kernels the CPU gets
+    (OpenBLAS picks them per core type) and NumPy's SIMD paths, so another machine's records differ within the
+    fp32 tolerance of refimpl/compare.py, which is how `golden check` and the tests compare them."""
     from refimpl.formats.checkpoint import load_checkpoint
     from refimpl.generate import RefEngine
 

@@ -39,12 +39,19 @@ def per_layer(rows, metric: str, zero: float) -> dict[str, dict[int, float]]:
     return {k: out[k] for k in KINDS if k in out}
 
 
-def plot_errors(rows, path: str | Path, dtype: str, title: str) -> Path:
+def require_matplotlib() -> None:
+    """Fail before the work whose result would be plotted, not after it."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        import matplotlib  # noqa: F401
     except ImportError:
-        raise PlotError("--plot needs matplotlib: pip install 'llama32[plot]' (or matplotlib)") from None
+        raise PlotError("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]' from a "
+                        "checkout)") from None
+
+
+def plot_errors(rows, path: str | Path, dtype: str, title: str) -> Path:
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
     tol = TOLERANCES[dtype]
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
