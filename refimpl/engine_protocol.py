@@ -33,8 +33,11 @@ class Engine(Protocol):
         (lockstep debugging feeds one backend's outputs to the other). Logits last, [1, V] if last_logits_only.
         `inputs`: a multimodal model's extra prompt inputs (a vision engine's `images`); text engines take none."""
 
-    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids: Iterable[int] = (), **inputs) -> Iterator[int]:
-        """New token ids after the prompt, one at a time, at most s.max_new_tokens, ending after a stop id."""
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids: Iterable[int] = (), cache: KVCache | None = None,
+                 start: int = 0, **inputs) -> Iterator[int]:
+        """New token ids after the prompt, one at a time, at most s.max_new_tokens, ending after a stop id.
+        With `cache` (from new_cache), the prompt goes at positions start.. after the earlier tokens already in it
+        (a chat continuing its history, not re-encoded)."""
 
     def to_numpy(self, value: Value) -> np.ndarray:
         """A yielded value as float32 NumPy."""

@@ -102,7 +102,7 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
     if backend == "refimpl" and dtype == "fp32":
         print("note: --dtype fp32 changes nothing for the refimpl backend, which always computes in fp32",
               file=sys.stderr)
-    engine = engine_for(ckpt, backend, device, dtype if backend == "accel" else None,
+    engine = engine_for(ckpt, backend, device, dtype,
                         quant=spec if not keep_blocks and backend == "accel" else None)
     return engine, ckpt, time.perf_counter() - t0
 

@@ -33,11 +33,10 @@ def resolve_repo_id(repo_id: str, revision: str = "main") -> Path:
     cache = hub_cache_dir()
     org, name = repo_id.split("/")
     repo = cache / f"models--{org}--{name}"
-    hint = (f"download it first (e.g. `huggingface-cli download {repo_id}`, or any transformers "
-            f"from_pretrained), or pass --model with a local directory or .gguf file")
+    hint = f"download it first (`huggingface-cli download {repo_id}`) or pass a local directory or .gguf"
     if not repo.is_dir():
-        raise CheckpointError(f"{repo_id}: not a local path, and not in the Hugging Face cache {cache} (set HF_HOME "
-                              f"or HF_HUB_CACHE if it lives elsewhere); {hint}")
+        raise CheckpointError(f"{repo_id}: not a local path, and not in the Hugging Face cache {cache} (HF_HOME / "
+                              f"HF_HUB_CACHE); {hint}")
     ref = repo / "refs" / revision
     commit = ref.read_text(encoding="utf-8").strip() if ref.is_file() else revision
     snapshot = repo / "snapshots" / commit

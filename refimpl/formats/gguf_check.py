@@ -67,10 +67,11 @@ def can_dequantize(type_code: int) -> bool:
 
 
 class _Cursor:
-    """Reads little-endian values from a buffer, refusing to step past its end."""
+    """Reads little-endian values from a buffer, refusing to step past its end (big-endian files are refused at
+    their version, so `order` stays '<')."""
 
     def __init__(self, buf, path: Path):
-        self.buf, self.path, self.pos = buf, path, 0
+        self.buf, self.path, self.pos, self.order = buf, path, 0, "<"
 
     def error(self, msg: str, at: int | None = None) -> CheckpointError:
         return CheckpointError(f"{self.path}: {msg} (at byte {self.pos if at is None else at})")
@@ -86,7 +87,7 @@ class _Cursor:
     def unpack(self, fmt: str, what: str):
         size = struct.calcsize(fmt)
         self.need(size, what)
-        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        (value,) = struct.unpack_from(self.order + fmt, self.buf, self.pos)
         self.pos += size
         return value
 

@@ -53,7 +53,7 @@ def diff(prompt, model, a_backend, b_backend, dtype, device, quant, decode_steps
     if plot:
         from tools.debug.plot import require_matplotlib
         require_matplotlib()
-        ckpt = load_checkpoint(resolve_model(model), quant=parse_quant(quant))  # both engines run the same records
+    ckpt = load_checkpoint(resolve_model(model), quant=parse_quant(quant))  # both engines run the same records
     if not prompt:
         raise GenerationError("the prompt is empty: give some text to compare on")
     tok = ckpt.tokenizer
