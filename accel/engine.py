@@ -24,6 +24,8 @@ from refimpl.generate import Sampling, check_prompt, nonfinite_error
 from refimpl.model.llama import KVCache, forward_steps
 
 from . import model as fast
+from . import ops
+from .kernels.tuning import DEFAULT, Tuning
 from .sampling import make_generator, sample
 from .weights import DTYPES, Weights, load_weights, params_view
 
@@ -108,13 +110,19 @@ class Decoder:
         self.step_count = torch.zeros(1, dtype=torch.int64, device=dev)  # the greedy step's index into history
         self.history = torch.zeros(cache.capacity + 1, dtype=torch.int64, device=dev)
         # the closures hold what the step reads, not the engine or self: a reference cycle (engine -> session ->
-        # decoder -> closure -> engine) kept dropped engines' weights alive until the next gc pass (NOTES.md: the
-        # bench's "2.2x the weights" of peak memory were two such engines left by its profiles)
-        ks, w, cfg, token, position = engine.kernels, engine.weights, engine.config, self.token, self.position
-        step, history = self.step_count, self.history
-        fn = lambda: fast.decode_step(ks, w, cfg, token, position, cache.tables, cache.k_all, cache.v_all)  # noqa: E731
-        self._fn = fn
-        self._greedy_fn = lambda: ks.greedy_next(fn(), token, position, history, step)  # fn, not self._fn: no cycle
+        # decoder -> closure -> engine) kept dropped engines' weights alive until the next gc pass
+        w, cfg, tuning, token, position = engine.weights, engine.config, engine.tuning, self.token, self.position
+        step, history, torch_only = self.step_count, self.history, not engine.triton
+
+        def fn():
+            with ops.torch_only(torch_only):
+                return fast.decode_step(w, cfg, token, position, cache.tables, cache.k_all, cache.v_all, tuning)
+
+        def greedy_fn():  # fn, not self._fn: no cycle
+            logits = fn()
+            with ops.torch_only(torch_only):
+                return ops.greedy_next(logits, token, position, history, step)
+        self._fn, self._greedy_fn = fn, greedy_fn
         self.capacity, self.use_graph = cache.capacity, use_graph
         self.graph = self._greedy_graph = None
         if use_graph:
@@ -181,11 +189,14 @@ class AccelEngine:
     backend = "accel"
 
     def __init__(self, config: LlamaConfig, weights: Weights, device: torch.device, dtype: str,
-                 use_graph: bool | None = None, use_triton: bool | None = None):
+                 use_graph: bool | None = None, use_triton: bool | None = None, tuning: Tuning = DEFAULT):
+        """use_triton False: every op's torch version (accel.ops.torch_only), a baseline; tuning: the kernels'
+        launch tables (accel.kernels.tuning), for benchmarks that try others."""
         self.config, self.weights, self.device, self.dtype_name = config, weights, device, dtype
         self.dtype = DTYPES[dtype]
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
-        self.kernels = fast.Kernels(fast.triton_usable(device) if use_triton is None else use_triton)
+        self.triton = ops.triton_available(device) if use_triton is None else use_triton
+        self.tuning = tuning
         self.params = params_view(weights, config)  # HF names for trace mode, views of the fused tensors
         self._session: Session | None = None
 
@@ -225,7 +236,6 @@ class AccelEngine:
 
     def steps(self, ids, positions, cache: KVCache, last_logits_only: bool = False):
         """Trace mode: the op-by-op forward over accel.ops, yielding (name, torch tensor)."""
-        from . import ops
         ids = torch.as_tensor(np.asarray(ids, np.int64), device=self.device)
         positions = torch.as_tensor(np.asarray(positions, np.int64), device=self.device)
         return forward_steps(ops, self.params, self.config, ids, positions, cache, last_logits_only)
@@ -246,7 +256,8 @@ class AccelEngine:
         cache -> next-token logits [1, V] (eager)."""
         ids = torch.as_tensor(prompt_ids, dtype=torch.int64, device=self.device)
         c = sess.cache
-        return fast.prefill(self.kernels, self.weights, self.config, ids, c.tables, c.k_all, c.v_all)
+        with ops.torch_only(not self.triton):
+            return fast.prefill(self.weights, self.config, ids, c.tables, c.k_all, c.v_all)
 
     def decode_greedy(self, sess: Session, logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
         """n greedy tokens after the prompt's logits (the prompt at positions 0..start-1), with no host sync
@@ -257,7 +268,8 @@ class AccelEngine:
         dec.position.fill_(start - 1)
         dec.step_count.zero_()
         # the first token comes from the prompt's logits: token, history[0], position = start
-        self.kernels.greedy_next(logits, dec.token, dec.position, dec.history, dec.step_count)
+        with ops.torch_only(not self.triton):
+            ops.greedy_next(logits, dec.token, dec.position, dec.history, dec.step_count)
         for _ in range(n - 1):
             dec.run_greedy()
         return dec.history[:n].clone()

@@ -15,7 +15,7 @@ import torch
 
 from refimpl.generate import Sampling
 
-from .model import argmax_row
+from .ops import argmax_row
 
 
 def make_generator(device: torch.device, seed: int | None) -> torch.Generator:

@@ -3,7 +3,7 @@
 The fast forward multiplies by two fused matrices per layer instead of five separate ones:
     qkv      [(H + 2K)·E, D]  rows: q_proj, then k_proj, then v_proj     (one GEMM instead of three)
     gate_up  [2F, D]          rows: gate_proj, then up_proj              (one GEMM instead of two)
-At batch 1 each GEMM is a weight-bandwidth-bound matrix-vector product of a few µs, so three launches for q/k/v
+At batch 1 each GEMM is a short weight-bandwidth-bound matrix-vector product, so three launches for q/k/v
 cost ~2 launch-latencies more than one (gpt-fast fuses wq/wk/wv at load for the same reason).
 
 Trace mode (`refimpl.model.llama.forward_steps` over `accel.ops`) wants the checkpoint's own names; `params_view` gives

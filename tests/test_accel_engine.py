@@ -255,7 +255,7 @@ def test_gpu_cache_larger_than_memory_is_refused(tmp_path):
 
 @pytest.mark.parametrize("V", [7, 512, 1000, 1536, 5000, 3093])
 def test_argmax_row_is_the_first_maximum(V):
-    from accel.model import argmax_row
+    from accel.ops import argmax_row
     g = torch.Generator().manual_seed(V)
     for _ in range(50):
         x = torch.randint(-3, 3, (1, V), generator=g).float()  # many ties: the first maximum must win

@@ -19,17 +19,18 @@ from refimpl.model import ops as R
 from refimpl.model.config import RopeScaling
 
 A = pytest.importorskip("accel.ops")
+from accel.kernels.tuning import Tuning  # noqa: E402
 
 ATOL = RTOL = 1e-5
 GQA = [(4, 4), (4, 2), (8, 2), (4, 1)]  # (H, K): ratios 1, 2, 4 and MQA
 
 
 @pytest.fixture(params=["triton", "torch"])
-def path(request, monkeypatch):
+def path(request):
     if request.param == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors reach the kernels only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
-    monkeypatch.setattr(A, "INTERPRET", request.param == "triton")
-    return request.param
+    with A.torch_only(request.param == "torch"):
+        yield request.param
 
 
 def rng_for(*key):
@@ -172,7 +173,8 @@ def test_attention_decode_over_filled_cache(path, H, K, E, p):
     want = R.attention(q, k, v, ref_k, ref_v, np.array([p]))
     close(A.attention(t(q), t(k), t(v), got_k, got_v, t(np.array([p]))), want, "attention decode (default splits)")
     for split_len in (16, 32):
-        got = A.decode_attention(t(q), got_k, got_v, t(np.array([p])), split_len=split_len)
+        tuning = Tuning(decode_attention={"split_len": split_len})
+        got = A.decode_attention(t(q), got_k, got_v, t(np.array([p])), tuning)
         close(got, want, f"decode_attention split_len={split_len}")
 
 
@@ -214,8 +216,8 @@ def test_lora_merge(R_):
 # split-K over 2 or 4 (K 53: 2 with a tail) and 7 slices with the last-ticket reduce; split with one slice;
 # streaming (K 200 only: 25 chunks of 8) over 3 programs (N tail), 2 or 4 stages
 @pytest.mark.parametrize("config", [None, ("persist", 4, 32, 4, 3), ("persist", 16, 64, 4, None),
-                                    ("split", 16, 32, 4), ("split", 8, 32, 4, None, True), ("split", 64, 256, 4),
-                                    ("stream", 8, 8, 4, 3, 0, 2), ("stream", 16, 8, 4, None, 0, 4)])
+                                    ("split", 16, 32, 4), ("split", 8, 32, 4, None), ("split", 64, 256, 4),
+                                    ("stream", 8, 8, 4, 3, 2), ("stream", 16, 8, 4, None, 4)])
 def test_gemv_fusions_match_the_unfused_ops(N, K, config):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors reach the kernel only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
@@ -224,7 +226,7 @@ def test_gemv_fusions_match_the_unfused_ops(N, K, config):
     import torch.nn.functional as F
 
     from accel.kernels.gemv import gemv_fwd
-    from accel.model import torch_rms_norm, torch_swiglu_gate_up
+    from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
     rng = rng_for("gemv", N, K, config)
     w, x, nw = t(randn(rng, N, K)), t(randn(rng, 1, K) * 3), t(randn(rng, K))
     gate_up, r = t(randn(rng, 1, 2 * K) * 3), t(randn(rng, 1, N))
@@ -246,17 +248,16 @@ def test_gemv_fusions_match_the_unfused_ops(N, K, config):
 @pytest.mark.parametrize("config", [None, (4, 4), (4, 4, 2, 8, 3)])
 @pytest.mark.parametrize("fused", [True, False])
 def test_decode_qkv_rope_matches_refimpl(H, K, E, D, config, fused):
-    """The decode step's norm -> qkv -> RoPE -> cache write (accel/kernels/qkv_rope.py, or the unfused pair) for one
+    """The decode step's norm -> qkv -> RoPE -> cache write (accel/kernels/qkv_rope.py, or its torch version) for one
     token at a position in the middle of the cache, against refimpl's rms_norm, linear and rope; every other cache
     slot stays as it was. GQA 2/3/1/4, head dims whose half is not a power of 2, D not a power of 2."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if fused and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors reach the kernel only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
     if config and (not fused or config[0] > E // 2):
         pytest.skip("config: the fused kernel's")
     if config and len(config) > 2 and D % config[3]:
         pytest.skip("streaming: D must be a multiple of block_k")
     from accel.kernels.qkv_rope import qkv_rope_fwd
-    from accel.model import Kernels
     rng = rng_for("qkv_rope", H, K, E, D)
     S, pos = 11, 6
     w, x, nw = randn(rng, (H + 2 * K) * E, D), randn(rng, 1, D) * 3, randn(rng, D)
@@ -267,9 +268,9 @@ def test_decode_qkv_rope_matches_refimpl(H, K, E, D, config, fused):
     if fused:
         got_q = qkv_rope_fwd(t(w), t(x), t(nw), 1e-5, t(cos), t(sin), position, got_ck, got_cv,
                              config=config)
-    else:  # decode_step hands the unfused path the position's cos/sin rows
-        got_q = Kernels(True, fuse_qkv=False).qkv_rope(t(x), t(nw), t(w), 1e-5, t(cos[pos:pos + 1]),
-                                                       t(sin[pos:pos + 1]), position, got_ck, got_cv)
+    else:
+        with A.torch_only():
+            got_q = A.qkv_rope(t(x), t(nw), t(w), 1e-5, t(cos), t(sin), position, got_ck, got_cv)
     qkv = R.linear(R.rms_norm(x, nw, 1e-5), w)  # [1, (H+2K)·E]
     q, k, v = qkv[:, :H * E].reshape(1, H, E), qkv[:, H * E:(H + K) * E].reshape(1, K, E), qkv[:, (H + K) * E:]
     want_q, want_k = R.rope(q, k, cos[pos:pos + 1], sin[pos:pos + 1])
@@ -297,3 +298,33 @@ def test_gemv_config_fills_the_gpu_at_llama_shapes():
             assert progs <= blocks and cfg.block_k == 256 * cfg.warps, (N, K, cfg)
         if cfg.kind == "stream":  # persistent, whole K chunks (its loads are never masked)
             assert progs <= blocks and K % cfg.block_k == 0, (N, K, cfg)
+
+
+@pytest.mark.parametrize("N,K", [(37, 53), (64, 40)])
+def test_decode_gemv_ops_match_refimpl(path, N, K):
+    """The fused decode ops norm_linear, linear_add, swiglu_linear_add through the op layer (GEMV kernel or torch
+    version) against refimpl's rms_norm / swiglu / linear and the residual add."""
+    rng = rng_for("gemv-ops", N, K)
+    w, x, nw, r = randn(rng, N, K), randn(rng, 1, K) * 3, randn(rng, K), randn(rng, 1, N)
+    w_down, gate_up = randn(rng, N, K), randn(rng, 1, 2 * K) * 3
+    tol = dict(atol=1e-4, rtol=1e-5)  # fp32, sums over K <= 53 of values ~ 10
+    close(A.norm_linear(t(x), t(nw), t(w), 1e-5), R.linear(R.rms_norm(x, nw, 1e-5), w), "norm_linear", **tol)
+    resid = t(r.copy())
+    assert A.linear_add(t(x), t(w), resid) is resid
+    close(resid, r + R.linear(x, w), "linear_add", **tol)
+    resid = t(r.copy())
+    A.swiglu_linear_add(t(gate_up), t(w_down), resid)
+    close(resid, r + R.linear(R.swiglu(gate_up[:, :K], gate_up[:, K:]), w_down), "swiglu_linear_add", **tol)
+
+
+@pytest.mark.parametrize("V", [7, 1000, 1537])
+def test_argmax_row_and_greedy_next(path, V):
+    """The first index of the maximum (ties included), and greedy_next's bookkeeping on the device tensors."""
+    rng = rng_for("argmax", V)
+    logits = randn(rng, 1, V)
+    logits[0, V // 3] = logits[0, V - 1] = logits.max() + 1  # a tie: the first one wins
+    assert int(A.argmax_row(t(logits))) == V // 3
+    token, position = torch.zeros(1, dtype=torch.int64), torch.tensor([4])
+    history, step = torch.full((3,), -1, dtype=torch.int64), torch.tensor([1])
+    A.greedy_next(t(logits), token, position, history, step)
+    assert (int(token), int(position), history.tolist(), int(step)) == (V // 3, 5, [-1, V // 3, -1], 2)

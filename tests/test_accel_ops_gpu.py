@@ -181,7 +181,7 @@ def test_gemv_at_llama_shapes(dtype, N, K, fusion):
     """Oracle: f(x) by the unfused torch ops in the same dtype (the same roundings), then a float64 product;
     with the residual the product is rounded to the dtype before the add, as the unfused model does."""
     from accel.kernels.gemv import gemv_fwd
-    from accel.model import torch_rms_norm, torch_swiglu_gate_up
+    from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
     w, _ = draw(60, N, K, dtype=dtype, scale=K ** -0.5)  # outputs O(1)
     x, _ = draw(61, 1, 2 * K if fusion == "swiglu" else K, dtype=dtype, scale=3.0)
     nw, _ = draw(62, K, dtype=dtype)
@@ -240,20 +240,19 @@ def test_flash_attention_e128_pointer_and_tma(use_desc):
     check(f"flash E=128 desc={use_desc}", got, attention64(q, cache_k, cache_v, positions), ATTN_TOL[torch.bfloat16])
 
 
-SPLIT_CONFIGS = [("split", 16, 1024, 4, None, False), ("split", 16, 1024, 4, None, True),
-                 ("split", 8, 2048, 8, None, True), ("persist", 4, 1024, 4, 384, True),
-                 ("split", 4, 4096, 8, None, 0),  # one masked 4096-wide slice (K = 3072)
-                 ("stream", 8, 512, 4, 528, 0, 4), ("stream", 16, 512, 4, 264, 0, 3)]  # cp.async pipeline
+SPLIT_CONFIGS = [("split", 16, 1024, 4, None), ("split", 8, 2048, 8, None), ("persist", 4, 1024, 4, 384),
+                 ("split", 4, 4096, 8, None),  # one masked 4096-wide slice (K = 3072)
+                 ("stream", 8, 512, 4, 528, 4), ("stream", 16, 512, 4, 264, 3)]  # cp.async pipeline
 
 
 @pytest.mark.parametrize("config", SPLIT_CONFIGS)
 @pytest.mark.parametrize("N,K,fusion", GEMV_SHAPES)
 def test_gemv_variants_at_llama_shapes(N, K, fusion, config):
-    """Each kernel kind (split-K with the last-ticket reduce, persistent, streaming) with and without PDL, bf16,
+    """Each kernel kind (split-K with the last-ticket reduce, persistent, streaming), bf16,
     against the float64 oracle of test_gemv_at_llama_shapes; three launches must agree bit for bit (the reduce
     sums in slice order whichever program arrives last)."""
     from accel.kernels.gemv import gemv_fwd
-    from accel.model import torch_rms_norm, torch_swiglu_gate_up
+    from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
     dtype = torch.bfloat16
     w, _ = draw(64, N, K, dtype=dtype, scale=K ** -0.5)
     x, _ = draw(65, 1, 2 * K if fusion == "swiglu" else K, dtype=dtype, scale=3.0)
@@ -275,16 +274,16 @@ def test_gemv_variants_at_llama_shapes(N, K, fusion, config):
     assert all(torch.equal(outs[0], o) for o in outs[1:]), "repeated launches differ"
 
 
-def test_gemv_pdl_chain_graph_equals_eager():
-    """Three PDL GEMVs, each reading the previous one's output (the decode step's dependency pattern: a kernel
-    may start before its predecessor ends and must wait before reading x or writing out), replayed from a CUDA
-    graph 10 times: bitwise equal to the eager chain, which matches the unfused torch chain."""
+def test_gemv_chain_graph_equals_eager():
+    """Three GEMVs, each reading the previous one's output (the decode step's dependency pattern; the split
+    kernels' arrival counters must be re-armed between launches), replayed from a CUDA graph 10 times: bitwise
+    equal to the eager chain, which matches the unfused torch chain."""
     from accel.kernels.gemv import gemv_fwd
-    from accel.model import torch_rms_norm
+    from accel.ops.torch_ops import torch_rms_norm
     w, _ = draw(68, 2048, 2048, dtype=torch.bfloat16, scale=2048 ** -0.5)
     nw, _ = draw(69, 2048, dtype=torch.bfloat16)
     x, _ = draw(70, 1, 2048, dtype=torch.bfloat16, scale=3.0)
-    cfgs = [("split", 8, 1024, 4, None, True), ("split", 16, 512, 4, None, True), ("persist", 4, 1024, 4, 256, True)]
+    cfgs = [("split", 8, 1024, 4, None), ("split", 16, 512, 4, None), ("persist", 4, 1024, 4, 256)]
 
     def chain(x):
         y = gemv_fwd(w, x, norm_weight=nw, eps=1e-5, config=cfgs[0])
@@ -294,7 +293,7 @@ def test_gemv_pdl_chain_graph_equals_eager():
     eager = chain(x).clone()
     y = torch_rms_norm(x, nw, 1e-5) @ w.T
     y = y + (x @ w.T)
-    check("gemv pdl chain", eager, torch_rms_norm(y, nw, 1e-5).double() @ w.double().T, TOL[torch.bfloat16])
+    check("gemv chain", eager, torch_rms_norm(y, nw, 1e-5).double() @ w.double().T, TOL[torch.bfloat16])
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         got = chain(x)

@@ -12,8 +12,9 @@ from refimpl.model.llama import forward_steps
 from refimpl.formats.safetensors_io import SafetensorsFile
 from tools.cli import diff as diff_cmd
 from tools.cli import main
-from tools.cli.diff import diff_engines
-from tools.debug.golden import DEFAULT_DIR, first_divergence
+from tools.debug.diff import diff_engines
+from tools.debug.golden import DEFAULT_DIR
+from tools.debug.lockstep import first_divergence
 
 MODEL = DEFAULT_DIR / "toy-gqa"
 PROMPT = "the tides of the sea"

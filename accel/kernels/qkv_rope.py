@@ -8,25 +8,25 @@ computes, with the same roundings (the GEMV result rounded to the dtype, rotated
 kernel instead of two. RoPE pairs column c of a head with column c + E/2 (HF's rotate_half), so a program owns
 HALF_N columns of the first half of one head AND the HALF_N matching columns of the second half: both halves'
 rows of the weight, [HALF_N, K] each, all loaded at once (no K loop; K = 3072 is one masked 4096-wide tile:
-three 1024-wide ones took half the registers but were slower, NOTES.md v6).
+three 1024-wide ones took half the registers but were slower).
 Rows are whole (one program does the full K), so the pair is complete in the program and no reduce is needed.
 The streaming variant (_qkv_rope_stream_kernel; QkvConfig.stages > 0) walks K in tiles through shared memory
-instead, like gemv's "stream" kind: faster at the 3B's shape (NOTES.md v7).
+instead, like gemv's "stream" kind: faster at the 3B's shape (tools/bench/NOTES.md).
 
-Why: at batch 1 the rope/KV-write kernel and its launch gap cost ~2 µs a layer next to a 6 µs GEMV (1B,
-nvidia-h200, 2026-11-21, NOTES.md v5), and reading the position and cos/sin rows in the kernel also drops the
-decode step's two index_select launches.
+Why: at batch 1 a separate rope/KV-write kernel and its launch gap cost a third of the qkv GEMV's time, and
+reading the position and cos/sin rows in the kernel also drops the decode step's two index_select launches.
 """
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
+from typing import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
-from .gemv import PDL_OFF, _fx, _rstd, _sm_count, _tile, pdl_launch, pdl_release, pdl_wait
+from . import tuning
+from .common import prologue_fx, rms_rstd, row_tile, sm_count
+from .tuning import QkvConfig
 
 
 @triton.jit
@@ -57,8 +57,7 @@ def _rope_store(a1, a2, head, cols, col_ok, pos, COS, SIN, QO, CK, CV, s_cos, s_
 
 @triton.jit
 def _qkv_rope_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s,
-                     H, NKV, E: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     H, NKV, E: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     half: tl.constexpr = E // 2
     per_head: tl.constexpr = (half + HALF_N - 1) // HALF_N
     b = tl.program_id(0)
@@ -68,14 +67,12 @@ def _qkv_rope_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_co
     offs_k = tl.arange(0, BLOCK_K)
     rows1 = (head * E + tl.minimum(cols, half - 1)).to(tl.int64)  # tail columns re-read a row; stores masked
     rows2 = rows1 + half  # the partner rows, E/2 further
-    w1 = _tile(W, rows1, stride_w, 0, offs_k, K, EVEN_K)  # [HN, BK], BK = next_power_of_2(K)
-    w2 = _tile(W, rows2, stride_w, 0, offs_k, K, EVEN_K)
-    pdl_wait(PDL)  # x, the position and the cache slot may belong to the previous kernel
-    rstd = _rstd(X, K, eps, BLOCK_K)
-    fx = _fx(X, NW, 0, offs_k, K, rstd, 1, EVEN_K)  # [BK] rms_norm(x), HF's roundings
+    w1 = row_tile(W, rows1, stride_w, 0, offs_k, K, EVEN_K)  # [HN, BK], BK = next_power_of_2(K)
+    w2 = row_tile(W, rows2, stride_w, 0, offs_k, K, EVEN_K)
+    rstd = rms_rstd(X, K, eps, BLOCK_K)
+    fx = prologue_fx(X, NW, 0, offs_k, K, rstd, 1, EVEN_K)  # [BK] rms_norm(x), HF's roundings
     a1 = tl.sum(w1.to(tl.float32) * fx[None, :], axis=1)  # [HN]
     a2 = tl.sum(w2.to(tl.float32) * fx[None, :], axis=1)
-    pdl_release(PDL)
     pos = tl.load(POS).to(tl.int64)
     _rope_store(a1, a2, head, cols, col_ok, pos, COS, SIN, QO, CK, CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV,
                 E)
@@ -84,18 +81,17 @@ def _qkv_rope_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_co
 @triton.jit
 def _qkv_rope_stream_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_cos, s_sin, sc_k, sc_s, scv_k,
                             scv_s, H, NKV, n_blocks, E: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            K_POW2: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                            K_POW2: tl.constexpr, STAGES: tl.constexpr):
     """The same work as _qkv_rope_kernel, persistent like gemv._gemv_stream_kernel: program p owns pair blocks
     p, p + P, ... and streams their [HALF_N, BLOCK_K] tile pairs through shared memory (Triton's cp.async
-    pipeline, STAGES deep) instead of holding whole rows in registers. K % BLOCK_K == 0. With PDL it waits first."""
-    pdl_wait(PDL)
+    pipeline, STAGES deep) instead of holding whole rows in registers. K % BLOCK_K == 0."""
     half: tl.constexpr = E // 2
     per_head: tl.constexpr = (half + HALF_N - 1) // HALF_N
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_k = K // BLOCK_K
     total = tl.cdiv(n_blocks - pid, nprog) * n_k
-    rstd = _rstd(X, K, eps, K_POW2)
+    rstd = rms_rstd(X, K, eps, K_POW2)
     pos = tl.load(POS).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     acc1 = tl.zeros([HALF_N, BLOCK_K], dtype=tl.float32)
@@ -108,7 +104,7 @@ def _qkv_rope_stream_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, ep
         rows1 = (head * E + tl.minimum(cols, half - 1)).to(tl.int64)
         w1 = tl.load(W + rows1[:, None] * stride_w + k0 + offs_k[None, :])  # [HN, BK]
         w2 = tl.load(W + (rows1 + half)[:, None] * stride_w + k0 + offs_k[None, :])
-        fx = _fx(X, NW, k0, offs_k, K, rstd, 1, True)[None, :]
+        fx = prologue_fx(X, NW, k0, offs_k, K, rstd, 1, True)[None, :]
         acc1 += w1.to(tl.float32) * fx
         acc2 += w2.to(tl.float32) * fx
         if k0 + BLOCK_K == K:
@@ -116,32 +112,14 @@ def _qkv_rope_stream_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, ep
                         CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV, E)
             acc1 = tl.zeros([HALF_N, BLOCK_K], dtype=tl.float32)
             acc2 = tl.zeros([HALF_N, BLOCK_K], dtype=tl.float32)
-    pdl_release(PDL)
 
 
-class QkvConfig(NamedTuple):
-    half_n: int  # columns of each half-head a program owns (a power of 2)
-    warps: int
-    stages: int = 0  # > 0: the streaming kernel, with this pipeline depth
-    block_k: int = 512  # streaming: K columns a tile
-    programs: int | None = None  # streaming: persistent programs (None: one a pair block)
-
-
-# Per (N, K) on the GPU: the fastest of tools.bench.decode_variants' sweep (nvidia-h200, 2026-11-21 11:42 UTC, µs a call
-# in a graph over 256 MB of weight copies): 1B 6.28 (unfused GEMV + rope_kv_write 7.94), 3B 11.93 (13.79). The
-# streaming kernel (v7d, -v7d-stream.json): 3B 11.18 µs with 8 × 512 tile pairs, 3 stages, one pair block a
-# program (the sweep's 396 programs are capped at the 320 blocks), vs 11.71 for (2, 8); engine 3B 515.2 -> 522.2
-# tok/s. 1B: 6.69 at best vs 6.20, kept.
-TABLE: dict[tuple[int, int], QkvConfig] = {(3072, 2048): QkvConfig(2, 8),
-                                           (5120, 3072): QkvConfig(8, 4, stages=3, block_k=512)}
-
-
-@functools.lru_cache(maxsize=None)
-def qkv_config(N: int, K: int, E: int, sms: int) -> QkvConfig:
-    """TABLE, else: on the GPU ~8 rows (16-32 KB of weights) a program, like the split GEMV's best 1B config;
-    on the CPU (TRITON_INTERPRET) one program a head, its cost being per program and per op."""
-    if (N, K) in TABLE and sms:
-        return TABLE[(N, K)]
+def qkv_config(N: int, K: int, E: int, sms: int,
+               table: Mapping[tuple[int, int], QkvConfig] = tuning.QKV_ROPE) -> QkvConfig:
+    """`table`'s row on a GPU, else: on the GPU ~8 rows (16-32 KB of weights) a program, like the split GEMV's
+    best 1B config; on the CPU (TRITON_INTERPRET) one program a head, its cost being per program and per op."""
+    if sms and (N, K) in table:
+        return table[(N, K)]
     if sms == 0:
         return QkvConfig(triton.next_power_of_2(E // 2), 4)
     return QkvConfig(min(E // 2, 4 if K <= 2048 else 2), 8)
@@ -150,7 +128,7 @@ def qkv_config(N: int, K: int, E: int, sms: int) -> QkvConfig:
 def qkv_rope_fwd(weight: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                  sin: torch.Tensor, position: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                  q_out: torch.Tensor | None = None, config: QkvConfig | tuple | None = None,
-                 pdl: int = PDL_OFF) -> torch.Tensor:
+                 table: Mapping[tuple[int, int], QkvConfig] = tuning.QKV_ROPE) -> torch.Tensor:
     """weight [(H+2K)·E, D] (rows q, k, v), x [1, D], norm_weight [D], cos/sin [S, E/2] fp32 (the whole tables:
     row `position` is read on the device), position [1] int, cache_k/cache_v [K, S, E] -> q_rot [1, H, E];
     rope(k) and v are written to slot `position` of the caches."""
@@ -164,21 +142,19 @@ def qkv_rope_fwd(weight: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tenso
     assert cos.shape == (S, E // 2) and cos.stride(1) == 1 and sin.stride(1) == 1 and position.numel() == 1
     q_out = torch.empty((1, H, E), dtype=x.dtype, device=x.device) if q_out is None else q_out
     assert q_out.is_contiguous() and q_out.numel() == H * E
-    cfg = QkvConfig(*config) if config is not None else qkv_config(N, D, E, _sm_count(weight.device))
+    cfg = QkvConfig(*config) if config is not None else qkv_config(N, D, E, sm_count(weight.device), table)
     assert cfg.half_n == triton.next_power_of_2(cfg.half_n), f"half_n {cfg.half_n} must be a power of 2"
     args = (weight, x, norm_weight, cos, sin, position, q_out, cache_k, cache_v, D, weight.stride(0), float(eps),
             cos.stride(0), sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1),
             H, NKV)
-    pdl = pdl if weight.device.type == "cuda" else PDL_OFF
     if cfg.stages:
         assert D % cfg.block_k == 0, "streaming: D must be a multiple of block_k"
         n_blocks = (H + 2 * NKV) * triton.cdiv(E // 2, cfg.half_n)
         _qkv_rope_stream_kernel[(min(cfg.programs or n_blocks, n_blocks),)](
             *args, n_blocks, E=E, HALF_N=cfg.half_n, BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(D),
-            STAGES=cfg.stages, PDL=pdl, num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(pdl, weight.device))
+            STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages)
         return q_out
     block_k = triton.next_power_of_2(D)
     _qkv_rope_kernel[((H + 2 * NKV) * triton.cdiv(E // 2, cfg.half_n),)](
-        *args, E=E, HALF_N=cfg.half_n, BLOCK_K=block_k, EVEN_K=block_k == D, PDL=pdl, num_warps=cfg.warps,
-        **pdl_launch(pdl, weight.device))
+        *args, E=E, HALF_N=cfg.half_n, BLOCK_K=block_k, EVEN_K=block_k == D, num_warps=cfg.warps)
     return q_out

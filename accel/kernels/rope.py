@@ -7,10 +7,9 @@ Two launchers:
   * `rope_fwd`: q [T, H, E], k [T, K, E] -> rotated copies (the op interface's `rope`);
   * `rope_kv_write_fwd`: rotates q, and writes rotated k and plain v straight into the static KV cache at
     `positions` (one launch instead of rope + two cache copies; the decode step is launch-bound, so launches count).
-One program handles all heads of one token's q, k or v as one [heads, E/2] tile: grid (T, 2) or (T, 3). The
-first version ran one single-warp program per (token, head), 98k programs at T = 2048: 60.6 µs a layer for ~24 MB
-of traffic; one program a token took 6.96 µs (nvidia-h200, 2026-11-21), but 1.9 µs instead of 1.4 at T = 1
-(decode), hence the q/k/v split (three programs in parallel for one token).
+One program handles all heads of one token's q, k or v as one [heads, E/2] tile: grid (T, 2) or (T, 3). One
+single-warp program per (token, head) was ~9x slower at T = 2048, and one program a token slower at T = 1
+(decode), hence the q/k/v split (three programs in parallel for one token; figures in tools/bench/NOTES.md).
 """
 from __future__ import annotations
 

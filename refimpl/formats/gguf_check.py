@@ -6,7 +6,7 @@ same layout with `struct` over a read-only mmap (nothing is copied), checks ever
 left before using it, and raises CheckpointError naming the file, the byte offset and what was expected. A file that
 passes is one GGUFReader opens without error and whose tensors the library can dequantize.
 
-Layout (v2/v3; v1's 32-bit counts are not accepted):
+Layout (GGUF versions 2 and 3; version 1's 32-bit counts are not accepted):
     magic "GGUF" | u32 version | u64 tensor_count | u64 kv_count
     kv_count × (string key | u32 value_type | value)        string = u64 length + UTF-8 bytes
     tensor_count × (string name | u32 n_dims | n_dims × u64 dim | u32 ggml_type | u64 offset)
@@ -140,16 +140,21 @@ def _read_alignment(cur: _Cursor, type_code: int, start: int) -> int:
     return value
 
 
+def _first_time(cur: _Cursor, seen: set, name: str, what: str, start: int) -> str:
+    """`name`, recorded in `seen`; a second occurrence is an error at `start`."""
+    if name in seen:
+        raise cur.error(f"duplicate {what} {name!r}", at=start)
+    seen.add(name)
+    return name
+
+
 def _read_metadata(cur: _Cursor, kv_count: int) -> int:
     """Walk the key/value section; return the data alignment it sets (32 by default)."""
     gguf = _gguf()
     alignment, keys = gguf.GGUF_DEFAULT_ALIGNMENT, set()
     for _ in range(kv_count):
         start = cur.pos
-        key = cur.string("metadata key")
-        if key in keys:
-            raise cur.error(f"duplicate metadata key {key!r}", at=start)
-        keys.add(key)
+        key = _first_time(cur, keys, cur.string("metadata key"), "metadata key", start)
         type_code = cur.u32(f"value type of {key!r}")
         if key == "general.alignment":
             alignment = _read_alignment(cur, type_code, start)
@@ -162,10 +167,7 @@ def _read_tensor_info(cur: _Cursor, names: set) -> tuple[str, int, int, int]:
     """One tensor info -> (name, ggml type, data bytes, offset in the data section)."""
     gguf = _gguf()
     start = cur.pos
-    name = cur.string("tensor name")
-    if name in names:
-        raise cur.error(f"duplicate tensor name {name!r}", at=start)
-    names.add(name)
+    name = _first_time(cur, names, cur.string("tensor name"), "tensor name", start)
     n_dims = cur.u32(f"tensor {name!r} n_dims")
     if not 1 <= n_dims <= GGML_MAX_DIMS:
         raise cur.error(f"tensor {name!r}: n_dims is {n_dims}, expected 1..{GGML_MAX_DIMS}", at=start)

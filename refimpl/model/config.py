@@ -197,7 +197,7 @@ PRESETS: dict[str, LlamaConfig] = {
                                 **_LLAMA3_COMMON),
     "llama-3.2-3b": LlamaConfig(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128,
                                 **_LLAMA3_COMMON),
-    # The real model we can download here (issue 7); also the shape of the CPU benchmark.
+    # The real model the CLI downloads by default; also the shape of the CPU benchmark.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                 num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
                                 rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),

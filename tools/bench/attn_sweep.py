@@ -1,4 +1,4 @@
-"""Tuning sweep for the attention kernels (issue 5): one GPU call times many variants and configurations.
+"""Tuning sweep for the attention kernels: one GPU call times many variants and configurations.
 
     python3 -m tools.bench.attn_sweep [--out DIR] [--budget-s 240]
 

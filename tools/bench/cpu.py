@@ -2,7 +2,7 @@
 
     python -m tools.bench.cpu                       # default model (SmolLM2-135M-Instruct Q4_1), 64 new tokens
     python -m tools.bench.cpu --profile --json out.json
-    python -m tools.bench.cpu --random              # random fp32 weights at SmolLM2-135M's shapes (issue 2)
+    python -m tools.bench.cpu --random              # random fp32 weights at SmolLM2-135M's shapes
 
 Both engines run greedy from the same chat prompt for a fixed number of tokens (no stop ids), in one process, one
 after the other. Decode speed is (tokens - 1) / (time of the last token - time of the first): the prefill and the

@@ -1,21 +1,20 @@
-"""Decode-step variants on a CUDA GPU, timed in one process on the same weights (issue 5, NOTES.md v6, v7).
+"""Decode-step variants on a CUDA GPU, timed in one process on the same weights (tools/bench/NOTES.md).
 
 `python3 -m tools.bench.decode_variants OUT_DIR [--models=1b,3b] [--sweep] [--stream] [--attention] [--profile]`:
   1. --sweep: the fused norm + qkv + RoPE + cache-write kernel (accel/kernels/qkv_rope.py) per config, against
-     the unfused pair (split-K GEMV + rope_kv_write), and the layers' GEMVs per split config, µs a call in a CUDA
+     the unfused pair (GEMV with the norm prologue + rope_kv_write, UNFUSED_QKV), and the layers' GEMVs per split config, µs a call in a CUDA
      graph over >= 256 MB of weight copies (the layers' weights do not stay in the 50 MB L2 during decode
      either); every config is first checked against the unfused ops;
      --stream: the same for the streaming kernels (gemv kind "stream", qkv_rope with stages > 0; STREAM,
      QKV_STREAM) and the lm_heads, after a probe that the GPU's Triton pipelines the weight loads (cp.async);
   2. the engine's greedy decode (32-token prompt, 128 tokens, median of 3) with the built-in tables, then with
-     the configs the sweep found > 1% faster than the tables' (GEMVs, then GEMVs and qkv);
+     the configs the sweep found > 1% faster than the tables' (GEMVs, then GEMVs and qkv), each passed to the
+     engine as an accel.kernels.tuning.Tuning;
   3. --attention: the decode attention's split length and launch options in the engine (ATTENTION_VARIANTS);
   4. --profile: the per-kernel device time of eager decode steps of the fastest 1B variant.
-Writes OUT_DIR/decode_variants.json. Copy the winners into qkv_rope.TABLE and gemv.TABLE by hand, with the
-numbers, in NOTES.md. Earlier rounds of this module compared PDL modes and the fused qkv (tools/bench/results/
-h200-2026-11-21-v6a-variants.json), L2 prefetch (-v6b-prefetch), a one-split decode attention (-v6c, -v6d),
-K split into 2-3 tiles a program (-v6f-chunks), the decode attention's first block loaded with the position
-(-v6g-preload), attention + o in one launch (-v7a-attn-o, -v7b-attn-o-spin), the streaming kernels (-v7c, -v7d).
+Writes OUT_DIR/decode_variants.json. Copy the winners into accel/kernels/tuning.py by hand, with the numbers in
+NOTES.md, which also lists the earlier rounds of this module (PDL modes, L2 prefetch, attention variants) and
+their results files.
 """
 from __future__ import annotations
 
@@ -28,16 +27,32 @@ import triton
 
 from refimpl.model.config import PRESETS
 
-from accel import model as fast
-from tools.bench.gpu import decode_rate, profile_decode
 from accel.engine import AccelEngine
-from tools.bench.gemv_sweep import graph_us
-from accel.kernels import gemv, qkv_rope
-from accel.kernels.gemv import GemvConfig
+from accel.kernels import tuning
+from accel.kernels.common import sm_count
+from accel.kernels.gemv import gemv_fwd
+from accel.kernels.qkv_rope import qkv_rope_fwd
+from accel.kernels.rope import rope_kv_write_fwd
+from accel.kernels.tuning import GemvConfig, QkvConfig, Tuning
 from accel.weights import random_weights
+from tools.bench import gemv_sweep
+from tools.bench.gemv_sweep import graph_us
+from tools.bench.gpu import decode_rate, profile_decode
 
 NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
 QKV_CONFIGS = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)]  # (half_n, warps); 8 × 4096 spills (ptxas, sm_90)
+# the GEMV configs of the unfused baseline's qkv (1B, 3B): the fastest of the GEMV sweeps before qkv_rope fused it
+UNFUSED_QKV = {(3072, 2048): GemvConfig("split", 8, 2048, 8), (5120, 3072): GemvConfig("persist", 4, 1024, 4, 640)}
+
+
+def unfused_qkv_rope(x, nw, w, eps, cos1, sin1, pos, ck, cv):
+    """The pair qkv_rope replaces: norm + qkv GEMV, then rope_kv_write (cos1/sin1: the position's rows)."""
+    NKV, _, E = ck.shape
+    H = w.shape[0] // E - 2 * NKV
+    qkv = gemv_fwd(w, x, norm_weight=nw, eps=eps, config=UNFUSED_QKV.get(tuple(w.shape)))  # [1, (H+2K)·E]
+    q, k, v = (qkv[:, :H * E].view(1, H, E), qkv[:, H * E:(H + NKV) * E].view(1, NKV, E),
+               qkv[:, (H + NKV) * E:].view(1, NKV, E))
+    return rope_kv_write_fwd(q, k, v, cos1, sin1, ck, cv, pos)
 
 
 def qkv_sweep(cfg, min_bytes: int = 256 * 2**20, configs=QKV_CONFIGS) -> dict:
@@ -54,31 +69,30 @@ def qkv_sweep(cfg, min_bytes: int = 256 * 2**20, configs=QKV_CONFIGS) -> dict:
     sin = torch.rand(S, E // 2, device=dev, generator=g)
     pos = torch.tensor([300], device=dev)
     ck, cv = torch.zeros(NKV, S, E, device=dev, dtype=dt), torch.zeros(NKV, S, E, device=dev, dtype=dt)
-    ks = fast.Kernels(True, fuse_qkv=False)
     cos1, sin1 = cos.index_select(0, pos), sin.index_select(0, pos)
 
     def unfused(w):
-        return ks.qkv_rope(x, nw, w, 1e-5, cos1, sin1, pos, ck, cv)
+        return unfused_qkv_rope(x, nw, w, 1e-5, cos1, sin1, pos, ck, cv)
 
     want_q = unfused(ws[0]).float().clone()
     want_k, want_v = ck[:, 300].float().clone(), cv[:, 300].float().clone()
     row = {"N": N, "K": D, "mb": N * D * 2 / 1e6, "unfused_us": graph_us([lambda w=w: unfused(w) for w in ws]),
            "configs": {}, "failed": {}}
-    table = qkv_rope.TABLE.get((N, D))
-    for c in dict.fromkeys([qkv_rope.QkvConfig(*c) for c in ([table] if table else []) + list(configs)]):
+    table = tuning.QKV_ROPE.get((N, D))
+    for c in dict.fromkeys([QkvConfig(*c) for c in ([table] if table else []) + list(configs)]):
         if c.half_n > E // 2 or (not c.stages and c.half_n * triton.next_power_of_2(D) > 16384):
             continue
         ck.zero_()
         cv.zero_()
         try:
-            q = qkv_rope.qkv_rope_fwd(ws[0], x, nw, 1e-5, cos, sin, pos, ck, cv, config=c).float()
+            q = qkv_rope_fwd(ws[0], x, nw, 1e-5, cos, sin, pos, ck, cv, config=c).float()
             errs = [((a - b).norm() / b.norm()).item() for a, b in
                     ((q, want_q), (ck[:, 300].float(), want_k), (cv[:, 300].float(), want_v))]
             if max(errs) > 1e-2:
                 row["failed"][json.dumps(list(c))] = f"rel err {errs}"
                 continue
             row["configs"][json.dumps(list(c))] = graph_us(
-                [lambda w=w, c=c: qkv_rope.qkv_rope_fwd(w, x, nw, 1e-5, cos, sin, pos, ck, cv, config=c)
+                [lambda w=w, c=c: qkv_rope_fwd(w, x, nw, 1e-5, cos, sin, pos, ck, cv, config=c)
                  for w in ws])
         except Exception as e:  # resources: reported, not timed
             row["failed"][json.dumps(list(c))] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -93,20 +107,14 @@ def qkv_sweep(cfg, min_bytes: int = 256 * 2**20, configs=QKV_CONFIGS) -> dict:
 
 def gemv_sweep_shapes(shapes, configs) -> list[dict]:
     """tools.bench.gemv_sweep.sweep_shape over explicit configs (plus the table's), µs a call in a graph."""
-    from tools.bench import gemv_sweep
     rows = []
-    saved = gemv_sweep.candidates
-    try:
-        for N, K, fusion in shapes:
-            table = gemv.TABLE.get((N, K))
-            gemv_sweep.candidates = lambda n, k, sms, t=table: list(dict.fromkeys([c for c in [t] if c] + configs))
-            r = gemv_sweep.sweep_shape(N, K, fusion)
-            print(f"gemv {N}x{K} {fusion}: cuBLAS {r['cublas_us']:.2f} unfused {r['unfused_us']:.2f}  "
-                  + "  ".join(f"{k} {v:.2f}" for k, v in sorted(r["configs"].items(), key=lambda kv: kv[1]))
-                  + f"  failed {r['failed']}", flush=True)
-            rows.append(r)
-    finally:
-        gemv_sweep.candidates = saved
+    for N, K, fusion in shapes:
+        table = tuning.GEMV.get((N, K))
+        r = gemv_sweep.sweep_shape(N, K, fusion, configs=list(dict.fromkeys([c for c in [table] if c] + configs)))
+        print(f"gemv {N}x{K} {fusion}: cuBLAS {r['cublas_us']:.2f} unfused {r['unfused_us']:.2f}  "
+              + "  ".join(f"{k} {v:.2f}" for k, v in sorted(r["configs"].items(), key=lambda kv: kv[1]))
+              + f"  failed {r['failed']}", flush=True)
+        rows.append(r)
     return rows
 
 
@@ -114,21 +122,15 @@ def engine_compare(model: str, table: dict, qkv_table: dict, new_tokens: int = 1
     """Greedy decode tok/s per variant, same weights, same process; `table`, `qkv_table`: configs to try."""
     cfg = PRESETS[NAMES[model]]
     w = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
-    table0, qkv0 = dict(gemv.TABLE), dict(qkv_rope.TABLE)
-    variants = [dict(name="greedy graph")]  # v6a-v6e also ran an eager-argmax loop (removed; JSONs keep it)
+    variants = [dict(name="greedy graph")]
     if table:
         variants.append(dict(name="greedy graph + swept GEMV table", table=table))
     if qkv_table:
         variants.append(dict(name="greedy graph + swept GEMV and qkv tables", table=table, qkv=qkv_table))
     rows = []
     for v in variants:
-        gemv.TABLE.clear()
-        gemv.TABLE.update({**table0, **v.get("table", {})})
-        gemv.gemv_config.cache_clear()
-        qkv_rope.TABLE.clear()
-        qkv_rope.TABLE.update({**qkv0, **v.get("qkv", {})})
-        qkv_rope.qkv_config.cache_clear()
-        eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16")
+        tun = Tuning(gemv={**tuning.GEMV, **v.get("table", {})}, qkv_rope={**tuning.QKV_ROPE, **v.get("qkv", {})})
+        eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16", tuning=tun)
         rate, _, tokens = decode_rate(eng, 32, new_tokens, reps=3)
         row = {"model": model, "variant": v["name"], "decode_tok_s": rate, "tokens": tokens,
                "table": {str(k): list(c) for k, c in v.get("table", {}).items()},
@@ -141,12 +143,6 @@ def engine_compare(model: str, table: dict, qkv_table: dict, new_tokens: int = 1
         rows.append(row)
         del eng
         torch.cuda.empty_cache()
-    gemv.TABLE.clear()
-    gemv.TABLE.update(table0)
-    gemv.gemv_config.cache_clear()
-    qkv_rope.TABLE.clear()
-    qkv_rope.TABLE.update(qkv0)
-    qkv_rope.qkv_config.cache_clear()
     del w
     torch.cuda.empty_cache()
     return rows
@@ -168,13 +164,11 @@ ATTENTION_VARIANTS = [dict(), dict(split_len=32), dict(split_len=128), dict(conf
 def attention_compare(model: str, new_tokens: int = 256) -> list[dict]:
     """Greedy decode tok/s of the engine with the decode attention's split length / launch options overridden
     (the bench's 32 + 256 slots: 5 splits of 64 by default), same weights, same process."""
-    from accel.kernels.decode_attn import decode_attention_fwd
     cfg = PRESETS[NAMES[model]]
     w = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
     rows = []
     for v in ATTENTION_VARIANTS:
-        eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16")
-        eng.kernels.decode_attn = lambda q, ck, cv, pos, v=v: decode_attention_fwd(q, ck, cv, pos, **v)
+        eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16", tuning=Tuning(decode_attention=v))
         rate, _, tokens = decode_rate(eng, 32, new_tokens, reps=3)
         rows.append({"model": model, "attention": v, "decode_tok_s": rate})
         print(f"decode {model} attention {v}: {rate:8.1f} tok/s", flush=True)
@@ -183,8 +177,8 @@ def attention_compare(model: str, new_tokens: int = 256) -> list[dict]:
     return rows
 
 
-# kind "stream" (gemv._gemv_stream_kernel): (block_n, block_k, warps, programs per SM, stages)
-# (v7c, -v7c-stream.json, also tried 8 × 1024, 4 × 1024, 16 × 256, 8 × 256 tiles and 8 warps: slower)
+# kind "stream" (gemv._gemv_stream_kernel): (block_n, block_k, warps, programs per SM, stages); 8 × 1024,
+# 4 × 1024, 16 × 256, 8 × 256 tiles and 8 warps were slower (NOTES.md)
 STREAM = [(8, 512, 4, 4, 4), (8, 512, 4, 4, 3), (8, 512, 4, 4, 5), (8, 512, 4, 5, 4), (8, 512, 4, 3, 4),
           (16, 512, 4, 2, 4), (16, 512, 4, 3, 4), (16, 512, 4, 2, 3), (4, 512, 4, 6, 4), (16, 512, 4, 3, 3)]
 # the streaming qkv_rope kernel: (half_n, warps, stages, block_k, programs per SM)
@@ -199,7 +193,8 @@ def stream_probe() -> dict:
     w = torch.randn(3072, 3072, device=dev, dtype=torch.bfloat16)
     x = torch.randn(3072, device=dev, dtype=torch.bfloat16)
     y = torch.empty(3072, device=dev, dtype=torch.bfloat16)
-    k = gemv._gemv_stream_kernel[(132,)](w, x, x, y, y, 3072, 3072, 3072, 1e-5, 384, PROLOGUE=0, HAS_RESIDUAL=False,
+    from accel.kernels.gemv import _gemv_stream_kernel
+    k = _gemv_stream_kernel[(132,)](w, x, x, y, y, 3072, 3072, 3072, 1e-5, 384, PROLOGUE=0, HAS_RESIDUAL=False,
                                         BLOCK_N=8, BLOCK_K=512, K_POW2=1, STAGES=4, num_warps=4, num_stages=4)
     out = {"cp_async": k.asm["ptx"].count("cp.async"), "n_regs": getattr(k, "n_regs", None),
            "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared}
@@ -209,15 +204,15 @@ def stream_probe() -> dict:
 
 def qkv_winner(q: dict) -> dict:
     """{(N, K): the sweep's best qkv_rope config} where it beats the table's config by > 1%, else {}."""
-    cur = qkv_rope.TABLE.get((q["N"], q["K"]))
+    cur = tuning.QKV_ROPE.get((q["N"], q["K"]))
     if cur is None or q["best_us"] < 0.99 * q["configs"].get(json.dumps(list(cur)), float("inf")):
-        return {(q["N"], q["K"]): qkv_rope.QkvConfig(*q["best"])}
+        return {(q["N"], q["K"]): QkvConfig(*q["best"])}
     return {}
 
 
 def gemv_winner(r: dict) -> dict:
     """{(N, K): the sweep's best GEMV config} where it beats the table's config by > 1%, else {}."""
-    cur = gemv.TABLE.get((r["N"], r["K"]))
+    cur = tuning.GEMV.get((r["N"], r["K"]))
     t_cur = r["configs"].get(json.dumps(list(cur))) if cur else None
     if t_cur is None or r["best_us"] < 0.99 * t_cur:
         return {(r["N"], r["K"]): GemvConfig(*r["best_config"])}
@@ -225,8 +220,7 @@ def gemv_winner(r: dict) -> dict:
 
 
 def stream_sweep(models) -> tuple[list, dict, dict]:
-    from accel.kernels.gemv import _sm_count
-    sms = _sm_count(torch.device("cuda"))
+    sms = sm_count(torch.device("cuda"))
     rows, tables, qkv_tables = [], {m: {} for m in models}, {m: {} for m in models}
     for m in models:
         cfg = PRESETS[NAMES[m]]
@@ -235,7 +229,7 @@ def stream_sweep(models) -> tuple[list, dict, dict]:
         rows.append(q)
         qkv_tables[m] = qkv_winner(q)
         for N, K, f in LAYER_SHAPES[m] + [LM_HEAD[m]]:
-            cands = [GemvConfig("stream", bn, bk, w, per * sms, 0, st) for bn, bk, w, per, st in STREAM if K % bk == 0]
+            cands = [GemvConfig("stream", bn, bk, w, per * sms, st) for bn, bk, w, per, st in STREAM if K % bk == 0]
             r = gemv_sweep_shapes([(N, K, f)], cands)[0]
             r["model"] = m
             rows.append(r)
@@ -268,10 +262,9 @@ def main(argv):
     print(f"decode compare {time.time() - t0:.0f} s", flush=True)
     if "--profile" in argv:
         best = max((r for r in res["decode"] if r["model"] == models[0]), key=lambda r: r["decode_tok_s"])
-        gemv.TABLE.update({tuple(json.loads(k.replace("(", "[").replace(")", "]"))): GemvConfig(*c)
-                           for k, c in best["table"].items()})
-        gemv.gemv_config.cache_clear()
-        res["profile"] = profile_decode(PRESETS[NAMES[models[0]]], "cuda")
+        swept = {tuple(json.loads(k.replace("(", "[").replace(")", "]"))): GemvConfig(*c)
+                 for k, c in best["table"].items()}
+        res["profile"] = profile_decode(PRESETS[NAMES[models[0]]], "cuda", tuning=Tuning(gemv={**tuning.GEMV, **swept}))
         print(res["profile"], flush=True)
     with open(f"{out_dir}/decode_variants.json", "w") as f:
         json.dump(res, f, indent=1)

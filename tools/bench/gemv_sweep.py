@@ -4,14 +4,14 @@
     cublas        F.linear alone;
     unfused       the sequence the fused GEMV replaces (rms_norm + F.linear; F.linear + add; swiglu + F.linear
                   + add), all cuBLAS/Triton launches;
-    gemv[cfg]     the fused Triton GEMV per GemvConfig (kind persist / split / stream, tiles, warps, programs, PDL),
+    gemv[cfg]     the fused Triton GEMV per GemvConfig (kind persist / split / stream, tiles, warps, programs),
                   each checked first against a float64 product of the same f(x) (bf16 tolerance) and for
                   bitwise-equal repeats; a config that fails either check (or to compile) is not timed.
-Writes OUT_DIR/gemv_sweep.json (the winner per shape, or cuBLAS where the unfused sequence beats every config)
-and OUT_DIR/gemv_sweep_nopdl.json (the same without PDL configs). With --decode, `decode_compare` then times the
-engine's greedy decode (1B, 3B) under the built-in table and each JSON (gemv.load_choices), in one process on the
-same weights, and writes the faster table per model as OUT_DIR/gemv_choice.json: copy its rows into gemv.TABLE
-and accel.model.CUBLAS_SHAPES. --budget=S: past S seconds only the built-in configs are timed.
+Writes OUT_DIR/gemv_sweep.json (the winner per shape). With --decode, `decode_compare` then times the engine's
+greedy decode (1B, 3B) with the built-in table (accel/kernels/tuning.py) and with the sweep's winners merged into
+it, passed to the engine as a `Tuning`, in one process on the same weights, and writes the faster table per model
+as OUT_DIR/gemv_choice.json: copy its rows into accel/kernels/tuning.py's GEMV by hand, with the numbers in
+NOTES.md. --budget=S: past S seconds only the built-in configs are timed.
 Timing: one CUDA graph holding one call per weight copy, >= 256 MB of copies (> the 50 MB L2, as a decode step's
 layers are), replayed 10 times; median per call in µs (the graph's inter-kernel gap included, as in decode).
 """
@@ -26,21 +26,22 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from accel.kernels import gemv
-from accel.kernels.gemv import GemvConfig, _sm_count, gemv_config, gemv_fwd
+from accel.kernels import tuning
+from accel.kernels.common import sm_count
+from accel.kernels.gemv import gemv_config, gemv_fwd
 from accel.kernels.rms_norm import rms_norm_fwd
 from accel.kernels.swiglu import swiglu_gate_up_fwd
+from accel.kernels.tuning import GemvConfig, Tuning
 
 SHAPES = {"1b": {"qkv": (3072, 2048, "norm"), "o": (2048, 2048, "residual"), "gate_up": (16384, 2048, "norm"),
                  "down": (2048, 8192, "swiglu")},
           "3b": {"qkv": (5120, 3072, "norm"), "o": (3072, 3072, "residual"), "gate_up": (16384, 3072, "norm"),
                  "down": (3072, 8192, "swiglu")}}
 # (BLOCK_N, BLOCK_K, warps) of the split kernel: 8-64 KB tiles (one a program, all loads at once), 2-8 warps;
-# compiled for sm_90 on the CPU machine first: 48-168 registers, no spills, 16-byte loads (NOTES.md v3c)
-PDL_OK = True  # cleared by main when pdl_probe fails
+# compiled for sm_90 first: 48-168 registers, no spills, 16-byte loads
 SPLIT_TILES = [(8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (8, 2048, 8), (16, 2048, 8), (32, 2048, 8),
                (16, 512, 4), (32, 512, 4), (64, 512, 4), (32, 1024, 8)]
-# (BLOCK_N, BLOCK_K, warps, programs an SM, stages) of the streaming kernel: v7's winners (NOTES.md v7)
+# (BLOCK_N, BLOCK_K, warps, programs an SM, stages) of the streaming kernel: the winners so far (NOTES.md)
 STREAM_TILES = [(8, 512, 4, 3, 4), (8, 512, 4, 4, 4), (16, 512, 4, 2, 3)]
 DEADLINE = float("inf")  # time.time() past which only the built-in table's configs are timed (main's budget)
 
@@ -73,23 +74,21 @@ def candidates(N: int, K: int, sms: int) -> list[GemvConfig]:
     blocks = lambda bn: -(-N // bn)  # noqa: E731
     even = lambda bn, per: -(-blocks(bn) // -(-blocks(bn) // (per * sms)))  # noqa: E731  row blocks dealt evenly
     out = []
-    base = [gemv.TABLE.get((N, K)), gemv_config.__wrapped__(N, K, sms) if (N, K) not in gemv.TABLE else None,
-            GemvConfig("persist", 4, 1024, 4, even(4, 3))]
-    for c in base:
-        if c is not None and c.kind == "persist":
-            out += [c._replace(pdl=False), c._replace(pdl=True)]
+    base = [tuning.GEMV.get((N, K)), gemv_config(N, K, sms, table={}), GemvConfig("persist", 4, 1024, 4, even(4, 3))]
+    out += [c for c in base if c is not None]
     for bn, bk, warps in SPLIT_TILES:
         if bk <= K and K % bk == 0 and blocks(bn) * (K // bk) >= sms:
-            out += [GemvConfig("split", bn, bk, warps, None, False), GemvConfig("split", bn, bk, warps, None, True)]
+            out.append(GemvConfig("split", bn, bk, warps, None))
     for bn, bk, warps, per, stages in STREAM_TILES:
         if K % bk == 0:
-            out.append(GemvConfig("stream", bn, bk, warps, min(per * sms, blocks(bn)), False, stages))
-    out = [c for c in dict.fromkeys(out) if PDL_OK or not c.pdl]
+            out.append(GemvConfig("stream", bn, bk, warps, min(per * sms, blocks(bn)), stages))
+    out = list(dict.fromkeys(out))
     return out if time.time() < DEADLINE else out[:2]
 
 
 def sweep_shape(N: int, K: int, fusion: str, dtype=torch.bfloat16, device: str = "cuda", timer=graph_us,
-                min_bytes: int = 256 * 2**20) -> dict:
+                min_bytes: int = 256 * 2**20, configs: list[GemvConfig] | None = None) -> dict:
+    """Times `configs` (default: `candidates`) at one shape."""
     dev = torch.device(device)
     copies = max(4, -(-min_bytes // (N * K * 2)))
     g = torch.Generator(device=dev).manual_seed(N + K)
@@ -119,7 +118,7 @@ def sweep_shape(N: int, K: int, fusion: str, dtype=torch.bfloat16, device: str =
     row = {"N": N, "K": K, "fusion": fusion, "copies": copies, "mb": N * K * 2 / 1e6,
            "cublas_us": timer([lambda w=w: F.linear(xin, w) for w in ws]),
            "unfused_us": timer([unfused(w) for w in ws]), "configs": {}, "failed": {}}
-    for cfg in candidates(N, K, _sm_count(dev)):
+    for cfg in configs if configs is not None else candidates(N, K, sm_count(dev)):
         key = json.dumps(list(cfg))
         try:
             outs = []
@@ -140,50 +139,45 @@ def sweep_shape(N: int, K: int, fusion: str, dtype=torch.bfloat16, device: str =
             torch.cuda.synchronize()
     if not row["configs"]:
         raise RuntimeError(f"no GEMV config passed at {N}x{K} {fusion}: {row['failed']}")
-    for tag, keep in (("", lambda c: True), ("_nopdl", lambda c: not json.loads(c)[5])):
-        pool = {k: v for k, v in row["configs"].items() if keep(k)}
-        best = min(pool, key=pool.get)
-        row[f"best{tag}_config"], row[f"best{tag}_us"] = json.loads(best), pool[best]
-        row[f"use_cublas{tag}"] = row["unfused_us"] < pool[best]
+    best = min(row["configs"], key=row["configs"].get)
+    row["best_config"], row["best_us"] = json.loads(best), row["configs"][best]
+    row["unfused_faster"] = row["unfused_us"] < row["best_us"]
     row["best_tb_s"] = N * K * 2 / (row["best_us"] * 1e-6) / 1e12
     del ws
     torch.cuda.empty_cache()
     return row
 
 
-def write_choice(rows, path, tag=""):
-    """The JSON accel.kernels.gemv.load_choices reads: per shape best_config and use_cublas."""
-    out = [{"N": r["N"], "K": r["K"], "model": r["model"], "proj": r["proj"], "best_config": r[f"best{tag}_config"],
-            "best_us": r[f"best{tag}_us"], "unfused_us": r["unfused_us"], "use_cublas": r[f"use_cublas{tag}"]}
+def write_choice(rows, path):
+    """Per shape the sweep's best config (and whether the unfused cuBLAS sequence beat it)."""
+    out = [{"N": r["N"], "K": r["K"], "model": r["model"], "proj": r["proj"], "best_config": r["best_config"],
+            "best_us": r["best_us"], "unfused_us": r["unfused_us"], "unfused_faster": r["unfused_faster"]}
            for r in rows]
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": out}, f, indent=1)
 
 
-def decode_compare(tables: dict[str, str | None], models=("1b", "3b"), new_tokens: int = 128) -> list[dict]:
-    """Greedy decode tok/s of the engine per GEMV table (None: the built-in one), same weights and process.
-    Also: how many greedy tokens agree with the built-in table's, and the first step's logits' relative error."""
+def swept_tuning(rows) -> Tuning:
+    """The built-in tables with the sweep's winners in place of their shapes' rows."""
+    return Tuning(gemv={**tuning.GEMV, **{(r["N"], r["K"]): GemvConfig(*r["best_config"]) for r in rows}})
+
+
+def decode_compare(tunings: dict[str, Tuning], models=("1b", "3b"), new_tokens: int = 128) -> list[dict]:
+    """Greedy decode tok/s of the engine per launch table, same weights and process. Also: how many greedy
+    tokens agree with the first table's, and the first step's logits' relative error."""
     from refimpl.model.config import PRESETS
 
-    from accel import model as fast
-    from tools.bench.gpu import decode_rate
     from accel.engine import AccelEngine
     from accel.weights import random_weights
-    builtin_table, builtin_cublas = dict(gemv.TABLE), set(fast.CUBLAS_SHAPES)
+    from tools.bench.gpu import decode_rate
     names = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
     rows = []
     for m in models:
         cfg = PRESETS[names[m]]
         w = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
         ref_tokens = ref_logits = None
-        for tag, path in tables.items():
-            gemv.TABLE.clear()
-            gemv.TABLE.update(builtin_table)
-            fast.CUBLAS_SHAPES = set(builtin_cublas)
-            gemv.gemv_config.cache_clear()
-            if path:
-                fast.CUBLAS_SHAPES = gemv.load_choices(path)
-            eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16")
+        for tag, tun in tunings.items():
+            eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16", tuning=tun)
             rate, prompt, tokens = decode_rate(eng, 32, new_tokens, reps=3)
             sess = eng.session(64)
             logits = eng.prefill(prompt, sess)
@@ -200,63 +194,19 @@ def decode_compare(tables: dict[str, str | None], models=("1b", "3b"), new_token
             torch.cuda.empty_cache()
         del w
         torch.cuda.empty_cache()
-    gemv.TABLE.clear()
-    gemv.TABLE.update(builtin_table)
-    fast.CUBLAS_SHAPES = builtin_cublas
-    gemv.gemv_config.cache_clear()
     return rows
 
 
-def pdl_probe() -> str:
-    """A chain of three PDL split GEMVs (each reads the previous one's output) captured in a graph must replay
-    bitwise equal to the eager chain; "" when it does, else why not (then the sweep drops the PDL configs)."""
-    try:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        w = (torch.randn(2048, 2048, device="cuda", generator=g) * 2048 ** -0.5).bfloat16()
-        nw = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
-        x0 = torch.randn(1, 2048, device="cuda", generator=g).bfloat16()
-        cfg = GemvConfig("split", 8, 1024, 4, None, True)
-
-        def chain(x):
-            y = gemv_fwd(w, x, norm_weight=nw, eps=1e-5, config=cfg)
-            y = gemv_fwd(w, x, residual=y, out=y, config=cfg)
-            return gemv_fwd(w, y, norm_weight=nw, eps=1e-5, config=cfg)
-        want = chain(x0).clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = chain(x0)
-        for _ in range(5):
-            got.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            if not torch.equal(got, want):
-                return "graph replay differs from eager"
-        return ""
-    except Exception as e:
-        return f"{type(e).__name__}: {str(e)[:300]}"
-
-
 def write_final(rows, res, path) -> dict:
-    """Per model, the table whose decode was fastest in decode_compare (builtin, best or nopdl), as one JSON."""
-    pick = {}
-    for m in {r["model"] for r in res}:
-        pick[m] = max((r for r in res if r["model"] == m), key=lambda r: r["decode_tok_s"])["table"]
+    """Per model, the table whose decode was fastest in decode_compare (builtin or best), as one JSON."""
+    pick = {m: max((r for r in res if r["model"] == m), key=lambda r: r["decode_tok_s"])["table"]
+            for m in {r["model"] for r in res}}
     out = []
     for r in rows:
         tag = pick.get(r["model"], "best")
-        if tag == "builtin":
-            from accel import model as fast
-            table = gemv.TABLE.get((r["N"], r["K"]))
-            if table is None and (r["N"], r["K"]) not in fast.CUBLAS_SHAPES:
-                continue
-            out.append({"N": r["N"], "K": r["K"], "model": r["model"], "proj": r["proj"], "table": tag,
-                        "best_config": list(table) if table else None,
-                        "use_cublas": (r["N"], r["K"]) in fast.CUBLAS_SHAPES})
-            continue
-        t = "" if tag == "best" else "_nopdl"
+        cfg = tuning.GEMV.get((r["N"], r["K"])) if tag == "builtin" else GemvConfig(*r["best_config"])
         out.append({"N": r["N"], "K": r["K"], "model": r["model"], "proj": r["proj"], "table": tag,
-                    "best_config": r[f"best{t}_config"], "best_us": r[f"best{t}_us"],
-                    "unfused_us": r["unfused_us"], "use_cublas": r[f"use_cublas{t}"]})
+                    "best_config": list(cfg) if cfg else None, "best_us": r["best_us"], "unfused_us": r["unfused_us"]})
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "pick": pick, "rows": out}, f, indent=1)
     return pick
@@ -265,12 +215,9 @@ def write_final(rows, res, path) -> dict:
 def main(argv):
     out_dir = argv[1] if len(argv) > 1 and not argv[1].startswith("--") else "."
     t0, rows = time.time(), []
-    global PDL_OK, DEADLINE
+    global DEADLINE
     DEADLINE = t0 + float(next((a.split("=")[1] for a in argv if a.startswith("--budget=")), "inf"))
-    why = pdl_probe()
-    PDL_OK = not why
-    print(f"PDL probe: {'ok' if PDL_OK else why}", flush=True)
-    print(f"{'shape':<14}{'MB':>6}{'cuBLAS':>8}{'unfused':>9}{'table':>8}{'best':>8}{'TB/s':>6}{'no-PDL':>8}  best cfg")
+    print(f"{'shape':<14}{'MB':>6}{'cuBLAS':>8}{'unfused':>9}{'table':>8}{'best':>8}{'TB/s':>6}  best cfg")
     for model, shapes in SHAPES.items():
         for name, (N, K, fusion) in shapes.items():
             try:
@@ -280,11 +227,11 @@ def main(argv):
                 continue
             r["model"], r["proj"] = model, name
             rows.append(r)
-            table = gemv.TABLE.get((N, K))
+            table = tuning.GEMV.get((N, K))
             t_table = r["configs"].get(json.dumps(list(table))) if table else None
             print(f"{model + ' ' + name:<14}{r['mb']:>6.1f}{r['cublas_us']:>8.2f}{r['unfused_us']:>9.2f}"
-                  f"{t_table or float('nan'):>8.2f}{r['best_us']:>8.2f}{r['best_tb_s']:>6.2f}{r['best_nopdl_us']:>8.2f}"
-                  f"  {r['best_config']}{' -> cuBLAS' if r['use_cublas'] else ''}  failed {len(r['failed'])}",
+                  f"{t_table or float('nan'):>8.2f}{r['best_us']:>8.2f}{r['best_tb_s']:>6.2f}"
+                  f"  {r['best_config']}{' (unfused faster)' if r['unfused_faster'] else ''}  failed {len(r['failed'])}",
                   flush=True)
             for k, v in sorted(r["configs"].items(), key=lambda kv: kv[1])[:6]:
                 print(f"      {v:7.2f}  {k}")
@@ -293,11 +240,9 @@ def main(argv):
     with open(f"{out_dir}/gemv_sweep_all.json", "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     write_choice(rows, f"{out_dir}/gemv_sweep.json")
-    write_choice(rows, f"{out_dir}/gemv_sweep_nopdl.json", "_nopdl")
     print(f"sweep {time.time() - t0:.0f} s", flush=True)
     if "--decode" in argv:
-        res = decode_compare({"builtin": None, "best": f"{out_dir}/gemv_sweep.json",
-                              "nopdl": f"{out_dir}/gemv_sweep_nopdl.json"})
+        res = decode_compare({"builtin": tuning.DEFAULT, "best": swept_tuning(rows)})
         with open(f"{out_dir}/decode_compare.json", "w") as f:
             json.dump(res, f, indent=1)
         print("chosen table per model:", write_final(rows, res, f"{out_dir}/gemv_choice.json"), flush=True)

@@ -1,4 +1,4 @@
-"""Measurements for `llama32 bench` (issue 5): device ceilings, the engine's decode and prefill, HF's eager
+"""Measurements for `llama32 bench`: device ceilings, the engine's decode and prefill, HF's eager
 generate on the same weights, and the attention kernels against torch SDPA.
 
 Method (shared/BASELINES.md, device METHOD.md): CUDA events after warm-up, median of repeats, random data (never
@@ -15,6 +15,7 @@ import torch
 from refimpl.model.config import LlamaConfig
 
 from accel.engine import AccelEngine
+from accel.kernels.tuning import DEFAULT, Tuning
 from tools.bench.timing import device_ms, median_ms
 from accel.weights import Weights, params_view, random_weights
 
@@ -212,12 +213,12 @@ def decode_attention_bench(device, contexts=(1024, 8192, 32768), H: int = 32, K:
 
 
 
-def profile_decode(cfg: LlamaConfig, device, steps: int = 10, rows: int = 25) -> str:
+def profile_decode(cfg: LlamaConfig, device, steps: int = 10, rows: int = 25, tuning: Tuning = DEFAULT) -> str:
     """Per-kernel device time of `steps` eager decode steps (no graph, so the profiler sees every kernel):
     where a token's time goes. Totals divided by `steps` are per token."""
     from torch.profiler import ProfilerActivity, profile
     engine = AccelEngine(cfg, random_weights(cfg, device, torch.bfloat16), torch.device(device), "bf16",
-                         use_graph=False)
+                         use_graph=False, tuning=tuning)
     prompt = prompt_ids(cfg, 32)
     sess = engine.session(32 + steps + 8)
     logits = engine.prefill(prompt, sess)

@@ -26,7 +26,7 @@ def device_ms(fn, reps: int = 20, sleep_cycles: int = 40_000_000) -> float:
     """Device time of one fn() call, free of host launch cost: a ~20 ms spin kernel holds the stream while the
     host queues all `reps` calls, so the events between them see only the GPU's work. Median of 3.
     (Events around one eager call include the launch latency: 73 µs for a 3.4 µs decode-attention kernel, and
-    +40 µs on a 70 µs flash-attention call, measured on nvidia-h200, 2026-11-21.)"""
+    +40 µs on a 70 µs flash-attention call, tools/bench/NOTES.md.)"""
     fn()  # outside the timing: cuBLAS handles, workspaces, Triton compilation
     torch.cuda.synchronize()
     times = []

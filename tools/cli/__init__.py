@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 import sys
 
-# The refimpl's decode is one matrix-vector product after another. On the 2-core reference machine OpenBLAS's
-# threaded gemv ran at 12.8 GB/s on SmolLM2's lm_head and collapsed to 0.5 GB/s on a 1536×576 weight when another
-# process held a core, while one thread ran at 31 and 92 GB/s (2026-11-21): 18.7 -> 49.6 tok/s decode.
-# Must be set before NumPy loads OpenBLAS; a user's own setting wins.
+# The refimpl's decode is one matrix-vector product after another, and OpenBLAS's threaded gemv collapses when
+# another process holds a core (one thread decoded 2.7x faster; tools/bench/NOTES.md). Must be set before NumPy
+# loads OpenBLAS; a user's own setting wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click

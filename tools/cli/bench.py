@@ -1,4 +1,4 @@
-"""`llama32 bench`: the accel engine at the real Llama 3.2 1B/3B shapes on random bf16 weights (issue 5).
+"""`llama32 bench`: the accel engine at the real Llama 3.2 1B/3B shapes on random bf16 weights.
 
 Prints one table (device name and date on top) and writes the same numbers as JSON with --json-out.
 The measurements live in tools.bench.gpu; this module only picks the parts and formats them.

@@ -9,41 +9,16 @@ import sys
 from pathlib import Path
 
 import click
-import numpy as np
 
 from refimpl.formats.checkpoint import load_checkpoint
-from refimpl.compare import TOLERANCES
 from refimpl.errors import GenerationError
 from refimpl.formats.safetensors_io import save_safetensors
 
 from tools.engines import resolve_model
 from tools.engines import engine_for
-from tools.debug.golden import engine_dtype, first_divergence, lockstep, report
+from tools.debug.diff import diff_engines
+from tools.debug.lockstep import first_divergence, report
 from tools.cli.golden import key_filter
-
-
-def diff_engines(a, b, prompt_ids: list[int], decode_steps: int, dtype: str | None = None, keep=lambda key: True,
-                 isolate: bool = False, dump: dict | None = None):
-    """Prefill + decode steps on both engines in lockstep. Returns (rows, dtype); fills `dump` if given.
-    dtype None: bf16 tolerance if either engine computes in bf16, else fp32."""
-    dtype = dtype or ("bf16" if "bf16" in (engine_dtype(a), engine_dtype(b)) else "fp32")
-    capacity = len(prompt_ids) + decode_steps
-    cache_a, cache_b = a.new_cache(capacity), b.new_cache(capacity)
-    ids, positions, rows, last = list(prompt_ids), list(range(len(prompt_ids))), [], {}
-
-    def sink(step, name, ref, got):
-        if name == "logits":
-            last["logits"] = ref
-        if dump is not None:
-            dump[f"a/{step}/{name}"], dump[f"b/{step}/{name}"] = np.array(ref, np.float32), np.array(got, np.float32)
-
-    for k in range(decode_steps + 1):
-        step = "prefill" if k == 0 else f"decode{k - 1}"
-        reference = ((name, a.to_numpy(value)) for name, value in a.steps(ids, positions, cache_a))
-        forward = b.steps(ids, positions, cache_b)
-        rows += lockstep(reference, b, forward, TOLERANCES[dtype], keep, isolate, step, sink)
-        ids, positions = [int(np.argmax(last["logits"][-1]))], [positions[-1] + 1]
-    return rows, dtype
 
 
 @click.command()

@@ -10,8 +10,8 @@ from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.model.names import matches
 
 from tools.engines import engine_for
-from tools.debug.golden import (DEFAULT_DIR, GoldenError, check_golden, find_golden_dirs, first_divergence,
-                     load_golden, make_golden, report)
+from tools.debug.golden import DEFAULT_DIR, GoldenError, check_golden, find_golden_dirs, load_golden, make_golden
+from tools.debug.lockstep import first_divergence, report
 
 
 @click.group()

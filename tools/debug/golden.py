@@ -6,25 +6,27 @@ A golden record lives beside its toy checkpoint (golden/<toy>/):
     golden.safetensors    fp32 activations keyed "<step>/<name>" ("prefill/layers.0.attn.q", "decode0/logits")
 
 Steps are a prefill over a chat prompt whose positions run past the toy's original_max_position_embeddings, then
-greedy decode steps against the same KV cache. The comparison itself (`lockstep`) is shared with `llama32 diff`:
-it drives the tested engine's forward generator op by op beside a reference stream, in forward order, so the first
-failing row is the first op that diverged.
+greedy decode steps against the same KV cache. The comparison runs through the lockstep driver shared with
+`llama32 diff` and `llama32 step` (tools/debug/lockstep.py), in forward order, so the first failing row is the first
+op that diverged.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
-from refimpl.compare import TOLERANCES, Comparison, Tolerance, compare
+from refimpl.compare import TOLERANCES
 from refimpl.model.config import LlamaConfig
 from refimpl.errors import Llama32Error
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.model.names import activation_names, split_name
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
+
+from tools.debug.lockstep import Row, compare_rows, engine_dtype
 
 FORMAT, FORMAT_VERSION = "llama32-golden", 1
 MANIFEST, ACTIVATIONS = "golden.json", "golden.safetensors"
@@ -200,59 +202,7 @@ def load_golden(model_dir: str | Path) -> GoldenRecord:
     return GoldenRecord(model_dir, manifest, steps, tensors)
 
 
-# ---------------------------------------------------------------- comparing, op by op
-
-@dataclass(frozen=True)
-class Row:
-    step: str
-    cmp: Comparison
-
-    @property
-    def key(self) -> str:
-        return f"{self.step}/{self.cmp.name}"
-
-
-def dtype_name(value) -> str:
-    """'bf16' for a bfloat16/float16 array or tensor, else 'fp32' (what picks the tolerance)."""
-    return "bf16" if "float16" in str(getattr(value, "dtype", "")) else "fp32"
-
-
-def lockstep(reference: Iterator[tuple[str, np.ndarray]], engine, steps, tol: Tolerance,
-             keep: Callable[[str], bool] = lambda key: True, isolate: bool = False, step: str = "",
-             sink: Callable | None = None) -> list[Row]:
-    """Drive `steps` (the engine's forward generator) beside `reference` ((name, fp32 array) in forward order),
-    comparing each activation whose key ("<step>/<name>") `keep` accepts. With `isolate`, every op gets the
-    reference's input (its value is sent back in place of the engine's own), so each row measures one op alone
-    instead of the error so far.
-    `sink(step, name, ref, got)` sees every pair (for --dump)."""
-    rows, sent = [], None
-    while True:
-        try:
-            name, value = steps.send(sent)
-        except StopIteration:
-            missing = next(reference, (None,))[0]
-            if missing is not None:
-                raise RuntimeError(f"{engine.backend} engine stopped before {missing!r}")
-            return rows
-        ref_name, ref = next(reference, (None, None))
-        if ref_name != name:
-            raise RuntimeError(f"{engine.backend} engine yielded {name!r} where the reference has {ref_name!r}; "
-                               f"both must follow refimpl.model.names.activation_names")
-        got = engine.to_numpy(value)
-        if keep(f"{step}/{name}" if step else name):
-            rows.append(Row(step, compare(name, got, ref, tol)))
-        if sink is not None:
-            sink(step, name, ref, got)
-        sent = engine.from_numpy(ref, like=value) if isolate else None
-
-
-def engine_dtype(engine) -> str:
-    """The dtype an engine computes in, read off one token's embedding (the forward stops right there)."""
-    steps = engine.steps([0], [0], engine.new_cache(1))
-    _, value = next(steps)
-    steps.close()
-    return dtype_name(value)
-
+# ---------------------------------------------------------------- checking, op by op
 
 def check_golden(rec: GoldenRecord, engine, dtype: str | None = None, keep=lambda key: True,
                  isolate: bool = False) -> tuple[list[Row], str]:
@@ -265,56 +215,5 @@ def check_golden(rec: GoldenRecord, engine, dtype: str | None = None, keep=lambd
     for step in rec.steps:
         reference = ((name, rec.get(step.name, name)) for name in names)
         forward = engine.steps(step.ids, step.positions, cache)
-        rows += lockstep(reference, engine, forward, TOLERANCES[dtype], keep, isolate, step.name)
+        rows += compare_rows(reference, engine, forward, TOLERANCES[dtype], keep, isolate, step.name)
     return rows, dtype
-
-
-# ---------------------------------------------------------------- reporting
-
-def _group(row: Row) -> str:
-    layer, kind = split_name(row.cmp.name)
-    return f"layer {layer}" if layer is not None else ("embed" if kind == "embed" else "head")
-
-
-def _verdict(c: Comparison) -> str:
-    return "ok" if c.ok else f"FAIL ({c.problem})" if c.problem else "FAIL"
-
-
-def format_row(row: Row) -> str:
-    c = row.cmp
-    return (f"{row.key:<34} {str(list(c.shape)):<14} {c.max_abs:>9.2e} {c.max_rel:>9.2e} {c.nmse:>9.2e}  "
-            f"{_verdict(c)}")
-
-
-def first_divergence(rows: list[Row]) -> Row | None:
-    return next((r for r in rows if not r.cmp.ok), None)
-
-
-def report(rows: list[Row], dtype: str, verbose: bool = False) -> list[str]:
-    """The table: every row (verbose), or one line per step and layer plus the failing rows; then the verdict."""
-    tol = TOLERANCES[dtype]
-    header = f"{'name':<34} {'shape':<14} {'max abs':>9} {'max rel':>9} {'NMSE':>9}  verdict"
-    lines = [f"tolerance {dtype}: NMSE <= {tol.nmse:.0e} and max rel <= {tol.max_rel:.0e} (max rel = max abs / "
-             f"max |reference|)"]
-    if verbose:
-        lines += [header] + [format_row(r) for r in rows]
-    else:
-        lines.append(f"{'step':<9} {'group':<9} {'checked':>7} {'failed':>6} {'worst NMSE':>10} {'worst rel':>9}")
-        groups: dict[tuple[str, str], list[Row]] = {}
-        for r in rows:
-            groups.setdefault((r.step, _group(r)), []).append(r)
-        for (step, group), rs in groups.items():
-            lines.append(f"{step:<9} {group:<9} {len(rs):>7} {sum(not r.cmp.ok for r in rs):>6} "
-                         f"{max(r.cmp.nmse for r in rs):>10.2e} {max(r.cmp.max_rel for r in rs):>9.2e}")
-        failing = [r for r in rows if not r.cmp.ok]
-        if failing:
-            lines += ["failing rows:", header] + [format_row(r) for r in failing]
-    first = first_divergence(rows)
-    if first is None:
-        lines.append(f"all {len(rows)} activations within {dtype} tolerance")
-    else:
-        c = first.cmp
-        why = c.problem or (f"max rel {c.max_rel:.2e} (limit {tol.max_rel:.0e}), NMSE {c.nmse:.2e} "
-                            f"(limit {tol.nmse:.0e}), worst at index {list(c.worst)}")
-        lines.append(f"first divergence: {first.key}: {why}")
-    return lines

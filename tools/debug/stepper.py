@@ -22,6 +22,7 @@ from refimpl.errors import GenerationError
 from refimpl.model.names import activation_names
 from refimpl.formats.safetensors_io import save_safetensors
 
+from tools.debug.lockstep import lockstep as drive, reference_stream
 from tools.debug.step_values import INT, CommandError, Diff, difference, g, injected, parse_index, softmax64, stats_lines
 
 HELP = """commands (separate several with ';'):
@@ -58,22 +59,17 @@ class Side:
         return self.gen.send(pending)
 
 
-def lockstep_run(sides: list[Side], lockstep: bool) -> None:
-    """Advance every side's generator together to the end (the prefill), feeding the other sides the first's
-    values when `lockstep`."""
-    while True:
-        outs, ended = [], False
-        for s in sides:  # resume every side, even past the end, so that no replacement is left pending
-            try:
-                outs.append(s.resume())
-            except StopIteration:
-                ended = True
-        if ended:
-            return
-        if lockstep:
-            first = sides[0].engine.to_numpy(outs[0][1])
-            for s, (_, v) in zip(sides[1:], outs[1:]):
-                s.pending = s.engine.from_numpy(first, like=v)
+def run_to_end(sides: list[Side], lockstep: bool) -> None:
+    """Run every side's generator to the end (the prefill): the second side beside the first through the
+    lockstep driver, fed the first's values when `lockstep`."""
+    first = sides[0]
+    if len(sides) == 1:
+        for _ in first.gen:
+            pass
+        return
+    second = sides[1]
+    for _ in drive(reference_stream(first.engine, first.gen), second.engine, second.gen, feed_reference=lockstep):
+        pass
 
 
 class Session:
@@ -109,7 +105,7 @@ class Session:
             ids, pos = self.ids[:self.position], list(range(self.position))
             for s, cache in zip(self.sides, caches):
                 s.gen = s.engine.steps(ids, pos, cache, last_logits_only=True)
-            lockstep_run(self.sides, self.lockstep)
+            run_to_end(self.sides, self.lockstep)
         for s, cache in zip(self.sides, caches):
             s.gen = s.engine.steps([self.ids[self.position]], [self.position], cache)
 

@@ -1,0 +1,65 @@
+"""Launch configurations of the decode-step kernels: plain data, measured on the GPU, read by the launchers.
+
+GEMV      (N, K) of the weight -> GemvConfig (accel/kernels/gemv.py); shapes not listed use `gemv.gemv_config`'s rule.
+QKV_ROPE  (N, K) of the fused qkv weight -> QkvConfig (accel/kernels/qkv_rope.py); else `qkv_rope.qkv_config`'s rule.
+A `Tuning` bundles one table of each plus the decode attention's launch options; the engine runs `DEFAULT`.
+Benchmarks that try other configs build their own `Tuning` and pass it in (tools/bench/decode_variants.py): nothing
+here is rewritten at run time. The measurements behind every row (on 132 SMs) are in tools/bench/NOTES.md.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
+
+
+class GemvConfig(NamedTuple):
+    """kind "persist" / "stream": the persistent / shared-memory-streaming kernel on `programs` programs (None:
+    one a row block); kind "split": one [block_n, block_k] tile a program on a (row blocks, K / block_k) grid
+    (`programs` unused)."""
+    kind: str
+    block_n: int
+    block_k: int
+    warps: int
+    programs: int | None = None
+    stages: int = 3  # kind "stream": tiles in flight a program
+
+
+class QkvConfig(NamedTuple):
+    half_n: int  # columns of each half-head a program owns (a power of 2)
+    warps: int
+    stages: int = 0  # > 0: the streaming kernel, with this pipeline depth
+    block_k: int = 512  # streaming: K columns a tile
+    programs: int | None = None  # streaming: persistent programs (None: one a pair block)
+
+
+# The fastest config per Llama 3.2 1B / 3B decode shape in the GEMV sweeps (tools.bench.gemv_sweep,
+# tools.bench.decode_variants --stream): o, gate_up, down and the lm_head with the final norm folded in.
+# The qkv GEMVs are not here: the decode step runs qkv through qkv_rope (QKV_ROPE below).
+GEMV: Mapping[tuple[int, int], GemvConfig] = MappingProxyType({
+    (2048, 2048): GemvConfig("split", 8, 2048, 8),  # 1B o
+    (16384, 2048): GemvConfig("split", 4, 2048, 4),  # 1B gate_up
+    (2048, 8192): GemvConfig("stream", 8, 512, 4, 256, 4),  # 1B down
+    (3072, 3072): GemvConfig("stream", 8, 512, 4, 384, 4),  # 3B o
+    (16384, 3072): GemvConfig("stream", 16, 512, 4, 264, 3),  # 3B gate_up
+    (3072, 8192): GemvConfig("stream", 8, 512, 4, 384, 4),  # 3B down
+    (128256, 2048): GemvConfig("split", 8, 2048, 8),  # 1B lm_head
+    (128256, 3072): GemvConfig("split", 4, 4096, 8),  # 3B lm_head
+})
+
+# The fused norm + qkv + RoPE + cache write, per (N, K) = ((H + 2K)·E, D): 1B one whole-row tile pair a program;
+# 3B the streaming kernel, 8 × 512 tile pairs, 3 stages.
+QKV_ROPE: Mapping[tuple[int, int], QkvConfig] = MappingProxyType({
+    (3072, 2048): QkvConfig(2, 8),
+    (5120, 3072): QkvConfig(8, 4, stages=3, block_k=512),
+})
+
+
+class Tuning(NamedTuple):
+    """The launch tables the decode step's fused ops read (accel.ops.fused): GEMV, QKV_ROPE and the decode
+    attention's keyword options (accel.kernels.decode_attn.decode_attention_fwd: split_len, max_len, config)."""
+    gemv: Mapping[tuple[int, int], GemvConfig] = GEMV
+    qkv_rope: Mapping[tuple[int, int], QkvConfig] = QKV_ROPE
+    decode_attention: Mapping[str, object] = MappingProxyType({})
+
+
+DEFAULT = Tuning()

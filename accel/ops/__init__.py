@@ -1,0 +1,19 @@
+"""accel's one op layer: every op either engine path runs, each a Triton kernel (accel/kernels/<op>.py) or its one
+plain torch version (accel/ops/torch_ops.py), picked per call by accel/ops/dispatch.py.
+
+    interface.py        the op interface of refimpl.model.interface (trace mode runs forward_steps over these)
+    fused.py            the fast path's fused ops (accel.model), contract in fused_interface.py
+    torch_ops.py        the torch version of each
+`from accel import ops` gives all of them: `ops.rms_norm(...)`, `ops.qkv_rope(...)`.
+"""
+from .dispatch import INTERPRET, torch_only, triton_available, uses_triton
+from .fused import (add_rms_norm, argmax_row, causal_attention, decode_attention, greedy_next, linear_add,
+                    norm_linear, qkv_rope, rope_kv_write, swiglu_gate_up, swiglu_linear_add)
+from .fused_interface import FUSED_OP_NAMES, FusedOps
+from .interface import (attention, cross_attention, embedding, linear, lora_merge, rms_norm, rope, rope_tables,
+                        swiglu)
+
+__all__ = ["INTERPRET", "torch_only", "triton_available", "uses_triton", "FUSED_OP_NAMES", "FusedOps",
+           "add_rms_norm", "argmax_row", "causal_attention", "decode_attention", "greedy_next", "linear_add",
+           "norm_linear", "qkv_rope", "rope_kv_write", "swiglu_gate_up", "swiglu_linear_add", "attention",
+           "cross_attention", "embedding", "linear", "lora_merge", "rms_norm", "rope", "rope_tables", "swiglu"]

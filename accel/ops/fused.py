@@ -1,0 +1,86 @@
+"""The fused ops (contract: accel.ops.fused_interface), each a Triton kernel or its torch version (accel.ops.dispatch)."""
+from __future__ import annotations
+
+from ..kernels.argmax import argmax_fwd
+from ..kernels.decode_attn import decode_attention_fwd
+from ..kernels.flash_attn import flash_attention_fwd
+from ..kernels.gemv import gemv_fwd
+from ..kernels.qkv_rope import qkv_rope_fwd
+from ..kernels.rms_norm import add_rms_norm_fwd
+from ..kernels.rope import rope_kv_write_fwd
+from ..kernels.swiglu import swiglu_gate_up_fwd
+from ..kernels.tuning import DEFAULT, Tuning
+from .dispatch import rows, uses_triton
+from .torch_ops import (torch_add_rms_norm, torch_argmax_row, torch_causal_attention, torch_decode_attention,
+                        torch_greedy_next, torch_linear_add, torch_norm_linear, torch_qkv_rope, torch_rope_kv_write,
+                        torch_swiglu_gate_up, torch_swiglu_linear_add)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    if uses_triton(x):
+        D = x.shape[-1]
+        s, h = add_rms_norm_fwd(rows(x).reshape(-1, D), rows(residual).reshape(-1, D), rows(weight), eps)
+        return s.reshape(x.shape), h.reshape(x.shape)
+    return torch_add_rms_norm(x, residual, weight, eps)
+
+
+def rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions):
+    positions = positions.to(q.device)
+    if uses_triton(q):
+        return rope_kv_write_fwd(rows(q), rows(k), rows(v), rows(cos), rows(sin), cache_k, cache_v, positions)
+    return torch_rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)
+
+
+def swiglu_gate_up(gate_up):
+    if uses_triton(gate_up):
+        return swiglu_gate_up_fwd(rows(gate_up))
+    return torch_swiglu_gate_up(gate_up)
+
+
+def causal_attention(q, cache_k, cache_v, positions):
+    if uses_triton(q):
+        return flash_attention_fwd(rows(q), cache_k, cache_v, positions)
+    return torch_causal_attention(q, cache_k, cache_v, positions)
+
+
+def decode_attention(q, cache_k, cache_v, position, tuning: Tuning = DEFAULT):
+    if uses_triton(q):
+        return decode_attention_fwd(rows(q), cache_k, cache_v, position, **tuning.decode_attention)
+    return torch_decode_attention(q, cache_k, cache_v, position)
+
+
+def qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v, tuning: Tuning = DEFAULT):
+    if uses_triton(x):
+        return qkv_rope_fwd(weight, x, norm_weight, eps, cos, sin, position, cache_k, cache_v, table=tuning.qkv_rope)
+    return torch_qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v)
+
+
+def norm_linear(x, norm_weight, weight, eps, tuning: Tuning = DEFAULT):
+    if uses_triton(x):
+        return gemv_fwd(weight, x, norm_weight=norm_weight, eps=eps, table=tuning.gemv)
+    return torch_norm_linear(x, norm_weight, weight, eps)
+
+
+def linear_add(a, weight, residual, tuning: Tuning = DEFAULT):
+    if uses_triton(a):
+        return gemv_fwd(weight, a, residual=residual, out=residual, table=tuning.gemv)
+    return torch_linear_add(a, weight, residual)
+
+
+def swiglu_linear_add(gate_up, weight, residual, tuning: Tuning = DEFAULT):
+    if uses_triton(gate_up):
+        return gemv_fwd(weight, gate_up, swiglu=True, residual=residual, out=residual, table=tuning.gemv)
+    return torch_swiglu_linear_add(gate_up, weight, residual)
+
+
+def argmax_row(logits):
+    v = logits.reshape(-1)
+    if uses_triton(v) and v.stride(0) == 1:
+        return argmax_fwd(v)
+    return torch_argmax_row(v)
+
+
+def greedy_next(logits, token, position, history, step):
+    if uses_triton(logits):
+        return argmax_fwd(logits, token, position, history, step)
+    return torch_greedy_next(logits, token, position, history, step)

@@ -1,0 +1,44 @@
+"""The GPU sweeps (tools/bench/) import on any machine, and their CPU-side logic passes configs explicitly: the
+runtime's launch tables (accel/kernels/tuning.py) are read-only data that no sweep rewrites."""
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+from accel.kernels import tuning  # noqa: E402
+from accel.kernels.tuning import GemvConfig, QkvConfig  # noqa: E402
+from tools.bench import attn_sweep, decode_variants, gemv_sweep, gpu  # noqa: E402, F401
+
+
+def test_launch_tables_are_read_only():
+    with pytest.raises(TypeError):
+        tuning.GEMV[(1, 1)] = GemvConfig("split", 8, 1024, 4)
+    with pytest.raises(TypeError):
+        tuning.QKV_ROPE[(1, 1)] = QkvConfig(2, 8)
+
+
+def test_gemv_candidates_include_the_table_row_and_the_rule():
+    for (N, K), row in tuning.GEMV.items():
+        cands = gemv_sweep.candidates(N, K, 132)
+        assert row in cands and len(cands) == len(set(cands))
+        assert all(isinstance(c, GemvConfig) for c in cands)
+
+
+def test_swept_winners_become_a_tuning_not_a_table_edit():
+    before = dict(tuning.GEMV)
+    rows = [{"N": 2048, "K": 2048, "best_config": ["split", 16, 1024, 4, None, 3]}]
+    t = gemv_sweep.swept_tuning(rows)
+    assert t.gemv[(2048, 2048)] == GemvConfig("split", 16, 1024, 4, None, 3)
+    assert t.gemv[(16384, 2048)] == tuning.GEMV[(16384, 2048)] and t.qkv_rope is tuning.QKV_ROPE
+    assert dict(tuning.GEMV) == before
+
+
+def test_winner_rules_keep_the_table_unless_one_percent_faster():
+    (N, K), row = next(iter(tuning.GEMV.items()))
+    json_key = json.dumps(list(row))
+    key = (N, K)
+    other = ["split", 32, 512, 4, None, 3]
+    slow = {"N": N, "K": K, "configs": {json_key: 10.0}, "best_config": other, "best_us": 9.95}
+    fast = dict(slow, best_us=9.8)
+    assert decode_variants.gemv_winner(slow) == {}
+    assert decode_variants.gemv_winner(fast) == {key: GemvConfig(*other)}
