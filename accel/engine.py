@@ -103,7 +103,8 @@ class Decoder:
     the position on the device, so that a greedy loop is one replay a token (accel/kernels/argmax.py).
     """
 
-    def __init__(self, engine: "AccelEngine", cache: StaticKVCache, use_graph: bool):
+    def __init__(self, engine: "AccelEngine", cache: StaticKVCache, use_graph: bool, step_fn=None):
+        """step_fn(token, position) -> logits [1, V]: the decode step (default: the text model's)."""
         dev = engine.device
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.position = torch.zeros(1, dtype=torch.int64, device=dev)  # slot 0: harmless before the prefill
@@ -114,9 +115,13 @@ class Decoder:
         w, cfg, tuning, token, position = engine.weights, engine.config, engine.tuning, self.token, self.position
         step, history, torch_only = self.step_count, self.history, not engine.triton
 
+        if step_fn is None:
+            def step_fn(token, position):
+                return fast.decode_step(w, cfg, token, position, cache.tables, cache.k_all, cache.v_all, tuning)
+
         def fn():
             with ops.torch_only(torch_only):
-                return fast.decode_step(w, cfg, token, position, cache.tables, cache.k_all, cache.v_all, tuning)
+                return step_fn(token, position)
 
         def greedy_fn():  # fn, not self._fn: no cycle
             logits = fn()
