@@ -283,11 +283,15 @@ class AccelEngine:
         cfg = self.config
         check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, cfg.max_position_embeddings)
         sess = self.session(len(prompt_ids) + s.max_new_tokens)
+        yield from self._sample_loop(sess, self.prefill(prompt_ids, sess), prompt_ids, s, stop_ids)
+
+    def _sample_loop(self, sess: Session, logits: torch.Tensor, prompt_ids: list[int], s: Sampling,
+                     stop_ids) -> Iterator[int]:
+        """Sample from the prompt's logits, then one decode step a token, until a stop id or max_new_tokens."""
         gen = make_generator(self.device, s.seed)
         cuda = self.device.type == "cuda"
         host = torch.empty(2, dtype=torch.int64, pin_memory=cuda)  # (token, logits all finite)
         ready = torch.cuda.Event() if cuda else None
-        logits = self.prefill(prompt_ids, sess)
         step_ids, pos = list(prompt_ids), len(prompt_ids)
         for n in range(s.max_new_tokens):
             token = sample(logits, s, gen)  # [1] on the device

@@ -16,7 +16,7 @@ import torch
 from refimpl.model.mllama import LM_HEAD, TEXT
 from refimpl.model.mllama_config import MllamaConfig
 
-from ..weights import Weights, _to_device, load_weights, params_view
+from ..weights import Weights, _to_device, load_weights, params_view, random_weights
 
 
 @dataclass
@@ -95,18 +95,11 @@ def random_mllama_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes:
         return (std * x).to(dtype)
 
     self_layers, names = _text_renames(cfg)
-    fused = {short: full for short, full in names.items()}
-    text_params = {}
-    params = {}
-    for name, shape in shapes.items():
-        (text_params if name in fused.values() else params)[name] = None
-    # the fused part through accel.weights' own random builder would draw other names; build it here instead
     sub = self_layer_config(cfg)
-    from ..weights import random_weights
     text = random_weights(sub, device, dtype, seed=seed, std=std)
-    if text.embed.shape[0] != shapes[TEXT + "embed_tokens.weight"][0]:  # the 8 extra rows of the image tokens
-        text.embed = draw("embed", shapes[TEXT + "embed_tokens.weight"])
+    text.embed = draw("embed", shapes[TEXT + "embed_tokens.weight"])  # [V + 8, D]: the image token rows too
     out = {names[short]: t for short, t in params_view(text, sub).items()}
-    for name in params:
-        out[name] = draw(name, shapes[name])
+    for name, shape in shapes.items():
+        if name not in out:
+            out[name] = draw(name, shape)
     return MllamaWeights(text, self_layers, out)
