@@ -63,7 +63,15 @@ def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None 
         return RefEngine(ckpt)
     try:
         from accel.engine import AccelEngine
+        from accel.vision.engine import MllamaAccelEngine
     except ImportError as e:
         raise GenerationError(f"--backend accel is not available here ({e}); it needs torch and triton: "
                               f"pip install 'llama32[accel]'") from None
+    if is_mllama(ckpt):
+        return MllamaAccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
     return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
+
+
+def is_mllama(ckpt) -> bool:
+    from refimpl.model.mllama_config import MllamaConfig
+    return isinstance(ckpt.config, MllamaConfig)
