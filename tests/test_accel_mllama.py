@@ -115,3 +115,26 @@ def test_cross_attend_matches_the_cross_attention_op(T, H, K, E, N):
     want = R.cross_attention(q, k, v, visible)
     got = cross_attend(*(torch.from_numpy(a) for a in (q, k, v)), torch.from_numpy(visible)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_builds_random_weights_hf_can_hold():
+    """The benchmark's random real-shape weights (here at a tiny config) cover every checkpoint tensor, and
+    HF's model built from them computes what the engine computes (bf16 both, CPU)."""
+    from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
+    from accel.vision.weights import random_mllama_weights
+    from tools.bench.vision import hf_model
+    cfg = MllamaConfig.from_hf({"model_type": "mllama", **hf_config(kv_heads=2)})
+    shapes = expected_mllama_shapes(cfg)
+    w = random_mllama_weights(cfg, "cpu", torch.bfloat16, shapes, std=0.2)
+    assert {k: tuple(v.shape) for k, v in w.params.items()} == shapes
+    params = {k: v.float().numpy() for k, v in w.params.items()}  # the same values in fp32 on both sides
+    acc = MllamaAccelEngine.from_checkpoint(Checkpoint(None, cfg, params), device="cpu", dtype="fp32")
+    ids = [1, 5, IMAGE, 9, 11]
+    images = images_for(cfg, ids, [(2, 2)])
+    sess = acc.session(len(ids), acc.image_tokens(images))
+    got = acc.to_numpy(acc.prefill(ids, sess, images))[0]
+    model = hf_model(cfg, w.params, "cpu").float()
+    from tests._mllama_hf import hf_logits
+    want = hf_logits(model, ids, images.pixel_values, images.aspect_ratio_ids, images.aspect_ratio_mask,
+                     images.cross_attention_mask)[-1]
+    np.testing.assert_allclose(got, want, atol=ATOL)

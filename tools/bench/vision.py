@@ -73,11 +73,13 @@ def memory_needed(cfg: MllamaConfig, context: int, images: int = 1, bytes_per: i
 def hf_model(cfg: MllamaConfig, params: dict, device):
     """transformers' MllamaForConditionalGeneration built on the device in bf16, holding copies of `params`."""
     import transformers
+    hf = cfg.to_hf()
+    hf["text_config"]["pad_token_id"] = 0  # HF's default pad id (128004) lies outside a small test vocabulary
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = transformers.MllamaForConditionalGeneration(transformers.MllamaConfig(**cfg.to_hf())).eval()
+            model = transformers.MllamaForConditionalGeneration(transformers.MllamaConfig(**hf)).eval()
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
