@@ -20,12 +20,14 @@ from tests._mllama_hf import IMAGE, cross_mask, hf_config, image_arrays  # noqa:
 ATOL = 1e-4  # fp32 on both sides; the same bound the oracle meets against HF
 
 
-def models(seed=0, **kw):
-    """(refimpl engine, accel engine) over the same random checkpoint (random_params-style, gates nonzero)."""
+def models(seed=0, use_triton=None, **kw):
+    """(refimpl engine, accel engine) over the same random HF-initialised checkpoint (every gate nonzero);
+    use_triton None: the kernels under Triton's interpreter where conftest turns it on, False: torch ops."""
     from tests._mllama_hf import hf_model, ref_params
     cfg = MllamaConfig.from_hf({"model_type": "mllama", **hf_config(**kw)})
     ckpt = Checkpoint(None, cfg, ref_params(hf_model(seed, **kw)))
-    return MllamaEngine(ckpt), MllamaAccelEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32")
+    return MllamaEngine(ckpt), MllamaAccelEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32",
+                                                                 use_triton=use_triton)
 
 
 def images_for(cfg, ids, grids, seed=0):
@@ -47,7 +49,7 @@ def test_fast_prefill_and_decode_match_refimpl(case):
     kw, ids, grids = CASES[case]
     ref, acc = models(**kw)
     images = images_for(ref.config, ids, grids)
-    extra = [13, 4, 17]
+    extra = [13, 4]
     cache = ref.new_cache(len(ids) + len(extra))
     want = [ref.logits(ids, np.arange(len(ids)), cache, images=images)]
     for n, token in enumerate(extra):
@@ -66,10 +68,10 @@ def test_fast_prefill_and_decode_match_refimpl(case):
 
 @pytest.mark.parametrize("with_image", [True, False])
 def test_greedy_ids_equal_refimpl(with_image):
-    ref, acc = models(kv_heads=2)
+    ref, acc = models(kv_heads=2, use_triton=False)  # the interpreted kernels are covered above; this is the loop
     ids = [1, 5, IMAGE, 9, 11, 13, 4] if with_image else [1, 5, 9, 11, 13, 4]
     images = images_for(ref.config, ids, [(1, 2)]) if with_image else None
-    s = Sampling(max_new_tokens=10)
+    s = Sampling(max_new_tokens=8)
     want = list(ref.generate(ids, s, images=images))
     assert list(acc.generate(ids, s, images=images)) == want
     assert len(set(want)) > 3
