@@ -49,7 +49,17 @@ def test_fast_prefill_and_decode_match_refimpl(case):
     kw, ids, grids = CASES[case]
     ref, acc = models(**kw)
     images = images_for(ref.config, ids, grids)
-    extra = [13, 4]
+    got, want = prefill_and_decode(ref, acc, ids, images, extra=[13, 4])
+    np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+    # the image matters: without it (and no cross layers) the logits differ
+    text_only = [t for t in ids if t != IMAGE]
+    other = ref.logits(text_only, np.arange(len(text_only)), ref.new_cache(len(text_only)))
+    assert np.abs(other - want[0]).max() > 1e-2
+
+
+def prefill_and_decode(ref, acc, ids, images, extra):
+    """(accel, refimpl) logits [1 + len(extra), V]: the prompt with its images, then `extra` one token at a time
+    (accel: its decode step, the CUDA graph on GPU)."""
     cache = ref.new_cache(len(ids) + len(extra))
     want = [ref.logits(ids, np.arange(len(ids)), cache, images=images)]
     for n, token in enumerate(extra):
@@ -57,13 +67,8 @@ def test_fast_prefill_and_decode_match_refimpl(case):
     sess = acc.session(len(ids) + len(extra), acc.image_tokens(images))
     got = [acc.prefill(ids, sess, images)[0]]
     for n, token in enumerate(extra):
-        got.append(sess.decoder.step(torch.tensor([token]), len(ids) + n)[0])
-    got = np.stack([acc.to_numpy(g) for g in got])
-    np.testing.assert_allclose(got, np.stack(want), rtol=0, atol=ATOL)
-    # the image matters: without it (and no cross layers) the logits differ
-    text_only = [t for t in ids if t != IMAGE]
-    other = ref.logits(text_only, np.arange(len(text_only)), ref.new_cache(len(text_only)))
-    assert np.abs(other - want[0]).max() > 1e-2
+        got.append(sess.decoder.step(torch.tensor([token], device=acc.device), len(ids) + n)[0].clone())
+    return np.stack([acc.to_numpy(g) for g in got]), np.stack(want)
 
 
 @pytest.mark.parametrize("with_image", [True, False])

@@ -17,6 +17,7 @@ from refimpl.model.mllama_config import MllamaConfig  # noqa: E402
 from refimpl.model.names import mllama_activation_names  # noqa: E402
 from refimpl.vision.encoder import padding_mask  # noqa: E402
 from refimpl.vision.inputs import ImageInputs  # noqa: E402
+from tests.test_accel_mllama import prefill_and_decode  # noqa: E402
 
 IMAGE = 512
 REAL = {"model_type": "mllama", "image_token_index": IMAGE,
@@ -62,17 +63,7 @@ def test_fast_path_matches_refimpl_at_real_shapes(model, dtype, bound, tiles):
     acc = MllamaAccelEngine.from_checkpoint(ckpt, device="cuda", dtype=dtype)
     ids = [1, 5, 7, IMAGE, 9, 11, 13, 17, 19, 23]
     images = images_for(cfg, ids, tiles)
-    extra = [29, 31, 37]
-    cache = ref.new_cache(len(ids) + len(extra))
-    want = [ref.logits(ids, np.arange(len(ids)), cache, images=images)]
-    for n, token in enumerate(extra):
-        want.append(ref.logits([token], [len(ids) + n], cache))
-    sess = acc.session(len(ids) + len(extra), acc.image_tokens(images))
-    got = [acc.prefill(ids, sess, images)[0]]
-    for n, token in enumerate(extra):  # the captured CUDA graph, cross layer included
-        got.append(sess.decoder.step(torch.tensor([token], device="cuda"), len(ids) + n)[0].clone())
-    got = np.stack([acc.to_numpy(g) for g in got])
-    want = np.stack(want)
+    got, want = prefill_and_decode(ref, acc, ids, images, extra=[29, 31, 37])  # decode: the CUDA graph
     assert rel(got, want) < bound
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.75
 

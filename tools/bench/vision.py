@@ -17,6 +17,7 @@ from accel.vision.weights import random_mllama_weights
 from refimpl.formats.mllama_checkpoint import expected_mllama_shapes, hub_name
 from refimpl.model.mllama_config import MllamaConfig
 from refimpl.vision.inputs import ImageInputs
+from tools.bench.gpu import timed_greedy
 from tools.bench.timing import median_ms
 
 VISION_11B = {"image_size": 560}  # every other vision field: HF's defaults, the 11B/90B encoder
@@ -125,17 +126,8 @@ def vision_bench(name: str, device, with_hf: bool, new_tokens: int = 128, prompt
     encode = median_ms(lambda: engine.encode_images(images, sess.cache), reps=5, warmup=2)
     prompt = torch.tensor(ids, device=device)
     prefill = median_ms(lambda: engine.prefill(prompt, sess), reps=5, warmup=2)  # the image is in the cache
-    times, tokens = [], None
-    for r in range(3):  # the first run is the warm-up (graph capture)
-        logits = engine.prefill(prompt, sess)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        tokens = engine.decode_greedy(sess, logits, prompt_len, new_tokens)
-        end.record()
-        end.synchronize()
-        if r:
-            times.append(start.elapsed_time(end))
-    rate = (new_tokens - 1) / (float(np.median(times)) * 1e-3)
+    ms, tokens = timed_greedy(engine, sess, lambda: engine.prefill(prompt, sess), prompt_len, new_tokens, reps=2)
+    rate = (new_tokens - 1) / (ms * 1e-3)
     peak = torch.cuda.max_memory_allocated(device)
     t = cfg.text
     self_layers = t.num_hidden_layers - len(t.cross_attention_layers)
