@@ -145,3 +145,9 @@ def test_bench_builds_random_weights_hf_can_hold():
     want = hf_logits(model, ids, images.pixel_values, images.aspect_ratio_ids, images.aspect_ratio_mask,
                      images.cross_attention_mask)[-1]
     np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+def test_engine_for_picks_the_mllama_engine_for_accel():
+    from tools.engines import engine_for
+    ref, _ = models(kv_heads=2, use_triton=False)
+    assert isinstance(engine_for(ref.ckpt, "accel", "cpu", "fp32"), MllamaAccelEngine)
