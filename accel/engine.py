@@ -103,7 +103,8 @@ class Decoder:
     the position on the device, so that a greedy loop is one replay a token (accel/kernels/argmax.py).
     """
 
-    def __init__(self, engine: "AccelEngine", cache: StaticKVCache, use_graph: bool):
+    def __init__(self, engine: "AccelEngine", cache: StaticKVCache, use_graph: bool, step_fn=None):
+        """step_fn(token, position) -> logits [1, V]: the decode step (default: the text model's)."""
         dev = engine.device
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.position = torch.zeros(1, dtype=torch.int64, device=dev)  # slot 0: harmless before the prefill
@@ -114,9 +115,13 @@ class Decoder:
         w, cfg, tuning, token, position = engine.weights, engine.config, engine.tuning, self.token, self.position
         step, history, torch_only = self.step_count, self.history, not engine.triton
 
+        if step_fn is None:
+            def step_fn(token, position):
+                return fast.decode_step(w, cfg, token, position, cache.tables, cache.k_all, cache.v_all, tuning)
+
         def fn():
             with ops.torch_only(torch_only):
-                return fast.decode_step(w, cfg, token, position, cache.tables, cache.k_all, cache.v_all, tuning)
+                return step_fn(token, position)
 
         def greedy_fn():  # fn, not self._fn: no cycle
             logits = fn()
@@ -292,16 +297,21 @@ class AccelEngine:
         context = cfg.max_position_embeddings if cache is None else cache.capacity
         check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, context, start)
         sess = self.session(len(prompt_ids) + s.max_new_tokens) if cache is None else self._session_over(cache)
+        yield from self._sample_loop(sess, self.prefill(prompt_ids, sess, start), prompt_ids, s, stop_ids, start)
+
+    def _sample_loop(self, sess: Session, logits: torch.Tensor, prompt_ids: list[int], s: Sampling,
+                     stop_ids, start: int = 0) -> Iterator[int]:
+        """Sample from the prompt's logits, then one decode step a token, until a stop id or max_new_tokens."""
         gen = make_generator(self.device, s.seed)
         cuda = self.device.type == "cuda"
         host = torch.empty(2, dtype=torch.int64, pin_memory=cuda)  # (token, logits all finite)
         ready = torch.cuda.Event() if cuda else None
-        logits = self.prefill(prompt_ids, sess, start)
         step_ids, pos = list(prompt_ids), start + len(prompt_ids)
         seen = None
         if s.repetition_penalty != 1:
-            seen = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=self.device)  # [V]
-            seen[torch.as_tensor(prompt_ids, device=self.device)] = True
+            V = self.config.vocab_size
+            seen = torch.zeros(V, dtype=torch.bool, device=self.device)  # [V]
+            seen[torch.as_tensor([t for t in prompt_ids if t < V], dtype=torch.int64, device=self.device)] = True
         for n in range(s.max_new_tokens):
             if seen is not None:
                 logits = penalize(logits, seen, s.repetition_penalty)

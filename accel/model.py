@@ -31,28 +31,35 @@ class RopeTables:
     sin: torch.Tensor  # [S, E/2] fp32
 
 
-def _layers(w: Weights, cfg: LlamaConfig, x, cos, sin, cache_k, cache_v, positions, attend):
-    """The decoder layers over the residual stream x [T, D]; returns final_norm(x) [T, D].
+def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v, positions, attend):
+    """One self-attention layer over the residual stream x [T, D] and its normed h -> (x, next_norm(x)).
 
-    `attend(i, q_rot)` -> [T, H, E] is the attention of layer i (the k/v are already in the cache).
+    `attend(q_rot)` -> [T, H, E] is the attention (the k/v are already in cache_k/cache_v [K, S, E]).
     Each add_rms_norm adds the previous block's output into the stream and normalizes for the next block.
     """
     T, eps = x.shape[0], cfg.rms_norm_eps
     H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    h = ops.rms_norm(x, w.layers[0].attn_norm, eps)
+    qkv = ops.linear(h, lw.qkv)  # [T, D] -> [T, (H+2K)·E]
+    q = qkv[:, : H * E].view(T, H, E)
+    k = qkv[:, H * E: (H + K) * E].view(T, K, E)
+    v = qkv[:, (H + K) * E:].view(T, K, E)
+    q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
+    a = attend(q_rot)  # [T, H, E]
+    o = ops.linear(a.reshape(T, H * E), lw.o)  # [T, H·E] -> [T, D]
+    x, h = ops.add_rms_norm(o, x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
+    act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
+    down = ops.linear(act, lw.down)  # [T, F] -> [T, D]
+    return ops.add_rms_norm(down, x, next_norm, eps)  # resid_post, next attn_norm (or final_norm)
+
+
+def _layers(w: Weights, cfg: LlamaConfig, x, cos, sin, cache_k, cache_v, positions, attend):
+    """The decoder layers over the residual stream x [T, D]; returns final_norm(x) [T, D].
+    `attend(i, q_rot)` -> [T, H, E] is the attention of layer i."""
+    h = ops.rms_norm(x, w.layers[0].attn_norm, cfg.rms_norm_eps)
     for i, lw in enumerate(w.layers):
-        qkv = ops.linear(h, lw.qkv)  # [T, D] -> [T, (H+2K)·E]
-        q = qkv[:, : H * E].view(T, H, E)
-        k = qkv[:, H * E: (H + K) * E].view(T, K, E)
-        v = qkv[:, (H + K) * E:].view(T, K, E)
-        q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k[i], cache_v[i], positions)  # k_rot, v -> cache
-        a = attend(i, q_rot)  # [T, H, E]
-        o = ops.linear(a.reshape(T, H * E), lw.o)  # [T, H·E] -> [T, D]
-        x, h = ops.add_rms_norm(o, x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
-        act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
-        down = ops.linear(act, lw.down)  # [T, F] -> [T, D]
         next_norm = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.norm
-        x, h = ops.add_rms_norm(down, x, next_norm, eps)  # resid_post, next attn_norm (or final_norm)
+        x, h = self_layer(lw, cfg, x, h, next_norm, cos, sin, cache_k[i], cache_v[i], positions,
+                          lambda q_rot, i=i: attend(i, q_rot))
     return h
 
 
@@ -83,14 +90,19 @@ def decode_step(w: Weights, cfg: LlamaConfig, token, position, tables: RopeTable
     prologue, the residual adds in o/down's epilogue, the final norm in the lm_head's prologue.
     """
     eps = cfg.rms_norm_eps
-    H, E = cfg.num_attention_heads, cfg.head_dim
     cos, sin = tables.cos, tables.sin  # [S, E/2]: qkv_rope reads row `position` on the device
     x = ops.embedding(token, w.embed)  # [1, D], a fresh buffer: the layers update it in place
     for i, lw in enumerate(w.layers):
-        q_rot = ops.qkv_rope(x, lw.attn_norm, lw.qkv, eps, cos, sin, position, cache_k[i], cache_v[i],
-                             tuning)  # [1, H, E]
-        a = ops.decode_attention(q_rot, cache_k[i], cache_v[i], position, tuning)  # [1, H, E] over 0..position
-        ops.linear_add(a.reshape(1, H * E), lw.o, x, tuning)  # x += o(a): resid_mid
-        gate_up = ops.norm_linear(x, lw.mlp_norm, lw.gate_up, eps, tuning)  # [1, D] -> [1, 2F]
-        ops.swiglu_linear_add(gate_up, lw.down, x, tuning)  # x += down(silu(gate)·up): resid_post
+        decode_layer(lw, cfg, x, position, cos, sin, cache_k[i], cache_v[i], tuning)
     return ops.norm_linear(x, w.norm, w.lm_head, eps, tuning)  # [1, D] -> [1, V]
+
+
+def decode_layer(lw, cfg: LlamaConfig, x, position, cos, sin, cache_k, cache_v, tuning: Tuning = DEFAULT):
+    """One self-attention layer of the decode step, updating x [1, D] in place (5 launches)."""
+    eps = cfg.rms_norm_eps
+    H, E = cfg.num_attention_heads, cfg.head_dim
+    q_rot = ops.qkv_rope(x, lw.attn_norm, lw.qkv, eps, cos, sin, position, cache_k, cache_v, tuning)  # [1, H, E]
+    a = ops.decode_attention(q_rot, cache_k, cache_v, position, tuning)  # [1, H, E] over 0..position
+    ops.linear_add(a.reshape(1, H * E), lw.o, x, tuning)  # x += o(a): resid_mid
+    gate_up = ops.norm_linear(x, lw.mlp_norm, lw.gate_up, eps, tuning)  # [1, D] -> [1, 2F]
+    ops.swiglu_linear_add(gate_up, lw.down, x, tuning)  # x += down(silu(gate)·up): resid_post

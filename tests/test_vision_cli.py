@@ -140,9 +140,17 @@ def test_image_token_without_image():
     assert_clean_error(cli_error(prompt="<|image|> where is it?"), "1 <|image|> token(s) but 0 image(s)")
 
 
-def test_accel_backend_refuses_vision():
-    result = run_cli(["generate", "hi", "--model", TOY, "--backend", "accel", "--image", IMAGE])
-    assert_clean_error(result, "refimpl backend only")
+def test_accel_backend_gives_the_refimpl_tokens():
+    """The CLI's accel path for vision (CPU, fp32) picks the refimpl's greedy tokens."""
+    pytest.importorskip("torch")
+    ids = {}
+    for backend in ("refimpl", "accel"):
+        extra = ["--device", "cpu", "--dtype", "fp32"] if backend == "accel" else []
+        result = run_cli(["generate", "a photo of", "--model", TOY, "--image", IMAGE, "--no-chat", "--json",
+                          "--max-new-tokens", "6", "--backend", backend, *extra])
+        assert result.exit_code == 0, result.output
+        ids[backend] = json.loads(result.stdout.strip().splitlines()[-1])["generated_ids"]
+    assert ids["accel"] == ids["refimpl"] and len(ids["refimpl"]) > 0
 
 
 def test_preprocessor_mismatching_the_encoder(tmp_path):

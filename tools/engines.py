@@ -110,23 +110,29 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
 def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None = None, quant=None):
     """An engine over an already loaded checkpoint (diff and step build two over one load). `quant`: a QuantSpec
     accel quantizes with on its device (a checkpoint already holding quantized records runs them as they are)."""
-    from refimpl.model.mllama_config import MllamaConfig
-    if isinstance(ckpt.config, MllamaConfig) and backend != "refimpl":
-        raise GenerationError(f"{ckpt.path}: Llama 3.2 Vision runs on the refimpl backend only for now; "
-                              f"pass --backend refimpl")
     if backend == "refimpl":
         if dtype not in (None, "fp32"):
             raise GenerationError(f"--dtype {dtype}: the refimpl backend computes in fp32 only")
         if device not in (None, "cpu"):
             raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")
-        if isinstance(ckpt.config, MllamaConfig):
+        if is_mllama(ckpt):
             from refimpl.generate_mllama import MllamaEngine
             return MllamaEngine(ckpt)
         from refimpl.generate import RefEngine
         return RefEngine(ckpt)
     try:
         from accel.engine import AccelEngine
+        from accel.vision.engine import MllamaAccelEngine
     except ImportError as e:
         raise GenerationError(f"--backend accel is not available here ({e}); it needs torch and triton: "
                               f"{ACCEL_HINT}") from None
+    if is_mllama(ckpt):
+        if quant is not None:
+            raise GenerationError("--quant runs on text models only for now; drop it for a Llama 3.2 Vision checkpoint")
+        return MllamaAccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
     return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, quant=quant)
+
+
+def is_mllama(ckpt) -> bool:
+    from refimpl.model.mllama_config import MllamaConfig
+    return isinstance(ckpt.config, MllamaConfig)

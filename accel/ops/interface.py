@@ -1,6 +1,9 @@
 """The op interface (`refimpl.model.interface`) on torch tensors, bf16 or fp32, any device; trace mode runs
 `refimpl.model.llama.forward_steps` over these.
 
+The vision ops (`layer_norm`, `gelu`, `encoder_attention`; refimpl.model.interface.VisionOps) are their torch
+versions on every device: trace mode runs the encoder once per image; the fast encoder (accel.vision.encoder)
+batches every tile of every image into torch's fused kernels instead.
 GEMMs stay on torch (`linear`, `lora_merge`): cuBLAS is at the roofline already. `rope_tables` and
 `cross_attention` are torch code on every device: tables are computed once per forward, and cross-attention runs
 once per image over a few thousand keys, where fp32 torch matmuls are exact and fast enough.
@@ -22,7 +25,8 @@ from ..kernels.rope import rope_fwd
 from ..kernels.swiglu import swiglu_fwd
 from .dispatch import rows, uses_triton
 from .fused import causal_attention, decode_attention
-from .torch_ops import add_lora, kv_write, torch_grouped_attention, torch_rms_norm, torch_rotate, torch_swiglu
+from .torch_ops import (add_lora, kv_write, torch_encoder_attention, torch_gelu, torch_grouped_attention, torch_layer_norm,
+                        torch_rms_norm, torch_rotate, torch_swiglu)
 
 
 def embedding(ids, table):
@@ -96,3 +100,17 @@ def lora_merge(weight, lora_a, lora_b, scale):
 def lora_linear(x, weight, lora_a, lora_b, scale):
     """The interface op: x [..., Din], weight [Dout, Din], lora_a [R, Din], lora_b [Dout, R] -> [..., Dout]."""
     return add_lora(F.linear(x, weight), x, lora_a, lora_b, scale)
+
+
+# ---- vision ops (refimpl.model.interface.VisionOps) ----
+
+def layer_norm(x, weight, bias, eps):
+    return torch_layer_norm(x, weight, bias, eps)
+
+
+def gelu(x):
+    return torch_gelu(x)
+
+
+def encoder_attention(q, k, v, mask=None):
+    return torch_encoder_attention(q, k, v, mask)

@@ -46,6 +46,24 @@ def torch_grouped_attention(q, k, v, visible):
     return out.permute(2, 0, 1, 3).reshape(T, H, E)  # [K, H/K, T, E] -> [T, H, E]
 
 
+def torch_layer_norm(x, weight, bias, eps):
+    """Reduced in fp32, cast back to x's dtype (what torch's fused LayerNorm kernels do internally)."""
+    out = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps)  # [..., U]
+    return out.to(x.dtype)
+
+
+def torch_gelu(x):
+    return F.gelu(x)  # approximate="none": the erf form, HF's ACT2FN["gelu"]
+
+
+def torch_encoder_attention(q, k, v, mask=None):
+    """q [L, H, E], k/v [L, K, E], mask [L, L] bool or None -> [L, H, E], scores and softmax in fp32."""
+    L, K = q.shape[0], k.shape[1]
+    visible = (torch.ones((L, L), dtype=torch.bool, device=q.device) if mask is None
+               else torch.as_tensor(mask).to(q.device, torch.bool))  # [L, L]
+    return torch_grouped_attention(q, k.transpose(0, 1), v.transpose(0, 1), visible).to(q.dtype)  # -> [K, L, E]
+
+
 def kv_write(k, v, cache_k, cache_v, positions):
     """k/v [T, K, E] into cache_k/cache_v [K, S, E] at `positions` [T] (in place, no host sync)."""
     idx = positions.long()

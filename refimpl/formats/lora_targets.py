@@ -63,7 +63,10 @@ class BoundedMatcher:
         compiled = self._compile(pattern, what)
         start = time.perf_counter()
         try:
-            return getattr(compiled, method)(text, timeout=max(MATCH_SECONDS - self.spent, 1e-3))
+            left = MATCH_SECONDS - self.spent
+            if left <= 0:  # the budget is shared by every match of the adapter: spent is spent
+                raise TimeoutError
+            return getattr(compiled, method)(text, timeout=left)
         except TimeoutError:
             raise CheckpointError(f"{self.path}: {what} {quote(shown)} took more than {MATCH_SECONDS:g} s to "
                                   f"match module names such as {quote(text)} (a pattern that backtracks "

@@ -92,7 +92,7 @@ class Ops(Protocol):
 
 @runtime_checkable
 class VisionOps(Protocol):
-    """The extra ops of the Llama 3.2 Vision encoder (accel: `accel.vision_ops`)."""
+    """The extra ops of the Llama 3.2 Vision encoder (accel: `accel.ops`, beside the text ops)."""
 
     def layer_norm(self, x: Array, weight: Array, bias: Array, eps: float) -> Array:
         """x [..., U], weight/bias [U] -> (x − mean) / sqrt(var + eps) · weight + bias, biased variance over the

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from refimpl.model import arrays
 from refimpl.model.llama import Steps, attention_block, emit, layer_params, mlp_block, mlp_branch, run_steps
 from refimpl.model.mllama_config import MllamaConfig, MllamaTextConfig
 from refimpl.vision.encoder import project, vision_steps
@@ -82,17 +83,17 @@ def cross_attention_block(ops, p: dict, x, cfg: MllamaTextConfig, i: int, cache:
         k = yield from emit(n + "xattn.k_norm", ops.rms_norm(k, p["cross_attn.k_norm.weight"], eps))
         v = ops.linear(states, p["cross_attn.v_proj.weight"]).reshape(N, K, E)  # [N, D] -> [N, K, E]
         v = yield from emit(n + "xattn.v", v)
-        cache.xk[i], cache.xv[i] = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [N, K, E] -> [K, N, E]
+        cache.xk[i], cache.xv[i] = arrays.permute(k, (1, 0, 2)), arrays.permute(v, (1, 0, 2))  # -> [K, N, E]
     # HF multiplies the additive mask by full_text_row_masked_out_mask: a token that may see no tile (text before
     # the first image) attends to every image token instead, and only its MLP branch is zeroed below.
     a = ops.cross_attention(q, cache.xk[i], cache.xv[i], visible | ~row_has_image[:, None])  # -> [T, H, E]
     a = yield from emit(n + "xattn.out", a)
     o = ops.linear(a.reshape(T, H * E), p["cross_attn.o_proj.weight"])  # [T, H·E] -> [T, D]
     o = yield from emit(n + "xattn.o_proj", o)
-    x = yield from emit(n + "resid_mid", x + np.tanh(p["cross_attn_attn_gate"]) * o)
+    x = yield from emit(n + "resid_mid", x + arrays.tanh(p["cross_attn_attn_gate"]) * o)
     down = yield from mlp_branch(ops, p, x, cfg, i)  # [T, D]
-    down = down * row_has_image[:, None].astype(down.dtype)  # full_text_row_masked_out_mask
-    return (yield from emit(n + "resid_post", x + np.tanh(p["cross_attn_mlp_gate"]) * down))
+    down = arrays.scale_rows(down, row_has_image)  # full_text_row_masked_out_mask
+    return (yield from emit(n + "resid_post", x + arrays.tanh(p["cross_attn_mlp_gate"]) * down))
 
 
 def cross_layer_params(params: dict, i: int) -> dict:

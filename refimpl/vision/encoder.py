@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from refimpl.model import arrays
 from refimpl.model.llama import Steps, emit
 from refimpl.model.mllama_config import VisionConfig
 
@@ -25,21 +26,21 @@ def unfold_patches(pixels, patch: int):
     I, A, C, X, _ = pixels.shape
     n = X // patch
     p = pixels.reshape(I, A, C, n, patch, n, patch)  # [I, A, C, X, X] -> [I, A, C, n, Z, n, Z]
-    p = p.transpose(0, 1, 3, 5, 2, 4, 6)  # -> [I, A, n, n, C, Z, Z]
+    p = arrays.permute(p, (0, 1, 3, 5, 2, 4, 6))  # -> [I, A, n, n, C, Z, Z]
     return p.reshape(I, A, n * n, C * patch * patch)  # -> [I, A, n², C·Z·Z]
 
 
 def aspect_ratio_embedding(p: dict, prefix: str, aspect_ratio_ids, A: int):
     """The gated per-tile vector of each image's aspect ratio: [I, A, 1, U] (broadcasts over a tile's tokens)."""
     table = p[prefix + "embedding.weight"]  # [R+1, A·U]
-    gate = np.tanh(p[prefix + "gate"])  # [1]
+    gate = arrays.tanh(p[prefix + "gate"])  # [1]
     return (table[aspect_ratio_ids] * gate).reshape(len(aspect_ratio_ids), A, 1, -1)  # [I, A·U] -> [I, A, 1, U]
 
 
 def position_embedding(p: dict, aspect_ratio_ids, A: int, P: int):
     """Gated mix of the shared per-token embedding and the per-(aspect ratio, tile, token) one: [I, A, P, U]."""
     pre = "vision_model.gated_positional_embedding."
-    gate = np.tanh(p[pre + "gate"])  # [1]
+    gate = arrays.tanh(p[pre + "gate"])  # [1]
     shared = (1 - gate) * p[pre + "embedding"]  # [P, U]
     tiles = p[pre + "tile_embedding.weight"][aspect_ratio_ids]  # [R+1, A·P·U][I] -> [I, A·P·U]
     return shared + gate * tiles.reshape(len(aspect_ratio_ids), A, P, -1)  # [P, U] + [I, A, P, U]
@@ -71,12 +72,14 @@ def encoder_layer(ops, p: dict, x, visible, cfg: VisionConfig, name: str, gated:
     k = yield from emit(name + "attn.k", k)
     v = ops.linear(h, p["self_attn.v_proj.weight"]).reshape(I, L, H, E)  # [I·L, U] -> [I, L, H, E]
     v = yield from emit(name + "attn.v", v)
-    a = np.stack([ops.encoder_attention(q[i], k[i], v[i], visible[i]) for i in range(I)])  # -> [I, L, H, E]
+    a = arrays.zeros(q, (I, L, H, E))
+    for i in range(I):  # attention stays within an image
+        a[i] = ops.encoder_attention(q[i], k[i], v[i], visible[i])  # [L, H, E]
     a = yield from emit(name + "attn.out", a)
     o = ops.linear(a.reshape(I * L, H * E), p["self_attn.o_proj.weight"])  # [I·L, H·E] -> [I·L, U]
     o = yield from emit(name + "attn.o_proj", o)
     if gated:
-        o = np.tanh(p["gate_attn"]) * o
+        o = arrays.tanh(p["gate_attn"]) * o
     x = yield from emit(name + "resid_mid", x + o)
     h = yield from emit(name + "mlp_norm", ops.layer_norm(x, p["post_attention_layernorm.weight"],
                                                           p["post_attention_layernorm.bias"], eps))
@@ -86,7 +89,7 @@ def encoder_layer(ops, p: dict, x, visible, cfg: VisionConfig, name: str, gated:
     down = ops.linear(act, p["mlp.fc2.weight"]) + p["mlp.fc2.bias"]  # [I·L, M] -> [I·L, U]
     down = yield from emit(name + "mlp.fc2", down)
     if gated:
-        down = np.tanh(p["gate_ffn"]) * down
+        down = arrays.tanh(p["gate_ffn"]) * down
     return (yield from emit(name + "resid_post", x + down))
 
 
@@ -109,14 +112,17 @@ def vision_steps(ops, params: dict, cfg: VisionConfig, pixel_values, aspect_rati
     pre_tile = aspect_ratio_embedding(params, pre + "pre_tile_positional_embedding.", aspect_ratio_ids, A)
     x = x + pre_tile  # [I, A, P-1, U] + [I, A, 1, U]
     x = yield from emit("vision.pre_tile", x)
-    cls = np.broadcast_to(params[pre + "class_embedding"], (I, A, 1, U))  # [U] -> [I, A, 1, U]
-    x = np.concatenate([cls, x], axis=2)  # -> [I, A, P, U]
+    tokens = arrays.zeros(x, (I, A, P, U))
+    tokens[:, :, 0] = params[pre + "class_embedding"]  # the class token first: [U] -> [I, A, 1, U]
+    tokens[:, :, 1:] = x
+    x = tokens  # [I, A, P, U]
     x = yield from emit("vision.pos_embed", x + position_embedding(params, aspect_ratio_ids, A, P))
     x = ops.layer_norm(x, params[pre + "layernorm_pre.weight"], params[pre + "layernorm_pre.bias"],
                        PRE_POST_NORM_EPS)
     x = yield from emit("vision.layernorm_pre", x)  # [I, A, P, U]
-    x = np.concatenate([x, np.zeros((I, A, Q - P, U), x.dtype)], axis=2)  # zero padding -> [I, A, Q, U]
-    x = x.reshape(I * L, U)  # -> [I·L, U]
+    padded = arrays.zeros(x, (I, A, Q, U))
+    padded[:, :, :P] = x  # zero padding: [I, A, P, U] -> [I, A, Q, U]
+    x = padded.reshape(I * L, U)  # -> [I·L, U]
     visible = padding_mask(np.asarray(aspect_ratio_mask), P, Q)  # [I, L, L]
 
     kept = []
@@ -138,9 +144,14 @@ def vision_steps(ops, params: dict, cfg: VisionConfig, pixel_values, aspect_rati
     final = x.reshape(I, A, Q, U)[:, :, :P]  # drop the padding: [I·L, U] -> [I, A, P, U]
     # Stacked on a new last axis, then flattened: feature d·J + l is feature d of intermediate layer l
     # (interleaved, not concatenated layer after layer).
-    inter = np.stack([kept[i] for i in cfg.intermediate_layers_indices], axis=-1)  # J × [I·L, U] -> [I·L, U, J]
+    layers = cfg.intermediate_layers_indices
+    inter = arrays.zeros(x, (I * L, U, len(layers)))
+    for j, i in enumerate(layers):
+        inter[:, :, j] = kept[i]  # J × [I·L, U] -> [I·L, U, J]
     inter = inter.reshape(I, A, Q, -1)[:, :, :P]  # -> [I, A, P, U·J]
-    return (yield from emit("vision.out", np.concatenate([final, inter], axis=-1)))  # -> [I, A, P, O]
+    out = arrays.zeros(x, (I, A, P, U * (1 + len(layers))))
+    out[..., :U], out[..., U:] = final, inter  # -> [I, A, P, O]
+    return (yield from emit("vision.out", out))
 
 
 def project(ops, params: dict, features) -> Steps:

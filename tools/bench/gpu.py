@@ -45,17 +45,24 @@ def decode_rate(engine: AccelEngine, prompt_len: int = 32, new_tokens: int = 256
     the new_tokens - 1 graph replays (+ argmax each), after a 32-token prefill outside the timed region."""
     prompt = prompt_ids(engine.config, prompt_len)
     sess = engine.session(prompt_len + new_tokens)
+    ms, tokens = timed_greedy(engine, sess, lambda: engine.prefill(prompt, sess), prompt_len, new_tokens, reps)
+    return (new_tokens - 1) / (ms * 1e-3), prompt, tokens.tolist()
+
+
+def timed_greedy(engine, sess, prefill, start: int, new_tokens: int, reps: int = 3):
+    """(median ms of the new_tokens - 1 greedy graph replays after `prefill()`'s logits, the tokens); the first
+    of reps + 1 runs is the warm-up (graph capture)."""
     times, tokens = [], None
-    for r in range(reps + 1):  # the first run is the warm-up
-        logits = engine.prefill(prompt, sess)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        tokens = engine.decode_greedy(sess, logits, prompt_len, new_tokens)
+    for r in range(reps + 1):
+        logits = prefill()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        tokens = engine.decode_greedy(sess, logits, start, new_tokens)
         end.record()
         end.synchronize()
         if r:
-            times.append(start.elapsed_time(end))
-    return (new_tokens - 1) / (statistics.median(times) * 1e-3), prompt, tokens.tolist()
+            times.append(begin.elapsed_time(end))
+    return statistics.median(times), tokens
 
 
 def prefill_ms(engine: AccelEngine, tokens: int = 2048) -> tuple[float, float]:

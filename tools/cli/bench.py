@@ -17,6 +17,7 @@ from refimpl.errors import GenerationError
 from tools.cli.params import Count, UserPath
 
 MODELS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
+VISION_MODELS = ("11b-vision", "90b-vision")  # 11b: measured; 90b: its memory need against this GPU
 
 
 def _fmt(x, spec=".1f"):
@@ -53,11 +54,29 @@ def render(result: dict) -> str:
         for a in result["decode_attention"]:
             lines.append(f"{'context %d' % a['context']:<34}{a['triton_us']:>10.1f}{a['sdpa_us']:>9.1f}"
                          f"{a['triton_tb_s']:>12.2f}{a['rel_err_vs_sdpa']:>17.1e}")
+    if result.get("vision"):
+        lines += ["", f"{'vision model':<14}{'encode ms':>10}{'x GEMM':>8}{'prefill ms':>11}{'decode tok/s':>13}"
+                      f"{'roofline':>10}{'% roof':>8}{'HF tok/s':>10}{'x HF':>7}{'peak GB':>9}"]
+        for r in result["vision"]:
+            lines.append(f"{r['model']:<14}{r['encode_ms']:>10.1f}{_fmt(r.get('encode_over_gemm_time'), '.2f'):>8}"
+                         f"{r['prefill_ms']:>11.1f}{r['decode_tok_s']:>13.1f}{_fmt(r.get('roofline_tok_s')):>10}"
+                         f"{_fmt(r.get('roofline_pct')):>8}{_fmt(r.get('hf_decode_tok_s')):>10}"
+                         f"{_fmt(r.get('speedup_vs_hf')):>7}{r['peak_gpu_mem_gb']:>9.2f}")
+        r = result["vision"][0]
+        lines.append(f"(encode: {r['tiles']} tiles of one image, encoder + projector + the image K/V of every cross "
+                     f"layer; x GEMM: that time over its {r['encode_tflop']:.1f} TFLOP at the bf16 GEMM rate; prefill: "
+                     f"{r['prompt_tokens']} tokens with the image in the cache; decode: {r['new_tokens']} greedy "
+                     f"tokens, one CUDA graph a step; HF: eager generate, its encode and prefill subtracted)")
+    for f in result.get("vision_memory", []):
+        lines.append(f"{f['model']}: bf16 weights {f['weights_gb']:.1f} GB + KV for {f['context']} positions "
+                     f"{f['kv_gb']:.2f} GB + image K/V {f['image_kv_gb']:.2f} GB = {f['total_gb']:.1f} GB; this GPU "
+                     f"has {f['gpu_gb']:.1f} GB: {'fits on one GPU' if f['fits_one_gpu'] else 'does NOT fit on one GPU'}")
     return "\n".join(lines)
 
 
 @click.command()
-@click.option("--models", default="1b,3b", show_default=True, help="Comma-separated: 1b, 3b (empty: none).")
+@click.option("--models", default="1b,3b", show_default=True,
+              help="Comma-separated: 1b, 3b, 11b-vision, 90b-vision (empty: none).")
 @click.option("--skip-hf", is_flag=True, help="Skip HF transformers' eager generate.")
 @click.option("--skip-attention", is_flag=True, help="Skip the attention micro-benchmarks.")
 @click.option("--new-tokens", default=256, show_default=True, type=Count(1), help="Decode tokens timed.")
@@ -79,9 +98,10 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
     if not torch.cuda.is_available():
         raise GenerationError("llama32 bench needs a CUDA GPU (torch.cuda.is_available() is False here)")
     chosen = [m.strip() for m in models.split(",") if m.strip()]
-    unknown = [m for m in chosen if m not in MODELS]
+    unknown = [m for m in chosen if m not in MODELS and m not in VISION_MODELS]
     if unknown:
-        raise GenerationError(f"--models: unknown model {unknown[0]!r} (expected a list of {', '.join(MODELS)})")
+        raise GenerationError(f"--models: unknown model {unknown[0]!r} (expected a list of "
+                              f"{', '.join([*MODELS, *VISION_MODELS])})")
     with_hf = not skip_hf and importlib.util.find_spec("transformers") is not None
     result = {"device": torch.cuda.get_device_name(device),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -95,7 +115,7 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
     if train:
         from tools.bench.train import render as render_train, train_bench
         result["train"] = []
-        for m in chosen:
+        for m in [m for m in chosen if m in MODELS]:
             click.echo(f"benchmarking LoRA training, {MODELS[m]} ...", err=True)
             result["train"].append(train_bench(MODELS[m], PRESETS[MODELS[m]], device, with_hf,
                                                seq=prefill_tokens))
@@ -103,7 +123,14 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
         if json_out:
             Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
         return
-    for m in chosen:
+    for m in [m for m in chosen if m in VISION_MODELS]:
+        from tools.bench import vision
+        if m == "11b-vision":
+            click.echo(f"benchmarking {m} ...", err=True)
+            result.setdefault("vision", []).append(vision.vision_bench(
+                m, device, with_hf, copy_tb_s=result["copy_tb_s"], gemm_tflop_s=result["gemm_tflop_s"]))
+        result.setdefault("vision_memory", []).append(vision.fits_report(m, device))
+    for m in [m for m in chosen if m in MODELS]:
         if profile:
             click.echo(f"per-kernel device time of 10 eager decode steps, {MODELS[m]}:\n"
                        + b.profile_decode(PRESETS[MODELS[m]], device))

@@ -1,0 +1,149 @@
+"""MllamaAccelEngine: Llama 3.2 Vision on accel, with refimpl.generate_mllama.MllamaEngine's contract.
+
+    fast   the encoder with every tile batched (accel.vision.encoder), the image keys/values of every cross layer
+           computed once per request into static buffers, then accel.vision.mllama's prefill and decode step; the
+           decode step (cross layers included) replays one CUDA graph per token, as the text engine's does;
+    trace  `steps()`: refimpl.model.mllama.forward_steps over accel.ops with torch tensors, yielding every
+           activation by the one name scheme (golden check, diff, step --backend both).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from refimpl.errors import GenerationError
+from refimpl.formats.params import Checkpoint
+from refimpl.generate import Sampling, check_prompt
+from refimpl.generate_mllama import check_images
+from refimpl.model import ops as np_ops
+from refimpl.model.mllama import forward_steps
+from refimpl.model.mllama_config import MllamaConfig
+from refimpl.vision.inputs import ImageInputs
+
+from .. import model as text_fast
+from .. import ops
+from ..engine import AccelEngine, Decoder, Session, check_fits, resolve_device, resolve_dtype
+from ..kernels.tuning import DEFAULT, Tuning
+from ..weights import DTYPES
+from . import encoder, mllama
+from .mllama import MllamaStaticCache
+from .weights import MllamaWeights, load_mllama_weights
+
+
+class MllamaAccelEngine(AccelEngine):
+    def __init__(self, config: MllamaConfig, weights: MllamaWeights, device: torch.device, dtype: str,
+                 use_graph: bool | None = None, use_triton: bool | None = None, tuning: Tuning = DEFAULT):
+        self.config, self.weights, self.device, self.dtype_name = config, weights, device, dtype
+        self.dtype = DTYPES[dtype]
+        self.use_graph = device.type == "cuda" if use_graph is None else use_graph
+        self.triton = ops.triton_available(device) if use_triton is None else use_triton
+        self.tuning = tuning
+        self.params = weights.params
+        self._session: Session | None = None
+        self._session_images = 0  # N of the session's image buffers (0: none)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, device: str | None = None, dtype: str | None = None,
+                        **options) -> "MllamaAccelEngine":
+        dev = resolve_device(device)
+        dtype = resolve_dtype(dtype, dev)
+        size = sum(a.size for a in ckpt.params.values()) * DTYPES[dtype].itemsize
+        check_fits(dev, size, f"the weights of {ckpt.path} in {dtype}")
+        return cls(ckpt.config, load_mllama_weights(ckpt.params, ckpt.config, dev, DTYPES[dtype]), dev, dtype,
+                   **options)
+
+    # ---- the engine contract ----
+    def new_cache(self, capacity: int, image_tokens: int = 0) -> MllamaStaticCache:
+        """Self-attention caches for `capacity` positions; image buffers for `image_tokens` (fast path only:
+        trace mode keeps each image's keys/values as its own tensors)."""
+        t = self.config.text
+        if not 0 < capacity <= t.max_position_embeddings:
+            raise GenerationError(f"cache capacity {capacity} is outside [1, {t.max_position_embeddings}] "
+                                  f"(the model's max_position_embeddings)")
+        K, E, size = t.num_key_value_heads, t.head_dim, self.dtype.itemsize
+        Ls, C = len(self.weights.self_layers), len(t.cross_attention_layers)
+        need = 2 * (Ls * capacity + C * image_tokens) * K * E * size
+        check_fits(self.device, need, f"a KV cache of {capacity} positions and {image_tokens} image tokens")
+        k_all = torch.zeros((Ls, K, capacity, E), dtype=self.dtype, device=self.device)  # [Ls, K, S, E]
+        v_all = torch.zeros_like(k_all)
+        cos, sin = np_ops.rope_tables(np.arange(capacity), E, t.rope_theta, t.rope_scaling)
+        tables = text_fast.RopeTables(torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device))
+        k = dict(zip(self.weights.self_layers, k_all.unbind(0)))
+        v = dict(zip(self.weights.self_layers, v_all.unbind(0)))
+        cache = MllamaStaticCache(k, v, capacity, k_all=k_all, v_all=v_all, tables=tables)
+        if image_tokens:
+            cache.xk_all = torch.zeros((C, K, image_tokens, E), dtype=self.dtype, device=self.device)
+            cache.xv_all = torch.zeros_like(cache.xk_all)
+            cache.xk = dict(zip(t.cross_attention_layers, cache.xk_all.unbind(0)))
+            cache.xv = dict(zip(t.cross_attention_layers, cache.xv_all.unbind(0)))
+            cache.decode_visible = torch.ones(image_tokens, dtype=torch.bool, device=self.device)
+            cache.decode_has_image = torch.ones((1, 1), dtype=self.dtype, device=self.device)
+        return cache
+
+    def _device_images(self, images: ImageInputs) -> ImageInputs:
+        """The pixels and aspect-ratio ids as device tensors (kept if they are already); the masks stay host
+        arrays (they build masks)."""
+        return dataclasses.replace(images, pixel_values=torch.as_tensor(images.pixel_values).to(self.device, self.dtype),
+                                   aspect_ratio_ids=torch.as_tensor(images.aspect_ratio_ids).to(self.device))
+
+    def steps(self, ids, positions, cache: MllamaStaticCache, last_logits_only: bool = False,
+              images: ImageInputs | None = None):
+        """Trace mode: refimpl's Mllama forward over accel.ops, yielding (name, torch tensor)."""
+        ids = torch.as_tensor(np.asarray(ids, np.int64), device=self.device)
+        positions = torch.as_tensor(np.asarray(positions, np.int64))  # host: the cross-attention rows index by it
+        images = None if images is None else self._device_images(images)
+        return forward_steps(ops, self.params, self.config, ids, positions, cache, images, last_logits_only)
+
+    def check_prompt(self, prompt_ids: list[int], s: Sampling, images: ImageInputs | None = None) -> None:
+        cfg = self.config
+        check_prompt(prompt_ids, cfg.text.embedding_rows, s.max_new_tokens, cfg.max_position_embeddings)
+        check_images(prompt_ids, cfg.image_token_index, images)
+
+    # ---- the fast path ----
+    def image_tokens(self, images: ImageInputs | None) -> int:
+        return 0 if images is None else images.num_images * self.config.vision.max_num_tiles * \
+            self.config.vision.tokens_per_tile
+
+    def session(self, capacity: int, image_tokens: int = 0) -> Session:
+        """A cache of at least `capacity` slots with exactly `image_tokens` image slots, and its decoder."""
+        s = self._session
+        if s is None or s.capacity < capacity or self._session_images != image_tokens:
+            self._session = None  # free the old cache and graph first
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            cache = self.new_cache(capacity, image_tokens)
+            cache.image_tokens = image_tokens  # the decode step's schedule: cross layers only with an image
+            w, cfg, tuning = self.weights, self.config, self.tuning
+
+            def step_fn(token, position):
+                return mllama.decode_step(w, cfg, token, position, cache, tuning)
+            self._session = Session(cache, Decoder(self, cache, self.use_graph, step_fn))
+            self._session_images = image_tokens
+        return self._session
+
+    def encode_images(self, images: ImageInputs, cache: MllamaStaticCache) -> None:
+        """Encoder + projector + every cross layer's image keys/values, into the cache's image buffers."""
+        im = self._device_images(images)
+        with ops.torch_only(not self.triton):
+            features = encoder.encode(self.params, self.config.vision, im.pixel_values, im.aspect_ratio_ids,
+                                      images.aspect_ratio_mask)  # [I, A, P, O]
+            mllama.write_image_kv(self.weights, self.config, encoder.project(self.params, features), cache)
+        cache.cross_mask = images.cross_attention_mask
+
+    def prefill(self, prompt_ids, sess: Session, images: ImageInputs | None = None) -> torch.Tensor:
+        """Encode the images (if any), then the prompt at positions 0..T-1 -> next-token logits [1, V]."""
+        ids = torch.as_tensor(prompt_ids, dtype=torch.int64, device=self.device)
+        cache = sess.cache
+        if images is not None:
+            self.encode_images(images, cache)
+        with ops.torch_only(not self.triton):
+            return mllama.prefill(self.weights, self.config, ids, cache)
+
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(),
+                 images: ImageInputs | None = None) -> Iterator[int]:
+        self.check_prompt(prompt_ids, s, images)
+        sess = self.session(len(prompt_ids) + s.max_new_tokens, self.image_tokens(images))
+        yield from self._sample_loop(sess, self.prefill(prompt_ids, sess, images), prompt_ids, s, stop_ids)

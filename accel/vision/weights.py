@@ -1,0 +1,105 @@
+"""Llama 3.2 Vision weights on the device.
+
+The text decoder's self-attention layers, embedding, final norm and lm_head go through accel.weights (fused qkv and
+gate_up, rearranged once at load); everything else (vision encoder, projector, cross-attention layers) stays one
+tensor per checkpoint name. `params` gives every tensor by its checkpoint name (views of the fused ones), for
+trace mode, which runs refimpl.model.mllama.forward_steps over accel.ops.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from refimpl.model.mllama import LM_HEAD, TEXT
+from refimpl.model.mllama_config import MllamaConfig
+
+from ..weights import Weights, _to_device, load_weights, params_view, random_weights
+
+
+@dataclass
+class MllamaWeights:
+    text: Weights  # the self-attention layers only, in order (text.layers[j] is self_layers[j])
+    self_layers: list[int]  # their indices in the decoder
+    params: dict[str, torch.Tensor]  # every tensor by its checkpoint name
+
+    def nbytes_per_token(self, cfg: MllamaConfig) -> int:
+        """Bytes of weights a decode step with an image in context reads: the text model's self layers,
+        lm_head and norms, plus every cross layer's q/o/MLP matrices (their k/v act once per image)."""
+        n = self.text.nbytes_per_token()
+        for i in cfg.text.cross_attention_layers:
+            for key in ("input_layernorm.weight", "cross_attn.q_proj.weight", "cross_attn.o_proj.weight",
+                        "cross_attn.q_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                        "mlp.up_proj.weight", "mlp.down_proj.weight"):
+                t = self.params[f"{TEXT}layers.{i}.{key}"]
+                n += t.numel() * t.element_size()
+        return n
+
+    def nbytes(self) -> int:
+        seen, n = set(), 0
+        for t in self.params.values():
+            base = t.untyped_storage().data_ptr()
+            if base not in seen:
+                seen.add(base)
+                n += t.untyped_storage().nbytes()
+        return n
+
+
+def self_layer_config(cfg: MllamaConfig):
+    """The text config restricted to its self-attention layers, as accel.weights and accel.model read it."""
+    t = cfg.text
+    n = t.num_hidden_layers - len(t.cross_attention_layers)
+    return dataclasses.replace(t, num_hidden_layers=n, cross_attention_layers=())
+
+
+def _text_renames(cfg: MllamaConfig) -> tuple[list[int], dict[str, str]]:
+    """(self layer indices, accel.weights name -> checkpoint name) for the text decoder's fused part."""
+    self_layers = [i for i in range(cfg.text.num_hidden_layers) if i not in cfg.text.cross_attention_layers]
+    names = {"model.embed_tokens.weight": TEXT + "embed_tokens.weight", "model.norm.weight": TEXT + "norm.weight",
+             "lm_head.weight": LM_HEAD}
+    for j, i in enumerate(self_layers):
+        for key in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            names[f"model.layers.{j}.{key}"] = f"{TEXT}layers.{i}.{key}"
+    return self_layers, names
+
+
+def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device, dtype: torch.dtype) -> MllamaWeights:
+    """float32 NumPy params keyed by the Hub's names -> device tensors in `dtype`, one at a time."""
+    self_layers, names = _text_renames(cfg)
+    sub = self_layer_config(cfg)
+    text = load_weights({short: params[full] for short, full in names.items()}, sub, device, dtype)
+    out = {names[short]: t for short, t in params_view(text, sub).items()}
+    for name, array in params.items():
+        if name not in out:
+            out[name] = _to_device(array, device, dtype)
+    return MllamaWeights(text, self_layers, out)
+
+
+def random_mllama_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes: dict, seed: int = 0,
+                          std: float = 0.02) -> MllamaWeights:
+    """Random weights built on the device at the given checkpoint shapes (the benchmark's real-size model):
+    norms 1 + N(0, 0.1²), gates 0.5, matrices/embeddings/biases N(0, std²)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+
+    def draw(name, shape):
+        x = torch.randn(shape, device=device, dtype=torch.float32, generator=g)
+        if "gate" in name and "proj" not in name and len(shape) == 1 and shape[0] == 1:
+            return torch.full(shape, 0.5, device=device, dtype=dtype)
+        if "norm" in name and name.endswith("weight"):
+            return (1 + 0.1 * x).to(dtype)
+        return (std * x).to(dtype)
+
+    self_layers, names = _text_renames(cfg)
+    sub = self_layer_config(cfg)
+    text = random_weights(sub, device, dtype, seed=seed, std=std)
+    text.embed = draw("embed", shapes[TEXT + "embed_tokens.weight"])  # [V + 8, D]: the image token rows too
+    out = {names[short]: t for short, t in params_view(text, sub).items()}
+    for name, shape in shapes.items():
+        if name not in out:
+            out[name] = draw(name, shape)
+    return MllamaWeights(text, self_layers, out)
