@@ -24,7 +24,7 @@ from refimpl.quant.formats import QuantizedLinear, QuantSpec, pack_nibbles
 from refimpl.quant.gguf_blocks import block_fields
 
 from . import ops
-from .ops.torch_ops import torch_linear_add, torch_norm_linear, torch_swiglu_linear_add
+from .ops.torch_ops import torch_linear_add, torch_norm_linear, torch_swiglu_linear_add, unfused_qkv_rope
 
 
 @dataclass(eq=False)
@@ -185,15 +185,9 @@ def quant_swiglu_linear_add(gate_up, w: QuantTensor, residual):
 
 def quant_qkv_rope(x, norm_weight, w: QuantTensor, eps, cos, sin, position, cache_k, cache_v):
     """ops.qkv_rope for a quantized weight, unfused: the quantized GEMV with the norm prologue, then
-    ops.rope_kv_write at the position's rows of the cos/sin tables [S, E/2]."""
-    K, _, E = cache_k.shape
-    H = w.shape[0] // E - 2 * K
-    qkv = quant_norm_linear(x, norm_weight, w, eps)  # [1, D] -> [1, (H+2K)·E]
-    q = qkv[:, : H * E].view(1, H, E)
-    k = qkv[:, H * E: (H + K) * E].view(1, K, E)
-    v = qkv[:, (H + K) * E:].view(1, K, E)
-    cos, sin = cos.index_select(0, position), sin.index_select(0, position)  # [S, E/2] -> [1, E/2]
-    return ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, position)  # k_rot, v -> cache; q_rot
+    ops.rope_kv_write."""
+    return unfused_qkv_rope(quant_norm_linear, ops.rope_kv_write, x, norm_weight, w, eps, cos, sin, position,
+                            cache_k, cache_v)
 
 
 # ---------------------------------------------------------------- loading

@@ -116,16 +116,22 @@ def torch_swiglu_linear_add(gate_up, weight, residual):
     return residual.add_(F.linear(torch_swiglu_gate_up(gate_up), weight))
 
 
-def torch_qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v):
-    """norm -> qkv -> rope -> cache write as the unfused ops; the position's cos/sin rows gathered on the device."""
+def unfused_qkv_rope(norm_linear, rope_kv_write, x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v):
+    """norm -> qkv -> rope -> cache write as two ops (`norm_linear`, then `rope_kv_write` at the position's
+    cos/sin rows, gathered on the device): the torch path, and the quantized weights' path."""
     K, _, E = cache_k.shape
     H = weight.shape[0] // E - 2 * K
-    qkv = torch_norm_linear(x, norm_weight, weight, eps)  # [1, D] -> [1, (H+2K)·E]
+    qkv = norm_linear(x, norm_weight, weight, eps)  # [1, D] -> [1, (H+2K)·E]
     q = qkv[:, : H * E].view(1, H, E)
     k = qkv[:, H * E: (H + K) * E].view(1, K, E)
     v = qkv[:, (H + K) * E:].view(1, K, E)
     cos1, sin1 = cos.index_select(0, position), sin.index_select(0, position)  # [S, E/2] -> [1, E/2]
-    return torch_rope_kv_write(q, k, v, cos1, sin1, cache_k, cache_v, position)
+    return rope_kv_write(q, k, v, cos1, sin1, cache_k, cache_v, position)  # k_rot, v -> cache; q_rot
+
+
+def torch_qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v):
+    return unfused_qkv_rope(torch_norm_linear, torch_rope_kv_write, x, norm_weight, weight, eps, cos, sin, position,
+                            cache_k, cache_v)
 
 
 @functools.lru_cache(maxsize=16)
