@@ -54,9 +54,6 @@ def check(backend, dtype, device, golden_dir, filters, isolate, verbose):
     failed = False
     dirs = find_golden_dirs(golden_dir)
     for model_dir in dirs:
-        if is_vision_golden(model_dir) and backend != "refimpl" and len(dirs) > 1:  # alone: engine_for says why
-            click.echo(f"== {model_dir}: skipped, Llama 3.2 Vision runs on the refimpl backend only for now")
-            continue
         if is_vision_golden(model_dir):  # the record carries its image and prompt
             rec, ckpt = load_vision_golden(model_dir), load_checkpoint(model_dir)
             rows, used = check_vision_golden(rec, ckpt, engine_for(ckpt, backend, device, dtype), dtype,
