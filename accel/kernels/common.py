@@ -88,3 +88,24 @@ def split_scratch(device: torch.device, partials: int, counters: int) -> tuple[t
         c = torch.zeros(max(counters, 1 << 13), dtype=torch.int32, device=device)
         _SCRATCH[device] = (p, c)
     return p, c
+
+
+@triton.jit
+def split_k_epilogue(part, P, CNT, R, Y, rows, N, s, b, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """part [BLOCK_N] fp32, the product over K slice `s` of row block `b`. SPLIT_K == 1: the epilogue at once. Else
+    the partial goes to P; the row block's last program to arrive sums the slices in slice order (deterministic) and
+    runs the epilogue, then resets its counter in CNT for the next launch."""
+    if SPLIT_K == 1:
+        epilogue(part, R, Y, rows, N, HAS_RESIDUAL)
+    else:
+        tl.store(P + s * N + rows, part, mask=rows < N)
+        # the CTA barrier orders every thread's partial stores before the one acq_rel add (a scalar atomic, one
+        # thread): the last program to arrive has acquired all partials (the pattern of accel/kernels/decode_attn)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT + b, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            acc = tl.zeros_like(part)
+            for j in range(0, SPLIT_K):
+                acc += tl.load(P + j * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
+            epilogue(acc, R, Y, rows, N, HAS_RESIDUAL)
+            tl.store(CNT + b, 0)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import tuning
 from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, prologue_fx, rms_rstd, row_tile,
-                     sm_count, split_scratch)
+                     sm_count, split_k_epilogue, split_scratch)
 from .tuning import GemvConfig
 
 
@@ -59,20 +59,7 @@ def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl
     if PROLOGUE == 1:
         rstd = rms_rstd(X, K, eps, K_POW2)
     part = _dot_tile(w, X, NW, k0, cols, K, rstd, PROLOGUE, EVEN_K)  # [BLOCK_N]
-    if SPLIT_K == 1:
-        epilogue(part, R, Y, rows, N, HAS_RESIDUAL)
-    else:
-        tl.store(P + s * N + rows, part, mask=rows < N)
-        # the CTA barrier orders every thread's partial stores before the one acq_rel add (a scalar atomic, one
-        # thread): the last program to arrive has acquired all partials (the pattern of accel/kernels/decode_attn)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(CNT + b, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in range(0, SPLIT_K):
-                acc += tl.load(P + j * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
-            epilogue(acc, R, Y, rows, N, HAS_RESIDUAL)
-            tl.store(CNT + b, 0)  # every program of this row block has arrived: ready for the next launch
+    split_k_epilogue(part, P, CNT, R, Y, rows, N, s, b, SPLIT_K, HAS_RESIDUAL)
 
 
 @triton.jit

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, prologue_fx, rms_rstd,
-                     sm_count, split_scratch)
+from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, prologue_fx, rms_rstd, sm_count,
+                     split_k_epilogue, split_scratch)
 
 
 @triton.jit
@@ -107,18 +107,7 @@ def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, ep
                       HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K)
     if PER_ROW:
         acc *= tl.load(S + rows_c * stride_s).to(tl.float32)
-    if SPLIT_K == 1:
-        epilogue(acc, R, Y, rows, N, HAS_RESIDUAL)
-    else:
-        tl.store(P + sp * N + rows, acc, mask=rows < N)
-        tl.debug_barrier()  # every thread's partial stored before the one acq_rel ticket (gemv.py's split kernel)
-        ticket = tl.atomic_add(CNT + b, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for i in range(0, SPLIT_K):
-                total += tl.load(P + i * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
-            epilogue(total, R, Y, rows, N, HAS_RESIDUAL)
-            tl.store(CNT + b, 0)
+    split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
 
 
 @triton.jit
