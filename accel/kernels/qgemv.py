@@ -1,4 +1,4 @@
-"""Weight-only quantized matrix-vector product (the decode step) and dequantization (the prefill) in Triton.
+"""Weight-only quantized matrix-vector product (the decode step) in Triton (the prefill's: accel/kernels/qdequant.py).
 
 A quantized matrix W [N, K] arrives as (accel.quant_ops.QuantTensor):
     Q  int8 [N, K] (BITS 8) or uint8 [N, K/2] (BITS 4: byte j = code 2j | code 2j+1 << 4)
@@ -110,29 +110,6 @@ def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, ep
     split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
 
 
-@triton.jit
-def _dequant_kernel(Q, S, M, Y, N, K, stride_q, stride_s, stride_y, BITS: tl.constexpr, OFFSET: tl.constexpr,
-                    GROUP: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y[rows, cols] = (Q − OFFSET) · S (+ M), computed in fp32 and rounded once to Y's dtype."""
-    PACK: tl.constexpr = 8 // BITS
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    j = tl.arange(0, BLOCK_K // PACK)
-    kb0 = tl.program_id(1) * (BLOCK_K // PACK)  # in bytes, as the GEMV indexes
-    k0 = kb0 * PACK
-    rows64 = rows.to(tl.int64)
-    inside = (rows < N)[:, None] & (kb0 + j < (K + PACK - 1) // PACK)[None, :]
-    byte = tl.load(Q + rows64[:, None] * stride_q + kb0 + j[None, :], mask=inside, other=0)
-    for half in tl.static_range(PACK):
-        code = _codes(byte, half, BITS, OFFSET)
-        cols = k0 + j * PACK + half
-        g = cols // GROUP
-        s = tl.load(S + rows64[:, None] * stride_s + g[None, :], mask=inside, other=0.0).to(tl.float32)
-        w = code * s
-        if HAS_MIN:
-            w += tl.load(M + rows64[:, None] * stride_s + g[None, :], mask=inside, other=0.0).to(tl.float32)
-        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], w.to(Y.dtype.element_ty), mask=inside)
-
-
 class QGemvConfig(NamedTuple):
     block_n: int
     block_k: int
@@ -190,13 +167,3 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
-
-def dequantize_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
-                   group: int, K: int, out: torch.Tensor) -> torch.Tensor:
-    """out [N, K] (any float dtype, rows contiguous) = the dequantized W, each value rounded once."""
-    N = q.shape[0]
-    bn, bk = (32, 256) if q.is_cuda else (min(32, triton.next_power_of_2(N)), min(256, triton.next_power_of_2(K)))
-    _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
-        q, scale, low if low is not None else scale, out, N, K, q.stride(0), scale.stride(0), out.stride(0),
-        BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
-    return out

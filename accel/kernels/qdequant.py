@@ -1,0 +1,174 @@
+"""Quantized weights for the prefill, in Triton: dequantize a whole matrix, or multiply by it dequantized in registers.
+
+The quantized layout is accel/kernels/qgemv.py's (codes, a scale per GROUP columns, optional minimum, optional code
+offset): W[n, k] = (Q[n, k] − OFFSET) · S[n, k // GROUP] (+ M[n, k // GROUP]), computed in fp32. Every product
+code · scale is exact in fp32, so a fused multiply-add gives the same bits as the oracle's multiply then add.
+
+    dequantize   Y [N, K] = W, rounded once to Y's dtype: a program owns a [BLOCK_N, BLOCK_K] tile; 4-bit codes
+                 are split into their two nibble planes and interleaved back (tl.join) so that the tile is stored
+                 contiguously, and the scales (minima) are loaded once a group and broadcast over it.
+    qgemm        Y [M, N] = X [M, K] @ W^T, W dequantized tile by tile in registers, rounded to X's dtype (the
+                 values the dequantized scratch would hold), then tl.dot with fp32 accumulation. The product is
+                 computed transposed, W_tile @ X_tile^T, so that the in-register operand is the dot's first one
+                 (Hopper's wgmma reads only its first operand from registers; the second comes from shared memory).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .flash_attn import dot_precision
+from .qgemv import _code_value
+
+
+@triton.jit
+def _dequant_tile(Q, S, MN, rows_c, k0, K, KB, stride_q, stride_s, n_groups, BITS: tl.constexpr,
+                  OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[rows_c, k0 : k0 + BLOCK_K] in fp32 ([BLOCK_N, BLOCK_K]; columns past K hold finite junk, never stored).
+    rows_c: int64 row indices, already clamped inside the matrix; KB: bytes a row. k0 % BLOCK_K == 0,
+    BLOCK_K % GROUP == 0 unless PER_ROW. Masks are in bytes (j < KB, not 2j < K) so that the launcher's divisibility
+    hints on KB keep the code loads 16-byte vectors."""
+    if BITS == 8:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        byte = tl.load(Q + rows_c[:, None] * stride_q + cols[None, :], mask=cols[None, :] < K, other=0)
+        code = _code_value(byte.to(tl.int32) + 128, OFFSET + 128)  # signed: shifted into [0, 255]
+    else:
+        HALF: tl.constexpr = BLOCK_K // 2
+        j = k0 // 2 + tl.arange(0, HALF)  # byte columns: byte j holds columns 2j (low nibble) and 2j + 1
+        byte = tl.load(Q + rows_c[:, None] * stride_q + j[None, :], mask=j[None, :] < KB, other=0).to(tl.int32)
+        lo = _code_value(byte & 15, OFFSET)
+        hi = _code_value(byte >> 4, OFFSET)
+        code = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # [BN, HALF, 2] -> [BN, BK]: columns in order
+    if PER_ROW:
+        s = tl.load(S + rows_c * stride_s).to(tl.float32)  # [BN]
+        w = code * s[:, None]
+    else:
+        GB: tl.constexpr = BLOCK_K // GROUP  # groups in the tile
+        g = k0 // GROUP + tl.arange(0, GB)
+        g_ok = g[None, :] < n_groups
+        s = tl.load(S + rows_c[:, None] * stride_s + g[None, :], mask=g_ok, other=0.0).to(tl.float32)  # [BN, GB]
+        w = tl.reshape(code, [BLOCK_N, GB, GROUP]) * s[:, :, None]
+        if HAS_MIN:
+            m = tl.load(MN + rows_c[:, None] * stride_s + g[None, :], mask=g_ok, other=0.0).to(tl.float32)
+            w += m[:, :, None]
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+    return w
+
+
+@triton.jit
+def _dequant_kernel(Q, S, MN, Y, N, K, KB, stride_q, stride_s, stride_y, n_groups, BITS: tl.constexpr,
+                    OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the store is masked
+    w = _dequant_tile(Q, S, MN, rows_c, k0, K, KB, stride_q, stride_s, n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW,
+                      BLOCK_N, BLOCK_K)
+    tl.store(Y + rows_c[:, None] * stride_y + cols[None, :], w.to(Y.dtype.element_ty),
+             mask=(rows < N)[:, None] & (cols < K)[None, :])
+
+
+@triton.jit
+def _qgemm_kernel(X, Q, S, MN, Y, M, N, K, KB, stride_x, stride_q, stride_s, stride_y, n_groups, BITS: tl.constexpr,
+                  OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIZZLE: tl.constexpr,
+                  STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program p: output tile Y[m-block, n-block]. Consecutive programs take SWIZZLE n-blocks down one column of
+    m-blocks, so the weight tiles they dequantize are shared through L2."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    per_band = SWIZZLE * n_m
+    band = pid // per_band
+    first_n = band * SWIZZLE
+    width = tl.minimum(n_n - first_n, SWIZZLE)
+    pid_n = first_n + (pid % per_band) % width
+    pid_m = (pid % per_band) // width
+    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    wrows = tl.minimum(rows_n, N - 1).to(tl.int64)
+    xrows = tl.minimum(rows_m, M - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        w = _dequant_tile(Q, S, MN, wrows, k0, K, KB, stride_q, stride_s, n_groups, BITS, OFFSET, GROUP, HAS_MIN,
+                          PER_ROW, BLOCK_N, BLOCK_K).to(X.dtype.element_ty)  # [BN, BK]
+        x = tl.load(X + xrows[:, None] * stride_x + k0 + offs_k[None, :], mask=(k0 + offs_k)[None, :] < K,
+                    other=0.0)  # [BM, BK]; zeros past K cancel the junk columns of w
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # [BN, BK] @ [BK, BM]
+    out = tl.trans(acc).to(Y.dtype.element_ty)  # [BM, BN]
+    tl.store(Y + rows_m.to(tl.int64)[:, None] * stride_y + rows_n[None, :], out,
+             mask=(rows_m < M)[:, None] & (rows_n < N)[None, :])
+
+
+class QGemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    swizzle: int = 8
+
+
+def _per_row(group: int, K: int, low) -> bool:
+    return group >= K and low is None  # one scale a row (int8); int4 with G > K keeps the group path (minima)
+
+
+def _block_k(want: int, group: int, K: int, per_row: bool) -> int:
+    """A tile width holding whole groups, no wider than K needs."""
+    bk = min(want, max(16, triton.next_power_of_2(K)))
+    return bk if per_row else max(bk, group)
+
+
+def dequantize_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
+                   group: int, K: int, out: torch.Tensor, block: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """out [N, K] (any float dtype, rows contiguous) = the dequantized W, each value rounded once.
+    block: (BLOCK_N, BLOCK_K, warps), for sweeps; default 16 rows × 512 columns (int4: 256 bytes of codes, 16 KB of
+    bf16 out a program), 4 warps."""
+    N = q.shape[0]
+    assert q.stride(1) == 1 and out.stride(1) == 1 and (low is None or low.stride() == scale.stride())
+    per_row = _per_row(group, K, low)
+    if block is None:
+        block = (16, 512, 4) if q.is_cuda else (min(32, triton.next_power_of_2(N)), 256, 4)
+    bn, bk, warps = block
+    bk = _block_k(bk, group, K, per_row)
+    _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        q, scale, low if low is not None else scale, out, N, K, q.shape[1], q.stride(0), scale.stride(0), out.stride(0),
+        scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return out
+
+
+def qgemm_config(M: int, on_gpu: bool) -> QGemmConfig:
+    """128 weight rows × 128 (64 for short inputs) activation rows × 64 columns a step, 8 warps, 3 stages on the
+    GPU; small tiles under the interpreter (its cost is per program and per op)."""
+    if not on_gpu:
+        return QGemmConfig(max(16, min(32, triton.next_power_of_2(M))), 32, 64, 4, 1, 4)
+    return QGemmConfig(128 if M > 64 else 64, 128, 64, 8, 3, 8)
+
+
+def qgemm_fwd(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int,
+              offset: int, group: int, K: int, out: torch.Tensor | None = None,
+              config: QGemmConfig | tuple | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous) @ W^T for the quantized W [N, K] -> [M, N] in x's dtype (or `out`)."""
+    M = x.shape[0]
+    N = q.shape[0]
+    assert x.shape[1] == K and x.stride(1) == 1 and q.stride(1) == 1
+    assert low is None or low.stride() == scale.stride()
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    assert out.shape == (M, N) and out.stride(1) == 1
+    per_row = _per_row(group, K, low)
+    cfg = QGemmConfig(*config) if config is not None else qgemm_config(M, x.is_cuda)
+    bk = _block_k(cfg.block_k, group, K, per_row)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    _qgemm_kernel[grid](
+        x, q, scale, low if low is not None else scale, out, M, N, K, q.shape[1], x.stride(0), q.stride(0), scale.stride(0),
+        out.stride(0), scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None,
+        PER_ROW=per_row, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SWIZZLE=cfg.swizzle,
+        STAGES=cfg.stages, DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
+    return out
