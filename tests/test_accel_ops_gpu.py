@@ -146,6 +146,26 @@ def test_attention_decode(dtype, H, K, E, S, p):
     check(f"attention.decode@{p}/{S}", got, attention64(q, cache_k, cache_v, position), ATTN_TOL[dtype])
 
 
+@pytest.mark.parametrize("H,K,E", HEADS)
+@pytest.mark.parametrize("S,p", [(8192, 8191), (32768, 20000), (32768, 32767), (4096, 999)])
+@pytest.mark.parametrize("split_len,config", [(None, dict(USE_DESC=True)), (1024, dict(USE_DESC=True, num_stages=4)),
+                                              (2048, dict(BLOCK_N=256, num_stages=2)), (512, dict(FUSED=False))])
+def test_decode_attention_launch_variants(H, K, E, S, p, split_len, config):
+    """The decode kernel's sweep options (TMA descriptors, wider blocks, split lengths) over a cache whose slots
+    past the context hold NaN."""
+    from accel.kernels.decode_attn import decode_attention_fwd
+    dtype = torch.bfloat16
+    cache_k, _ = draw(35, K, S, E, dtype=dtype)
+    cache_v, _ = draw(36, K, S, E, dtype=dtype)
+    cache_k[:, p + 1:], cache_v[:, p + 1:] = float("nan"), float("nan")
+    q, _ = draw(37, 1, H, E, dtype=dtype)
+    position = torch.tensor([p], device="cuda")
+    for _ in range(3):  # repeated launches reuse the fused combine's counters
+        got = decode_attention_fwd(q, cache_k, cache_v, position, split_len=split_len, config=dict(config))
+        check(f"decode_attention {config} split {split_len} @{p}/{S}", got, attention64(q, cache_k, cache_v,
+                                                                                         position), ATTN_TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,K,E", HEADS)
 def test_cross_attention(dtype, H, K, E):

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attn import LOG2E, dot_precision, load_kv_tiles
+from .flash_attn import LOG2E, dot_precision, kv_descriptors, load_kv
 
 
 @triton.jit
@@ -66,10 +66,12 @@ def _combine_heads(ACC, M, L, O, h0, n_heads, so_h, E, n_splits, BLOCK_H: tl.con
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale, MASKED: tl.constexpr,
-            EVEN_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend(acc, m_i, l_i, q, CK, CV, DK, DV, kh, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
+            MASKED: tl.constexpr, EVEN_E: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One block of keys n0..n0+N into the running (acc, m, l); MASKED: the block reaches past `end`."""
-    k, v = load_kv_tiles(CK, CV, n0, offs_n, offs_e, e_ok, end, sk_s, sv_s, MASKED, EVEN_E)  # [N, E] each
+    k, v = load_kv(CK, CV, DK, DV, kh, n0, offs_n, offs_e, e_ok, end, sk_s, sv_s, MASKED, EVEN_E, USE_DESC,
+                    BLOCK_N, BLOCK_E)  # [N, E] each
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N], raw scores
     if MASKED:
         s = tl.where(((n0 + offs_n) < end)[None, :], s, float("-inf"))
@@ -82,10 +84,10 @@ def _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s,
 
 
 @triton.jit
-def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
+def _decode_split_kernel(Q, CK, CV, DK, DV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
                          E: tl.constexpr, G, split_len, n_splits, qk_scale, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
-                         BLOCK_HG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     kh = tl.program_id(0)
     split = tl.program_id(1)
     ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
@@ -108,11 +110,11 @@ def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv
     acc = tl.zeros([BLOCK_G, BLOCK_E], tl.float32)
     # whole blocks inside the context, then at most one partial block; both loops are empty past the context
     for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
-                                False, BLOCK_E == E, DOT_PRECISION)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, kh, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s,
+                                qk_scale, False, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION)
     for n0 in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
-                                True, BLOCK_E == E, DOT_PRECISION)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, kh, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s,
+                                qk_scale, True, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION)
     row = heads * n_splits + split  # partials laid out [H, splits, (E)]
     tl.store(M + row, m_i, mask=g_ok)
     tl.store(L + row, l_i, mask=g_ok)
@@ -176,7 +178,8 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
 
     The grid covers `max_len` slots (default S, the capacity) in splits of `split_len` (a multiple of 16;
     default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
-    BLOCK_N, num_warps, num_stages and FUSED (combine in the split kernel): for tuning sweeps.
+    BLOCK_N, num_warps, num_stages, FUSED (combine in the split kernel) and USE_DESC (K/V through TMA
+    descriptors where the cache allows them): for tuning sweeps.
     """
     H, E = q.shape[-2:]
     NK, S, _ = cache_k.shape
@@ -198,11 +201,15 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     cnt = _counters(q.device, NK) if cfg["FUSED"] else None
     block_e = max(16, triton.next_power_of_2(E))
     block_s = triton.next_power_of_2(n_splits)
+    use_desc = cfg.pop("USE_DESC", False)
+    descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
+    dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
     _decode_split_kernel[(NK, n_splits)](
-        q, cache_k, cache_v, position, acc, m, l, out, m if cnt is None else cnt, q.stride(-2), cache_k.stride(0),
-        cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
+        q, cache_k, cache_v, dk, dv, position, acc, m, l, out, m if cnt is None else cnt, q.stride(-2),
+        cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len,
+        n_splits,
         LOG2E / math.sqrt(E), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e, BLOCK_S=block_s,
-        BLOCK_HG=triton.next_power_of_2(G), DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None, DOT_PRECISION=dot_precision(q.dtype),
         **{**cfg, "FUSED": cnt is not None})
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,

@@ -34,7 +34,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _load_kv(CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit, sk_s, sv_s,
+def load_kv(CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit, sk_s, sv_s,
              MASKED: tl.constexpr, EVEN_E: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_E: tl.constexpr):
     """K and V tiles [N, E] of keys start..start+N. Unmasked blocks lie inside the context: no bounds checks.
@@ -69,7 +69,7 @@ def load_kv_tiles(CK, CV, start, offs_n, offs_e, e_ok, key_limit, sk_s, sv_s, MA
 def _attend_block(acc, m_i, l_i, q, CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit, pos, sk_s, sv_s,
                   qk_scale, MASKED: tl.constexpr, EVEN_E: tl.constexpr, USE_DESC: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    k, v = _load_kv(CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit, sk_s, sv_s, MASKED, EVEN_E,
+    k, v = load_kv(CK, CV, DK, DV, kh, start, offs_n, offs_e, e_ok, key_limit, sk_s, sv_s, MASKED, EVEN_E,
                     USE_DESC, BLOCK_N, BLOCK_E)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, E] @ [E, N] -> [M, N], raw scores
     if MASKED:
@@ -147,7 +147,7 @@ def _tma_fallback(cfg: dict) -> dict:
     return {**cfg, "BLOCK_N": 64} if cfg["BLOCK_M"] == 128 and cfg["num_warps"] == 8 else cfg
 
 
-def _descriptors(cache_k, cache_v, block_n: int, block_e: int, use: bool):
+def kv_descriptors(cache_k, cache_v, block_n: int, block_e: int, use: bool):
     """TMA descriptors over the [K, S, E] caches (tiles [1, BLOCK_N, BLOCK_E]); None where not usable:
     no host descriptors in this triton, not on CUDA sm_90+, or strides/base not 16-byte aligned."""
     if not (use and TensorDescriptor is not None and cache_k.is_cuda and torch.cuda.get_device_capability(
@@ -174,7 +174,7 @@ def flash_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.T
     cfg = {**_config(T, E, q.dtype, q.is_cuda), **(config or {})}
     block_e = max(16, triton.next_power_of_2(E))
     use_desc = cfg.pop("USE_DESC")
-    descs = _descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
+    descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
     if use_desc and descs is None and config is None:
         cfg = _tma_fallback(cfg)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path

@@ -167,8 +167,8 @@ def qgemm_fwd(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.
     bk = _block_k(cfg.block_k, group, K, per_row)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _qgemm_kernel[grid](
-        x, q, scale, low if low is not None else scale, out, M, N, K, q.shape[1], x.stride(0), q.stride(0), scale.stride(0),
-        out.stride(0), scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None,
+        x, q, scale, low if low is not None else scale, out, M, N, K, q.shape[1], x.stride(0), q.stride(0),
+        scale.stride(0), out.stride(0), scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None,
         PER_ROW=per_row, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SWIZZLE=cfg.swizzle,
         STAGES=cfg.stages, DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
     return out

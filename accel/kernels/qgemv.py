@@ -1,4 +1,4 @@
-"""Weight-only quantized matrix-vector product (the decode step) in Triton (the prefill's: accel/kernels/qdequant.py).
+"""Weight-only quantized matrix-vector product in Triton: the decode step (the prefill: kernels/qdequant.py).
 
 A quantized matrix W [N, K] arrives as (accel.quant_ops.QuantTensor):
     Q  int8 [N, K] (BITS 8) or uint8 [N, K/2] (BITS 4: byte j = code 2j | code 2j+1 << 4)
