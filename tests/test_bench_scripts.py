@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 from accel.kernels import tuning  # noqa: E402
 from accel.kernels.tuning import GemvConfig, QkvConfig  # noqa: E402
-from tools.bench import attn_sweep, decode_variants, gemv_sweep, gpu  # noqa: E402, F401
+from tools.bench import attn_sweep, decode_variants, gemv_sweep, gpu, prefill_profile, quant_prefill  # noqa: E402, F401
 
 
 def test_launch_tables_are_read_only():

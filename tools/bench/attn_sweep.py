@@ -1,6 +1,7 @@
 """Tuning sweep for the attention kernels: one GPU call times many variants and configurations.
 
     python3 -m tools.bench.attn_sweep [--out DIR] [--budget-s 240]
+    python3 -m tools.bench.attn_sweep --wide --contexts 8192,32768 --flash-seqs 2048   (the second sweep's grid)
 
 Flash forward (bf16, causal, GQA 8 kv heads, S=8192 at the 1B and 3B head shapes): SDPA (default choice, forced
 flash, forced cuDNN) against our kernel over tile sizes, warps, stages, TMA descriptors. Decode attention (one query,
@@ -116,6 +117,20 @@ def _decode_grid(S):
             for bn in (64, 128) for nw in (4, 8) for st in (3, 4) for sl in splits if sl % bn == 0]
 
 
+def _decode_grid_wide(S):
+    """The second sweep: TMA descriptors, 256-slot blocks, 2-4 stages, at 16-64 splits (4 warps, fused combine)."""
+    splits = (512, 1024, 2048) if S > 16384 else (256, 512)
+    blocks = ((128, 3), (128, 4), (256, 2), (256, 3)) if S > 16384 else ((64, 3), (128, 3), (128, 4), (256, 2))
+    return [(dict(BLOCK_N=bn, num_warps=4, num_stages=st, FUSED=True, USE_DESC=desc), sl) for desc in (False, True)
+            for bn, st in blocks for sl in splits if sl % bn == 0 and (sl != 512 or S <= 16384 or bn == 128)]
+
+
+# flash tiles for short prefills (T = 2048): (BLOCK_M, BLOCK_N, warps, stages, TMA)
+FLASH_SHORT = [(128, 128, 8, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 2, True),
+               (64, 128, 4, 3, False), (64, 128, 4, 3, True), (64, 64, 4, 3, False), (64, 64, 4, 4, False),
+               (128, 64, 4, 3, False), (64, 64, 4, 2, False)]
+
+
 def decode_sweep(rows, budget_s, contexts=(1024, 8192, 32768), H=32, K=8, E=64, variants=None):
     for S in contexts:
         g = torch.Generator(device=DEV).manual_seed(S)
@@ -227,6 +242,9 @@ def main():
     ap.add_argument("--only", default="decode,flash")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--defaults", action="store_true", help="only the launchers' defaults and open variants")
+    ap.add_argument("--wide", action="store_true", help="the second sweep's grids (TMA, 256-slot blocks, T=2048 tiles)")
+    ap.add_argument("--contexts", default="1024,8192,32768", help="decode cache lengths")
+    ap.add_argument("--flash-seqs", default="8192", help="flash sequence lengths")
     args = ap.parse_args()
     import triton
     global DEV, DTYPE
@@ -246,12 +264,18 @@ def main():
     meta["read_tb_s_1GB"] = read_bandwidth(2**30)
     path = os.path.join(args.out, "attn_sweep.json")
     try:
+        contexts = tuple(int(c) for c in args.contexts.split(","))
         if args.defaults:
             defaults_check(rows, args.budget_s)
         elif "decode" in args.only:
-            decode_sweep(rows, args.budget_s * 0.4)
+            for S in contexts:
+                decode_sweep(rows, args.budget_s * 0.6 if args.wide else args.budget_s * 0.4, contexts=(S,),
+                             variants=[(None, None)] + _decode_grid_wide(S) if args.wide else None)
         if "flash" in args.only and not args.defaults:
-            flash_sweep(rows, args.budget_s)
+            wide = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, USE_DESC=d)
+                    for m, n, w, st, d in FLASH_SHORT]
+            for S in (int(x) for x in args.flash_seqs.split(",")):
+                flash_sweep(rows, args.budget_s, S=S, configs=[None] + wide if args.wide else None)
     finally:
         with open(path, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -1,0 +1,132 @@
+"""Where a prefill's time goes, as called: kernels, the GPU's idle gaps between them, and the SM clock.
+
+    python3 -m tools.bench.prefill_profile [--out DIR] [--models 3b] [--tokens 2048]
+
+For each model (random bf16 weights at the real shapes): the per-kernel device-time table of one prefill; then one
+prefill traced with CPU and CUDA activities, from which the GPU's busy time, its idle gaps (the largest listed with
+the kernels around them) and when the host issued its last launch; then the as-called time (CUDA events around one
+eager call, tools.bench.gpu.prefill_ms) beside the GPU time alone (queued behind a spin), each while nvidia-smi
+samples the SM clock and power. Prints a summary; writes DIR/prefill_profile.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+
+from accel.engine import AccelEngine
+from accel.weights import random_weights
+from refimpl.model.config import PRESETS
+from tools.bench.gpu import profile_prefill, prompt_ids
+from tools.bench.timing import device_ms, median_ms
+
+NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
+
+
+def _sampled(fn) -> tuple[object, dict]:
+    """fn()'s result and nvidia-smi's SM clock (MHz) and power (W) sampled every 10 ms meanwhile (empty when
+    nvidia-smi is missing)."""
+    try:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                "-lms", "10"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except FileNotFoundError:
+        return fn(), {}
+    try:
+        out = fn()
+    finally:
+        smi.terminate()
+    samples = []
+    for line in smi.communicate(timeout=10)[0].splitlines():
+        try:
+            clk, watts = (float(v) for v in line.split(","))
+            samples.append((clk, watts))
+        except ValueError:
+            continue
+    if not samples:
+        return out, {}
+    clocks, power = [c for c, _ in samples], [w for _, w in samples]
+    return out, {"samples": len(samples), "sm_mhz_median": statistics.median(clocks), "sm_mhz_min": min(clocks),
+                 "power_w_median": statistics.median(power), "power_w_max": max(power)}
+
+
+def timeline(engine: AccelEngine, prompt, sess) -> dict:
+    """One prefill traced: GPU busy time, idle gaps, and the host's last launch, from the Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.prefill(prompt, sess)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        name = f.name
+    prof.export_chrome_trace(name)
+    with open(name) as f:
+        events = json.load(f)["traceEvents"]
+    os.unlink(name)
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    launches = [e for e in events if e.get("cat") == "cuda_runtime" and "Launch" in e.get("name", "")]
+    if not kernels:
+        return {}
+    start, end = kernels[0]["ts"], max(e["ts"] + e["dur"] for e in kernels)
+    gaps = []
+    for a, b in zip(kernels, kernels[1:]):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        if gap > 0:
+            gaps.append((gap, a["name"][:60], b["name"][:60], a["ts"] - start))
+    gaps.sort(reverse=True)
+    first_launch = min((e["ts"] for e in launches), default=start)
+    return {"kernels": len(kernels), "launches": len(launches), "gpu_span_ms": (end - start) / 1e3,
+            "gpu_busy_ms": sum(e["dur"] for e in kernels) / 1e3, "idle_ms": sum(g[0] for g in gaps) / 1e3,
+            "idle_gaps_over_5us": sum(1 for g in gaps if g[0] > 5),
+            "host_first_launch_to_first_kernel_us": start - first_launch,
+            "host_last_launch_ms": (max((e["ts"] for e in launches), default=start) - first_launch) / 1e3,
+            "largest_gaps_us": [{"us": g, "after": a, "before": b, "at_ms": t / 1e3} for g, a, b, t in gaps[:12]]}
+
+
+def model_profile(model: str, tokens: int) -> dict:
+    cfg = PRESETS[NAMES[model]]
+    table = profile_prefill(cfg, "cuda", tokens, rows=25)
+    engine = AccelEngine(cfg, random_weights(cfg, "cuda", torch.bfloat16), torch.device("cuda"), "bf16",
+                         use_graph=False)
+    prompt = torch.tensor(prompt_ids(cfg, tokens, seed=1), device="cuda")
+    sess = engine.session(tokens)
+    fn = lambda: engine.prefill(prompt, sess)  # noqa: E731
+    fn()
+    row = {"model": model, "tokens": tokens, "profile": table, "timeline": timeline(engine, prompt, sess)}
+    row["as_called_ms"], row["as_called_clock"] = _sampled(lambda: median_ms(fn, reps=20, warmup=2))
+    row["gpu_ms"], row["gpu_clock"] = _sampled(lambda: device_ms(fn, reps=3, sleep_cycles=100_000_000))
+    spaced = []  # one call after 50 ms of host sleep each: the GPU idles between calls, as between a user's requests
+    for _ in range(10):
+        time.sleep(0.05)
+        spaced.append(median_ms(fn, reps=1, warmup=0))
+    row["after_idle_ms"] = statistics.median(spaced)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--models", default="3b")
+    ap.add_argument("--tokens", type=int, default=2048)
+    args = ap.parse_args()
+    res = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}, "rows": []}
+    try:
+        for m in args.models.split(","):
+            res["rows"].append(model_profile(m, args.tokens))
+            r = res["rows"][-1]
+            print(r["profile"])
+            print(json.dumps({k: v for k, v in r.items() if k != "profile"}, indent=1), flush=True)
+    finally:
+        with open(os.path.join(args.out, "prefill_profile.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
