@@ -14,8 +14,10 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -115,6 +117,7 @@ def main():
     ap.add_argument("--models", default="3b")
     ap.add_argument("--tokens", type=int, default=2048)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still writes what was measured
     res = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}, "rows": []}
     try:

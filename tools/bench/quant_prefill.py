@@ -17,6 +17,8 @@ import argparse
 import datetime
 import json
 import os
+import signal
+import sys
 import time
 
 import torch
@@ -95,9 +97,9 @@ def kernel_rows(model: str, specs: list[str], budget_s: float) -> list[dict]:
     return rows
 
 
-def engine_rows(model: str, specs: list[str], tokens: int = 2048) -> list[dict]:
+def engine_rows(model: str, specs: list[str], rows: list[dict], tokens: int = 2048) -> None:
+    """Appends to `rows` as it goes (a run cut short keeps what it measured)."""
     cfg = PRESETS[NAMES[model]]
-    rows = []
     for spec in ["bf16"] + specs:
         weights = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
         if spec != "bf16":
@@ -112,17 +114,19 @@ def engine_rows(model: str, specs: list[str], tokens: int = 2048) -> list[dict]:
             engine._session = None
         del engine, weights
         torch.cuda.empty_cache()
+
+
+def ratios(rows: list[dict]) -> None:
     base = {r["model"]: r for r in rows if r["quant"] == "bf16"}
-    for r in rows:
+    for r in (r for r in rows if r["model"] in base):
         r["ratio_vs_bf16"] = r["prefill_ms"] / base[r["model"]]["prefill_ms"]
         r["gpu_ratio_vs_bf16"] = r["prefill_gpu_ms"] / base[r["model"]]["prefill_gpu_ms"]
-    return rows
 
 
 def table(res: dict) -> str:
     lines = ["dequantize kernel alone (µs, TB/s of bytes read + written), per block (rows, cols, warps):"]
     for r in res["kernels"]:
-        if r["kind"] == "dequant":
+        if r.get("kind") == "dequant":
             lines.append(f"  {r['model']} {r['matrix']:<8}{r['quant']:<9}{str(r['block']):<16}{r['us']:8.1f}"
                          f"{r['tb_s']:7.2f}")
     lines.append("GEMM, µs: bf16 cuBLAS | dequant + cuBLAS | fused GEMM (best config)")
@@ -134,7 +138,7 @@ def table(res: dict) -> str:
     lines.append("engine prefill, ms as called (GPU), x bf16:")
     for r in res["engine"]:
         lines.append(f"  {r['model']} {r['quant']:<9}{r['path']:<9}{r['prefill_ms']:8.2f} ({r['prefill_gpu_ms']:.2f})"
-                     f"{r['ratio_vs_bf16']:7.2f} ({r['gpu_ratio_vs_bf16']:.2f})")
+                     f"{r.get('ratio_vs_bf16', float('nan')):7.2f} ({r.get('gpu_ratio_vs_bf16', float('nan')):.2f})")
     return "\n".join(lines)
 
 
@@ -146,6 +150,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=150, help="stop the kernel sweep after this many seconds")
     ap.add_argument("--parts", default="engine,kernels", help="engine (the prefills), kernels (the per-shape sweep)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still writes what was measured
     import triton
     models = [m for m in args.models.split(",") if m]
     specs = [s for s in args.specs.split(",") if s]
@@ -156,11 +161,12 @@ def main():
     try:
         if "engine" in args.parts:
             for m in models:
-                res["engine"] += engine_rows(m, specs)
+                engine_rows(m, specs, res["engine"])
         if "kernels" in args.parts:
             for m in models:
                 res["kernels"] += kernel_rows(m, specs, args.budget_s)
     finally:
+        ratios(res["engine"])
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
         print(table(res))
