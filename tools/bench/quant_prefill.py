@@ -50,15 +50,15 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
     return {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "o": (D, cfg.q_size), "gate_up": (2 * F_, D), "down": (D, F_)}
 
 
-def kernel_rows(model: str, specs: list[str], budget_s: float) -> list[dict]:
+def kernel_rows(model: str, specs: list[str], budget_s: float, rows: list[dict]) -> None:
+    """Appends to `rows` as it goes, until `budget_s` seconds into the run."""
     cfg = PRESETS[NAMES[model]]
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
     for what, (N, K) in shapes(cfg).items():
         w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
         for spec in specs:
             if time.time() - T0 > budget_s:
-                return rows
+                return
             t = quantize(w, QuantSpec.parse(spec))
             scratch = torch.empty(N, K, device="cuda", dtype=torch.bfloat16)
             base = {"model": model, "matrix": what, "N": N, "K": K, "quant": spec}
@@ -94,7 +94,6 @@ def kernel_rows(model: str, specs: list[str], budget_s: float) -> list[dict]:
                 print(row, flush=True)
             del t, scratch
         del w
-    return rows
 
 
 def engine_rows(model: str, specs: list[str], rows: list[dict], tokens: int = 2048) -> None:
@@ -164,7 +163,7 @@ def main():
                 engine_rows(m, specs, res["engine"])
         if "kernels" in args.parts:
             for m in models:
-                res["kernels"] += kernel_rows(m, specs, args.budget_s)
+                kernel_rows(m, specs, args.budget_s, res["kernels"])
     finally:
         ratios(res["engine"])
         with open(path, "w") as f:
