@@ -92,8 +92,6 @@ def kernel_rows(model: str, specs: list[str], budget_s: float, rows: list[dict])
                 row["tflop_s_bf16"] = 2 * M * N * K / (row["bf16_us"] * 1e-6) / 1e12
                 rows.append(row)
                 print(row, flush=True)
-            del t, scratch
-        del w
 
 
 def engine_rows(model: str, specs: list[str], rows: list[dict], tokens: int = 2048) -> None:
