@@ -1,12 +1,14 @@
 """Where a prefill's time goes, as called: kernels, the GPU's idle gaps between them, and the SM clock.
 
-    python3 -m tools.bench.prefill_profile [--out DIR] [--models 3b] [--tokens 2048]
+    python3 -m tools.bench.prefill_profile [--out DIR] [--models 3b] [--tokens 2048] [--quant int8 --path dequant]
 
 For each model (random bf16 weights at the real shapes): the per-kernel device-time table of one prefill; then one
 prefill traced with CPU and CUDA activities, from which the GPU's busy time, its idle gaps (the largest listed with
 the kernels around them) and when the host issued its last launch; then the as-called time (CUDA events around one
 eager call, tools.bench.gpu.prefill_ms) beside the GPU time alone (queued behind a spin), each while nvidia-smi
-samples the SM clock and power. Prints a summary; writes DIR/prefill_profile.json.
+samples the SM clock and power; the host's own time to queue one prefill (no sync inside), and a cProfile of it.
+--quant runs the same on the weights quantized on the device, through --path (accel.quant_ops.prefill_path).
+Prints a summary; writes DIR/prefill_profile.json.
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ import time
 import torch
 
 from accel.engine import AccelEngine
+from accel.quant_ops import prefill_path, quantize_weights
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
+from refimpl.quant.formats import QuantSpec
 from tools.bench.gpu import profile_prefill, prompt_ids
 from tools.bench.timing import device_ms, median_ms
 
@@ -83,24 +87,63 @@ def timeline(engine: AccelEngine, prompt, sess) -> dict:
             gaps.append((gap, a["name"][:60], b["name"][:60], a["ts"] - start))
     gaps.sort(reverse=True)
     first_launch = min((e["ts"] for e in launches), default=start)
+    totals: dict[str, list] = {}
+    for e in kernels:
+        t = totals.setdefault(e["name"][:60], [0.0, 0])
+        t[0] += e["dur"]
+        t[1] += 1
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]
     return {"kernels": len(kernels), "launches": len(launches), "gpu_span_ms": (end - start) / 1e3,
             "gpu_busy_ms": sum(e["dur"] for e in kernels) / 1e3, "idle_ms": sum(g[0] for g in gaps) / 1e3,
             "idle_gaps_over_5us": sum(1 for g in gaps if g[0] > 5),
             "host_first_launch_to_first_kernel_us": start - first_launch,
             "host_last_launch_ms": (max((e["ts"] for e in launches), default=start) - first_launch) / 1e3,
+            "kernel_totals_us": [{"name": n, "us": us, "calls": c} for n, (us, c) in top],
             "largest_gaps_us": [{"us": g, "after": a, "before": b, "at_ms": t / 1e3} for g, a, b, t in gaps[:12]]}
 
 
-def model_profile(model: str, tokens: int) -> dict:
+def host_queue(fn, reps: int = 10) -> tuple[float, str]:
+    """(median ms the host takes to queue fn()'s work, measured without syncing inside; the cProfile of one call,
+    top functions by own time)."""
+    import cProfile
+    import io
+    import pstats
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    return statistics.median(times), text.getvalue()
+
+
+def model_profile(model: str, tokens: int, quant: str | None = None, path: str | None = None) -> dict:
     cfg = PRESETS[NAMES[model]]
-    table = profile_prefill(cfg, "cuda", tokens, rows=25)
-    engine = AccelEngine(cfg, random_weights(cfg, "cuda", torch.bfloat16), torch.device("cuda"), "bf16",
-                         use_graph=False)
+    weights = random_weights(cfg, "cuda", torch.bfloat16)
+    if quant:
+        weights = quantize_weights(weights, QuantSpec.parse(quant))
+    table = profile_prefill(cfg, "cuda", tokens, rows=25) if not quant else ""
+    engine = AccelEngine(cfg, weights, torch.device("cuda"), "bf16", use_graph=False)
     prompt = torch.tensor(prompt_ids(cfg, tokens, seed=1), device="cuda")
     sess = engine.session(tokens)
+    with prefill_path(path):
+        return _measure(engine, prompt, sess, {"model": model, "quant": quant or "bf16", "path": path,
+                                               "tokens": tokens, "profile": table})
+
+
+def _measure(engine, prompt, sess, row: dict) -> dict:
     fn = lambda: engine.prefill(prompt, sess)  # noqa: E731
     fn()
-    row = {"model": model, "tokens": tokens, "profile": table, "timeline": timeline(engine, prompt, sess)}
+    row["timeline"] = timeline(engine, prompt, sess)
+    row["host_queue_ms"], row["host_cprofile"] = host_queue(fn)
     row["as_called_ms"], row["as_called_clock"] = _sampled(lambda: median_ms(fn, reps=20, warmup=2))
     row["gpu_ms"], row["gpu_clock"] = _sampled(lambda: device_ms(fn, reps=3, sleep_cycles=100_000_000))
     spaced = []  # one call after 50 ms of host sleep each: the GPU idles between calls, as between a user's requests
@@ -116,18 +159,22 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--models", default="3b")
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--quant", default=None, help="a --quant format: profile the quantized engine")
+    ap.add_argument("--path", default=None, choices=["gemm", "dequant"], help="the quantized prefill path")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still writes what was measured
     res = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}, "rows": []}
     try:
         for m in args.models.split(","):
-            res["rows"].append(model_profile(m, args.tokens))
+            res["rows"].append(model_profile(m, args.tokens, args.quant, args.path))
             r = res["rows"][-1]
-            print(r["profile"])
-            print(json.dumps({k: v for k, v in r.items() if k != "profile"}, indent=1), flush=True)
+            print(r["profile"] + r["host_cprofile"])
+            print(json.dumps({k: v for k, v in r.items() if k not in ("profile", "host_cprofile")}, indent=1),
+                  flush=True)
     finally:
-        with open(os.path.join(args.out, "prefill_profile.json"), "w") as f:
+        name = f"prefill_profile_{args.models}" + (f"_{args.quant}_{args.path}" if args.quant else "")
+        with open(os.path.join(args.out, name.replace(":", "-").replace(",", "_") + ".json"), "w") as f:
             json.dump(res, f, indent=1)
 
 
