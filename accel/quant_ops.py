@@ -9,9 +9,10 @@ columns. int8 and int4 are refimpl.quant.formats' own layouts; GGUF blocks are r
     Q4_1  -> 4-bit codes repacked, GROUP 32, scale d, minimum m (fp16)
 Every product code·scale is exact in fp32 (≤ 8 × 11 significant bits), so dequantizing here gives the oracle's
 bits. A one-row product (the prefill's lm_head, trace mode's decode) takes the GEMV; more rows (the prefill) take
-accel/kernels/qdequant.py: up to GEMM_MAX_ROWS rows its GEMM that dequantizes in registers (it reads only the codes),
-above that a dequantized copy in a scratch buffer per shape (one per matrix shape, reused layer after layer: stream
-order keeps the reuse safe) and cuBLAS, whose GEMM outruns the fused one once the copy is amortized.
+a copy dequantized by accel/kernels/qdequant.py into a scratch buffer per shape (one per matrix shape, reused layer
+after layer: stream order keeps the reuse safe) and cuBLAS. qdequant's GEMM that dequantizes in registers (reading
+only the codes) is the measured alternative, `prefill_path("gemm")`: slower at every row count of 16-2048 but one
+(tools/bench/NOTES.md, "quantized prefill").
 """
 from __future__ import annotations
 
@@ -149,14 +150,13 @@ def from_quantized_linear(w: QuantizedLinear, device) -> QuantTensor:
 # ---------------------------------------------------------------- the products
 
 _DEQUANT_SCRATCH: dict[tuple, torch.Tensor] = {}
-GEMM_MAX_ROWS = 2048  # rows up to which qdequant's fused GEMM beats dequantize + cuBLAS (tools/bench/NOTES.md)
 _PREFILL_PATH = contextvars.ContextVar("accel_quant_prefill_path", default=None)
 
 
 @contextlib.contextmanager
 def prefill_path(path: str | None):
-    """Within this block, products of more than one row take `path` ("gemm": the fused GEMM, "dequant": scratch
-    + cuBLAS) whatever their row count; None: the rule. For benchmarks comparing the two."""
+    """Within this block, products of more than one row take `path`: "gemm" (the fused GEMM) or "dequant" (scratch
+    + cuBLAS; also None, the default). For benchmarks comparing the two."""
     assert path in (None, "gemm", "dequant")
     token = _PREFILL_PATH.set(path)
     try:
@@ -166,16 +166,14 @@ def prefill_path(path: str | None):
 
 
 def quant_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    """F.linear(x, w) for x [..., K]: the GEMV for one row; else the fused GEMM for up to GEMM_MAX_ROWS rows,
-    a dequantized scratch copy and cuBLAS beyond."""
+    """F.linear(x, w) for x [..., K]: the GEMV for one row, else a dequantized scratch copy and cuBLAS (or the
+    fused GEMM inside prefill_path("gemm"))."""
     N, K = w.shape
     if x.numel() == K and ops.uses_triton(x):
         return qgemv(w, x.reshape(1, K)).view(*x.shape[:-1], N)
-    rows = x.numel() // K
-    path = _PREFILL_PATH.get() or ("gemm" if rows <= GEMM_MAX_ROWS else "dequant")
-    if path == "gemm" and ops.uses_triton(x):
+    if _PREFILL_PATH.get() == "gemm" and ops.uses_triton(x):
         from .kernels.qdequant import qgemm_fwd
-        y = qgemm_fwd(x.reshape(rows, K).contiguous(), w.q, w.scale, w.low, w.bits, w.offset, w.group, K)
+        y = qgemm_fwd(x.reshape(-1, K).contiguous(), w.q, w.scale, w.low, w.bits, w.offset, w.group, K)
         return y.view(*x.shape[:-1], N)
     key = (w.shape, x.dtype, x.device)
     scratch = _DEQUANT_SCRATCH.get(key)

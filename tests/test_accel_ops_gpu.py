@@ -154,6 +154,8 @@ def test_decode_attention_launch_variants(H, K, E, S, p, split_len, config):
     """The decode kernel's sweep options (TMA descriptors, wider blocks, split lengths) over a cache whose slots
     past the context hold NaN."""
     from accel.kernels.decode_attn import decode_attention_fwd
+    if E > 64 and config.get("BLOCK_N") == 256:
+        pytest.skip("256 × 128 K/V blocks exceed the shared memory")
     dtype = torch.bfloat16
     cache_k, _ = draw(35, K, S, E, dtype=dtype)
     cache_v, _ = draw(36, K, S, E, dtype=dtype)

@@ -152,20 +152,29 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | None:
     return buf
 
 
+LONG_CONTEXT = 8192  # caches from this many slots take the long-context launch (_config)
+
+
 def default_split_len(max_len: int, block_n: int = 64) -> int:
-    """16 splits up to 16k slots, 32 beyond (8 kv heads: 128 or 256 programs, one or two per SM), at least one
-    block each, the fastest in tools.bench.attn_sweep (full caches, H=32 K=8 E=64; tools/bench/NOTES.md): every
-    program pays a fixed start (position, q, pipeline prologue) and the combine reads every split's partials."""
-    per_split = triton.cdiv(max_len, 16 if max_len <= 16384 else 32)
+    """16 splits below LONG_CONTEXT slots, 32 from there on (8 kv heads: 128 or 256 programs, one or two per SM),
+    whole blocks each, the fastest in tools.bench.attn_sweep (full caches, H=32 K=8 E=64; tools/bench/NOTES.md):
+    every program pays a fixed start (position, q, pipeline prologue) and the combine reads every split's
+    partials, so more splits lost at every length below that."""
+    per_split = triton.cdiv(max_len, 16 if max_len < LONG_CONTEXT else 32)
     return max(block_n, triton.cdiv(per_split, block_n) * block_n)
 
 
-def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype) -> dict:
-    """Same sweep: 128-slot blocks where the split allows, 4 warps (8 was slower), 3 stages (4: within noise);
-    the fused combine (one launch fewer than the second kernel).
+def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype, E: int, max_len: int) -> dict:
+    """Same sweeps: 128-slot blocks where the split allows, 4 warps (8 was slower), 3 stages (4: within noise);
+    the fused combine (one launch fewer than the second kernel). Long caches: K/V through TMA descriptors in
+    256-slot blocks, 2 stages (E <= 64; 256 × 128 blocks would need 256 KB of shared memory: 128-slot, 3 stages).
     fp32 keeps 64-slot blocks: two 128×128 fp32 K/V stages need 272 KB of shared memory (> 227 KB, seen at E=128)."""
     if not on_gpu:
         return dict(BLOCK_N=16, num_warps=4, num_stages=3, FUSED=True)
+    if dtype != torch.float32 and max_len >= LONG_CONTEXT:
+        wide = E <= 64
+        return dict(BLOCK_N=256 if wide else 128, num_warps=4, num_stages=2 if wide else 3, FUSED=True,
+                    USE_DESC=True)
     wide = dtype != torch.float32 and (split_len is None or split_len >= 128)
     return dict(BLOCK_N=128 if wide else 64, num_warps=4, num_stages=3, FUSED=True)
 
@@ -186,9 +195,10 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     assert position.numel() == 1
     max_len = S if max_len is None else max_len
-    cfg = {**_config(q.is_cuda, split_len, q.dtype), **(config or {})}
+    cfg = {**_config(q.is_cuda, split_len, q.dtype, E, max_len), **(config or {})}
     if split_len is None:
-        split_len = default_split_len(max_len, 64 if q.is_cuda else 16)
+        long = q.is_cuda and max_len >= LONG_CONTEXT  # whole blocks a split: 8k -> 32 × 256, 32k -> 32 × 1024
+        split_len = default_split_len(max_len, cfg["BLOCK_N"] if long else 64 if q.is_cuda else 16)
         cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], split_len)
     assert split_len % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16, "split_len must be a multiple of 16"
