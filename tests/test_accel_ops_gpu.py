@@ -148,7 +148,8 @@ def test_attention_decode(dtype, H, K, E, S, p):
 
 @pytest.mark.parametrize("H,K,E", HEADS)
 @pytest.mark.parametrize("S,p", [(8192, 8191), (32768, 20000), (32768, 32767), (4096, 999)])
-@pytest.mark.parametrize("split_len,config", [(None, dict(USE_DESC=True)), (1024, dict(USE_DESC=True, BLOCK_N=128, num_stages=3)),
+@pytest.mark.parametrize("split_len,config", [(None, dict(USE_DESC=True)),
+                                              (1024, dict(USE_DESC=True, BLOCK_N=128, num_stages=3)),
                                               (2048, dict(BLOCK_N=256, num_stages=2)), (512, dict(FUSED=False))])
 def test_decode_attention_launch_variants(H, K, E, S, p, split_len, config):
     """The decode kernel's sweep options (TMA descriptors, wider blocks, split lengths) over a cache whose slots
