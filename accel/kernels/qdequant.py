@@ -11,6 +11,9 @@ code · scale is exact in fp32, so a fused multiply-add gives the same bits as t
                  values the dequantized scratch would hold), then tl.dot with fp32 accumulation. The product is
                  computed transposed, W_tile @ X_tile^T, so that the in-register operand is the dot's first one
                  (Hopper's wgmma reads only its first operand from registers; the second comes from shared memory).
+The engine's prefill takes dequantize + cuBLAS (accel.quant_ops): qgemm repeats the dequantization for every block
+of input rows, on the MMA's critical path, and measured slower at every row count but one shape (tools/bench/NOTES.md);
+it stays as the benchmark's alternative (`accel.quant_ops.prefill_path("gemm")`).
 """
 from __future__ import annotations
 
