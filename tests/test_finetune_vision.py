@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from _badinput import assert_clean_error, run_cli
+from test_finetune import lora_tensors, peft_sgd_step, write_jsonl
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -101,15 +102,6 @@ def records_for(data_dir):
     return [{**r, "images": [f"img/{f}" for f in r["images"]]} if "images" in r else r for r in RECORDS]
 
 
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def lora_tensors(model):
-    return {n.replace(".default", ""): p.detach().numpy().copy() for n, p in model.named_parameters() if "lora_" in n}
-
-
 def init_adapter(model, path, seed=1):
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                        target_modules=TEXT_REGEX))
@@ -170,16 +162,8 @@ def sgd_step_errors(base, tmp_path, device="cpu"):
     encoded = [hf_inputs(processor, r, data_dir / "img") for r in RECORDS]
     n_items = sum(int((labels[0, 1:] != -100).sum()) for _, labels in encoded)
     before = lora_tensors(model)
-    model.train()
-    loss = 0.0
-    for inputs, labels in encoded:
-        out = model(**inputs, labels=labels, num_items_in_batch=n_items)
-        out.loss.backward()
-        loss += float(out.loss)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p -= lr * p.grad
+    loss = peft_sgd_step(model, [dict(inputs, labels=labels, num_items_in_batch=n_items)
+                                 for inputs, labels in encoded], lr)
     want = lora_tensors(model)
     got = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     assert records[0]["loss"] == pytest.approx(loss, rel=1e-4)
