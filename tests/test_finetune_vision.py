@@ -222,6 +222,13 @@ def test_adamw_halves_loss_and_adapter_loads_in_peft_and_generate(base, tmp_path
     assert req.prompt_ids == inputs["input_ids"][0, :n_prompt].tolist()
     np.testing.assert_allclose(np.ravel(ours), want[n_prompt - 1], rtol=1e-4, atol=1e-4)
 
+    # `lora merge` bakes it into a checkpoint transformers loads, with PEFT's logits
+    merged = run_cli(["lora", "merge", "--model", model_dir, "--adapter", out, "--out", tmp_path / "merged"])
+    assert merged.exit_code == 0, merged.output
+    with torch.no_grad():
+        baked = hf_model(tmp_path / "merged")(**inputs).logits[0].numpy()
+    np.testing.assert_allclose(baked, want, rtol=1e-4, atol=1e-4)
+
     # `generate --lora --image` uses the adapter: its greedy tokens are PEFT's
     with torch.no_grad():
         greedy = loaded.generate(**{k: v[:, :n_prompt] if k in ("input_ids", "cross_attention_mask") else v
