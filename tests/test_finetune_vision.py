@@ -187,6 +187,18 @@ def test_one_sgd_step_on_cuda_equals_hf_peft(base, tmp_path):
         assert err <= 1e-2 * step, (key, err, step)  # TF32 dots in the attention kernels
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_adamw_halves_loss_on_cuda(base, tmp_path):
+    model_dir, data_dir = base
+    data = write_jsonl(data_dir / "train-cuda.jsonl", records_for(data_dir))
+    result = run_cli(finetune_args(model_dir, data, tmp_path / "out", "--device", "cuda", "--dtype", "bf16",
+                                   "--max-steps", 30, "--lr", "1e-2", "--batch-size", 4, "--json"))
+    assert result.exit_code == 0, result.output
+    steps = [json.loads(line) for line in result.stdout.splitlines() if '"step"' in line]
+    assert len(steps) == 30 and steps[-1]["loss"] < 0.5 * steps[0]["loss"], (steps[0], steps[-1])
+
+
 def test_adamw_halves_loss_and_adapter_loads_in_peft_and_generate(base, tmp_path):
     model_dir, data_dir = base
     data = write_jsonl(data_dir / "train3.jsonl", records_for(data_dir)[:3])

@@ -36,9 +36,10 @@ class Sample:
         return sum(1 for t in self.labels[1:] if t != IGNORE)
 
 
-def _messages(record, where: str, content_ok=None) -> list[dict]:
+def record_messages(record, where: str, content_ok=None) -> list[dict]:
     """One JSON record -> a validated message list whose last message is the assistant's. `content_ok(content,
-    where)` accepts non-string message contents (image_data's content parts); text samples take strings only."""
+    where)` accepts a non-string message content (image_data's content parts; it raises on a malformed one);
+    text samples take strings only."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object with 'messages' or 'query'/'response', "
                         f"got {type(record).__name__}")
@@ -57,10 +58,10 @@ def _messages(record, where: str, content_ok=None) -> list[dict]:
         raise DataError(f"{where}: image samples ('images') need a Llama 3.2 Vision checkpoint; the base model is "
                         f"text-only")
     for i, m in enumerate(messages):
-        if isinstance(m, dict) and m.get("role") in ROLES and not isinstance(m.get("content"), str) \
-                and content_ok is not None and content_ok(m.get("content"), f"{where}: message {i}"):
-            continue
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        ok = isinstance(m, dict) and m.get("role") in ROLES
+        if ok and not isinstance(m.get("content"), str):
+            ok = content_ok is not None and content_ok(m.get("content"), f"{where}: message {i}")
+        if not ok:
             raise DataError(f"{where}: message {i} must be {{'role': one of {', '.join(ROLES)}, "
                             f"'content': a string}}, got {json.dumps(m)[:80]}")
     if messages[-1]["role"] != "assistant":
@@ -71,7 +72,7 @@ def _messages(record, where: str, content_ok=None) -> list[dict]:
 
 def read_conversations(path: str | Path) -> list[tuple[int, list[dict]]]:
     """[(line number, messages)] for every non-blank line of a JSONL file; any bad line is a DataError."""
-    return [(n, _messages(record, f"{path}:{n}")) for n, record in read_records(path)]
+    return [(n, record_messages(record, f"{path}:{n}")) for n, record in read_records(path)]
 
 
 def read_records(path: str | Path) -> list[tuple[int, object]]:
@@ -121,7 +122,7 @@ def load_samples(path: str | Path, tokenizer, max_length: int, warn=None, encode
     a file where none fits is an error. `encode_record(record, line) -> Sample` replaces the text path's
     parsing (image_data's, for a vision checkpoint)."""
     def encode_text(record, line):
-        messages = _messages(record, f"{path}:{line}")
+        messages = record_messages(record, f"{path}:{line}")
         return Sample(line, *encode_conversation(tokenizer, messages, f"{path}:{line}"))
 
     samples, skipped = [], []

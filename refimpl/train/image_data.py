@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refimpl.errors import DataError, ImageError
-from refimpl.train.data import IGNORE, Sample, _messages, encode_conversation
+from refimpl.train.data import IGNORE, Sample, encode_conversation, record_messages
 from refimpl.vision.image_io import load_image
 from refimpl.vision.inputs import ImageInputs
 from refimpl.vision.prepare import processor_config
@@ -125,7 +125,7 @@ def image_record_encoder(data_path: Path, tokenizer, vd: VisionData):
 
     def encode_record(record, line: int) -> ImageSample:
         where = f"{data_path}:{line}"
-        messages = _messages(record, where, content_ok=_content_parts)
+        messages = record_messages(record, where, content_ok=_content_parts)
         files = record.get("images", [])
         if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
             raise DataError(f"{where}: 'images' must be a list of image file paths (strings)")
