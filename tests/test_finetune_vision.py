@@ -102,9 +102,9 @@ def records_for(data_dir):
     return [{**r, "images": [f"img/{f}" for f in r["images"]]} if "images" in r else r for r in RECORDS]
 
 
-def init_adapter(model, path, seed=1):
+def init_adapter(model, path, seed=1, targets=TEXT_REGEX):
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                       target_modules=TEXT_REGEX))
+                                                       target_modules=targets))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -112,6 +112,22 @@ def init_adapter(model, path, seed=1):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))  # B = 0 would make dL/dA zero
     model.save_pretrained(path)
     return model
+
+
+def merged_logits(model_dir, adapter_dir, image):
+    """(prompt ids, last logits [V]) of refimpl with the adapter merged as `generate --lora` merges it, on the chat
+    prompt "what is it" with one image."""
+    from refimpl.formats.checkpoint import load_checkpoint
+    from refimpl.formats.lora import load_lora, merge_lora
+    from refimpl.generate_mllama import MllamaEngine
+    from refimpl.vision.prepare import prepare
+    ckpt = load_checkpoint(model_dir)
+    ckpt.params = merge_lora(ckpt.params, ckpt.config, load_lora(adapter_dir, ckpt.config))
+    engine = MllamaEngine(ckpt)
+    req = prepare(model_dir, ckpt.config, ckpt.tokenizer, "what is it", [image], chat=True)
+    n = len(req.prompt_ids)
+    return req.prompt_ids, np.ravel(engine.logits(req.prompt_ids, np.arange(n), engine.new_cache(n),
+                                                  images=req.images))
 
 
 def finetune_args(model_dir, data, out, *extra):
@@ -217,22 +233,14 @@ def test_adamw_halves_loss_and_adapter_loads_in_peft_and_generate(base, tmp_path
     assert {k: v.tolist() for k, v in lora_tensors(loaded).items()} == {k: v.tolist() for k, v in saved.items()}
 
     # the adapter as generate merges it: refimpl's logits equal PEFT's on an image prompt
-    from refimpl.formats.checkpoint import load_checkpoint
-    from refimpl.formats.lora import load_lora, merge_lora
-    from refimpl.generate_mllama import MllamaEngine
-    from refimpl.vision.prepare import prepare
-    ckpt = load_checkpoint(model_dir)
-    ckpt.params = merge_lora(ckpt.params, ckpt.config, load_lora(out, ckpt.config))
-    engine = MllamaEngine(ckpt)
-    req = prepare(model_dir, ckpt.config, ckpt.tokenizer, "what is it", [data_dir / "img" / "wide.png"], chat=True)
-    n_prompt = len(req.prompt_ids)
-    ours = engine.logits(req.prompt_ids, np.arange(n_prompt), engine.new_cache(n_prompt), images=req.images)
-    processor = transformers.AutoProcessor.from_pretrained(model_dir)
-    inputs, _ = hf_inputs(processor, {**RECORDS[0], "images": ["wide.png"]}, data_dir / "img")
+    prompt_ids, ours = merged_logits(model_dir, out, data_dir / "img" / "wide.png")
+    n_prompt = len(prompt_ids)
+    inputs, _ = hf_inputs(transformers.AutoProcessor.from_pretrained(model_dir),
+                          {**RECORDS[0], "images": ["wide.png"]}, data_dir / "img")
     with torch.no_grad():
         want = loaded(**inputs).logits[0].numpy()
-    assert req.prompt_ids == inputs["input_ids"][0, :n_prompt].tolist()
-    np.testing.assert_allclose(np.ravel(ours), want[n_prompt - 1], rtol=1e-4, atol=1e-4)
+    assert prompt_ids == inputs["input_ids"][0, :n_prompt].tolist()
+    np.testing.assert_allclose(ours, want[n_prompt - 1], rtol=1e-4, atol=1e-4)
 
     # `lora merge` bakes it into a checkpoint transformers loads, with PEFT's logits
     merged = run_cli(["lora", "merge", "--model", model_dir, "--adapter", out, "--out", tmp_path / "merged"])
@@ -251,7 +259,7 @@ def test_adamw_halves_loss_and_adapter_loads_in_peft_and_generate(base, tmp_path
                        "--json"])
         assert gen.exit_code == 0, gen.output
         record = json.loads(gen.stdout)
-        assert record["prompt_ids"] == req.prompt_ids
+        assert record["prompt_ids"] == prompt_ids
         assert record["generated_ids"] == greedy[0, n_prompt:].tolist(), backend
 
 
@@ -302,3 +310,23 @@ def test_init_adapter_on_the_vision_tower_is_refused(base, tmp_path):
     data = write_jsonl(data_dir / "one.jsonl", records_for(data_dir)[:1])
     result = run_cli(finetune_args(model_dir, data, tmp_path / "out", "--init-adapter", tmp_path / "vision-adapter"))
     assert_clean_error(result, "vision-adapter", "vision_model", "text decoder")
+
+
+def test_generate_merges_adapters_on_every_linear_as_peft_does(base, tmp_path):
+    """PEFT's all-linear on Mllama adapts the vision tower and the projector too: merged, refimpl's logits on an
+    image prompt are PEFT's."""
+    from refimpl.formats.lora import load_lora
+    from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
+    model_dir, data_dir = base
+    peft_model = init_adapter(hf_model(model_dir), tmp_path / "all", targets="all-linear").eval()
+    adapter = load_lora(tmp_path / "all", load_mllama_checkpoint(model_dir, with_tokenizer=False).config)
+    assert len(adapter) == 53 and any(name.startswith("vision_model.") for name, *_ in adapter)
+    prompt_ids, ours = merged_logits(model_dir, tmp_path / "all", data_dir / "img" / "tall.png")
+    n = len(prompt_ids)
+    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    inputs, _ = hf_inputs(processor, {**RECORDS[0], "images": ["tall.png"]}, data_dir / "img")
+    with torch.no_grad():
+        want = peft_model(**inputs).logits[0, n - 1].numpy()
+        plain = hf_model(model_dir)(**inputs).logits[0, n - 1].numpy()
+    assert np.abs(want - plain).max() > 1e-2  # the adapter changes the answer
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
