@@ -253,14 +253,14 @@ def test_adamw_halves_loss_and_adapter_loads_in_peft_and_generate(base, tmp_path
     with torch.no_grad():
         greedy = loaded.generate(**{k: v[:, :n_prompt] if k in ("input_ids", "cross_attention_mask") else v
                                     for k, v in inputs.items()}, max_new_tokens=4, do_sample=False)
-    for backend in ("refimpl", "accel"):
+    for backend, mode in (("refimpl", "merged"), ("refimpl", "unmerged"), ("accel", "merged")):
         gen = run_cli(["generate", "what is it", "--chat", "--model", model_dir, "--backend", backend, "--device",
-                       "cpu", "--image", data_dir / "img" / "wide.png", "--lora", out, "--max-new-tokens", 4,
-                       "--json"])
+                       "cpu", "--image", data_dir / "img" / "wide.png", "--lora", out, "--lora-mode", mode,
+                       "--max-new-tokens", 4, "--json"])
         assert gen.exit_code == 0, gen.output
         record = json.loads(gen.stdout)
         assert record["prompt_ids"] == prompt_ids
-        assert record["generated_ids"] == greedy[0, n_prompt:].tolist(), backend
+        assert record["generated_ids"] == greedy[0, n_prompt:].tolist(), (backend, mode)
 
 
 def bad_case(data_dir, name):
@@ -330,3 +330,6 @@ def test_generate_merges_adapters_on_every_linear_as_peft_does(base, tmp_path):
         plain = hf_model(model_dir)(**inputs).logits[0, n - 1].numpy()
     assert np.abs(want - plain).max() > 1e-2  # the adapter changes the answer
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+    unmerged = run_cli(["generate", "what is it", "--model", model_dir, "--backend", "refimpl", "--image",
+                        data_dir / "img" / "tall.png", "--lora", tmp_path / "all", "--lora-mode", "unmerged"])
+    assert_clean_error(unmerged, "--lora-mode unmerged", "also adapts")
