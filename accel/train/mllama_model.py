@@ -89,7 +89,7 @@ class MllamaTrainModel(TrainModel):
     def collate(self, batch, device):
         """(ids [B, T], labels [B, T], [ImageInputs or None] per sample): the images through the processor."""
         ids, labels = collate(batch, device)
-        return ids, labels, [self.vision_data.inputs(s) if getattr(s, "images", ()) else None for s in batch]
+        return ids, labels, [self.vision_data.inputs(s) for s in batch]
 
     def loss_sum(self, ids, labels, images=None):
         self._images = images

@@ -28,7 +28,10 @@ from refimpl.model.config import LlamaConfig
 from refimpl.model.llama import LoraWeight
 from refimpl.errors import CheckpointError, quote
 from refimpl.formats.jsonfile import read_json_object
+from refimpl.formats.lora_mllama import ALL_LINEAR_LEAVES, linear_params, mllama_modules, module_of, param_of
 from refimpl.formats.lora_targets import LLAMA_LINEARS, BoundedMatcher, targeted_modules
+from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
+from refimpl.model.mllama_config import MllamaConfig
 from refimpl.formats.safe_open import check_path, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -101,18 +104,14 @@ def module_scale(d: dict, module: str, path: Path, matcher: BoundedMatcher | Non
 
 
 def _is_mllama(cfg) -> bool:
-    return hasattr(cfg, "vision")
+    return isinstance(cfg, MllamaConfig)
 
 
 def _shapes(cfg) -> dict:
-    if _is_mllama(cfg):
-        from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
-        return expected_mllama_shapes(cfg)
-    return expected_shapes(cfg)
+    return expected_mllama_shapes(cfg) if _is_mllama(cfg) else expected_shapes(cfg)
 
 
-def _mllama_param_name(module: str, how: str, cfg, path: Path) -> str:
-    from refimpl.formats.lora_mllama import linear_params, mllama_modules, module_of, param_of
+def _mllama_param_name(module: str, how: str, cfg: MllamaConfig, path: Path) -> str:
     name = param_of(module)
     if name not in linear_params(cfg):
         known = module_of(name) in mllama_modules(cfg)
@@ -183,7 +182,6 @@ def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
         _param_name(module, "a tensor adapts", cfg, weights)
     matcher = BoundedMatcher(cfg_path)  # one matching budget for the whole adapter
     if _is_mllama(cfg):
-        from refimpl.formats.lora_mllama import ALL_LINEAR_LEAVES, mllama_modules
         targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher, modules=mllama_modules(cfg),
                                     all_linear=ALL_LINEAR_LEAVES)
     else:
