@@ -36,6 +36,11 @@ RECORDS = [
                   {"role": "assistant", "content": "blue, it is"}], "images": ["tall.png", "wide.png"]},
     {"query": "no picture", "response": "then text"},  # a text sample: HF skips the cross layers for it
 ]
+# image parts naming their own files (relative to the data file)
+PATH_PARTS = {"messages": [{"role": "user", "content": [{"type": "image", "path": "img/tall.png"},
+                                                        {"type": "text", "text": "and"},
+                                                        {"type": "image", "path": "img/wide.png"}]},
+                           {"role": "assistant", "content": "two"}]}
 
 
 @pytest.fixture(autouse=True)
@@ -77,9 +82,10 @@ def hf_messages(record, image_dir):
         content = m["content"]
         if strings_only and record.get("images") and i == first_user:  # llama32's layout: images open the turn
             content = [{"type": "image"}] * len(record["images"]) + [{"type": "text", "text": content}]
-        if isinstance(content, list):
-            content = [{"type": "image", "path": str(image_dir / next(files))} if p["type"] == "image" else p
-                       for p in content]
+        if isinstance(content, list):  # a part's own path is relative to the data file, beside img/
+            content = [p if p["type"] != "image" else
+                       {"type": "image", "path": str(image_dir.parent / p["path"] if "path" in p
+                                                     else image_dir / next(files))} for p in content]
         out.append({"role": m["role"], "content": content})
     return out
 
@@ -144,10 +150,11 @@ def test_samples_match_hf_processor(base):
     ckpt = load_mllama_checkpoint(model_dir)
     tok = TextTokenizer.from_dir(model_dir, ckpt.config)
     vd = VisionData.for_checkpoint(model_dir, ckpt.config, tok)
-    path = write_jsonl(data_dir / "d.jsonl", records_for(data_dir))
+    path = write_jsonl(data_dir / "d.jsonl", records_for(data_dir) + [PATH_PARTS])
     samples = load_samples(path, tok, 128, None, image_record_encoder(path, tok, vd))
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
-    for record, sample in zip(RECORDS, samples):
+    assert len(samples) == len(RECORDS) + 1
+    for record, sample in zip(RECORDS + [PATH_PARTS], samples):
         inputs, labels = hf_inputs(processor, record, data_dir / "img")
         assert sample.ids == inputs["input_ids"][0].tolist()
         assert sample.labels == labels[0].tolist()
@@ -279,13 +286,16 @@ def bad_case(data_dir, name):
         "image in the answer": ({"messages": [user, {"role": "assistant", "content": [{"type": "image"}]}],
                                  "images": [wide]}, ["assistant turn"]),
         "bad part": ({"messages": [{"role": "user", "content": [{"type": "video"}]}, answer]}, ["part 0"]),
+        "image url": ({"messages": [{"role": "user", "content": [{"type": "image", "url": "http://x/a.png"}]},
+                                    answer]}, ["part 0", "'url' is not read"]),
         "images not a list": ({"messages": [user, answer], "images": "img/wide.png"}, ["'images' must be a list"]),
     }
     return cases[name]
 
 
 @pytest.mark.parametrize("case", ["missing image", "unreadable image", "more images than tokens",
-                                  "fewer images than parts", "image in the answer", "bad part", "images not a list"])
+                                  "fewer images than parts", "image in the answer", "bad part", "image url",
+                                  "images not a list"])
 def test_bad_image_data_is_one_clear_error(base, tmp_path, case):
     model_dir, data_dir = base
     record, expected = bad_case(data_dir, case)

@@ -72,6 +72,10 @@ def _content_parts(content, where: str) -> bool:
         if not ok:
             raise DataError(f"{where}, part {j}: expected {{'type': 'text', 'text': str}} or {{'type': 'image'}} "
                             f"(optionally with a 'path'), got {str(part)[:80]}")
+        other = [key for key in ("url", "image", "base64") if part["type"] == "image" and key in part]
+        if other:  # never silently dropped: the image would come from 'images' instead
+            raise DataError(f"{where}, part {j}: image parts take a file 'path' (or the next of 'images'); "
+                            f"{other[0]!r} is not read")
     return True
 
 
