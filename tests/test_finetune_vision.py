@@ -7,7 +7,7 @@ nonzero A and B must land every LoRA matrix (self- and cross-attention layers, M
 against the size of the step itself.
 """
 import json
-import shutil
+import os
 
 import numpy as np
 import pytest
@@ -343,3 +343,27 @@ def test_generate_merges_adapters_on_every_linear_as_peft_does(base, tmp_path):
     unmerged = run_cli(["generate", "what is it", "--model", model_dir, "--backend", "refimpl", "--image",
                         data_dir / "img" / "tall.png", "--lora", tmp_path / "all", "--lora-mode", "unmerged"])
     assert_clean_error(unmerged, "--lora-mode unmerged", "also adapts")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors run the kernel in the interpreter "
+                    "only (on a CUDA machine the GPU step test covers it)")
+def test_cross_attention_kernel_on_the_vision_masks():
+    """The Triton FlashAttention (the interpreter on the CPU) with the cross layers' masks — a row seeing only its
+    own image's tiles, a text row before the image seeing all its sample's tokens, a sample without images seeing
+    nothing — matches the plain-torch attention the CPU trainer runs, forward and backward."""
+    from accel.train.attention import attention_reference, flash_attention
+    g = torch.Generator().manual_seed(0)
+    B, T, N, H, K, E = 2, 7, 10, 4, 2, 16
+    q, k, v = (torch.randn(B, L, n, E, generator=g, requires_grad=True) for L, n in ((T, H), (N, K), (N, K)))
+    visible = torch.zeros(B, T, N, dtype=torch.bool)
+    visible[0, :2] = True  # text before the image: every token of its sample
+    visible[0, 2:, :5] = True  # after it: the image's real tiles only
+    # sample 1 has no image: nothing visible, output and gradients 0
+    do = torch.randn(B, T, H, E, generator=g)
+    got, want = (attention(q, k, v, causal=False, mask=visible) for attention in (flash_attention,
+                                                                                 attention_reference))
+    grads = [torch.autograd.grad(o, (q, k, v), do) for o in (got, want)]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert got[1].abs().max() == 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
