@@ -100,6 +100,22 @@ def lora_tensors(model):
     return {n.replace(".default", ""): p.detach().numpy().copy() for n, p in model.named_parameters() if "lora_" in n}
 
 
+def peft_sgd_step(model, batches, lr) -> float:
+    """HF + PEFT's side of one step: each of `batches` (model keyword arguments with labels and num_items_in_batch)
+    forward and backward, then p -= lr·grad on every LoRA matrix; returns the summed loss."""
+    model.train()
+    loss = 0.0
+    for kw in batches:
+        out = model(**kw)
+        out.loss.backward()
+        loss += float(out.loss.detach())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p -= lr * p.grad
+    return loss
+
+
 def finetune_args(base, data, out, *extra):
     return ["finetune", "--model", base, "--data", data, "--out", out, "--device", "cpu", "--dtype", "fp32",
             *map(str, extra)]
@@ -122,16 +138,8 @@ def sgd_step_errors(tmp_path, kv_heads, targets, hidden=32, device="cpu"):
     encoded = [hf_labels(tok, as_messages(r)) for r in CONVERSATIONS]
     n_items = sum(sum(1 for t in labels[1:] if t != -100) for _, labels in encoded)
     before = lora_tensors(model)
-    model.train()
-    loss = 0.0
-    for ids, labels in encoded:
-        out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]), num_items_in_batch=n_items)
-        out.loss.backward()
-        loss += float(out.loss)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p -= lr * p.grad
+    loss = peft_sgd_step(model, [dict(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]),
+                                      num_items_in_batch=n_items) for ids, labels in encoded], lr)
     want = lora_tensors(model)
     got = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
 

@@ -94,6 +94,10 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
     if lora is not None:
         from refimpl.formats.lora import attach_lora, load_lora, merge_lora
         adapter = load_lora(lora, ckpt.config)
+        vision = [name for name, *_ in adapter if is_mllama(ckpt) and not name.startswith("language_model.")]
+        if vision and lora_mode == "unmerged":  # the refimpl vision tower runs plain linears
+            raise GenerationError(f"--lora-mode unmerged serves a vision model's text-decoder adapters only; {lora} "
+                                  f"also adapts {vision[0]!r}: drop --lora-mode unmerged to merge it")
         ckpt.params = (attach_lora(ckpt.params, adapter) if lora_mode == "unmerged"
                        else merge_lora(ckpt.params, ckpt.config, adapter))
     if spec is not None and not keep_blocks and backend == "refimpl":

@@ -117,9 +117,12 @@ def save_checkpoint(model_dir: str | Path, cfg: LlamaConfig, params: dict[str, n
     return model_dir
 
 
-def weight_dtype(model_dir: Path, name: str = "model.embed_tokens.weight") -> str:
-    """The safetensors dtype (BF16, F16, F32) a checkpoint directory stores its weights in."""
-    path = weight_files(model_dir)[name]
+def weight_dtype(model_dir: Path) -> str:
+    """The safetensors dtype (BF16, F16, F32) a checkpoint directory stores its weights in (its token embedding's:
+    model.embed_tokens.weight, or a vision model's language_model one in either naming scheme)."""
+    files = weight_files(model_dir)
+    name = next(n for n in files if n.endswith("embed_tokens.weight"))
+    path = files[name]
     return SafetensorsFile(path).tensors[name].dtype
 
 

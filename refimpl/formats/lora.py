@@ -6,6 +6,9 @@ Merged weight = W + scale · (B @ A) with scale = alpha / r, or alpha / sqrt(r) 
 and `alpha_pattern` override r and alpha per module, matched as PEFT matches them (`get_pattern_key`: the first
 pattern p, in file order, for which `(.*\\.)?(p)$` matches the module name).
 
+A Llama 3.2 Vision base (MllamaConfig) takes adapters on any of its linears (text decoder, vision tower,
+projector, lm_head), named as refimpl.formats.lora_mllama describes; parameters come back in the Hub's names.
+
 Only what merges into plain Llama linears is accepted; every other PEFT feature is refused by name rather than
 silently merged wrong (DoRA rescales columns, lora_bias adds a bias Llama lacks, fan_in_fan_out transposes).
 """
@@ -25,7 +28,10 @@ from refimpl.model.config import LlamaConfig
 from refimpl.model.llama import LoraWeight
 from refimpl.errors import CheckpointError, quote
 from refimpl.formats.jsonfile import read_json_object
+from refimpl.formats.lora_mllama import ALL_LINEAR_LEAVES, linear_params, mllama_modules, module_of, param_of
 from refimpl.formats.lora_targets import LLAMA_LINEARS, BoundedMatcher, targeted_modules
+from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
+from refimpl.model.mllama_config import MllamaConfig
 from refimpl.formats.safe_open import check_path, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -97,9 +103,31 @@ def module_scale(d: dict, module: str, path: Path, matcher: BoundedMatcher | Non
     return r, (alpha / math.sqrt(r) if d.get("use_rslora") else alpha / r)
 
 
+def _is_mllama(cfg) -> bool:
+    return isinstance(cfg, MllamaConfig)
+
+
+def _shapes(cfg) -> dict:
+    return expected_mllama_shapes(cfg) if _is_mllama(cfg) else expected_shapes(cfg)
+
+
+def _mllama_param_name(module: str, how: str, cfg: MllamaConfig, path: Path) -> str:
+    name = param_of(module)
+    if name not in linear_params(cfg):
+        known = module_of(name) in mllama_modules(cfg)
+        raise CheckpointError(f"{path}: {how} module {quote(module)}, " + (
+            "which is not a linear layer; only the linears of the text decoder, vision tower, projector and "
+            "lm_head are supported" if known else
+            f"which this base model does not have (an adapter for another base? config has "
+            f"{cfg.text.num_hidden_layers} text layers)"))
+    return name
+
+
 def _param_name(module: str, how: str, cfg: LlamaConfig, path: Path) -> str:
     """PEFT module name -> the checkpoint parameter it adapts, refusing anything but Llama's linears.
     `how` says where the module came from ("a tensor adapts", "target_modules selects")."""
+    if _is_mllama(cfg):
+        return _mllama_param_name(module, how, cfg, path)
     m = _LAYER_MODULE_RE.match(module)
     if m and m.group(3) in LLAMA_LINEARS:
         name = module + ".weight"
@@ -134,7 +162,7 @@ def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
     weights = _weights_file(adapter_dir)
     st = SafetensorsFile(weights)
     pairs: dict[str, dict[str, str]] = {}
-    shapes = expected_shapes(cfg)
+    shapes = _shapes(cfg)
     for key in st.names():
         m = _KEY_RE.match(key)
         base = _BASE_LAYER_RE.match(key)
@@ -153,7 +181,11 @@ def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
     for module, ab in pairs.items():  # a matrix for a module this base lacks or llama32 cannot merge: refused
         _param_name(module, "a tensor adapts", cfg, weights)
     matcher = BoundedMatcher(cfg_path)  # one matching budget for the whole adapter
-    targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher)
+    if _is_mllama(cfg):
+        targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher, modules=mllama_modules(cfg),
+                                    all_linear=ALL_LINEAR_LEAVES)
+    else:
+        targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher)
     for module in targeted:  # PEFT raises on a targeted module it cannot adapt; llama32 merges only linears
         _param_name(module, "target_modules selects", cfg, cfg_path)
     skipped = [module for module in pairs if module not in set(targeted)]

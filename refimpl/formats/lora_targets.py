@@ -146,16 +146,18 @@ def is_targeted(d: dict, key: str, m: BoundedMatcher) -> bool:
     return index is not None and (index == layers if isinstance(layers, int) else index in layers)
 
 
-def targeted_modules(d: dict, num_layers: int, path: Path, m: BoundedMatcher | None = None) -> list[str]:
-    """The module names PEFT adapts in a Llama of `num_layers` layers; refused where PEFT raises."""
+def targeted_modules(d: dict, num_layers: int, path: Path, m: BoundedMatcher | None = None,
+                     modules: list[str] | None = None, all_linear=LLAMA_LINEARS) -> list[str]:
+    """The module names PEFT adapts in a Llama of `num_layers` layers (or among `modules`, another model's module
+    names, whose linears' leaf names are `all_linear`); refused where PEFT raises."""
     _check_shape(d, path)
     if isinstance(d.get("target_modules"), list) and not all(isinstance(t, str) for t in d["target_modules"]):
         raise CheckpointError(f"{path}: target_modules must list module names (strings), got "
                               f"{quote(d['target_modules'])}")
     if isinstance(d.get("target_modules"), str) and d["target_modules"].lower() == "all-linear":
-        d = {**d, "target_modules": list(LLAMA_LINEARS)}  # PEFT: every nn.Linear except the output layer
+        d = {**d, "target_modules": list(all_linear)}  # PEFT: every nn.Linear except the output layer
     m = m or BoundedMatcher(path)
-    hits = [key for key in llama_modules(num_layers) if is_targeted(d, key, m)]
+    hits = [key for key in (llama_modules(num_layers) if modules is None else modules) if is_targeted(d, key, m)]
     if not hits:
         targets = d.get("target_modules", PEFT_DEFAULT_TARGETS)
         note = f" within layers_to_transform {quote(d['layers_to_transform'])}" \

@@ -33,6 +33,14 @@ def hub_name(name: str) -> str:
     return name
 
 
+def transformers_name(name: str) -> str:
+    """A Hub-scheme name in the scheme transformers 5 writes and names its modules by (PEFT's adapter keys)."""
+    for new, hub in _RENAMES:
+        if name.startswith(hub):
+            return new + name[len(hub):]
+    return name
+
+
 def _vision_layer_shapes(prefix: str, U: int, M: int, gated: bool) -> dict:
     shapes = {prefix + "self_attn." + m + "_proj.weight": (U, U) for m in "qkvo"}
     shapes.update({prefix + "mlp.fc1.weight": (M, U), prefix + "mlp.fc1.bias": (M,),

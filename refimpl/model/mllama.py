@@ -18,6 +18,7 @@ import numpy as np
 
 from refimpl.model import arrays
 from refimpl.model.llama import Steps, attention_block, emit, layer_params, mlp_block, mlp_branch, run_steps
+from refimpl.model.llama import project as linear  # x @ wᵀ, or an unmerged LoRA sum (generate --lora-mode unmerged)
 from refimpl.model.mllama_config import MllamaConfig, MllamaTextConfig
 from refimpl.vision.encoder import project, vision_steps
 from refimpl.vision.inputs import ImageInputs
@@ -73,22 +74,22 @@ def cross_attention_block(ops, p: dict, x, cfg: MllamaTextConfig, i: int, cache:
     T, H, K, E = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     h = yield from emit(n + "xattn_norm", ops.rms_norm(x, p["input_layernorm.weight"], eps))
-    q = ops.linear(h, p["cross_attn.q_proj.weight"]).reshape(T, H, E)  # [T, D] -> [T, H, E]
+    q = linear(ops, h, p["cross_attn.q_proj.weight"]).reshape(T, H, E)  # [T, D] -> [T, H, E]
     q = yield from emit(n + "xattn.q", q)
     q = yield from emit(n + "xattn.q_norm", ops.rms_norm(q, p["cross_attn.q_norm.weight"], eps))  # over E
     if states is not None:  # a new image: its keys/values replace the cached ones
         N = states.shape[0]
-        k = ops.linear(states, p["cross_attn.k_proj.weight"]).reshape(N, K, E)  # [N, D] -> [N, K, E]
+        k = linear(ops, states, p["cross_attn.k_proj.weight"]).reshape(N, K, E)  # [N, D] -> [N, K, E]
         k = yield from emit(n + "xattn.k", k)
         k = yield from emit(n + "xattn.k_norm", ops.rms_norm(k, p["cross_attn.k_norm.weight"], eps))
-        v = ops.linear(states, p["cross_attn.v_proj.weight"]).reshape(N, K, E)  # [N, D] -> [N, K, E]
+        v = linear(ops, states, p["cross_attn.v_proj.weight"]).reshape(N, K, E)  # [N, D] -> [N, K, E]
         v = yield from emit(n + "xattn.v", v)
         cache.xk[i], cache.xv[i] = arrays.permute(k, (1, 0, 2)), arrays.permute(v, (1, 0, 2))  # -> [K, N, E]
     # HF multiplies the additive mask by full_text_row_masked_out_mask: a token that may see no tile (text before
     # the first image) attends to every image token instead, and only its MLP branch is zeroed below.
     a = ops.cross_attention(q, cache.xk[i], cache.xv[i], visible | ~row_has_image[:, None])  # -> [T, H, E]
     a = yield from emit(n + "xattn.out", a)
-    o = ops.linear(a.reshape(T, H * E), p["cross_attn.o_proj.weight"])  # [T, H·E] -> [T, D]
+    o = linear(ops, a.reshape(T, H * E), p["cross_attn.o_proj.weight"])  # [T, H·E] -> [T, D]
     o = yield from emit(n + "xattn.o_proj", o)
     x = yield from emit(n + "resid_mid", x + arrays.tanh(p["cross_attn_attn_gate"]) * o)
     down = yield from mlp_branch(ops, p, x, cfg, i)  # [T, D]
@@ -133,7 +134,7 @@ def forward_steps(ops, params: dict, cfg: MllamaConfig, ids, positions, cache: M
     x = yield from emit("final_norm", ops.rms_norm(x, params[TEXT + "norm.weight"], text.rms_norm_eps))
     if last_logits_only:
         x = x[-1:]
-    return (yield from emit("logits", ops.linear(x, params[LM_HEAD])))  # [T, D] -> [T, V]
+    return (yield from emit("logits", linear(ops, x, params[LM_HEAD])))  # [T, D] -> [T, V]
 
 
 def forward(ops, params, cfg, ids, positions, cache, images=None, last_logits_only=False):

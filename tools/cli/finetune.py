@@ -2,7 +2,8 @@
 
 Base weights stay frozen in the model dtype; LoRA matrices and optimiser state are fp32. Samples are right-padded
 per micro-batch (not packed): causal attention needs no mask then, and each sample's loss is exactly what it
-would be alone, which keeps the one-step check against HF + PEFT exact. Image samples are refused for now.
+would be alone, which keeps the one-step check against HF + PEFT exact. A Llama 3.2 Vision checkpoint also takes
+image samples; its LoRA goes on the text decoder, the vision encoder stays frozen (accel.train.mllama_session).
 """
 from __future__ import annotations
 
@@ -36,13 +37,15 @@ def _check(cond: bool, message: str) -> None:
 
 @click.command()
 @click.option("--model", "model", default=None, help="Base model directory or .gguf file.")
-@click.option("--data", required=True, type=click.Path(path_type=Path), help="Training JSONL (messages or query/response).")
+@click.option("--data", required=True, type=click.Path(path_type=Path),
+              help="Training JSONL (messages or query/response; plus images for a vision checkpoint).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output PEFT adapter directory.")
 @click.option("--eval-data", type=click.Path(path_type=Path), default=None, help="JSONL evaluated after training.")
 @click.option("--rank", default=8, show_default=True, type=int)
 @click.option("--alpha", default=32.0, show_default=True, type=float)
 @click.option("--dropout", default=0.05, show_default=True, type=float, help="LoRA dropout on the adapter input.")
-@click.option("--target", default="all-linear", show_default=True, help="all-linear or e.g. q_proj,v_proj.")
+@click.option("--target", default="all-linear", show_default=True,
+              help="all-linear or e.g. q_proj,v_proj (a vision checkpoint: its text decoder's linears only).")
 @click.option("--lr", default=1e-4, show_default=True, type=float)
 @click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
               help="sgd: plain p -= lr·grad (no momentum, no weight decay).")

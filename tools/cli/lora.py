@@ -14,7 +14,7 @@ import click
 from refimpl.errors import GenerationError
 
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-          "special_tokens_map.json", "chat_template.jinja")
+          "special_tokens_map.json", "chat_template.jinja", "preprocessor_config.json")
 DTYPE_TAGS = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
 

@@ -1,0 +1,162 @@
+"""The training forward of Llama 3.2 Vision: LoRA on the text decoder (self- and cross-attention layers), the vision
+encoder and projector frozen.
+
+The self-attention layers are the text trainer's (accel.train.model: fused GEMMs, LoRA slices, checkpointing; its
+loss over label tokens too). Each sample's images go through the fast encoder + projector once per micro-batch
+under no_grad, so no activation of the vision tower is kept; its image tokens [N_b, D] are right-padded to the
+batch's longest into states [B, N, D], which every cross-attention layer projects to keys/values (their LoRA
+pairs train through them). Cross-attention follows HF: query row t sees the image tiles its mask row allows; a row
+that sees none (text before the first image) attends to all of its own sample's image tokens and its MLP branch is
+zeroed; padded image tokens are never seen, so a sample without images passes the cross layers unchanged, as HF
+skips them for it. A batch without any image skips the cross layers entirely.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from accel.ops import rope_tables
+from accel.train.attention import attention_reference, flash_attention
+from accel.train.loop import collate
+from accel.train.model import TrainModel, _adapt, rms_norm
+from accel.vision import encoder
+from accel.vision.weights import MllamaWeights, self_layer_config
+from refimpl.model.mllama import TEXT, MllamaCache, cross_attention_rows
+from refimpl.model.mllama_config import MllamaConfig
+from refimpl.formats.lora_mllama import TEXT_LINEARS, text_param
+
+CROSS_WEIGHTS = ("input_layernorm.weight", "cross_attn.q_proj.weight", "cross_attn.k_proj.weight",
+                 "cross_attn.v_proj.weight", "cross_attn.o_proj.weight", "cross_attn.q_norm.weight",
+                 "cross_attn.k_norm.weight", "cross_attn_attn_gate", "post_attention_layernorm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "cross_attn_mlp_gate")
+
+
+@torch.compiler.disable
+def cross_attention(q, k, v, visible):
+    """q [B, T, H, E] over k/v [B, N, K, E], visible [B, T, N] bool -> [B, T, H, E] (rows seeing nothing: 0)."""
+    if q.is_cuda:
+        return flash_attention(q, k, v, causal=False, mask=visible)
+    return attention_reference(q, k, v, causal=False, mask=visible)
+
+
+def cross_layer(x, states, visible, has_image, weights: tuple, adapters: tuple, shape: tuple, eps: float,
+                dropout: float):
+    """One gated cross-attention layer. x [B, T, D], states [B, N, D] (the image tokens), visible [B, T, N],
+    has_image [B, T, 1] in x's dtype; weights in CROSS_WEIGHTS order; adapters = (A, B, scale) or None per
+    TEXT_LINEARS entry; shape = (H, K, E)."""
+    norm, q_w, k_w, v_w, o_w, q_norm, k_norm, attn_gate, mlp_norm, gate_w, up_w, down_w, mlp_gate = weights
+    aq, ak, av, ao, ag, au, ad = adapters
+    H, K, E = shape
+    B, T, _ = x.shape
+    N = states.shape[1]
+    h = rms_norm(x, norm, eps)
+    q = rms_norm(_adapt(F.linear(h, q_w), h, aq, dropout).view(B, T, H, E), q_norm, eps)  # normed over E
+    k = rms_norm(_adapt(F.linear(states, k_w), states, ak, dropout).view(B, N, K, E), k_norm, eps)
+    v = _adapt(F.linear(states, v_w), states, av, dropout).view(B, N, K, E)  # [B, N, D] -> [B, N, K, E]
+    a = cross_attention(q, k, v, visible).reshape(B, T, H * E)  # [B, T, H, E] -> [B, T, H·E]
+    x = x + attn_gate.tanh() * _adapt(F.linear(a, o_w), a, ao, dropout)  # [B, T, H·E] -> [B, T, D]
+    h = rms_norm(x, mlp_norm, eps)
+    act = F.silu(_adapt(F.linear(h, gate_w), h, ag, dropout)) * _adapt(F.linear(h, up_w), h, au, dropout)
+    down = _adapt(F.linear(act, down_w), act, ad, dropout)  # [B, T, F] -> [B, T, D]
+    return x + mlp_gate.tanh() * (down * has_image)  # full_text_row_masked_out_mask
+
+
+def trainer_key(cfg: MllamaConfig, param: str) -> str:
+    """The key MllamaTrainModel's `lora` dict uses for a text-decoder weight (Hub name): a self-attention layer's
+    linears are looked up by TrainModel under their slot among the self layers (model.layers.{slot}...), a cross
+    layer's by the Hub name itself."""
+    layer = int(param.removeprefix(TEXT + "layers.").split(".", 1)[0])
+    t = cfg.text
+    if layer in t.cross_attention_layers:
+        return param
+    slot = layer - sum(1 for c in t.cross_attention_layers if c < layer)
+    return param.replace(f"{TEXT}layers.{layer}.", f"model.layers.{slot}.")
+
+
+class MllamaTrainModel(TrainModel):
+    """TrainModel over the text decoder's self layers (accel's fused weights), with the cross layers and the frozen
+    vision tower added; `lora` is keyed by `trainer_key`. `loss_sum(ids, labels, images)`: images is one
+    refimpl.vision.inputs.ImageInputs (or None) per row of ids, as `collate` returns it."""
+
+    def __init__(self, weights: MllamaWeights, cfg: MllamaConfig, lora: dict, vision_data, dropout: float = 0.0,
+                 checkpointing: bool = True, compile: bool = False):
+        super().__init__(weights.text, self_layer_config(cfg), lora, dropout, checkpointing, compile)
+        self.mw, self.mcfg, self.vision_data = weights, cfg, vision_data
+        self._images = None  # the rows' images during one loss_sum
+
+    def collate(self, batch, device):
+        """(ids [B, T], labels [B, T], [ImageInputs or None] per sample): the images through the processor."""
+        ids, labels = collate(batch, device)
+        return ids, labels, [self.vision_data.inputs(s) for s in batch]
+
+    def loss_sum(self, ids, labels, images=None):
+        self._images = images
+        try:
+            return super().loss_sum(ids, labels)
+        finally:
+            self._images = None
+
+    @torch.no_grad()
+    def image_states(self, images: list, T: int, device, dtype):
+        """The batch's frozen image side: (states [B, N, D], visible [B, T, N] bool, has_image [B, T, 1]), or
+        None when no row has an image. One encoder pass over every image of the batch."""
+        present = [im for im in images if im is not None]
+        if not present:
+            return None
+        vcfg, p = self.mcfg.vision, self.mw.params
+        pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in present])).to(device, dtype)
+        ar_ids = torch.from_numpy(np.concatenate([im.aspect_ratio_ids for im in present])).to(device)
+        ar_mask = np.concatenate([im.aspect_ratio_mask for im in present])
+        tokens = encoder.project(p, encoder.encode(p, vcfg, pixels, ar_ids, ar_mask))  # [I·A·P, D]
+        per_image = vcfg.max_num_tiles * vcfg.tokens_per_tile
+        counts = [0 if im is None else im.num_images * per_image for im in images]
+        B, N = len(images), max(counts)
+        states = tokens.new_zeros(B, N, tokens.shape[-1])  # [B, N, D], padding never visible
+        visible = torch.zeros(B, T, N, dtype=torch.bool)
+        has_image = torch.zeros(B, T, 1, dtype=dtype)
+        start = 0
+        for b, (im, n) in enumerate(zip(images, counts)):
+            if im is None:
+                continue
+            states[b, :n] = tokens[start:start + n]
+            start += n
+            t = len(im.cross_attention_mask)
+            rows, row_has = cross_attention_rows(MllamaCache({}, {}, t, cross_mask=im.cross_attention_mask),
+                                                 np.arange(t), vcfg.tokens_per_tile, n)  # [t, n], [t]
+            visible[b, :t, :n] = torch.from_numpy(rows | ~row_has[:, None])
+            visible[b, t:, :n] = True  # right padding: any real image token (its loss is never taken)
+            has_image[b, :t, 0] = torch.from_numpy(row_has).to(dtype)
+        return states, visible.to(device), has_image.to(device)
+
+    def _cross(self, x, i: int, states, visible, has_image):
+        t = self.mcfg.text
+        adapters = []
+        for name in TEXT_LINEARS:
+            m = self.lora.get(text_param(i, self.mcfg, name))
+            adapters.append(None if m is None else (m.a, m.b, m.scale))
+        weights = tuple(self.mw.params[f"{TEXT}layers.{i}.{key}"] for key in CROSS_WEIGHTS)
+        return cross_layer(x, states, visible, has_image, weights, tuple(adapters),
+                           (t.num_attention_heads, t.num_key_value_heads, t.head_dim), t.rms_norm_eps,
+                           self.dropout if self.training else 0.0)
+
+    def hidden(self, ids):
+        """ids [B, T] (with self._images, one entry per row) -> final-norm hidden states [B, T, D]."""
+        t = self.mcfg.text
+        B, T = ids.shape
+        cos, sin = rope_tables(torch.arange(T, device=ids.device), t.head_dim, t.rope_theta,
+                               t.rope_scaling)  # [T, E/2] fp32 each
+        x = F.embedding(ids, self.w.embed)  # [B, T, D]
+        image_side = self.image_states(self._images or [None] * B, T, ids.device, x.dtype)
+        slot = {i: j for j, i in enumerate(self.mw.self_layers)}
+        for i in range(t.num_hidden_layers):
+            if i in slot:
+                fn, args = self._layer, (x, slot[i], cos, sin)
+            elif image_side is None:
+                continue  # no image in the batch: HF skips the cross-attention layers
+            else:
+                fn, args = self._cross, (x, i, *image_side)
+            x = checkpoint(fn, *args, use_reentrant=False) if self.checkpointing and torch.is_grad_enabled() \
+                else fn(*args)
+        return rms_norm(x, self.w.norm, t.rms_norm_eps)
