@@ -127,6 +127,41 @@ def test_quantized_gemv_split_k_sums_slices_in_order(name):
     check_fp32(got, oracle_product(rec, x), rec, x)
 
 
+@interpreter
+@pytest.mark.parametrize("H, NKV, E, D, spec", [(4, 2, 16, 64, "int8"), (3, 1, 24, 96, "int4:32"),
+                                                  (2, 2, 64, 160, "q4_1"), (4, 1, 32, 96, "q4_0")])
+@pytest.mark.parametrize("block_n", [None, 4])
+def test_quantized_qkv_rope_is_dequantize_then_norm_gemv_rope(H, NKV, E, D, spec, block_n):
+    """The fused norm -> quantized qkv -> RoPE -> cache write (one token, mid-cache) against the oracle:
+    refimpl's dequantized weight, rms_norm, matmul and rope; every other cache slot unchanged. GQA 2/3/1/4, a
+    head half (12) that 4-column blocks do not divide, D not a power of 2."""
+    from accel.kernels.qgemv import qkv_rope_qfwd
+    from refimpl.model.config import RopeScaling
+    N = (H + 2 * NKV) * E
+    rec = gguf_record(spec, N, D, seed=7) if spec.startswith("q") else QuantSpec.parse(spec).quantize(weights(N, D, 7))
+    t = from_quantized_linear(rec, "cpu")
+    rng = np.random.default_rng(8)
+    S, pos = 9, 5
+    x, nw = rng.standard_normal(D).astype(np.float32), (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    cos, sin = np_ops.rope_tables(np.arange(S), E, 500000.0, RopeScaling())  # [S, E/2]
+    cache_k, cache_v = rng.standard_normal((2, NKV, S, E)).astype(np.float32)
+    got_ck, got_cv = torch.from_numpy(cache_k.copy()), torch.from_numpy(cache_v.copy())
+    cfg = None if block_n is None else QGemvConfig(block_n, 64, 4, 1, 1)
+    got_q = qkv_rope_qfwd(t.q, t.scale, t.low, t.bits, t.offset, t.group, t.K, torch.from_numpy(x)[None],
+                          torch.from_numpy(nw), 1e-5, torch.from_numpy(cos), torch.from_numpy(sin),
+                          torch.tensor([pos]), got_ck, got_cv, config=cfg)
+    fx = np_ops.rms_norm(x[None], nw, 1e-5)[0]  # [D]
+    qkv = oracle_product(rec, fx)  # [(H+2K)·E]
+    q, k = qkv[:H * E].reshape(1, H, E), qkv[H * E:(H + NKV) * E].reshape(1, NKV, E)
+    want_q, want_k = np_ops.rope(q, k, cos[pos:pos + 1], sin[pos:pos + 1])
+    cache_k[:, pos], cache_v[:, pos] = want_k[0], qkv[(H + NKV) * E:].reshape(NKV, E)
+    # fp32 sums over D of |w·f(x)| <~ 4: the GEMV bound of check_fp32, and the rotation's few roundings
+    tol = dict(atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got_q[0].numpy(), want_q[0], **tol)
+    np.testing.assert_allclose(got_ck.numpy(), cache_k, **tol)
+    np.testing.assert_allclose(got_cv.numpy(), cache_v, **tol)
+
+
 def tiny_gguf(tmp_path, qtype):
     cfg = tiny_config(tied=True)
     return write_gguf(tmp_path / f"{qtype.name}.gguf", cfg, random_params(cfg, seed=9, std=0.15), qtype=qtype)

@@ -54,6 +54,21 @@ QKV_ROPE: Mapping[tuple[int, int], QkvConfig] = MappingProxyType({
 })
 
 
+class QGemvConfig(NamedTuple):
+    """The quantized GEMV (accel/kernels/qgemv.py): [block_n, block_k] tiles (block_k in columns), `split_k` K
+    slices a row block (the qkv + RoPE kernel takes 1), `stages` tiles in flight a program (1: no pipeline)."""
+    block_n: int
+    block_k: int
+    warps: int
+    split_k: int
+    stages: int
+
+
+# The quantized GEMV per (N, K, bits, group), ("rope",) appended for the fused qkv + RoPE kernel; shapes not
+# listed use `qgemv.qgemv_config`'s rule.
+QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({})
+
+
 class Tuning(NamedTuple):
     """The launch tables the decode step's fused ops read (accel.ops.fused): GEMV, QKV_ROPE and the decode
     attention's keyword options (accel.kernels.decode_attn.decode_attention_fwd: split_len, max_len, config)."""
