@@ -228,6 +228,38 @@ def test_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion):
 
 
 @gpu
+@pytest.mark.parametrize("spec", ["int8", "int4:64"])
+@pytest.mark.parametrize("H, NKV, E, D", [(32, 8, 64, 2048), (24, 8, 128, 3072)])
+def test_quantized_qkv_rope_at_llama_shapes_gpu(spec, H, NKV, E, D):
+    """The fused quantized norm + qkv + RoPE + cache write against float64: dequantized weight, rms_norm, rope."""
+    from accel.kernels.qgemv import qkv_rope_qfwd
+    from accel.ops.torch_ops import torch_rms_norm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, S, pos = (H + 2 * NKV) * E, 32, 17
+    t = quantize(torch.randn(N, D, device="cuda", generator=g) * 0.02, QuantSpec.parse(spec))
+    x = torch.randn(1, D, device="cuda", generator=g).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
+    ang = torch.randn(S, E // 2, device="cuda", generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    ck = torch.zeros(NKV, S, E, device="cuda", dtype=torch.bfloat16)
+    cv = torch.zeros_like(ck)
+    got_q = qkv_rope_qfwd(t.q, t.scale, t.low, t.bits, t.offset, t.group, t.K, x, nw, 1e-5, cos, sin,
+                          torch.tensor([pos], device="cuda"), ck, cv)
+    qkv = (torch_rms_norm(x, nw, 1e-5).double() @ t.dequantize().double().T)[0]  # [(H+2K)·E]
+    c, s = cos[pos].double(), sin[pos].double()
+
+    def rope64(a):  # [heads, E] float64
+        a1, a2 = a[:, :E // 2], a[:, E // 2:]
+        return torch.cat([a1 * c - a2 * s, a2 * c + a1 * s], dim=1)
+    want = [rope64(qkv[:H * E].view(H, E)), rope64(qkv[H * E:(H + NKV) * E].view(NKV, E)),
+            qkv[(H + NKV) * E:].view(NKV, E)]
+    for got, w in zip([got_q[0], ck[:, pos], cv[:, pos]], want):
+        err = (got.double() - w).abs().max().item()
+        assert err <= 2 ** -7 * w.abs().max().item() + 1e-3, err
+    assert ck[:, :pos].abs().max() == 0 and cv[:, pos + 1:].abs().max() == 0  # no other slot written
+
+
+@gpu
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 def test_gguf_gemv_at_a_llama_shape_gpu(fmt):
     rec = gguf_record(fmt, 3072, 2048, seed=6)

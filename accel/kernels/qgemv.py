@@ -207,9 +207,10 @@ def _dequant_kernel(Q, S, M, Y, N, K, stride_q, stride_s, stride_y, BITS: tl.con
 def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, rope: bool = False,
                  table: Mapping[tuple, QGemvConfig] = tuning.QGEMV) -> QGemvConfig:
     """`table`'s row for (N, K, bits, group) on a GPU, else the rule: ONE tile a program (all its loads issued at
-    once, like gemv.py's "split" kind), up to 2048 bytes of a row a tile (16 B a lane, warps along K, so each
-    thread's f(x) serves all its rows), 16 rows (8 at 4 bits: twice the codes a byte), split-K over the tiles.
-    On CPU (the interpreter, whose cost is per program and per op): one big-tile program."""
+    once, like gemv.py's "split" kind) of 2048, 1024 or 512 bytes of a row (16 B a lane, warps along K, so each
+    thread's f(x) serves all its rows; the widest that divides the row), 16 rows (8 at 4 bits: twice the codes
+    a byte), split-K over the tiles. The qkv + RoPE kernel cannot split K: its tiles go through a 3-stage
+    cp.async pipeline instead. On CPU (the interpreter, whose cost is per program and per op): one big tile."""
     key = (N, K, bits, group) + (("rope",) if rope else ())
     if sms and key in table:
         return table[key]
@@ -217,9 +218,14 @@ def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, rope: bool = F
     if sms == 0:
         return QGemvConfig(min(32, triton.next_power_of_2(N)), max(chunk, min(1024, triton.next_power_of_2(K))),
                            4, 1, 1)
-    nbytes = min(2048, triton.next_power_of_2(triton.cdiv(K * bits, 8)))
+    kbytes = triton.cdiv(K * bits, 8)
+    nbytes = next((b for b in (2048, 1024, 512) if kbytes % b == 0), min(2048, triton.next_power_of_2(kbytes)))
     bk = nbytes * 8 // bits
-    return QGemvConfig(16 if bits == 8 else 8, bk, 4, 1 if rope else triton.cdiv(K, bk), 1)
+    tiles = triton.cdiv(K, bk)
+    bn = 16 if bits == 8 else 8
+    if rope:
+        return QGemvConfig(bn, bk, 4, 1, 1 if tiles == 1 else 3)
+    return QGemvConfig(bn, bk, 4, tiles, 1)
 
 
 def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool) -> None:

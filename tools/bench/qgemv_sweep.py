@@ -135,7 +135,7 @@ class Case:
         return graph_us([lambda t=t, o=o: self.call(t, config, o) for t, o in zip(self.copies, outs)])
 
 
-def sweep(models: list[str], specs: list[str], budget: float) -> dict:
+def sweep(models: list[str], specs: list[str], budget: float, path: str | None = None) -> dict:
     deadline = time.time() + budget
     sms = sm_count(torch.device("cuda"))
     result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": []}
@@ -167,6 +167,9 @@ def sweep(models: list[str], specs: list[str], budget: float) -> dict:
                     print(f"{m} {what:<8}{spec:<8} rule {row['rule_us'] or float('nan'):8.2f} µs   best "
                           f"{best['us']:8.2f} µs ({best['tb_s']:.2f} TB/s) {best['config']}", flush=True)
                 result["rows"].append(row)
+                if path:  # after every row: a run cut short keeps what it measured
+                    with open(path, "w") as f:
+                        json.dump(result, f, indent=1)
                 del case
                 torch.cuda.empty_cache()
     return result
@@ -177,9 +180,7 @@ def main(argv: list[str]) -> None:
     opts = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--"))
     models = opts.get("models", "1b,3b").split(",")
     specs = opts.get("quant", "int8,int4:64").split(",")
-    result = sweep(models, specs, float(opts.get("budget", "1e9")))
-    with open(f"{out_dir}/qgemv_sweep.json", "w") as f:
-        json.dump(result, f, indent=1)
+    sweep(models, specs, float(opts.get("budget", "1e9")), f"{out_dir}/qgemv_sweep.json")
 
 
 if __name__ == "__main__":
