@@ -162,6 +162,19 @@ def test_quantized_qkv_rope_is_dequantize_then_norm_gemv_rope(H, NKV, E, D, spec
     np.testing.assert_allclose(got_cv.numpy(), cache_v, **tol)
 
 
+def test_qgemv_launch_table_rows_are_launchable():
+    """Every row of the measured table (accel/kernels/tuning.py QGEMV) passes the launcher's checks: whole 16-byte
+    chunks a tile, chunks inside groups, the qkv + RoPE rows unsplit with a power-of-2 half block."""
+    from accel.kernels.qgemv import _launch_checks
+    from accel.kernels.tuning import QGEMV
+    for key, cfg in QGEMV.items():
+        N, K, bits, group = key[:4]
+        _launch_checks(cfg, bits, group, per_row=bits == 8 and group >= K)
+        if key[4:] == ("rope",):
+            hn = cfg.block_n // 2
+            assert cfg.split_k == 1 and hn & (hn - 1) == 0, key
+
+
 def tiny_gguf(tmp_path, qtype):
     cfg = tiny_config(tied=True)
     return write_gguf(tmp_path / f"{qtype.name}.gguf", cfg, random_params(cfg, seed=9, std=0.15), qtype=qtype)
@@ -204,7 +217,8 @@ def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
 @pytest.mark.parametrize("spec", ["int8", "int4:32", "int4:64", "int4:128"])
 @pytest.mark.parametrize("N, K, fusion", [(3072, 2048, "norm"), (2048, 2048, "residual"), (16384, 2048, "norm"),
                                           (2048, 8192, "swiglu"), (128256, 2048, "norm"), (5120, 3072, "norm"),
-                                          (3072, 8192, "swiglu")])
+                                          (3072, 3072, "residual"), (16384, 3072, "norm"), (3072, 8192, "swiglu"),
+                                          (128256, 3072, "norm")])
 def test_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", generator=g) * 0.02

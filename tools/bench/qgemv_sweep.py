@@ -66,6 +66,10 @@ def candidates(N: int, K: int, bits: int, group: int, sms: int, rope: bool) -> l
     add(rule.block_n, nb, rule.warps, 2)
     add(rule.block_n, nb // 2, rule.warps, 4)
     add(rule.block_n * 2, nb // 2, 8)
+    add(16, 512, 1, 3)  # one warp, 16 rows a thread, 3-tile slices through the pipeline
+    add(16, 512, 2, 2)
+    add(8, 1024, 2, 2)
+    add(32, 512, 2, 1)
     return out
 
 
