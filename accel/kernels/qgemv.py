@@ -5,11 +5,13 @@ A quantized matrix W [N, K] arrives as (accel.quant_ops.QuantTensor):
     S  [N, ceil(K/GROUP)] scales, M the same shape of minima (HAS_MIN) or none; any float dtype, read as fp32
     W[n, k] = (Q[n, k] − OFFSET) · S[n, k // GROUP] (+ M[n, k // GROUP])   (OFFSET 8 for GGUF's Q4_0, else 0)
 That covers int8 per row (GROUP = K), int4 in groups (GROUP 32/64/128) and GGUF's Q8_0 / Q4_0 / Q4_1 (GROUP 32,
-their blocks rearranged at load). The GEMV never forms W: within a group it sums Q·f(x) and Σ f(x) in fp32, then
-y += S·Σ Q·f(x) + M·Σ f(x) — the same value as multiplying by the dequantized W, up to fp32 summation order.
-The prologues (RMSNorm, SwiGLU) and the residual epilogue are accel/kernels/common.py's (as gemv.py's), so the decode step's
-fusions carry over unchanged; a program multiplies a row block over one K slice and, with SPLIT_K > 1, the
-row block's last program to arrive sums the slices in order (gemv.py's split kernel does the same).
+their blocks rearranged at load). The GEMV never forms W: per 16-byte chunk of a row (inside one group) a thread
+sums Q·f(x) and Σ f(x) in fp32, then y += S·Σ Q·f(x) + M·Σ f(x) — the same value as multiplying by the
+dequantized W, up to fp32 summation order. The prologues (RMSNorm, SwiGLU) and the residual epilogue are
+accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry over unchanged; a program multiplies
+a row block over one K slice and, with SPLIT_K > 1, the row block's last program to arrive sums the slices in order
+(gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue
+(`qkv_rope_qfwd`). Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
 """
 from __future__ import annotations
 
@@ -47,9 +49,10 @@ def _codes(byte, half, BITS: tl.constexpr, OFFSET: tl.constexpr):
 # 4 codes a 32-bit register -> the fp32 bit patterns 0x4B0000uu = 2^23 + u, one PRMT each (u = the byte + 128
 # for int8: an XOR of the word; for int4 the low / high nibbles: two ANDs and a shift a word)
 _MAGIC_INT8 = tl.constexpr("""{ .reg .b32 m, u; mov.b32 m, 0x4B000000; xor.b32 u, $4, 0x80808080;
-prmt.b32 $0, u, m, 0x7540; prmt.b32 $1, u, m, 0x7541; prmt.b32 $2, u, m, 0x7542; prmt.b32 $3, u, m, 0x7543; }""")
-_MAGIC_INT4 = tl.constexpr("""{ .reg .b32 m, lo, hi; mov.b32 m, 0x4B000000; and.b32 lo, $8, 0x0F0F0F0F; shr.u32 hi, $8, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, u, m, 0x7540; prmt.b32 $1, u, m, 0x7541;
+prmt.b32 $2, u, m, 0x7542; prmt.b32 $3, u, m, 0x7543; }""")
+_MAGIC_INT4 = tl.constexpr("""{ .reg .b32 m, lo, hi; mov.b32 m, 0x4B000000; and.b32 lo, $8, 0x0F0F0F0F;
+shr.u32 hi, $8, 4; and.b32 hi, hi, 0x0F0F0F0F;
 prmt.b32 $0, lo, m, 0x7540; prmt.b32 $1, lo, m, 0x7541; prmt.b32 $2, lo, m, 0x7542; prmt.b32 $3, lo, m, 0x7543;
 prmt.b32 $4, hi, m, 0x7540; prmt.b32 $5, hi, m, 0x7541; prmt.b32 $6, hi, m, 0x7542; prmt.b32 $7, hi, m, 0x7543; }""")
 
