@@ -65,7 +65,7 @@ def gemv_bench(cfg: LlamaConfig, device, specs: list[str]) -> list[dict]:
     of weight copies (tools.bench.qgemv_sweep.Case: cold L2, as in decode)."""
     rows = []
     for what, (N, K, fusion) in shapes(cfg).items():
-        case = Case(what, N, K, fusion, specs[0], cfg)
+        case = Case(what, N, K, fusion, specs[0], cfg, min_bytes=0)  # the inputs (one weight copy)
         g = torch.Generator(device=device).manual_seed(0)
         w = (torch.randn(N, K, device=device, generator=g) * 0.02).to(torch.bfloat16)
         dense = [w] + [w.clone() for _ in range(max(0, -(-256 * 2**20 // w.nbytes) - 1))]
