@@ -207,8 +207,12 @@ def quant_swiglu_linear_add(gate_up, w: QuantTensor, residual):
 
 
 def quant_qkv_rope(x, norm_weight, w: QuantTensor, eps, cos, sin, position, cache_k, cache_v):
-    """ops.qkv_rope for a quantized weight, unfused: the quantized GEMV with the norm prologue, then
-    ops.rope_kv_write."""
+    """ops.qkv_rope for a quantized weight: one kernel (accel.kernels.qgemv.qkv_rope_qfwd) for the one-token
+    step, else the quantized GEMV with the norm prologue, then ops.rope_kv_write."""
+    if x.numel() == w.K and ops.uses_triton(x):
+        from .kernels.qgemv import qkv_rope_qfwd
+        return qkv_rope_qfwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, norm_weight, eps, cos, sin,
+                             position, cache_k, cache_v)
     return unfused_qkv_rope(quant_norm_linear, ops.rope_kv_write, x, norm_weight, w, eps, cos, sin, position,
                             cache_k, cache_v)
 

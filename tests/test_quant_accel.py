@@ -127,6 +127,54 @@ def test_quantized_gemv_split_k_sums_slices_in_order(name):
     check_fp32(got, oracle_product(rec, x), rec, x)
 
 
+@interpreter
+@pytest.mark.parametrize("H, NKV, E, D, spec", [(4, 2, 16, 64, "int8"), (3, 1, 24, 96, "int4:32"),
+                                                  (2, 2, 64, 160, "q4_1"), (4, 1, 32, 96, "q4_0")])
+@pytest.mark.parametrize("block_n", [None, 4])
+def test_quantized_qkv_rope_is_dequantize_then_norm_gemv_rope(H, NKV, E, D, spec, block_n):
+    """The fused norm -> quantized qkv -> RoPE -> cache write (one token, mid-cache) against the oracle:
+    refimpl's dequantized weight, rms_norm, matmul and rope; every other cache slot unchanged. GQA 2/3/1/4, a
+    head half (12) that 4-column blocks do not divide, D not a power of 2."""
+    from accel.kernels.qgemv import qkv_rope_qfwd
+    from refimpl.model.config import RopeScaling
+    N = (H + 2 * NKV) * E
+    rec = gguf_record(spec, N, D, seed=7) if spec.startswith("q") else QuantSpec.parse(spec).quantize(weights(N, D, 7))
+    t = from_quantized_linear(rec, "cpu")
+    rng = np.random.default_rng(8)
+    S, pos = 9, 5
+    x, nw = rng.standard_normal(D).astype(np.float32), (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    cos, sin = np_ops.rope_tables(np.arange(S), E, 500000.0, RopeScaling())  # [S, E/2]
+    cache_k, cache_v = rng.standard_normal((2, NKV, S, E)).astype(np.float32)
+    got_ck, got_cv = torch.from_numpy(cache_k.copy()), torch.from_numpy(cache_v.copy())
+    cfg = None if block_n is None else QGemvConfig(block_n, 64, 4, 1, 1)
+    got_q = qkv_rope_qfwd(t.q, t.scale, t.low, t.bits, t.offset, t.group, t.K, torch.from_numpy(x)[None],
+                          torch.from_numpy(nw), 1e-5, torch.from_numpy(cos), torch.from_numpy(sin),
+                          torch.tensor([pos]), got_ck, got_cv, config=cfg)
+    fx = np_ops.rms_norm(x[None], nw, 1e-5)[0]  # [D]
+    qkv = oracle_product(rec, fx)  # [(H+2K)·E]
+    q, k = qkv[:H * E].reshape(1, H, E), qkv[H * E:(H + NKV) * E].reshape(1, NKV, E)
+    want_q, want_k = np_ops.rope(q, k, cos[pos:pos + 1], sin[pos:pos + 1])
+    cache_k[:, pos], cache_v[:, pos] = want_k[0], qkv[(H + NKV) * E:].reshape(NKV, E)
+    # fp32 sums over D of |w·f(x)| <~ 4: the GEMV bound of check_fp32, and the rotation's few roundings
+    tol = dict(atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got_q[0].numpy(), want_q[0], **tol)
+    np.testing.assert_allclose(got_ck.numpy(), cache_k, **tol)
+    np.testing.assert_allclose(got_cv.numpy(), cache_v, **tol)
+
+
+def test_qgemv_launch_table_rows_are_launchable():
+    """Every row of the measured table (accel/kernels/tuning.py QGEMV) passes the launcher's checks: whole 16-byte
+    chunks a tile, chunks inside groups, the qkv + RoPE rows unsplit with a power-of-2 half block."""
+    from accel.kernels.qgemv import _launch_checks
+    from accel.kernels.tuning import QGEMV
+    for key, cfg in QGEMV.items():
+        N, K, bits, group = key[:4]
+        _launch_checks(cfg, bits, group, per_row=bits == 8 and group >= K)
+        if key[4:] == ("rope",):
+            hn = cfg.block_n // 2
+            assert cfg.split_k == 1 and hn & (hn - 1) == 0, key
+
+
 def tiny_gguf(tmp_path, qtype):
     cfg = tiny_config(tied=True)
     return write_gguf(tmp_path / f"{qtype.name}.gguf", cfg, random_params(cfg, seed=9, std=0.15), qtype=qtype)
@@ -169,7 +217,8 @@ def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
 @pytest.mark.parametrize("spec", ["int8", "int4:32", "int4:64", "int4:128"])
 @pytest.mark.parametrize("N, K, fusion", [(3072, 2048, "norm"), (2048, 2048, "residual"), (16384, 2048, "norm"),
                                           (2048, 8192, "swiglu"), (128256, 2048, "norm"), (5120, 3072, "norm"),
-                                          (3072, 8192, "swiglu")])
+                                          (3072, 3072, "residual"), (16384, 3072, "norm"), (3072, 8192, "swiglu"),
+                                          (128256, 3072, "norm")])
 def test_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", generator=g) * 0.02
@@ -190,6 +239,38 @@ def test_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion):
     # bf16 output: one rounding of the result (and of the residual sum), 2^-8 relative
     err = (got.double() - want).abs().max().item()
     assert err <= 2 ** -7 * want.abs().max().item() + 1e-3, err
+
+
+@gpu
+@pytest.mark.parametrize("spec", ["int8", "int4:64"])
+@pytest.mark.parametrize("H, NKV, E, D", [(32, 8, 64, 2048), (24, 8, 128, 3072)])
+def test_quantized_qkv_rope_at_llama_shapes_gpu(spec, H, NKV, E, D):
+    """The fused quantized norm + qkv + RoPE + cache write against float64: dequantized weight, rms_norm, rope."""
+    from accel.kernels.qgemv import qkv_rope_qfwd
+    from accel.ops.torch_ops import torch_rms_norm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, S, pos = (H + 2 * NKV) * E, 32, 17
+    t = quantize(torch.randn(N, D, device="cuda", generator=g) * 0.02, QuantSpec.parse(spec))
+    x = torch.randn(1, D, device="cuda", generator=g).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
+    ang = torch.randn(S, E // 2, device="cuda", generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    ck = torch.zeros(NKV, S, E, device="cuda", dtype=torch.bfloat16)
+    cv = torch.zeros_like(ck)
+    got_q = qkv_rope_qfwd(t.q, t.scale, t.low, t.bits, t.offset, t.group, t.K, x, nw, 1e-5, cos, sin,
+                          torch.tensor([pos], device="cuda"), ck, cv)
+    qkv = (torch_rms_norm(x, nw, 1e-5).double() @ t.dequantize().double().T)[0]  # [(H+2K)·E]
+    c, s = cos[pos].double(), sin[pos].double()
+
+    def rope64(a):  # [heads, E] float64
+        a1, a2 = a[:, :E // 2], a[:, E // 2:]
+        return torch.cat([a1 * c - a2 * s, a2 * c + a1 * s], dim=1)
+    want = [rope64(qkv[:H * E].view(H, E)), rope64(qkv[H * E:(H + NKV) * E].view(NKV, E)),
+            qkv[(H + NKV) * E:].view(NKV, E)]
+    for got, w in zip([got_q[0], ck[:, pos], cv[:, pos]], want):
+        err = (got.double() - w).abs().max().item()
+        assert err <= 2 ** -7 * w.abs().max().item() + 1e-3, err
+    assert ck[:, :pos].abs().max() == 0 and cv[:, pos + 1:].abs().max() == 0  # no other slot written
 
 
 @gpu

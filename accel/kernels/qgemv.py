@@ -5,23 +5,27 @@ A quantized matrix W [N, K] arrives as (accel.quant_ops.QuantTensor):
     S  [N, ceil(K/GROUP)] scales, M the same shape of minima (HAS_MIN) or none; any float dtype, read as fp32
     W[n, k] = (Q[n, k] − OFFSET) · S[n, k // GROUP] (+ M[n, k // GROUP])   (OFFSET 8 for GGUF's Q4_0, else 0)
 That covers int8 per row (GROUP = K), int4 in groups (GROUP 32/64/128) and GGUF's Q8_0 / Q4_0 / Q4_1 (GROUP 32,
-their blocks rearranged at load). The GEMV never forms W: within a group it sums Q·f(x) and Σ f(x) in fp32, then
-y += S·Σ Q·f(x) + M·Σ f(x) — the same value as multiplying by the dequantized W, up to fp32 summation order.
-The prologues (RMSNorm, SwiGLU) and the residual epilogue are accel/kernels/common.py's (as gemv.py's), so the decode step's
-fusions carry over unchanged; a program multiplies a row block over one K slice and, with SPLIT_K > 1, the
-row block's last program to arrive sums the slices in order (gemv.py's split kernel does the same).
+their blocks rearranged at load). The GEMV never forms W: per 16-byte chunk of a row (inside one group) a thread
+sums Q·f(x) and Σ f(x) in fp32, then y += S·Σ Q·f(x) + M·Σ f(x) — the same value as multiplying by the
+dequantized W, up to fp32 summation order. The prologues (RMSNorm, SwiGLU) and the residual epilogue are
+accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry over unchanged; a program multiplies
+a row block over one K slice and, with SPLIT_K > 1, the row block's last program to arrive sums the slices in order
+(gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue
+(`qkv_rope_qfwd`). Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
 """
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
+from typing import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, prologue_fx, rms_rstd, sm_count,
                      split_k_epilogue, split_scratch)
+from .qkv_rope import rope_store
+from .tuning import QGemvConfig
 
 
 @triton.jit
@@ -32,55 +36,99 @@ def _code_value(v, OFFSET: tl.constexpr):
     return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
 
+# 4 codes a 32-bit register -> the fp32 bit patterns 0x4B0000uu = 2^23 + u, one PRMT each (u = the byte + 128
+# for int8: an XOR of the word; for int4 the low / high nibbles: two ANDs and a shift a word)
+_MAGIC_INT8 = tl.constexpr("""{ .reg .b32 m, u; mov.b32 m, 0x4B000000; xor.b32 u, $4, 0x80808080;
+prmt.b32 $0, u, m, 0x7540; prmt.b32 $1, u, m, 0x7541;
+prmt.b32 $2, u, m, 0x7542; prmt.b32 $3, u, m, 0x7543; }""")
+_MAGIC_INT4 = tl.constexpr("""{ .reg .b32 m, lo, hi; mov.b32 m, 0x4B000000; and.b32 lo, $8, 0x0F0F0F0F;
+shr.u32 hi, $8, 4; and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, m, 0x7540; prmt.b32 $1, lo, m, 0x7541; prmt.b32 $2, lo, m, 0x7542; prmt.b32 $3, lo, m, 0x7543;
+prmt.b32 $4, hi, m, 0x7540; prmt.b32 $5, hi, m, 0x7541; prmt.b32 $6, hi, m, 0x7542; prmt.b32 $7, hi, m, 0x7543; }""")
+
+
 @triton.jit
-def _codes(byte, half, BITS: tl.constexpr, OFFSET: tl.constexpr):
-    """The codes of a tile of bytes as fp32, minus OFFSET: the int8 itself, or the low (half 0) / high nibble."""
+def _magic(u):
+    return (u | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile_magic(byte, BITS: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BN, BYTES] bytes -> [BN, BLOCK_K] fp32 2^23 + u in column order, u = the code + SHIFT (int8: + 128, int4:
+    the nibble). int4: the nibbles of each byte side by side (join, then reshape: both stay in the thread that
+    loaded the byte), so f(x) is read contiguously. FAST: PTX (the GPU), else the same bits with Triton ops."""
     if BITS == 8:
-        v = _code_value(byte.to(tl.int32) + 128, OFFSET + 128)  # signed: shifted into [0, 255]
+        if FAST:
+            v = tl.inline_asm_elementwise(_MAGIC_INT8, "=r,=r,=r,=r,r", [byte], dtype=tl.float32, is_pure=True,
+                                          pack=4)
+        else:
+            v = _magic(byte.to(tl.int32) + 128)
     else:
-        v = _code_value((byte.to(tl.int32) >> (4 * half)) & 15, OFFSET)
+        if FAST:
+            lo, hi = tl.inline_asm_elementwise(_MAGIC_INT4, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:
+            lo = _magic(byte.to(tl.int32) & 15)
+            hi = _magic((byte.to(tl.int32) >> 4) & 15)
+        v = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
     return v
 
 
 @triton.jit
-def _codes_times_x(Q, X, NW, rows_c, kb0, j, K, KB, stride_q, rstd, BITS: tl.constexpr, OFFSET: tl.constexpr,
-                   PROLOGUE: tl.constexpr):
-    """-> (Q·f(x) [BN, BYTES] summed per byte, f(x) summed per byte [BYTES]) for the tile at byte column kb0
-    (KB bytes a row). Indexing and masking in bytes, not columns, keeps the loads 16-byte vectors."""
-    PACK: tl.constexpr = 8 // BITS
-    k0 = kb0 * PACK
-    byte = tl.load(Q + rows_c[:, None] * stride_q + kb0 + j[None, :], mask=kb0 + j[None, :] < KB, other=0)
-    if BITS == 8:
-        xs = prologue_fx(X, NW, k0, j, K, rstd, PROLOGUE, False)  # [BYTES] fp32, zeros past K
-        prod = _codes(byte, 0, BITS, OFFSET) * xs[None, :]
+def _qtile(Q, S, M, X, NW, rows_c, kb0, jb, jc, K, KB, stride_q, stride_s, rstd, n_groups, BITS: tl.constexpr,
+           OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+           PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+           FAST: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] tile at byte column kb0 -> [BN, BLOCK_K / CHUNK] fp32: per CHUNK columns (the 16
+    bytes a thread loads: inside one group) Σ q·f(x), times the group's scale (+ minimum · Σ f(x)); unscaled
+    with PER_ROW. Chunk sums stay in the thread; f(x) is computed once per column for all BN rows.
+    Each product is u·f(x) rounded once, u = q + SHIFT ≥ 0, and SHIFT·Σ f(x) is taken off per chunk: on the GPU
+    fma(2^23 + u, f(x), −2^23·f(x)) gives it without first turning 2^23 + u into u (one instruction a code less)."""
+    NC: tl.constexpr = BLOCK_K // CHUNK
+    SHIFT: tl.constexpr = OFFSET + 128 if BITS == 8 else OFFSET
+    byte = tl.load(Q + rows_c[:, None] * stride_q + kb0 + jb[None, :], mask=kb0 + jb[None, :] < KB, other=0)
+    k0 = kb0 * (8 // BITS)
+    fx = prologue_fx(X, NW, k0, jc, K, rstd, PROLOGUE, False)  # [BK] fp32, zeros past K
+    v = _tile_magic(byte, BITS, FAST, BLOCK_N, BLOCK_K)  # [BN, BK]
+    if FAST:
+        t = tl.fma(v, fx[None, :], (fx * -8388608.0)[None, :])
     else:
-        xe = prologue_fx(X, NW, k0, 2 * j, K, rstd, PROLOGUE, False)  # f(x) at the even columns (low nibbles)
-        xo = prologue_fx(X, NW, k0, 2 * j + 1, K, rstd, PROLOGUE, False)
-        prod = _codes(byte, 0, BITS, OFFSET) * xe[None, :] + _codes(byte, 1, BITS, OFFSET) * xo[None, :]
-        xs = xe + xo
-    return prod, xs  # (one return: Triton compiles the code after a constexpr-if's return too)
+        t = (v - 8388608.0) * fx[None, :]
+    part = tl.sum(tl.reshape(t, [BLOCK_N, NC, CHUNK]), axis=2)  # [BN, NC] Σ u·f(x) a chunk
+    if SHIFT != 0 or HAS_MIN:
+        xc = tl.sum(tl.reshape(fx, [NC, CHUNK]), axis=1)  # [NC] Σ f(x) a chunk
+    if SHIFT != 0:
+        part -= SHIFT * xc[None, :]
+    if not PER_ROW:
+        g = (k0 + tl.arange(0, NC) * CHUNK) // GROUP  # [NC] the group of each chunk
+        inside = g[None, :] < n_groups
+        part *= tl.load(S + rows_c[:, None] * stride_s + g[None, :], mask=inside, other=0.0).to(tl.float32)
+        if HAS_MIN:
+            m = tl.load(M + rows_c[:, None] * stride_s + g[None, :], mask=inside, other=0.0)
+            part += m.to(tl.float32) * xc[None, :]
+    return part
 
 
 @triton.jit
-def _qtile(Q, S, M, X, NW, rows_c, kb0, j, K, KB, stride_q, stride_s, rstd, n_groups, BITS: tl.constexpr,
-           OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
-           PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Σ_k W[rows, k0 + k] · f(x)[k0 + k] over one [BLOCK_N, BLOCK_K] tile at byte column kb0 = k0·BITS/8
-    -> [BLOCK_N] fp32 (PER_ROW: unscaled)."""
-    prod, xs = _codes_times_x(Q, X, NW, rows_c, kb0, j, K, KB, stride_q, rstd, BITS, OFFSET, PROLOGUE)
+def _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
+          OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+          PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr,
+          STAGES: tl.constexpr, FAST: tl.constexpr):
+    """Σ_k W[rows_c, k] · f(x)[k] over bytes kb_lo .. kb_hi of the rows -> [BLOCK_N] fp32, scaled."""
+    BYTES: tl.constexpr = BLOCK_K * BITS // 8
+    CHUNK: tl.constexpr = 128 // BITS  # 16 bytes
+    jb = tl.arange(0, BYTES)
+    jc = tl.arange(0, BLOCK_K)
+    rstd = 0.0
+    if PROLOGUE == 1:
+        rstd = rms_rstd(X, K, eps, K_POW2)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], dtype=tl.float32)
+    for kb0 in tl.range(kb_lo, kb_hi, BYTES, num_stages=STAGES):
+        acc += _qtile(Q, S, M, X, NW, rows_c, kb0, jb, jc, K, KB, stride_q, stride_s, rstd, n_groups, BITS, OFFSET,
+                      GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, CHUNK, FAST)
+    out = tl.sum(acc, axis=1)
     if PER_ROW:
-        out = tl.sum(prod, axis=1)
-    else:
-        GB: tl.constexpr = BLOCK_K // GROUP  # groups in the tile
-        GP: tl.constexpr = GROUP * BITS // 8  # bytes a group
-        inner = tl.sum(tl.reshape(prod, [BLOCK_N, GB, GP]), axis=2)  # [BN, GB]
-        g = kb0 // GP + tl.arange(0, GB)
-        s = tl.load(S + rows_c[:, None] * stride_s + g[None, :], mask=g[None, :] < n_groups, other=0.0)
-        out = tl.sum(inner * s.to(tl.float32), axis=1)
-        if HAS_MIN:
-            xg = tl.sum(tl.reshape(xs, [GB, GP]), axis=1)  # [GB]: Σ f(x) a group
-            m = tl.load(M + rows_c[:, None] * stride_s + g[None, :], mask=g[None, :] < n_groups, other=0.0)
-            out += tl.sum(m.to(tl.float32) * xg[None, :], axis=1)
+        out *= tl.load(S + rows_c * stride_s).to(tl.float32)
     return out
 
 
@@ -88,52 +136,72 @@ def _qtile(Q, S, M, X, NW, rows_c, kb0, j, K, KB, stride_q, stride_s, rstd, n_gr
 def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, eps, n_groups, kb_split,
                   BITS: tl.constexpr, OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
                   PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr):
+                  BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
+                  FAST: tl.constexpr):
     """Program (row block b, K slice s): rows b·BN .. (b+1)·BN over bytes s·kb_split .. (s+1)·kb_split of Q."""
     b = tl.program_id(0)
     sp = tl.program_id(1)
     rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
-    BYTES: tl.constexpr = BLOCK_K * BITS // 8
-    j = tl.arange(0, BYTES)
-    rstd = 0.0
-    if PROLOGUE == 1:
-        rstd = rms_rstd(X, K, eps, K_POW2)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     kb_lo = sp * kb_split
-    kb_hi = tl.minimum(kb_lo + kb_split, KB)
-    for kb0 in tl.range(kb_lo, kb_hi, BYTES, num_stages=STAGES):
-        acc += _qtile(Q, S, M, X, NW, rows_c, kb0, j, K, KB, stride_q, stride_s, rstd, n_groups, BITS, OFFSET, GROUP,
-                      HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K)
-    if PER_ROW:
-        acc *= tl.load(S + rows_c * stride_s).to(tl.float32)
+    acc = _qdot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
+                n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
     split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
 
 
-class QGemvConfig(NamedTuple):
-    block_n: int
-    block_k: int
-    warps: int
-    split_k: int
-    stages: int
+@triton.jit
+def _qkv_rope_kernel(Q, S, M, X, NW, COS, SIN, POS, QO, CK, CV, K, KB, stride_q, stride_s, eps, n_groups, s_cos,
+                     s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV, E: tl.constexpr, BITS: tl.constexpr,
+                     OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, STAGES: tl.constexpr,
+                     FAST: tl.constexpr):
+    """accel/kernels/qkv_rope.py's norm + qkv + RoPE + cache write for a quantized weight: a program's BLOCK_N
+    rows are BLOCK_N/2 columns of the first half of one head and the matching BLOCK_N/2 of its second half."""
+    half: tl.constexpr = E // 2
+    HN: tl.constexpr = BLOCK_N // 2
+    per_head: tl.constexpr = (half + HN - 1) // HN
+    b = tl.program_id(0)
+    head = b // per_head  # over the H + 2·NKV heads of the fused output: q heads, then k, then v
+    i = tl.arange(0, BLOCK_N)
+    c = (b % per_head) * HN + i % HN  # [BN] the column in the head's first half
+    rows_c = (head * E + tl.minimum(c, half - 1) + (i // HN) * half).to(tl.int64)  # tail columns re-read a row
+    acc = _qdot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
+                HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
+    a1, a2 = tl.split(tl.permute(tl.reshape(acc, [2, HN]), [1, 0]))  # [HN] each: first-half and second-half rows
+    cols = (b % per_head) * HN + tl.arange(0, HN)
+    pos = tl.load(POS).to(tl.int64)
+    rope_store(a1, a2, head, cols, cols < half, pos, COS, SIN, QO, CK, CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H,
+               NKV, E)
 
 
-@functools.lru_cache(maxsize=None)
-def qgemv_config(N: int, K: int, bits: int, group: int, sms: int) -> QGemvConfig:
-    """512 bytes of a row a tile (16 B a lane of a warp); row blocks × K slices ≈ 4 programs an SM, each slice a
-    whole number of tiles. On CPU (the interpreter, whose cost is per program and per op): one big-tile program."""
-    per_row = group >= K and bits == 8
+def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, rope: bool = False,
+                 table: Mapping[tuple, QGemvConfig] = tuning.QGEMV) -> QGemvConfig:
+    """`table`'s row for (N, K, bits, group) on a GPU, else the rule: ONE tile a program (all its loads issued at
+    once, like gemv.py's "split" kind) of 2048, 1024 or 512 bytes of a row (16 B a lane, warps along K, so each
+    thread's f(x) serves all its rows; the widest that divides the row), 16 rows (8 at 4 bits: twice the codes
+    a byte), split-K over the tiles. The qkv + RoPE kernel cannot split K: its tiles go through a 3-stage
+    cp.async pipeline instead. On CPU (the interpreter, whose cost is per program and per op): one big tile."""
+    key = (N, K, bits, group) + (("rope",) if rope else ())
+    if sms and key in table:
+        return table[key]
+    chunk = 128 // bits
     if sms == 0:
-        bk = max(min(1024, triton.next_power_of_2(K)), 1 if per_row else group)
-        return QGemvConfig(min(32, triton.next_power_of_2(N)), bk, 4, 1, 1)
-    bk = max(512 * 8 // bits, 1 if per_row else group)
-    bn = 16
-    blocks = triton.cdiv(N, bn)
+        return QGemvConfig(min(32, triton.next_power_of_2(N)), max(chunk, min(1024, triton.next_power_of_2(K))),
+                           4, 1, 1)
+    kbytes = triton.cdiv(K * bits, 8)
+    nbytes = next((b for b in (2048, 1024, 512) if kbytes % b == 0), min(2048, triton.next_power_of_2(kbytes)))
+    bk = nbytes * 8 // bits
     tiles = triton.cdiv(K, bk)
-    split = 1
-    while blocks * split * 2 <= 4 * sms and tiles % (split * 2) == 0:
-        split *= 2
-    return QGemvConfig(bn, bk, 4, split, 3)
+    bn = 16 if bits == 8 else 8
+    if rope:
+        return QGemvConfig(bn, bk, 4, 1, 1 if tiles == 1 else 3)
+    return QGemvConfig(bn, bk, 4, tiles, 1)
+
+
+def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool) -> None:
+    chunk = 128 // bits
+    assert cfg.block_k % chunk == 0, f"block_k {cfg.block_k}: whole {chunk}-column chunks (16 bytes)"
+    assert per_row or group % chunk == 0, f"group {group}: whole {chunk}-column chunks"
 
 
 def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int, group: int,
@@ -150,7 +218,7 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
     out = torch.empty((1, N), dtype=x.dtype, device=x.device) if out is None else out
     per_row = group >= K and low is None  # one scale a row, applied after the sum (with minima: the group path)
     cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device))
-    assert per_row or cfg.block_k % group == 0, "a tile holds whole groups"
+    _launch_checks(cfg, bits, group, per_row)
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE
     blocks = triton.cdiv(N, cfg.block_n)
     k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -164,6 +232,38 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         HAS_MIN=low is not None, PER_ROW=per_row, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        FAST=q.is_cuda, num_warps=cfg.warps, num_stages=cfg.stages)
     return out
+
+
+def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
+                  group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor, position: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                  q_out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None) -> torch.Tensor:
+    """accel.kernels.qkv_rope.qkv_rope_fwd for the quantized W [(H+2K)·E, D] (module doc): one launch, the same
+    roundings -> q_rot [1, H, E]; rope(k) and v written to slot `position` of the caches."""
+    NKV, S, E = cache_k.shape
+    N = q.shape[0]
+    H = N // E - 2 * NKV
+    assert H > 0 and N == (H + 2 * NKV) * E and E % 2 == 0, "weight rows must be (H + 2K)·E"
+    assert q.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
+    assert x.numel() == K and x.reshape(-1).stride(0) == 1
+    assert norm_weight.shape == (K,) and norm_weight.stride(0) == 1
+    assert cache_v.shape == cache_k.shape and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
+    assert cos.shape == (S, E // 2) and cos.stride(1) == 1 and sin.stride(1) == 1 and position.numel() == 1
+    q_out = torch.empty((1, H, E), dtype=x.dtype, device=x.device) if q_out is None else q_out
+    assert q_out.is_contiguous() and q_out.numel() == H * E
+    per_row = group >= K and low is None
+    cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device), True)
+    _launch_checks(cfg, bits, group, per_row)
+    hn = cfg.block_n // 2
+    assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
+    _qkv_rope_kernel[((H + 2 * NKV) * triton.cdiv(E // 2, hn),)](
+        q, scale, low if low is not None else scale, x, norm_weight, cos, sin, position, q_out, cache_k, cache_v, K,
+        triton.cdiv(K, 8 // bits), q.stride(0), scale.stride(0), float(eps), scale.shape[1], cos.stride(0),
+        sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), H, NKV, E=E,
+        BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=q.is_cuda,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    return q_out
 

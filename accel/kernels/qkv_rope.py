@@ -30,8 +30,8 @@ from .tuning import QkvConfig
 
 
 @triton.jit
-def _rope_store(a1, a2, head, cols, col_ok, pos, COS, SIN, QO, CK, CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV,
-                E: tl.constexpr):
+def rope_store(a1, a2, head, cols, col_ok, pos, COS, SIN, QO, CK, CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV,
+               E: tl.constexpr):
     """Round the GEMV rows (as unfused), rotate q/k pairs (c, c + E/2) in fp32, store q, or k/v into the cache."""
     half: tl.constexpr = E // 2
     dt = QO.dtype.element_ty
@@ -74,8 +74,8 @@ def _qkv_rope_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_co
     a1 = tl.sum(w1.to(tl.float32) * fx[None, :], axis=1)  # [HN]
     a2 = tl.sum(w2.to(tl.float32) * fx[None, :], axis=1)
     pos = tl.load(POS).to(tl.int64)
-    _rope_store(a1, a2, head, cols, col_ok, pos, COS, SIN, QO, CK, CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV,
-                E)
+    rope_store(a1, a2, head, cols, col_ok, pos, COS, SIN, QO, CK, CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV,
+               E)
 
 
 @triton.jit
@@ -108,8 +108,8 @@ def _qkv_rope_stream_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, ep
         acc1 += w1.to(tl.float32) * fx
         acc2 += w2.to(tl.float32) * fx
         if k0 + BLOCK_K == K:
-            _rope_store(tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), head, cols, cols < half, pos, COS, SIN, QO, CK,
-                        CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV, E)
+            rope_store(tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), head, cols, cols < half, pos, COS, SIN, QO, CK,
+                       CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV, E)
             acc1 = tl.zeros([HALF_N, BLOCK_K], dtype=tl.float32)
             acc2 = tl.zeros([HALF_N, BLOCK_K], dtype=tl.float32)
 

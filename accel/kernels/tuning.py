@@ -2,6 +2,7 @@
 
 GEMV      (N, K) of the weight -> GemvConfig (accel/kernels/gemv.py); shapes not listed use `gemv.gemv_config`'s rule.
 QKV_ROPE  (N, K) of the fused qkv weight -> QkvConfig (accel/kernels/qkv_rope.py); else `qkv_rope.qkv_config`'s rule.
+QGEMV     (N, K, bits, group[, "rope"]) of a quantized weight -> QGemvConfig (accel/kernels/qgemv.py); else its rule.
 A `Tuning` bundles one table of each plus the decode attention's launch options; the engine runs `DEFAULT`.
 Benchmarks that try other configs build their own `Tuning` and pass it in (tools/bench/decode_variants.py): nothing
 here is rewritten at run time. The measurements behind every row (on 132 SMs) are in tools/bench/NOTES.md.
@@ -51,6 +52,39 @@ GEMV: Mapping[tuple[int, int], GemvConfig] = MappingProxyType({
 QKV_ROPE: Mapping[tuple[int, int], QkvConfig] = MappingProxyType({
     (3072, 2048): QkvConfig(2, 8),
     (5120, 3072): QkvConfig(8, 4, stages=3, block_k=512),
+})
+
+
+class QGemvConfig(NamedTuple):
+    """The quantized GEMV (accel/kernels/qgemv.py): [block_n, block_k] tiles (block_k in columns), `split_k` K
+    slices a row block (the qkv + RoPE kernel takes 1), `stages` tiles in flight a program (1: no pipeline)."""
+    block_n: int
+    block_k: int
+    warps: int
+    split_k: int
+    stages: int
+
+
+# The quantized GEMV per (N, K, bits, group), ("rope",) appended for the fused qkv + RoPE kernel; shapes not
+# listed use `qgemv.qgemv_config`'s rule. The fastest config of the sweep (tools.bench.qgemv_sweep) where it beat
+# the rule by > 2%, for int8 (one scale a row: group = K) and int4:64 at the Llama 3.2 1B / 3B decode shapes.
+QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
+    (3072, 2048, 8, 2048, "rope"): QGemvConfig(8, 2048, 4, 1, 2),  # 1B qkv
+    (2048, 2048, 8, 2048): QGemvConfig(8, 2048, 4, 1, 1),  # 1B o
+    (16384, 2048, 8, 2048): QGemvConfig(8, 2048, 4, 1, 1),  # 1B gate_up
+    (16384, 2048, 4, 64): QGemvConfig(8, 2048, 2, 1, 1),
+    (2048, 8192, 8, 8192): QGemvConfig(16, 2048, 2, 4, 1),  # 1B down
+    (128256, 2048, 8, 2048): QGemvConfig(16, 2048, 2, 1, 1),  # 1B lm_head
+    (128256, 2048, 4, 64): QGemvConfig(16, 2048, 4, 1, 1),
+    (5120, 3072, 8, 3072, "rope"): QGemvConfig(8, 1024, 4, 1, 2),  # 3B qkv
+    (5120, 3072, 4, 64, "rope"): QGemvConfig(16, 1024, 4, 1, 2),
+    (3072, 3072, 8, 3072): QGemvConfig(16, 512, 4, 2, 3),  # 3B o
+    (3072, 3072, 4, 64): QGemvConfig(16, 1024, 4, 3, 1),
+    (16384, 3072, 8, 3072): QGemvConfig(16, 512, 4, 2, 3),  # 3B gate_up
+    (16384, 3072, 4, 64): QGemvConfig(16, 1024, 4, 3, 1),
+    (3072, 8192, 8, 8192): QGemvConfig(16, 2048, 4, 2, 2),  # 3B down
+    (128256, 3072, 8, 3072): QGemvConfig(16, 512, 4, 2, 3),  # 3B lm_head
+    (128256, 3072, 4, 64): QGemvConfig(16, 512, 1, 6, 1),
 })
 
 

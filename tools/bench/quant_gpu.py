@@ -3,7 +3,7 @@
 For each model: random bf16 weights at the real shapes (seed 0); the bf16 engine is timed, then the same weights
 quantized on the device (accel.quant_ops.quantize_weights) for every format, each timed the same way
 (tools.bench.gpu.decode_rate / prefill_ms). Ratios are to the bf16 row measured just before. Also each decode
-GEMV alone (µs a call, CUDA events over a captured graph of 20 calls), bf16 vs quantized, at the model's shapes.
+GEMV alone (gemv_bench), bf16 vs quantized, at the model's shapes.
 """
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ import torch
 
 from accel.engine import AccelEngine
 from accel.kernels.gemv import gemv_fwd
-from accel.quant_ops import QuantTensor, qgemv, quantize, quantize_weights
+from accel.kernels.qkv_rope import qkv_rope_fwd
+from accel.quant_ops import quantize_weights
 from accel.weights import random_weights
 from refimpl.model.config import LlamaConfig
 from refimpl.quant.formats import QuantSpec
+from tools.bench.gemv_sweep import graph_us
 from tools.bench.gpu import decode_rate, prefill_ms
-from tools.bench.timing import median_ms
+from tools.bench.qgemv_sweep import Case, shapes
 
 
 def _row(label: str, engine: AccelEngine, new_tokens: int, prefill_tokens: int, copy_tb_s: float | None) -> dict:
@@ -57,52 +59,35 @@ def quant_bench(name: str, cfg: LlamaConfig, device, specs: list[str], new_token
     return rows
 
 
-def _graph_us(fn, calls: int = 20) -> float:
-    """µs a call of fn, replayed as one CUDA graph of `calls` calls (launch cost as in the decode step)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return median_ms(graph.replay, reps=20, warmup=3) * 1e3 / calls
-
-
 def gemv_bench(cfg: LlamaConfig, device, specs: list[str]) -> list[dict]:
-    """Each decode GEMV shape of the model (norm prologue where the decode step has one), bf16 vs quantized."""
-    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "o": (D, cfg.q_size), "gate_up": (2 * F, D),
-              "down": (D, F), "lm_head": (V, D)}
-    g = torch.Generator(device=device).manual_seed(0)
+    """Each decode GEMV as the decode step runs it (qkv: the fused norm + qkv + RoPE + cache-write kernel; the
+    norm / SwiGLU prologues and residual epilogues), bf16 vs quantized, µs a call in a CUDA graph over >= 256 MB
+    of weight copies (tools.bench.qgemv_sweep.Case: cold L2, as in decode)."""
     rows = []
-    for what, (N, K) in shapes.items():
+    for what, (N, K, fusion) in shapes(cfg).items():
+        case = Case(what, N, K, fusion, specs[0], cfg, min_bytes=0)  # the inputs (one weight copy)
+        g = torch.Generator(device=device).manual_seed(0)
         w = (torch.randn(N, K, device=device, generator=g) * 0.02).to(torch.bfloat16)
-        x = torch.randn(1, 2 * K if what == "down" else K, device=device, generator=g).to(torch.bfloat16)
-        nw = torch.ones(K, device=device, dtype=torch.bfloat16)
-        r = torch.randn(1, N, device=device, generator=g).to(torch.bfloat16)
+        dense = [w] + [w.clone() for _ in range(max(0, -(-256 * 2**20 // w.nbytes) - 1))]
 
-        def call(weight):
-            if what == "down":
-                return lambda: (qgemv if isinstance(weight, QuantTensor) else gemv_fwd)(weight, x, swiglu=True,
-                                                                                       residual=r, out=r)
-            if what == "o":
-                return lambda: (qgemv if isinstance(weight, QuantTensor) else gemv_fwd)(weight, x, residual=r, out=r)
-            return lambda: (qgemv if isinstance(weight, QuantTensor) else gemv_fwd)(weight, x, norm_weight=nw,
-                                                                                   eps=1e-5)
-        row = {"gemv": what, "N": N, "K": K, "bf16_us": _graph_us(call(w))}
-        row["bf16_tb_s"] = w.nbytes / (row["bf16_us"] * 1e-6) / 1e12
+        def bf16_call(wc, o):
+            if fusion == "rope":
+                return qkv_rope_fwd(wc, case.x, case.nw, 1e-5, case.cos, case.sin, case.pos, case.ck, case.cv)
+            if fusion == "norm":
+                return gemv_fwd(wc, case.x, norm_weight=case.nw, eps=1e-5, out=o)
+            return gemv_fwd(wc, case.x, swiglu=fusion == "swiglu", residual=o, out=o)
+        outs = [case.r.clone() for _ in dense]
+        us = graph_us([lambda wc=wc, o=o: bf16_call(wc, o) for wc, o in zip(dense, outs)])
+        row = {"gemv": what, "N": N, "K": K, "bf16_us": us, "bf16_tb_s": w.nbytes / (us * 1e-6) / 1e12}
+        del dense, outs, w
         for label in specs:
-            t = quantize(w, QuantSpec.parse(label))
-            us = _graph_us(call(t))
+            case = Case(what, N, K, fusion, label, cfg)
+            us = case.time_us(None)
             row[f"{label}_us"] = us
-            row[f"{label}_tb_s"] = t.nbytes / (us * 1e-6) / 1e12
-            del t
+            row[f"{label}_tb_s"] = case.t.nbytes / (us * 1e-6) / 1e12
+            del case
+            torch.cuda.empty_cache()
         rows.append(row)
-        del w
     return rows
 
 
