@@ -24,13 +24,13 @@ def _ce_rows_kernel(LOGITS, LABELS, LOSS, stride_l, V, ignore_index, BLOCK: tl.c
                      mask=v0 + cols < V)
         tl.store(LOSS + row, 0.0)
     else:
-        m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)  # running max per lane
+        # running max per lane starts finite, so a lane past V (x = -inf) adds exp(-inf) = 0 and never a nan
+        m = tl.full([BLOCK], -1e30, dtype=tl.float32)
         s = tl.zeros([BLOCK], dtype=tl.float32)  # running sum of exp(x - m) per lane
         for v0 in range(0, V, BLOCK):
             x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, x)
-            # lanes that have seen only -inf so far keep s = 0 (exp(-inf - -inf) would be nan)
-            s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
+            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
             m = m_new
         m_row = tl.max(m, axis=0)
         lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
