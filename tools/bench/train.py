@@ -35,11 +35,14 @@ def _ids(cfg: LlamaConfig, batch: int, seq: int, device) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
 
 
-def ours(cfg: LlamaConfig, weights, device, seq: int, batch: int, rank: int, reps: int, compile: bool) -> dict:
+def ours(cfg: LlamaConfig, weights, device, seq: int, batch: int, rank: int, reps: int, compile: bool,
+         kernels: bool | None = None, lora_dtype=None, profile=None, tables: list | None = None) -> dict:
+    """One variant of our trainer (TrainModel's compile / kernels / lora_dtype); `profile(step)` -> a table
+    appended to `tables`, taken after the timed steps."""
     lora = init_lora(expected_shapes(cfg), target_names(cfg, LLAMA_LINEARS), rank, 2.0, seed=0)
     for m in lora.values():
         m.a.data, m.b.data = m.a.data.to(device), m.b.data.to(device)
-    model = TrainModel(weights, cfg, lora, dropout=0.0, compile=compile)
+    model = TrainModel(weights, cfg, lora, dropout=0.0, compile=compile, kernels=kernels, lora_dtype=lora_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = _ids(cfg, batch, seq, device)
 
@@ -52,7 +55,10 @@ def ours(cfg: LlamaConfig, weights, device, seq: int, batch: int, rank: int, rep
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return {**_measure(step, batch * seq, device, reps), "first_loss": losses[0]}
+    out = {**_measure(step, batch * seq, device, reps), "first_loss": losses[0]}
+    if profile is not None:
+        tables.append(profile(step))
+    return out
 
 
 def hf_peft(cfg: LlamaConfig, held: list, device, seq: int, batch: int, rank: int, reps: int) -> dict:

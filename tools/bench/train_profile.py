@@ -1,0 +1,73 @@
+"""Where a LoRA training step's time goes: the trainer's variants timed, and torch.profiler tables of one step.
+
+`python -m tools.bench.train_profile [--model 1b] [--seq 2048] [--json-out F]`: the `bench --train` setup (random
+bf16 weights at the real shapes, LoRA r=16 on every linear, AdamW, batch 1, every token a label), ours only, each
+variant = (torch.compile of the layer, the Triton norm/RoPE/SwiGLU Functions, the LoRA branch's compute dtype).
+Prints per variant the median step and peak memory, and for the variants named by --profile the top CUDA kernels of
+one step (self CUDA time, summed over calls).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+
+from tools.bench.train import ours
+from accel.weights import random_weights
+from refimpl.model.config import PRESETS
+
+MODELS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
+VARIANTS = {  # name: (compile, kernels, lora_dtype)
+    "compiled-torch-fp32lora": (True, False, torch.float32),
+    "compiled-torch-bf16lora": (True, False, None),
+    "eager-kernels-fp32lora": (False, True, torch.float32),
+    "eager-kernels-bf16lora": (False, True, None),
+    "compiled-kernels-bf16lora": (True, True, None),
+}
+
+
+def profile_table(step, rows: int = 18) -> str:
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="1b", choices=sorted(MODELS))
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--profile", default="compiled-torch-fp32lora,eager-kernels-bf16lora")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    cfg = PRESETS[MODELS[args.model]]
+    weights = random_weights(cfg, device, torch.bfloat16)
+    results = {}
+    for name in args.variants.split(","):
+        compile, kernels, lora_dtype = VARIANTS[name]
+        tables = []
+        r = ours(cfg, weights, device, args.seq, 1, 16, reps=5, compile=compile, kernels=kernels,
+                 lora_dtype=lora_dtype, profile=(profile_table if name in args.profile.split(",") else None),
+                 tables=tables)
+        results[name] = r
+        print(f"{name:<28} {r['step_ms']:8.1f} ms  {r['tokens_per_s']:8.0f} tok/s  {r['peak_gb']:6.2f} GiB  "
+              f"first loss {r['first_loss']:.4f}", flush=True)
+        for t in tables:
+            print(t, flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"model": MODELS[args.model], "seq": args.seq, "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__, "variants": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
