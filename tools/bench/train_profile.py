@@ -20,11 +20,11 @@ from refimpl.model.config import PRESETS
 
 MODELS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
 VARIANTS = {  # name: (compile, kernels, lora_dtype)
-    "compiled-torch-fp32lora": (True, False, torch.float32),
-    "compiled-torch-bf16lora": (True, False, None),
-    "eager-kernels-fp32lora": (False, True, torch.float32),
     "eager-kernels-bf16lora": (False, True, None),
+    "compiled-torch-fp32lora": (True, False, torch.float32),
+    "eager-kernels-fp32lora": (False, True, torch.float32),
     "compiled-kernels-bf16lora": (True, True, None),
+    "compiled-torch-bf16lora": (True, False, None),
 }
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     device = torch.device("cuda")
     cfg = PRESETS[MODELS[args.model]]
     weights = random_weights(cfg, device, torch.bfloat16)
-    results = {}
+    results, all_tables = {}, {}
     for name in args.variants.split(","):
         compile, kernels, lora_dtype = VARIANTS[name]
         tables = []
@@ -61,12 +61,13 @@ def main() -> None:
               f"first loss {r['first_loss']:.4f}", flush=True)
         for t in tables:
             print(t, flush=True)
+            all_tables[name] = t
         gc.collect()
         torch.cuda.empty_cache()
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"model": MODELS[args.model], "seq": args.seq, "device": torch.cuda.get_device_name(),
-                       "torch": torch.__version__, "variants": results}, f, indent=2)
+        if args.json_out:  # after every variant: a run cut short keeps what it measured
+            with open(args.json_out, "w") as f:
+                json.dump({"model": MODELS[args.model], "seq": args.seq, "device": torch.cuda.get_device_name(),
+                           "torch": torch.__version__, "variants": results, "tables": all_tables}, f, indent=2)
 
 
 if __name__ == "__main__":
