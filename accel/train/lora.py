@@ -78,10 +78,16 @@ def lora_group(adapters, outs, dtype) -> LoraGroup | None:
     present = [a for a in adapters if a is not None]
     if not present:
         return None
-    a = torch.cat([m[0] for m in present]).to(dtype)  # [ΣR, Din]
-    blocks = [(m[1] * m[2]).to(dtype) if m is not None else present[0][1].new_zeros(n, 0, dtype=dtype)
+    ranks = tuple(m[0].shape[0] for m in present)
+    a = (torch.cat([m[0] for m in present]) if len(present) > 1 else present[0][0]).to(dtype)  # [ΣR, Din]
+    if len(adapters) == 1:
+        return LoraGroup(a, (present[0][1] * present[0][2]).to(dtype), ranks)
+    # few ops a step (the host, not the GPU, bounds an eager step): one scale multiply when the scales agree
+    one_scale = len({m[2] for m in present}) == 1
+    blocks = [(m[1] if one_scale else m[1] * m[2]) if m is not None else present[0][1].new_zeros(n, 0)
               for m, n in zip(adapters, outs)]  # [Dout_i, R_i] each, [Dout_i, 0] where not adapted
-    return LoraGroup(a, torch.block_diag(*blocks), tuple(m[0].shape[0] for m in present))
+    b = torch.block_diag(*blocks)  # [ΣDout, ΣR]
+    return LoraGroup(a, (b * present[0][2] if one_scale else b).to(dtype), ranks)
 
 
 def adapted_linear(x, weight, group: LoraGroup | None, dropout: float = 0.0):
@@ -95,6 +101,6 @@ def adapted_linear(x, weight, group: LoraGroup | None, dropout: float = 0.0):
         xa = torch.cat([F.linear(F.dropout(xc, dropout, True), a) for a in group.a.split(group.ranks)], dim=-1)
     else:
         xa = F.linear(xc, group.a)  # [.., Din] -> [.., ΣR]
-    if group.a.dtype == out.dtype:  # the second GEMM accumulates straight into the base output (beta = 1)
-        return out.view(-1, out.shape[-1]).addmm_(xa.reshape(-1, xa.shape[-1]), group.b.t()).view(out.shape)
+    if group.a.dtype == out.dtype:  # the second GEMM adds the base output in its epilogue (beta = 1)
+        return torch.addmm(out.view(-1, out.shape[-1]), xa.reshape(-1, xa.shape[-1]), group.b.t()).view(out.shape)
     return (out + F.linear(xa, group.b)).to(out.dtype)  # [.., ΣR] -> [.., Dout], summed in fp32 as PEFT does

@@ -97,10 +97,11 @@ def decoder_layer(x, cos, sin, weights: tuple, adapters: tuple, shape: tuple, ep
 class TrainModel:
     def __init__(self, weights: Weights, cfg: LlamaConfig, lora: dict[str, LoraModule], dropout: float = 0.0,
                  checkpointing: bool = True, compile: bool = False, kernels: bool | None = None, lora_dtype=None):
-        """kernels: the Triton norm / RoPE / SwiGLU Functions (default: on CUDA); lora_dtype: the LoRA branch's
-        compute dtype (default: the model dtype; the parameters stay fp32 either way)."""
+        """kernels: the Triton norm / RoPE / SwiGLU Functions (default: on CUDA unless compiled; inside a compiled
+        layer each Function is a graph break, which costs more than the fusion gains); lora_dtype: the LoRA
+        branch's compute dtype (default: the model dtype; the parameters stay fp32 either way)."""
         self.w, self.cfg, self.lora, self.dropout, self.checkpointing = weights, cfg, lora, dropout, checkpointing
-        self.kernels, self.lora_dtype = kernels, lora_dtype
+        self.kernels, self.lora_dtype = (not compile if kernels is None else kernels), lora_dtype
         self.training = True
         # compiled, what is left unfused (residual adds, the torch ops when kernels=False) fuses; attention and the
         # Triton Functions are graph breaks; dynamic=False: every layer has the same shapes, one graph serves all
@@ -124,7 +125,7 @@ class TrainModel:
     def hidden(self, ids):
         """ids [B, T] -> final-norm hidden states [B, T, D] in the model dtype."""
         T = ids.shape[1]
-        kernels = ids.is_cuda if self.kernels is None else self.kernels
+        kernels = ids.is_cuda and self.kernels
         cos, sin = rope_tables(torch.arange(T, device=ids.device), self.cfg.head_dim, self.cfg.rope_theta,
                                self.cfg.rope_scaling)  # [T, E/2] fp32 each
         x = F.embedding(ids, self.w.embed)  # [B, T, D]
