@@ -29,13 +29,25 @@ VARIANTS = {  # name: (compile, kernels, lora_dtype)
 
 
 def profile_table(step, rows: int = 18) -> str:
+    """Top CUDA kernels of one step by self time, then the top host-side ops by self CPU time, and how much of
+    the step's wall time the GPU was busy (the kernels' summed time)."""
+    import time
     from torch.profiler import ProfilerActivity, profile
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    ka = prof.key_averages()
+    busy_ms = sum(e.self_device_time_total for e in ka) / 1e3
+    n_ops = sum(e.count for e in ka if e.key.startswith("aten::"))
+    return "\n".join([
+        ka.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60),
+        ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60),
+        f"one profiled step: wall {wall_ms:.1f} ms (profiler overhead included), GPU kernels {busy_ms:.1f} ms, "
+        f"{n_ops} aten ops"])
 
 
 def main() -> None:
