@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from accel.ops import rope_tables
 from accel.train import fused
 from accel.train.attention import attention_reference, flash_attention
+from accel.train.layer import manual_layer
 from accel.train.lora import LoraModule, adapted_linear, lora_group, weight_name
 from accel.train.loss import linear_cross_entropy
 from refimpl.formats.lora import LLAMA_LINEARS
@@ -96,12 +97,16 @@ def decoder_layer(x, cos, sin, weights: tuple, adapters: tuple, shape: tuple, ep
 
 class TrainModel:
     def __init__(self, weights: Weights, cfg: LlamaConfig, lora: dict[str, LoraModule], dropout: float = 0.0,
-                 checkpointing: bool = True, compile: bool = False, kernels: bool | None = None, lora_dtype=None):
+                 checkpointing: bool = True, compile: bool = False, kernels: bool | None = None, lora_dtype=None,
+                 manual_backward: bool = True):
         """kernels: the Triton norm / RoPE / SwiGLU Functions (default: on CUDA unless compiled; inside a compiled
         layer each Function is a graph break, which costs more than the fusion gains); lora_dtype: the LoRA
-        branch's compute dtype (default: the model dtype; the parameters stay fp32 either way)."""
+        branch's compute dtype (default: the model dtype; the parameters stay fp32 either way); manual_backward:
+        with the kernels, no dropout and LoRA in the model dtype, each layer is accel.train.layer's single
+        Function (its own checkpoint, backward by hand: far fewer host-side ops a step)."""
         self.w, self.cfg, self.lora, self.dropout, self.checkpointing = weights, cfg, lora, dropout, checkpointing
         self.kernels, self.lora_dtype = (not compile if kernels is None else kernels), lora_dtype
+        self.manual_backward = manual_backward
         self.training = True
         # compiled, what is left unfused (residual adds, the torch ops when kernels=False) fuses; attention and the
         # Triton Functions are graph breaks; dynamic=False: every layer has the same shapes, one graph serves all
@@ -130,10 +135,15 @@ class TrainModel:
                                self.cfg.rope_scaling)  # [T, E/2] fp32 each
         x = F.embedding(ids, self.w.embed)  # [B, T, D]
         dropout = self.dropout if self.training else 0.0
+        manual = (kernels and self.manual_backward and not dropout and self.checkpointing
+                  and self.lora_dtype in (None, x.dtype))
         for i in range(self.cfg.num_hidden_layers):
             lw = self.w.layers[i]
-            args = (cos, sin, (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down), self._groups(i),
-                    self._shape(), self.cfg.rms_norm_eps, dropout, kernels)
+            weights = (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down)
+            if manual:
+                x = manual_layer(x, cos, sin, weights, self._groups(i), self._shape(), self.cfg.rms_norm_eps)
+                continue
+            args = (cos, sin, weights, self._groups(i), self._shape(), self.cfg.rms_norm_eps, dropout, kernels)
             if self.checkpointing and torch.is_grad_enabled():
                 x = checkpoint(self.layer_fn, x, *args, use_reentrant=False)
             else:

@@ -4,8 +4,8 @@ Both train LoRA r=16 (alpha 32, no dropout) on every linear of the decoder, on t
 real shapes, batch 1 × 2048 tokens, every token a label, AdamW; HF with SDPA attention and gradient checkpointing (as
 HF + PEFT users run it to fit long sequences). Reported: optimiser steps timed with CUDA events after warm-up
 (median), tokens/s, and peak allocated memory over the timed steps (resident weights included). Ours runs twice:
-as `finetune` runs it (eager, the Triton norm / RoPE / SwiGLU Functions, LoRA in bf16 from fp32 masters, fused
-lm_head + cross-entropy) and with the decoder layer compiled by torch.compile over plain-torch ops (`--compile`).
+as `finetune` runs it without dropout (eager: each layer one Function with a hand-written backward over the Triton
+kernels, LoRA in bf16 from fp32 masters, fused lm_head + cross-entropy) and with the decoder layer compiled by torch.compile over plain-torch ops (`--compile`).
 """
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ def _ids(cfg: LlamaConfig, batch: int, seq: int, device) -> torch.Tensor:
 
 
 def ours(cfg: LlamaConfig, weights, device, seq: int, batch: int, rank: int, reps: int, compile: bool,
-         kernels: bool | None = None, lora_dtype=None, profile=None, tables: list | None = None) -> dict:
-    """One variant of our trainer (TrainModel's compile / kernels / lora_dtype); `profile(step)` -> a table
-    appended to `tables`, taken after the timed steps."""
+         profile=None, tables: list | None = None, **variant) -> dict:
+    """One variant of our trainer (TrainModel's compile and `variant` keywords: kernels, lora_dtype,
+    manual_backward); `profile(step)` -> a table appended to `tables`, taken after the timed steps."""
     lora = init_lora(expected_shapes(cfg), target_names(cfg, LLAMA_LINEARS), rank, 2.0, seed=0)
     for m in lora.values():
         m.a.data, m.b.data = m.a.data.to(device), m.b.data.to(device)
-    model = TrainModel(weights, cfg, lora, dropout=0.0, compile=compile, kernels=kernels, lora_dtype=lora_dtype)
+    model = TrainModel(weights, cfg, lora, dropout=0.0, compile=compile, **variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = _ids(cfg, batch, seq, device)
 
@@ -125,7 +125,8 @@ def render(rows: list[dict]) -> str:
                      f"{r.get('memory_ratio', float('nan')):>10.2f}")
         if "compile_error" in r:
             lines.append(f"  torch.compile failed: {r['compile_error']}")
-    lines.append("(ours: eager, Triton norm/RoPE/SwiGLU/FlashAttention/cross-entropy, bf16 LoRA from fp32 masters; "
+    lines.append("(ours: eager, hand-written layer backward over Triton kernels, fused cross-entropy, bf16 LoRA "
+                 "from fp32 masters; "
                  "compiled: the layer under torch.compile over torch ops; HF: transformers + PEFT, SDPA, gradient "
                  "checkpointing; peak = max allocated over the timed steps)")
     return "\n".join(lines)

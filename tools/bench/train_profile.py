@@ -2,7 +2,8 @@
 
 `python -m tools.bench.train_profile [--model 1b] [--seq 2048] [--json-out F]`: the `bench --train` setup (random
 bf16 weights at the real shapes, LoRA r=16 on every linear, AdamW, batch 1, every token a label), ours only, each
-variant = (torch.compile of the layer, the Triton norm/RoPE/SwiGLU Functions, the LoRA branch's compute dtype).
+variant = (torch.compile of the layer, the Triton norm/RoPE/SwiGLU Functions, the LoRA branch's compute dtype,
+the hand-written layer backward).
 Prints per variant the median step and peak memory, and for the variants named by --profile the top CUDA kernels of
 one step (self CUDA time, summed over calls).
 """
@@ -19,12 +20,13 @@ from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 
 MODELS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
-VARIANTS = {  # name: (compile, kernels, lora_dtype)
-    "eager-kernels-bf16lora": (False, True, None),
-    "compiled-torch-fp32lora": (True, False, torch.float32),
-    "eager-kernels-fp32lora": (False, True, torch.float32),
-    "compiled-kernels-bf16lora": (True, True, None),
-    "compiled-torch-bf16lora": (True, False, None),
+VARIANTS = {  # name: (compile, TrainModel keywords)
+    "eager-kernels-bf16lora-manual": (False, dict(kernels=True, lora_dtype=None, manual_backward=True)),
+    "eager-kernels-bf16lora": (False, dict(kernels=True, lora_dtype=None, manual_backward=False)),
+    "compiled-torch-fp32lora": (True, dict(kernels=False, lora_dtype=torch.float32)),
+    "eager-kernels-fp32lora": (False, dict(kernels=True, lora_dtype=torch.float32)),
+    "compiled-kernels-bf16lora": (True, dict(kernels=True, lora_dtype=None)),
+    "compiled-torch-bf16lora": (True, dict(kernels=False, lora_dtype=None)),
 }
 
 
@@ -55,7 +57,7 @@ def main() -> None:
     ap.add_argument("--model", default="1b", choices=sorted(MODELS))
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--profile", default="compiled-torch-fp32lora,eager-kernels-bf16lora")
+    ap.add_argument("--profile", default="eager-kernels-bf16lora-manual")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -63,11 +65,10 @@ def main() -> None:
     weights = random_weights(cfg, device, torch.bfloat16)
     results, all_tables = {}, {}
     for name in args.variants.split(","):
-        compile, kernels, lora_dtype = VARIANTS[name]
+        compile, variant = VARIANTS[name]
         tables = []
-        r = ours(cfg, weights, device, args.seq, 1, 16, reps=5, compile=compile, kernels=kernels,
-                 lora_dtype=lora_dtype, profile=(profile_table if name in args.profile.split(",") else None),
-                 tables=tables)
+        r = ours(cfg, weights, device, args.seq, 1, 16, reps=5, compile=compile,
+                 profile=(profile_table if name in args.profile.split(",") else None), tables=tables, **variant)
         results[name] = r
         print(f"{name:<28} {r['step_ms']:8.1f} ms  {r['tokens_per_s']:8.0f} tok/s  {r['peak_gb']:6.2f} GiB  "
               f"first loss {r['first_loss']:.4f}", flush=True)
