@@ -67,8 +67,13 @@ def main() -> None:
     for name in args.variants.split(","):
         compile, variant = VARIANTS[name]
         tables = []
-        r = ours(cfg, weights, device, args.seq, 1, 16, reps=5, compile=compile,
-                 profile=(profile_table if name in args.profile.split(",") else None), tables=tables, **variant)
+        try:
+            r = ours(cfg, weights, device, args.seq, 1, 16, reps=5, compile=compile,
+                     profile=(profile_table if name in args.profile.split(",") else None), tables=tables, **variant)
+        except Exception as e:  # one failing variant must not lose the others' numbers
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            print(f"{name:<28} failed: {results[name]['error']}", flush=True)
+            continue
         results[name] = r
         print(f"{name:<28} {r['step_ms']:8.1f} ms  {r['tokens_per_s']:8.0f} tok/s  {r['peak_gb']:6.2f} GiB  "
               f"first loss {r['first_loss']:.4f}", flush=True)
