@@ -34,6 +34,7 @@ def profile_table(step, rows: int = 18) -> str:
     """Top CUDA kernels of one step by self time, then the top host-side ops by self CPU time, and how much of
     the step's wall time the GPU was busy (the kernels' summed time)."""
     import time
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     step()
     torch.cuda.synchronize()
@@ -43,7 +44,8 @@ def profile_table(step, rows: int = 18) -> str:
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
     ka = prof.key_averages()
-    busy_ms = sum(e.self_device_time_total for e in ka) / 1e3
+    # kernels only: an aten op's entry also carries its kernels' device time, which would count them twice
+    busy_ms = sum(e.self_device_time_total for e in ka if e.device_type == DeviceType.CUDA) / 1e3
     n_ops = sum(e.count for e in ka if e.key.startswith("aten::"))
     return "\n".join([
         ka.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60),
