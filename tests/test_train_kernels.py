@@ -258,7 +258,8 @@ def test_layer_with_kernels_equals_plain_torch():
     got = run_layer(True, *inputs, shape)
     for i, (g, w) in enumerate(zip(got, want)):
         # summation orders differ (fused vs unfused): fp32 rounding relative to each tensor's own scale
-        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4, msg=lambda m: f"tensor {i}: {m}")
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4,
+                                   msg=lambda m: f"tensor {i}: {m}")
 
 
 def run_manual(x, cos, sin, weights, adapters, shape):
@@ -278,7 +279,8 @@ def test_manual_layer_equals_autograd_layer():
     want = run_layer(False, *inputs, shape)
     got = run_manual(*inputs, shape)
     for i, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4, msg=lambda m: f"tensor {i}: {m}")
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4,
+                                   msg=lambda m: f"tensor {i}: {m}")
 
 
 # --- GPU, bf16 at the real shapes ---------------------------------------------------------------------------------

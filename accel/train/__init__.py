@@ -1,3 +1,4 @@
 """Training pieces of the accel backend: differentiable ops over the Triton kernels (attention.py: FlashAttention
-forward and backward), LoRA (lora.py), the training forward (model.py), the optimisation loop (loop.py), PEFT adapter
-files (adapter.py), one run put together (session.py)."""
+forward and backward; fused.py: RMSNorm, RoPE, SwiGLU; loss.py: lm_head + cross-entropy), one decoder layer with a
+hand-written backward (layer.py), LoRA (lora.py), the training forward (model.py), the optimisation loop (loop.py),
+PEFT adapter files (adapter.py), one run put together (session.py)."""

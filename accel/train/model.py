@@ -5,7 +5,8 @@ backward, the rest is recomputed (the same RNG state, so LoRA dropout masks repe
 qkv / gate_up matrices of accel.weights (one GEMM instead of three / two); their LoRA pairs are grouped the same way
 (accel.train.lora.lora_group: one stacked A, one block-diagonal B accumulated into the fused output), built once a
 step outside the checkpoints. On CUDA the norms, RoPE and SwiGLU are the Triton autograd Functions of
-accel.train.fused (`kernels=True`), or plain torch for torch.compile to fuse (`kernels=False`).
+accel.train.fused (`kernels=True`), or plain torch for torch.compile to fuse (`kernels=False`); with the kernels and
+no dropout, each layer is instead accel.train.layer's single Function (its own checkpoint, backward by hand).
 The loss never materialises [B·T, V] logits: the trained positions are gathered first, then the lm_head and the
 cross-entropy run fused over row chunks, dX computed in the same pass (accel.train.loss).
 Sequences are right-padded: causal attention already hides later pad keys from real queries, so no mask is needed.

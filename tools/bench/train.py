@@ -5,7 +5,8 @@ real shapes, batch 1 × 2048 tokens, every token a label, AdamW; HF with SDPA at
 HF + PEFT users run it to fit long sequences). Reported: optimiser steps timed with CUDA events after warm-up
 (median), tokens/s, and peak allocated memory over the timed steps (resident weights included). Ours runs twice:
 as `finetune` runs it without dropout (eager: each layer one Function with a hand-written backward over the Triton
-kernels, LoRA in bf16 from fp32 masters, fused lm_head + cross-entropy) and with the decoder layer compiled by torch.compile over plain-torch ops (`--compile`).
+kernels, LoRA in bf16 from fp32 masters, fused lm_head + cross-entropy) and with the decoder layer compiled by
+torch.compile over plain-torch ops (`--compile`).
 """
 from __future__ import annotations
 
