@@ -1,16 +1,21 @@
 """LoRA on torch: the trainable adapter state (the unmerged `lora_linear` op itself is in accel.ops).
 
-x @ Wᵀ + scale · (dropout(x) @ Aᵀ) @ Bᵀ with W frozen in the model dtype and A, B in fp32: the LoRA branch runs in
-fp32 (PEFT casts x to the adapter's dtype) and the sum is cast back to x's dtype. Plain torch autograd: the branch is
-two thin GEMMs of rank R, whose backward torch already does as well as a kernel would.
+x @ Wᵀ + scale · (dropout(x) @ Aᵀ) @ Bᵀ with W frozen in the model dtype and A, B trainable fp32 masters.
+
+The trainer's base GEMMs are fused (qkv, gate_up), so their LoRA pairs are grouped too (`lora_group`): the A's
+stacked into one [ΣR, Din] matrix (one thin GEMM for q, k and v together) and the scaled B's into one block-diagonal
+[ΣDout, ΣR] matrix, whose product lands on the fused output in one GEMM that accumulates into it (`adapted_linear`).
+The branch computes in `dtype`: the model dtype by default (bf16 tensor-core GEMMs; the copies of A and B are cast
+from the fp32 masters each step, so gradients and optimiser state stay fp32), or fp32 as PEFT does.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-
+import torch.nn.functional as F
 
 from refimpl.formats.lora import LLAMA_LINEARS
 
@@ -57,3 +62,45 @@ def from_adapter(adapter) -> dict[str, LoraModule]:
     return {name: LoraModule(module_name(name), torch.nn.Parameter(torch.from_numpy(a.copy())),
                              torch.nn.Parameter(torch.from_numpy(b.copy())), scale)
             for name, a, b, scale in adapter}
+
+
+class LoraGroup(NamedTuple):
+    """The LoRA pairs of one fused linear, ready for `adapted_linear` (built each step from the fp32 masters)."""
+
+    a: torch.Tensor  # [ΣR, Din] in the compute dtype: the present modules' A's stacked
+    b: torch.Tensor  # [ΣDout, ΣR] in the compute dtype: block-diagonal, each block scale · B (zeros: no adapter)
+    ranks: tuple[int, ...]  # R of each present module, the row blocks of `a`
+
+
+def lora_group(adapters, outs, dtype) -> LoraGroup | None:
+    """adapters: one (A, B, scale) or None per slice of a fused linear, outs: each slice's Dout -> LoraGroup, or
+    None when no slice is adapted."""
+    present = [a for a in adapters if a is not None]
+    if not present:
+        return None
+    ranks = tuple(m[0].shape[0] for m in present)
+    a = (torch.cat([m[0] for m in present]) if len(present) > 1 else present[0][0]).to(dtype)  # [ΣR, Din]
+    if len(adapters) == 1:
+        return LoraGroup(a, (present[0][1] * present[0][2]).to(dtype), ranks)
+    # few ops a step (the host, not the GPU, bounds an eager step): one scale multiply when the scales agree
+    one_scale = len({m[2] for m in present}) == 1
+    blocks = [(m[1] if one_scale else m[1] * m[2]) if m is not None else present[0][1].new_zeros(n, 0)
+              for m, n in zip(adapters, outs)]  # [Dout_i, R_i] each, [Dout_i, 0] where not adapted
+    b = torch.block_diag(*blocks)  # [ΣDout, ΣR]
+    return LoraGroup(a, (b * present[0][2] if one_scale else b).to(dtype), ranks)
+
+
+def adapted_linear(x, weight, group: LoraGroup | None, dropout: float = 0.0):
+    """x [.., Din] @ weightᵀ [Din, Dout] + the group's LoRA term -> [.., Dout] in x's dtype. With dropout, each
+    module draws its own mask (as PEFT's separate modules do)."""
+    out = F.linear(x, weight)  # [.., Din] -> [.., Dout]
+    if group is None:
+        return out
+    xc = x.to(group.a.dtype)
+    if dropout:
+        xa = torch.cat([F.linear(F.dropout(xc, dropout, True), a) for a in group.a.split(group.ranks)], dim=-1)
+    else:
+        xa = F.linear(xc, group.a)  # [.., Din] -> [.., ΣR]
+    if group.a.dtype == out.dtype:  # the second GEMM adds the base output in its epilogue (beta = 1)
+        return torch.addmm(out.view(-1, out.shape[-1]), xa.reshape(-1, xa.shape[-1]), group.b.t()).view(out.shape)
+    return (out + F.linear(xa, group.b)).to(out.dtype)  # [.., ΣR] -> [.., Dout], summed in fp32 as PEFT does

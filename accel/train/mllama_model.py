@@ -20,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 from accel.ops import rope_tables
 from accel.train.attention import attention_reference, flash_attention
 from accel.train.loop import collate
-from accel.train.model import TrainModel, _adapt, rms_norm
+from accel.train.lora import adapted_linear, lora_group
+from accel.train.model import TrainModel, rms_norm
 from accel.vision import encoder
 from accel.vision.weights import MllamaWeights, self_layer_config
 from refimpl.model.mllama import TEXT, MllamaCache, cross_attention_rows
@@ -44,22 +45,22 @@ def cross_attention(q, k, v, visible):
 def cross_layer(x, states, visible, has_image, weights: tuple, adapters: tuple, shape: tuple, eps: float,
                 dropout: float):
     """One gated cross-attention layer. x [B, T, D], states [B, N, D] (the image tokens), visible [B, T, N],
-    has_image [B, T, 1] in x's dtype; weights in CROSS_WEIGHTS order; adapters = (A, B, scale) or None per
-    TEXT_LINEARS entry; shape = (H, K, E)."""
+    has_image [B, T, 1] in x's dtype; weights in CROSS_WEIGHTS order; adapters = one accel.train.lora.LoraGroup
+    or None per TEXT_LINEARS entry; shape = (H, K, E)."""
     norm, q_w, k_w, v_w, o_w, q_norm, k_norm, attn_gate, mlp_norm, gate_w, up_w, down_w, mlp_gate = weights
     aq, ak, av, ao, ag, au, ad = adapters
     H, K, E = shape
     B, T, _ = x.shape
     N = states.shape[1]
     h = rms_norm(x, norm, eps)
-    q = rms_norm(_adapt(F.linear(h, q_w), h, aq, dropout).view(B, T, H, E), q_norm, eps)  # normed over E
-    k = rms_norm(_adapt(F.linear(states, k_w), states, ak, dropout).view(B, N, K, E), k_norm, eps)
-    v = _adapt(F.linear(states, v_w), states, av, dropout).view(B, N, K, E)  # [B, N, D] -> [B, N, K, E]
+    q = rms_norm(adapted_linear(h, q_w, aq, dropout).view(B, T, H, E), q_norm, eps)  # normed over E
+    k = rms_norm(adapted_linear(states, k_w, ak, dropout).view(B, N, K, E), k_norm, eps)
+    v = adapted_linear(states, v_w, av, dropout).view(B, N, K, E)  # [B, N, D] -> [B, N, K, E]
     a = cross_attention(q, k, v, visible).reshape(B, T, H * E)  # [B, T, H, E] -> [B, T, H·E]
-    x = x + attn_gate.tanh() * _adapt(F.linear(a, o_w), a, ao, dropout)  # [B, T, H·E] -> [B, T, D]
+    x = x + attn_gate.tanh() * adapted_linear(a, o_w, ao, dropout)  # [B, T, H·E] -> [B, T, D]
     h = rms_norm(x, mlp_norm, eps)
-    act = F.silu(_adapt(F.linear(h, gate_w), h, ag, dropout)) * _adapt(F.linear(h, up_w), h, au, dropout)
-    down = _adapt(F.linear(act, down_w), act, ad, dropout)  # [B, T, F] -> [B, T, D]
+    act = F.silu(adapted_linear(h, gate_w, ag, dropout)) * adapted_linear(h, up_w, au, dropout)
+    down = adapted_linear(act, down_w, ad, dropout)  # [B, T, F] -> [B, T, D]
     return x + mlp_gate.tanh() * (down * has_image)  # full_text_row_masked_out_mask
 
 
@@ -135,7 +136,8 @@ class MllamaTrainModel(TrainModel):
         adapters = []
         for name in TEXT_LINEARS:
             m = self.lora.get(text_param(i, self.mcfg, name))
-            adapters.append(None if m is None else (m.a, m.b, m.scale))
+            adapters.append(None if m is None else lora_group(((m.a, m.b, m.scale),), (None,),
+                                                              self.lora_dtype or x.dtype))
         weights = tuple(self.mw.params[f"{TEXT}layers.{i}.{key}"] for key in CROSS_WEIGHTS)
         return cross_layer(x, states, visible, has_image, weights, tuple(adapters),
                            (t.num_attention_heads, t.num_key_value_heads, t.head_dim), t.rms_norm_eps,
@@ -152,11 +154,9 @@ class MllamaTrainModel(TrainModel):
         slot = {i: j for j, i in enumerate(self.mw.self_layers)}
         for i in range(t.num_hidden_layers):
             if i in slot:
-                fn, args = self._layer, (x, slot[i], cos, sin)
-            elif image_side is None:
-                continue  # no image in the batch: HF skips the cross-attention layers
-            else:
-                fn, args = self._cross, (x, i, *image_side)
-            x = checkpoint(fn, *args, use_reentrant=False) if self.checkpointing and torch.is_grad_enabled() \
-                else fn(*args)
+                x = self.layer(x, slot[i], cos, sin)  # checkpointed as the text trainer does
+            elif image_side is not None:  # no image in the batch: HF skips the cross-attention layers
+                args = (x, i, *image_side)
+                x = checkpoint(self._cross, *args, use_reentrant=False) \
+                    if self.checkpointing and torch.is_grad_enabled() else self._cross(*args)
         return rms_norm(x, self.w.norm, t.rms_norm_eps)

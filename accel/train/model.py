@@ -2,9 +2,13 @@
 
 One decoder layer is one `torch.utils.checkpoint` unit: only each layer's input [B, T, D] is kept between forward and
 backward, the rest is recomputed (the same RNG state, so LoRA dropout masks repeat). The base GEMMs use the fused
-qkv / gate_up matrices of accel.weights (one GEMM instead of three / two); each LoRA branch adds its own low-rank
-term to its slice. The loss never materialises [B·T, V] logits: the trained positions are gathered first and the
-lm_head + cross-entropy run in checkpointed chunks, so the fp32 logits of one chunk exist at a time.
+qkv / gate_up matrices of accel.weights (one GEMM instead of three / two); their LoRA pairs are grouped the same way
+(accel.train.lora.lora_group: one stacked A, one block-diagonal B accumulated into the fused output), built once a
+step outside the checkpoints. On CUDA the norms, RoPE and SwiGLU are the Triton autograd Functions of
+accel.train.fused (`kernels=True`), or plain torch for torch.compile to fuse (`kernels=False`); with the kernels and
+no dropout, each layer is instead accel.train.layer's single Function (its own checkpoint, backward by hand).
+The loss never materialises [B·T, V] logits: the trained positions are gathered first, then the lm_head and the
+cross-entropy run fused over row chunks, dX computed in the same pass (accel.train.loss).
 Sequences are right-padded: causal attention already hides later pad keys from real queries, so no mask is needed.
 """
 from __future__ import annotations
@@ -14,15 +18,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from accel.ops import rope_tables
+from accel.train import fused
 from accel.train.attention import attention_reference, flash_attention
-from accel.ops.torch_ops import add_lora
-from accel.train.lora import LoraModule, weight_name
+from accel.train.layer import manual_layer
+from accel.train.lora import LoraModule, adapted_linear, lora_group, weight_name
+from accel.train.loss import linear_cross_entropy
 from refimpl.formats.lora import LLAMA_LINEARS
 from accel.weights import Weights
 from refimpl.model.config import LlamaConfig
 from refimpl.train.data import IGNORE
-
-LOSS_CHUNK = 512  # rows of [rows, V] fp32 logits alive at once (0.25 GB at V = 128256)
 
 
 @torch.compiler.disable
@@ -47,55 +51,96 @@ def rope(x, cos, sin):
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
-def _adapt(out, x, adapter, dropout: float):
-    """out [.., Dout] = x @ Wᵀ in the model dtype; add adapter = (A, B, scale)'s LoRA term in fp32 (or nothing)."""
-    return out if adapter is None else add_lora(out, x, *adapter, dropout=dropout)
+def swiglu(gate_up):
+    """gate_up [.., 2F] -> silu(gate) · up [.., F], two rounded torch ops as HF's MLP."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
-def decoder_layer(x, cos, sin, weights: tuple, adapters: tuple, shape: tuple, eps: float, dropout: float):
-    """One decoder layer over plain tensors (so one compiled graph serves every layer).
-
-    x [B, T, D]; weights = (attn_norm, qkv, o, mlp_norm, gate_up, down) of accel.weights.LayerWeights; adapters =
-    one (A, B, scale) or None per LLAMA_LINEARS entry (q, k, v, o, gate, up, down); shape = (H, K, E, F)."""
-    attn_norm, qkv, o_w, mlp_norm, gate_up, down = weights
+def layer_groups(adapters: tuple, shape: tuple, dtype) -> tuple:
+    """One (A, B, scale) or None per LLAMA_LINEARS entry -> the LoraGroup (or None) of each fused linear:
+    (qkv, o, gate_up, down), computing in `dtype`."""
     aq, ak, av, ao, ag, au, ad = adapters
     H, K, E, Fi = shape
+    return (lora_group((aq, ak, av), (H * E, K * E, K * E), dtype), lora_group((ao,), (None,), dtype),
+            lora_group((ag, au), (Fi, Fi), dtype), lora_group((ad,), (None,), dtype))
+
+
+def grouped_layer(x, cos, sin, weights: tuple, groups: tuple, shape: tuple, eps: float, dropout: float,
+                  kernels: bool = False):
+    """One decoder layer over plain tensors (so one compiled graph serves every layer).
+
+    x [B, T, D]; weights = (attn_norm, qkv, o, mlp_norm, gate_up, down) of accel.weights.LayerWeights; groups =
+    layer_groups(...); shape = (H, K, E, F); kernels: the Triton autograd Functions for norm, RoPE and SwiGLU."""
+    attn_norm, qkv, o_w, mlp_norm, gate_up, down = weights
+    g_qkv, g_o, g_gate_up, g_down = groups
+    norm, act = (fused.rms_norm, fused.swiglu) if kernels else (rms_norm, swiglu)
+    H, K, E, Fi = shape
     B, T, _ = x.shape
-    h = rms_norm(x, attn_norm, eps)
-    q, k, v = F.linear(h, qkv).split([H * E, K * E, K * E], dim=-1)  # [B, T, D] -> [B, T, (H+2K)·E]
-    q = _adapt(q, h, aq, dropout).view(B, T, H, E)
-    k = _adapt(k, h, ak, dropout).view(B, T, K, E)
-    v = _adapt(v, h, av, dropout).view(B, T, K, E)
-    a = attention(rope(q, cos, sin), rope(k, cos, sin), v).reshape(B, T, H * E)  # [B, T, H, E] -> [B, T, H·E]
-    x = x + _adapt(F.linear(a, o_w), a, ao, dropout)  # [B, T, H·E] -> [B, T, D]
-    h = rms_norm(x, mlp_norm, eps)
-    gate, up = F.linear(h, gate_up).split([Fi, Fi], dim=-1)  # [B, T, D] -> 2 × [B, T, F]
-    act = F.silu(_adapt(gate, h, ag, dropout)) * _adapt(up, h, au, dropout)
-    return x + _adapt(F.linear(act, down), act, ad, dropout)  # [B, T, F] -> [B, T, D]
+    h = norm(x, attn_norm, eps)
+    q, k, v = adapted_linear(h, qkv, g_qkv, dropout).split([H * E, K * E, K * E], dim=-1)  # -> [B, T, (H+2K)·E]
+    q, k, v = q.view(B, T, H, E), k.view(B, T, K, E), v.view(B, T, K, E)
+    q, k = fused.rope_qk(q, k, cos, sin) if kernels else (rope(q, cos, sin), rope(k, cos, sin))
+    a = attention(q, k, v).reshape(B, T, H * E)  # [B, T, H, E] -> [B, T, H·E]
+    x = x + adapted_linear(a, o_w, g_o, dropout)  # [B, T, H·E] -> [B, T, D]
+    h = norm(x, mlp_norm, eps)
+    act_out = act(adapted_linear(h, gate_up, g_gate_up, dropout))  # [B, T, D] -> [B, T, 2F] -> [B, T, F]
+    return x + adapted_linear(act_out, down, g_down, dropout)  # [B, T, F] -> [B, T, D]
+
+
+def decoder_layer(x, cos, sin, weights: tuple, adapters: tuple, shape: tuple, eps: float, dropout: float,
+                  kernels: bool = False, lora_dtype=None):
+    """grouped_layer with adapters = one (A, B, scale) or None per LLAMA_LINEARS entry (q, k, v, o, gate, up,
+    down); the LoRA branch computes in `lora_dtype` (default: x's dtype)."""
+    groups = layer_groups(adapters, shape, lora_dtype or x.dtype)
+    return grouped_layer(x, cos, sin, weights, groups, shape, eps, dropout, kernels)
 
 
 class TrainModel:
     def __init__(self, weights: Weights, cfg: LlamaConfig, lora: dict[str, LoraModule], dropout: float = 0.0,
-                 checkpointing: bool = True, compile: bool = False):
+                 checkpointing: bool = True, compile: bool = False, kernels: bool | None = None, lora_dtype=None,
+                 manual_backward: bool = True):
+        """kernels: the Triton norm / RoPE / SwiGLU Functions (default: on CUDA unless compiled; inside a compiled
+        layer each Function is a graph break, which costs more than the fusion gains); lora_dtype: the LoRA
+        branch's compute dtype (default: the model dtype; the parameters stay fp32 either way); manual_backward:
+        with the kernels, no dropout and LoRA in the model dtype, each layer is accel.train.layer's single
+        Function (its own checkpoint, backward by hand: far fewer host-side ops a step)."""
         self.w, self.cfg, self.lora, self.dropout, self.checkpointing = weights, cfg, lora, dropout, checkpointing
+        self.kernels, self.lora_dtype = (not compile if kernels is None else kernels), lora_dtype
+        self.manual_backward = manual_backward
         self.training = True
-        # compiled, the norms, RoPE, SiLU·up and LoRA scalings fuse into a few kernels; attention stays the Triton
-        # kernel (a graph break); dynamic=False: every layer has the same shapes, so one graph serves them all
-        self.layer_fn = torch.compile(decoder_layer, dynamic=False) if compile else decoder_layer
+        # compiled, what is left unfused (residual adds, the torch ops when kernels=False) fuses; attention and the
+        # Triton Functions are graph breaks; dynamic=False: every layer has the same shapes, one graph serves all
+        self.layer_fn = torch.compile(grouped_layer, dynamic=False) if compile else grouped_layer
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for m in self.lora.values() for p in (m.a, m.b)]
 
-    def _layer(self, x, i: int, cos, sin):
-        cfg, lw = self.cfg, self.w.layers[i]
+    def _shape(self) -> tuple:
+        cfg = self.cfg
+        return cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+
+    def _groups(self, i: int) -> tuple:
+        """Layer i's LoRA groups, cast from the fp32 masters (once a step, outside the layer's checkpoint)."""
         adapters = []
         for t in LLAMA_LINEARS:
             m = self.lora.get(weight_name(i, t))
             adapters.append(None if m is None else (m.a, m.b, m.scale))
-        return self.layer_fn(x, cos, sin, (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down),
-                             tuple(adapters), (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                               cfg.intermediate_size), cfg.rms_norm_eps,
-                             self.dropout if self.training else 0.0)
+        return layer_groups(tuple(adapters), self._shape(), self.lora_dtype or self.w.embed.dtype)
+
+    def layer(self, x, i: int, cos, sin):
+        """Decoder layer i over x [B, T, D] (its own checkpoint when checkpointing)."""
+        kernels = x.is_cuda and self.kernels
+        lw = self.w.layers[i]
+        weights = (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down)
+        dropout = self.dropout if self.training else 0.0
+        if (kernels and self.manual_backward and not dropout and self.checkpointing
+                and self.lora_dtype in (None, x.dtype)):
+            return manual_layer(x, cos, sin, weights, self._groups(i), self._shape(), self.cfg.rms_norm_eps)
+        args = (cos, sin, weights, self._groups(i), self._shape(), self.cfg.rms_norm_eps, dropout, kernels)
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(self.layer_fn, x, *args, use_reentrant=False)
+        return self.layer_fn(x, *args)
 
     def hidden(self, ids):
         """ids [B, T] -> final-norm hidden states [B, T, D] in the model dtype."""
@@ -104,11 +149,8 @@ class TrainModel:
                                self.cfg.rope_scaling)  # [T, E/2] fp32 each
         x = F.embedding(ids, self.w.embed)  # [B, T, D]
         for i in range(self.cfg.num_hidden_layers):
-            if self.checkpointing and torch.is_grad_enabled():
-                x = checkpoint(self._layer, x, i, cos, sin, use_reentrant=False)
-            else:
-                x = self._layer(x, i, cos, sin)
-        return rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)
+            x = self.layer(x, i, cos, sin)
+        return (fused.rms_norm if ids.is_cuda and self.kernels else rms_norm)(x, self.w.norm, self.cfg.rms_norm_eps)
 
     def loss_sum(self, ids, labels):
         """Summed cross-entropy (fp32) over the label tokens of ids [B, T], labels [B, T] (IGNORE elsewhere),
@@ -117,13 +159,4 @@ class TrainModel:
         targets = labels[:, 1:]  # [B, T-1]
         keep = targets != IGNORE
         h, targets = h[keep], targets[keep]  # [N, D], [N]: only trained positions reach the lm_head
-        total = h.new_zeros((), dtype=torch.float32)
-        for start in range(0, h.shape[0], LOSS_CHUNK):
-            rows = slice(start, start + LOSS_CHUNK)
-            total = total + checkpoint(_chunk_loss, h[rows], self.w.lm_head, targets[rows], use_reentrant=False)
-        return total, int(targets.numel())
-
-
-def _chunk_loss(h, lm_head, targets):
-    logits = F.linear(h, lm_head).float()  # [N, D] -> [N, V], upcast as HF's loss does
-    return F.cross_entropy(logits, targets, reduction="sum")
+        return linear_cross_entropy(h, self.w.lm_head, targets), int(targets.numel())

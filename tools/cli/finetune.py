@@ -65,8 +65,9 @@ def _check(cond: bool, message: str) -> None:
 @click.option("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda when present).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
               help="Base weight dtype (default bf16 on CUDA, fp32 on CPU).")
-@click.option("--compile/--no-compile", "compile_layers", default=None,
-              help="torch.compile the decoder layer (default: on CUDA; a minute of compiling, then faster steps).")
+@click.option("--compile/--no-compile", "compile_layers", default=False,
+              help="torch.compile the decoder layer over plain-torch ops instead of the Triton kernels (default "
+                   "off: slower per step, see tools/bench/NOTES.md).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON record per step on stdout, then a final record.")
 def finetune(model, data, out, eval_data, rank, alpha, dropout, target, lr, optimizer, weight_decay, warmup_steps,
              epochs, max_steps, batch_size, grad_accum, max_length, seed, init_adapter, save_every, backend, device,
@@ -98,8 +99,6 @@ def finetune(model, data, out, eval_data, rank, alpha, dropout, target, lr, opti
         raise GenerationError(f"--device {device!r} is not a torch device (e.g. cuda, cuda:1, cpu)") from None
     dtype = dtype or ("bf16" if torch.device(device).type == "cuda" else "fp32")
     warn = lambda msg: click.echo(f"warning: {msg}", err=True)  # noqa: E731
-    if compile_layers is None:
-        compile_layers = torch.device(device).type == "cuda"
     session = Session.open(resolve_model(model), data, eval_data, device, dtype, warn, SessionSettings(
         rank, alpha, dropout, targets, max_length, seed, init_adapter, compile_layers))
     settings = TrainSettings(lr, optimizer, weight_decay, warmup_steps, epochs, max_steps, batch_size, grad_accum,

@@ -1,0 +1,126 @@
+"""One decoder layer as a single autograd.Function with a hand-written backward: its own activation checkpoint.
+
+The eager autograd layer (accel.train.model.grouped_layer under torch.utils.checkpoint) records every op with autograd
+in the forward and again in the recompute, then walks that graph; on the GPU the host then takes longer than the
+kernels (tools/bench/NOTES.md).
+Here the forward runs without autograd and keeps only the layer input x; the backward recomputes the forward keeping
+its intermediates, then runs the backward by hand: the frozen GEMMs' dX, each LoRA group's dA / dB, and the Triton
+backward kernels (RMSNorm, RoPE as the inverse rotation, SwiGLU, FlashAttention). The LoRA group tensors
+(accel.train.lora.LoraGroup's a, b, in the model dtype) are the Function's differentiable inputs; autograd carries
+their gradients back to the fp32 masters through the casts that built them.
+Limits: LoRA dropout 0 and the LoRA branch in the model dtype (else the model uses the autograd layer).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from accel.kernels.flash_attn_bwd import flash_attn_bwd, flash_attn_train_fwd
+from accel.kernels.rms_norm import rms_norm_fwd
+from accel.kernels.rms_norm_bwd import rms_norm_bwd
+from accel.kernels.rope import rope_fwd
+from accel.kernels.swiglu import swiglu_gate_up_fwd
+from accel.kernels.swiglu_bwd import swiglu_gate_up_bwd
+
+
+def _linear(x, w, a, b):
+    """x [N, Din] @ wᵀ + (x @ aᵀ) @ bᵀ -> (y [N, Dout], x @ aᵀ [N, ΣR] or None)."""
+    y = F.linear(x, w)  # [N, Din] -> [N, Dout]
+    if a is None:
+        return y, None
+    xa = F.linear(x, a)  # [N, Din] -> [N, ΣR]
+    return torch.addmm(y, xa, b.t()), xa  # + [N, ΣR] @ [ΣR, Dout]
+
+
+def _linear_bwd(x, w, a, b, xa, dy, need_dx: bool = True):
+    """Backward of _linear with w frozen: -> (dx [N, Din] or None, da [ΣR, Din], db [Dout, ΣR]) (None, None
+    without a LoRA group)."""
+    if a is None:
+        return (dy @ w if need_dx else None), None, None  # [N, Dout] @ [Dout, Din]
+    d_xa = dy @ b  # [N, Dout] @ [Dout, ΣR] -> [N, ΣR]
+    db = dy.t() @ xa  # [Dout, N] @ [N, ΣR] -> [Dout, ΣR]
+    da = d_xa.t() @ x  # [ΣR, N] @ [N, Din] -> [ΣR, Din]
+    dx = torch.addmm(dy @ w, d_xa, a) if need_dx else None  # [N, Din] + [N, ΣR] @ [ΣR, Din]
+    return dx, da, db
+
+
+def _cos_sin_rows(cos, sin, B):
+    return (cos.repeat(B, 1), sin.repeat(B, 1)) if B > 1 else (cos, sin)  # [T, E/2] -> [B·T, E/2]
+
+
+def _forward(x, cos, sin, eps, shape, weights, lora):
+    """The layer's forward over rows; returns y [B, T, D] and the intermediates the backward needs."""
+    attn_norm, w_qkv, w_o, mlp_norm, w_gu, w_d = weights
+    (a_qkv, b_qkv), (a_o, b_o), (a_gu, b_gu), (a_d, b_d) = lora
+    H, K, E, Fi = shape
+    B, T, D = x.shape
+    x0 = x.reshape(B * T, D)
+    h1 = rms_norm_fwd(x0, attn_norm, eps)  # [N, D]
+    qkv, xa_qkv = _linear(h1, w_qkv, a_qkv, b_qkv)  # [N, (H+2K)·E]
+    q, k, v = qkv.split([H * E, K * E, K * E], dim=-1)
+    c, s = _cos_sin_rows(cos, sin, B)
+    qr, kr = rope_fwd(q.view(B * T, H, E), k.view(B * T, K, E), c, s)  # [N, H, E], [N, K, E]
+    q4, k4, v4 = qr.view(B, T, H, E), kr.view(B, T, K, E), v.view(B, T, K, E)
+    o, lse = flash_attn_train_fwd(q4, k4, v4, True, None)  # [B, T, H, E]
+    att = o.view(B * T, H * E)
+    att_o, xa_o = _linear(att, w_o, a_o, b_o)
+    x1 = x0 + att_o  # [N, D]
+    h2 = rms_norm_fwd(x1, mlp_norm, eps)
+    gu, xa_gu = _linear(h2, w_gu, a_gu, b_gu)  # [N, 2F]
+    act = swiglu_gate_up_fwd(gu)  # [N, F]
+    down, xa_d = _linear(act, w_d, a_d, b_d)
+    y = x1 + down
+    saved = dict(x0=x0, h1=h1, xa_qkv=xa_qkv, q4=q4, k4=k4, v4=v4, o=o, lse=lse, att=att, xa_o=xa_o, x1=x1, h2=h2,
+                 gu=gu, xa_gu=xa_gu, act=act, xa_d=xa_d)
+    return y.view(B, T, D), saved
+
+
+class _DecoderLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, eps, shape, weights, *lora_flat):
+        lora = tuple(zip(lora_flat[0::2], lora_flat[1::2]))
+        with torch.no_grad():
+            y, _ = _forward(x, cos, sin, eps, shape, weights, lora)
+        ctx.save_for_backward(x, cos, sin, *(t for t in lora_flat if t is not None))
+        ctx.present = tuple(t is not None for t in lora_flat)
+        ctx.eps, ctx.shape, ctx.weights = eps, shape, weights
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, cos, sin, *present = ctx.saved_tensors
+        it = iter(present)
+        lora_flat = [next(it) if p else None for p in ctx.present]
+        lora = tuple(zip(lora_flat[0::2], lora_flat[1::2]))
+        (a_qkv, b_qkv), (a_o, b_o), (a_gu, b_gu), (a_d, b_d) = lora
+        attn_norm, w_qkv, w_o, mlp_norm, w_gu, w_d = ctx.weights
+        H, K, E, Fi = ctx.shape
+        B, T, D = x.shape
+        with torch.no_grad():
+            _, s = _forward(x, cos, sin, ctx.eps, ctx.shape, ctx.weights, lora)
+            dy = dy.reshape(B * T, D)
+            dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+            d_act, da_d, db_d = _linear_bwd(s["act"], w_d, a_d, b_d, s["xa_d"], dy)
+            d_gu = swiglu_gate_up_bwd(s["gu"], d_act)  # [N, 2F]
+            dh2, da_gu, db_gu = _linear_bwd(s["h2"], w_gu, a_gu, b_gu, s["xa_gu"], d_gu)
+            dx1 = dy + rms_norm_bwd(s["x1"], mlp_norm, ctx.eps, dh2)  # the residual's gradient joins the norm's
+            d_att, da_o, db_o = _linear_bwd(s["att"], w_o, a_o, b_o, s["xa_o"], dx1)
+            dq, dk, dv = flash_attn_bwd(s["q4"], s["k4"], s["v4"], s["o"], s["lse"], d_att.view(B, T, H, E), True,
+                                        None)
+            c, sn = _cos_sin_rows(cos, sin, B)
+            dq, dk = rope_fwd(dq.view(B * T, H, E), dk.view(B * T, K, E), c, -sn)  # the inverse rotation
+            d_qkv = torch.cat([dq.view(B * T, H * E), dk.view(B * T, K * E), dv.reshape(B * T, K * E)], dim=-1)
+            need_dx = ctx.needs_input_grad[0]
+            dh1, da_qkv, db_qkv = _linear_bwd(s["h1"], w_qkv, a_qkv, b_qkv, s["xa_qkv"], d_qkv, need_dx)
+            dx = (dx1 + rms_norm_bwd(s["x0"], attn_norm, ctx.eps, dh1)).view(B, T, D) if need_dx else None
+        return (dx, None, None, None, None, None, da_qkv, db_qkv, da_o, db_o, da_gu, db_gu, da_d, db_d)
+
+
+def manual_layer(x, cos, sin, weights: tuple, groups: tuple, shape: tuple, eps: float):
+    """x [B, T, D] -> the decoder layer's output [B, T, D]; weights as accel.train.model.grouped_layer's, groups =
+    accel.train.model.layer_groups(...) (LoRA in x's dtype, no dropout); cos/sin [T, E/2] fp32."""
+    lora_flat = []
+    for g in groups:
+        assert g is None or g.a.dtype == x.dtype, "the manual layer computes LoRA in the model dtype"
+        lora_flat += [None, None] if g is None else [g.a, g.b]
+    return _DecoderLayer.apply(x, cos, sin, eps, shape, weights, *lora_flat)

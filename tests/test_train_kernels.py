@@ -1,0 +1,362 @@
+"""The training path's fused ops (accel/train/fused.py, accel/train/loss.py, accel/train/lora.py's groups).
+
+CPU, under TRITON_INTERPRET=1, fp32 on odd shapes: each Triton forward and backward against the refimpl forward and
+the NumPy gradient oracle (refimpl/train/grads.py); each autograd Function against an fp32 central difference along
+a random direction; the fused linear + cross-entropy (Triton row kernel and its torch twin) against the oracle's loss
+and gradient, ignored rows included; the grouped LoRA linear (fp64, plain torch) against lora_linear_backward; a
+decoder layer with the kernels against the same layer in plain torch. GPU (skipped without CUDA): bf16 at real shapes
+against the plain-torch ops differentiated by autograd.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from refimpl.model import ops as R
+from refimpl.model.config import RopeScaling
+from refimpl.train import grads
+
+from accel.kernels.cross_entropy import cross_entropy_rows_
+from accel.train import fused
+from accel.train.loss import cross_entropy_rows_torch, linear_cross_entropy
+from accel.train.lora import adapted_linear, lora_group
+from accel.train.layer import manual_layer
+from accel.train.model import grouped_layer, layer_groups, rms_norm, rope, swiglu
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU-interpreter coverage; the GPU's is below")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+FP32 = dict(atol=1e-5, rtol=1e-5)  # fp32 kernels vs float64 NumPy: summation order and FMAs only
+
+
+def randn(*shape, seed=0, dtype=torch.float32, device="cpu", scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
+
+
+def np64(x):
+    return x.detach().double().cpu().numpy()
+
+
+def close(got, want, what, **tol):
+    torch.testing.assert_close(got.detach().double().cpu(), torch.as_tensor(want, dtype=torch.float64),
+                               msg=lambda m: f"{what}: {m}", **(tol or FP32))
+
+
+def directional_check(fn, inputs, seed=1, eps=1e-2, rtol=2e-3):
+    """Autograd's d<fn(x), w>/dx · v against the fp32 central difference (L(x + εv) − L(x − εv)) / 2ε, for a random
+    projection w of the outputs and a random direction v of every differentiable input."""
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    ws = [randn(*o.shape, seed=seed + i) for i, o in enumerate(outs)]
+    loss = lambda *xs: sum((o.double() * w.double()).sum() for o, w in zip(  # noqa: E731
+        (lambda r: r if isinstance(r, tuple) else (r,))(fn(*xs)), ws))
+    diff = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    vs = [randn(*x.shape, seed=seed + 10 + i) for i, x in enumerate(diff)]
+    g = torch.autograd.grad(loss(*inputs), diff)
+    analytic = sum(float((gi.double() * v.double()).sum()) for gi, v in zip(g, vs))
+
+    def shifted(sign):
+        it = iter(vs)
+        xs = [(x.detach() + sign * eps * next(it)) if isinstance(x, torch.Tensor) and x.requires_grad else x
+              for x in inputs]
+        with torch.no_grad():
+            return float(loss(*xs))
+    numeric = (shifted(1) - shifted(-1)) / (2 * eps)
+    assert abs(analytic - numeric) <= rtol * max(1.0, abs(numeric)), (analytic, numeric)
+
+
+# --- RMSNorm -----------------------------------------------------------------------------------------------------
+
+@interpreted
+@pytest.mark.parametrize("B,T,D", [(1, 1, 8), (2, 5, 37), (1, 3, 130)])
+def test_rms_norm_against_oracle(B, T, D):
+    x = randn(B, T, D, seed=D).requires_grad_()
+    w = randn(D, seed=D + 1)
+    dy = randn(B, T, D, seed=D + 2)
+    y = fused.rms_norm(x, w, 1e-5)
+    y.backward(dy)
+    close(y, R.rms_norm(np64(x).reshape(-1, D), np64(w), 1e-5).reshape(B, T, D), "y")
+    dx, _ = grads.rms_norm_backward(np64(x).reshape(-1, D), np64(w), 1e-5, np64(dy).reshape(-1, D))
+    close(x.grad, dx.reshape(B, T, D), "dx")
+
+
+@interpreted
+def test_rms_norm_finite_difference():
+    directional_check(lambda x: fused.rms_norm(x, randn(19, seed=3), 1e-5), [randn(2, 3, 19).requires_grad_()])
+
+
+# --- RoPE --------------------------------------------------------------------------------------------------------
+
+def qkv_slices(B, T, H, K, E, seed, dtype=torch.float32, device="cpu"):
+    """q [B, T, H, E], k [B, T, K, E] as strided slices of one fused [B, T, (H+2K)·E] output (the trainer's case)."""
+    qkv = randn(B, T, (H + 2 * K) * E, seed=seed, dtype=dtype, device=device).requires_grad_()
+    q, k, _ = qkv.split([H * E, K * E, K * E], dim=-1)
+    return qkv, q.view(B, T, H, E), k.view(B, T, K, E)
+
+
+def tables(T, E, device="cpu"):
+    cos, sin = R.rope_tables(np.arange(T) * 997, E, 500000.0, RopeScaling())  # far positions: every band turns
+    return torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
+
+
+@interpreted
+@pytest.mark.parametrize("B,T,H,K,E", [(1, 1, 2, 1, 8), (2, 5, 3, 1, 16), (1, 7, 4, 2, 64)])
+def test_rope_against_oracle(B, T, H, K, E):
+    qkv, q, k = qkv_slices(B, T, H, K, E, seed=T)
+    cos, sin = tables(T, E)
+    dq_rot, dk_rot = randn(B, T, H, E, seed=1), randn(B, T, K, E, seed=2)
+    qr, kr = fused.rope_qk(q, k, cos, sin)
+    torch.autograd.backward((qr, kr), (dq_rot, dk_rot))
+    c, s = np64(cos), np64(sin)
+    for b in range(B):
+        want_q, want_k = R.rope(np64(q[b]), np64(k[b]), c, s)
+        close(qr[b], want_q, "q rotated")
+        close(kr[b], want_k, "k rotated")
+        dq, dk = grads.rope_backward(np64(dq_rot[b]), np64(dk_rot[b]), c, s)
+        g = qkv.grad[b]
+        close(g[:, :H * E].view(T, H, E), dq, "dq")
+        close(g[:, H * E:(H + K) * E].view(T, K, E), dk, "dk")
+        assert not g[:, (H + K) * E:].any()  # v's slice: untouched by RoPE
+
+
+@interpreted
+def test_rope_finite_difference():
+    cos, sin = tables(4, 16)
+    directional_check(lambda q, k: fused.rope_qk(q, k, cos, sin),
+                      [randn(2, 4, 2, 16, seed=5).requires_grad_(), randn(2, 4, 1, 16, seed=6).requires_grad_()])
+
+
+# --- SwiGLU ------------------------------------------------------------------------------------------------------
+
+@interpreted
+@pytest.mark.parametrize("B,T,F", [(1, 1, 4), (2, 5, 37), (1, 3, 1500)])  # 1500: two column blocks of 1024
+def test_swiglu_against_oracle(B, T, F):
+    gate_up = randn(B, T, 2 * F, seed=F, scale=3.0).requires_grad_()
+    dy = randn(B, T, F, seed=F + 1)
+    y = fused.swiglu(gate_up)
+    y.backward(dy)
+    g, u = np64(gate_up)[..., :F].reshape(-1, F), np64(gate_up)[..., F:].reshape(-1, F)
+    close(y, R.swiglu(g, u).reshape(B, T, F), "y")
+    dg, du = grads.swiglu_backward(g, u, np64(dy).reshape(-1, F))
+    close(gate_up.grad, np.concatenate([dg, du], axis=-1).reshape(B, T, 2 * F), "d gate_up")
+
+
+@interpreted
+def test_swiglu_finite_difference():
+    directional_check(fused.swiglu, [randn(3, 2, 22, seed=7, scale=2.0).requires_grad_()])
+
+
+# --- cross-entropy -----------------------------------------------------------------------------------------------
+
+ROWS = [
+    (5, 37, [3, -100, 0, 36, -100]),  # one block, ignored rows, first and last class
+    (3, 9000, [8999, 4096, -100]),  # V past the 4096-column block: the online pass over three blocks
+]
+
+
+@pytest.mark.parametrize("N,V,labels", ROWS)
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_cross_entropy_rows_against_oracle(N, V, labels, kernel):
+    if kernel == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU-interpreter coverage")
+    logits = randn(N, V, seed=V, scale=4.0)
+    want = np64(logits)
+    labels_t = torch.tensor(labels)
+    rows = cross_entropy_rows_(logits, labels_t) if kernel == "triton" else cross_entropy_rows_torch(logits, labels_t)
+    keep = np.array(labels) != -100
+    for n in range(N):  # each row's loss is the oracle's cross-entropy of that row alone (0 when ignored)
+        expect = grads.cross_entropy(want[n:n + 1], np.array(labels[n:n + 1])) if keep[n] else 0.0
+        assert float(rows[n]) == pytest.approx(expect, rel=1e-5, abs=1e-5)
+    close(logits, grads.cross_entropy_backward(want, np.array(labels), n_labels=1), "d logits")
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_linear_cross_entropy_against_oracle(kernel):
+    if kernel and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU-interpreter coverage")
+    N, D, V = 7, 24, 50
+    h = randn(N, D, seed=1).requires_grad_()
+    w = randn(V, D, seed=2, scale=0.5)
+    labels = torch.tensor([4, -100, 0, 49, 7, -100, 12])
+    total = linear_cross_entropy(h, w, labels, chunk=3, use_triton=kernel)  # 3 chunks, the last one short
+    n = int((labels != -100).sum())
+    (total / 10).backward()  # a micro-batch of a step with 10 label tokens in all
+    logits = np64(h) @ np64(w).T  # [N, D] @ [D, V] -> [N, V]
+    assert float(total.detach()) == pytest.approx(grads.cross_entropy(logits, labels.numpy()) * n, rel=1e-5)
+    close(h.grad, grads.cross_entropy_backward(logits, labels.numpy(), n_labels=10) @ np64(w), "dh")
+
+
+def test_linear_cross_entropy_without_grad_matches():
+    h, w, labels = randn(4, 8, seed=3), randn(11, 8, seed=4), torch.tensor([1, 2, -100, 10])
+    with torch.no_grad():
+        got = linear_cross_entropy(h, w, labels, use_triton=False)
+    logits = np64(h) @ np64(w).T
+    assert float(got) == pytest.approx(grads.cross_entropy(logits, labels.numpy()) * 3, rel=1e-5)
+
+
+# --- grouped LoRA and the layer -----------------------------------------------------------------------------------
+
+def test_grouped_lora_against_oracle():
+    """A fused [q | k | v] linear with k not adapted and two ranks/scales: each module's gradients are the oracle's
+    for its own slice (float64, plain torch)."""
+    T, Din, outs = 5, 12, (8, 4, 4)
+    x = randn(2, T, Din, seed=1, dtype=torch.float64).requires_grad_()
+    w = randn(sum(outs), Din, seed=2, dtype=torch.float64)
+    aq, bq = randn(3, Din, seed=3, dtype=torch.float64), randn(8, 3, seed=4, dtype=torch.float64)
+    av, bv = randn(2, Din, seed=5, dtype=torch.float64), randn(4, 2, seed=6, dtype=torch.float64)
+    for p in (aq, bq, av, bv):
+        p.requires_grad_()
+    d_out = randn(2, T, sum(outs), seed=7, dtype=torch.float64)
+    group = lora_group(((aq, bq, 2.0), None, (av, bv, 0.5)), outs, torch.float64)
+    y = adapted_linear(x, w, group)
+    y.backward(d_out)
+
+    xs, ws, dys = np64(x).reshape(-1, Din), np64(w), np64(d_out).reshape(-1, sum(outs))
+    sl = {"q": slice(0, 8), "k": slice(8, 12), "v": slice(12, 16)}
+    want_dx = dys[:, sl["k"]] @ ws[sl["k"]]  # k: the base only, [T, Dk] @ [Dk, Din]
+    for name, a, b, scale in (("q", aq, bq, 2.0), ("v", av, bv, 0.5)):
+        dx, da, db = grads.lora_linear_backward(xs, ws[sl[name]], np64(a), np64(b), scale, dys[:, sl[name]])
+        want_y = xs @ ws[sl[name]].T + scale * (xs @ np64(a).T) @ np64(b).T
+        close(y.reshape(-1, sum(outs))[:, sl[name]], want_y, f"y {name}")
+        close(a.grad, da, f"dA {name}")
+        close(b.grad, db, f"dB {name}")
+        want_dx = want_dx + dx
+    close(x.grad.reshape(-1, Din), want_dx, "dx")
+
+
+def layer_inputs(B, T, D, H, K, E, Fi, rank, device="cpu", dtype=torch.float32):
+    s = iter(range(100))
+    mk = lambda *shape, scale=0.2: randn(*shape, seed=next(s), dtype=dtype, device=device, scale=scale)  # noqa
+    weights = (1 + mk(D), mk((H + 2 * K) * E, D), mk(D, H * E), 1 + mk(D), mk(2 * Fi, D), mk(D, Fi))
+    outs = [H * E, K * E, K * E, D, Fi, Fi, D]
+    ins = [D, D, D, H * E, D, D, Fi]
+    adapters = tuple(None if i == 1 else  # k_proj not adapted
+                     (mk(rank, ins[i], scale=0.3).float().requires_grad_(),
+                      mk(outs[i], rank, scale=0.3).float().requires_grad_(), 2.0)
+                     for i in range(7))
+    x = mk(B, T, D, scale=1.0).requires_grad_()
+    cos, sin = tables(T, E, device)
+    return x, cos, sin, weights, adapters
+
+
+def run_layer(kernels, x, cos, sin, weights, adapters, shape):
+    for t in [x] + [p for a in adapters if a is not None for p in a[:2]]:
+        t.grad = None
+    y = grouped_layer(x, cos, sin, weights, layer_groups(adapters, shape, x.dtype), shape, 1e-5, 0.0, kernels)
+    y.backward(randn(*y.shape, seed=99, dtype=y.dtype, device=y.device))
+    return [y, x.grad] + [p.grad for a in adapters if a is not None for p in a[:2]]
+
+
+@interpreted
+def test_layer_with_kernels_equals_plain_torch():
+    """One decoder layer (GQA 2, odd sizes) with the Triton Functions vs the torch ops: output, dX, every dA/dB."""
+    shape = (4, 2, 16, 40)  # H, K, E, F
+    inputs = layer_inputs(2, 5, 24, *shape, rank=3)
+    want = run_layer(False, *inputs, shape)
+    got = run_layer(True, *inputs, shape)
+    for i, (g, w) in enumerate(zip(got, want)):
+        # summation orders differ (fused vs unfused): fp32 rounding relative to each tensor's own scale
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4,
+                                   msg=lambda m: f"tensor {i}: {m}")
+
+
+def run_manual(x, cos, sin, weights, adapters, shape):
+    for t in [x] + [p for a in adapters if a is not None for p in a[:2]]:
+        t.grad = None
+    y = manual_layer(x, cos, sin, weights, layer_groups(adapters, shape, x.dtype), shape, 1e-5)
+    y.backward(randn(*y.shape, seed=99, dtype=y.dtype, device=y.device))
+    return [y, x.grad] + [p.grad for a in adapters if a is not None for p in a[:2]]
+
+
+@interpreted
+def test_manual_layer_equals_autograd_layer():
+    """The hand-written layer backward (accel/train/layer.py) vs autograd over the torch ops: output, dX, every
+    adapted module's dA/dB (k_proj not adapted), GQA 2, two sequences."""
+    shape = (4, 2, 16, 40)
+    inputs = layer_inputs(2, 5, 24, *shape, rank=3)
+    want = run_layer(False, *inputs, shape)
+    got = run_manual(*inputs, shape)
+    for i, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4,
+                                   msg=lambda m: f"tensor {i}: {m}")
+
+
+# --- GPU, bf16 at the real shapes ---------------------------------------------------------------------------------
+
+BF16 = dict(atol=2e-2, rtol=2e-2)  # a few bf16 roundings apart (2^-9 each), see refimpl/compare.py
+
+
+def rel_l2(got, want):
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def grads_of(fn, inputs, dys):
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gs = torch.autograd.grad(outs, inputs, dys)
+    return outs, gs
+
+
+@cuda
+def test_gpu_bf16_norm_rope_swiglu_against_torch():
+    dev = "cuda"
+    x = randn(1, 2048, 2048, seed=1, device=dev, dtype=torch.bfloat16).requires_grad_()
+    w = (1 + randn(2048, seed=2, device=dev, scale=0.1)).to(torch.bfloat16)
+    dy = randn(1, 2048, 2048, seed=3, device=dev, dtype=torch.bfloat16)
+    for (o1, g1), (o2, g2) in [(grads_of(lambda t: fused.rms_norm(t, w, 1e-5), [x], [dy]),
+                                grads_of(lambda t: rms_norm(t, w, 1e-5), [x], [dy]))]:
+        torch.testing.assert_close(o1[0], o2[0], **BF16)
+        assert rel_l2(g1[0], g2[0]) < 1e-2
+    _, q, k = qkv_slices(2, 1024, 32, 8, 64, seed=4, dtype=torch.bfloat16, device=dev)
+    cos, sin = tables(1024, 64, dev)
+    dq, dk = randn(*q.shape, seed=5, device=dev, dtype=torch.bfloat16), randn(*k.shape, seed=6, device=dev,
+                                                                               dtype=torch.bfloat16)
+    (qr1, kr1), g1 = grads_of(lambda a, b: fused.rope_qk(a, b, cos, sin), [q, k], [dq, dk])
+    (qr2, kr2), g2 = grads_of(lambda a, b: (rope(a, cos, sin), rope(b, cos, sin)), [q, k], [dq, dk])
+    torch.testing.assert_close(qr1, qr2, **BF16)
+    torch.testing.assert_close(kr1, kr2, **BF16)
+    assert rel_l2(g1[0], g2[0]) < 1e-2 and rel_l2(g1[1], g2[1]) < 1e-2
+    gu = randn(1, 2048, 16384, seed=7, device=dev, dtype=torch.bfloat16, scale=2.0).requires_grad_()
+    dy = randn(1, 2048, 8192, seed=8, device=dev, dtype=torch.bfloat16)
+    o1, g1 = grads_of(fused.swiglu, [gu], [dy])
+    o2, g2 = grads_of(swiglu, [gu], [dy])
+    torch.testing.assert_close(o1[0], o2[0], **BF16)
+    assert rel_l2(g1[0], g2[0]) < 1e-2
+
+
+@cuda
+def test_gpu_bf16_linear_cross_entropy_against_torch():
+    dev = "cuda"
+    h = randn(1500, 2048, seed=1, device=dev, dtype=torch.bfloat16).requires_grad_()
+    w = randn(128256, 2048, seed=2, device=dev, dtype=torch.bfloat16, scale=0.02)
+    labels = torch.randint(0, 128256, (1500,), device=dev)
+    labels[::7] = -100
+    total = linear_cross_entropy(h, w, labels)
+    (gh,) = torch.autograd.grad(total / 1000, h)
+    h2 = h.detach().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h2, w).float(), labels, reduction="sum")
+    (gh2,) = torch.autograd.grad(ref / 1000, h2)
+    assert float(total) == pytest.approx(float(ref), rel=1e-3)
+    assert rel_l2(gh, gh2) < 1e-2
+
+
+@cuda
+def test_gpu_bf16_layer_with_kernels_equals_plain_torch():
+    shape = (32, 8, 64, 8192)
+    inputs = layer_inputs(1, 512, 2048, *shape, rank=16, device="cuda", dtype=torch.bfloat16)
+    want = run_layer(False, *inputs, shape)
+    got = run_layer(True, *inputs, shape)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert rel_l2(g, w) < 2e-2, (i, rel_l2(g, w))
+
+
+@cuda
+def test_gpu_bf16_manual_layer_equals_autograd_layer():
+    shape = (32, 8, 64, 8192)
+    inputs = layer_inputs(1, 512, 2048, *shape, rank=16, device="cuda", dtype=torch.bfloat16)
+    want = run_layer(False, *inputs, shape)
+    got = run_manual(*inputs, shape)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert rel_l2(g, w) < 2e-2, (i, rel_l2(g, w))
