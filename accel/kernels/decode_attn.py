@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attn import LOG2E, dot_precision, load_kv_tiles
+from .flash_attn import LOG2E, dot_precision, finite_max, load_kv_tiles, rms_norm_rows
 
 
 @triton.jit
@@ -66,29 +66,42 @@ def _combine_heads(ACC, M, L, O, h0, n_heads, so_h, E, n_splits, BLOCK_H: tl.con
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale, MASKED: tl.constexpr,
-            EVEN_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One block of keys n0..n0+N into the running (acc, m, l); MASKED: the block reaches past `end`."""
+def _attend(acc, m_i, l_i, q, CK, CV, VIS, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
+            MASKED: tl.constexpr, EVEN_E: tl.constexpr, DOT_PRECISION: tl.constexpr, CROSS: tl.constexpr):
+    """One block of keys n0..n0+N into the running (acc, m, l); MASKED: the block reaches past `end`;
+    CROSS: key n is seen only where VIS[n] != 0."""
     k, v = load_kv_tiles(CK, CV, n0, offs_n, offs_e, e_ok, end, sk_s, sv_s, MASKED, EVEN_E)  # [N, E] each
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N], raw scores
-    if MASKED:
+    if CROSS:
+        if MASKED:
+            seen = tl.load(VIS + n0 + offs_n, mask=n0 + offs_n < end, other=0) != 0
+        else:
+            seen = tl.load(VIS + n0 + offs_n) != 0
+        s = tl.where(seen[None, :], s, float("-inf"))
+    elif MASKED:
         s = tl.where(((n0 + offs_n) < end)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # log2 domain
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
+    m_use = finite_max(m_new, CROSS)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # += [G, N] @ [N, E]
     return acc, m_new, l_i
 
 
 @triton.jit
-def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
-                         E: tl.constexpr, G, split_len, n_splits, qk_scale, BLOCK_G: tl.constexpr,
+def _decode_split_kernel(Q, CK, CV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
+                         E: tl.constexpr, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
-                         BLOCK_HG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         BLOCK_HG: tl.constexpr, DOT_PRECISION: tl.constexpr, CROSS: tl.constexpr):
+    """CROSS: the query over all n_keys image keys (no position), key n seen where VIS[n] != 0, and the query
+    RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
-    ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
+    if CROSS:
+        ctx = n_keys
+    else:
+        ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # blocks [start, full_end) need no mask
@@ -100,6 +113,8 @@ def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv
     e_ok = offs_e < E
     # [G, E], padded to 16 rows for tl.dot; padding rows are zeros and never stored
     q = tl.load(Q + heads[:, None] * sq_h + offs_e[None, :], mask=g_ok[:, None] & e_ok[None, :], other=0.0)
+    if CROSS:
+        q = rms_norm_rows(q, QNW, offs_e, e_ok, E, eps)
     CK = CK + kh * sk_k
     CV = CV + kh * sv_k
 
@@ -108,11 +123,11 @@ def _decode_split_kernel(Q, CK, CV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv
     acc = tl.zeros([BLOCK_G, BLOCK_E], tl.float32)
     # whole blocks inside the context, then at most one partial block; both loops are empty past the context
     for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
-                                False, BLOCK_E == E, DOT_PRECISION)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, VIS, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
+                                False, BLOCK_E == E, DOT_PRECISION, CROSS)
     for n0 in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
-                                True, BLOCK_E == E, DOT_PRECISION)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, VIS, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
+                                True, BLOCK_E == E, DOT_PRECISION, CROSS)
     row = heads * n_splits + split  # partials laid out [H, splits, (E)]
     tl.store(M + row, m_i, mask=g_ok)
     tl.store(L + row, l_i, mask=g_ok)
@@ -178,14 +193,36 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
     BLOCK_N, num_warps, num_stages and FUSED (combine in the split kernel): for tuning sweeps.
     """
-    H, E = q.shape[-2:]
-    NK, S, _ = cache_k.shape
-    assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     assert position.numel() == 1
-    max_len = S if max_len is None else max_len
-    cfg = {**_config(q.is_cuda, split_len, q.dtype), **(config or {})}
+    max_len = cache_k.shape[1] if max_len is None else max_len
     if split_len is None:
         split_len = default_split_len(max_len, 64 if q.is_cuda else 16)
+    return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, config)
+
+
+def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                               norm_weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+                               split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """Mllama's decode-step cross-attention: q [1, H, E] (before q_norm; head rows contiguous) RMSNorm'd per head by
+    norm_weight [E], over all N image keys/values [K, N, E], key n seen where visible[n] (bool or uint8 [N],
+    at least one set) -> out shaped like q. Default split_len: N in ~32 splits (8 kv heads: ~2 programs an SM)."""
+    N = keys.shape[1]
+    assert visible.numel() == N and visible.reshape(-1).stride(0) == 1 and norm_weight.shape == (q.shape[-1],)
+    if split_len is None:
+        block = 64 if q.is_cuda else 16
+        split_len = max(block, triton.cdiv(triton.cdiv(N, 32), block) * block)
+    vis = visible.reshape(-1)
+    vis = vis.view(torch.uint8) if vis.dtype == torch.bool else vis
+    return _launch(q, keys, values, None, vis, norm_weight, eps, N, split_len, out, config)
+
+
+def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, split_len, out, config):
+    """The split kernel (+ the combine kernel unless FUSED) over max_len keys; visible None: causal by position."""
+    H, E = q.shape[-2:]
+    NK = cache_k.shape[0]
+    assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
+    cfg = {**_config(q.is_cuda, split_len, q.dtype), **(config or {})}
+    if config is None or "BLOCK_N" not in config:
         cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], split_len)
     assert split_len % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16, "split_len must be a multiple of 16"
@@ -198,11 +235,13 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     cnt = _counters(q.device, NK) if cfg["FUSED"] else None
     block_e = max(16, triton.next_power_of_2(E))
     block_s = triton.next_power_of_2(n_splits)
+    cross = visible is not None
     _decode_split_kernel[(NK, n_splits)](
-        q, cache_k, cache_v, position, acc, m, l, out, m if cnt is None else cnt, q.stride(-2), cache_k.stride(0),
+        q, cache_k, cache_v, position if not cross else visible, visible if cross else q,
+        norm_weight if cross else q, acc, m, l, out, m if cnt is None else cnt, q.stride(-2), cache_k.stride(0),
         cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
-        LOG2E / math.sqrt(E), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e, BLOCK_S=block_s,
-        BLOCK_HG=triton.next_power_of_2(G), DOT_PRECISION=dot_precision(q.dtype),
+        LOG2E / math.sqrt(E), max_len, float(eps), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e,
+        BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), DOT_PRECISION=dot_precision(q.dtype), CROSS=cross,
         **{**cfg, "FUSED": cnt is not None})
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,

@@ -56,10 +56,12 @@ QKV_ROPE: Mapping[tuple[int, int], QkvConfig] = MappingProxyType({
 
 class Tuning(NamedTuple):
     """The launch tables the decode step's fused ops read (accel.ops.fused): GEMV, QKV_ROPE and the decode
-    attention's keyword options (accel.kernels.decode_attn.decode_attention_fwd: split_len, max_len, config)."""
+    attention's keyword options (accel.kernels.decode_attn.decode_attention_fwd: split_len, max_len, config;
+    cross_decode_attention_fwd: split_len, config)."""
     gemv: Mapping[tuple[int, int], GemvConfig] = GEMV
     qkv_rope: Mapping[tuple[int, int], QkvConfig] = QKV_ROPE
     decode_attention: Mapping[str, object] = MappingProxyType({})
+    cross_attention: Mapping[str, object] = MappingProxyType({})  # cross_decode_attention_fwd's (split_len, config)
 
 
 DEFAULT = Tuning()
