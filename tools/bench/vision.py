@@ -171,3 +171,79 @@ def fits_report(name: str, device, context: int = 4096) -> dict:
     need = memory_needed(config(name), context)
     total = torch.cuda.get_device_properties(device).total_memory / 1e9
     return {"model": name, "context": context, **need, "gpu_gb": total, "fits_one_gpu": need["total_gb"] < total}
+
+
+def profile_decode(engine: MllamaAccelEngine, ids: list[int], images: ImageInputs, steps: int = 8,
+                   rows: int = 30) -> str:
+    """Per-kernel device time of `steps` eager decode steps with the image in context (no graph, so the profiler
+    sees every kernel): where a token's time goes; totals divided by `steps` are per token."""
+    from torch.profiler import ProfilerActivity, profile
+    eager = MllamaAccelEngine(engine.config, engine.weights, engine.device, "bf16", use_graph=False)
+    sess = eager.session(len(ids) + steps + 8, eager.image_tokens(images))
+    eager.encode_images(images, sess.cache)
+    logits = eager.prefill(ids, sess)
+    eager.decode_greedy(sess, logits, len(ids), 4)  # warm-up: compilation
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eager.decode_greedy(sess, logits, len(ids), steps + 1)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def cross_attention_variants(cfg: MllamaConfig, device, split_lens=(None, 128, 256, 448, 896)) -> list[dict]:
+    """The decode step's cross-attention kernel alone at the model's shapes (N image tokens of max_num_tiles
+    tiles, the last tile hidden), per split_len, in a CUDA graph over copies of the image K/V (> L2)."""
+    from accel.kernels.decode_attn import cross_decode_attention_fwd
+    from tools.bench.gemv_sweep import graph_us
+    t = cfg.text
+    H, K, E, N = t.num_attention_heads, t.num_key_value_heads, t.head_dim, cfg.vision.max_num_tiles * \
+        cfg.vision.tokens_per_tile
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, H, E, device=device, generator=g, dtype=torch.bfloat16)
+    w = torch.ones(E, device=device, dtype=torch.bfloat16)
+    kvs = [(torch.randn(K, N, E, device=device, generator=g, dtype=torch.bfloat16),
+            torch.randn(K, N, E, device=device, generator=g, dtype=torch.bfloat16)) for _ in range(8)]
+    visible = torch.ones(N, dtype=torch.bool, device=device)
+    visible[-cfg.vision.tokens_per_tile:] = False
+    out = []
+    for sl in split_lens:
+        us = graph_us([lambda k=k, v=v: cross_decode_attention_fwd(q, k, v, visible, w, 1e-5, split_len=sl)
+                       for k, v in kvs])
+        out.append({"split_len": sl, "us": us, "tb_s": 2 * K * N * E * 2 / (us * 1e-6) / 1e12})
+        print(f"cross decode attention split_len={sl}: {us:.2f} us ({out[-1]['tb_s']:.2f} TB/s)", flush=True)
+    return out
+
+
+def main(argv=None):
+    """python -m tools.bench.vision OUT_DIR [--hf] [--profile]: the 11B-Vision row (+ the decode profile and the
+    cross-attention kernel's split variants), printed and written to OUT_DIR/vision.json."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from tools.bench.gpu import copy_bandwidth
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--hf", action="store_true", help="also HF eager generate on the same weights")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    device = "cuda"
+    cfg = config("11b-vision")
+    result = {"device": torch.cuda.get_device_name(), "copy_tb_s": copy_bandwidth(device)}
+    if args.profile:
+        result["cross_attention_variants"] = cross_attention_variants(cfg, device)
+    row = vision_bench("11b-vision", device, with_hf=args.hf, copy_tb_s=result["copy_tb_s"])
+    result["vision"] = row
+    print(json.dumps(row, indent=1), flush=True)
+    if args.profile:
+        weights = random_mllama_weights(cfg, device, torch.bfloat16, expected_mllama_shapes(cfg))
+        engine = MllamaAccelEngine(cfg, weights, torch.device(device), "bf16")
+        ids, images = image_inputs(cfg, 512, device)
+        result["decode_profile"] = profile_decode(engine, ids, images)
+        print(result["decode_profile"], flush=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "vision.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
