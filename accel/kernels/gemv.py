@@ -64,7 +64,8 @@ def _gemv_split_kernel(W, X, NW, R, G, Y, P, CNT, N, K, stride_w, eps, PROLOGUE:
 
 @triton.jit
 def _gemv_kernel(W, X, NW, R, G, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):
     """Persistent: program p owns row blocks p, p + P, p + 2P, ... (P programs) and streams their tiles
     [BLOCK_N, BLOCK_K] as one flat sequence i = (block, K chunk), the next tile always in flight."""
     pid = tl.program_id(0)
@@ -206,7 +207,8 @@ def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor
         assert K % bk == 0, "stream: K must be a multiple of block_k"
         _gemv_stream_kernel[(min(cfg.programs or n_blocks, n_blocks),)](
             weight, xv, nw, r, g, out, N, K, weight.stride(0), float(eps), n_blocks, PROLOGUE=prologue, **flags,
-            BLOCK_N=bn, BLOCK_K=bk, K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, STAGES=cfg.stages,
+            BLOCK_N=bn, BLOCK_K=bk, K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1,
+            STAGES=cfg.stages,
             num_stages=cfg.stages, **launch)
         return out
     assert cfg.kind == "persist", f"unknown GEMV kind {cfg.kind!r}"
