@@ -225,13 +225,15 @@ def _launch(q, cache_k, cache_v, positions, visible, norm_weight, eps, out, conf
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     cfg = {**_config(T, E, q.dtype, q.is_cuda), **(config or {})}
     block_e = max(16, triton.next_power_of_2(E))
+    cross = visible is not None
+    if cross and config is None:  # the mask tile's stages on top of 128 × 128 K/V stages exceed shared memory
+        cfg = _tma_fallback(cfg)
     use_desc = cfg.pop("USE_DESC")
     descs = _descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
     if use_desc and descs is None and config is None:
         cfg = _tma_fallback(cfg)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
     n_mblocks = triton.cdiv(T, cfg["BLOCK_M"])
-    cross = visible is not None
     _flash_fwd_kernel[(H, n_mblocks)](q, cache_k, cache_v, dk, dv, q if cross else positions,
                                       visible if cross else q, norm_weight if cross else q, out, q.stride(0),
                                       q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0),
