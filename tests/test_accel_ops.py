@@ -292,7 +292,7 @@ def test_gemv_config_fills_the_gpu_at_llama_shapes():
     in its loop."""
     from accel.kernels.gemv import gemv_config
     for N, K in [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),
-                 (5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]:
+                 (5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192), (4096, 4096), (28672, 4096), (4096, 14336)]:
         cfg = gemv_config(N, K, 132)
         blocks = -(-N // cfg.block_n)
         progs = blocks * -(-K // cfg.block_k) if cfg.kind == "split" else cfg.programs or blocks

@@ -205,12 +205,14 @@ def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torc
                                split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Mllama's decode-step cross-attention: q [1, H, E] (before q_norm; head rows contiguous) RMSNorm'd per head by
     norm_weight [E], over all N image keys/values [K, N, E], key n seen where visible[n] (bool or uint8 [N],
-    at least one set) -> out shaped like q. Default split_len: N in ~32 splits (8 kv heads: ~2 programs an SM)."""
+    at least one set) -> out shaped like q. GPU default: splits of 256 keys in 64-key blocks, 2 stages, the
+    fastest at 11B-Vision's 6404 image tokens, E = 128 (tools/bench/vision.py's variants; NOTES.md)."""
     N = keys.shape[1]
     assert visible.numel() == N and visible.reshape(-1).stride(0) == 1 and norm_weight.shape == (q.shape[-1],)
     if split_len is None:
-        block = 64 if q.is_cuda else 16
-        split_len = max(block, triton.cdiv(triton.cdiv(N, 32), block) * block)
+        split_len = 256 if q.is_cuda else max(16, triton.cdiv(triton.cdiv(N, 8), 16) * 16)
+    if q.is_cuda:
+        config = {"BLOCK_N": 64, "num_stages": 2, **(config or {})}
     vis = visible.reshape(-1)
     vis = vis.view(torch.uint8) if vis.dtype == torch.bool else vis
     return _launch(q, keys, values, None, vis, norm_weight, eps, N, split_len, out, config)
