@@ -13,6 +13,10 @@ it zeroed; launches that share a counter buffer must therefore not run concurren
 The context length comes from a device tensor (the new token's position; it sees slots 0..pos), and the grid is
 sized for `max_len` slots (default: the cache capacity), so a CUDA graph captured once serves every step: splits
 past the current length run an empty loop and record m = −inf, l = 0, acc = 0, which the combination weighs as 0.
+
+`cross_decode_attention_fwd` runs the same kernels for Mllama's decode-step cross-attention (CROSS): the length is
+the image token count, a per-key mask hides image tokens (padding tiles, other images), q_norm is applied to the
+loaded query heads, and splits whose keys are all hidden weigh 0 in the combination like empty ones.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ def _combine_head(ACC, M, L, O, h, so_h, E, n_splits, BLOCK_S: tl.constexpr, BLO
     l = tl.load(L + h * n_splits + offs_s, mask=s_ok, other=0.0, cache_modifier=".cg")
     acc = tl.load(ACC + (h * n_splits + offs_s)[:, None] * E + offs_e[None, :], mask=s_ok[:, None] & e_ok[None, :],
                   other=0.0, cache_modifier=".cg")  # [splits, E]
-    w = tl.exp2(m - tl.max(m, axis=0))  # split 0 always holds slot 0, so the max is finite; empty splits weigh 0
+    w = tl.exp2(m - tl.max(m, axis=0))  # a split holds a seen key: the max is finite; empty splits weigh 0
     out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
     tl.store(O + h * so_h + offs_e, out.to(O.dtype.element_ty), mask=e_ok)
 

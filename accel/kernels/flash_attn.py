@@ -10,6 +10,9 @@ query of the block may see (no causal mask and no bounds checks: they always lie
 of a long prefill) and the diagonal blocks (masked per query, loads bounded by the block's last visible slot).
 Any T (rows past T are masked), any E up to 128 (padded to a power of two; BLOCK_E >= 16 for tl.dot).
 K/V tiles come either through plain pointers or, on Hopper with USE_DESC, through tensor descriptors (TMA).
+The same kernel runs Mllama's prefill cross-attention (`cross_attention_fwd`, CROSS): no causal structure, every
+query over all image keys with the cross-attention mask tile-loaded beside the keys, q_norm applied on the loaded
+queries; a row may see no key in a whole block, so the online softmax subtracts a finite max (`finite_max`).
 """
 from __future__ import annotations
 
