@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from accel.vision.engine import MllamaAccelEngine  # noqa: E402
-from accel.vision.mllama import cross_attend  # noqa: E402
+from accel import ops  # noqa: E402
 from refimpl.formats.params import Checkpoint  # noqa: E402
 from refimpl.generate import Sampling  # noqa: E402
 from refimpl.generate_mllama import MllamaEngine  # noqa: E402
@@ -112,16 +112,23 @@ def test_trace_mode_names_and_values_match_refimpl():
     np.testing.assert_allclose(acc.to_numpy(got[-1][1]), want[-1][1], atol=ATOL)
 
 
-@pytest.mark.parametrize("T,H,K,E,N", [(7, 4, 2, 8, 13), (1, 8, 1, 80, 37), (5, 6, 3, 5, 20)])
-def test_cross_attend_matches_the_cross_attention_op(T, H, K, E, N):
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("T,H,K,E,N", [(7, 4, 2, 8, 37), (1, 8, 1, 80, 37), (5, 6, 3, 5, 20), (1, 4, 2, 16, 150)])
+def test_norm_cross_attention_matches_refimpl(path, T, H, K, E, N):
+    """q_norm + the cross-attention op of refimpl, rows seeing scattered keys (whole blocks hidden from a row
+    included); the decode kernel (T = 1: several splits) and the flash kernel (T > 1)."""
     rng = np.random.default_rng(T + N)
     q = rng.standard_normal((T, H, E)).astype(np.float32)
     k, v = (rng.standard_normal((K, N, E)).astype(np.float32) for _ in range(2))
-    visible = rng.random((T, N)) < 0.6
-    visible[:, 0] = True
-    want = R.cross_attention(q, k, v, visible)
-    got = cross_attend(*(torch.from_numpy(a) for a in (q, k, v)), torch.from_numpy(visible)).numpy()
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    w = (1 + 0.3 * rng.standard_normal(E)).astype(np.float32)
+    visible = rng.random((T, N)) < 0.3
+    visible[:, : N // 2] = False  # the first blocks hide every key: the online softmax starts from -inf
+    visible[:, -1] = True
+    want = R.cross_attention(R.rms_norm(q, w, 1e-5), k, v, visible)
+    with ops.torch_only(path == "torch"):
+        got = ops.norm_cross_attention(*(torch.from_numpy(a) for a in (q, w)), 1e-5,
+                                       *(torch.from_numpy(a) for a in (k, v, visible)))
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_bench_builds_random_weights_hf_can_hold():

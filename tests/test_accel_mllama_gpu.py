@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from accel.vision.engine import MllamaAccelEngine  # noqa: E402
-from accel.vision.mllama import cross_attend  # noqa: E402
+from accel import ops  # noqa: E402
 from accel.vision.weights import random_mllama_weights  # noqa: E402
 from refimpl.formats.mllama_checkpoint import expected_mllama_shapes  # noqa: E402
 from refimpl.formats.params import Checkpoint  # noqa: E402
@@ -94,17 +94,24 @@ def test_encoder_attention_real_shape_against_fp64(dtype, bound):
     assert float((got - want).abs().max() / want.abs().max()) < bound
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])
 @pytest.mark.parametrize("T", [1, 37])
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_cross_attend_real_shape_against_fp64(T, dtype, bound):
+def test_norm_cross_attention_real_shape_against_fp64(path, T, dtype, bound):
+    """4 tiles of 1601 image tokens, the last tile hidden (a padded tile), 32/8 heads of 128."""
     H, K, E, N = 32, 8, 128, 4 * 1601
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(T, H, E, device="cuda", generator=g)
+    w = 1 + 0.1 * torch.randn(E, device="cuda", generator=g)
     k, v = (torch.randn(K, N, E, device="cuda", generator=g) for _ in range(2))
     visible = torch.rand(T, N, device="cuda", generator=g) < 0.5
+    visible[:, 3 * 1601:] = False
     visible[:, 0] = True
-    got = cross_attend(q.to(dtype), k.to(dtype), v.to(dtype), visible).double()
+    with ops.torch_only(path == "torch"):
+        got = ops.norm_cross_attention(q.to(dtype), w.to(dtype), 1e-5, k.to(dtype), v.to(dtype), visible).double()
+    qd = q.to(dtype).double()  # the normed query from the rounded input, as the kernel sees it
+    qn = qd * torch.rsqrt(qd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.to(dtype).double()
     kk, vv = k.double().repeat_interleave(H // K, 0), v.double().repeat_interleave(H // K, 0)  # [H, N, E]
-    s = torch.einsum("the,hne->htn", q.double(), kk) / E ** 0.5
+    s = torch.einsum("the,hne->htn", qn, kk) / E ** 0.5
     want = torch.einsum("htn,hne->the", torch.softmax(s.masked_fill(~visible, float("-inf")), -1), vv)
     assert float((got - want).abs().max() / want.abs().max()) < bound

@@ -241,6 +241,9 @@ def test_gemv_fusions_match_the_unfused_ops(N, K, config):
     got = gemv_fwd(w, gate_up, swiglu=True, residual=resid, out=resid, config=config)  # in place, as decode does
     assert got is resid
     close(resid, (r + F.linear(torch_swiglu_gate_up(gate_up), w)).numpy(), "gemv swiglu + residual", **tol)
+    resid, g = r.clone(), torch.tensor([-0.37])  # a cross layer's tanh gate (the split-K reduce's epilogue too)
+    gemv_fwd(w, x, residual=resid, gate=g, out=resid, config=config)
+    close(resid, (r + g * F.linear(x, w)).numpy(), "gemv gated residual", **tol)
 
 
 @pytest.mark.parametrize("H,K,E,D", [(4, 2, 16, 40), (3, 1, 24, 53), (8, 8, 32, 64), (8, 2, 64, 37)])
@@ -289,7 +292,7 @@ def test_gemv_config_fills_the_gpu_at_llama_shapes():
     in its loop."""
     from accel.kernels.gemv import gemv_config
     for N, K in [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),
-                 (5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]:
+                 (5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192), (4096, 4096), (28672, 4096), (4096, 14336)]:
         cfg = gemv_config(N, K, 132)
         blocks = -(-N // cfg.block_n)
         progs = blocks * -(-K // cfg.block_k) if cfg.kind == "split" else cfg.programs or blocks
@@ -315,6 +318,14 @@ def test_decode_gemv_ops_match_refimpl(path, N, K):
     resid = t(r.copy())
     A.swiglu_linear_add(t(gate_up), t(w_down), resid)
     close(resid, r + R.linear(R.swiglu(gate_up[:, :K], gate_up[:, K:]), w_down), "swiglu_linear_add", **tol)
+    g = np.tanh(np.array([0.7], np.float32))  # the gated residuals of Mllama's cross layers: x + tanh(g)·branch
+    resid = t(r.copy())
+    A.linear_add(t(x), t(w), resid, gate=t(g))
+    close(resid, r + g * R.linear(x, w), "linear_add gated", **tol)
+    resid = t(r.copy())
+    A.swiglu_linear_add(t(gate_up), t(w_down), resid, gate=t(-g))
+    close(resid, r - g * R.linear(R.swiglu(gate_up[:, :K], gate_up[:, K:]), w_down), "swiglu_linear_add gated",
+          **tol)
 
 
 @pytest.mark.parametrize("V", [7, 1000, 1537])

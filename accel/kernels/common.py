@@ -64,10 +64,14 @@ def sm_count(device: torch.device) -> int:
 
 
 @triton.jit
-def epilogue(acc, R, Y, rows, N, HAS_RESIDUAL: tl.constexpr):
+def epilogue(acc, R, Y, rows, N, HAS_RESIDUAL: tl.constexpr, GATE=None, HAS_GATE: tl.constexpr = False):
+    """Y = [R +] [gate ·] acc; GATE: a one-element tensor (a cross layer's tanh gate), its product rounded too."""
     if HAS_RESIDUAL:  # round the product first, as the unfused F.linear then `x + r` does
         r = tl.load(R + tl.minimum(rows, N - 1))
-        acc = acc.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+        acc = acc.to(Y.dtype.element_ty).to(tl.float32)
+        if HAS_GATE:  # gate · o rounded before the add, as the unfused `x + g * o`
+            acc = (acc * tl.load(GATE).to(tl.float32)).to(Y.dtype.element_ty).to(tl.float32)
+        acc = acc + r.to(tl.float32)
     tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=rows < N)
 
 
@@ -91,12 +95,13 @@ def split_scratch(device: torch.device, partials: int, counters: int) -> tuple[t
 
 
 @triton.jit
-def split_k_epilogue(part, P, CNT, R, Y, rows, N, s, b, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def split_k_epilogue(part, P, CNT, R, Y, rows, N, s, b, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     GATE=None, HAS_GATE: tl.constexpr = False):
     """part [BLOCK_N] fp32, the product over K slice `s` of row block `b`. SPLIT_K == 1: the epilogue at once. Else
     the partial goes to P; the row block's last program to arrive sums the slices in slice order (deterministic) and
     runs the epilogue, then resets its counter in CNT for the next launch."""
     if SPLIT_K == 1:
-        epilogue(part, R, Y, rows, N, HAS_RESIDUAL)
+        epilogue(part, R, Y, rows, N, HAS_RESIDUAL, GATE, HAS_GATE)
     else:
         tl.store(P + s * N + rows, part, mask=rows < N)
         # the CTA barrier orders every thread's partial stores before the one acq_rel add (a scalar atomic, one
@@ -107,5 +112,5 @@ def split_k_epilogue(part, P, CNT, R, Y, rows, N, s, b, SPLIT_K: tl.constexpr, H
             acc = tl.zeros_like(part)
             for j in range(0, SPLIT_K):
                 acc += tl.load(P + j * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
-            epilogue(acc, R, Y, rows, N, HAS_RESIDUAL)
+            epilogue(acc, R, Y, rows, N, HAS_RESIDUAL, GATE, HAS_GATE)
             tl.store(CNT + b, 0)

@@ -13,6 +13,10 @@ it zeroed; launches that share a counter buffer must therefore not run concurren
 The context length comes from a device tensor (the new token's position; it sees slots 0..pos), and the grid is
 sized for `max_len` slots (default: the cache capacity), so a CUDA graph captured once serves every step: splits
 past the current length run an empty loop and record m = −inf, l = 0, acc = 0, which the combination weighs as 0.
+
+`cross_decode_attention_fwd` runs the same kernels for Mllama's decode-step cross-attention (CROSS): the length is
+the image token count, a per-key mask hides image tokens (padding tiles, other images), q_norm is applied to the
+loaded query heads, and splits whose keys are all hidden weigh 0 in the combination like empty ones.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attn import LOG2E, dot_precision, kv_descriptors, load_kv
+from .flash_attn import LOG2E, dot_precision, finite_max, kv_descriptors, load_kv, rms_norm_rows
 
 
 @triton.jit
@@ -37,7 +41,7 @@ def _combine_head(ACC, M, L, O, h, so_h, E, n_splits, BLOCK_S: tl.constexpr, BLO
     l = tl.load(L + h * n_splits + offs_s, mask=s_ok, other=0.0, cache_modifier=".cg")
     acc = tl.load(ACC + (h * n_splits + offs_s)[:, None] * E + offs_e[None, :], mask=s_ok[:, None] & e_ok[None, :],
                   other=0.0, cache_modifier=".cg")  # [splits, E]
-    w = tl.exp2(m - tl.max(m, axis=0))  # split 0 always holds slot 0, so the max is finite; empty splits weigh 0
+    w = tl.exp2(m - tl.max(m, axis=0))  # a split holds a seen key: the max is finite; empty splits weigh 0
     out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
     tl.store(O + h * so_h + offs_e, out.to(O.dtype.element_ty), mask=e_ok)
 
@@ -66,31 +70,45 @@ def _combine_heads(ACC, M, L, O, h0, n_heads, so_h, E, n_splits, BLOCK_H: tl.con
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, CK, CV, DK, DV, kh, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
+def _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s, qk_scale,
             MASKED: tl.constexpr, EVEN_E: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One block of keys n0..n0+N into the running (acc, m, l); MASKED: the block reaches past `end`."""
+            BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr, CROSS: tl.constexpr):
+    """One block of keys n0..n0+N into the running (acc, m, l); MASKED: the block reaches past `end`;
+    CROSS: key n is seen only where VIS[n] != 0."""
     k, v = load_kv(CK, CV, DK, DV, kh, n0, offs_n, offs_e, e_ok, end, sk_s, sv_s, MASKED, EVEN_E, USE_DESC,
-                    BLOCK_N, BLOCK_E)  # [N, E] each
+                   BLOCK_N, BLOCK_E)  # [N, E] each
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N], raw scores
-    if MASKED:
+    if CROSS:
+        if MASKED:
+            seen = tl.load(VIS + n0 + offs_n, mask=n0 + offs_n < end, other=0) != 0
+        else:
+            seen = tl.load(VIS + n0 + offs_n) != 0
+        s = tl.where(seen[None, :], s, float("-inf"))
+    elif MASKED:
         s = tl.where(((n0 + offs_n) < end)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # log2 domain
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
+    m_use = finite_max(m_new, CROSS)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # += [G, N] @ [N, E]
     return acc, m_new, l_i
 
 
 @triton.jit
-def _decode_split_kernel(Q, CK, CV, DK, DV, POS, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
-                         E: tl.constexpr, G, split_len, n_splits, qk_scale, BLOCK_G: tl.constexpr,
+def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
+                         E: tl.constexpr, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
-                         BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         CROSS: tl.constexpr):
+    """CROSS: the query over all n_keys image keys (no position), key n seen where VIS[n] != 0, and the query
+    RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
-    ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
+    if CROSS:
+        ctx = n_keys
+    else:
+        ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # blocks [start, full_end) need no mask
@@ -102,6 +120,8 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, ACC, M, L, O, CNT, sq_h, sk_k, 
     e_ok = offs_e < E
     # [G, E], padded to 16 rows for tl.dot; padding rows are zeros and never stored
     q = tl.load(Q + heads[:, None] * sq_h + offs_e[None, :], mask=g_ok[:, None] & e_ok[None, :], other=0.0)
+    if CROSS:
+        q = rms_norm_rows(q, QNW, offs_e, e_ok, E, eps)
     CK = CK + kh * sk_k
     CV = CV + kh * sv_k
 
@@ -110,11 +130,11 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, ACC, M, L, O, CNT, sq_h, sk_k, 
     acc = tl.zeros([BLOCK_G, BLOCK_E], tl.float32)
     # whole blocks inside the context, then at most one partial block; both loops are empty past the context
     for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, kh, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s,
-                                qk_scale, False, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s,
+                                sv_s, qk_scale, False, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION, CROSS)
     for n0 in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, kh, n0, end, offs_n, offs_e, e_ok, sk_s, sv_s,
-                                qk_scale, True, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s,
+                                sv_s, qk_scale, True, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION, CROSS)
     row = heads * n_splits + split  # partials laid out [H, splits, (E)]
     tl.store(M + row, m_i, mask=g_ok)
     tl.store(L + row, l_i, mask=g_ok)
@@ -190,16 +210,42 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     BLOCK_N, num_warps, num_stages, FUSED (combine in the split kernel) and USE_DESC (K/V through TMA
     descriptors where the cache allows them): for tuning sweeps.
     """
-    H, E = q.shape[-2:]
-    NK, S, _ = cache_k.shape
-    assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     assert position.numel() == 1
-    max_len = S if max_len is None else max_len
-    cfg = {**_config(q.is_cuda, split_len, q.dtype, E, max_len), **(config or {})}
+    max_len = cache_k.shape[1] if max_len is None else max_len
+    cfg = {**_config(q.is_cuda, split_len, q.dtype, q.shape[-1], max_len), **(config or {})}
     if split_len is None:
         long = q.is_cuda and max_len >= LONG_CONTEXT  # whole blocks a split: 8k -> 32 × 256, 32k -> 32 × 1024
         split_len = default_split_len(max_len, cfg["BLOCK_N"] if long else 64 if q.is_cuda else 16)
         cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
+    return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
+
+
+def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                               norm_weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+                               split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """Mllama's decode-step cross-attention: q [1, H, E] (before q_norm; head rows contiguous) RMSNorm'd per head by
+    norm_weight [E], over all N image keys/values [K, N, E], key n seen where visible[n] (bool or uint8 [N],
+    at least one set) -> out shaped like q. GPU default: splits of 256 keys in 64-key blocks, 2 stages, the
+    fastest at 11B-Vision's 6404 image tokens, E = 128 (tools/bench/vision.py's variants; NOTES.md)."""
+    N = keys.shape[1]
+    assert visible.numel() == N and visible.reshape(-1).stride(0) == 1 and norm_weight.shape == (q.shape[-1],)
+    if split_len is None:
+        split_len = 256 if q.is_cuda else max(16, triton.cdiv(triton.cdiv(N, 8), 16) * 16)
+    if q.is_cuda:
+        config = {"BLOCK_N": 64, "num_stages": 2, **(config or {})}
+    cfg = {**_config(q.is_cuda, split_len, q.dtype, q.shape[-1], 0), **(config or {})}  # never the long-cache path
+    if config is None or "BLOCK_N" not in config:
+        cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
+    vis = visible.reshape(-1)
+    vis = vis.view(torch.uint8) if vis.dtype == torch.bool else vis
+    return _launch(q, keys, values, None, vis, norm_weight, eps, N, split_len, out, cfg)
+
+
+def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, split_len, out, cfg):
+    """The split kernel (+ the combine kernel unless FUSED) over max_len keys; visible None: causal by position."""
+    H, E = q.shape[-2:]
+    NK = cache_k.shape[0]
+    assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], split_len)
     assert split_len % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16, "split_len must be a multiple of 16"
     n_splits = triton.cdiv(max_len, split_len)
@@ -214,12 +260,14 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     use_desc = cfg.pop("USE_DESC", False)
     descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
+    cross = visible is not None
     _decode_split_kernel[(NK, n_splits)](
-        q, cache_k, cache_v, dk, dv, position, acc, m, l, out, m if cnt is None else cnt, q.stride(-2),
-        cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len,
-        n_splits,
-        LOG2E / math.sqrt(E), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e, BLOCK_S=block_s,
-        BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None, DOT_PRECISION=dot_precision(q.dtype),
+        q, cache_k, cache_v, dk, dv, position if not cross else visible, visible if cross else q,
+        norm_weight if cross else q, acc, m, l, out, m if cnt is None else cnt, q.stride(-2), cache_k.stride(0),
+        cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
+        LOG2E / math.sqrt(E), max_len, float(eps), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e,
+        BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None,
+        DOT_PRECISION=dot_precision(q.dtype), CROSS=cross,
         **{**cfg, "FUSED": cnt is not None})
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,

@@ -40,8 +40,8 @@ def _dot_tile(w, X, NW, k0, cols, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.co
 
 
 @triton.jit
-def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl.constexpr,
-                       HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_split_kernel(W, X, NW, R, G, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl.constexpr,
+                       HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        EVEN_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr):
     """Program (row block b, K slice s) multiplies ONE tile W[b·BN : (b+1)·BN, s·BK : (s+1)·BK] by f(x)'s slice:
     no loop, so every weight load of the program is issued at once (the persistent kernel keeps only two tiles
@@ -59,12 +59,13 @@ def _gemv_split_kernel(W, X, NW, R, Y, P, CNT, N, K, stride_w, eps, PROLOGUE: tl
     if PROLOGUE == 1:
         rstd = rms_rstd(X, K, eps, K_POW2)
     part = _dot_tile(w, X, NW, k0, cols, K, rstd, PROLOGUE, EVEN_K)  # [BLOCK_N]
-    split_k_epilogue(part, P, CNT, R, Y, rows, N, s, b, SPLIT_K, HAS_RESIDUAL)
+    split_k_epilogue(part, P, CNT, R, Y, rows, N, s, b, SPLIT_K, HAS_RESIDUAL, G, HAS_GATE)
 
 
 @triton.jit
-def _gemv_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _gemv_kernel(W, X, NW, R, G, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):
     """Persistent: program p owns row blocks p, p + P, p + 2P, ... (P programs) and streams their tiles
     [BLOCK_N, BLOCK_K] as one flat sequence i = (block, K chunk), the next tile always in flight."""
     pid = tl.program_id(0)
@@ -105,18 +106,13 @@ def _gemv_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.con
         x = prologue_fx(X, NW, k0, cols, K, rstd, PROLOGUE, EVEN_K)
         acc += w.to(tl.float32) * x[None, :]
         if k0 + BLOCK_K >= K:  # the block's last chunk: its rows are done
-            rows = blk * BLOCK_N + r_off
-            y = tl.sum(acc, axis=1)  # [BLOCK_N]
-            if HAS_RESIDUAL:
-                r = tl.load(R + tl.minimum(rows, N - 1))
-                y = y.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
-            tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
+            epilogue(tl.sum(acc, axis=1), R, Y, blk * BLOCK_N + r_off, N, HAS_RESIDUAL, G, HAS_GATE)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
 
 @triton.jit
-def _gemv_stream_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.constexpr,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_stream_kernel(W, X, NW, R, G, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         K_POW2: tl.constexpr, STAGES: tl.constexpr):
     """Persistent like _gemv_kernel (row blocks p, p + P, ...; tiles as one flat sequence), but the weight tiles
     go through shared memory by Triton's software pipeline (cp.async), STAGES tiles in flight a program, instead
@@ -138,7 +134,7 @@ def _gemv_stream_kernel(W, X, NW, R, Y, N, K, stride_w, eps, n_blocks, PROLOGUE:
         w = tl.load(W + rows_c[:, None] * stride_w + k0 + cols[None, :])
         acc += w.to(tl.float32) * prologue_fx(X, NW, k0, cols, K, rstd, PROLOGUE, True)[None, :]
         if k0 + BLOCK_K == K:  # the block's last chunk: its rows are done
-            epilogue(tl.sum(acc, axis=1), R, Y, blk * BLOCK_N + r_off, N, HAS_RESIDUAL)
+            epilogue(tl.sum(acc, axis=1), R, Y, blk * BLOCK_N + r_off, N, HAS_RESIDUAL, G, HAS_GATE)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
 
@@ -170,11 +166,12 @@ def _rule_config(N: int, K: int, sms: int, elem: int) -> GemvConfig:
 
 
 def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-             swiglu: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-             config: GemvConfig | tuple | None = None,
+             swiglu: bool = False, residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, config: GemvConfig | tuple | None = None,
              table: Mapping[tuple[int, int], GemvConfig] = tuning.GEMV) -> torch.Tensor:
     """y = [residual +] weight @ f(x), weight [N, K] (rows contiguous), x [K] or [1, K] ([2K] or [1, 2K] with
     swiglu) -> [1, N] in x's dtype (or `out`). f: rms_norm with norm_weight [K], or swiglu, or identity.
+    gate (one element, with residual): y = residual + gate · (weight @ f(x)), each product rounded.
     `config` (else `table`'s row for [N, K], else the rule) picks the kernel and its launch."""
     N, K = weight.shape
     assert weight.stride(1) == 1, "weight rows must be contiguous"
@@ -187,34 +184,36 @@ def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor
     assert out.numel() == N and out.reshape(-1).stride(0) == 1
     if residual is not None:
         assert residual.numel() == N and residual.reshape(-1).stride(0) == 1
+    assert gate is None or (residual is not None and gate.numel() == 1), "a gate scales the residual branch"
     cfg = GemvConfig(*config) if config is not None else gemv_config(N, K, sm_count(weight.device),
                                                                      weight.element_size(), table)
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE
     nw = norm_weight if norm_weight is not None else xv
     r = residual if residual is not None else out
+    g = gate if gate is not None else out
+    flags = dict(HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None)
     bn, bk = cfg.block_n, cfg.block_k
     launch = dict(num_warps=cfg.warps)
     if cfg.kind == "split":
         blocks, split = triton.cdiv(N, bn), triton.cdiv(K, bk)
         p, c = split_scratch(weight.device, split * N, blocks)
         _gemv_split_kernel[(blocks, split)](
-            weight, xv, nw, r, out, p, c, N, K, weight.stride(0), float(eps), PROLOGUE=prologue,
-            HAS_RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
+            weight, xv, nw, r, g, out, p, c, N, K, weight.stride(0), float(eps), PROLOGUE=prologue, **flags,
+            BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
             K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, **launch)
         return out
     n_blocks = triton.cdiv(N, bn)
     if cfg.kind == "stream":
         assert K % bk == 0, "stream: K must be a multiple of block_k"
         _gemv_stream_kernel[(min(cfg.programs or n_blocks, n_blocks),)](
-            weight, xv, nw, r, out, N, K, weight.stride(0), float(eps), n_blocks, PROLOGUE=prologue,
-            HAS_RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk,
-            K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, STAGES=cfg.stages,
+            weight, xv, nw, r, g, out, N, K, weight.stride(0), float(eps), n_blocks, PROLOGUE=prologue, **flags,
+            BLOCK_N=bn, BLOCK_K=bk, K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1,
+            STAGES=cfg.stages,
             num_stages=cfg.stages, **launch)
         return out
     assert cfg.kind == "persist", f"unknown GEMV kind {cfg.kind!r}"
     programs = n_blocks if cfg.programs is None else min(cfg.programs, n_blocks)
-    _gemv_kernel[(programs,)](weight, xv, nw, r, out, N, K, weight.stride(0), float(eps), n_blocks,
-                              PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, BLOCK_N=bn, BLOCK_K=bk,
-                              EVEN_K=K % bk == 0, **launch)
+    _gemv_kernel[(programs,)](weight, xv, nw, r, g, out, N, K, weight.stride(0), float(eps), n_blocks,
+                              PROLOGUE=prologue, **flags, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, **launch)
     return out
 

@@ -45,6 +45,12 @@ GEMV: Mapping[tuple[int, int], GemvConfig] = MappingProxyType({
     (3072, 8192): GemvConfig("stream", 8, 512, 4, 384, 4),  # 3B down
     (128256, 2048): GemvConfig("split", 8, 2048, 8),  # 1B lm_head
     (128256, 3072): GemvConfig("split", 4, 4096, 8),  # 3B lm_head
+    # Llama 3.2 11B-Vision's text decoder (its cross layers' q is the o shape); the rule's persistent kernel was
+    # slower at each, down by 1.8× (tools/bench/NOTES.md, vision decode)
+    (4096, 4096): GemvConfig("stream", 8, 512, 4, 512, 4),  # 11B o, cross q
+    (28672, 4096): GemvConfig("stream", 16, 512, 4, 264, 3),  # 11B gate_up
+    (4096, 14336): GemvConfig("stream", 16, 512, 4, 256, 3),  # 11B down
+    (128256, 4096): GemvConfig("stream", 8, 512, 4, 396, 4),  # 11B lm_head
 })
 
 # The fused norm + qkv + RoPE + cache write, per (N, K) = ((H + 2K)·E, D): 1B one whole-row tile pair a program;
@@ -52,6 +58,7 @@ GEMV: Mapping[tuple[int, int], GemvConfig] = MappingProxyType({
 QKV_ROPE: Mapping[tuple[int, int], QkvConfig] = MappingProxyType({
     (3072, 2048): QkvConfig(2, 8),
     (5120, 3072): QkvConfig(8, 4, stages=3, block_k=512),
+    (6144, 4096): QkvConfig(4, 4, stages=3, block_k=1024, programs=264),  # 11B-Vision (tools/bench/vision.py)
 })
 
 
@@ -90,10 +97,12 @@ QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
 
 class Tuning(NamedTuple):
     """The launch tables the decode step's fused ops read (accel.ops.fused): GEMV, QKV_ROPE and the decode
-    attention's keyword options (accel.kernels.decode_attn.decode_attention_fwd: split_len, max_len, config)."""
+    attention's keyword options (accel.kernels.decode_attn.decode_attention_fwd: split_len, max_len, config;
+    cross_decode_attention_fwd: split_len, config)."""
     gemv: Mapping[tuple[int, int], GemvConfig] = GEMV
     qkv_rope: Mapping[tuple[int, int], QkvConfig] = QKV_ROPE
     decode_attention: Mapping[str, object] = MappingProxyType({})
+    cross_attention: Mapping[str, object] = MappingProxyType({})  # cross_decode_attention_fwd's (split_len, config)
 
 
 DEFAULT = Tuning()

@@ -5,8 +5,8 @@ import torch
 
 from .. import quant_ops as quant
 from ..kernels.argmax import argmax_fwd
-from ..kernels.decode_attn import decode_attention_fwd
-from ..kernels.flash_attn import flash_attention_fwd
+from ..kernels.decode_attn import cross_decode_attention_fwd, decode_attention_fwd
+from ..kernels.flash_attn import cross_attention_fwd, flash_attention_fwd
 from ..kernels.gemv import gemv_fwd
 from ..kernels.qkv_rope import qkv_rope_fwd
 from ..kernels.rms_norm import add_rms_norm_fwd
@@ -15,8 +15,8 @@ from ..kernels.swiglu import swiglu_gate_up_fwd
 from ..kernels.tuning import DEFAULT, Tuning
 from .dispatch import rows, uses_triton
 from .torch_ops import (torch_add_rms_norm, torch_argmax_row, torch_causal_attention, torch_decode_attention,
-                        torch_greedy_next, torch_linear_add, torch_norm_linear, torch_qkv_rope, torch_rope_kv_write,
-                        torch_swiglu_gate_up, torch_swiglu_linear_add)
+                        torch_greedy_next, torch_linear_add, torch_norm_cross_attention, torch_norm_linear,
+                        torch_qkv_rope, torch_rope_kv_write, torch_swiglu_gate_up, torch_swiglu_linear_add)
 
 
 def add_rms_norm(x, residual, weight, eps):
@@ -68,20 +68,31 @@ def norm_linear(x, norm_weight, weight, eps, tuning: Tuning = DEFAULT):
     return torch_norm_linear(x, norm_weight, weight, eps)
 
 
-def linear_add(a, weight, residual, tuning: Tuning = DEFAULT):
+def linear_add(a, weight, residual, tuning: Tuning = DEFAULT, gate=None):
     if is_quantized(weight):
+        assert gate is None, "the quantized GEMV has no gated epilogue"
         return quant.quant_linear_add(a, weight, residual)
     if uses_triton(a):
-        return gemv_fwd(weight, a, residual=residual, out=residual, table=tuning.gemv)
-    return torch_linear_add(a, weight, residual)
+        return gemv_fwd(weight, a, residual=residual, gate=gate, out=residual, table=tuning.gemv)
+    return torch_linear_add(a, weight, residual, gate)
 
 
-def swiglu_linear_add(gate_up, weight, residual, tuning: Tuning = DEFAULT):
+def swiglu_linear_add(gate_up, weight, residual, tuning: Tuning = DEFAULT, gate=None):
     if is_quantized(weight):
+        assert gate is None, "the quantized GEMV has no gated epilogue"
         return quant.quant_swiglu_linear_add(gate_up, weight, residual)
     if uses_triton(gate_up):
-        return gemv_fwd(weight, gate_up, swiglu=True, residual=residual, out=residual, table=tuning.gemv)
-    return torch_swiglu_linear_add(gate_up, weight, residual)
+        return gemv_fwd(weight, gate_up, swiglu=True, residual=residual, gate=gate, out=residual, table=tuning.gemv)
+    return torch_swiglu_linear_add(gate_up, weight, residual, gate)
+
+
+def norm_cross_attention(q, norm_weight, eps, keys, values, visible, tuning: Tuning = DEFAULT):
+    if uses_triton(q):
+        if q.shape[0] == 1:  # the decode step: split along the image tokens
+            return cross_decode_attention_fwd(rows(q), keys, values, rows(visible), norm_weight, eps,
+                                              **tuning.cross_attention)
+        return cross_attention_fwd(rows(q), keys, values, rows(visible), norm_weight, eps)
+    return torch_norm_cross_attention(q, norm_weight, eps, keys, values, visible)
 
 
 def is_quantized(weight) -> bool:

@@ -20,9 +20,12 @@ Prefill (T tokens):
 Decode (one token, the residual stream x [1, D] updated in place):
     qkv_rope           attn norm + qkv GEMV + RoPE + cache write: one launch.
     decode_attention   split-K attention over the cache, the length read from `position`.
-    linear_add         o GEMV + residual add.
-    norm_linear        mlp norm + gate_up GEMV (also final norm + lm_head).
-    swiglu_linear_add  SwiGLU + down GEMV + residual add.
+    linear_add         o GEMV + residual add (a cross layer's: times its tanh gate first).
+    norm_linear        mlp norm + gate_up GEMV (also final norm + lm_head, a cross layer's norm + q).
+    swiglu_linear_add  SwiGLU + down GEMV + residual add (gated, as linear_add).
+Both (Llama 3.2 Vision's cross-attention layers):
+    norm_cross_attention  q_norm + attention over the image tokens with the cross-attention mask (the decode
+                          step: split along the image tokens; prefill: flash attention without the causal mask).
     argmax_row         greedy token, no host sync.
     greedy_next        argmax + the greedy loop's bookkeeping, inside the decode step's graph.
 """
@@ -68,14 +71,23 @@ class FusedOps(Protocol):
                     tuning: Tuning = DEFAULT) -> Tensor:
         """x [1, D], norm_weight [D], weight [N, D] -> linear(rms_norm(x, norm_weight, eps), weight), [1, N]."""
 
-    def linear_add(self, a: Tensor, weight: Tensor, residual: Tensor, tuning: Tuning = DEFAULT) -> Tensor:
+    def linear_add(self, a: Tensor, weight: Tensor, residual: Tensor, tuning: Tuning = DEFAULT,
+                   gate: Tensor | None = None) -> Tensor:
         """a [1, Din], weight [D, Din], residual [1, D] -> residual += linear(a, weight) in place (the product
-        rounded to the dtype before the add); returns residual."""
+        rounded to the dtype before the add); returns residual. gate [1] (a device tensor, model dtype):
+        residual += gate · linear(a, weight), the product rounded before the add."""
 
     def swiglu_linear_add(self, gate_up: Tensor, weight: Tensor, residual: Tensor,
-                          tuning: Tuning = DEFAULT) -> Tensor:
+                          tuning: Tuning = DEFAULT, gate: Tensor | None = None) -> Tensor:
         """gate_up [1, 2F], weight [D, F], residual [1, D] -> residual += linear(swiglu_gate_up(gate_up), weight)
-        in place; returns residual."""
+        in place (times gate first, as linear_add); returns residual."""
+
+    def norm_cross_attention(self, q: Tensor, norm_weight: Tensor, eps: float, keys: Tensor, values: Tensor,
+                             visible: Tensor, tuning: Tuning = DEFAULT) -> Tensor:
+        """q [T, H, E], norm_weight [E], keys/values [K, N, E], visible [T, N] bool -> [T, H, E]:
+        attention of rms_norm(q, norm_weight, eps) (per head) over every key n with visible[t, n], no causal
+        mask; head h reads kv head h // (H/K). Every row must see a key (Mllama's rows before the first image
+        attend to all of them: the caller passes visible | ~row_has_image)."""
 
     def argmax_row(self, logits: Tensor) -> Tensor:
         """logits [1, V] or [V] -> [1] int64, the first index of the maximum (NaN counts as the largest, as
@@ -89,4 +101,4 @@ class FusedOps(Protocol):
 
 FUSED_OP_NAMES: tuple[str, ...] = ("add_rms_norm", "rope_kv_write", "swiglu_gate_up", "causal_attention",
                                    "decode_attention", "qkv_rope", "norm_linear", "linear_add", "swiglu_linear_add",
-                                   "argmax_row", "greedy_next")
+                                   "norm_cross_attention", "argmax_row", "greedy_next")

@@ -107,13 +107,29 @@ def torch_norm_linear(x, norm_weight, weight, eps):
     return F.linear(torch_rms_norm(x, norm_weight, eps), weight)  # [1, D] -> [1, N]
 
 
-def torch_linear_add(a, weight, residual):
-    """The product is rounded to the dtype before the add, as x + o is."""
-    return residual.add_(F.linear(a, weight))
+def torch_linear_add(a, weight, residual, gate=None):
+    """The product is rounded to the dtype before the add, as x + o is (and gate · o before it, with a gate)."""
+    return residual.add_(_gated(F.linear(a, weight), gate))
 
 
-def torch_swiglu_linear_add(gate_up, weight, residual):
-    return residual.add_(F.linear(torch_swiglu_gate_up(gate_up), weight))
+def torch_swiglu_linear_add(gate_up, weight, residual, gate=None):
+    return residual.add_(_gated(F.linear(torch_swiglu_gate_up(gate_up), weight), gate))
+
+
+def _gated(y, gate):
+    return y if gate is None else gate * y
+
+
+def torch_norm_cross_attention(q, norm_weight, eps, keys, values, visible):
+    """rms_norm per head, then SDPA (fp32 softmax inside) with the query heads of one kv head folded into the
+    query rows (no causal structure to keep), so no kv head is repeated in memory."""
+    T, H, E = q.shape
+    K = keys.shape[0]
+    G = H // K
+    qg = torch_rms_norm(q, norm_weight, eps).view(T, K, G, E).permute(1, 2, 0, 3).reshape(1, K, G * T, E)
+    mask = visible.to(torch.bool).repeat(G, 1)[None, None]  # [T, N] -> [1, 1, G·T, N]: head k·G+g, row g·T+t
+    out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=mask)  # [1, K, G·T, E]
+    return out.view(K, G, T, E).permute(2, 0, 1, 3).reshape(T, H, E)
 
 
 def unfused_qkv_rope(norm_linear, rope_kv_write, x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v):

@@ -79,8 +79,8 @@ class MllamaAccelEngine(AccelEngine):
             cache.xv_all = torch.zeros_like(cache.xk_all)
             cache.xk = dict(zip(t.cross_attention_layers, cache.xk_all.unbind(0)))
             cache.xv = dict(zip(t.cross_attention_layers, cache.xv_all.unbind(0)))
-            cache.decode_visible = torch.ones(image_tokens, dtype=torch.bool, device=self.device)
-            cache.decode_has_image = torch.ones((1, 1), dtype=self.dtype, device=self.device)
+            cache.decode_visible = torch.ones((1, image_tokens), dtype=torch.bool, device=self.device)
+            cache.decode_gates = torch.zeros((C, 2), dtype=self.dtype, device=self.device)
         return cache
 
     def _device_images(self, images: ImageInputs) -> ImageInputs:

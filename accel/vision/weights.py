@@ -1,9 +1,10 @@
 """Llama 3.2 Vision weights on the device.
 
 The text decoder's self-attention layers, embedding, final norm and lm_head go through accel.weights (fused qkv and
-gate_up, rearranged once at load); everything else (vision encoder, projector, cross-attention layers) stays one
-tensor per checkpoint name. `params` gives every tensor by its checkpoint name (views of the fused ones), for
-trace mode, which runs refimpl.model.mllama.forward_steps over accel.ops.
+gate_up, rearranged once at load); the cross-attention layers' gate and up projections are fused the same way
+(`CrossLayer.gate_up`); everything else (vision encoder, projector) stays one tensor per checkpoint name. `params`
+gives every tensor by its checkpoint name (views of the fused ones), for trace mode, which runs
+refimpl.model.mllama.forward_steps over accel.ops.
 """
 from __future__ import annotations
 
@@ -20,10 +21,33 @@ from ..weights import Weights, _to_device, load_weights, params_view, random_wei
 
 
 @dataclass
+class CrossLayer:
+    """A cross-attention layer's tensors the fast path reads (views of `params`)."""
+
+    attn_norm: torch.Tensor  # [D]
+    q: torch.Tensor  # [H·E, D]
+    q_norm: torch.Tensor  # [E]
+    o: torch.Tensor  # [D, H·E]
+    attn_gate: torch.Tensor  # [1], before tanh
+    mlp_norm: torch.Tensor  # [D]
+    gate_up: torch.Tensor  # [2F, D]: gate rows, then up rows
+    down: torch.Tensor  # [D, F]
+    mlp_gate: torch.Tensor  # [1], before tanh
+
+    @classmethod
+    def of(cls, params: dict, i: int, gate_up: torch.Tensor) -> "CrossLayer":
+        p = lambda key: params[f"{TEXT}layers.{i}.{key}"]  # noqa: E731
+        return cls(p("input_layernorm.weight"), p("cross_attn.q_proj.weight"), p("cross_attn.q_norm.weight"),
+                   p("cross_attn.o_proj.weight"), p("cross_attn_attn_gate"), p("post_attention_layernorm.weight"),
+                   gate_up, p("mlp.down_proj.weight"), p("cross_attn_mlp_gate"))
+
+
+@dataclass
 class MllamaWeights:
     text: Weights  # the self-attention layers only, in order (text.layers[j] is self_layers[j])
     self_layers: list[int]  # their indices in the decoder
     params: dict[str, torch.Tensor]  # every tensor by its checkpoint name
+    cross: list[CrossLayer] = dataclasses.field(default_factory=list)  # cfg.text.cross_attention_layers' order
 
     def nbytes_per_token(self, cfg: MllamaConfig) -> int:
         """Bytes of weights a decode step with an image in context reads: the text model's self layers,
@@ -76,7 +100,20 @@ def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device
     for name, array in params.items():
         if name not in out:
             out[name] = _to_device(array, device, dtype)
-    return MllamaWeights(text, self_layers, out)
+    return _with_cross_layers(MllamaWeights(text, self_layers, out), cfg)
+
+
+def _with_cross_layers(w: MllamaWeights, cfg: MllamaConfig) -> MllamaWeights:
+    """Each cross layer's gate and up projections moved into one [2F, D] tensor (params keep views of it), so
+    that the decode step runs them as one GEMV, as the self layers' gate_up."""
+    w.cross = []
+    for i in cfg.text.cross_attention_layers:
+        gate, up = (f"{TEXT}layers.{i}.mlp.{m}_proj.weight" for m in ("gate", "up"))
+        fused = torch.cat([w.params[gate], w.params[up]])  # [F, D] + [F, D] -> [2F, D]
+        F_ = w.params[gate].shape[0]
+        w.params[gate], w.params[up] = fused[:F_], fused[F_:]
+        w.cross.append(CrossLayer.of(w.params, i, fused))
+    return w
 
 
 def random_mllama_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes: dict, seed: int = 0,
@@ -102,4 +139,4 @@ def random_mllama_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes:
     for name, shape in shapes.items():
         if name not in out:
             out[name] = draw(name, shape)
-    return MllamaWeights(text, self_layers, out)
+    return _with_cross_layers(MllamaWeights(text, self_layers, out), cfg)

@@ -1,14 +1,19 @@
-"""Top-1 agreement of the bf16 accel engine with the fp32 refimpl on the same random Llama-3.2-1B-shaped weights.
+"""Top-1 agreement of the accel engine (bf16 by default) with the fp32 refimpl on the same random weights.
 
-The refimpl decodes greedily (fp32, NumPy) for N steps after a P-token prompt. The accel engine (bf16, GPU) is then
+The refimpl decodes greedily (fp32, NumPy) for N steps after a P-token prompt. The accel engine is then
 teacher-forced along the refimpl's tokens: at every step it sees the same prefix, and we count how often its argmax
 is the refimpl's token. Where they differ we report the refimpl's own top-1/top-2 logit gap: bf16 rounding can only
 flip near-ties. Also reported: how many tokens accel's free-running greedy output shares with the refimpl's.
 
-Weights: matrices N(0, 0.02) (HF's init scale); the tied embedding N(0, 0.066), so that logits have a standard
-deviation near 3 as in trained models (0.066·sqrt(2048) ≈ 3) instead of an almost flat distribution.
+Models:
+    text    a Llama preset (default Llama-3.2-1B shapes): matrices N(0, 0.02) (HF's init scale); the tied embedding
+            N(0, 0.066), so that logits have a standard deviation near 3 as in trained models (0.066·sqrt(2048) ≈ 3)
+            instead of an almost flat distribution;
+    vision  (--vision) a tiny random Llama 3.2 Vision config (`VISION_TINY`) whose every parameter matters: every
+            tanh gate nonzero (signs mixed), norms 1 + N(0, 0.2²), matrices N(0, 1/fan_in), one image of 4 tiles
+            before the prompt's text, so every cross layer and the whole encoder feed each step's logits.
 
-    python -m tools.bench.agreement [--preset llama-3.2-1b] [--steps 256] [--json-out agreement.json]
+    python -m tools.bench.agreement [--preset llama-3.2-1b | --vision] [--steps 256] [--json-out agreement.json]
 """
 from __future__ import annotations
 
@@ -20,15 +25,148 @@ from pathlib import Path
 
 import numpy as np
 
+from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
 from refimpl.formats.params import Checkpoint, random_params
-from refimpl.model.config import PRESETS
 from refimpl.generate import RefEngine
+from refimpl.generate_mllama import MllamaEngine
+from refimpl.model.config import PRESETS
+from refimpl.model.mllama_config import MllamaConfig
+from refimpl.vision.inputs import ImageInputs
+from refimpl.vision.prompt import cross_attention_mask
+
+VISION_TINY = {  # 6 text layers (2 cross), 4 tiles of 2×2 patches (5 tokens, padded to 8), 3 + 1 encoder layers
+    "model_type": "mllama", "image_token_index": 512,
+    "text_config": {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 6,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "cross_attention_layers": [1, 4],
+                    "max_position_embeddings": 1024, "rope_theta": 500000.0},
+    "vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_global_layers": 1,
+                      "attention_heads": 4, "image_size": 28, "patch_size": 14, "max_num_tiles": 4,
+                      "vision_output_dim": 64 * 3, "intermediate_layers_indices": [0, 2]},
+}
+
+
+def random_mllama_params(cfg: MllamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """float32 weights at the checkpoint's shapes, none inert: gates ±U(0.3, 1.2), norms 1 + N(0, 0.2²), biases and
+    the encoder's position/tile embeddings N(0, 0.5²), matrices N(0, 1/fan_in) (the lm_head 3× that: logits ~3)."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for n, (name, shape) in enumerate(sorted(expected_mllama_shapes(cfg).items())):
+        if "gate" in name and "proj" not in name and int(np.prod(shape)) == 1:
+            x = rng.uniform(0.3, 1.2, shape) * (1 if n % 2 else -1)
+        elif "norm" in name and name.endswith("weight"):
+            x = 1 + 0.2 * rng.standard_normal(shape)
+        elif name.endswith("bias") or "embedding" in name:
+            x = 0.5 * rng.standard_normal(shape)
+        else:
+            scale = 3.0 if name.endswith("lm_head.weight") else 1.0
+            x = scale * rng.standard_normal(shape) / np.sqrt(shape[-1] if len(shape) > 1 else 1)
+        params[name] = x.astype(np.float32)
+    return params
+
+
+def vision_inputs(cfg: MllamaConfig, prompt_tokens: int, seed: int = 1) -> tuple[list[int], ImageInputs]:
+    """A prompt: <|image|> (all max_num_tiles tiles, a 2×2 grid) then prompt_tokens - 1 random text tokens."""
+    rng = np.random.default_rng(seed)
+    v = cfg.vision
+    A = v.max_num_tiles
+    ids = [cfg.image_token_index] + rng.integers(0, cfg.text.vocab_size, prompt_tokens - 1).tolist()
+    pixels = rng.standard_normal((1, A, v.num_channels, v.image_size, v.image_size)).astype(np.float32)
+    ratio = v.supported_aspect_ratios.index((2, 2)) + 1
+    mask = cross_attention_mask(ids, cfg.image_token_index, [A], A)  # [T, 1, A]
+    return ids, ImageInputs.from_arrays(v, pixels, [ratio], np.ones((1, A), np.int64), mask)
+
+
+def refimpl_greedy(first_logits, step, steps: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens from the prompt's logits, step(token, i) -> the next logits; and each step's top-1/top-2 gap."""
+    logits, tokens, gaps = first_logits, [], []
+    for i in range(steps):
+        top2 = np.sort(logits)[-2:]
+        tokens.append(int(np.argmax(logits)))
+        gaps.append(float(top2[1] - top2[0]))
+        if i + 1 < steps:
+            logits = step(tokens[-1], i)
+    return tokens, gaps
+
+
+def teacher_forced(first_logits, step, tokens: list[int]) -> list[bool]:
+    """Whether the engine's argmax is tokens[i] at every step i, fed tokens[i] after it (step(token, i))."""
+    logits, agree = first_logits, []
+    for i, token in enumerate(tokens):
+        agree.append(int(logits[0].float().argmax()) == token)
+        if i + 1 < len(tokens):
+            logits = step(token, i)
+    return agree
+
+
+def run(model: str, ref, engine, prompt: list[int], steps: int, images: ImageInputs | None = None) -> dict:
+    """The refimpl's greedy run, accel teacher-forced along it, and accel's free-running greedy -> the result."""
+    import torch
+
+    inputs = {} if images is None else {"images": images}
+    P = len(prompt)
+    cache = ref.new_cache(P + steps)
+    t0 = time.perf_counter()
+    tokens, gaps = refimpl_greedy(ref.logits(prompt, np.arange(P), cache, **inputs),
+                                  lambda token, i: ref.logits([token], [P + i], cache), steps)
+    ref_s = time.perf_counter() - t0
+    print(f"refimpl: {steps} greedy steps in {ref_s:.0f} s", flush=True)
+
+    device = engine.device
+    sess = engine.session(P + steps, engine.image_tokens(images)) if images is not None else engine.session(P + steps)
+    agree = teacher_forced(engine.prefill(prompt, sess, **inputs),
+                           lambda token, i: sess.decoder.step(torch.tensor([token], device=device), P + i), tokens)
+    free = engine.decode_greedy(sess, engine.prefill(prompt, sess, **inputs), P, steps).tolist()
+    shared = next((i for i, (a, b) in enumerate(zip(free, tokens)) if a != b), steps)
+    flips = [gaps[i] for i, ok in enumerate(agree) if not ok]
+    return {
+        "date": datetime.date.today().isoformat(), "model": model,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "accel_dtype": engine.dtype_name, "steps": steps, "prompt_tokens": P,
+        "top1_agreement": sum(agree) / len(agree), "disagreements": len(flips),
+        "refimpl_gap_at_disagreements": flips, "refimpl_median_gap": float(np.median(gaps)),
+        "free_running_shared_prefix": shared, "refimpl_seconds": ref_s,
+    }
+
+
+def print_table(r: dict) -> None:
+    print(f"{'model':<14}{'dtype':>6}{'steps':>7}{'top-1 agree':>13}{'median gap':>12}{'max gap at flip':>17}"
+          f"{'free-run shared':>17}")
+    print(f"{r['model']:<14}{r['accel_dtype']:>6}{r['steps']:>7}{r['top1_agreement']:>13.4f}"
+          f"{r['refimpl_median_gap']:>12.3f}{max(r['refimpl_gap_at_disagreements'], default=0.0):>17.4f}"
+          f"{r['free_running_shared_prefix']:>17}")
+    print(f"device {r['device']}, {r['date']}")
+
+
+def text_agreement(preset: str, steps: int, prompt_tokens: int, dtype: str, device) -> dict:
+    from accel.engine import DTYPES, AccelEngine
+    from accel.weights import load_weights
+
+    cfg = PRESETS[preset]
+    t0 = time.perf_counter()
+    params = random_params(cfg, seed=0, std=0.02)
+    params["model.embed_tokens.weight"] *= np.float32(0.066 / 0.02)
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, prompt_tokens).tolist()
+    print(f"weights built in {time.perf_counter() - t0:.0f} s", flush=True)
+    ref = RefEngine(Checkpoint(None, cfg, params))
+    engine = AccelEngine(cfg, load_weights(params, cfg, device, DTYPES[dtype]), device, dtype)
+    return run(preset, ref, engine, prompt, steps)
+
+
+def vision_agreement(steps: int, prompt_tokens: int, dtype: str, device: str, use_triton: bool | None = None) -> dict:
+    from accel.vision.engine import MllamaAccelEngine
+
+    cfg = MllamaConfig.from_hf(VISION_TINY, source="VISION_TINY")
+    ckpt = Checkpoint(None, cfg, random_mllama_params(cfg))
+    prompt, images = vision_inputs(cfg, prompt_tokens)
+    engine = MllamaAccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, use_triton=use_triton)
+    return run("vision-tiny", MllamaEngine(ckpt), engine, prompt, steps, images)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-3.2-1b", choices=sorted(PRESETS))
-    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--vision", action="store_true", help="the tiny random Llama 3.2 Vision model, with an image")
+    ap.add_argument("--steps", type=int, default=None, help="default 256 (text), 128 (vision)")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--device", default="cuda")
@@ -37,60 +175,14 @@ def main(argv=None):
 
     import torch
 
-    from accel.engine import DTYPES, AccelEngine
-    from accel.weights import load_weights
-
-    cfg = PRESETS[args.preset]
-    t0 = time.perf_counter()
-    params = random_params(cfg, seed=0, std=0.02)
-    params["model.embed_tokens.weight"] *= np.float32(0.066 / 0.02)
-    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, args.prompt_tokens).tolist()
-    print(f"weights built in {time.perf_counter() - t0:.0f} s", flush=True)
-
-    # fp32 refimpl: greedy, keeping each step's top-2 gap
-    ref = RefEngine(Checkpoint(None, cfg, params))
-    cache = ref.new_cache(args.prompt_tokens + args.steps)
-    t0 = time.perf_counter()
-    logits = ref.logits(prompt, np.arange(len(prompt)), cache)
-    tokens, gaps = [], []
-    for i in range(args.steps):
-        top2 = np.sort(logits)[-2:]
-        tokens.append(int(np.argmax(logits)))
-        gaps.append(float(top2[1] - top2[0]))
-        if i + 1 < args.steps:
-            logits = ref.logits([tokens[-1]], [len(prompt) + i], cache)
-    ref_s = time.perf_counter() - t0
-    print(f"refimpl: {args.steps} greedy steps in {ref_s:.0f} s", flush=True)
-
-    # accel: teacher-forced along the refimpl's tokens
-    device = torch.device(args.device)
-    engine = AccelEngine(cfg, load_weights(params, cfg, device, DTYPES[args.dtype]), device, args.dtype)
-    sess = engine.session(args.prompt_tokens + args.steps)
-    logits = engine.prefill(prompt, sess)
-    agree = []
-    for i in range(args.steps):
-        agree.append(int(logits[0].float().argmax()) == tokens[i])
-        if i + 1 < args.steps:
-            logits = sess.decoder.step(torch.tensor([tokens[i]], device=device), len(prompt) + i)
-    # accel: free-running greedy
-    free = engine.decode_greedy(sess, engine.prefill(prompt, sess), len(prompt), args.steps).tolist()
-    shared = next((i for i, (a, b) in enumerate(zip(free, tokens)) if a != b), args.steps)
-
-    flips = [gaps[i] for i, ok in enumerate(agree) if not ok]
-    result = {
-        "date": datetime.date.today().isoformat(), "preset": args.preset,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "accel_dtype": args.dtype, "steps": args.steps, "prompt_tokens": args.prompt_tokens,
-        "top1_agreement": sum(agree) / len(agree), "disagreements": len(flips),
-        "refimpl_gap_at_disagreements": flips, "refimpl_median_gap": float(np.median(gaps)),
-        "free_running_shared_prefix": shared, "refimpl_seconds": ref_s,
-    }
-    print(f"{'preset':<14}{'dtype':>6}{'steps':>7}{'top-1 agree':>13}{'median gap':>12}{'max gap at flip':>17}"
-          f"{'free-run shared':>17}")
-    print(f"{args.preset:<14}{args.dtype:>6}{args.steps:>7}{result['top1_agreement']:>13.4f}"
-          f"{result['refimpl_median_gap']:>12.3f}{max(flips, default=0.0):>17.4f}{shared:>17}")
-    print(f"device {result['device']}, {result['date']}")
+    if args.vision:
+        result = vision_agreement(args.steps or 128, args.prompt_tokens, args.dtype, args.device)
+    else:
+        result = text_agreement(args.preset, args.steps or 256, args.prompt_tokens, args.dtype,
+                                torch.device(args.device))
+    print_table(result)
     args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 if __name__ == "__main__":

@@ -194,8 +194,8 @@ def stream_probe() -> dict:
     x = torch.randn(3072, device=dev, dtype=torch.bfloat16)
     y = torch.empty(3072, device=dev, dtype=torch.bfloat16)
     from accel.kernels.gemv import _gemv_stream_kernel
-    k = _gemv_stream_kernel[(132,)](w, x, x, y, y, 3072, 3072, 3072, 1e-5, 384, PROLOGUE=0, HAS_RESIDUAL=False,
-                                        BLOCK_N=8, BLOCK_K=512, K_POW2=1, STAGES=4, num_warps=4, num_stages=4)
+    k = _gemv_stream_kernel[(132,)](w, x, x, y, y, y, 3072, 3072, 3072, 1e-5, 384, PROLOGUE=0, HAS_RESIDUAL=False,
+                                        HAS_GATE=False, BLOCK_N=8, BLOCK_K=512, K_POW2=1, STAGES=4, num_warps=4, num_stages=4)
     out = {"cp_async": k.asm["ptx"].count("cp.async"), "n_regs": getattr(k, "n_regs", None),
            "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared}
     print(f"stream probe {out}", flush=True)
