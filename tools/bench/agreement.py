@@ -5,6 +5,10 @@ teacher-forced along the refimpl's tokens: at every step it sees the same prefix
 is the refimpl's token. Where they differ we report the refimpl's own top-1/top-2 logit gap: bf16 rounding can only
 flip near-ties. Also reported: how many tokens accel's free-running greedy output shares with the refimpl's.
 
+Weights are stored as bf16 values by default (`--weights bf16`), as the released Llama 3.2 checkpoints are: both
+engines then read the same numbers and only the compute precision differs (the refimpl computes in fp32 NumPy).
+`--weights fp32` keeps the random fp32 draws, so bf16 accel also rounds every weight.
+
 Models:
     text    a Llama preset (default Llama-3.2-1B shapes): matrices N(0, 0.02) (HF's init scale); the tied embedding
             N(0, 0.066), so that logits have a standard deviation near 3 as in trained models (0.066·sqrt(2048) ≈ 3)
@@ -13,7 +17,8 @@ Models:
             tanh gate nonzero (signs mixed), norms 1 + N(0, 0.2²), matrices N(0, 1/fan_in), one image of 4 tiles
             before the prompt's text, so every cross layer and the whole encoder feed each step's logits.
 
-    python -m tools.bench.agreement [--preset llama-3.2-1b | --vision] [--steps 256] [--json-out agreement.json]
+    python -m tools.bench.agreement [--preset llama-3.2-1b | --vision] [--steps 256] [--weights bf16|fp32]
+                                    [--json-out agreement.json]
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from refimpl.generate import RefEngine
 from refimpl.generate_mllama import MllamaEngine
 from refimpl.model.config import PRESETS
 from refimpl.model.mllama_config import MllamaConfig
+from refimpl.quant.formats import round_bf16
 from refimpl.vision.inputs import ImageInputs
 from refimpl.vision.prompt import cross_attention_mask
 
@@ -98,6 +104,11 @@ def teacher_forced(first_logits, step, tokens: list[int]) -> list[bool]:
     return agree
 
 
+def stored(params: dict[str, np.ndarray], weights: str) -> dict[str, np.ndarray]:
+    """The checkpoint's values: each weight rounded to bf16 (kept as float32 arrays), or the fp32 draws as they are."""
+    return {k: round_bf16(v) for k, v in params.items()} if weights == "bf16" else params
+
+
 def run(model: str, ref, engine, prompt: list[int], steps: int, images: ImageInputs | None = None) -> dict:
     """The refimpl's greedy run, accel teacher-forced along it, and accel's free-running greedy -> the result."""
     import torch
@@ -134,10 +145,10 @@ def print_table(r: dict) -> None:
     print(f"{r['model']:<14}{r['accel_dtype']:>6}{r['steps']:>7}{r['top1_agreement']:>13.4f}"
           f"{r['refimpl_median_gap']:>12.3f}{max(r['refimpl_gap_at_disagreements'], default=0.0):>17.4f}"
           f"{r['free_running_shared_prefix']:>17}")
-    print(f"device {r['device']}, {r['date']}")
+    print(f"weights stored as {r['weights']}; device {r['device']}, {r['date']}")
 
 
-def text_agreement(preset: str, steps: int, prompt_tokens: int, dtype: str, device) -> dict:
+def text_agreement(preset: str, steps: int, prompt_tokens: int, dtype: str, device, weights: str = "bf16") -> dict:
     from accel.engine import DTYPES, AccelEngine
     from accel.weights import load_weights
 
@@ -145,21 +156,23 @@ def text_agreement(preset: str, steps: int, prompt_tokens: int, dtype: str, devi
     t0 = time.perf_counter()
     params = random_params(cfg, seed=0, std=0.02)
     params["model.embed_tokens.weight"] *= np.float32(0.066 / 0.02)
+    params = stored(params, weights)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, prompt_tokens).tolist()
     print(f"weights built in {time.perf_counter() - t0:.0f} s", flush=True)
     ref = RefEngine(Checkpoint(None, cfg, params))
     engine = AccelEngine(cfg, load_weights(params, cfg, device, DTYPES[dtype]), device, dtype)
-    return run(preset, ref, engine, prompt, steps)
+    return {**run(preset, ref, engine, prompt, steps), "weights": weights}
 
 
-def vision_agreement(steps: int, prompt_tokens: int, dtype: str, device: str, use_triton: bool | None = None) -> dict:
+def vision_agreement(steps: int, prompt_tokens: int, dtype: str, device: str, use_triton: bool | None = None,
+                     weights: str = "bf16") -> dict:
     from accel.vision.engine import MllamaAccelEngine
 
     cfg = MllamaConfig.from_hf(VISION_TINY, source="VISION_TINY")
-    ckpt = Checkpoint(None, cfg, random_mllama_params(cfg))
+    ckpt = Checkpoint(None, cfg, stored(random_mllama_params(cfg), weights))
     prompt, images = vision_inputs(cfg, prompt_tokens)
     engine = MllamaAccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, use_triton=use_triton)
-    return run("vision-tiny", MllamaEngine(ckpt), engine, prompt, steps, images)
+    return {**run("vision-tiny", MllamaEngine(ckpt), engine, prompt, steps, images), "weights": weights}
 
 
 def main(argv=None):
@@ -170,16 +183,19 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp32"],
+                    help="the checkpoint's stored precision (default bf16, as released checkpoints)")
     ap.add_argument("--json-out", type=Path, default=Path("agreement.json"))
     args = ap.parse_args(argv)
 
     import torch
 
     if args.vision:
-        result = vision_agreement(args.steps or 128, args.prompt_tokens, args.dtype, args.device)
+        result = vision_agreement(args.steps or 128, args.prompt_tokens, args.dtype, args.device,
+                                  weights=args.weights)
     else:
         result = text_agreement(args.preset, args.steps or 256, args.prompt_tokens, args.dtype,
-                                torch.device(args.device))
+                                torch.device(args.device), args.weights)
     print_table(result)
     args.json_out.write_text(json.dumps(result, indent=2) + "\n")
     return result
