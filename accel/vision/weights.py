@@ -8,7 +8,7 @@ trace mode, which runs refimpl.model.mllama.forward_steps over accel.ops.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ class MllamaWeights:
     text: Weights  # the self-attention layers only, in order (text.layers[j] is self_layers[j])
     self_layers: list[int]  # their indices in the decoder
     params: dict[str, torch.Tensor]  # every tensor by its checkpoint name
+    vision_qkv: dict[str, torch.Tensor] = field(default_factory=dict)  # encoder layer prefix -> [3·U, U] q;k;v
 
     def nbytes_per_token(self, cfg: MllamaConfig) -> int:
         """Bytes of weights a decode step with an image in context reads: the text model's self layers,
@@ -67,6 +68,22 @@ def _text_renames(cfg: MllamaConfig) -> tuple[list[int], dict[str, str]]:
     return self_layers, names
 
 
+def fuse_vision_qkv(params: dict[str, torch.Tensor], cfg: MllamaConfig) -> dict[str, torch.Tensor]:
+    """Every encoder layer's q/k/v projections as one [3·U, U] matrix (one GEMM a layer), keyed by the layer's
+    prefix; `params` then holds views of it under the checkpoint names (no second copy)."""
+    v = cfg.vision
+    fused = {}
+    for stack, n in (("transformer", v.num_hidden_layers), ("global_transformer", v.num_global_layers)):
+        for i in range(n):
+            prefix = f"vision_model.{stack}.layers.{i}."
+            names = [f"{prefix}self_attn.{x}_proj.weight" for x in "qkv"]
+            qkv = torch.cat([params[name] for name in names])  # 3 × [U, U] -> [3·U, U]
+            for name, view in zip(names, qkv.chunk(3)):
+                params[name] = view
+            fused[prefix] = qkv
+    return fused
+
+
 def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device, dtype: torch.dtype) -> MllamaWeights:
     """float32 NumPy params keyed by the Hub's names -> device tensors in `dtype`, one at a time."""
     self_layers, names = _text_renames(cfg)
@@ -76,7 +93,7 @@ def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device
     for name, array in params.items():
         if name not in out:
             out[name] = _to_device(array, device, dtype)
-    return MllamaWeights(text, self_layers, out)
+    return MllamaWeights(text, self_layers, out, fuse_vision_qkv(out, cfg))
 
 
 def random_mllama_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes: dict, seed: int = 0,
@@ -102,4 +119,4 @@ def random_mllama_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes:
     for name, shape in shapes.items():
         if name not in out:
             out[name] = draw(name, shape)
-    return MllamaWeights(text, self_layers, out)
+    return MllamaWeights(text, self_layers, out, fuse_vision_qkv(out, cfg))
