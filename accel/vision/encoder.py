@@ -3,14 +3,16 @@ accel.ops), rearranged for speed:
     * every tile of every image in one pass: the row-wise ops and GEMMs see all I·A·Q tokens at once;
     * the patch embedding is one GEMM over unfolded patches (the stride-14 conv), and each layer's q/k/v one GEMM
       over the fused [3·U, U] weight (accel.vision.weights); attention reads q/k/v as strided views of its output;
-    * the self-attention is accel.kernels.encoder_attn (non-causal flash attention, HF's pad×pad mask from a
-      per-token padding flag, head dim 80 as 64 + 16) on Triton devices, one batched SDPA call otherwise;
+    * the self-attention is one unmasked SDPA call over all images (torch's flash kernel), then a masked one over
+      the few padding rows HF's pad×pad mask changes (`PaddingRows`);
     * biases go into the GEMMs (F.linear's epilogue), the attention branch's residual (and its tanh gate, a scalar
-      read once) into the o_proj GEMM (addmm); LayerNorm and GELU are torch's fused kernels;
+      read once) into the o_proj GEMM (addmm); the MLP branch's residual add and the next layer's input LayerNorm
+      are one Triton pass (accel.kernels.layer_norm), as is the post-attention LayerNorm; GELU is torch's kernel;
     * nothing yields or keeps values beyond the intermediate layers the output needs.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -18,36 +20,83 @@ from refimpl.model.mllama_config import VisionConfig
 from refimpl.vision.encoder import (PRE_POST_NORM_EPS, aspect_ratio_embedding, padding_tokens, position_embedding,
                                     unfold_patches)
 
-from ..kernels.encoder_attn import encoder_attention
+from ..kernels.layer_norm import add_layer_norm_fwd, layer_norm_fwd
 from ..ops import uses_triton
 
 
-def _attention(qkv, pad, I: int, H: int, E: int):
-    """qkv [I·L, 3·H·E] (q, k, v side by side), pad [I, L] bool (True = padding) -> [I·L, H·E]."""
+class PaddingRows:
+    """HF's encoder mask (only pairs of two padding tokens blocked) as the rows it changes: every real query row
+    sees every key, so attention runs unmasked for all rows, then again, masked, for the rows that are padding in
+    some image. Built once per encode from the host's aspect_ratio_mask."""
+
+    def __init__(self, aspect_ratio_mask, P: int, Q: int, device):
+        masked = padding_tokens(aspect_ratio_mask, P, Q)  # [I, L]
+        rows = np.flatnonzero(masked.any(0))  # [R]: padding in at least one image
+        self.rows = torch.as_tensor(rows, device=device)
+        # [I, R, 1] & [I, 1, L] -> [I, 1, R, L]: a row that is real in image i sees every key there (recomputed as is)
+        self.visible = torch.as_tensor(~(masked[:, rows, None] & masked[:, None, :]), device=device)[:, None]
+
+
+def self_attention(qkv, pad: PaddingRows, I: int, H: int, E: int):
+    """qkv [I·L, 3·H·E] (q, k, v side by side, one fused GEMM's output) -> [I·L, H·E], HF's padding mask.
+    SDPA reads q/k/v as strided views; unmasked it takes the flash kernel, which beat the Triton kernels at the
+    encoder's shape (tools/bench/NOTES.md)."""
     L = qkv.shape[0] // I
-    q, k, v = qkv.view(I, L, 3, H, E).unbind(2)  # each [I, L, H, E], strided views
-    if uses_triton(qkv):
-        return encoder_attention(q, k, v, pad).view(I * L, H * E)
-    visible = ~(pad[:, :, None] & pad[:, None, :])  # [I, L, L]: only pad×pad pairs blocked
-    a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=visible[:, None])  # [I, H, L, E]
+    q, k, v = (x.transpose(1, 2) for x in qkv.view(I, L, 3, H, E).unbind(2))  # each [I, H, L, E], views
+    a = F.scaled_dot_product_attention(q, k, v)  # [I, H, L, E]: right for every real query row
+    if len(pad.rows):
+        a[:, :, pad.rows] = F.scaled_dot_product_attention(q[:, :, pad.rows], k, v, attn_mask=pad.visible)
     return a.transpose(1, 2).reshape(I * L, H * E)
 
 
-def _layer(p: dict, prefix: str, x, qkv_weight, pad, cfg: VisionConfig, I: int, gates: tuple[float, float]):
-    """One pre-norm layer over x [I·L, U]; gates = (tanh(gate_attn), tanh(gate_ffn)), 1.0 for ungated layers."""
-    U, H, E, eps = x.shape[1], cfg.attention_heads, cfg.head_dim, cfg.norm_eps
+def _norm(x, weight, bias, eps):
+    if uses_triton(x):
+        return layer_norm_fwd(x, weight, bias, eps)
+    return F.layer_norm(x, (x.shape[1],), weight, bias, eps)
+
+
+def _add_norm(x, r, alpha: float, norm: tuple | None):
+    """(x + alpha·r, its LayerNorm by norm = (weight, bias, eps), or None without one): one pass on Triton devices."""
+    if norm is None:
+        return torch.add(x, r, alpha=alpha), None
+    if uses_triton(x):
+        return add_layer_norm_fwd(x, r, alpha, *norm)
+    x = torch.add(x, r, alpha=alpha)
+    return x, _norm(x, *norm)
+
+
+def _layer(p: dict, prefix: str, x, h, qkv_weight, pad, cfg: VisionConfig, I: int, gates: tuple[float, float],
+           next_norm: tuple | None):
+    """One pre-norm layer over x [I·L, U], given h = its input LayerNorm of x -> (output, next_norm(output) or None).
+    gates = (tanh(gate_attn), tanh(gate_ffn)), 1.0 for ungated layers."""
+    H, E, eps = cfg.attention_heads, cfg.head_dim, cfg.norm_eps
 
     def w(name):
         return p[prefix + name]
 
-    h = F.layer_norm(x, (U,), w("input_layernorm.weight"), w("input_layernorm.bias"), eps)
-    a = _attention(F.linear(h, qkv_weight), pad, I, H, E)  # [I·L, U] -> [I·L, 3·U] -> [I·L, U]
+    a = self_attention(F.linear(h, qkv_weight), pad, I, H, E)  # [I·L, U] -> [I·L, 3·U] -> [I·L, U]
     x = torch.addmm(x, a, w("self_attn.o_proj.weight").t(), alpha=gates[0])  # x + g·(a W_oᵀ): [I·L, U]
-    h = F.layer_norm(x, (U,), w("post_attention_layernorm.weight"), w("post_attention_layernorm.bias"), eps)
+    h = _norm(x, w("post_attention_layernorm.weight"), w("post_attention_layernorm.bias"), eps)
     up = F.gelu(F.linear(h, w("mlp.fc1.weight"), w("mlp.fc1.bias")))  # [I·L, U] -> [I·L, M]
     down = F.linear(up, w("mlp.fc2.weight"), w("mlp.fc2.bias"))  # [I·L, M] -> [I·L, U]
-    return torch.add(x, down, alpha=gates[1])
+    return _add_norm(x, down, gates[1], next_norm)
+
+
+def _stack(p: dict, cfg: VisionConfig, stack: str, n: int, x, qkv, pad, I: int, gates, kept: dict | None):
+    """The n layers of `stack` over x [I·L, U]; each layer's residual add is fused with the next one's input norm.
+    `kept` collects the outputs of the intermediate layers."""
+    def input_norm(i):
+        pre = f"vision_model.{stack}.layers.{i}.input_layernorm."
+        return p[pre + "weight"], p[pre + "bias"], cfg.norm_eps
+
+    h = _norm(x, *input_norm(0)) if n else None
+    for i in range(n):
+        prefix = f"vision_model.{stack}.layers.{i}."
+        x, h = _layer(p, prefix, x, h, _qkv(p, prefix, qkv), pad, cfg, I, gates[i],
+                      input_norm(i + 1) if i + 1 < n else None)
+        if kept is not None and i in cfg.intermediate_layers_indices:
+            kept[i] = x
+    return x
 
 
 def _gates(p: dict, cfg: VisionConfig) -> list[tuple[float, float]]:
@@ -86,26 +135,23 @@ def encode(p: dict, cfg: VisionConfig, pixel_values, aspect_ratio_ids, aspect_ra
     tokens[:, :, :P] = F.layer_norm(tokens[:, :, :P], (U,), p[pre + "layernorm_pre.weight"],
                                     p[pre + "layernorm_pre.bias"], PRE_POST_NORM_EPS)
     x = tokens.view(I * L, U)
-    pad = torch.as_tensor(padding_tokens(aspect_ratio_mask, P, Q), device=x.device)  # [I, L]
+    pad = PaddingRows(aspect_ratio_mask, P, Q, x.device)
     gates = _gates(p, cfg)
 
-    keep = set(cfg.intermediate_layers_indices)
     kept = {}
-    for i in range(cfg.num_hidden_layers):
-        prefix = f"{pre}transformer.layers.{i}."
-        x = _layer(p, prefix, x, _qkv(p, prefix, qkv), pad, cfg, I, (1.0, 1.0))
-        if i in keep:
-            kept[i] = x
-    x = F.layer_norm(x, (U,), p[pre + "layernorm_post.weight"], p[pre + "layernorm_post.bias"], PRE_POST_NORM_EPS)
+    x = _stack(p, cfg, "transformer", cfg.num_hidden_layers, x, qkv, pad, I, [(1.0, 1.0)] * cfg.num_hidden_layers,
+               kept)
+    x = _norm(x, p[pre + "layernorm_post.weight"], p[pre + "layernorm_post.bias"], PRE_POST_NORM_EPS)
     x = (x.view(I, A, Q, U) + aspect_ratio_embedding(p, pre + "post_tile_positional_embedding.", aspect_ratio_ids,
                                                       A)).view(I * L, U)
-    for i in range(cfg.num_global_layers):
-        prefix = f"{pre}global_transformer.layers.{i}."
-        x = _layer(p, prefix, x, _qkv(p, prefix, qkv), pad, cfg, I, gates[i])
+    x = _stack(p, cfg, "global_transformer", cfg.num_global_layers, x, qkv, pad, I, gates, None)
     # final features, then the intermediate ones interleaved (feature d·J + l), as refimpl.vision.encoder explains
-    inter = torch.stack([kept[i] for i in cfg.intermediate_layers_indices], dim=-1)  # [I·L, U, J]
-    out = torch.cat([x.view(I, A, Q, U), inter.view(I, A, Q, -1)], dim=-1)  # [I, A, Q, O]
-    return out[:, :, :P]  # drop the padding -> [I, A, P, O]
+    J = len(cfg.intermediate_layers_indices)
+    out = x.new_empty(I * L, U * (1 + J))  # [I·L, O]
+    out[:, :U] = x
+    inter = torch.stack([kept[i] for i in cfg.intermediate_layers_indices])  # [J, I·L, U], contiguous blocks
+    out[:, U:].view(I * L, U, J).copy_(inter.permute(1, 2, 0))  # -> [I·L, U, J]: one transposing copy
+    return out.view(I, A, Q, -1)[:, :, :P]  # drop the padding -> [I, A, P, O]
 
 
 def project(p: dict, features):
