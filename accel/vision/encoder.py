@@ -1,44 +1,132 @@
 """The fast vision encoder + projector: refimpl.vision.encoder's computation (trace mode runs that one over
 accel.ops), rearranged for speed:
-    * every tile of every image in one pass: the row-wise ops and GEMMs see all I·A·Q tokens at once, and the
-      self-attention runs as one batched SDPA call over [I, H, L, E] with HF's padding mask (pad×pad pairs blocked);
-    * the patch embedding is one GEMM over unfolded patches (the stride-14 conv);
-    * biases go into the GEMM (F.linear's fused epilogue), LayerNorm and GELU are torch's fused kernels;
+    * every tile of every image in one pass: the row-wise ops and GEMMs see all I·A·Q tokens at once;
+    * the patch embedding is one GEMM over unfolded patches (the stride-14 conv), and each layer's q/k/v one GEMM
+      over the fused [3·U, U] weight (accel.vision.weights); attention reads q/k/v as strided views of its output;
+    * the self-attention is one unmasked SDPA call over all images (a fused kernel: cuDNN's on the H200), then a
+      masked one over the few padding rows HF's pad×pad mask changes (`PaddingRows`);
+    * biases go into the GEMMs (F.linear's epilogue), the attention branch's residual (and its tanh gate, a scalar
+      read once) into the o_proj GEMM (addmm); the MLP branch's residual add and the next layer's input LayerNorm
+      are one Triton pass (accel.kernels.layer_norm), as is the post-attention LayerNorm; GELU is torch's kernel;
     * nothing yields or keeps values beyond the intermediate layers the output needs.
 """
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from refimpl.model.mllama_config import VisionConfig
-from refimpl.vision.encoder import (PRE_POST_NORM_EPS, aspect_ratio_embedding, padding_mask, position_embedding,
+from refimpl.vision.encoder import (PRE_POST_NORM_EPS, aspect_ratio_embedding, padding_tokens, position_embedding,
                                     unfold_patches)
 
+from ..kernels.layer_norm import add_layer_norm_fwd, layer_norm_fwd
+from ..ops import uses_triton
 
-def _layer(p: dict, prefix: str, x, mask, cfg: VisionConfig, I: int, gated: bool):
-    """One pre-norm layer over x [I·L, U]; mask [I, 1, L, L] bool (True = may attend)."""
-    L, H, E, eps = x.shape[0] // I, cfg.attention_heads, cfg.head_dim, cfg.norm_eps
-    U = x.shape[1]
+FEW_ROWS = 256  # padding rows up to this many (a full 4-tile image has 28) take SDPA's math path
+
+
+class PaddingRows:
+    """HF's encoder mask (only pairs of two padding tokens blocked) as the rows it changes: every real query row
+    sees every key, so attention runs unmasked for all rows, then again, masked, for the rows that are padding in
+    some image. Built once per encode from the host's aspect_ratio_mask."""
+
+    def __init__(self, aspect_ratio_mask, P: int, Q: int, device):
+        masked = padding_tokens(aspect_ratio_mask, P, Q)  # [I, L]
+        rows = np.flatnonzero(masked.any(0))  # [R]: padding in at least one image
+        self.rows = torch.as_tensor(rows, device=device)
+        # [I, R, 1] & [I, 1, L] -> [I, 1, R, L]: a row that is real in image i sees every key there (recomputed as is)
+        self.visible = torch.as_tensor(~(masked[:, rows, None] & masked[:, None, :]), device=device)[:, None]
+
+
+def self_attention(qkv, pad: PaddingRows, I: int, H: int, E: int):
+    """qkv [I·L, 3·H·E] (q, k, v side by side, one fused GEMM's output) -> [I·L, H·E], HF's padding mask.
+    SDPA reads q/k/v as strided views; unmasked it takes a fused kernel, which beat the Triton kernels at the
+    encoder's shape (tools/bench/NOTES.md). A few padding rows go through SDPA's math path (plain matmuls, fp32
+    softmax): a fused kernel gives so few rows one program per head, which then walks all L keys alone."""
+    L = qkv.shape[0] // I
+    q, k, v = (x.transpose(1, 2) for x in qkv.view(I, L, 3, H, E).unbind(2))  # each [I, H, L, E], views
+    a = F.scaled_dot_product_attention(q, k, v)  # [I, H, L, E]: right for every real query row
+    if len(pad.rows):
+        with sdpa_kernel(SDPBackend.MATH) if len(pad.rows) <= FEW_ROWS else contextlib.nullcontext():
+            a[:, :, pad.rows] = F.scaled_dot_product_attention(q[:, :, pad.rows], k, v, attn_mask=pad.visible)
+    return a.transpose(1, 2).reshape(I * L, H * E)
+
+
+def _norm(x, weight, bias, eps):
+    if uses_triton(x):
+        return layer_norm_fwd(x, weight, bias, eps)
+    return F.layer_norm(x, (x.shape[1],), weight, bias, eps)
+
+
+def _add_norm(x, r, alpha: float, norm: tuple | None):
+    """(x + alpha·r, its LayerNorm by norm = (weight, bias, eps), or None without one): one pass on Triton devices."""
+    if norm is None:
+        return torch.add(x, r, alpha=alpha), None
+    if uses_triton(x):
+        return add_layer_norm_fwd(x, r, alpha, *norm)
+    x = torch.add(x, r, alpha=alpha)
+    return x, _norm(x, *norm)
+
+
+def _layer(p: dict, prefix: str, x, h, qkv_weight, pad, cfg: VisionConfig, I: int, gates: tuple[float, float],
+           next_norm: tuple | None):
+    """One pre-norm layer over x [I·L, U], given h = its input LayerNorm of x -> (output, next_norm(output) or None).
+    gates = (tanh(gate_attn), tanh(gate_ffn)), 1.0 for ungated layers."""
+    H, E, eps = cfg.attention_heads, cfg.head_dim, cfg.norm_eps
 
     def w(name):
         return p[prefix + name]
 
-    h = F.layer_norm(x, (U,), w("input_layernorm.weight"), w("input_layernorm.bias"), eps)
-    q, k, v = (F.linear(h, w(f"self_attn.{n}_proj.weight")).view(I, L, H, E).transpose(1, 2)
-               for n in "qkv")  # [I·L, U] -> [I, H, L, E]
-    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [I, H, L, E]
-    o = F.linear(a.transpose(1, 2).reshape(I * L, H * E), w("self_attn.o_proj.weight"))  # -> [I·L, U]
-    x = x + (w("gate_attn").tanh() * o if gated else o)
-    h = F.layer_norm(x, (U,), w("post_attention_layernorm.weight"), w("post_attention_layernorm.bias"), eps)
+    a = self_attention(F.linear(h, qkv_weight), pad, I, H, E)  # [I·L, U] -> [I·L, 3·U] -> [I·L, U]
+    x = torch.addmm(x, a, w("self_attn.o_proj.weight").t(), alpha=gates[0])  # x + g·(a W_oᵀ): [I·L, U]
+    h = _norm(x, w("post_attention_layernorm.weight"), w("post_attention_layernorm.bias"), eps)
     up = F.gelu(F.linear(h, w("mlp.fc1.weight"), w("mlp.fc1.bias")))  # [I·L, U] -> [I·L, M]
     down = F.linear(up, w("mlp.fc2.weight"), w("mlp.fc2.bias"))  # [I·L, M] -> [I·L, U]
-    return x + (w("gate_ffn").tanh() * down if gated else down)
+    return _add_norm(x, down, gates[1], next_norm)
 
 
-def encode(p: dict, cfg: VisionConfig, pixel_values, aspect_ratio_ids, aspect_ratio_mask):
-    """pixel_values [I, A, C, X, X] and aspect_ratio_ids [I] (device tensors), aspect_ratio_mask [I, A] (host)
-    -> image features [I, A, P, O]."""
+def _stack(p: dict, cfg: VisionConfig, stack: str, n: int, x, qkv, pad, I: int, gates, kept: dict | None):
+    """The n layers of `stack` over x [I·L, U]; each layer's residual add is fused with the next one's input norm.
+    `kept` collects the outputs of the intermediate layers."""
+    def input_norm(i):
+        pre = f"vision_model.{stack}.layers.{i}.input_layernorm."
+        return p[pre + "weight"], p[pre + "bias"], cfg.norm_eps
+
+    h = _norm(x, *input_norm(0)) if n else None
+    for i in range(n):
+        prefix = f"vision_model.{stack}.layers.{i}."
+        x, h = _layer(p, prefix, x, h, _qkv(p, prefix, qkv), pad, cfg, I, gates[i],
+                      input_norm(i + 1) if i + 1 < n else None)
+        if kept is not None and i in cfg.intermediate_layers_indices:
+            kept[i] = x
+    return x
+
+
+def _gates(p: dict, cfg: VisionConfig) -> list[tuple[float, float]]:
+    """tanh of every global layer's two gates, read to the host once (addmm takes its scale as a number)."""
+    names = [f"vision_model.global_transformer.layers.{i}.gate_{g}" for i in range(cfg.num_global_layers)
+             for g in ("attn", "ffn")]
+    if not names:
+        return []
+    g = torch.cat([p[n].reshape(1).float() for n in names]).tanh().tolist()
+    return list(zip(g[0::2], g[1::2]))
+
+
+def _qkv(p: dict, prefix: str, fused: dict | None):
+    """The layer's fused [3·U, U] q/k/v weight: the one built at load, else concatenated here."""
+    if fused and prefix in fused:
+        return fused[prefix]
+    return torch.cat([p[f"{prefix}self_attn.{n}_proj.weight"] for n in "qkv"])
+
+
+def encode(p: dict, cfg: VisionConfig, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
+           qkv: dict[str, torch.Tensor] | None = None):
+    """pixel_values [I, A, C, X, X] and aspect_ratio_ids [I] (device tensors), aspect_ratio_mask [I, A] (host),
+    qkv: the fused q/k/v weights by layer prefix (MllamaWeights.vision_qkv) -> image features [I, A, P, O]."""
     I, A = pixel_values.shape[:2]
     P, Q, U = cfg.tokens_per_tile, cfg.padded_tokens_per_tile, cfg.hidden_size
     L = A * Q
@@ -54,23 +142,23 @@ def encode(p: dict, cfg: VisionConfig, pixel_values, aspect_ratio_ids, aspect_ra
     tokens[:, :, :P] = F.layer_norm(tokens[:, :, :P], (U,), p[pre + "layernorm_pre.weight"],
                                     p[pre + "layernorm_pre.bias"], PRE_POST_NORM_EPS)
     x = tokens.view(I * L, U)
-    mask = torch.as_tensor(padding_mask(aspect_ratio_mask, P, Q), device=x.device)[:, None]  # [I, 1, L, L]
+    pad = PaddingRows(aspect_ratio_mask, P, Q, x.device)
+    gates = _gates(p, cfg)
 
-    keep = set(cfg.intermediate_layers_indices)
     kept = {}
-    for i in range(cfg.num_hidden_layers):
-        x = _layer(p, f"{pre}transformer.layers.{i}.", x, mask, cfg, I, gated=False)
-        if i in keep:
-            kept[i] = x
-    x = F.layer_norm(x, (U,), p[pre + "layernorm_post.weight"], p[pre + "layernorm_post.bias"], PRE_POST_NORM_EPS)
+    x = _stack(p, cfg, "transformer", cfg.num_hidden_layers, x, qkv, pad, I, [(1.0, 1.0)] * cfg.num_hidden_layers,
+               kept)
+    x = _norm(x, p[pre + "layernorm_post.weight"], p[pre + "layernorm_post.bias"], PRE_POST_NORM_EPS)
     x = (x.view(I, A, Q, U) + aspect_ratio_embedding(p, pre + "post_tile_positional_embedding.", aspect_ratio_ids,
                                                       A)).view(I * L, U)
-    for i in range(cfg.num_global_layers):
-        x = _layer(p, f"{pre}global_transformer.layers.{i}.", x, mask, cfg, I, gated=True)
+    x = _stack(p, cfg, "global_transformer", cfg.num_global_layers, x, qkv, pad, I, gates, None)
     # final features, then the intermediate ones interleaved (feature d·J + l), as refimpl.vision.encoder explains
-    inter = torch.stack([kept[i] for i in cfg.intermediate_layers_indices], dim=-1)  # [I·L, U, J]
-    out = torch.cat([x.view(I, A, Q, U), inter.view(I, A, Q, -1)], dim=-1)  # [I, A, Q, O]
-    return out[:, :, :P]  # drop the padding -> [I, A, P, O]
+    J = len(cfg.intermediate_layers_indices)
+    out = x.new_empty(I * L, U * (1 + J))  # [I·L, O]
+    out[:, :U] = x
+    inter = torch.stack([kept[i] for i in cfg.intermediate_layers_indices])  # [J, I·L, U], contiguous blocks
+    out[:, U:].view(I * L, U, J).copy_(inter.permute(1, 2, 0))  # -> [I·L, U, J]: one transposing copy
+    return out.view(I, A, Q, -1)[:, :, :P]  # drop the padding -> [I, A, P, O]
 
 
 def project(p: dict, features):

@@ -48,6 +48,7 @@ class MllamaWeights:
     self_layers: list[int]  # their indices in the decoder
     params: dict[str, torch.Tensor]  # every tensor by its checkpoint name
     cross: list[CrossLayer] = dataclasses.field(default_factory=list)  # cfg.text.cross_attention_layers' order
+    vision_qkv: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # encoder layer -> [3·U, U] q;k;v
 
     def nbytes_per_token(self, cfg: MllamaConfig) -> int:
         """Bytes of weights a decode step with an image in context reads: the text model's self layers,
@@ -91,6 +92,22 @@ def _text_renames(cfg: MllamaConfig) -> tuple[list[int], dict[str, str]]:
     return self_layers, names
 
 
+def fuse_vision_qkv(params: dict[str, torch.Tensor], cfg: MllamaConfig) -> dict[str, torch.Tensor]:
+    """Every encoder layer's q/k/v projections as one [3·U, U] matrix (one GEMM a layer), keyed by the layer's
+    prefix; `params` then holds views of it under the checkpoint names (no second copy)."""
+    v = cfg.vision
+    fused = {}
+    for stack, n in (("transformer", v.num_hidden_layers), ("global_transformer", v.num_global_layers)):
+        for i in range(n):
+            prefix = f"vision_model.{stack}.layers.{i}."
+            names = [f"{prefix}self_attn.{x}_proj.weight" for x in "qkv"]
+            qkv = torch.cat([params[name] for name in names])  # 3 × [U, U] -> [3·U, U]
+            for name, view in zip(names, qkv.chunk(3)):
+                params[name] = view
+            fused[prefix] = qkv
+    return fused
+
+
 def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device, dtype: torch.dtype) -> MllamaWeights:
     """float32 NumPy params keyed by the Hub's names -> device tensors in `dtype`, one at a time."""
     self_layers, names = _text_renames(cfg)
@@ -100,7 +117,7 @@ def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device
     for name, array in params.items():
         if name not in out:
             out[name] = _to_device(array, device, dtype)
-    return _with_cross_layers(MllamaWeights(text, self_layers, out), cfg)
+    return _with_cross_layers(MllamaWeights(text, self_layers, out, vision_qkv=fuse_vision_qkv(out, cfg)), cfg)
 
 
 def _with_cross_layers(w: MllamaWeights, cfg: MllamaConfig) -> MllamaWeights:
@@ -139,4 +156,4 @@ def random_mllama_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes:
     for name, shape in shapes.items():
         if name not in out:
             out[name] = draw(name, shape)
-    return _with_cross_layers(MllamaWeights(text, self_layers, out), cfg)
+    return _with_cross_layers(MllamaWeights(text, self_layers, out, vision_qkv=fuse_vision_qkv(out, cfg)), cfg)

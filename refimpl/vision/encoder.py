@@ -46,17 +46,21 @@ def position_embedding(p: dict, aspect_ratio_ids, A: int, P: int):
     return shared + gate * tiles.reshape(len(aspect_ratio_ids), A, P, -1)  # [P, U] + [I, A, P, U]
 
 
-def padding_mask(aspect_ratio_mask, P: int, Q: int):
-    """[I, L, L] bool, True = may attend, as HF's `_prepare_aspect_ratio_attention_mask` builds it.
-
-    A token is "masked" if it is padding (index ≥ P in its tile) or lies in a padding tile; only pairs of two
-    masked tokens are blocked. Real tokens therefore still attend to padding (Meta's reference does the same):
-    reproduced, not fixed, because the features depend on it.
-    """
+def padding_tokens(aspect_ratio_mask, P: int, Q: int):
+    """[I, L] bool, True = a "masked" token: padding (index ≥ P in its tile) or in a padding tile."""
     I, A = aspect_ratio_mask.shape
     pad_token = np.arange(Q) >= P  # [Q]
     masked = (aspect_ratio_mask[:, :, None] == 0) | pad_token[None, None, :]  # [I, A, 1] | [1, 1, Q] -> [I, A, Q]
-    masked = masked.reshape(I, A * Q)  # -> [I, L]
+    return masked.reshape(I, A * Q)  # -> [I, L]
+
+
+def padding_mask(aspect_ratio_mask, P: int, Q: int):
+    """[I, L, L] bool, True = may attend, as HF's `_prepare_aspect_ratio_attention_mask` builds it.
+
+    Only pairs of two masked tokens (`padding_tokens`) are blocked. Real tokens therefore still attend to padding
+    (Meta's reference does the same): reproduced, not fixed, because the features depend on it.
+    """
+    masked = padding_tokens(aspect_ratio_mask, P, Q)  # [I, L]
     return ~(masked[:, :, None] & masked[:, None, :])  # [I, L, 1] & [I, 1, L] -> [I, L, L]
 
 
