@@ -24,7 +24,7 @@ from refimpl.progress import Progress
 from refimpl.quant.apply import LINEAR_KEYS, LM_HEAD, quantized_names, source_weight
 from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
 from refimpl.quant.gptq import gptq_quantize
-from refimpl.quant.search import quantize_search
+from refimpl.quant.search import importance_of, quantize_search
 
 METHODS = ("rtn", "search", "gptq")
 SEQ_LEN = 512  # calibration tokens a sequence (the first is BOS)
@@ -73,7 +73,7 @@ def quantize_matrix(w: np.ndarray, h: np.ndarray | None, spec: QuantSpec, method
     if method == "rtn":
         return spec.quantize(w)
     if method == "search":
-        return quantize_search(spec, w, None if h is None else np.diag(h) / max(np.diag(h).max(), 1e-30))
+        return quantize_search(spec, w, None if h is None else importance_of(h))
     if h is None:
         raise QuantError("--method gptq needs calibration text (--calib FILE)")
     return gptq_quantize(w, h, spec)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl.quant.formats import F32, QuantError, QuantizedLinear, int4_codes, int8_codes, pack_nibbles
-from refimpl.quant.search import quantize_search
+from refimpl.quant.search import importance_of, quantize_search
 
 BLOCK = 128
 DAMP = 0.01
@@ -66,7 +66,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, spec, search: bool = True, act_o
     W = np.array(w, np.float64)  # [N, K]
     dead = np.diag(h) == 0
     W[:, dead] = 0
-    scales, lows = grid(W, spec, np.diag(h) / max(np.diag(h).max(), 1e-30) if search else None)
+    scales, lows = grid(W, spec, importance_of(h) if search else None)
     G = K if spec.format == "int8" else spec.group
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(K)  # [K]: the sweep's columns
     u, _ = inverse_hessian_factor(h[np.ix_(order, order)], damp)

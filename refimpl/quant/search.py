@@ -26,6 +26,12 @@ RATIOS_INT8 = np.linspace(0.5, 1.0, 51)  # step 0.01: past 1/2 of max|w| clippin
 DELTAS_INT4 = np.linspace(-1.0, 1.0, 21)  # llama.cpp's rmin = -1, rdelta = 0.1, nstep = 20
 
 
+def importance_of(h: np.ndarray) -> np.ndarray:
+    """A layer's calibration Hessian Σ xᵀx [K, K] -> column importance [K] (its diagonal, scaled to max 1)."""
+    d = np.diag(h)
+    return (d / max(float(d.max()), 1e-30)).astype(F32)
+
+
 def _importance(a: np.ndarray | None, K: int) -> np.ndarray:
     return np.ones(K, F32) if a is None else np.asarray(a, F32)
 
