@@ -152,8 +152,6 @@ def _edit_tensor(model_dir: Path, name: str, **header):
 def test_bad_quantized_checkpoints_name_the_tensor(quantized_dir, tmp_path):
     name = "model.layers.0.mlp.down_proj.scales"
     bad = _copy(quantized_dir, tmp_path / "dtype")
-    head, data = read_safetensors(bad / "model.safetensors")
-    begin, end = head[name]["data_offsets"]
     _edit_tensor(bad, name, dtype="F16")  # same byte size, wrong dtype
     with pytest.raises(CheckpointError, match=rf"{name}.*F16.*expected BF16 \[64, 3\]"):
         load_checkpoint(bad)
@@ -163,9 +161,9 @@ def test_bad_quantized_checkpoints_name_the_tensor(quantized_dir, tmp_path):
         load_checkpoint(bad)
     bad = _copy(quantized_dir, tmp_path / "missing")
     head, data = read_safetensors(bad / "model.safetensors")
-    del head["model.layers.1.self_attn.q_proj.mins"]
-    write_raw_safetensors(bad / "model.safetensors", head, data[:0] + data)
-    with pytest.raises(CheckpointError):
+    head["model.layers.1.self_attn.q_proj.minima"] = head.pop("model.layers.1.self_attn.q_proj.mins")  # renamed
+    write_raw_safetensors(bad / "model.safetensors", head, data)
+    with pytest.raises(CheckpointError, match="missing tensor 'model.layers.1.self_attn.q_proj.mins'"):
         load_checkpoint(bad)
     r = run_cli(["generate", "--model", bad, "--backend", "refimpl", "hi"])
     assert r.exit_code == 2 and r.output.startswith("error:") and "Traceback" not in r.output

@@ -131,13 +131,12 @@ def load_quantized_params(model_dir: Path, d: dict, source: str) -> tuple[LlamaC
     params = {}
     with Progress(f"loading {model_dir.name}", len(want)) as bar:
         for name in want:
-            holder = files[where[_base(name) + ".qweight" if name in parts else name]]
-            if name in parts:
-                load = lambda part: holder.load(f"{_base(name)}.{part}")  # noqa: E731
+            if name in parts:  # each part from its own shard
+                load = lambda part: files[where[f"{_base(name)}.{part}"]].load(f"{_base(name)}.{part}")  # noqa: E731
                 params[name] = QuantizedLinear(spec.format, want[name], load("qweight"), load("scales"),
                                                load("mins") if spec.format == "int4" else None,
                                                spec.group if spec.format == "int4" else want[name][1])
             else:
-                params[name] = holder.load_weight(name)
+                params[name] = files[where[name]].load_weight(name)
             bar.advance()
     return cfg, params, spec
