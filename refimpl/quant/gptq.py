@@ -74,7 +74,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, spec, search: bool = True, act_o
     codes = np.zeros((N, K), np.int8 if lows is None else np.uint8)  # at the columns' own positions
     for b0 in range(0, K, block):
         b1 = min(b0 + block, K)
-        err = np.zeros((N, b1 - b0))  # [N, B]: the scaled errors e of this block's columns
+        err = np.zeros((N, b1 - b0))  # [N, b1-b0]: the scaled errors e of this block's columns
         for j in range(b0, b1):
             gi = order[j] // G
             col = W[:, j:j + 1].astype(F32)  # [N, 1]
@@ -88,7 +88,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, spec, search: bool = True, act_o
             e = (W[:, j] - deq) / u[j, j]  # [N]
             W[:, j + 1:b1] -= np.outer(e, u[j, j + 1:b1])  # [N] ⊗ [b1-j-1]
             err[:, j - b0] = e
-        W[:, b1:] -= err @ u[b0:b1, b1:]  # [N, B] @ [B, K-b1] -> [N, K-b1]: the lazy batch update
+        W[:, b1:] -= err @ u[b0:b1, b1:]  # [N, b1-b0] @ [b1-b0, K-b1] -> [N, K-b1]: the lazy batch update
     if lows is None:
         return QuantizedLinear("int8", (N, K), codes, scales, None, K)
     return QuantizedLinear("int4", (N, K), pack_nibbles(codes), scales, lows, G)
