@@ -9,6 +9,7 @@ from pathlib import Path
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 from refimpl.formats.safe_open import check_path
+from refimpl.quant.apply import is_quantized, refuse_requantizing
 
 BACKENDS = ("auto", "refimpl", "accel")
 
@@ -91,6 +92,10 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
     if spec is not None and lora is not None and lora_mode == "unmerged":
         raise GenerationError("--quant needs a merged adapter: drop --lora-mode unmerged")
     ckpt = load_checkpoint(model_path, quant=spec if keep_blocks else None)
+    refuse_requantizing(ckpt.params, spec, model_path)
+    if lora is not None and is_quantized(ckpt.params):
+        raise GenerationError(f"{model_path}: --lora cannot be merged into quantized weights; quantize the merged "
+                              f"model instead")
     if lora is not None:
         from refimpl.formats.lora import attach_lora, load_lora, merge_lora
         adapter = load_lora(lora, ckpt.config)

@@ -19,8 +19,10 @@ from refimpl.model.mllama_config import is_mllama_config
 from refimpl.errors import CheckpointError, ConfigError
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.progress import Progress
+from refimpl.quant.apply import refuse_requantizing
 from refimpl.formats.gguf_loader import load_gguf
 from refimpl.formats.params import Checkpoint, check_params, expected_shapes
+from refimpl.formats.quant_checkpoint import is_quantized_config, load_quantized_params
 from refimpl.formats.safe_open import check_path, open_regular, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
 from refimpl.formats.shards import open_shards, weight_files
@@ -50,6 +52,7 @@ def load_checkpoint(path: str | Path, with_tokenizer: bool = True, quant=None) -
     gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are stored."""
     ckpt = _load(Path(path), with_tokenizer, quant is not None and quant.format == "gguf",
                  quant is None or quant.lm_head)
+    refuse_requantizing(ckpt.params, quant, path)
     if quant is not None and quant.format != "gguf":
         from refimpl.quant.apply import quantize_params
         ckpt.params = quantize_params(ckpt.params, ckpt.config, quant)
@@ -68,9 +71,13 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
         raise CheckpointError(f"{path}: no such file or directory (expected a model directory or a .gguf file)")
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{path}: expected a model directory (with config.json) or a .gguf file")
-    if is_mllama_config(read_json_object(path / "config.json", "a model directory needs config.json", ConfigError)):
+    config = read_json_object(path / "config.json", "a model directory needs config.json", ConfigError)
+    if is_mllama_config(config):
         from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
         return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer)
+    if is_quantized_config(config):
+        cfg, params, _ = load_quantized_params(path, config, str(path / "config.json"))
+        return _with_tokenizer(path, cfg, params, with_tokenizer)
     cfg = LlamaConfig.from_file(path / "config.json")
     params = {}
     # 9 tensors a layer + embed + norm (+ lm_head): counted, not listed, so 10^12 claimed layers fail in
@@ -80,6 +87,10 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
         for name, array in iter_safetensors(path, cfg):
             params[name] = array
             bar.advance()
+    return _with_tokenizer(path, cfg, params, with_tokenizer)
+
+
+def _with_tokenizer(path: Path, cfg: LlamaConfig, params: dict, with_tokenizer: bool) -> Checkpoint:
     tokenizer = None
     if with_tokenizer:
         from refimpl.text.tokenizer import TextTokenizer
@@ -151,3 +162,18 @@ def save_sharded(model_dir: str | Path, params: dict[str, np.ndarray], dtype: st
         (model_dir / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     return files
+
+
+def write_side_files(ckpt: Checkpoint, out: Path, config: dict) -> None:
+    """config.json (the given dict), generation_config.json and, with a tokenizer, tokenizer.json and
+    tokenizer_config.json, as transformers reads them: the files beside a checkpoint's weights."""
+    cfg, tok = ckpt.config, ckpt.tokenizer
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": cfg.bos_token_id,
+                                                            "eos_token_id": list(ckpt.stop_ids)}, indent=2) + "\n")
+    if tok is not None:
+        tok.tok.save(str(out / "tokenizer.json"))
+        tcfg = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "tokenizer_class": "PreTrainedTokenizerFast"}
+        if tok.chat_template:
+            tcfg["chat_template"] = tok.chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2) + "\n")

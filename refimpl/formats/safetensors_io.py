@@ -169,15 +169,16 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",
-                     metadata: dict[str, str] | None = None) -> None:
-    """Write float tensors as `dtype` (F32, F16 or BF16); integer arrays keep their own dtype."""
+                     metadata: dict[str, str] | None = None, dtype_of: dict[str, str] | None = None) -> None:
+    """Write float tensors as `dtype` (F32, F16 or BF16), or as dtype_of[name] where given; integer arrays keep
+    their own dtype."""
     header, blobs, offset = {}, [], 0
     for name, array in tensors.items():
         array = np.asarray(array)
         if np.issubdtype(array.dtype, np.floating):
-            tag = dtype
-            data = f32_to_bf16(array) if dtype == "BF16" else array.astype({"F32": np.float32,
-                                                                            "F16": np.float16}[dtype])
+            tag = (dtype_of or {}).get(name, dtype)
+            data = f32_to_bf16(array) if tag == "BF16" else array.astype({"F32": np.float32,
+                                                                          "F16": np.float16}[tag])
         else:
             tag = next(k for k, (t, _) in _DTYPES.items() if np.dtype(t) == array.dtype and k != "BF16")
             data = array

@@ -143,8 +143,12 @@ def forward(ops, params, cfg, ids, positions, cache, last_logits_only=False):
 
 def collect(ops, params, cfg, ids, positions, cache, keep: Callable[[str], bool] = lambda name: True):
     """Run a forward and return ({name: value} for the names `keep` accepts, logits)."""
+    return drive(forward_steps(ops, params, cfg, ids, positions, cache), keep)
+
+
+def drive(steps: Steps, keep: Callable[[str], bool]):
+    """Run any step generator (a forward, one block) to its end: ({name: value} `keep` accepts, its result)."""
     out = {}
-    steps = forward_steps(ops, params, cfg, ids, positions, cache)
     while True:
         try:
             name, value = next(steps)

@@ -9,7 +9,7 @@ import numpy as np
 
 from refimpl.model.config import LlamaConfig
 from refimpl.progress import Progress
-from refimpl.quant.formats import QuantizedLinear, QuantSpec
+from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
 
 LINEAR_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -27,10 +27,25 @@ def quantize_params(params: dict, cfg: LlamaConfig, spec: QuantSpec) -> dict:
     names = quantized_names(cfg, spec.lm_head)
     with Progress(f"quantizing to {spec}", len(names)) as bar:
         for name in names:
-            w = params[name] if name in params else params["model.embed_tokens.weight"]  # tied lm_head
-            out[name] = spec.quantize(w)
+            out[name] = spec.quantize(source_weight(params, name))
             bar.advance()
     return out
+
+
+def source_weight(params: dict, name: str) -> np.ndarray:
+    """The fp32 matrix a quantized tensor is made from: a tied model's lm_head is its embedding."""
+    return params[name] if name in params else params["model.embed_tokens.weight"]
+
+
+def is_quantized(params: dict) -> bool:
+    return any(isinstance(v, QuantizedLinear) for v in params.values())
+
+
+def refuse_requantizing(params: dict, spec: QuantSpec | None, source) -> None:
+    """A checkpoint `llama32 quantize` wrote runs as stored: quantizing its dequantized values again would only
+    add error."""
+    if spec is not None and spec.format != "gguf" and is_quantized(params):
+        raise QuantError(f"{source}: already quantized (by `llama32 quantize`); drop --quant {spec}")
 
 
 def dequantize_params(params: dict) -> dict:

@@ -103,8 +103,12 @@ def _divide_or_zero(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 def quantize_int8(w: np.ndarray) -> QuantizedLinear:
     w = np.asarray(w, F32)  # [N, K]
     scale = round_bf16(np.abs(w).max(axis=1, keepdims=True) / F32(127))  # [N, 1]
-    q = np.clip(np.rint(_divide_or_zero(w, scale)), -127, 127).astype(np.int8)  # [N, K]
-    return QuantizedLinear("int8", w.shape, q, scale, None, w.shape[1])
+    return QuantizedLinear("int8", w.shape, int8_codes(w, scale), scale, None, w.shape[1])
+
+
+def int8_codes(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The nearest codes for a given scale: w [..., K], scale [..., 1] (bf16 values) -> int8 [..., K]."""
+    return np.clip(np.rint(_divide_or_zero(w, scale)), -127, 127).astype(np.int8)
 
 
 def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -139,10 +143,19 @@ def quantize_int4(w: np.ndarray, group: int) -> QuantizedLinear:
         raise QuantError(f"int4 packs two values a byte: the input dimension must be even, got {K}")
     g = _groups(w, group)  # [N, ceil(K/G), G]
     lo, hi = g.min(axis=2), g.max(axis=2)  # [N, ceil(K/G)] each
-    scale = round_bf16((hi - lo) / F32(15))
-    low = round_bf16(lo)
-    q = np.clip(np.rint(_divide_or_zero(g - low[..., None], scale[..., None])), 0, 15).astype(np.uint8)
-    q = q.reshape(N, -1)[:, :K]  # [N, ceil(K/G), G] -> [N, K]
+    return int4_linear(w, round_bf16((hi - lo) / F32(15)), round_bf16(lo), group)
+
+
+def int4_codes(g: np.ndarray, scale: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """The nearest codes for a given scale and minimum: g [..., G], scale and low [...] (bf16 values)
+    -> uint8 [..., G] in 0..15."""
+    return np.clip(np.rint(_divide_or_zero(g - low[..., None], scale[..., None])), 0, 15).astype(np.uint8)
+
+
+def int4_linear(w: np.ndarray, scale: np.ndarray, low: np.ndarray, group: int) -> QuantizedLinear:
+    """w [N, K] quantized with given bf16 scales and minima [N, ceil(K/G)] (its codes the nearest ones)."""
+    N, K = w.shape
+    q = int4_codes(_groups(w, group), scale, low).reshape(N, -1)[:, :K]  # [N, ceil(K/G), G] -> [N, K]
     return QuantizedLinear("int4", (N, K), pack_nibbles(q), scale, low, group)
 
 

@@ -1,16 +1,22 @@
 """Quality of weight-only quantization: KL divergence and top-1 agreement against the unquantized model.
 
 Teacher-forced over a fixed English passage (256 tokens): at every position the quantized model's next-token
-distribution Q is compared with the unquantized one's P; reported per format are mean KL(P || Q) in nats over the
-positions and the fraction where argmax Q == argmax P. Formats: int8, int4 with G = 32/64/128, each with the
-lm_head quantized and kept unquantized (":bf16-head"). A benchmark, not a test: it asserts nothing.
+distribution Q is compared with the unquantized one's P; reported per format and method are mean KL(P || Q) in nats
+over the positions and the fraction where argmax Q == argmax P. Formats: int8, int4 with G = 32/64/128, each with
+the lm_head quantized and kept unquantized (":bf16-head"). A benchmark, not a test: it asserts nothing.
 
     python -m tools.bench.quant_quality                       # SmolLM2-135M-Instruct on the CPU (the refimpl)
+    python -m tools.bench.quant_quality --methods rtn,search,gptq --specs int8,int4:64   # offline quantizers
     python -m tools.bench.quant_quality --random-1b --device cuda   # random Llama-3.2-1B-shaped weights (accel bf16)
 
 SmolLM2: the default model's Q4_1 GGUF dequantized to fp32 is the "unquantized" model; the quantized models
 requantize those fp32 weights. The refimpl runs them dequantized once (refimpl.quant.apply.dequantize_params):
 the same arithmetic as the refimpl's --quant forward, without redoing it per call.
+Methods (refimpl.quant.calibrate, as `llama32 quantize --method`): rtn (round to nearest, min/max: what --quant
+does at load), search (error-minimizing ranges weighted by the calibration inputs), gptq. search and gptq are
+calibrated on `llama32 quantize`'s default text (tools/data/calibration-en.txt), which shares nothing with the
+evaluation passage. A spec with and without ":bf16-head" shares one quantized body (the body's calibration does
+not depend on the head), so it is quantized once.
 Random 1B: accel's bf16 engine in trace mode (all 256 positions' logits), the quantized engines quantizing the
 same bf16 weights on the device; the tied embedding is scaled to std 0.066 so logits have a standard deviation
 near 3, as in trained models (tools/bench/agreement.py does the same).
@@ -67,12 +73,14 @@ def kl_and_top1(ref_logits: np.ndarray, logits: np.ndarray) -> tuple[float, floa
     return float(kl.mean()), float((ref_logits.argmax(-1) == logits.argmax(-1)).mean())
 
 
-def smollm2_rows(specs: list[str]) -> tuple[dict, list[dict]]:
+def smollm2_rows(specs: list[str], methods: list[str]) -> tuple[dict, list[dict]]:
     from refimpl.formats.checkpoint import load_checkpoint
     from refimpl.model import ops
     from refimpl.model.llama import KVCache, forward
-    from refimpl.quant.apply import dequantize_params, quantize_params
+    from refimpl.quant.apply import LM_HEAD, dequantize_params
+    from refimpl.quant.calibrate import calibration_sequences, quantize_model
     from refimpl.quant.formats import QuantSpec
+    from tools.cli.quantize import CALIBRATION
     from tools.default_model import default_model_path
 
     path = default_model_path(fetch_if_missing=True)
@@ -80,6 +88,7 @@ def smollm2_rows(specs: list[str]) -> tuple[dict, list[dict]]:
     cfg = ckpt.config
     ids = np.asarray(ckpt.tokenizer.encode(PASSAGE)[:TOKENS], np.int64)
     assert len(ids) == TOKENS, f"the passage gives only {len(ids)} tokens"
+    calib = calibration_sequences(ckpt.tokenizer, CALIBRATION.read_text())
 
     def logits_of(params):
         cache = KVCache.allocate(cfg, TOKENS, lambda s: np.zeros(s, np.float32))
@@ -89,14 +98,25 @@ def smollm2_rows(specs: list[str]) -> tuple[dict, list[dict]]:
     ref = logits_of(ckpt.params)
     print(f"unquantized forward of {TOKENS} tokens: {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
-    for text in specs:
-        spec = QuantSpec.parse(text)
-        t0 = time.perf_counter()
-        params = dequantize_params(quantize_params(ckpt.params, cfg, spec))
-        kl, top1 = kl_and_top1(ref, logits_of(params))
-        rows.append({"quant": text, "kl_mean": kl, "top1_agreement": top1, "seconds": time.perf_counter() - t0})
-        print(f"{text:<22} KL {kl:.3e}  top-1 {top1:.4f}  ({rows[-1]['seconds']:.0f} s)", flush=True)
+    bodies = {}  # (spec without the head suffix, method) -> params with the head quantized too
+    for method in methods:
+        for text in specs:
+            spec = QuantSpec.parse(text)
+            full = QuantSpec(spec.format, spec.group, True)
+            t0 = time.perf_counter()
+            if (str(full), method) not in bodies:
+                bodies[str(full), method] = dequantize_params(quantize_model(ckpt.params, cfg, full, method,
+                                                                             None if method == "rtn" else calib))
+            params = dict(bodies[str(full), method])
+            if not spec.lm_head:
+                del params[LM_HEAD]  # the tied embedding serves as the head again
+            kl, top1 = kl_and_top1(ref, logits_of(params))
+            rows.append({"quant": text, "method": method, "kl_mean": kl, "top1_agreement": top1,
+                         "seconds": time.perf_counter() - t0})
+            print(f"{text:<22}{method:<8} KL {kl:.3e}  top-1 {top1:.4f}  ({rows[-1]['seconds']:.0f} s)", flush=True)
     return {"model": f"SmolLM2-135M-Instruct ({path.name}, dequantized to fp32)", "engine": "refimpl fp32 (CPU)",
+            "calibration": f"{CALIBRATION.name}, {sum(len(s) for s in calib)} tokens in {len(calib)} sequences "
+                           f"(search, gptq)",
             "machine": platform.processor() or platform.machine()}, rows
 
 
@@ -129,7 +149,8 @@ def random_1b_rows(specs: list[str], device: str) -> tuple[dict, list[dict]]:
     for text in specs:
         t0 = time.perf_counter()
         kl, top1 = kl_and_top1(ref, logits_of(QuantSpec.parse(text)))
-        rows.append({"quant": text, "kl_mean": kl, "top1_agreement": top1, "seconds": time.perf_counter() - t0})
+        rows.append({"quant": text, "method": "rtn", "kl_mean": kl, "top1_agreement": top1,
+                     "seconds": time.perf_counter() - t0})
         print(f"{text:<22} KL {kl:.3e}  top-1 {top1:.4f}", flush=True)
     return {"model": "random Llama-3.2-1B-shaped weights (seed 0, embedding std 0.066), random token ids",
             "engine": "accel bf16 trace mode", "machine": torch.cuda.get_device_name(device)}, rows
@@ -140,16 +161,20 @@ def main(argv=None):
     ap.add_argument("--random-1b", action="store_true", help="random Llama-3.2-1B weights on --device (accel)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated --quant formats")
+    ap.add_argument("--methods", default="rtn", help="comma-separated: rtn, search, gptq (SmolLM2 only)")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
     specs = [s for s in args.specs.split(",") if s]
-    head, rows = random_1b_rows(specs, args.device) if args.random_1b else smollm2_rows(specs)
+    methods = [m for m in args.methods.split(",") if m]
+    if args.random_1b and methods != ["rtn"]:
+        ap.error("--random-1b quantizes on the device: --methods rtn only")
+    head, rows = random_1b_rows(specs, args.device) if args.random_1b else smollm2_rows(specs, methods)
     result = {**head, "tokens": TOKENS, "date": datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y-%m-%d %H:%M UTC"), "rows": rows}
     print(f"\n{result['model']} — {result['engine']} — {result['date']}")
-    print(f"{'quant':<22}{'mean KL (nats)':>16}{'top-1 agree':>13}")
+    print(f"{'quant':<22}{'method':<8}{'mean KL (nats)':>16}{'top-1 agree':>13}")
     for r in rows:
-        print(f"{r['quant']:<22}{r['kl_mean']:>16.3e}{r['top1_agreement']:>13.4f}")
+        print(f"{r['quant']:<22}{r['method']:<8}{r['kl_mean']:>16.3e}{r['top1_agreement']:>13.4f}")
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")
 

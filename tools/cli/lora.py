@@ -5,7 +5,6 @@ bf16), sharded with an index as HF does; config, tokenizer and generation files 
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -29,20 +28,6 @@ def _size(text: str) -> int:
     raise GenerationError(f"--max-shard-size: expected e.g. 5GB, 500MB or 100KB, got {text!r}")
 
 
-def _write_gguf_side_files(ckpt, out: Path) -> None:
-    """A GGUF holds its config and tokenizer inside: write them out as the HF files transformers reads."""
-    cfg, tok = ckpt.config, ckpt.tokenizer
-    (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": cfg.bos_token_id,
-                                                            "eos_token_id": list(ckpt.stop_ids)}, indent=2) + "\n")
-    if tok is not None:
-        tok.tok.save(str(out / "tokenizer.json"))
-        tcfg = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "tokenizer_class": "PreTrainedTokenizerFast"}
-        if tok.chat_template:
-            tcfg["chat_template"] = tok.chat_template
-        (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2) + "\n")
-
-
 @click.group()
 def lora():
     """LoRA adapter tools."""
@@ -57,7 +42,7 @@ def lora():
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
 def merge(model, adapter, out, dtype, max_shard_size):
     """Merge ADAPTER into MODEL and write a Hugging Face checkpoint to OUT."""
-    from refimpl.formats.checkpoint import load_checkpoint, save_sharded, weight_dtype
+    from refimpl.formats.checkpoint import load_checkpoint, save_sharded, weight_dtype, write_side_files
     from refimpl.formats.lora import load_lora, merge_lora
 
     shard_bytes = _size(max_shard_size)
@@ -69,8 +54,8 @@ def merge(model, adapter, out, dtype, max_shard_size):
     tag = DTYPE_TAGS[dtype] if dtype else ("F32" if gguf else weight_dtype(Path(model)))
     out.mkdir(parents=True, exist_ok=True)
     files = save_sharded(out, merged, tag, shard_bytes)
-    if gguf:
-        _write_gguf_side_files(ckpt, out)
+    if gguf:  # a GGUF holds its config and tokenizer inside: written out as the HF files transformers reads
+        write_side_files(ckpt, out, ckpt.config.to_hf())
     else:
         for name in COPIED:
             if (Path(model) / name).is_file():

@@ -1,0 +1,71 @@
+"""`llama32 quantize`: quantize a model offline (optionally calibrated on a text) and write a quantized checkpoint
+that `generate`, `diff` and `step` load as it is, in either engine (refimpl.formats.quant_checkpoint: the layout).
+
+The default calibration text, tools/data/calibration-en.txt (about 2,700 tokens), mixes public-domain English
+(Lincoln, the Declaration of Independence, Genesis, Melville, Austen, Carroll, Doyle, Aesop) with short chats,
+code and everyday prose written for this repository; it shares no text with tools/bench/quant_quality.py's
+evaluation passage (Dickens).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from refimpl.errors import GenerationError
+from tools.cli.params import UserPath
+
+CALIBRATION = Path(__file__).resolve().parent.parent / "data" / "calibration-en.txt"
+MAX_CALIB_BYTES = 16 * 1024 * 1024
+
+
+def _calibration_text(path: Path) -> str:
+    from refimpl.formats.safe_open import read_bytes
+    raw = read_bytes(path, "--calib: a UTF-8 text file", GenerationError, limit=MAX_CALIB_BYTES)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GenerationError(f"--calib {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+@click.command()
+@click.option("--model", "model", default=None, type=UserPath(),
+              help="Model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched on first use).")
+@click.option("--quant", required=True, metavar="FORMAT",
+              help="int8 (a scale a row) or int4[:G] (G = 32, 64, 128; default 64); append :bf16-head to keep the "
+                   "lm_head unquantized.")
+@click.option("--method", type=click.Choice(["rtn", "search", "gptq"]), default="gptq", show_default=True,
+              help="rtn: round to nearest on min/max ranges; search: error-minimizing ranges (weighted by the "
+                   "calibration inputs); gptq: GPTQ with error feedback on the calibration Hessians.")
+@click.option("--calib", type=UserPath(), default=None,
+              help="Calibration text for search/gptq (default: the checked-in tools/data/calibration-en.txt).")
+@click.option("--out", required=True, type=UserPath(output=True), help="New directory for the quantized checkpoint.")
+def quantize(model, quant, method, calib, out):
+    """Quantize MODEL's linear layers and write a quantized checkpoint to OUT."""
+    from refimpl.formats.checkpoint import load_checkpoint, weight_dtype, write_side_files
+    from refimpl.formats.quant_checkpoint import quantization_config, save_quantized_weights
+    from refimpl.model.config import LlamaConfig
+    from refimpl.quant.calibrate import calibration_sequences, quantize_model
+    from tools.engines import parse_quant, resolve_model
+
+    spec = parse_quant(quant)
+    if spec.format == "gguf":
+        raise GenerationError("--quant gguf keeps a GGUF file's blocks at load time; `quantize` writes int8 or int4")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise GenerationError(f"--out {out}: exists and is not an empty directory; choose a new directory")
+    if method == "rtn" and calib is not None:
+        raise GenerationError("--calib is used by --method search or gptq; rtn needs no calibration")
+    text = None if method == "rtn" else _calibration_text(calib or CALIBRATION)
+    path = resolve_model(model)
+    ckpt = load_checkpoint(path)
+    if not isinstance(ckpt.config, LlamaConfig):
+        raise GenerationError(f"{path}: `quantize` handles text Llama models; this is a vision model")
+    seqs = None if text is None else calibration_sequences(ckpt.tokenizer, text)
+    params = quantize_model(ckpt.params, ckpt.config, spec, method, seqs)
+    dtype = weight_dtype(path) if path.is_dir() else "F32"  # a GGUF's dequantized values are fp32
+    save_quantized_weights(out, params, dtype)
+    note = None if seqs is None else f"{(calib or CALIBRATION).name}, {sum(len(s) for s in seqs)} tokens"
+    write_side_files(ckpt, out, ckpt.config.to_hf() | {"quantization_config": quantization_config(spec, method,
+                                                                                                   note)})
+    size = sum(f.stat().st_size for f in out.iterdir())
+    click.echo(f"wrote {out}: {spec} by {method}{' on ' + note if note else ''}, {size / 1e6:.1f} MB", err=True)
