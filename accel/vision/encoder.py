@@ -3,8 +3,8 @@ accel.ops), rearranged for speed:
     * every tile of every image in one pass: the row-wise ops and GEMMs see all I·A·Q tokens at once;
     * the patch embedding is one GEMM over unfolded patches (the stride-14 conv), and each layer's q/k/v one GEMM
       over the fused [3·U, U] weight (accel.vision.weights); attention reads q/k/v as strided views of its output;
-    * the self-attention is one unmasked SDPA call over all images (a fused kernel: cuDNN's on the H200), then a
-      masked one over the few padding rows HF's pad×pad mask changes (`PaddingRows`);
+    * the self-attention is one unmasked SDPA call over all images (a fused kernel: cuDNN's on the H200), then a masked one over
+      the few padding rows HF's pad×pad mask changes (`PaddingRows`);
     * biases go into the GEMMs (F.linear's epilogue), the attention branch's residual (and its tanh gate, a scalar
       read once) into the o_proj GEMM (addmm); the MLP branch's residual add and the next layer's input LayerNorm
       are one Triton pass (accel.kernels.layer_norm), as is the post-attention LayerNorm; GELU is torch's kernel;
@@ -12,12 +12,9 @@ accel.ops), rearranged for speed:
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from refimpl.model.mllama_config import VisionConfig
 from refimpl.vision.encoder import (PRE_POST_NORM_EPS, aspect_ratio_embedding, padding_tokens, position_embedding,
@@ -25,8 +22,6 @@ from refimpl.vision.encoder import (PRE_POST_NORM_EPS, aspect_ratio_embedding, p
 
 from ..kernels.layer_norm import add_layer_norm_fwd, layer_norm_fwd
 from ..ops import uses_triton
-
-FEW_ROWS = 256  # padding rows up to this many (a full 4-tile image has 28) take SDPA's math path
 
 
 class PaddingRows:
@@ -45,14 +40,12 @@ class PaddingRows:
 def self_attention(qkv, pad: PaddingRows, I: int, H: int, E: int):
     """qkv [I·L, 3·H·E] (q, k, v side by side, one fused GEMM's output) -> [I·L, H·E], HF's padding mask.
     SDPA reads q/k/v as strided views; unmasked it takes a fused kernel, which beat the Triton kernels at the
-    encoder's shape (tools/bench/NOTES.md). A few padding rows go through SDPA's math path (plain matmuls, fp32
-    softmax): a fused kernel gives so few rows one program per head, which then walks all L keys alone."""
+    encoder's shape (tools/bench/NOTES.md)."""
     L = qkv.shape[0] // I
     q, k, v = (x.transpose(1, 2) for x in qkv.view(I, L, 3, H, E).unbind(2))  # each [I, H, L, E], views
     a = F.scaled_dot_product_attention(q, k, v)  # [I, H, L, E]: right for every real query row
     if len(pad.rows):
-        with sdpa_kernel(SDPBackend.MATH) if len(pad.rows) <= FEW_ROWS else contextlib.nullcontext():
-            a[:, :, pad.rows] = F.scaled_dot_product_attention(q[:, :, pad.rows], k, v, attn_mask=pad.visible)
+        a[:, :, pad.rows] = F.scaled_dot_product_attention(q[:, :, pad.rows], k, v, attn_mask=pad.visible)
     return a.transpose(1, 2).reshape(I * L, H * E)
 
 
