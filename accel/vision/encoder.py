@@ -3,8 +3,8 @@ accel.ops), rearranged for speed:
     * every tile of every image in one pass: the row-wise ops and GEMMs see all I·A·Q tokens at once;
     * the patch embedding is one GEMM over unfolded patches (the stride-14 conv), and each layer's q/k/v one GEMM
       over the fused [3·U, U] weight (accel.vision.weights); attention reads q/k/v as strided views of its output;
-    * the self-attention is one unmasked SDPA call over all images (a fused kernel: cuDNN's on the H200), then a masked one over
-      the few padding rows HF's pad×pad mask changes (`PaddingRows`);
+    * the self-attention is one unmasked SDPA call over all images (a fused kernel: cuDNN's on the H200), then a
+      masked one over the few padding rows HF's pad×pad mask changes (`PaddingRows`);
     * biases go into the GEMMs (F.linear's epilogue), the attention branch's residual (and its tanh gate, a scalar
       read once) into the o_proj GEMM (addmm); the MLP branch's residual add and the next layer's input LayerNorm
       are one Triton pass (accel.kernels.layer_norm), as is the post-attention LayerNorm; GELU is torch's kernel;
