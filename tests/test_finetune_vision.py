@@ -70,6 +70,12 @@ def hf_model(model_dir):
     return transformers.MllamaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+def hf_processor(model_dir):
+    """HF's MllamaProcessor with the PIL image backend, the one refimpl's processor reproduces: where torchvision is
+    installed the default is its fast backend, whose resize differs by one intensity level on a few pixels."""
+    return transformers.AutoProcessor.from_pretrained(model_dir, use_fast=False)
+
+
 def hf_messages(record, image_dir):
     """The record as HF's processor reads it: content parts, each image part carrying its file."""
     messages = record.get("messages") or [{"role": "user", "content": record["query"]},
@@ -152,7 +158,7 @@ def test_samples_match_hf_processor(base):
     vd = VisionData.for_checkpoint(model_dir, ckpt.config, tok)
     path = write_jsonl(data_dir / "d.jsonl", records_for(data_dir) + [PATH_PARTS])
     samples = load_samples(path, tok, 128, None, image_record_encoder(path, tok, vd))
-    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    processor = hf_processor(model_dir)
     assert len(samples) == len(RECORDS) + 1
     for record, sample in zip(RECORDS + [PATH_PARTS], samples):
         inputs, labels = hf_inputs(processor, record, data_dir / "img")
@@ -181,7 +187,7 @@ def sgd_step_errors(base, tmp_path, device="cpu"):
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in result.stdout.splitlines()]
 
-    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    processor = hf_processor(model_dir)
     encoded = [hf_inputs(processor, r, data_dir / "img") for r in RECORDS]
     n_items = sum(int((labels[0, 1:] != -100).sum()) for _, labels in encoded)
     before = lora_tensors(model)
@@ -242,7 +248,7 @@ def test_adamw_halves_loss_and_adapter_loads_in_peft_and_generate(base, tmp_path
     # the adapter as generate merges it: refimpl's logits equal PEFT's on an image prompt
     prompt_ids, ours = merged_logits(model_dir, out, data_dir / "img" / "wide.png")
     n_prompt = len(prompt_ids)
-    inputs, _ = hf_inputs(transformers.AutoProcessor.from_pretrained(model_dir),
+    inputs, _ = hf_inputs(hf_processor(model_dir),
                           {**RECORDS[0], "images": ["wide.png"]}, data_dir / "img")
     with torch.no_grad():
         want = loaded(**inputs).logits[0].numpy()
@@ -333,7 +339,7 @@ def test_generate_merges_adapters_on_every_linear_as_peft_does(base, tmp_path):
     assert len(adapter) == 53 and any(name.startswith("vision_model.") for name, *_ in adapter)
     prompt_ids, ours = merged_logits(model_dir, tmp_path / "all", data_dir / "img" / "tall.png")
     n = len(prompt_ids)
-    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    processor = hf_processor(model_dir)
     inputs, _ = hf_inputs(processor, {**RECORDS[0], "images": ["tall.png"]}, data_dir / "img")
     with torch.no_grad():
         want = peft_model(**inputs).logits[0, n - 1].numpy()
