@@ -32,7 +32,8 @@ def hf():
     transformers = pytest.importorskip("transformers")
     transformers.utils.logging.disable_progress_bar()
     model = transformers.MllamaForConditionalGeneration.from_pretrained(TOY, dtype=torch.float32).eval()
-    return transformers.AutoProcessor.from_pretrained(TOY), model, torch
+    # the PIL image backend, which refimpl reproduces (torchvision's fast backend resizes a few pixels differently)
+    return transformers.AutoProcessor.from_pretrained(TOY, use_fast=False), model, torch
 
 
 def hf_greedy(hf, inputs, n):
