@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from accel.kernels.layer_norm import add_layer_norm_fwd, layer_norm_fwd  # noqa: E402
+from accel.vision import encoder  # noqa: E402
 from accel.vision.encoder import PaddingRows, self_attention  # noqa: E402
 from refimpl.model import ops as R  # noqa: E402
 from refimpl.vision.encoder import padding_mask, padding_tokens  # noqa: E402
@@ -62,7 +63,9 @@ def fused_qkv(I, L, H, E, seed, device="cpu", dtype=torch.float32):
     ([[1, 1, 0], [1, 0, 0], [1, 1, 1]], 6, 8, 2, 8),  # images padded differently: rows real in some, padding in others
     ([[1, 1]], 8, 8, 4, 16),  # no padding at all
 ])
-def test_matches_refimpl_op(tiles, P, Q, H, E):
+@pytest.mark.parametrize("few_rows", [64, 0])  # padding rows through the decode kernel, or through SDPA
+def test_matches_refimpl_op(tiles, P, Q, H, E, few_rows, monkeypatch):
+    monkeypatch.setattr(encoder, "FEW_ROWS", few_rows)
     ar_mask = np.array(tiles)
     I, L = len(tiles), len(tiles[0]) * Q
     qkv = fused_qkv(I, L, H, E, seed=L + E)

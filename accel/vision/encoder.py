@@ -3,8 +3,8 @@ accel.ops), rearranged for speed:
     * every tile of every image in one pass: the row-wise ops and GEMMs see all I·A·Q tokens at once;
     * the patch embedding is one GEMM over unfolded patches (the stride-14 conv), and each layer's q/k/v one GEMM
       over the fused [3·U, U] weight (accel.vision.weights); attention reads q/k/v as strided views of its output;
-    * the self-attention is one unmasked SDPA call over all images (a fused kernel: cuDNN's on the H200), then a
-      masked one over the few padding rows HF's pad×pad mask changes (`PaddingRows`);
+    * the self-attention is one unmasked SDPA call over all images (a fused kernel: cuDNN's on the H200), then
+      each image's padding rows again, over its real keys only (`PaddingRows`: HF's pad×pad mask);
     * biases go into the GEMMs (F.linear's epilogue), the attention branch's residual (and its tanh gate, a scalar
       read once) into the o_proj GEMM (addmm); the MLP branch's residual add and the next layer's input LayerNorm
       are one Triton pass (accel.kernels.layer_norm), as is the post-attention LayerNorm; GELU is torch's kernel;
@@ -20,32 +20,48 @@ from refimpl.model.mllama_config import VisionConfig
 from refimpl.vision.encoder import (PRE_POST_NORM_EPS, aspect_ratio_embedding, padding_tokens, position_embedding,
                                     unfold_patches)
 
+from ..kernels.decode_attn import decode_attention_fwd
 from ..kernels.layer_norm import add_layer_norm_fwd, layer_norm_fwd
 from ..ops import uses_triton
 
 
+FEW_ROWS = 64  # an image's padding rows up to this many take the split-K decode-attention kernel
+
+
 class PaddingRows:
     """HF's encoder mask (only pairs of two padding tokens blocked) as the rows it changes: every real query row
-    sees every key, so attention runs unmasked for all rows, then again, masked, for the rows that are padding in
-    some image. Built once per encode from the host's aspect_ratio_mask."""
+    sees every key, so attention runs unmasked for all rows; a padding row sees exactly its image's real keys, so
+    each image's padding rows are then recomputed, unmasked, over those keys alone. Built once per encode from the
+    host's aspect_ratio_mask: per image with padding (index, rows [R], real keys [N], N - 1 as a device tensor)."""
 
     def __init__(self, aspect_ratio_mask, P: int, Q: int, device):
         masked = padding_tokens(aspect_ratio_mask, P, Q)  # [I, L]
-        rows = np.flatnonzero(masked.any(0))  # [R]: padding in at least one image
-        self.rows = torch.as_tensor(rows, device=device)
-        # [I, R, 1] & [I, 1, L] -> [I, 1, R, L]: a row that is real in image i sees every key there (recomputed as is)
-        self.visible = torch.as_tensor(~(masked[:, rows, None] & masked[:, None, :]), device=device)[:, None]
+        self.images = []
+        for i, m in enumerate(masked):
+            if m.any():
+                keys = np.flatnonzero(~m)  # [N]: never empty (every tile has P real tokens, tile 0 is real)
+                self.images.append((i, torch.as_tensor(np.flatnonzero(m), device=device),
+                                    torch.as_tensor(keys, device=device),
+                                    torch.tensor([len(keys) - 1], device=device)))
 
 
 def self_attention(qkv, pad: PaddingRows, I: int, H: int, E: int):
     """qkv [I·L, 3·H·E] (q, k, v side by side, one fused GEMM's output) -> [I·L, H·E], HF's padding mask.
     SDPA reads q/k/v as strided views; unmasked it takes a fused kernel, which beat the Triton kernels at the
-    encoder's shape (tools/bench/NOTES.md)."""
+    encoder's shape (tools/bench/NOTES.md). A few padding rows (a full image has 28) go through the split-K
+    decode kernel, their R rows as the query heads of one token (head h's rows share kv head h): a fused prefill
+    kernel would give them one program per head, each walking all keys alone."""
     L = qkv.shape[0] // I
     q, k, v = (x.transpose(1, 2) for x in qkv.view(I, L, 3, H, E).unbind(2))  # each [I, H, L, E], views
     a = F.scaled_dot_product_attention(q, k, v)  # [I, H, L, E]: right for every real query row
-    if len(pad.rows):
-        a[:, :, pad.rows] = F.scaled_dot_product_attention(q[:, :, pad.rows], k, v, attn_mask=pad.visible)
+    for i, rows, keys, last in pad.images:
+        R = len(rows)
+        qi, ki, vi = q[i][:, rows], k[i][:, keys], v[i][:, keys]  # [H, R, E], [H, N, E], [H, N, E] (copies)
+        if uses_triton(qkv) and R <= FEW_ROWS:
+            out = decode_attention_fwd(qi.reshape(1, H * R, E), ki, vi, last).view(H, R, E)  # [1, H·R, E]
+        else:
+            out = F.scaled_dot_product_attention(qi[None], ki[None], vi[None])[0]  # 4-D: a fused kernel, not math
+        a[i][:, rows] = out
     return a.transpose(1, 2).reshape(I * L, H * E)
 
 
