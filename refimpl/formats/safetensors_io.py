@@ -163,9 +163,8 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even fp32 -> bf16 bits (uint16), as torch's .to(torch.bfloat16) does for finite values."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return rounded.astype(np.uint16)
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
 
 
 def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",

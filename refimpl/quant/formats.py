@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refimpl.errors import Llama32Error
+from refimpl.formats.safetensors_io import bf16_to_f32, f32_to_bf16
 
 F32 = np.float32
 INT_FORMATS = ("int8", "int4")
@@ -87,9 +88,7 @@ class QuantizedLinear:
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
     """fp32 -> the nearest bf16 value (ties to even), returned as fp32. Finite inputs."""
-    bits = np.ascontiguousarray(x, F32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return rounded.view(F32)
+    return bf16_to_f32(f32_to_bf16(x))
 
 
 def _divide_or_zero(num: np.ndarray, den: np.ndarray) -> np.ndarray:
