@@ -88,14 +88,6 @@ def grouped_layer(x, cos, sin, weights: tuple, groups: tuple, shape: tuple, eps:
     return x + adapted_linear(act_out, down, g_down, dropout)  # [B, T, F] -> [B, T, D]
 
 
-def decoder_layer(x, cos, sin, weights: tuple, adapters: tuple, shape: tuple, eps: float, dropout: float,
-                  kernels: bool = False, lora_dtype=None):
-    """grouped_layer with adapters = one (A, B, scale) or None per LLAMA_LINEARS entry (q, k, v, o, gate, up,
-    down); the LoRA branch computes in `lora_dtype` (default: x's dtype)."""
-    groups = layer_groups(adapters, shape, lora_dtype or x.dtype)
-    return grouped_layer(x, cos, sin, weights, groups, shape, eps, dropout, kernels)
-
-
 class TrainModel:
     def __init__(self, weights: Weights, cfg: LlamaConfig, lora: dict[str, LoraModule], dropout: float = 0.0,
                  checkpointing: bool = True, compile: bool = False, kernels: bool | None = None, lora_dtype=None,

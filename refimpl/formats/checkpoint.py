@@ -19,7 +19,7 @@ from refimpl.model.mllama_config import is_mllama_config
 from refimpl.errors import CheckpointError, ConfigError
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.progress import Progress
-from refimpl.quant.apply import refuse_requantizing
+from refimpl.quant.apply import quantize_params
 from refimpl.formats.gguf_loader import load_gguf
 from refimpl.formats.params import Checkpoint, check_params, expected_shapes
 from refimpl.formats.quant_checkpoint import is_quantized_config, load_quantized_params
@@ -52,10 +52,8 @@ def load_checkpoint(path: str | Path, with_tokenizer: bool = True, quant=None) -
     gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are stored."""
     ckpt = _load(Path(path), with_tokenizer, quant is not None and quant.format == "gguf",
                  quant is None or quant.lm_head)
-    refuse_requantizing(ckpt.params, quant, path)
     if quant is not None and quant.format != "gguf":
-        from refimpl.quant.apply import quantize_params
-        ckpt.params = quantize_params(ckpt.params, ckpt.config, quant)
+        ckpt.params = quantize_params(ckpt.params, ckpt.config, quant, source=path)
     return ckpt
 
 

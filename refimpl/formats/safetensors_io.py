@@ -161,10 +161,16 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return out
 
 
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even fp32 -> bf16 bits (uint16), as torch's .to(torch.bfloat16) does for finite values."""
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 -> the nearest bf16 value (ties to even) as fp32, as torch's .to(torch.bfloat16) rounds finite values."""
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even fp32 -> bf16 bits (uint16): the top half of round_bf16's fp32."""
+    return (round_bf16(x).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
 
 
 def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",

@@ -21,13 +21,16 @@ def quantized_names(cfg: LlamaConfig, lm_head: bool) -> list[str]:
     return names + [LM_HEAD] if lm_head else names
 
 
-def quantize_params(params: dict, cfg: LlamaConfig, spec: QuantSpec) -> dict:
-    """fp32 params -> a new dict with the linear layers as QuantizedLinear (int8 / int4 specs)."""
+def quantize_params(params: dict, cfg: LlamaConfig, spec: QuantSpec, quantize=None, label: str = "",
+                    source="the checkpoint") -> dict:
+    """fp32 params -> a new dict with the linear layers as QuantizedLinear (int8 / int4 specs), each matrix through
+    `quantize` (default: round-to-nearest, spec.quantize)."""
+    refuse_requantizing(params, spec, source)
     out = dict(params)
     names = quantized_names(cfg, spec.lm_head)
-    with Progress(f"quantizing to {spec}", len(names)) as bar:
+    with Progress(f"quantizing to {spec}{label}", len(names)) as bar:
         for name in names:
-            out[name] = spec.quantize(source_weight(params, name))
+            out[name] = (quantize or spec.quantize)(source_weight(params, name))
             bar.advance()
     return out
 

@@ -21,7 +21,7 @@ from refimpl.model import ops
 from refimpl.model.config import LlamaConfig
 from refimpl.model.llama import KVCache, attention_block, drive, layer_params, mlp_block
 from refimpl.progress import Progress
-from refimpl.quant.apply import LINEAR_KEYS, LM_HEAD, quantized_names, source_weight
+from refimpl.quant.apply import LINEAR_KEYS, LM_HEAD, is_quantized, quantize_params, quantized_names, source_weight
 from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
 from refimpl.quant.gptq import gptq_quantize
 from refimpl.quant.search import importance_of, quantize_search
@@ -87,14 +87,12 @@ def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
         raise QuantError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
     if spec.format not in ("int8", "int4"):
         raise QuantError(f"--quant {spec}: offline quantization writes int8 or int4:G")
+    if is_quantized(params):
+        raise QuantError("--model: already quantized (by `llama32 quantize`); quantize the original checkpoint")
     names = quantized_names(cfg, spec.lm_head)
     out = dict(params)
     if sequences is None or method == "rtn":
-        with Progress(f"quantizing to {spec} ({method})", len(names)) as bar:
-            for name in names:
-                out[name] = quantize_matrix(source_weight(params, name), None, spec, method)
-                bar.advance()
-        return out
+        return quantize_params(params, cfg, spec, lambda w: quantize_matrix(w, None, spec, method), f" ({method})")
     streams = [_Stream(np.arange(len(ids)), ops.embedding(ids, params["model.embed_tokens.weight"]),
                        *ops.rope_tables(np.arange(len(ids)), cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                        KVCache.allocate(cfg, len(ids), lambda shape: np.zeros(shape, np.float32)))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refimpl.errors import Llama32Error
-from refimpl.formats.safetensors_io import bf16_to_f32, f32_to_bf16
+from refimpl.formats.safetensors_io import round_bf16
 
 F32 = np.float32
 INT_FORMATS = ("int8", "int4")
@@ -84,11 +84,6 @@ class QuantizedLinear:
         """Bytes as an engine stores them: codes plus bf16 scales/minima (GGUF: the blocks)."""
         extra = sum(a.size * 2 for a in (self.scales, self.mins) if a is not None)
         return self.data.nbytes + extra
-
-
-def round_bf16(x: np.ndarray) -> np.ndarray:
-    """fp32 -> the nearest bf16 value (ties to even), returned as fp32. Finite inputs."""
-    return bf16_to_f32(f32_to_bf16(x))
 
 
 def _divide_or_zero(num: np.ndarray, den: np.ndarray) -> np.ndarray:

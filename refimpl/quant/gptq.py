@@ -31,15 +31,15 @@ BLOCK = 128
 DAMP = 0.01
 
 
-def inverse_hessian_factor(h: np.ndarray, damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
-    """H [K, K] -> (U [K, K] upper with H⁻¹ = Uᵀ U after damping, dead [K] bool: columns with H[j, j] = 0)."""
+def inverse_hessian_factor(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
+    """H [K, K] -> U [K, K] upper with H⁻¹ = Uᵀ U after damping (columns with H[j, j] = 0 made 1 first)."""
     h = np.array(h, np.float64)
     dead = np.diag(h) == 0
     h[dead, dead] = 1
     h[np.diag_indices_from(h)] += damp * np.mean(np.diag(h))
     try:
         h_inv = np.linalg.inv(h)
-        return np.linalg.cholesky(h_inv).T, dead  # lower L with H⁻¹ = L Lᵀ -> U = Lᵀ
+        return np.linalg.cholesky(h_inv).T  # lower L with H⁻¹ = L Lᵀ -> U = Lᵀ
     except np.linalg.LinAlgError:
         raise QuantError("GPTQ: the damped Hessian is not positive definite (non-finite calibration "
                          "activations?)") from None
@@ -69,7 +69,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, spec, search: bool = True, act_o
     scales, lows = grid(W, spec, importance_of(h) if search else None)
     G = K if spec.format == "int8" else spec.group
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(K)  # [K]: the sweep's columns
-    u, _ = inverse_hessian_factor(h[np.ix_(order, order)], damp)
+    u = inverse_hessian_factor(h[np.ix_(order, order)], damp)
     W = W[:, order]  # [N, K] in sweep order, updated in place as the sweep goes
     codes = np.zeros((N, K), np.int8 if lows is None else np.uint8)  # at the columns' own positions
     for b0 in range(0, K, block):
