@@ -85,9 +85,9 @@ def _apply(params, optimizer, lr: float) -> None:
 
 
 def train(model, samples: list[Sample], s: TrainSettings, device, on_step: Callable[[dict], None],
-          save: Callable[[str | None], None], collate_fn=collate) -> dict:
+          save: Callable[[str | None], None]) -> dict:
     """Run every planned step; `save(None)` writes the final adapter, `save(name)` a checkpoint. Ctrl-C saves the
-    adapter as it stands (its steps so far) before the KeyboardInterrupt goes on. `collate_fn(batch, device)`
+    adapter as it stands (its steps so far) before the KeyboardInterrupt goes on. `model.collate(batch, device)`
     gives model.loss_sum's arguments (the vision trainer's add the images)."""
     params = model.parameters()
     optimizer = make_optimizer(params, s)
@@ -100,7 +100,7 @@ def train(model, samples: list[Sample], s: TrainSettings, device, on_step: Calla
             n_labels = sum(x.n_labels for batch in micro_batches for x in batch)
             loss_sum = 0.0
             for batch in micro_batches:
-                part, _ = model.loss_sum(*collate_fn(batch, device))
+                part, _ = model.loss_sum(*model.collate(batch, device))
                 (part / max(n_labels, 1)).backward()
                 loss_sum += float(part.detach())
             lr = lr_at(step, s, len(steps))
@@ -127,13 +127,13 @@ def device_is_cuda(device) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model, samples: list[Sample], batch_size: int, device, collate_fn=collate) -> float:
+def evaluate(model, samples: list[Sample], batch_size: int, device) -> float:
     """Mean cross-entropy over every label token of `samples` (no dropout)."""
     model.training = False
     total, count = 0.0, 0
     try:
         for i in range(0, len(samples), batch_size):
-            part, n = model.loss_sum(*collate_fn(samples[i:i + batch_size], device))
+            part, n = model.loss_sum(*model.collate(samples[i:i + batch_size], device))
             total, count = total + float(part), count + n
     finally:
         model.training = True

@@ -85,19 +85,12 @@ class MllamaTrainModel(TrainModel):
                  checkpointing: bool = True, compile: bool = False):
         super().__init__(weights.text, self_layer_config(cfg), lora, dropout, checkpointing, compile)
         self.mw, self.mcfg, self.vision_data = weights, cfg, vision_data
-        self._images = None  # the rows' images during one loss_sum
+        self.slot = {i: j for j, i in enumerate(weights.self_layers)}  # decoder layer -> its self-layer slot
 
     def collate(self, batch, device):
         """(ids [B, T], labels [B, T], [ImageInputs or None] per sample): the images through the processor."""
         ids, labels = collate(batch, device)
         return ids, labels, [self.vision_data.inputs(s) for s in batch]
-
-    def loss_sum(self, ids, labels, images=None):
-        self._images = images
-        try:
-            return super().loss_sum(ids, labels)
-        finally:
-            self._images = None
 
     @torch.no_grad()
     def image_states(self, images: list, T: int, device, dtype):
@@ -110,7 +103,8 @@ class MllamaTrainModel(TrainModel):
         pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in present])).to(device, dtype)
         ar_ids = torch.from_numpy(np.concatenate([im.aspect_ratio_ids for im in present])).to(device)
         ar_mask = np.concatenate([im.aspect_ratio_mask for im in present])
-        tokens = encoder.project(p, encoder.encode(p, vcfg, pixels, ar_ids, ar_mask))  # [I·A·P, D]
+        features = encoder.encode(p, vcfg, pixels, ar_ids, ar_mask, self.mw.vision_qkv)  # [I, A, P, O]
+        tokens = encoder.project(p, features)  # [I·A·P, D]
         per_image = vcfg.max_num_tiles * vcfg.tokens_per_tile
         counts = [0 if im is None else im.num_images * per_image for im in images]
         B, N = len(images), max(counts)
@@ -131,32 +125,35 @@ class MllamaTrainModel(TrainModel):
             has_image[b, :t, 0] = torch.from_numpy(row_has).to(dtype)
         return states, visible.to(device), has_image.to(device)
 
-    def _cross(self, x, i: int, states, visible, has_image):
-        t = self.mcfg.text
-        adapters = []
+    def _cross_groups(self, i: int, dtype) -> tuple:
+        """Cross layer i's LoRA groups, cast from the fp32 masters (once a step, outside the layer's checkpoint)."""
+        groups = []
         for name in TEXT_LINEARS:
             m = self.lora.get(text_param(i, self.mcfg, name))
-            adapters.append(None if m is None else lora_group(((m.a, m.b, m.scale),), (None,),
-                                                              self.lora_dtype or x.dtype))
+            groups.append(None if m is None else lora_group(((m.a, m.b, m.scale),), (None,), self.lora_dtype or dtype))
+        return tuple(groups)
+
+    def _cross(self, x, i: int, groups: tuple, states, visible, has_image):
+        t = self.mcfg.text
         weights = tuple(self.mw.params[f"{TEXT}layers.{i}.{key}"] for key in CROSS_WEIGHTS)
-        return cross_layer(x, states, visible, has_image, weights, tuple(adapters),
+        return cross_layer(x, states, visible, has_image, weights, groups,
                            (t.num_attention_heads, t.num_key_value_heads, t.head_dim), t.rms_norm_eps,
                            self.dropout if self.training else 0.0)
 
-    def hidden(self, ids):
-        """ids [B, T] (with self._images, one entry per row) -> final-norm hidden states [B, T, D]."""
+    def hidden(self, ids, images=None):
+        """ids [B, T], images: one ImageInputs or None per row (as `collate` gives them) -> final-norm hidden
+        states [B, T, D]."""
         t = self.mcfg.text
         B, T = ids.shape
         cos, sin = rope_tables(torch.arange(T, device=ids.device), t.head_dim, t.rope_theta,
                                t.rope_scaling)  # [T, E/2] fp32 each
         x = F.embedding(ids, self.w.embed)  # [B, T, D]
-        image_side = self.image_states(self._images or [None] * B, T, ids.device, x.dtype)
-        slot = {i: j for j, i in enumerate(self.mw.self_layers)}
+        image_side = self.image_states(images or [None] * B, T, ids.device, x.dtype)
         for i in range(t.num_hidden_layers):
-            if i in slot:
-                x = self.layer(x, slot[i], cos, sin)  # checkpointed as the text trainer does
+            if i in self.slot:
+                x = self.layer(x, self.slot[i], cos, sin)  # checkpointed as the text trainer does
             elif image_side is not None:  # no image in the batch: HF skips the cross-attention layers
-                args = (x, i, *image_side)
+                args = (x, i, self._cross_groups(i, x.dtype), *image_side)
                 x = checkpoint(self._cross, *args, use_reentrant=False) \
                     if self.checkpointing and torch.is_grad_enabled() else self._cross(*args)
         return rms_norm(x, self.w.norm, t.rms_norm_eps)

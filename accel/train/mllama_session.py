@@ -49,7 +49,7 @@ def _from_init_adapter(adapter_dir: Path, cfg, base: str):
 
 def open_mllama(ckpt, model_path: Path, data: Path, eval_data: Path | None, device, dtype: str,
                 warn: Callable[[str], None], s) -> tuple:
-    """Session's constructor arguments (model, samples, eval samples, adapter config, device, collate) for a vision
+    """Session's constructor arguments (model, samples, eval samples, adapter config, device) for a vision
     checkpoint; `s` is a SessionSettings."""
     cfg, tok = ckpt.config, ckpt.tokenizer
     vd = VisionData.for_checkpoint(model_path, cfg, tok)
@@ -75,4 +75,4 @@ def open_mllama(ckpt, model_path: Path, data: Path, eval_data: Path | None, devi
     ckpt.params = None  # the fp32 host copy is no longer needed
     model = MllamaTrainModel(weights, cfg, {trainer_key(cfg, name): m for name, m in lora.items()}, vd, s.dropout,
                              compile=s.compile)
-    return model, samples, eval_samples, config, device, model.collate
+    return model, samples, eval_samples, config, device

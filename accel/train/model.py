@@ -21,6 +21,7 @@ from accel.ops import rope_tables
 from accel.train import fused
 from accel.train.attention import attention_reference, flash_attention
 from accel.train.layer import manual_layer
+from accel.train.loop import collate
 from accel.train.lora import LoraModule, adapted_linear, lora_group, weight_name
 from accel.train.loss import linear_cross_entropy
 from refimpl.formats.lora import LLAMA_LINEARS
@@ -144,10 +145,14 @@ class TrainModel:
             x = self.layer(x, i, cos, sin)
         return (fused.rms_norm if ids.is_cuda and self.kernels else rms_norm)(x, self.w.norm, self.cfg.rms_norm_eps)
 
-    def loss_sum(self, ids, labels):
+    def collate(self, batch, device) -> tuple:
+        """A micro-batch of samples -> loss_sum's arguments: (ids [B, T], labels [B, T]), right-padded."""
+        return collate(batch, device)
+
+    def loss_sum(self, ids, labels, *inputs):
         """Summed cross-entropy (fp32) over the label tokens of ids [B, T], labels [B, T] (IGNORE elsewhere),
-        each predicted from the previous position; and the number of such tokens."""
-        h = self.hidden(ids)[:, :-1]  # [B, T-1, D]: position t predicts labels[t + 1]
+        each predicted from the previous position; and the number of such tokens. `inputs` go to hidden."""
+        h = self.hidden(ids, *inputs)[:, :-1]  # [B, T-1, D]: position t predicts labels[t + 1]
         targets = labels[:, 1:]  # [B, T-1]
         keep = targets != IGNORE
         h, targets = h[keep], targets[keep]  # [N, D], [N]: only trained positions reach the lm_head

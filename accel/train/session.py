@@ -7,7 +7,7 @@ from typing import Callable
 
 from accel.train.adapter import adapter_config, save_adapter
 from accel.train.lora import from_adapter, init_lora, target_names
-from accel.train.loop import TrainSettings, collate, evaluate, plan_steps, train
+from accel.train.loop import TrainSettings, evaluate, plan_steps, train
 from accel.train.model import TrainModel
 from accel.weights import DTYPES, load_weights
 from refimpl.errors import CheckpointError
@@ -31,10 +31,9 @@ class SessionSettings:
 
 
 class Session:
-    def __init__(self, model: TrainModel, samples, eval_samples, config: dict, device, collate_fn=collate):
+    def __init__(self, model: TrainModel, samples, eval_samples, config: dict, device):
         self.model, self.samples, self.eval_samples, self.config, self.device = (model, samples, eval_samples,
                                                                                   config, device)
-        self.collate_fn = collate_fn  # samples -> the model's loss_sum arguments
 
     @classmethod
     def open(cls, model_path: Path, data: Path, eval_data: Path | None, device, dtype: str,
@@ -67,10 +66,10 @@ class Session:
     def train(self, settings: TrainSettings, out: Path, on_step) -> dict:
         def save(name):
             save_adapter(out if name is None else Path(out) / name, self.model.lora, self.config)
-        return train(self.model, self.samples, settings, self.device, on_step, save, self.collate_fn)
+        return train(self.model, self.samples, settings, self.device, on_step, save)
 
     def evaluate(self, batch_size: int) -> float:
-        return evaluate(self.model, self.eval_samples, batch_size, self.device, self.collate_fn)
+        return evaluate(self.model, self.eval_samples, batch_size, self.device)
 
 
 def _from_init_adapter(adapter_dir: Path, cfg, base: str):

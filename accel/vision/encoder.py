@@ -108,7 +108,7 @@ def _stack(p: dict, cfg: VisionConfig, stack: str, n: int, x, qkv, pad, I: int, 
     h = _norm(x, *input_norm(0)) if n else None
     for i in range(n):
         prefix = f"vision_model.{stack}.layers.{i}."
-        x, h = _layer(p, prefix, x, h, _qkv(p, prefix, qkv), pad, cfg, I, gates[i],
+        x, h = _layer(p, prefix, x, h, qkv[prefix], pad, cfg, I, gates[i],
                       input_norm(i + 1) if i + 1 < n else None)
         if kept is not None and i in cfg.intermediate_layers_indices:
             kept[i] = x
@@ -125,15 +125,8 @@ def _gates(p: dict, cfg: VisionConfig) -> list[tuple[float, float]]:
     return list(zip(g[0::2], g[1::2]))
 
 
-def _qkv(p: dict, prefix: str, fused: dict | None):
-    """The layer's fused [3·U, U] q/k/v weight: the one built at load, else concatenated here."""
-    if fused and prefix in fused:
-        return fused[prefix]
-    return torch.cat([p[f"{prefix}self_attn.{n}_proj.weight"] for n in "qkv"])
-
-
 def encode(p: dict, cfg: VisionConfig, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
-           qkv: dict[str, torch.Tensor] | None = None):
+           qkv: dict[str, torch.Tensor]):
     """pixel_values [I, A, C, X, X] and aspect_ratio_ids [I] (device tensors), aspect_ratio_mask [I, A] (host),
     qkv: the fused q/k/v weights by layer prefix (MllamaWeights.vision_qkv) -> image features [I, A, P, O]."""
     I, A = pixel_values.shape[:2]
