@@ -231,11 +231,8 @@ def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torc
     assert visible.numel() == N and visible.reshape(-1).stride(0) == 1 and norm_weight.shape == (q.shape[-1],)
     if split_len is None:
         split_len = 256 if q.is_cuda else max(16, triton.cdiv(triton.cdiv(N, 8), 16) * 16)
-    if q.is_cuda:
-        config = {"BLOCK_N": 64, "num_stages": 2, **(config or {})}
-    cfg = {**_config(q.is_cuda, split_len, q.dtype, q.shape[-1], 0), **(config or {})}  # never the long-cache path
-    if config is None or "BLOCK_N" not in config:
-        cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
+    tuned = {"BLOCK_N": 64, "num_stages": 2} if q.is_cuda else {}
+    cfg = {**_config(q.is_cuda, split_len, q.dtype, q.shape[-1], 0), **tuned, **(config or {})}  # 0: not long
     vis = visible.reshape(-1)
     vis = vis.view(torch.uint8) if vis.dtype == torch.bool else vis
     return _launch(q, keys, values, None, vis, norm_weight, eps, N, split_len, out, cfg)
