@@ -16,7 +16,8 @@ past the current length run an empty loop and record m = −inf, l = 0, acc = 0,
 
 `cross_decode_attention_fwd` runs the same kernels for Mllama's decode-step cross-attention (CROSS): the length is
 the image token count, a per-key mask hides image tokens (padding tiles, other images), q_norm is applied to the
-loaded query heads, and splits whose keys are all hidden weigh 0 in the combination like empty ones.
+loaded query heads (unless no norm weight is given: the vision encoder's padding rows), and splits whose keys are
+all hidden weigh 0 in the combination like empty ones.
 """
 from __future__ import annotations
 
@@ -100,9 +101,9 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
                          E: tl.constexpr, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
                          BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         CROSS: tl.constexpr):
-    """CROSS: the query over all n_keys image keys (no position), key n seen where VIS[n] != 0, and the query
-    RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS."""
+                         CROSS: tl.constexpr, QNORM: tl.constexpr):
+    """CROSS: the query over all n_keys keys (no position), key n seen where VIS[n] != 0, and with QNORM the
+    query RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
     if CROSS:
@@ -120,7 +121,7 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
     e_ok = offs_e < E
     # [G, E], padded to 16 rows for tl.dot; padding rows are zeros and never stored
     q = tl.load(Q + heads[:, None] * sq_h + offs_e[None, :], mask=g_ok[:, None] & e_ok[None, :], other=0.0)
-    if CROSS:
+    if QNORM:
         q = rms_norm_rows(q, QNW, offs_e, e_ok, E, eps)
     CK = CK + kh * sk_k
     CV = CV + kh * sv_k
@@ -221,14 +222,16 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
 
 
 def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                               norm_weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+                               norm_weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None,
                                split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Mllama's decode-step cross-attention: q [1, H, E] (before q_norm; head rows contiguous) RMSNorm'd per head by
-    norm_weight [E], over all N image keys/values [K, N, E], key n seen where visible[n] (bool or uint8 [N],
-    at least one set) -> out shaped like q. GPU default: splits of 256 keys in 64-key blocks, 2 stages, the
-    fastest at 11B-Vision's 6404 image tokens, E = 128 (tools/bench/vision.py's variants; NOTES.md)."""
+    norm_weight [E] (None: no norm), over all N keys/values [K, N, E] (any strides but the last), key n seen where
+    visible[n] (bool or uint8 [N], at least one set) -> out shaped like q. GPU default: splits of 256 keys in
+    64-key blocks, 2 stages, the fastest at 11B-Vision's 6404 image tokens, E = 128 (tools/bench/vision.py's
+    variants; NOTES.md)."""
     N = keys.shape[1]
-    assert visible.numel() == N and visible.reshape(-1).stride(0) == 1 and norm_weight.shape == (q.shape[-1],)
+    assert visible.numel() == N and visible.reshape(-1).stride(0) == 1
+    assert norm_weight is None or norm_weight.shape == (q.shape[-1],)
     if split_len is None:
         split_len = 256 if q.is_cuda else max(16, triton.cdiv(triton.cdiv(N, 8), 16) * 16)
     tuned = {"BLOCK_N": 64, "num_stages": 2} if q.is_cuda else {}
@@ -260,11 +263,11 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     cross = visible is not None
     _decode_split_kernel[(NK, n_splits)](
         q, cache_k, cache_v, dk, dv, position if not cross else visible, visible if cross else q,
-        norm_weight if cross else q, acc, m, l, out, m if cnt is None else cnt, q.stride(-2), cache_k.stride(0),
+        q if norm_weight is None else norm_weight, acc, m, l, out, m if cnt is None else cnt, q.stride(-2), cache_k.stride(0),
         cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
         LOG2E / math.sqrt(E), max_len, float(eps), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e,
         BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None,
-        DOT_PRECISION=dot_precision(q.dtype), CROSS=cross,
+        DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, QNORM=norm_weight is not None,
         **{**cfg, "FUSED": cnt is not None})
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,

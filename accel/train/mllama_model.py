@@ -103,7 +103,8 @@ class MllamaTrainModel(TrainModel):
         pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in present])).to(device, dtype)
         ar_ids = torch.from_numpy(np.concatenate([im.aspect_ratio_ids for im in present])).to(device)
         ar_mask = np.concatenate([im.aspect_ratio_mask for im in present])
-        features = encoder.encode(p, vcfg, pixels, ar_ids, ar_mask, self.mw.vision_qkv)  # [I, A, P, O]
+        features = encoder.encode(p, vcfg, pixels, ar_ids, ar_mask, self.mw.vision_qkv,
+                                  self.mw.vision_gates)  # [I, A, P, O]
         tokens = encoder.project(p, features)  # [I·A·P, D]
         per_image = vcfg.max_num_tiles * vcfg.tokens_per_tile
         counts = [0 if im is None else im.num_images * per_image for im in images]

@@ -20,7 +20,7 @@ from refimpl.model.mllama_config import VisionConfig
 from refimpl.vision.encoder import (PRE_POST_NORM_EPS, aspect_ratio_embedding, padding_tokens, position_embedding,
                                     unfold_patches)
 
-from ..kernels.decode_attn import decode_attention_fwd
+from ..kernels.decode_attn import cross_decode_attention_fwd
 from ..kernels.layer_norm import add_layer_norm_fwd, layer_norm_fwd
 from ..ops import uses_triton
 
@@ -32,36 +32,38 @@ class PaddingRows:
     """HF's encoder mask (only pairs of two padding tokens blocked) as the rows it changes: every real query row
     sees every key, so attention runs unmasked for all rows; a padding row sees exactly its image's real keys, so
     each image's padding rows are then recomputed, unmasked, over those keys alone. Built once per encode from the
-    host's aspect_ratio_mask: per image with padding (index, rows [R], real keys [N], N - 1 as a device tensor)."""
+    host's aspect_ratio_mask in one host-to-device copy (`encode` builds it before launching anything, so the copy
+    waits on no work): per image with padding (index, padding rows [R], real-key flags over its tokens [L]
+    (the decode kernel's mask), real keys [N] (SDPA's gather)), int64 device tensors."""
 
     def __init__(self, aspect_ratio_mask, P: int, Q: int, device):
         masked = padding_tokens(aspect_ratio_mask, P, Q)  # [I, L]
-        self.images = []
-        for i, m in enumerate(masked):
-            if m.any():
-                keys = np.flatnonzero(~m)  # [N]: never empty (every tile has P real tokens, tile 0 is real)
-                self.images.append((i, torch.as_tensor(np.flatnonzero(m), device=device),
-                                    torch.as_tensor(keys, device=device),
-                                    torch.tensor([len(keys) - 1], device=device)))
+        padded = [i for i, m in enumerate(masked) if m.any()]
+        parts = [a for i in padded for a in (np.flatnonzero(masked[i]), ~masked[i], np.flatnonzero(~masked[i]))]
+        views = torch.as_tensor(np.concatenate(parts).astype(np.int64)).to(device).split(
+            [len(a) for a in parts]) if parts else ()
+        self.images = [(i, *views[3 * n:3 * n + 3]) for n, i in enumerate(padded)]
 
 
 def self_attention(qkv, pad: PaddingRows, I: int, H: int, E: int):
     """qkv [I·L, 3·H·E] (q, k, v side by side, one fused GEMM's output) -> [I·L, H·E], HF's padding mask.
     SDPA reads q/k/v as strided views; unmasked it takes a fused kernel, which beat the Triton kernels at the
     encoder's shape (tools/bench/NOTES.md). A few padding rows (a full image has 28) go through the split-K
-    decode kernel, their R rows as the query heads of one token (head h's rows share kv head h): a fused prefill
-    kernel would give them one program per head, each walking all keys alone."""
+    decode kernel, their R rows as the query heads of one token (head h's rows share kv head h), reading the
+    image's keys/values in place under the real-key mask: a fused prefill kernel would give them one program per
+    head, each walking all keys alone, and gathering the real keys copied 2 × [H, N, E] a layer."""
     L = qkv.shape[0] // I
     q, k, v = (x.transpose(1, 2) for x in qkv.view(I, L, 3, H, E).unbind(2))  # each [I, H, L, E], views
     a = F.scaled_dot_product_attention(q, k, v)  # [I, H, L, E]: right for every real query row
-    for i, rows, keys, last in pad.images:
+    for i, rows, real, keys in pad.images:
         R = len(rows)
-        qi, ki, vi = q[i][:, rows], k[i][:, keys], v[i][:, keys]  # [H, R, E], [H, N, E], [H, N, E] (copies)
+        qi = q[i][:, rows]  # [H, R, E] (a copy)
         if uses_triton(qkv) and R <= FEW_ROWS:
-            out = decode_attention_fwd(qi.reshape(1, H * R, E), ki, vi, last).view(H, R, E)  # [1, H·R, E]
+            out = cross_decode_attention_fwd(qi.reshape(1, H * R, E), k[i], v[i], real, None, 0.0)  # [1, H·R, E]
         else:
-            out = F.scaled_dot_product_attention(qi[None], ki[None], vi[None])[0]  # 4-D: a fused kernel, not math
-        a[i][:, rows] = out
+            ki, vi = k[i][:, keys], v[i][:, keys]  # [H, N, E] each (copies)
+            out = F.scaled_dot_product_attention(qi[None], ki[None], vi[None])  # 4-D: a fused kernel, not math
+        a[i][:, rows] = out.reshape(H, R, E)
     return a.transpose(1, 2).reshape(I * L, H * E)
 
 
@@ -115,23 +117,16 @@ def _stack(p: dict, cfg: VisionConfig, stack: str, n: int, x, qkv, pad, I: int, 
     return x
 
 
-def _gates(p: dict, cfg: VisionConfig) -> list[tuple[float, float]]:
-    """tanh of every global layer's two gates, read to the host once (addmm takes its scale as a number)."""
-    names = [f"vision_model.global_transformer.layers.{i}.gate_{g}" for i in range(cfg.num_global_layers)
-             for g in ("attn", "ffn")]
-    if not names:
-        return []
-    g = torch.cat([p[n].reshape(1).float() for n in names]).tanh().tolist()
-    return list(zip(g[0::2], g[1::2]))
-
-
 def encode(p: dict, cfg: VisionConfig, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
-           qkv: dict[str, torch.Tensor]):
+           qkv: dict[str, torch.Tensor], gates: list[tuple[float, float]]):
     """pixel_values [I, A, C, X, X] and aspect_ratio_ids [I] (device tensors), aspect_ratio_mask [I, A] (host),
-    qkv: the fused q/k/v weights by layer prefix (MllamaWeights.vision_qkv) -> image features [I, A, P, O]."""
+    qkv: the fused q/k/v weights by layer prefix (MllamaWeights.vision_qkv), gates: tanh of each global layer's
+    two gates as numbers (MllamaWeights.vision_gates: read once at load, no host sync here) -> image features
+    [I, A, P, O]."""
     I, A = pixel_values.shape[:2]
     P, Q, U = cfg.tokens_per_tile, cfg.padded_tokens_per_tile, cfg.hidden_size
     L = A * Q
+    pad = PaddingRows(aspect_ratio_mask, P, Q, pixel_values.device)  # its copy first: nothing queued to wait on
     pre = "vision_model."
     weight = p[pre + "patch_embedding.weight"].reshape(U, -1)  # [U, C, Z, Z] -> [U, C·Z·Z]
     patches = unfold_patches(pixel_values, cfg.patch_size).reshape(I * A * (P - 1), -1)  # [I·A·(P-1), C·Z·Z]
@@ -144,8 +139,6 @@ def encode(p: dict, cfg: VisionConfig, pixel_values, aspect_ratio_ids, aspect_ra
     tokens[:, :, :P] = F.layer_norm(tokens[:, :, :P], (U,), p[pre + "layernorm_pre.weight"],
                                     p[pre + "layernorm_pre.bias"], PRE_POST_NORM_EPS)
     x = tokens.view(I * L, U)
-    pad = PaddingRows(aspect_ratio_mask, P, Q, x.device)
-    gates = _gates(p, cfg)
 
     kept = {}
     x = _stack(p, cfg, "transformer", cfg.num_hidden_layers, x, qkv, pad, I, [(1.0, 1.0)] * cfg.num_hidden_layers,

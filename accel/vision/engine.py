@@ -129,7 +129,8 @@ class MllamaAccelEngine(AccelEngine):
         im = self._device_images(images)
         with ops.torch_only(not self.triton):
             features = encoder.encode(self.params, self.config.vision, im.pixel_values, im.aspect_ratio_ids,
-                                      images.aspect_ratio_mask, self.weights.vision_qkv)  # [I, A, P, O]
+                                      images.aspect_ratio_mask, self.weights.vision_qkv,
+                                      self.weights.vision_gates)  # [I, A, P, O]
             mllama.write_image_kv(self.weights, self.config, encoder.project(self.params, features), cache)
         cache.cross_mask = images.cross_attention_mask
 

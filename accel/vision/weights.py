@@ -49,6 +49,7 @@ class MllamaWeights:
     params: dict[str, torch.Tensor]  # every tensor by its checkpoint name
     cross: list[CrossLayer] = dataclasses.field(default_factory=list)  # cfg.text.cross_attention_layers' order
     vision_qkv: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # encoder layer -> [3·U, U] q;k;v
+    vision_gates: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # global layer -> tanh(gates)
 
     def nbytes_per_token(self, cfg: MllamaConfig) -> int:
         """Bytes of weights a decode step with an image in context reads: the text model's self layers,
@@ -108,6 +109,24 @@ def fuse_vision_qkv(params: dict[str, torch.Tensor], cfg: MllamaConfig) -> dict[
     return fused
 
 
+def vision_gates(params: dict[str, torch.Tensor], cfg: MllamaConfig) -> list[tuple[float, float]]:
+    """tanh of every global encoder layer's (attention, MLP) gates as numbers, read to the host once at load: the
+    encoder scales by them in addmm/add (which take a number), and a read per encode would be a host sync."""
+    names = [f"vision_model.global_transformer.layers.{i}.gate_{g}" for i in range(cfg.vision.num_global_layers)
+             for g in ("attn", "ffn")]
+    if not names:
+        return []
+    g = torch.cat([params[n].reshape(1).float() for n in names]).tanh().tolist()
+    return list(zip(g[0::2], g[1::2]))
+
+
+def _with_vision(w: MllamaWeights, cfg: MllamaConfig) -> MllamaWeights:
+    """The encoder's load-time rearrangements: fused q/k/v, gates as numbers."""
+    w.vision_qkv = fuse_vision_qkv(w.params, cfg)
+    w.vision_gates = vision_gates(w.params, cfg)
+    return w
+
+
 def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device, dtype: torch.dtype) -> MllamaWeights:
     """float32 NumPy params keyed by the Hub's names -> device tensors in `dtype`, one at a time."""
     self_layers, names = _text_renames(cfg)
@@ -117,7 +136,7 @@ def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device
     for name, array in params.items():
         if name not in out:
             out[name] = _to_device(array, device, dtype)
-    return _with_cross_layers(MllamaWeights(text, self_layers, out, vision_qkv=fuse_vision_qkv(out, cfg)), cfg)
+    return _with_cross_layers(_with_vision(MllamaWeights(text, self_layers, out), cfg), cfg)
 
 
 def _with_cross_layers(w: MllamaWeights, cfg: MllamaConfig) -> MllamaWeights:
@@ -156,4 +175,4 @@ def random_mllama_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes:
     for name, shape in shapes.items():
         if name not in out:
             out[name] = draw(name, shape)
-    return _with_cross_layers(MllamaWeights(text, self_layers, out, vision_qkv=fuse_vision_qkv(out, cfg)), cfg)
+    return _with_cross_layers(_with_vision(MllamaWeights(text, self_layers, out), cfg), cfg)
