@@ -44,15 +44,15 @@ class MllamaStaticCache(MllamaCache):
 
 
 def write_image_kv(w: MllamaWeights, cfg: MllamaConfig, states, cache: MllamaStaticCache) -> None:
-    """The image tokens states [N, D] -> every cross layer's normed keys and values, into cache.xk_all/xv_all."""
-    t = cfg.text
-    N, K, E = states.shape[0], t.num_key_value_heads, t.head_dim
-    for c, i in enumerate(t.cross_attention_layers):
-        p = lambda key: w.params[f"{TEXT}layers.{i}.{key}"]  # noqa: E731
-        k = ops.rms_norm(F.linear(states, p("cross_attn.k_proj.weight")).view(N, K, E), p("cross_attn.k_norm.weight"),
-                         t.rms_norm_eps)  # [N, D] -> [N, K, E]
-        cache.xk_all[c].copy_(k.transpose(0, 1))  # -> [K, N, E]
-        cache.xv_all[c].copy_(F.linear(states, p("cross_attn.v_proj.weight")).view(N, K, E).transpose(0, 1))
+    """The image tokens states [N, D] -> every cross layer's normed keys and values, into cache.xk_all/xv_all:
+    two GEMMs over all C layers' fused weights, one RMSNorm launch over every layer's key rows."""
+    t, kv = cfg.text, w.image_kv
+    N, K, E, C = states.shape[0], t.num_key_value_heads, t.head_dim, len(t.cross_attention_layers)
+    # RMSNorm with a unit weight gives the normed keys already rounded to the model dtype, as HF's k_norm casts
+    # them before its weight; the per-layer weight then multiplies in the transposing write: HF's result exactly
+    k = ops.rms_norm(F.linear(states, kv.k).view(N * C * K, E), kv.ones, t.rms_norm_eps)  # [N, D] -> [N·C·K, E]
+    torch.mul(k.view(N, C, K, E).permute(1, 2, 0, 3), kv.k_norm[:, None, None, :], out=cache.xk_all)  # [C, K, N, E]
+    cache.xv_all.copy_(F.linear(states, kv.v).view(N, C, K, E).permute(1, 2, 0, 3))  # [N, C·K·E] -> [C, K, N, E]
 
 
 def _cross_layer(cl: CrossLayer, cfg, x, h, next_norm, xk, xv, visible, has_image):

@@ -2,9 +2,10 @@
 
 The text decoder's self-attention layers, embedding, final norm and lm_head go through accel.weights (fused qkv and
 gate_up, rearranged once at load); the cross-attention layers' gate and up projections are fused the same way
-(`CrossLayer.gate_up`); everything else (vision encoder, projector) stays one tensor per checkpoint name. `params`
-gives every tensor by its checkpoint name (views of the fused ones), for trace mode, which runs
-refimpl.model.mllama.forward_steps over accel.ops.
+(`CrossLayer.gate_up`), and all cross layers' k and v projections into one matrix each (`CrossImageKV`: a request's
+image keys/values are two GEMMs); each encoder layer's q/k/v into one (`vision_qkv`); everything else stays one
+tensor per checkpoint name. `params` gives every tensor by its checkpoint name (views of the fused ones), for trace
+mode, which runs refimpl.model.mllama.forward_steps over accel.ops.
 """
 from __future__ import annotations
 
@@ -43,6 +44,30 @@ class CrossLayer:
 
 
 @dataclass
+class CrossImageKV:
+    """Every cross layer's image-side projections, fused at load (params keep views): layer c's rows start at c·K·E."""
+
+    k: torch.Tensor  # [C·K·E, D]: the k_proj weights stacked
+    v: torch.Tensor  # [C·K·E, D]: the v_proj weights stacked
+    k_norm: torch.Tensor  # [C, E]: the k_norm weights stacked
+    ones: torch.Tensor  # [E]: RMSNorm's weight when the layers' own are applied after it, all layers at once
+
+    @classmethod
+    def of(cls, params: dict, cfg: MllamaConfig) -> "CrossImageKV | None":
+        layers = cfg.text.cross_attention_layers
+        if not layers:
+            return None
+        fused = {}
+        for m in ("k", "v"):
+            names = [f"{TEXT}layers.{i}.cross_attn.{m}_proj.weight" for i in layers]
+            fused[m] = torch.cat([params[n] for n in names])  # C × [K·E, D] -> [C·K·E, D]
+            for n, view in zip(names, fused[m].chunk(len(layers))):
+                params[n] = view
+        k_norm = torch.stack([params[f"{TEXT}layers.{i}.cross_attn.k_norm.weight"] for i in layers])  # [C, E]
+        return cls(fused["k"], fused["v"], k_norm, torch.ones_like(k_norm[0]))
+
+
+@dataclass
 class MllamaWeights:
     text: Weights  # the self-attention layers only, in order (text.layers[j] is self_layers[j])
     self_layers: list[int]  # their indices in the decoder
@@ -50,6 +75,7 @@ class MllamaWeights:
     cross: list[CrossLayer] = dataclasses.field(default_factory=list)  # cfg.text.cross_attention_layers' order
     vision_qkv: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # encoder layer -> [3·U, U] q;k;v
     vision_gates: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # global layer -> tanh(gates)
+    image_kv: CrossImageKV | None = None
 
     def nbytes_per_token(self, cfg: MllamaConfig) -> int:
         """Bytes of weights a decode step with an image in context reads: the text model's self layers,
@@ -141,7 +167,8 @@ def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device
 
 def _with_cross_layers(w: MllamaWeights, cfg: MllamaConfig) -> MllamaWeights:
     """Each cross layer's gate and up projections moved into one [2F, D] tensor (params keep views of it), so
-    that the decode step runs them as one GEMV, as the self layers' gate_up."""
+    that the decode step runs them as one GEMV, as the self layers' gate_up; the image-side k/v fused likewise."""
+    w.image_kv = CrossImageKV.of(w.params, cfg)
     w.cross = []
     for i in cfg.text.cross_attention_layers:
         gate, up = (f"{TEXT}layers.{i}.mlp.{m}_proj.weight" for m in ("gate", "up"))
