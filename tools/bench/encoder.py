@@ -7,7 +7,8 @@
   * attention at the encoder's shape (B=1, L=4·1608, 16 heads of 80, HF's pad×pad mask), bf16: ours
     (accel.vision.encoder.self_attention: unmasked SDPA, then the padding rows masked), torch SDPA with the dense
     bool mask (the previous path), SDPA without a mask under each fused backend (a bound: not the same
-    computation), and flash_attn_bwd's Triton training forward without a mask (head dim padded to 128);
+    computation), flash_attn_bwd's Triton training forward without a mask (head dim padded to 128), and the
+    padding rows' decode kernel alone by split length;
   * --profile N: torch.profiler's table of one encode, the top N kernels by CUDA time;
   * --cudnn-too: the encode again with SDPA's cuDNN backend put first.
 Prints a table; writes JSON.
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from accel.kernels.flash_attn_bwd import flash_attn_train_fwd
-from accel.vision.encoder import PaddingRows, self_attention
+from accel.kernels.decode_attn import cross_decode_attention_fwd
+from accel.vision.encoder import FEW_ROWS, PaddingRows, self_attention
 from accel.vision.engine import MllamaAccelEngine
 from accel.vision.weights import random_mllama_weights
 from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
@@ -73,6 +75,14 @@ def attention_rows(tiles=(1, 1, 1, 1)) -> list[dict]:
             print(f"  sdpa {name}: {str(e)[:100]}", flush=True)
     row("flash_attn_bwd fwd, no mask (E pad 128)", lambda: flash_attn_train_fwd(q, k, v, causal=False)[0],
         check=False)
+    for _, pr, real, _ in rows_fix.images[:1]:  # the padding rows' kernel alone, by split length (a full image)
+        if len(pr) > FEW_ROWS:
+            continue
+        qi = qt[0][:, pr].reshape(1, -1, E)  # [1, H·R, E]
+        for split in (128, 256, 512):
+            ms = device_ms(lambda: cross_decode_attention_fwd(qi, kt[0], vt[0], real, None, 0.0, split_len=split))
+            rows.append({"name": f"padding rows alone, split {split}", "ms": ms, "padding_rows": len(pr)})
+            print(f"  padding rows alone ({len(pr)}), split {split:<4}{ms * 1e3:9.1f} us", flush=True)
     return rows
 
 
