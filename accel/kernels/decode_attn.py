@@ -226,7 +226,7 @@ def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torc
                                split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Mllama's decode-step cross-attention: q [1, H, E] (before q_norm; head rows contiguous) RMSNorm'd per head by
     norm_weight [E] (None: no norm), over all N keys/values [K, N, E] (any strides but the last), key n seen where
-    visible[n] (bool or uint8 [N], at least one set) -> out shaped like q. GPU default: splits of 256 keys in
+    visible[n] != 0 (bool or integers [N], at least one set) -> out shaped like q. GPU default: splits of 256 keys in
     64-key blocks, 2 stages, the fastest at 11B-Vision's 6404 image tokens, E = 128 (tools/bench/vision.py's
     variants; NOTES.md)."""
     N = keys.shape[1]
@@ -263,8 +263,9 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     cross = visible is not None
     _decode_split_kernel[(NK, n_splits)](
         q, cache_k, cache_v, dk, dv, position if not cross else visible, visible if cross else q,
-        q if norm_weight is None else norm_weight, acc, m, l, out, m if cnt is None else cnt, q.stride(-2), cache_k.stride(0),
-        cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
+        q if norm_weight is None else norm_weight, acc, m, l, out, m if cnt is None else cnt, q.stride(-2),
+        cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len,
+        n_splits,
         LOG2E / math.sqrt(E), max_len, float(eps), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e,
         BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None,
         DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, QNORM=norm_weight is not None,

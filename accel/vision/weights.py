@@ -45,7 +45,7 @@ class CrossLayer:
 
 @dataclass
 class CrossImageKV:
-    """Every cross layer's image-side projections, fused at load (params keep views): layer c's rows start at c·K·E."""
+    """Every cross layer's image-side projections, fused at load (params keep views); layer c's rows at c·K·E."""
 
     k: torch.Tensor  # [C·K·E, D]: the k_proj weights stacked
     v: torch.Tensor  # [C·K·E, D]: the v_proj weights stacked

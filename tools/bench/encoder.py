@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import time
 
 import numpy as np
 import torch
@@ -108,15 +109,27 @@ def encode_row(name: str, gemm: float, profile: int, cudnn_too: bool) -> dict:
             print(f"encode with cuDNN first failed: {str(e)[:200]}", flush=True)
     print(f"encode {name}: {ms:.2f} ms, {row['encode_tflop_s']:.1f} TFLOP/s, {row['encode_over_gemm_time']:.2f}x "
           f"the {at_gemm:.1f} ms of {flops / 1e12:.1f} TFLOP at {gemm:.0f} TFLOP/s", flush=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.encode_images(images, sess.cache)  # the host's time to issue it: near encode_ms means launch-bound
+    row["encode_host_issue_ms"] = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    print(f"host time to issue one encode: {row['encode_host_issue_ms']:.2f} ms", flush=True)
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             engine.encode_images(images, sess.cache)
             torch.cuda.synchronize()
-        table = p.key_averages().table(sort_by="cuda_time_total", row_limit=profile)
-        print(table, flush=True)
+        events = p.key_averages()
+        print(events.table(sort_by="cuda_time_total", row_limit=profile), flush=True)
+        gpu = [e for e in events if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
         row["profile"] = [{"name": e.key, "cuda_ms": e.device_time_total / 1e3, "calls": e.count}
-                          for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:profile]]
+                          for e in sorted(gpu, key=lambda e: -e.device_time_total)[:profile]]
+        row["kernel_ms_total"] = sum(e.device_time_total for e in gpu) / 1e3
+        # host syncs inside one encode (the profiled call's own synchronize is the last one)
+        row["host_sync_calls"] = {e.key: e.count for e in events
+                                  if "Synchronize" in e.key or e.key in ("cudaMemcpy", "cudaMemcpyAsync", "aten::item")}
+        print(f"kernel time {row['kernel_ms_total']:.2f} ms; sync-like calls {row['host_sync_calls']}", flush=True)
     return row
 
 
