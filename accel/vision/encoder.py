@@ -5,9 +5,10 @@ accel.ops), rearranged for speed:
       over the fused [3·U, U] weight (accel.vision.weights); attention reads q/k/v as strided views of its output;
     * the self-attention is one unmasked SDPA call over all images (a fused kernel: cuDNN's on the H200), then
       each image's padding rows again, over its real keys only (`PaddingRows`: HF's pad×pad mask);
-    * biases go into the GEMMs (F.linear's epilogue), the attention branch's residual (and its tanh gate, a scalar
-      read once) into the o_proj GEMM (addmm); the MLP branch's residual add and the next layer's input LayerNorm
-      are one Triton pass (accel.kernels.layer_norm), as is the post-attention LayerNorm; GELU is torch's kernel;
+    * biases go into the GEMMs (F.linear's epilogue), the attention branch's residual (and its tanh gate, a number
+      read at load) into the o_proj GEMM (addmm, in place); the MLP branch's residual add and the next layer's input
+      LayerNorm are one Triton pass (accel.kernels.layer_norm), as is the post-attention LayerNorm; GELU is torch's;
+    * no host sync once the first kernel is queued;
     * nothing yields or keeps values beyond the intermediate layers the output needs.
 """
 from __future__ import annotations
@@ -26,6 +27,9 @@ from ..ops import uses_triton
 
 
 FEW_ROWS = 64  # an image's padding rows up to this many take the split-K decode-attention kernel
+# its launch for them: with 28 query rows a kv head, the fused combine holds [32 rows, splits, 128] partials in one
+# program (85 µs at 26 splits, tools/bench/NOTES.md); the separate combine kernel spreads them over H·R programs
+PADDING_ROWS_LAUNCH = dict(split_len=512, config={"FUSED": False})
 
 
 class PaddingRows:
@@ -59,7 +63,8 @@ def self_attention(qkv, pad: PaddingRows, I: int, H: int, E: int):
         R = len(rows)
         qi = q[i][:, rows]  # [H, R, E] (a copy)
         if uses_triton(qkv) and R <= FEW_ROWS:
-            out = cross_decode_attention_fwd(qi.reshape(1, H * R, E), k[i], v[i], real, None, 0.0)  # [1, H·R, E]
+            out = cross_decode_attention_fwd(qi.reshape(1, H * R, E), k[i], v[i], real, None, 0.0,
+                                             **PADDING_ROWS_LAUNCH)  # [1, H·R, E]
         else:
             ki, vi = k[i][:, keys], v[i][:, keys]  # [H, N, E] each (copies)
             out = F.scaled_dot_product_attention(qi[None], ki[None], vi[None])  # 4-D: a fused kernel, not math
@@ -84,16 +89,18 @@ def _add_norm(x, r, alpha: float, norm: tuple | None):
 
 
 def _layer(p: dict, prefix: str, x, h, qkv_weight, pad, cfg: VisionConfig, I: int, gates: tuple[float, float],
-           next_norm: tuple | None):
+           next_norm: tuple | None, x_is_kept: bool):
     """One pre-norm layer over x [I·L, U], given h = its input LayerNorm of x -> (output, next_norm(output) or None).
-    gates = (tanh(gate_attn), tanh(gate_ffn)), 1.0 for ungated layers."""
+    gates = (tanh(gate_attn), tanh(gate_ffn)), 1.0 for ungated layers. The attention residual goes into x in place
+    (out of place addmm first copies x) unless x is a kept intermediate output."""
     H, E, eps = cfg.attention_heads, cfg.head_dim, cfg.norm_eps
 
     def w(name):
         return p[prefix + name]
 
     a = self_attention(F.linear(h, qkv_weight), pad, I, H, E)  # [I·L, U] -> [I·L, 3·U] -> [I·L, U]
-    x = torch.addmm(x, a, w("self_attn.o_proj.weight").t(), alpha=gates[0])  # x + g·(a W_oᵀ): [I·L, U]
+    residual = torch.addmm if x_is_kept else torch.Tensor.addmm_
+    x = residual(x, a, w("self_attn.o_proj.weight").t(), alpha=gates[0])  # x + g·(a W_oᵀ): [I·L, U]
     h = _norm(x, w("post_attention_layernorm.weight"), w("post_attention_layernorm.bias"), eps)
     up = F.gelu(F.linear(h, w("mlp.fc1.weight"), w("mlp.fc1.bias")))  # [I·L, U] -> [I·L, M]
     down = F.linear(up, w("mlp.fc2.weight"), w("mlp.fc2.bias"))  # [I·L, M] -> [I·L, U]
@@ -108,11 +115,12 @@ def _stack(p: dict, cfg: VisionConfig, stack: str, n: int, x, qkv, pad, I: int, 
         return p[pre + "weight"], p[pre + "bias"], cfg.norm_eps
 
     h = _norm(x, *input_norm(0)) if n else None
+    keeps = cfg.intermediate_layers_indices if kept is not None else ()
     for i in range(n):
         prefix = f"vision_model.{stack}.layers.{i}."
         x, h = _layer(p, prefix, x, h, qkv[prefix], pad, cfg, I, gates[i],
-                      input_norm(i + 1) if i + 1 < n else None)
-        if kept is not None and i in cfg.intermediate_layers_indices:
+                      input_norm(i + 1) if i + 1 < n else None, i - 1 in keeps)
+        if i in keeps:
             kept[i] = x
     return x
 
