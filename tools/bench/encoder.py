@@ -8,7 +8,7 @@
     (accel.vision.encoder.self_attention: unmasked SDPA, then the padding rows masked), torch SDPA with the dense
     bool mask (the previous path), SDPA without a mask under each fused backend (a bound: not the same
     computation), flash_attn_bwd's Triton training forward without a mask (head dim padded to 128), and the
-    padding rows' decode kernel alone by split length;
+    padding rows' decode kernel alone by split length and combine;
   * --profile N: torch.profiler's table of one encode, the top N kernels by CUDA time;
   * --cudnn-too: the encode again with SDPA's cuDNN backend put first.
 Prints a table; writes JSON.
@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from accel.kernels.flash_attn_bwd import flash_attn_train_fwd
 from accel.kernels.decode_attn import cross_decode_attention_fwd
-from accel.vision.encoder import FEW_ROWS, PaddingRows, self_attention
+from accel.vision.encoder import FEW_ROWS, PADDING_ROWS_LAUNCH, PaddingRows, self_attention
 from accel.vision.engine import MllamaAccelEngine
 from accel.vision.weights import random_mllama_weights
 from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
@@ -80,10 +80,13 @@ def attention_rows(tiles=(1, 1, 1, 1)) -> list[dict]:
         if len(pr) > FEW_ROWS:
             continue
         qi = qt[0][:, pr].reshape(1, -1, E)  # [1, H·R, E]
-        for split in (128, 256, 512):
-            ms = device_ms(lambda: cross_decode_attention_fwd(qi, kt[0], vt[0], real, None, 0.0, split_len=split))
-            rows.append({"name": f"padding rows alone, split {split}", "ms": ms, "padding_rows": len(pr)})
-            print(f"  padding rows alone ({len(pr)}), split {split:<4}{ms * 1e3:9.1f} us", flush=True)
+        for split, fused in ((256, False), (512, False), (1024, False), (256, True), (512, True), (1024, True)):
+            ms = device_ms(lambda: cross_decode_attention_fwd(qi, kt[0], vt[0], real, None, 0.0, split_len=split,
+                                                              config={"FUSED": fused}))
+            name = f"padding rows alone, split {split}, {'fused' if fused else 'separate'} combine"
+            rows.append({"name": name, "ms": ms, "padding_rows": len(pr),
+                         "used": (split, {"FUSED": fused}) == tuple(PADDING_ROWS_LAUNCH.values())})
+            print(f"  {name} ({len(pr)} rows){ms * 1e3:9.1f} us", flush=True)
     return rows
 
 
