@@ -27,8 +27,8 @@ from ..ops import uses_triton
 
 
 FEW_ROWS = 64  # an image's padding rows up to this many take the split-K decode-attention kernel
-# its launch for them: with 28 query rows a kv head, the fused combine holds [32 rows, splits, 128] partials in one
-# program (85 µs at 26 splits, tools/bench/NOTES.md); the separate combine kernel spreads them over H·R programs
+# the kernel's launch for them: with R query rows a kv head, the fused combine would hold [R, splits, E] partials in
+# one program's registers; the separate combine kernel spreads them over H·R programs (tools/bench/NOTES.md)
 PADDING_ROWS_LAUNCH = dict(split_len=512, config={"FUSED": False})
 
 
