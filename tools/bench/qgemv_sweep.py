@@ -1,13 +1,15 @@
 """Quantized decode GEMV launch configs (accel/kernels/qgemv.py) per Llama 3.2 shape and format, on a CUDA GPU.
 
-`python3 -m tools.bench.qgemv_sweep OUT_DIR [--models=1b,3b] [--quant=int8,int4:64] [--budget=S]`.
+`python3 -m tools.bench.qgemv_sweep OUT_DIR [--models=1b,3b] [--quant=int8,int4:64] [--gemvs=qkv,o,gate_up,down,lm_head]
+[--budget=S] [--focus]`.
 Each shape runs as the decode step runs it: qkv through the fused norm + qkv + RoPE + cache-write kernel
 (qkv_rope_qfwd), o with the residual, gate_up and the lm_head with the norm prologue, down with SwiGLU and the
 residual. Every candidate QGemvConfig is first checked against float64 "dequantize, then multiply" (bf16
 tolerance; qkv: against the unfused GEMV + rope_kv_write), then timed: µs a call inside one CUDA graph over
 >= 256 MB of weight copies (tools.bench.gemv_sweep.graph_us: the layers' weights do not stay in the 50 MB L2
-during decode either). The rule's config (qgemv_config with an empty table) comes first, then variants around it;
-past --budget seconds the rest is skipped. Writes OUT_DIR/qgemv_sweep.json; copy winners clearly faster than the
+during decode either). The rule's config (qgemv_config with an empty table) comes first, then the table's row (if
+any), then variants around it (the tensor-core kernel's too: QGemvConfig.mma); past --budget seconds the rest is
+skipped. Writes OUT_DIR/qgemv_sweep.json; copy winners clearly faster than the
 rule into accel/kernels/tuning.py's QGEMV by hand, with the numbers in NOTES.md (nothing here rewrites a table).
 """
 from __future__ import annotations
@@ -38,11 +40,15 @@ def shapes(cfg) -> dict:
             "gate_up": (2 * F, D, "norm"), "down": (D, F, "swiglu"), "lm_head": (cfg.vocab_size, D, "norm")}
 
 
-def candidates(N: int, K: int, bits: int, group: int, sms: int, rope: bool) -> list[QGemvConfig]:
-    """The rule's config, then variants: half / double the rows, narrower / wider tiles, 2 / 8 warps, K slices of
-    2 or 4 tiles in a cp.async pipeline."""
+def candidates(N: int, K: int, bits: int, group: int, sms: int, rope: bool, focus: bool = False) -> list[QGemvConfig]:
+    """The rule's config, the table's, then variants: half / double the rows, narrower / wider tiles, 2 / 8 warps,
+    K slices of 2 or 4 tiles in a cp.async pipeline, one warp with whole-row slices, the tensor-core kernel.
+    focus: only the rule, the table, the one-warp and the tensor-core variants."""
     rule = qgemv_config(N, K, bits, group, sms, rope, table={})
     out = [rule]
+    table = qgemv_config(N, K, bits, group, sms, rope)
+    if table != rule:
+        out.append(table)
     kbytes = triton.next_power_of_2(triton.cdiv(K * bits, 8))
 
     def add(bn, nbytes, warps, per_slice=1):
@@ -56,6 +62,16 @@ def candidates(N: int, K: int, bits: int, group: int, sms: int, rope: bool) -> l
             out.append(c)
 
     nb = rule.block_k * bits // 8
+    add(16, 512, 1, 4)  # one warp, whole-row slices
+    add(32, 512, 1, 3)
+    if not rope:  # the tensor-core kernel: (rows, columns a tile, warps, row-block programs, stages)
+        for bn, bk, warps, progs, st in ((32, 512, 4, 4 * sms, 2), (64, 512, 4, 2 * sms, 2), (16, 512, 2, 8 * sms, 2)):
+            bk = min(bk, 16 * group if group < K else bk)  # each sixteenth of a tile inside one group
+            c = QGemvConfig(bn, bk, warps, 1, st, progs)
+            if bk * bits // 8 <= kbytes and c not in out:
+                out.append(c)
+    if focus:
+        return out
     add(rule.block_n * 2, nb, rule.warps)
     add(rule.block_n // 2, nb, rule.warps)
     add(rule.block_n, nb // 2, rule.warps)
@@ -139,18 +155,21 @@ class Case:
         return graph_us([lambda t=t, o=o: self.call(t, config, o) for t, o in zip(self.copies, outs)])
 
 
-def sweep(models: list[str], specs: list[str], budget: float, path: str | None = None) -> dict:
+def sweep(models: list[str], specs: list[str], budget: float, path: str | None = None,
+          gemvs: list[str] | None = None, focus: bool = False) -> dict:
     deadline = time.time() + budget
     sms = sm_count(torch.device("cuda"))
     result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": []}
     for m in models:
         cfg = PRESETS[NAMES[m]]
         for what, (N, K, fusion) in shapes(cfg).items():
+            if gemvs and what not in gemvs:
+                continue
             for spec in specs:
                 case = Case(what, N, K, fusion, spec, cfg)
                 t = case.t
                 row = {"model": m, "gemv": what, "N": N, "K": K, "quant": spec, "bytes": t.nbytes, "configs": []}
-                for c in candidates(N, K, t.bits, t.group, sms, fusion == "rope"):
+                for c in candidates(N, K, t.bits, t.group, sms, fusion == "rope", focus):
                     if time.time() > deadline and row["configs"]:
                         break
                     entry = {"config": list(c)}
@@ -181,10 +200,11 @@ def sweep(models: list[str], specs: list[str], budget: float, path: str | None =
 
 def main(argv: list[str]) -> None:
     out_dir = argv[0]
-    opts = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--"))
+    opts = dict(a[2:].split("=", 1) if "=" in a else (a[2:], "") for a in argv[1:] if a.startswith("--"))
     models = opts.get("models", "1b,3b").split(",")
     specs = opts.get("quant", "int8,int4:64").split(",")
-    sweep(models, specs, float(opts.get("budget", "1e9")), f"{out_dir}/qgemv_sweep.json")
+    gemvs = opts["gemvs"].split(",") if "gemvs" in opts else None
+    sweep(models, specs, float(opts.get("budget", "1e9")), f"{out_dir}/qgemv_sweep.json", gemvs, "focus" in opts)
 
 
 if __name__ == "__main__":
