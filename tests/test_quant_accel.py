@@ -128,31 +128,6 @@ def test_quantized_gemv_split_k_sums_slices_in_order(name):
 
 
 @interpreter
-@pytest.mark.parametrize("name", ["int8", "int4:32", "int4:128", "q4_0", "q4_1", "int4:64 (G > K)"])
-@pytest.mark.parametrize("fusion", ["norm", "swiglu", "residual"])
-@pytest.mark.parametrize("block_k, programs", [(64, 1), (256, 3)], ids=["4-tiles-1-program", "1-tile-3-programs"])
-def test_quantized_gemv_on_tensor_cores_is_dequantize_then_multiply(name, fusion, block_k, programs):
-    """The tensor-core kernel (QGemvConfig.mma): block-diagonal f(x) by the codes, per-sub-block scales, its K
-    tiles summed by the split-K epilogue; few programs loop over the 37 rows' ragged row blocks."""
-    rec = RECORDS[name]
-    N, K = rec.shape
-    t = from_quantized_linear(rec, "cpu")
-    rng = np.random.default_rng(6)
-    x = rng.standard_normal(2 * K if fusion == "swiglu" else K).astype(np.float32)
-    r = rng.standard_normal(N).astype(np.float32)
-    nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
-    if fusion == "norm":
-        kw, fx = dict(norm_weight=torch.from_numpy(nw), eps=1e-5), np_ops.rms_norm(x[None], nw, 1e-5)[0]
-    elif fusion == "swiglu":
-        kw, fx = dict(swiglu=True), np_ops.swiglu(x[None, :K], x[None, K:])[0]
-    else:
-        kw, fx = dict(residual=torch.from_numpy(r.copy())), x
-    cfg = QGemvConfig(16, block_k, 4, 1, 2, programs)
-    got = qgemv(t, torch.from_numpy(x)[None], config=cfg, **kw)[0].numpy()
-    check_fp32(got, oracle_product(rec, fx) + (r if fusion == "residual" else 0), rec, fx)
-
-
-@interpreter
 @pytest.mark.parametrize("H, NKV, E, D, spec", [(4, 2, 16, 64, "int8"), (3, 1, 24, 96, "int4:32"),
                                                   (2, 2, 64, 160, "q4_1"), (4, 1, 32, 96, "q4_0")])
 @pytest.mark.parametrize("block_n", [None, 4])
@@ -263,34 +238,6 @@ def test_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion):
     want = fx.double() @ t.dequantize().double().T + (r.double() if fusion == "residual" else 0)
     # bf16 output: one rounding of the result (and of the residual sum), 2^-8 relative
     err = (got.double() - want).abs().max().item()
-    assert err <= 2 ** -7 * want.abs().max().item() + 1e-3, err
-
-
-@gpu
-@pytest.mark.parametrize("spec", ["int8", "int4:64", "int4:32"])
-@pytest.mark.parametrize("N, K, fusion", [(16384, 2048, "norm"), (2048, 8192, "swiglu"), (3072, 3072, "residual")])
-@pytest.mark.parametrize("cfg", [QGemvConfig(32, 512, 4, 1, 2, 528), QGemvConfig(64, 256, 4, 1, 3, 132)],
-                         ids=["32x512", "64x256"])
-def test_quantized_gemv_on_tensor_cores_at_llama_shapes_gpu(spec, N, K, fusion, cfg):
-    """The tensor-core kernel in bf16 (int4: the PTX code conversion) against float64 dequantize-then-multiply."""
-    from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
-    g = torch.Generator(device="cuda").manual_seed(1)
-    t = quantize(torch.randn(N, K, device="cuda", generator=g) * 0.02, QuantSpec.parse(spec))
-    x = torch.randn(1, 2 * K if fusion == "swiglu" else K, device="cuda", generator=g).to(torch.bfloat16)
-    r = torch.randn(1, N, device="cuda", generator=g).to(torch.bfloat16)
-    nw = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).to(torch.bfloat16)
-    if spec == "int4:32":
-        cfg = cfg._replace(block_k=min(cfg.block_k, 512))
-    kw, fx = {}, x
-    if fusion == "norm":
-        kw, fx = dict(norm_weight=nw, eps=1e-5), torch_rms_norm(x, nw, 1e-5)
-    elif fusion == "swiglu":
-        kw, fx = dict(swiglu=True), torch_swiglu_gate_up(x)
-    else:
-        kw = dict(residual=r.clone())
-    got = qgemv(t, x, config=cfg, **kw).double()
-    want = fx.double() @ t.dequantize().double().T + (r.double() if fusion == "residual" else 0)
-    err = (got - want).abs().max().item()
     assert err <= 2 ** -7 * want.abs().max().item() + 1e-3, err
 
 

@@ -74,36 +74,6 @@ def _tile_magic(byte, BITS: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.conste
     return v
 
 
-# int4 for the tensor cores: 4 packed bytes -> the 8 codes as bf16 pairs, exactly: a PRMT puts two nibbles under
-# the exponent of 128 (0x43uu = 128 + u), one bf16x2 FMA takes off 128 + OFFSET (−128: 0xC300, −136: 0xC308)
-_BF16_INT4 = """{{ .reg .b32 m, lo, hi, one, neg; mov.b32 m, 0x43434343; mov.b32 one, 0x3F803F80;
-mov.b32 neg, {neg}; and.b32 lo, $4, 0x0F0F0F0F; shr.u32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, m, 0x4140; prmt.b32 $1, lo, m, 0x4342; prmt.b32 $2, hi, m, 0x4140; prmt.b32 $3, hi, m, 0x4342;
-fma.rn.bf16x2 $0, $0, one, neg; fma.rn.bf16x2 $1, $1, one, neg;
-fma.rn.bf16x2 $2, $2, one, neg; fma.rn.bf16x2 $3, $3, one, neg; }}"""
-_BF16_INT4_OFF0 = tl.constexpr(_BF16_INT4.format(neg="0xC300C300"))
-_BF16_INT4_OFF8 = tl.constexpr(_BF16_INT4.format(neg="0xC308C308"))
-
-
-@triton.jit
-def _code_planes(byte, BITS: tl.constexpr, OFFSET: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
-    """[BN, BYTES] bytes -> codes q − OFFSET in DT (exact: |q| <= 128), the tensor-core kernel's A operands: int8
-    the one plane; int4 (lo, hi), the low / high nibbles (even / odd columns) as two planes, left apart so the
-    registers need no reshuffle (B is split to match). FAST (bf16, 4 bits): 1.4 instructions a code (PTX above)."""
-    if BITS == 8:
-        lo = byte.to(tl.int8).to(DT)
-        hi = lo
-    else:
-        if FAST and DT == tl.bfloat16 and (OFFSET == 0 or OFFSET == 8):
-            asm: tl.constexpr = _BF16_INT4_OFF0 if OFFSET == 0 else _BF16_INT4_OFF8
-            lo, hi = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [byte], dtype=(tl.bfloat16, tl.bfloat16),
-                                               is_pure=True, pack=4)
-        else:
-            lo = ((byte.to(tl.int32) & 15) - OFFSET).to(DT)
-            hi = ((byte.to(tl.int32) >> 4) - OFFSET).to(DT)
-    return lo, hi
-
-
 @triton.jit
 def _qtile(Q, S, M, X, NW, rows_c, kb0, jb, jc, K, KB, stride_q, stride_s, rstd, n_groups, BITS: tl.constexpr,
            OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
@@ -180,67 +150,6 @@ def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, ep
 
 
 @triton.jit
-def _qgemv_mma_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, eps, n_groups, blocks,
-                      BITS: tl.constexpr, OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
-                      PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr,
-                      STAGES: tl.constexpr, FAST: tl.constexpr):
-    """The products on the tensor cores. Program (p, K tile s): f(x) of the tile as a block-diagonal [BLOCK_K, 16]
-    B (column j: f(x) on the tile's j-th sixteenth, inside one group; zeros elsewhere), built once; then for row
-    blocks p, p + P, ... one tl.dot of the codes (exact in x's dtype) by B gives every row's 16 sub-block sums,
-    each scaled by its group's scale (+ minimum · Σ f(x) of the sub-block). f(x) is already rounded to x's dtype
-    by the prologue, so B is exact and the products are as the FMA path's; the sums go through split_k_epilogue."""
-    SUB: tl.constexpr = BLOCK_K // 16
-    BYTES: tl.constexpr = BLOCK_K * BITS // 8
-    DT: tl.constexpr = X.dtype.element_ty
-    p = tl.program_id(0)
-    s = tl.program_id(1)
-    jb = tl.arange(0, BYTES)
-    j = tl.arange(0, 16)
-    rstd = 0.0
-    if PROLOGUE == 1:
-        rstd = rms_rstd(X, K, eps, K_POW2)
-    kb0 = s * BYTES
-    k0 = kb0 * (8 // BITS)
-    if BITS == 8:
-        fx = prologue_fx(X, NW, k0, jb, K, rstd, PROLOGUE, False)  # [BK] fp32, zeros past K
-        rhs = tl.where((jb // SUB)[:, None] == j[None, :], fx[:, None], 0.0).to(DT)  # [BK, 16]
-        rhs_hi = rhs
-        xs = tl.sum(tl.reshape(fx, [16, SUB]), axis=1)  # [16] Σ f(x) a sub-block
-    else:  # even and odd columns apart, as the code planes
-        fx = prologue_fx(X, NW, k0, 2 * jb, K, rstd, PROLOGUE, False)  # [BYTES] f(x) at the even columns
-        fx_hi = prologue_fx(X, NW, k0, 2 * jb + 1, K, rstd, PROLOGUE, False)  # [BYTES] at the odd ones
-        sub_of = (2 * jb // SUB)[:, None] == j[None, :]
-        rhs = tl.where(sub_of, fx[:, None], 0.0).to(DT)  # [BYTES, 16]
-        rhs_hi = tl.where(sub_of, fx_hi[:, None], 0.0).to(DT)
-        xs = tl.sum(tl.reshape(fx + fx_hi, [16, SUB // 2]), axis=1)  # [16] Σ f(x) a sub-block
-    g = (k0 + j * SUB) // GROUP  # [16] the group of each sub-block
-    inside = g[None, :] < n_groups
-    for blk in tl.range(p, blocks, tl.num_programs(0), num_stages=STAGES):
-        rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
-        byte = tl.load(Q + rows_c[:, None] * stride_q + kb0 + jb[None, :], mask=kb0 + jb[None, :] < KB, other=0)
-        lo, hi = _code_planes(byte, BITS, OFFSET, DT, FAST)  # [BN, BYTES] each
-        if DT == tl.float32:
-            part = tl.dot(lo, rhs, input_precision="ieee")  # [BN, 16]
-            if BITS == 4:
-                part = tl.dot(hi, rhs_hi, part, input_precision="ieee")
-        else:
-            part = tl.dot(lo, rhs)  # [BN, 16] fp32 sums of exact products
-            if BITS == 4:
-                part = tl.dot(hi, rhs_hi, part)
-        if PER_ROW:
-            out = tl.sum(part, axis=1) * tl.load(S + rows_c * stride_s).to(tl.float32)
-        else:
-            part *= tl.load(S + rows_c[:, None] * stride_s + g[None, :], mask=inside, other=0.0).to(tl.float32)
-            if HAS_MIN:
-                m = tl.load(M + rows_c[:, None] * stride_s + g[None, :], mask=inside, other=0.0)
-                part += m.to(tl.float32) * xs[None, :]
-            out = tl.sum(part, axis=1)
-        split_k_epilogue(out, P, CNT, R, Y, rows, N, s, blk, SPLIT_K, HAS_RESIDUAL)
-
-
-@triton.jit
 def _qkv_rope_kernel(Q, S, M, X, NW, COS, SIN, POS, QO, CK, CV, K, KB, stride_q, stride_s, eps, n_groups, s_cos,
                      s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV, E: tl.constexpr, BITS: tl.constexpr,
                      OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
@@ -293,10 +202,6 @@ def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool) -> No
     chunk = 128 // bits
     assert cfg.block_k % chunk == 0, f"block_k {cfg.block_k}: whole {chunk}-column chunks (16 bytes)"
     assert per_row or group % chunk == 0, f"group {group}: whole {chunk}-column chunks"
-    if cfg.mma:  # tl.dot needs 16 rows; each of the 16 sub-blocks inside one group; no qkv + RoPE kernel
-        sub = cfg.block_k // 16
-        assert cfg.block_n >= 16 and sub >= 1 and (per_row or group % sub == 0), \
-            f"mma: block_n {cfg.block_n} >= 16 and block_k / 16 = {sub} dividing the group {group}"
 
 
 def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int, group: int,
@@ -316,21 +221,9 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
     _launch_checks(cfg, bits, group, per_row)
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE
     blocks = triton.cdiv(N, cfg.block_n)
-    pack = 8 // bits
-    k_pow2 = triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1
-    if cfg.mma:
-        tiles = triton.cdiv(K, cfg.block_k)
-        p, c = split_scratch(q.device, tiles * N, blocks) if tiles > 1 else (out, out)
-        _qgemv_mma_kernel[(min(cfg.mma, blocks), tiles)](
-            q, scale, low if low is not None else scale, xv, norm_weight if norm_weight is not None else xv,
-            residual if residual is not None else out, out, p, c, N, K, triton.cdiv(K, pack), q.stride(0),
-            scale.stride(0), float(eps), scale.shape[1], blocks, BITS=bits, OFFSET=offset, GROUP=group,
-            HAS_MIN=low is not None, PER_ROW=per_row, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_POW2=k_pow2, SPLIT_K=tiles, STAGES=cfg.stages,
-            FAST=q.is_cuda, num_warps=cfg.warps, num_stages=cfg.stages)
-        return out
     k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(K, k_split)
+    pack = 8 // bits
     p, c = split_scratch(q.device, split * N, blocks) if split > 1 else (out, out)
     _qgemv_kernel[(blocks, split)](
         q, scale, low if low is not None else scale, xv, norm_weight if norm_weight is not None else xv,
@@ -338,7 +231,7 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         scale.stride(0), float(eps), scale.shape[1], k_split // pack, BITS=bits, OFFSET=offset, GROUP=group,
         HAS_MIN=low is not None, PER_ROW=per_row, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        K_POW2=k_pow2, SPLIT_K=split, STAGES=cfg.stages,
+        K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
         FAST=q.is_cuda, num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
@@ -364,7 +257,6 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
     cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device), True)
     _launch_checks(cfg, bits, group, per_row)
     hn = cfg.block_n // 2
-    assert not cfg.mma, "the qkv + RoPE kernel has no tensor-core variant"
     assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
     _qkv_rope_kernel[((H + 2 * NKV) * triton.cdiv(E // 2, hn),)](
         q, scale, low if low is not None else scale, x, norm_weight, cos, sin, position, q_out, cache_k, cache_v, K,

@@ -64,15 +64,12 @@ QKV_ROPE: Mapping[tuple[int, int], QkvConfig] = MappingProxyType({
 
 class QGemvConfig(NamedTuple):
     """The quantized GEMV (accel/kernels/qgemv.py): [block_n, block_k] tiles (block_k in columns), `split_k` K
-    slices a row block (the qkv + RoPE kernel takes 1), `stages` tiles in flight a program (1: no pipeline).
-    `mma` > 0: the tensor-core kernel instead, on (mma, K / block_k) programs, each looping over row blocks of one
-    K tile (split_k unused; stages: row blocks in flight)."""
+    slices a row block (the qkv + RoPE kernel takes 1), `stages` tiles in flight a program (1: no pipeline)."""
     block_n: int
     block_k: int
     warps: int
     split_k: int
     stages: int
-    mma: int = 0
 
 
 # The quantized GEMV per (N, K, bits, group), ("rope",) appended for the fused qkv + RoPE kernel; shapes not
@@ -82,10 +79,10 @@ class QGemvConfig(NamedTuple):
 QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
     (3072, 2048, 8, 2048, "rope"): QGemvConfig(8, 2048, 4, 1, 2),  # 1B qkv
     (2048, 2048, 8, 2048): QGemvConfig(8, 2048, 4, 1, 1),  # 1B o
-    (16384, 2048, 8, 2048): QGemvConfig(8, 1024, 2, 1, 2),  # 1B gate_up
+    (16384, 2048, 8, 2048): QGemvConfig(16, 512, 1, 1, 3),  # 1B gate_up
     (16384, 2048, 4, 64): QGemvConfig(16, 1024, 1, 1, 3),
     (2048, 8192, 8, 8192): QGemvConfig(16, 512, 2, 8, 2),  # 1B down
-    (128256, 2048, 8, 2048): QGemvConfig(16, 512, 1, 2, 3),  # 1B lm_head
+    (128256, 2048, 8, 2048): QGemvConfig(16, 512, 1, 1, 3),  # 1B lm_head
     (128256, 2048, 4, 64): QGemvConfig(16, 1024, 1, 1, 3),
     (5120, 3072, 8, 3072, "rope"): QGemvConfig(8, 1024, 4, 1, 2),  # 3B qkv
     (5120, 3072, 4, 64, "rope"): QGemvConfig(16, 1024, 4, 1, 2),
