@@ -204,14 +204,14 @@ def sweep(models: list[str], specs: list[str], budget: float, path: str | None =
     return result
 
 
-def table_source(result: dict, margin: float = 0.02) -> str:
+def table_source(result: dict, sms: int, margin: float = 0.02) -> str:
     """tuning.QGEMV's body with each swept row's fastest config where it beat the config the table gives now (its
     row, else the rule; both timed in this sweep) by more than `margin`; other rows kept. To paste by hand."""
     table = dict(QGEMV)
     for row in result["rows"]:
         key = (row["N"], row["K"], row["bits"], row["group"]) + (("rope",) if row["gemv"] == "qkv" else ())
         timed = {tuple(e["config"]): e["us"] for e in row["configs"] if "us" in e}
-        now = timed.get(tuple(qgemv_config(*key[:4], sm_count(torch.device("cuda")), len(key) > 4)))
+        now = timed.get(tuple(qgemv_config(*key[:4], sms, len(key) > 4)))
         if "best" in row and now is not None and row["best"]["us"] < (1 - margin) * now:
             table[key] = QGemvConfig(*row["best"]["config"])
     names = {(N, K): f"{m.upper()} {what}" for m in NAMES for what, (N, K, _) in shapes(PRESETS[NAMES[m]]).items()}
@@ -232,7 +232,7 @@ def main(argv: list[str]) -> None:
     result = sweep(models, specs, float(opts.get("budget", "1e9")), f"{out_dir}/qgemv_sweep.json", gemvs,
                    "focus" in opts)
     with open(f"{out_dir}/qgemv_table.txt", "w") as f:
-        f.write(table_source(result) + "\n")
+        f.write(table_source(result, sm_count(torch.device("cuda"))) + "\n")
 
 
 if __name__ == "__main__":
