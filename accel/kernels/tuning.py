@@ -74,7 +74,7 @@ class QGemvConfig(NamedTuple):
 
 # The quantized GEMV per (N, K, bits, group), ("rope",) appended for the fused qkv + RoPE kernel; shapes not
 # listed use `qgemv.qgemv_config`'s rule. The fastest config of the sweeps (tools.bench.qgemv_sweep) where it beat
-# the rule by > 2%, for int8 (one scale a row: group = K) and int4:64 at the Llama 3.2 1B / 3B decode shapes
+# the rule (or the row before it) by > 2%, for int8 (one scale a row: group = K) and int4:64 at the Llama 3.2 1B / 3B decode shapes
 # (gate_up, lm_head and 3B o at int8: one or two warps of 16 or 32 rows over the whole row, a 3-4 stage cp.async
 # pipeline over its tiles).
 QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
