@@ -7,7 +7,8 @@ import pytest
 pytest.importorskip("torch")
 from accel.kernels import tuning  # noqa: E402
 from accel.kernels.tuning import GemvConfig, QkvConfig  # noqa: E402
-from tools.bench import attn_sweep, decode_variants, gemv_sweep, gpu, prefill_profile, quant_prefill  # noqa: E402, F401
+from tools.bench import (attn_sweep, decode_variants, gemv_sweep, gpu, prefill_profile, qgemv_sweep,  # noqa: E402, F401
+                         quant_prefill)
 
 
 def test_launch_tables_are_read_only():
@@ -42,3 +43,33 @@ def test_winner_rules_keep_the_table_unless_one_percent_faster():
     fast = dict(slow, best_us=9.8)
     assert decode_variants.gemv_winner(slow) == {}
     assert decode_variants.gemv_winner(fast) == {key: GemvConfig(*other)}
+
+
+def test_qgemv_candidates_include_the_table_row_and_the_rule():
+    from accel.kernels.qgemv import qgemv_config
+    for key, row in tuning.QGEMV.items():
+        N, K, bits, group = key[:4]
+        rope = key[4:] == ("rope",)
+        for focus in (False, True):
+            cands = qgemv_sweep.candidates(N, K, bits, group, 132, rope, focus)
+            assert cands[0] == qgemv_config(N, K, bits, group, 132, rope, table={}) and row in cands
+            assert len(cands) == len(set(cands)) and all(not rope or c.split_k == 1 for c in cands)
+
+
+def test_qgemv_table_source_is_the_table_with_winners_past_the_margin():
+    """qgemv_table.txt: the QGEMV body as tuning.py spells it, a row replaced only where its winner beat the
+    config the table gives now by more than 2% (both timed in the same sweep)."""
+    from accel.kernels.tuning import QGemvConfig
+    src = open(tuning.__file__).read()
+    assert qgemv_sweep.table_source({"rows": []}, 132) in src  # the same text: a splice is a pure data change
+    (N, K, bits, group), now = next((k, c) for k, c in tuning.QGEMV.items() if len(k) == 4)
+    other = [now.block_n * 2, now.block_k, now.warps, now.split_k, now.stages]
+    row = {"model": "1b", "gemv": "o", "N": N, "K": K, "bits": bits, "group": group,
+           "configs": [{"config": list(now), "us": 10.0}, {"config": other, "us": 9.9}],
+           "best": {"config": other, "us": 9.9}}
+
+    def table(r):
+        return eval("{" + qgemv_sweep.table_source({"rows": [r]}, 132) + "}", {"QGemvConfig": QGemvConfig})
+    assert table(row) == dict(tuning.QGEMV)  # 1% faster: kept
+    row["configs"][1]["us"] = row["best"]["us"] = 9.7
+    assert table(row) == {**tuning.QGEMV, (N, K, bits, group): QGemvConfig(*other)}

@@ -1,14 +1,17 @@
 """Quantized decode GEMV launch configs (accel/kernels/qgemv.py) per Llama 3.2 shape and format, on a CUDA GPU.
 
-`python3 -m tools.bench.qgemv_sweep OUT_DIR [--models=1b,3b] [--quant=int8,int4:64] [--budget=S]`.
+`python3 -m tools.bench.qgemv_sweep OUT_DIR [--models=1b,3b] [--quant=int8,int4:64]
+[--gemvs=qkv,o,gate_up,down,lm_head] [--budget=S] [--focus]` (--focus: candidates() says which).
 Each shape runs as the decode step runs it: qkv through the fused norm + qkv + RoPE + cache-write kernel
 (qkv_rope_qfwd), o with the residual, gate_up and the lm_head with the norm prologue, down with SwiGLU and the
 residual. Every candidate QGemvConfig is first checked against float64 "dequantize, then multiply" (bf16
 tolerance; qkv: against the unfused GEMV + rope_kv_write), then timed: µs a call inside one CUDA graph over
 >= 256 MB of weight copies (tools.bench.gemv_sweep.graph_us: the layers' weights do not stay in the 50 MB L2
-during decode either). The rule's config (qgemv_config with an empty table) comes first, then variants around it;
-past --budget seconds the rest is skipped. Writes OUT_DIR/qgemv_sweep.json; copy winners clearly faster than the
-rule into accel/kernels/tuning.py's QGEMV by hand, with the numbers in NOTES.md (nothing here rewrites a table).
+during decode either). The rule's config (qgemv_config with an empty table) comes first, then the table's row (if
+any), then variants around it; past --budget seconds the rest is skipped. Writes OUT_DIR/qgemv_sweep.json and
+OUT_DIR/qgemv_table.txt (QGEMV's body with the rows whose winner beat today's config by > 2%): copy it into
+accel/kernels/tuning.py by hand once the engine is measured with it, the numbers in NOTES.md (nothing here
+rewrites a table).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import triton
 from accel.kernels.common import sm_count
 from accel.kernels.qgemv import qgemv_config, qgemv_fwd, qkv_rope_qfwd
 from accel.kernels.rope import rope_kv_write_fwd
-from accel.kernels.tuning import QGemvConfig
+from accel.kernels.tuning import QGEMV, QGemvConfig
 from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
 from accel.quant_ops import QuantTensor, quantize
 from refimpl.model.config import PRESETS
@@ -38,23 +41,41 @@ def shapes(cfg) -> dict:
             "gate_up": (2 * F, D, "norm"), "down": (D, F, "swiglu"), "lm_head": (cfg.vocab_size, D, "norm")}
 
 
-def candidates(N: int, K: int, bits: int, group: int, sms: int, rope: bool) -> list[QGemvConfig]:
-    """The rule's config, then variants: half / double the rows, narrower / wider tiles, 2 / 8 warps, K slices of
-    2 or 4 tiles in a cp.async pipeline."""
+def candidates(N: int, K: int, bits: int, group: int, sms: int, rope: bool, focus: bool = False) -> list[QGemvConfig]:
+    """The rule's config, the table's, then variants: one or two warps over whole-row (or 2 / 4-tile) K slices
+    through a 2-4 stage cp.async pipeline (the fastest family so far), then (unless focus) half / double the rows,
+    narrower / wider tiles, 2 / 8 warps, K slices of 2 or 4 tiles."""
     rule = qgemv_config(N, K, bits, group, sms, rope, table={})
     out = [rule]
+    table = qgemv_config(N, K, bits, group, sms, rope)
+    if table != rule:
+        out.append(table)
     kbytes = triton.next_power_of_2(triton.cdiv(K * bits, 8))
 
-    def add(bn, nbytes, warps, per_slice=1):
+    def add(bn, nbytes, warps, per_slice=1, stages=None):
+        """per_slice: tiles a K slice (0: the whole row); stages: None picks 1, 2 or 3 by per_slice."""
         if nbytes > max(kbytes, 512) or bn < 2 or (rope and bn // 2 > 64):
             return
         bk = nbytes * 8 // bits
         tiles = triton.cdiv(K, bk)
+        per_slice = per_slice or tiles
         split = 1 if rope else triton.cdiv(tiles, per_slice)
-        c = QGemvConfig(bn, bk, warps, split, 1 if per_slice == 1 and not rope else 2 + (per_slice > 2))
+        if stages is None:
+            stages = 1 if per_slice == 1 and not rope else 2 + (per_slice > 2)
+        c = QGemvConfig(bn, bk, warps, split, stages)
         if c not in out:
             out.append(c)
 
+    for st in (3, 4, 2):
+        add(16, 512, 1, 0, st)  # one warp, 16 rows a thread, the whole row through the pipeline
+    add(8, 512, 1, 0, 3)
+    add(16, 1024, 1, 0, 3)
+    add(16, 512, 1, 4, 3)
+    add(16, 512, 1, 2, 3)
+    add(16, 512, 2, 0, 3)
+    add(32, 512, 2, 0, 3)
+    if focus:
+        return out
     nb = rule.block_k * bits // 8
     add(rule.block_n * 2, nb, rule.warps)
     add(rule.block_n // 2, nb, rule.warps)
@@ -66,7 +87,7 @@ def candidates(N: int, K: int, bits: int, group: int, sms: int, rope: bool) -> l
     add(rule.block_n, nb, rule.warps, 2)
     add(rule.block_n, nb // 2, rule.warps, 4)
     add(rule.block_n * 2, nb // 2, 8)
-    add(16, 512, 1, 3)  # one warp, 16 rows a thread, 3-tile slices through the pipeline
+    add(16, 512, 1, 3)
     add(16, 512, 2, 2)
     add(8, 1024, 2, 2)
     add(32, 512, 2, 1)
@@ -139,18 +160,22 @@ class Case:
         return graph_us([lambda t=t, o=o: self.call(t, config, o) for t, o in zip(self.copies, outs)])
 
 
-def sweep(models: list[str], specs: list[str], budget: float, path: str | None = None) -> dict:
+def sweep(models: list[str], specs: list[str], budget: float, path: str | None = None,
+          gemvs: list[str] | None = None, focus: bool = False) -> dict:
     deadline = time.time() + budget
     sms = sm_count(torch.device("cuda"))
     result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": []}
     for m in models:
         cfg = PRESETS[NAMES[m]]
         for what, (N, K, fusion) in shapes(cfg).items():
+            if gemvs and what not in gemvs:
+                continue
             for spec in specs:
                 case = Case(what, N, K, fusion, spec, cfg)
                 t = case.t
-                row = {"model": m, "gemv": what, "N": N, "K": K, "quant": spec, "bytes": t.nbytes, "configs": []}
-                for c in candidates(N, K, t.bits, t.group, sms, fusion == "rope"):
+                row = {"model": m, "gemv": what, "N": N, "K": K, "quant": spec, "bits": t.bits, "group": t.group,
+                       "bytes": t.nbytes, "configs": []}
+                for c in candidates(N, K, t.bits, t.group, sms, fusion == "rope", focus):
                     if time.time() > deadline and row["configs"]:
                         break
                     entry = {"config": list(c)}
@@ -179,12 +204,35 @@ def sweep(models: list[str], specs: list[str], budget: float, path: str | None =
     return result
 
 
+def table_source(result: dict, sms: int, margin: float = 0.02) -> str:
+    """tuning.QGEMV's body with each swept row's fastest config where it beat the config the table gives now (its
+    row, else the rule; both timed in this sweep) by more than `margin`; other rows kept. To paste by hand."""
+    table = dict(QGEMV)
+    for row in result["rows"]:
+        key = (row["N"], row["K"], row["bits"], row["group"]) + (("rope",) if row["gemv"] == "qkv" else ())
+        timed = {tuple(e["config"]): e["us"] for e in row["configs"] if "us" in e}
+        now = timed.get(tuple(qgemv_config(*key[:4], sms, len(key) > 4)))
+        if "best" in row and now is not None and row["best"]["us"] < (1 - margin) * now:
+            table[key] = QGemvConfig(*row["best"]["config"])
+    names = {(N, K): f"{m.upper()} {what}" for m in NAMES for what, (N, K, _) in shapes(PRESETS[NAMES[m]]).items()}
+    lines, seen = [], set()
+    for key, c in table.items():
+        name = names.get(key[:2]) if key[:2] not in seen else None
+        seen.add(key[:2])
+        lines.append(f"    {key!r}: QGemvConfig{tuple(c)!r},{'  # ' + name if name else ''}".replace("'", '"'))
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     out_dir = argv[0]
-    opts = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--"))
+    opts = dict(a[2:].split("=", 1) if "=" in a else (a[2:], "") for a in argv[1:] if a.startswith("--"))
     models = opts.get("models", "1b,3b").split(",")
     specs = opts.get("quant", "int8,int4:64").split(",")
-    sweep(models, specs, float(opts.get("budget", "1e9")), f"{out_dir}/qgemv_sweep.json")
+    gemvs = opts["gemvs"].split(",") if "gemvs" in opts else None
+    result = sweep(models, specs, float(opts.get("budget", "1e9")), f"{out_dir}/qgemv_sweep.json", gemvs,
+                   "focus" in opts)
+    with open(f"{out_dir}/qgemv_table.txt", "w") as f:
+        f.write(table_source(result, sm_count(torch.device("cuda"))) + "\n")
 
 
 if __name__ == "__main__":
