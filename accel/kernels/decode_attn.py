@@ -189,7 +189,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | None:
     return buf
 
 
-PREFETCH_SLOTS = 0  # slots a split prefetches into L2 before the PDL wait (PREFETCH)
+PREFETCH_SLOTS = 64  # slots a split prefetches into L2 before the PDL wait (PREFETCH; tools.bench.attn_sweep --pdl)
 LONG_CONTEXT = 8192  # caches from this many slots take the long-context launch (_config)
 
 
@@ -227,8 +227,9 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
     BLOCK_N, num_warps, num_stages, FUSED (combine in the split kernel), USE_DESC (K/V through TMA
     descriptors where the cache allows them), PREFETCH (slots a split prefetches into L2 before the PDL wait, a
-    power of 2): for tuning sweeps. `pdl`: launch as a programmatic dependent of the previous kernel where the GPU
-    and triton allow it; the caller promises that kernel does not write `position` (module docstring).
+    power of 2): for tuning sweeps. `pdl`: launch as a programmatic dependent of the previous kernel on sm_90+,
+    for caches of LONG_CONTEXT slots or more (config PDL=True forces it); the caller promises that kernel does
+    not write `position` (module docstring).
     """
     assert position.numel() == 1
     max_len = cache_k.shape[1] if max_len is None else max_len
@@ -237,7 +238,7 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
         long = q.is_cuda and max_len >= LONG_CONTEXT  # whole blocks a split: 8k -> 32 × 256, 32k -> 32 × 1024
         split_len = default_split_len(max_len, cfg["BLOCK_N"] if long else 64 if q.is_cuda else 16)
         cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
-    cfg = {"PDL": pdl, **cfg}
+    cfg = {"PDL": pdl and max_len >= LONG_CONTEXT, **cfg}  # shorter caches lost with it (NOTES.md)
     return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
 
 
