@@ -135,12 +135,12 @@ def _decode_grid_pdl(S):
     """The third sweep: PDL launches and L2 prefetch sizes around the long-cache defaults (TMA, 4 warps, fused)."""
     wide = dict(BLOCK_N=256, num_warps=4, num_stages=2, FUSED=True, USE_DESC=True)
     narrow = dict(BLOCK_N=128, num_warps=4, num_stages=3, FUSED=True, USE_DESC=True)
-    grid = [(None, None), (dict(PDL=True), None)] + [(dict(PDL=True, PREFETCH=p), None) for p in (64, 128, 256, 512)]
-    splits = (512, 2048) if S > 16384 else (128, 512)
-    for sl in splits:
-        for cfg in (wide, narrow):
-            if sl % cfg["BLOCK_N"] == 0:
-                grid += [({**cfg, "PDL": True, "PREFETCH": p}, sl) for p in (0, 256)]
+    grid = [(None, None), (dict(PDL=True, PREFETCH=0), None)] + [(dict(PDL=True, PREFETCH=p), None)
+                                                                   for p in (32, 64, 128, 256)]
+    grid += [(dict(PDL=True, PREFETCH=64, **c), None) for c in (dict(num_warps=8), dict(BLOCK_N=128, num_stages=3),
+                                                                dict(BLOCK_N=128, num_stages=4))]
+    for cfg in (wide, narrow):  # 64 splits
+        grid.append(({**cfg, "PDL": True, "PREFETCH": 64}, 512 if S > 16384 else 128))
     return grid
 
 
