@@ -10,7 +10,8 @@ itself done on a per-kv-head counter, and the program that arrives last combines
 launch and its gap. The counter is returned to 0 by that last program, so the next launch (or graph replay) finds
 it zeroed; launches that share a counter buffer must therefore not run concurrently (one stream: true here).
 
-PDL (programmatic dependent launch, the decode step's launch on the GPU): the kernel is launched so that its
+PDL (programmatic dependent launch, the decode step's launch on the GPU for caches of LONG_CONTEXT slots or more;
+at shorter ones it made the step slower, tools/bench/NOTES.md): the kernel is launched so that its
 programs may start while the previous kernel in the stream (the decode step's qkv_rope, which lets dependents
 launch early) is still running. Before `gdc_wait` — which returns once that kernel has finished and its writes are
 visible — a program only reads the position and prefetches the first PREFETCH slots of its split into L2 (a hint:
@@ -35,6 +36,7 @@ import triton.language as tl
 
 from .common import gdc_launch_dependents, gdc_wait, pdl_available, prefetch_l2
 from .flash_attn import LOG2E, dot_precision, finite_max, kv_descriptors, load_kv, rms_norm_rows
+
 
 @triton.jit
 def _combine_head(ACC, M, L, O, h, so_h, E, n_splits, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -288,7 +290,8 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
         cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len, n_splits,
         LOG2E / math.sqrt(E), max_len, float(eps), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e,
         BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None,
-        DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, PDL=pdl, PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),
+        DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, PDL=pdl,
+        PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
         **{**cfg, "FUSED": cnt is not None}, **({"launch_pdl": True} if pdl else {}))
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,

@@ -15,7 +15,8 @@ instead, like gemv's "stream" kind: faster at the 3B's shape (tools/bench/NOTES.
 
 Why: at batch 1 a separate rope/KV-write kernel and its launch gap cost a third of the qkv GEMV's time, and
 reading the position and cos/sin rows in the kernel also drops the decode step's two index_select launches.
-On the GPU the kernel lets its dependents launch at once (PDL): the decode attention after it starts early.
+On the GPU the kernel lets its dependents launch at once (PDL): the decode attention after it, PDL-launched over
+long caches, starts early.
 """
 from __future__ import annotations
 
