@@ -1,15 +1,48 @@
 """Triton helpers shared by the decode-step kernels (gemv.py, qgemv.py, qkv_rope.py): the GEMV prologue f(x), the
-RMSNorm reciprocal, an unmasked-row weight tile, the residual epilogue, the split-K scratch, and the SM count the
-launch rules size their grids by."""
+RMSNorm reciprocal, an unmasked-row weight tile, the residual epilogue, the split-K scratch, the SM count the
+launch rules size their grids by, and programmatic dependent launch (PDL) with an L2 prefetch hint."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU = 0, 1, 2
+
+
+def pdl_available(t: torch.Tensor) -> bool:
+    """Whether kernels over t can be launched with PDL (programmatic dependent launch: CUDA sm_90+, compiled;
+    the interpreter has no griddepcontrol)."""
+    return t.is_cuda and _pdl_device(t.device)
+
+
+@triton.jit
+def gdc_wait():
+    """Wait until the previous kernel in the stream has finished and its writes are visible (a no-op when this
+    kernel was not launched with PDL). Inline PTX, as triton's own, kept even though its result is unused."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def gdc_launch_dependents():
+    """Let the next kernel in the stream, if launched with PDL, start now (it waits for our writes itself)."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """An L2 prefetch of each address (one 128-byte line each): a hint, no result. GPU only (inline PTX)."""
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -10,6 +10,14 @@ itself done on a per-kv-head counter, and the program that arrives last combines
 launch and its gap. The counter is returned to 0 by that last program, so the next launch (or graph replay) finds
 it zeroed; launches that share a counter buffer must therefore not run concurrently (one stream: true here).
 
+PDL (programmatic dependent launch, the decode step's launch on the GPU for caches of LONG_CONTEXT slots or more;
+at shorter ones it made the step slower, tools/bench/NOTES.md): the kernel is launched so that its
+programs may start while the previous kernel in the stream (the decode step's qkv_rope, which lets dependents
+launch early) is still running. Before `gdc_wait` — which returns once that kernel has finished and its writes are
+visible — a program only reads the position and prefetches the first PREFETCH slots of its split into L2 (a hint:
+L2 is coherent, so a slot being written meanwhile is still read fresh after the wait). So with `pdl=True` the
+previous kernel may write q and the cache, but not the position.
+
 The context length comes from a device tensor (the new token's position; it sees slots 0..pos), and the grid is
 sized for `max_len` slots (default: the cache capacity), so a CUDA graph captured once serves every step: splits
 past the current length run an empty loop and record m = −inf, l = 0, acc = 0, which the combination weighs as 0.
@@ -27,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import gdc_launch_dependents, gdc_wait, pdl_available, prefetch_l2
 from .flash_attn import LOG2E, dot_precision, finite_max, kv_descriptors, load_kv, rms_norm_rows
 
 
@@ -101,17 +110,28 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
                          E: tl.constexpr, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
                          BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         CROSS: tl.constexpr, QNORM: tl.constexpr):
+                         CROSS: tl.constexpr, QNORM: tl.constexpr, PDL: tl.constexpr = False,
+                         PREFETCH: tl.constexpr = 0):
     """CROSS: the query over all n_keys keys (no position), key n seen where VIS[n] != 0, and with QNORM the
-    query RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS."""
+    query RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS.
+    PDL: launched as a programmatic dependent; only the position read and the L2 prefetch of the split's first
+    PREFETCH slots come before the wait for the previous kernel (module docstring)."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()  # a PDL-launched successor waits for our completion itself
     if CROSS:
         ctx = n_keys
     else:
         ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
+    if PREFETCH > 0:
+        slots = tl.minimum(start + tl.arange(0, PREFETCH), tl.maximum(end - 1, start))  # clamped: no mask in asm
+        prefetch_l2(CK + kh * sk_k + slots * sk_s)
+        prefetch_l2(CV + kh * sv_k + slots * sv_s)
+    if PDL:
+        gdc_wait()  # q, the cache slot of this token, the partial buffers and the counters: after this
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # blocks [start, full_end) need no mask
     offs_g = tl.arange(0, BLOCK_G)
     g_ok = offs_g < G
@@ -173,6 +193,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | None:
     return buf
 
 
+PREFETCH_SLOTS = 64  # slots a split prefetches into L2 before the PDL wait (PREFETCH; tools.bench.attn_sweep --pdl)
 LONG_CONTEXT = 8192  # caches from this many slots take the long-context launch (_config)
 
 
@@ -202,14 +223,17 @@ def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype, E: int, max
 
 def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor,
                          out: torch.Tensor | None = None, max_len: int | None = None,
-                         split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
+                         split_len: int | None = None, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """q [1, H, E] (or [H, E]; rotated, head rows contiguous), cache_k/cache_v [K, S, E] holding slots 0..pos,
     position [1] int (device): the new token's position -> out shaped like q, in q's dtype.
 
     The grid covers `max_len` slots (default S, the capacity) in splits of `split_len` (a multiple of 16;
     default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
-    BLOCK_N, num_warps, num_stages, FUSED (combine in the split kernel) and USE_DESC (K/V through TMA
-    descriptors where the cache allows them): for tuning sweeps.
+    BLOCK_N, num_warps, num_stages, FUSED (combine in the split kernel), USE_DESC (K/V through TMA
+    descriptors where the cache allows them), PREFETCH (slots a split prefetches into L2 before the PDL wait, a
+    power of 2): for tuning sweeps. `pdl`: launch as a programmatic dependent of the previous kernel on sm_90+,
+    for caches of LONG_CONTEXT slots or more (config PDL=True forces it); the caller promises that kernel does
+    not write `position` (module docstring).
     """
     assert position.numel() == 1
     max_len = cache_k.shape[1] if max_len is None else max_len
@@ -218,6 +242,7 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
         long = q.is_cuda and max_len >= LONG_CONTEXT  # whole blocks a split: 8k -> 32 × 256, 32k -> 32 × 1024
         split_len = default_split_len(max_len, cfg["BLOCK_N"] if long else 64 if q.is_cuda else 16)
         cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
+    cfg = {"PDL": pdl and max_len >= LONG_CONTEXT, **cfg}  # shorter caches lost with it (NOTES.md)
     return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
 
 
@@ -258,6 +283,8 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     block_e = max(16, triton.next_power_of_2(E))
     block_s = triton.next_power_of_2(n_splits)
     use_desc = cfg.pop("USE_DESC", False)
+    pdl = bool(cfg.pop("PDL", False)) and pdl_available(q)
+    prefetch = cfg.pop("PREFETCH", PREFETCH_SLOTS if pdl else 0) if pdl_available(q) else 0  # asm: GPU only
     descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
     cross = visible is not None
@@ -268,8 +295,9 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
         n_splits,
         LOG2E / math.sqrt(E), max_len, float(eps), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e,
         BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None,
-        DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, QNORM=norm_weight is not None,
-        **{**cfg, "FUSED": cnt is not None})
+        DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, QNORM=norm_weight is not None, PDL=pdl,
+        PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
+        **{**cfg, "FUSED": cnt is not None}, **({"launch_pdl": True} if pdl else {}))
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,
                                     num_warps=4)

@@ -15,6 +15,8 @@ instead, like gemv's "stream" kind: faster at the 3B's shape (tools/bench/NOTES.
 
 Why: at batch 1 a separate rope/KV-write kernel and its launch gap cost a third of the qkv GEMV's time, and
 reading the position and cos/sin rows in the kernel also drops the decode step's two index_select launches.
+On the GPU the kernel lets its dependents launch at once (PDL): the decode attention after it, PDL-launched over
+long caches, starts early.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .common import prologue_fx, rms_rstd, row_tile, sm_count
+from .common import gdc_launch_dependents, pdl_available, prologue_fx, rms_rstd, row_tile, sm_count
 from .tuning import QkvConfig
 
 
@@ -57,7 +59,10 @@ def rope_store(a1, a2, head, cols, col_ok, pos, COS, SIN, QO, CK, CV, s_cos, s_s
 
 @triton.jit
 def _qkv_rope_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s,
-                     H, NKV, E: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                     H, NKV, E: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    if PDL:
+        gdc_launch_dependents()  # the decode attention after us may start its prologue (it waits for our writes)
     half: tl.constexpr = E // 2
     per_head: tl.constexpr = (half + HALF_N - 1) // HALF_N
     b = tl.program_id(0)
@@ -81,10 +86,12 @@ def _qkv_rope_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_co
 @triton.jit
 def _qkv_rope_stream_kernel(W, X, NW, COS, SIN, POS, QO, CK, CV, K, stride_w, eps, s_cos, s_sin, sc_k, sc_s, scv_k,
                             scv_s, H, NKV, n_blocks, E: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            K_POW2: tl.constexpr, STAGES: tl.constexpr):
+                            K_POW2: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """The same work as _qkv_rope_kernel, persistent like gemv._gemv_stream_kernel: program p owns pair blocks
     p, p + P, ... and streams their [HALF_N, BLOCK_K] tile pairs through shared memory (Triton's cp.async
     pipeline, STAGES deep) instead of holding whole rows in registers. K % BLOCK_K == 0."""
+    if PDL:
+        gdc_launch_dependents()
     half: tl.constexpr = E // 2
     per_head: tl.constexpr = (half + HALF_N - 1) // HALF_N
     pid = tl.program_id(0)
@@ -152,9 +159,10 @@ def qkv_rope_fwd(weight: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tenso
         n_blocks = (H + 2 * NKV) * triton.cdiv(E // 2, cfg.half_n)
         _qkv_rope_stream_kernel[(min(cfg.programs or n_blocks, n_blocks),)](
             *args, n_blocks, E=E, HALF_N=cfg.half_n, BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(D),
-            STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages)
+            STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages, PDL=pdl_available(x))
         return q_out
     block_k = triton.next_power_of_2(D)
     _qkv_rope_kernel[((H + 2 * NKV) * triton.cdiv(E // 2, cfg.half_n),)](
-        *args, E=E, HALF_N=cfg.half_n, BLOCK_K=block_k, EVEN_K=block_k == D, num_warps=cfg.warps)
+        *args, E=E, HALF_N=cfg.half_n, BLOCK_K=block_k, EVEN_K=block_k == D, num_warps=cfg.warps,
+        PDL=pdl_available(x))
     return q_out

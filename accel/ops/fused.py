@@ -48,7 +48,8 @@ def causal_attention(q, cache_k, cache_v, positions):
 
 def decode_attention(q, cache_k, cache_v, position, tuning: Tuning = DEFAULT):
     if uses_triton(q):
-        return decode_attention_fwd(rows(q), cache_k, cache_v, position, **tuning.decode_attention)
+        # pdl: the step's previous kernel (qkv_rope) writes q and the cache slot, never the position
+        return decode_attention_fwd(rows(q), cache_k, cache_v, position, **{"pdl": True, **tuning.decode_attention})
     return torch_decode_attention(q, cache_k, cache_v, position)
 
 

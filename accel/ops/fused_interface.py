@@ -59,7 +59,8 @@ class FusedOps(Protocol):
     def decode_attention(self, q: Tensor, cache_k: Tensor, cache_v: Tensor, position: Tensor,
                          tuning: Tuning = DEFAULT) -> Tensor:
         """q [1, H, E] over cache slots 0..position -> [1, H, E]. The work does not depend on the host knowing
-        the position (the grid covers the capacity S; splits past the length do nothing)."""
+        the position (the grid covers the capacity S; splits past the length do nothing). On the GPU it may start
+        before the previous kernel has finished (PDL): that kernel may write q and the cache, never `position`."""
 
     def qkv_rope(self, x: Tensor, norm_weight: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
                  position: Tensor, cache_k: Tensor, cache_v: Tensor, tuning: Tuning = DEFAULT) -> Tensor:

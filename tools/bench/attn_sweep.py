@@ -34,15 +34,15 @@ DEV = "cuda"
 DTYPE = torch.bfloat16  # float32 in the CPU smoke test: the interpreter mis-computes bf16 (seen with triton 3.9)
 
 
-def device_ms(fn, reps: int = 20) -> float:
-    """tools.bench.timing.device_ms, with a spin long enough to cover queueing `reps` calls at <= 50 µs each (~1.9 GHz:
-    100k cycles a call). On CPU (a smoke test of this script): wall time."""
+def device_ms(fn, reps: int = 20, launches: int = 1) -> float:
+    """tools.bench.timing.device_ms, with a spin long enough to cover queueing `reps` calls of `launches` kernels
+    at <= 100 µs each (~1.9 GHz: 200k cycles a launch). On CPU (a smoke test of this script): wall time."""
     fn()
     if DEV != "cuda":
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    return timing.device_ms(fn, reps, sleep_cycles=max(10_000_000, reps * 100_000))
+    return timing.device_ms(fn, reps, sleep_cycles=max(10_000_000, reps * launches * 200_000))
 
 
 def rel_err(got, ref) -> float:
@@ -131,7 +131,36 @@ FLASH_SHORT = [(128, 128, 8, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 3, T
                (128, 64, 4, 3, False), (64, 64, 4, 2, False)]
 
 
-def decode_sweep(rows, budget_s, contexts=(1024, 8192, 32768), H=32, K=8, E=64, variants=None):
+def _decode_grid_pdl(S):
+    """The third sweep: PDL launches and L2 prefetch sizes around the long-cache defaults (TMA, 4 warps, fused)."""
+    wide = dict(BLOCK_N=256, num_warps=4, num_stages=2, FUSED=True, USE_DESC=True)
+    narrow = dict(BLOCK_N=128, num_warps=4, num_stages=3, FUSED=True, USE_DESC=True)
+    grid = [(None, None), (dict(PDL=True, PREFETCH=0), None)] + [(dict(PDL=True, PREFETCH=p), None)
+                                                                   for p in (32, 64, 128, 256)]
+    grid += [(dict(PDL=True, PREFETCH=64, **c), None) for c in (dict(num_warps=8), dict(BLOCK_N=128, num_stages=3),
+                                                                dict(BLOCK_N=128, num_stages=4))]
+    for cfg in (wide, narrow):  # 64 splits
+        grid.append(({**cfg, "PDL": True, "PREFETCH": 64}, 512 if S > 16384 else 128))
+    return grid
+
+
+def qkv_producer(S, H, K, E, device=None, dtype=None):
+    """The kernel before decode attention in the decode step: qkv_rope (1B's D = 2048 at E = 64, 3B's 3072 else),
+    writing q and the cache slot at `pos`. Returns f(q, cache_k, cache_v, pos)."""
+    from accel.kernels.qkv_rope import qkv_rope_fwd
+    device, dtype = device or DEV, dtype or DTYPE
+    D = 2048 if E == 64 else 3072
+    g = torch.Generator(device=device).manual_seed(D)
+    w = torch.randn((H + 2 * K) * E, D, device=device, generator=g).mul_(D ** -0.5).to(dtype)
+    x = torch.randn(1, D, device=device, generator=g).to(dtype)
+    nw = torch.randn(D, device=device, generator=g).to(dtype)
+    cos, sin = torch.randn(2, S, E // 2, device=device, generator=g)
+    return lambda q, ck, cv, pos: qkv_rope_fwd(w, x, nw, 1e-5, cos, sin, pos, ck, cv, q_out=q)
+
+
+def decode_sweep(rows, budget_s, contexts=(1024, 8192, 32768), H=32, K=8, E=64, variants=None, step=False):
+    """step: also time each variant as the decode step runs it, behind qkv_producer (writing its q and the new
+    slot): the device time the pair takes minus the producer's alone, hot and cold."""
     for S in contexts:
         g = torch.Generator(device=DEV).manual_seed(S)
         n_cold = min(64, max(2, -(-160 * 2**20 // (2 * K * S * E * 2))))  # >= 128 MB of copies (L2: 60 MB)
@@ -149,12 +178,13 @@ def decode_sweep(rows, budget_s, contexts=(1024, 8192, 32768), H=32, K=8, E=64, 
                                                               enable_gqa=True)) * 1e3
         rows.append({**base, "variant": "sdpa", "us": us})
         out = torch.empty_like(q)
+        produce = qkv_producer(S, H, K, E) if step else None
         for cfg, sl in (variants or _decode_grid(S)):
             if time.time() - T0 > budget_s:
                 continue
             row = {**base, "variant": "triton", "config": cfg, "split_len": sl}
-            call = lambda c=ck, v=cv: decode_attention_fwd(q, c, v, pos, out=out, split_len=sl,  # noqa: E731
-                                                           config=cfg and dict(cfg))
+            call = lambda c=ck, v=cv, qq=q: decode_attention_fwd(qq, c, v, pos, out=out,  # noqa: E731
+                                                                 split_len=sl, config=cfg and dict(cfg))
             try:
                 out.fill_(float("nan"))
                 call()
@@ -167,6 +197,8 @@ def decode_sweep(rows, budget_s, contexts=(1024, 8192, 32768), H=32, K=8, E=64, 
                 t_cold = device_ms(lambda: call(*caches[next(it) % n_cold]), reps=4 * n_cold) * 1e3
                 rows.append({**row, "rel_err": err, "us": t, "us_cold": t_cold,
                              "tb_s": nbytes / (t * 1e-6) / 1e12, "tb_s_cold": nbytes / (t_cold * 1e-6) / 1e12})
+                if step:
+                    rows[-1].update(step_times(produce, call, q, caches, pos))
             except Exception as e:
                 rows.append({**row, "error": repr(e)[:300]})
         # race check: the fastest fused variant on 30 fresh queries and positions
@@ -188,6 +220,29 @@ def decode_sweep(rows, budget_s, contexts=(1024, 8192, 32768), H=32, K=8, E=64, 
             rows.append({**base, "variant": "race_check", "config": best["config"], "split_len": best["split_len"],
                          "runs": 90, "max_rel_err": worst})
         print(f"decode {S} done at {time.time() - T0:.0f}s", flush=True)
+
+
+def step_times(produce, call, q, caches, pos) -> dict:
+    """µs that `call` adds behind `produce` (hot: the same cache; cold: rotating over the copies). The producer
+    writes a q of its own and the slot at pos, which is put back afterwards."""
+    n = len(caches)
+    times = {}
+    q = torch.empty_like(q)
+    slots = [(c[:, pos].clone(), v[:, pos].clone()) for c, v in caches]
+    for name, pick in (("step_us", lambda i: caches[0]), ("step_us_cold", lambda i: caches[i % n])):
+        it, it2 = iter(range(10**9)), iter(range(10**9))
+        reps = 20 if name == "step_us" else 4 * n
+        alone = device_ms(lambda: produce(q, *pick(next(it)), pos), reps=reps)
+
+        def pair():
+            c = pick(next(it2))
+            produce(q, *c, pos)
+            call(*c, q)
+        times[name] = (device_ms(pair, reps=reps, launches=2) - alone) * 1e3
+        times[name.replace("us", "producer_us")] = alone * 1e3
+    for (c, v), (sc, sv) in zip(caches, slots):
+        c[:, pos], v[:, pos] = sc, sv
+    return times
 
 
 def defaults_check(rows, budget_s):
@@ -227,7 +282,8 @@ def table(rows) -> str:
         ok = sorted((r for r in sub if r["variant"] == "triton" and "us" in r), key=lambda r: r["us"])
         for r in ok[:8]:
             lines.append(f"  split {r['split_len']} {r['config']}: {r['us']:.2f}us hot ({r['tb_s']:.2f}TB/s) "
-                         f"{r['us_cold']:.2f}us cold ({r['tb_s_cold']:.2f}TB/s)")
+                         f"{r['us_cold']:.2f}us cold ({r['tb_s_cold']:.2f}TB/s)" + (
+                             f" step {r['step_us']:.2f} / {r['step_us_cold']:.2f}us cold" if "step_us" in r else ""))
         lines += [f"  race check {r['runs']} runs max rel err {r['max_rel_err']:.1e}" for r in sub
                   if r["variant"] == "race_check"]
         lines += [f"  FAIL {r['config']} split {r['split_len']}: {r['error'][:100]}" for r in sub
@@ -243,6 +299,8 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--defaults", action="store_true", help="only the launchers' defaults and open variants")
     ap.add_argument("--wide", action="store_true", help="the second sweep's grids (TMA, 256-slot blocks, T=2048 tiles)")
+    ap.add_argument("--pdl", action="store_true", help="the third sweep: PDL and L2 prefetch, timed alone and "
+                    "behind the decode step's qkv_rope (step)")
     ap.add_argument("--contexts", default="1024,8192,32768", help="decode cache lengths")
     ap.add_argument("--flash-seqs", default="8192", help="flash sequence lengths")
     args = ap.parse_args()
@@ -253,7 +311,7 @@ def main():
         meta = {"device": "cpu"}
         rows: list[dict] = []
         decode_sweep(rows, 1e9, contexts=(256,), H=8, K=2, E=64,
-                     variants=[(None, None), (dict(FUSED=False), None), (dict(FUSED=True), 64)])
+                     variants=[(None, None), (dict(FUSED=False), None), (dict(FUSED=True, PDL=True), 64)], step=True)
         flash_sweep(rows, 1e9, S=96, shapes=((8, 64),), kv=2, smoke=True)
         print(table(rows))
         return
@@ -269,8 +327,10 @@ def main():
             defaults_check(rows, args.budget_s)
         elif "decode" in args.only:
             for S in contexts:
-                decode_sweep(rows, args.budget_s * 0.6 if args.wide else args.budget_s * 0.4, contexts=(S,),
-                             variants=[(None, None)] + _decode_grid_wide(S) if args.wide else None)
+                grid = (_decode_grid_pdl(S) if args.pdl else [(None, None)] + _decode_grid_wide(S) if args.wide
+                        else None)
+                decode_sweep(rows, args.budget_s * 0.6 if args.wide or args.pdl else args.budget_s * 0.4,
+                             contexts=(S,), variants=grid, step=args.pdl)
         if "flash" in args.only and not args.defaults:
             wide = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, USE_DESC=d)
                     for m, n, w, st, d in FLASH_SHORT]

@@ -11,6 +11,7 @@
      the configs the sweep found > 1% faster than the tables' (GEMVs, then GEMVs and qkv), each passed to the
      engine as an accel.kernels.tuning.Tuning;
   3. --attention: the decode attention's split length and launch options in the engine (ATTENTION_VARIANTS);
+     --attention-pdl: only its PDL launch on and off after long prompts (PDL_VARIANTS), and no step 2;
   4. --profile: the per-kernel device time of eager decode steps of the fastest 1B variant.
 Writes OUT_DIR/decode_variants.json. Copy the winners into accel/kernels/tuning.py by hand, with the numbers in
 NOTES.md, which also lists the earlier rounds of this module (PDL modes, L2 prefetch, attention variants) and
@@ -161,17 +162,24 @@ ATTENTION_VARIANTS = [dict(), dict(split_len=32), dict(split_len=128), dict(conf
                       dict(split_len=32, config=dict(num_warps=2))]
 
 
-def attention_compare(model: str, new_tokens: int = 256) -> list[dict]:
+# the decode attention's PDL launch (the engine's default from 8192 slots) with and without its L2 prefetch,
+# against none, after long prompts (the cache then holds >= 8192 slots)
+PDL_VARIANTS = [dict(), dict(config=dict(PREFETCH=0)), dict(pdl=False), dict()]
+PDL_PROMPTS = (8000, 32000)
+
+
+def attention_compare(model: str, new_tokens: int = 256, variants=ATTENTION_VARIANTS,
+                      prompts=(32,)) -> list[dict]:
     """Greedy decode tok/s of the engine with the decode attention's split length / launch options overridden
     (the bench's 32 + 256 slots: 5 splits of 64 by default), same weights, same process."""
     cfg = PRESETS[NAMES[model]]
     w = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
     rows = []
-    for v in ATTENTION_VARIANTS:
+    for prompt, v in ((p, v) for p in prompts for v in variants):
         eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16", tuning=Tuning(decode_attention=v))
-        rate, _, tokens = decode_rate(eng, 32, new_tokens, reps=3)
-        rows.append({"model": model, "attention": v, "decode_tok_s": rate})
-        print(f"decode {model} attention {v}: {rate:8.1f} tok/s", flush=True)
+        rate, _, tokens = decode_rate(eng, prompt, new_tokens, reps=3)
+        rows.append({"model": model, "prompt": prompt, "attention": v, "decode_tok_s": rate})
+        print(f"decode {model} prompt {prompt} attention {v}: {rate:8.1f} tok/s", flush=True)
         del eng
         torch.cuda.empty_cache()
     return rows
@@ -254,10 +262,11 @@ def main(argv):
             for r in rows:
                 tables[m].update(gemv_winner(r))
         print(f"sweeps {time.time() - t0:.0f} s; GEMV tables to try {tables}, qkv {qkv_tables}", flush=True)
-    if "--attention" in argv:
+    if "--attention" in argv or "--attention-pdl" in argv:
         for m in models:
-            res.setdefault("attention", []).extend(attention_compare(m))
-    for m in models:
+            res.setdefault("attention", []).extend(attention_compare(m, variants=PDL_VARIANTS, prompts=PDL_PROMPTS)
+                                                   if "--attention-pdl" in argv else attention_compare(m))
+    for m in models if "--attention-pdl" not in argv else ():
         res["decode"] += engine_compare(m, tables[m], qkv_tables[m])
     print(f"decode compare {time.time() - t0:.0f} s", flush=True)
     if "--profile" in argv:

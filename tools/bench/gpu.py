@@ -196,8 +196,14 @@ def attention_bench(device, seqs=(2048, 8192), shapes=((32, 64), (24, 128)), kv_
 
 
 def decode_attention_bench(device, contexts=(1024, 8192, 32768), H: int = 32, K: int = 8, E: int = 64):
-    """One query over a full cache of `context` slots (1B's heads): the split-K Triton kernel vs SDPA (GQA)."""
+    """One query over a full cache of `context` slots (1B's heads): the split-K Triton kernel vs SDPA (GQA).
+
+    triton_us is the kernel as the decode step runs it: launched with PDL behind the step's qkv_rope (which writes
+    its q and the new slot), timed as the device time the pair takes minus qkv_rope's alone. alone_us is the
+    kernel by itself, without PDL, launched back to back (the earlier measure). Both on a hot cache: the same
+    one every call (at 1k/8k it sits in the L2; tools.bench.attn_sweep times cold caches too)."""
     from accel.kernels.decode_attn import decode_attention_fwd
+    from tools.bench.attn_sweep import qkv_producer
     rows = []
     for S in contexts:
         g = torch.Generator(device=device).manual_seed(S)
@@ -205,19 +211,26 @@ def decode_attention_bench(device, contexts=(1024, 8192, 32768), H: int = 32, K:
         ck = torch.randn(K, S, E, device=device, dtype=torch.bfloat16, generator=g)
         cv = torch.randn(K, S, E, device=device, dtype=torch.bfloat16, generator=g)
         pos = torch.tensor([S - 1], device=device)
-        # a few-µs kernel launched from Python is host-bound: queue the calls behind a spin kernel, then time
-        t_ours = device_ms(lambda: decode_attention_fwd(q, ck, cv, pos))
         qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, 1, E]
+        ref = torch.nn.functional.scaled_dot_product_attention(qs, ck.unsqueeze(0), cv.unsqueeze(0), enable_gqa=True)
+        err = ((decode_attention_fwd(q, ck, cv, pos, pdl=True)[0].float() - ref[0, :, 0].float()).norm()
+               / ref.float().norm()).item()
+        # a few-µs kernel launched from Python is host-bound: queue the calls behind a spin kernel, then time
+        t_alone = device_ms(lambda: decode_attention_fwd(q, ck, cv, pos))
         t_sdpa = device_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
             qs, ck.unsqueeze(0), cv.unsqueeze(0), enable_gqa=True))
-        ours = decode_attention_fwd(q, ck, cv, pos)
-        ref = torch.nn.functional.scaled_dot_product_attention(qs, ck.unsqueeze(0), cv.unsqueeze(0), enable_gqa=True)
-        err = ((ours[0].float() - ref[0, :, 0].float()).norm() / ref.float().norm()).item()
+        produce, q_step = qkv_producer(S, H, K, E, device), torch.empty_like(q)  # writes q_step and slot S - 1
+        t_producer = device_ms(lambda: produce(q_step, ck, cv, pos))
+        t_step = {}
+        for pdl in (False, True):
+            t_step[pdl] = device_ms(lambda: (produce(q_step, ck, cv, pos),
+                                             decode_attention_fwd(q_step, ck, cv, pos, pdl=pdl))) - t_producer
         nbytes = 2 * K * S * E * 2
-        rows.append({"context": S, "triton_us": t_ours * 1e3, "sdpa_us": t_sdpa * 1e3,
-                     "triton_tb_s": nbytes / (t_ours * 1e-3) / 1e12, "rel_err_vs_sdpa": err})
+        rows.append({"context": S, "triton_us": t_step[True] * 1e3, "sdpa_us": t_sdpa * 1e3,
+                     "triton_tb_s": nbytes / (t_step[True] * 1e-3) / 1e12, "rel_err_vs_sdpa": err,
+                     "alone_us": t_alone * 1e3, "step_no_pdl_us": t_step[False] * 1e3,
+                     "producer_us": t_producer * 1e3})
     return rows
-
 
 
 def profile_decode(cfg: LlamaConfig, device, steps: int = 10, rows: int = 25, tuning: Tuning = DEFAULT) -> str:
