@@ -15,6 +15,7 @@ from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.formats.lora import load_lora
 from refimpl.formats.params import expected_shapes
+from refimpl.model.mllama_config import is_mllama
 from refimpl.train.data import load_samples
 
 
@@ -42,7 +43,7 @@ class Session:
         cfg = ckpt.config
         if ckpt.tokenizer is None:
             raise CheckpointError(f"{model_path}: has no tokenizer; training data cannot be rendered")
-        if hasattr(cfg, "vision"):  # Llama 3.2 Vision: image samples, LoRA on the text decoder
+        if is_mllama(cfg):  # Llama 3.2 Vision: image samples, LoRA on the text decoder
             from accel.train.mllama_session import open_mllama
             return cls(*open_mllama(ckpt, Path(model_path), data, eval_data, device, dtype, warn, s))
         samples = load_samples(data, ckpt.tokenizer, s.max_length, warn)
