@@ -31,7 +31,7 @@ from accel.vision.weights import random_mllama_weights
 from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
 from refimpl.vision.encoder import padding_tokens
 from tools.bench.gpu import gemm_tflops
-from tools.bench.timing import device_ms, median_ms
+from tools.bench.timing import cuda_profile, device_ms, median_ms
 from tools.bench.vision import config, encode_flops, image_inputs
 
 def attention_rows(tiles=(1, 1, 1, 1)) -> list[dict]:
@@ -99,14 +99,10 @@ def encode_row(name: str, gemm: float, profile: int, cudnn_too: bool) -> dict:
     print(f"encode {name}: {ms:.2f} ms, {row['encode_tflop_s']:.1f} TFLOP/s, {row['encode_over_gemm_time']:.2f}x "
           f"the {at_gemm:.1f} ms of {flops / 1e12:.1f} TFLOP at {gemm:.0f} TFLOP/s", flush=True)
     if profile:
-        from torch.profiler import ProfilerActivity, profile as prof
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
-            engine.encode_images(images, sess.cache)
-            torch.cuda.synchronize()
-        table = p.key_averages().table(sort_by="cuda_time_total", row_limit=profile)
+        table, averages = cuda_profile(lambda: engine.encode_images(images, sess.cache), profile)
         print(table, flush=True)
         row["profile"] = [{"name": e.key, "cuda_ms": e.device_time_total / 1e3, "calls": e.count}
-                          for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:profile]]
+                          for e in sorted(averages, key=lambda e: -e.device_time_total)[:profile]]
     return row
 
 
