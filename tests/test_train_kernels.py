@@ -283,6 +283,45 @@ def test_manual_layer_equals_autograd_layer():
                                    msg=lambda m: f"tensor {i}: {m}")
 
 
+
+def run_cross_layer(kernels, x, states, visible, has_image, weights, adapters, shape):
+    from accel.train.mllama_model import cross_layer
+    for t in [x] + [p for a in adapters if a is not None for p in a[:2]]:
+        t.grad = None
+    H, K, E, Fi = shape
+    aq, ak, av, ao, ag, au, ad = adapters
+    groups = (*(lora_group((a,), (None,), x.dtype) for a in (aq, ak, av, ao)),
+              lora_group((ag, au), (Fi, Fi), x.dtype), lora_group((ad,), (None,), x.dtype))
+    y = cross_layer(x, states, visible, has_image, weights, groups, (H, K, E), 1e-5, 0.0, kernels)
+    y.backward(randn(*y.shape, seed=99, dtype=y.dtype, device=y.device))
+    return [y, x.grad] + [p.grad for a in adapters if a is not None for p in a[:2]]
+
+
+@interpreted
+def test_cross_layer_with_kernels_equals_plain_torch():
+    """A gated cross-attention layer (GQA 2, odd sizes, fused gate_up with LoRA on gate only) with the Triton norm
+    and SwiGLU Functions vs the torch ops: output, dX, every dA/dB (a first row that sees no image included)."""
+    B, T, N, D, (H, K, E, Fi) = 2, 5, 7, 24, (4, 2, 16, 40)
+    s = iter(range(100))
+    mk = lambda *shape, scale=0.2: randn(*shape, seed=next(s), scale=scale)  # noqa: E731
+    gate = lambda: mk(1, scale=1.0).abs() + 0.3  # noqa: E731  (nonzero: a zero tanh gate hides the layer)
+    weights = (1 + mk(D), mk(H * E, D), mk(K * E, D), mk(K * E, D), mk(D, H * E), 1 + mk(E), 1 + mk(E), gate(),
+               1 + mk(D), mk(D, Fi), -gate(), mk(2 * Fi, D))
+    outs, ins = [H * E, K * E, K * E, D, Fi, Fi, D], [D, D, D, H * E, D, D, Fi]
+    adapters = tuple(None if i in (1, 5) else  # k_proj and up_proj not adapted
+                     (mk(3, ins[i], scale=0.3).requires_grad_(), mk(outs[i], 3, scale=0.3).requires_grad_(), 2.0)
+                     for i in range(7))
+    x, states = mk(B, T, D, scale=1.0).requires_grad_(), mk(B, N, D, scale=1.0)
+    visible = randn(B, T, N, seed=50) > 0
+    visible[:, 0] = False  # text before the image
+    has_image = visible.any(-1, keepdim=True).float()
+    args = (x, states, visible | ~visible.any(-1, keepdim=True), has_image, weights, adapters, (H, K, E, Fi))
+    want = run_cross_layer(False, *args)
+    got = run_cross_layer(True, *args)
+    for i, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4,
+                                   msg=lambda m: f"tensor {i}: {m}")
+
 # --- GPU, bf16 at the real shapes ---------------------------------------------------------------------------------
 
 BF16 = dict(atol=2e-2, rtol=2e-2)  # a few bf16 roundings apart (2^-9 each), see refimpl/compare.py

@@ -9,6 +9,7 @@ from pathlib import Path
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 from refimpl.formats.safe_open import check_path
+from refimpl.model.mllama_config import is_mllama
 from refimpl.quant.apply import is_quantized, refuse_requantizing
 
 BACKENDS = ("auto", "refimpl", "accel")
@@ -99,7 +100,7 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
     if lora is not None:
         from refimpl.formats.lora import attach_lora, load_lora, merge_lora
         adapter = load_lora(lora, ckpt.config)
-        vision = [name for name, *_ in adapter if is_mllama(ckpt) and not name.startswith("language_model.")]
+        vision = [name for name, *_ in adapter if is_mllama(ckpt.config) and not name.startswith("language_model.")]
         if vision and lora_mode == "unmerged":  # the refimpl vision tower runs plain linears
             raise GenerationError(f"--lora-mode unmerged serves a vision model's text-decoder adapters only; {lora} "
                                   f"also adapts {vision[0]!r}: drop --lora-mode unmerged to merge it")
@@ -124,7 +125,7 @@ def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None 
             raise GenerationError(f"--dtype {dtype}: the refimpl backend computes in fp32 only")
         if device not in (None, "cpu"):
             raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")
-        if is_mllama(ckpt):
+        if is_mllama(ckpt.config):
             from refimpl.generate_mllama import MllamaEngine
             return MllamaEngine(ckpt)
         from refimpl.generate import RefEngine
@@ -135,13 +136,8 @@ def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None 
     except ImportError as e:
         raise GenerationError(f"--backend accel is not available here ({e}); it needs torch and triton: "
                               f"{ACCEL_HINT}") from None
-    if is_mllama(ckpt):
+    if is_mllama(ckpt.config):
         if quant is not None:
             raise GenerationError("--quant runs on text models only for now; drop it for a Llama 3.2 Vision checkpoint")
         return MllamaAccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
     return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, quant=quant)
-
-
-def is_mllama(ckpt) -> bool:
-    from refimpl.model.mllama_config import MllamaConfig
-    return isinstance(ckpt.config, MllamaConfig)

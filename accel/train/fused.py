@@ -37,11 +37,16 @@ class _RMSNorm(torch.autograd.Function):
         return rms_norm_bwd(x2, weight, ctx.eps, _rows(dy)).view(dy.shape), None, None
 
 
+def rope_rows(cos, sin, B: int):
+    """cos/sin [T, E/2] -> [B·T, E/2] each: the tables for B sequences flattened into rows."""
+    return (cos.repeat(B, 1), sin.repeat(B, 1)) if B > 1 else (cos, sin)
+
+
 class _RopeQK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         B, T, H, E = q.shape
-        cos_bt, sin_bt = (c.repeat(B, 1) if B > 1 else c for c in (cos, sin))  # [T, E/2] -> [B·T, E/2]
+        cos_bt, sin_bt = rope_rows(cos, sin, B)
         ctx.save_for_backward(cos_bt, sin_bt)
         qr, kr = rope_fwd(q.reshape(B * T, H, E), k.reshape(B * T, k.shape[2], E), cos_bt, sin_bt)
         return qr.view(q.shape), kr.view(k.shape)

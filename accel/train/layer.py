@@ -13,7 +13,6 @@ Limits: LoRA dropout 0 and the LoRA branch in the model dtype (else the model us
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from accel.kernels.flash_attn_bwd import flash_attn_bwd, flash_attn_train_fwd
 from accel.kernels.rms_norm import rms_norm_fwd
@@ -21,19 +20,12 @@ from accel.kernels.rms_norm_bwd import rms_norm_bwd
 from accel.kernels.rope import rope_fwd
 from accel.kernels.swiglu import swiglu_gate_up_fwd
 from accel.kernels.swiglu_bwd import swiglu_gate_up_bwd
-
-
-def _linear(x, w, a, b):
-    """x [N, Din] @ wᵀ + (x @ aᵀ) @ bᵀ -> (y [N, Dout], x @ aᵀ [N, ΣR] or None)."""
-    y = F.linear(x, w)  # [N, Din] -> [N, Dout]
-    if a is None:
-        return y, None
-    xa = F.linear(x, a)  # [N, Din] -> [N, ΣR]
-    return torch.addmm(y, xa, b.t()), xa  # + [N, ΣR] @ [ΣR, Dout]
+from accel.train.fused import rope_rows
+from accel.train.lora import lora_linear
 
 
 def _linear_bwd(x, w, a, b, xa, dy, need_dx: bool = True):
-    """Backward of _linear with w frozen: -> (dx [N, Din] or None, da [ΣR, Din], db [Dout, ΣR]) (None, None
+    """Backward of lora_linear with w frozen: -> (dx [N, Din] or None, da [ΣR, Din], db [Dout, ΣR]) (None, None
     without a LoRA group)."""
     if a is None:
         return (dy @ w if need_dx else None), None, None  # [N, Dout] @ [Dout, Din]
@@ -44,10 +36,6 @@ def _linear_bwd(x, w, a, b, xa, dy, need_dx: bool = True):
     return dx, da, db
 
 
-def _cos_sin_rows(cos, sin, B):
-    return (cos.repeat(B, 1), sin.repeat(B, 1)) if B > 1 else (cos, sin)  # [T, E/2] -> [B·T, E/2]
-
-
 def _forward(x, cos, sin, eps, shape, weights, lora):
     """The layer's forward over rows; returns y [B, T, D] and the intermediates the backward needs."""
     attn_norm, w_qkv, w_o, mlp_norm, w_gu, w_d = weights
@@ -56,19 +44,19 @@ def _forward(x, cos, sin, eps, shape, weights, lora):
     B, T, D = x.shape
     x0 = x.reshape(B * T, D)
     h1 = rms_norm_fwd(x0, attn_norm, eps)  # [N, D]
-    qkv, xa_qkv = _linear(h1, w_qkv, a_qkv, b_qkv)  # [N, (H+2K)·E]
+    qkv, xa_qkv = lora_linear(h1, w_qkv, a_qkv, b_qkv)  # [N, (H+2K)·E]
     q, k, v = qkv.split([H * E, K * E, K * E], dim=-1)
-    c, s = _cos_sin_rows(cos, sin, B)
+    c, s = rope_rows(cos, sin, B)
     qr, kr = rope_fwd(q.view(B * T, H, E), k.view(B * T, K, E), c, s)  # [N, H, E], [N, K, E]
     q4, k4, v4 = qr.view(B, T, H, E), kr.view(B, T, K, E), v.view(B, T, K, E)
     o, lse = flash_attn_train_fwd(q4, k4, v4, True, None)  # [B, T, H, E]
     att = o.view(B * T, H * E)
-    att_o, xa_o = _linear(att, w_o, a_o, b_o)
+    att_o, xa_o = lora_linear(att, w_o, a_o, b_o)
     x1 = x0 + att_o  # [N, D]
     h2 = rms_norm_fwd(x1, mlp_norm, eps)
-    gu, xa_gu = _linear(h2, w_gu, a_gu, b_gu)  # [N, 2F]
+    gu, xa_gu = lora_linear(h2, w_gu, a_gu, b_gu)  # [N, 2F]
     act = swiglu_gate_up_fwd(gu)  # [N, F]
-    down, xa_d = _linear(act, w_d, a_d, b_d)
+    down, xa_d = lora_linear(act, w_d, a_d, b_d)
     y = x1 + down
     saved = dict(x0=x0, h1=h1, xa_qkv=xa_qkv, q4=q4, k4=k4, v4=v4, o=o, lse=lse, att=att, xa_o=xa_o, x1=x1, h2=h2,
                  gu=gu, xa_gu=xa_gu, act=act, xa_d=xa_d)
@@ -107,7 +95,7 @@ class _DecoderLayer(torch.autograd.Function):
             d_att, da_o, db_o = _linear_bwd(s["att"], w_o, a_o, b_o, s["xa_o"], dx1)
             dq, dk, dv = flash_attn_bwd(s["q4"], s["k4"], s["v4"], s["o"], s["lse"], d_att.view(B, T, H, E), True,
                                         None)
-            c, sn = _cos_sin_rows(cos, sin, B)
+            c, sn = rope_rows(cos, sin, B)
             dq, dk = rope_fwd(dq.view(B * T, H, E), dk.view(B * T, K, E), c, -sn)  # the inverse rotation
             d_qkv = torch.cat([dq.view(B * T, H * E), dk.view(B * T, K * E), dv.reshape(B * T, K * E)], dim=-1)
             need_dx = ctx.needs_input_grad[0]

@@ -90,17 +90,32 @@ def lora_group(adapters, outs, dtype) -> LoraGroup | None:
     return LoraGroup(a, (b * present[0][2] if one_scale else b).to(dtype), ranks)
 
 
+def _accumulate(out, xa, b):
+    """out [.., Dout] + xa [.., ΣR] @ bᵀ [ΣR, Dout]: the second GEMM adds the base output in its epilogue (beta = 1)."""
+    return torch.addmm(out.view(-1, out.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.t()).view(out.shape)
+
+
+def lora_linear(x, weight, a=None, b=None):
+    """x [.., Din] @ weightᵀ + (x @ aᵀ) @ bᵀ, all in x's dtype, no dropout -> (y [.., Dout], x @ aᵀ [.., ΣR]) —
+    the LoRA input kept for a hand-written backward — or (y, None) without a pair."""
+    out = F.linear(x, weight)  # [.., Din] -> [.., Dout]
+    if a is None:
+        return out, None
+    xa = F.linear(x, a)  # [.., Din] -> [.., ΣR]
+    return _accumulate(out, xa, b), xa
+
+
 def adapted_linear(x, weight, group: LoraGroup | None, dropout: float = 0.0):
     """x [.., Din] @ weightᵀ [Din, Dout] + the group's LoRA term -> [.., Dout] in x's dtype. With dropout, each
     module draws its own mask (as PEFT's separate modules do)."""
+    if group is None or (not dropout and group.a.dtype == x.dtype):
+        return lora_linear(x, weight, *((group.a, group.b) if group is not None else ()))[0]
     out = F.linear(x, weight)  # [.., Din] -> [.., Dout]
-    if group is None:
-        return out
     xc = x.to(group.a.dtype)
     if dropout:
         xa = torch.cat([F.linear(F.dropout(xc, dropout, True), a) for a in group.a.split(group.ranks)], dim=-1)
     else:
         xa = F.linear(xc, group.a)  # [.., Din] -> [.., ΣR]
-    if group.a.dtype == out.dtype:  # the second GEMM adds the base output in its epilogue (beta = 1)
-        return torch.addmm(out.view(-1, out.shape[-1]), xa.reshape(-1, xa.shape[-1]), group.b.t()).view(out.shape)
+    if group.a.dtype == out.dtype:
+        return _accumulate(out, xa, group.b)
     return (out + F.linear(xa, group.b)).to(out.dtype)  # [.., ΣR] -> [.., Dout], summed in fp32 as PEFT does

@@ -21,7 +21,8 @@ from accel.ops import rope_tables
 from accel.train.attention import attention_reference, flash_attention
 from accel.train.loop import collate
 from accel.train.lora import adapted_linear, lora_group
-from accel.train.model import TrainModel, rms_norm
+from accel.train import fused
+from accel.train.model import TrainModel, rms_norm, swiglu
 from accel.vision import encoder
 from accel.vision.weights import MllamaWeights, self_layer_config
 from refimpl.model.mllama import TEXT, MllamaCache, cross_attention_rows
@@ -31,7 +32,7 @@ from refimpl.formats.lora_mllama import TEXT_LINEARS, text_param
 CROSS_WEIGHTS = ("input_layernorm.weight", "cross_attn.q_proj.weight", "cross_attn.k_proj.weight",
                  "cross_attn.v_proj.weight", "cross_attn.o_proj.weight", "cross_attn.q_norm.weight",
                  "cross_attn.k_norm.weight", "cross_attn_attn_gate", "post_attention_layernorm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "cross_attn_mlp_gate")
+                 "mlp.down_proj.weight", "cross_attn_mlp_gate")  # and the fused gate_up, accel.vision.weights'
 
 
 @torch.compiler.disable
@@ -42,25 +43,27 @@ def cross_attention(q, k, v, visible):
     return attention_reference(q, k, v, causal=False, mask=visible)
 
 
-def cross_layer(x, states, visible, has_image, weights: tuple, adapters: tuple, shape: tuple, eps: float,
-                dropout: float):
+def cross_layer(x, states, visible, has_image, weights: tuple, groups: tuple, shape: tuple, eps: float,
+                dropout: float, kernels: bool = False):
     """One gated cross-attention layer. x [B, T, D], states [B, N, D] (the image tokens), visible [B, T, N],
-    has_image [B, T, 1] in x's dtype; weights in CROSS_WEIGHTS order; adapters = one accel.train.lora.LoraGroup
-    or None per TEXT_LINEARS entry; shape = (H, K, E)."""
-    norm, q_w, k_w, v_w, o_w, q_norm, k_norm, attn_gate, mlp_norm, gate_w, up_w, down_w, mlp_gate = weights
-    aq, ak, av, ao, ag, au, ad = adapters
+    has_image [B, T, 1] in x's dtype; weights in CROSS_WEIGHTS order, then the fused gate_up [2F, D]; groups = one
+    accel.train.lora.LoraGroup or None per (q, k, v, o, gate_up, down); shape = (H, K, E); kernels: the Triton
+    norm and SwiGLU Functions, as the self layers (accel.train.model.grouped_layer)."""
+    norm_w, q_w, k_w, v_w, o_w, q_norm, k_norm, attn_gate, mlp_norm, down_w, mlp_gate, gate_up = weights
+    aq, ak, av, ao, a_gate_up, ad = groups
+    norm, act = (fused.rms_norm, fused.swiglu) if kernels else (rms_norm, swiglu)
     H, K, E = shape
     B, T, _ = x.shape
     N = states.shape[1]
-    h = rms_norm(x, norm, eps)
-    q = rms_norm(adapted_linear(h, q_w, aq, dropout).view(B, T, H, E), q_norm, eps)  # normed over E
-    k = rms_norm(adapted_linear(states, k_w, ak, dropout).view(B, N, K, E), k_norm, eps)
+    h = norm(x, norm_w, eps)
+    q = norm(adapted_linear(h, q_w, aq, dropout).view(B, T, H, E), q_norm, eps)  # normed over E
+    k = norm(adapted_linear(states, k_w, ak, dropout).view(B, N, K, E), k_norm, eps)
     v = adapted_linear(states, v_w, av, dropout).view(B, N, K, E)  # [B, N, D] -> [B, N, K, E]
     a = cross_attention(q, k, v, visible).reshape(B, T, H * E)  # [B, T, H, E] -> [B, T, H·E]
     x = x + attn_gate.tanh() * adapted_linear(a, o_w, ao, dropout)  # [B, T, H·E] -> [B, T, D]
-    h = rms_norm(x, mlp_norm, eps)
-    act = F.silu(adapted_linear(h, gate_w, ag, dropout)) * adapted_linear(h, up_w, au, dropout)
-    down = adapted_linear(act, down_w, ad, dropout)  # [B, T, F] -> [B, T, D]
+    h = norm(x, mlp_norm, eps)
+    act_out = act(adapted_linear(h, gate_up, a_gate_up, dropout))  # [B, T, D] -> [B, T, 2F] -> [B, T, F]
+    down = adapted_linear(act_out, down_w, ad, dropout)  # [B, T, F] -> [B, T, D]
     return x + mlp_gate.tanh() * (down * has_image)  # full_text_row_masked_out_mask
 
 
@@ -86,6 +89,7 @@ class MllamaTrainModel(TrainModel):
         super().__init__(weights.text, self_layer_config(cfg), lora, dropout, checkpointing, compile)
         self.mw, self.mcfg, self.vision_data = weights, cfg, vision_data
         self.slot = {i: j for j, i in enumerate(weights.self_layers)}  # decoder layer -> its self-layer slot
+        self.cross_gate_up = {i: c.gate_up for i, c in zip(cfg.text.cross_attention_layers, weights.cross)}
 
     def collate(self, batch, device):
         """(ids [B, T], labels [B, T], [ImageInputs or None] per sample): the images through the processor."""
@@ -127,19 +131,23 @@ class MllamaTrainModel(TrainModel):
         return states, visible.to(device), has_image.to(device)
 
     def _cross_groups(self, i: int, dtype) -> tuple:
-        """Cross layer i's LoRA groups, cast from the fp32 masters (once a step, outside the layer's checkpoint)."""
-        groups = []
+        """Cross layer i's LoRA groups (q, k, v, o, gate_up, down), cast from the fp32 masters (once a step,
+        outside the layer's checkpoint)."""
+        adapters = []
         for name in TEXT_LINEARS:
             m = self.lora.get(text_param(i, self.mcfg, name))
-            groups.append(None if m is None else lora_group(((m.a, m.b, m.scale),), (None,), self.lora_dtype or dtype))
-        return tuple(groups)
+            adapters.append(None if m is None else (m.a, m.b, m.scale))
+        aq, ak, av, ao, ag, au, ad = adapters
+        dtype, Fi = self.lora_dtype or dtype, self.mcfg.text.intermediate_size
+        return (*(lora_group((m,), (None,), dtype) for m in (aq, ak, av, ao)),
+                lora_group((ag, au), (Fi, Fi), dtype), lora_group((ad,), (None,), dtype))
 
     def _cross(self, x, i: int, groups: tuple, states, visible, has_image):
         t = self.mcfg.text
         weights = tuple(self.mw.params[f"{TEXT}layers.{i}.{key}"] for key in CROSS_WEIGHTS)
-        return cross_layer(x, states, visible, has_image, weights, groups,
+        return cross_layer(x, states, visible, has_image, (*weights, self.cross_gate_up[i]), groups,
                            (t.num_attention_heads, t.num_key_value_heads, t.head_dim), t.rms_norm_eps,
-                           self.dropout if self.training else 0.0)
+                           self.dropout if self.training else 0.0, x.is_cuda and self.kernels)
 
     def hidden(self, ids, images=None):
         """ids [B, T], images: one ImageInputs or None per row (as `collate` gives them) -> final-norm hidden

@@ -1,4 +1,5 @@
-"""A fine-tuning run on a Llama 3.2 Vision checkpoint: image samples, LoRA on the text decoder, the vision tower frozen.
+"""What a fine-tuning run on a Llama 3.2 Vision checkpoint changes (accel.train.session.Session.open runs it): image
+samples, LoRA on the text decoder, the vision tower frozen.
 
 Default targets: every linear of the text decoder (self- and cross-attention layers and all MLPs). PEFT's own
 "all-linear" would also adapt the vision tower and the projector, so adapter_config.json names the modules with a
@@ -7,21 +8,15 @@ regex over the text decoder (or, for a set no such regex describes exactly, the 
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Callable
 
-from accel.train.adapter import adapter_config
-from accel.train.lora import from_adapter, init_lora
 from accel.train.mllama_model import MllamaTrainModel, trainer_key
+from accel.train.session import TextTraining
 from accel.vision.weights import load_mllama_weights
 from accel.weights import DTYPES
 from refimpl.errors import CheckpointError
-from refimpl.formats.jsonfile import read_json_object
-from refimpl.formats.lora import load_lora
 from refimpl.formats.lora_mllama import (TEXT_LAYERS, TEXT_LINEARS, linear_params, module_of, text_param,
                                          text_target_regex)
-from refimpl.train.data import load_samples
 from refimpl.train.image_data import VisionData, image_record_encoder
 
 
@@ -33,46 +28,37 @@ def target_modules(cfg, modules: set[str]) -> str | list[str]:
     return text_target_regex(shorts) if by_regex == modules else sorted(modules)
 
 
-def _from_init_adapter(adapter_dir: Path, cfg, base: str):
-    """Trainable modules (keyed by Hub name) and the adapter config to write, from an existing PEFT adapter."""
-    adapter = load_lora(adapter_dir, cfg)
-    outside = [name for name, *_ in adapter if not name.startswith(TEXT_LAYERS)]
-    if outside:
-        raise CheckpointError(f"{adapter_dir}: adapts {module_of(outside[0])!r}; training adapts the text decoder's "
-                              f"linears only (the vision encoder and projector stay frozen)")
-    d = read_json_object(Path(adapter_dir) / "adapter_config.json", "a PEFT adapter config")
-    config = adapter_config(base, int(d.get("r", 8)), d.get("lora_alpha", 8), float(d.get("lora_dropout", 0.0)),
-                            [], bool(d.get("use_rslora")), d.get("rank_pattern"), d.get("alpha_pattern"))
-    lora = {name: dataclasses.replace(m, name=module_of(name)) for name, m in from_adapter(adapter).items()}
-    return lora, config
+class MllamaTraining(TextTraining):
+    """The text decoder's linears of a vision checkpoint (Hub weight names, transformers 5's module names), image
+    conversations through the checkpoint's processor, MllamaTrainModel."""
 
+    def __init__(self, ckpt, model_path: Path):
+        super().__init__(ckpt, model_path)
+        self.vision_data = VisionData.for_checkpoint(model_path, self.cfg, self.tokenizer)
 
-def open_mllama(ckpt, model_path: Path, data: Path, eval_data: Path | None, device, dtype: str,
-                warn: Callable[[str], None], s) -> tuple:
-    """Session's constructor arguments (model, samples, eval samples, adapter config, device) for a vision
-    checkpoint; `s` is a SessionSettings."""
-    cfg, tok = ckpt.config, ckpt.tokenizer
-    vd = VisionData.for_checkpoint(model_path, cfg, tok)
+    def record_encoder(self, data_path: Path):
+        return image_record_encoder(data_path, self.tokenizer, self.vision_data)
 
-    def load(path):
-        return load_samples(path, tok, s.max_length, warn, image_record_encoder(Path(path), tok, vd))
+    def refuse_untrainable(self, adapter, adapter_dir: Path) -> None:
+        outside = [name for name, *_ in adapter if not name.startswith(TEXT_LAYERS)]
+        if outside:
+            raise CheckpointError(f"{adapter_dir}: adapts {module_of(outside[0])!r}; training adapts the text "
+                                  f"decoder's linears only (the vision encoder and projector stay frozen)")
 
-    samples = load(data)
-    eval_samples = load(eval_data) if eval_data else []
-    if s.init_adapter is not None:
-        lora, config = _from_init_adapter(s.init_adapter, cfg, str(model_path))
-        config["lora_dropout"] = s.dropout
-    else:
-        names = [text_param(i, cfg, t) for i in range(cfg.text.num_hidden_layers) for t in TEXT_LINEARS
-                 if t in s.targets]
-        fresh = init_lora(linear_params(cfg), names, s.rank, s.alpha / s.rank, s.seed)
-        lora = {name: dataclasses.replace(m, name=module_of(name)) for name, m in fresh.items()}
-        config = adapter_config(str(model_path), s.rank, s.alpha, s.dropout, [])
-    config["target_modules"] = target_modules(cfg, {m.name for m in lora.values()})
-    for m in lora.values():
-        m.a.data, m.b.data = m.a.data.to(device), m.b.data.to(device)
-    weights = load_mllama_weights(ckpt.params, cfg, device, DTYPES[dtype])
-    ckpt.params = None  # the fp32 host copy is no longer needed
-    model = MllamaTrainModel(weights, cfg, {trainer_key(cfg, name): m for name, m in lora.items()}, vd, s.dropout,
-                             compile=s.compile)
-    return model, samples, eval_samples, config, device
+    def fresh_targets(self, targets: tuple[str, ...]) -> tuple[dict, list[str]]:
+        names = [text_param(i, self.cfg, t) for i in range(self.cfg.text.num_hidden_layers) for t in TEXT_LINEARS
+                 if t in targets]
+        return linear_params(self.cfg), names
+
+    def module_of(self, param: str) -> str:
+        return module_of(param)
+
+    def target_modules(self, modules: set[str], targets: list[str]):
+        return target_modules(self.cfg, modules)
+
+    def load_weights(self, params: dict, device, dtype: str):
+        return load_mllama_weights(params, self.cfg, device, DTYPES[dtype])
+
+    def model(self, weights, lora: dict, s) -> MllamaTrainModel:
+        return MllamaTrainModel(weights, self.cfg, {trainer_key(self.cfg, name): m for name, m in lora.items()},
+                                self.vision_data, s.dropout, compile=s.compile)

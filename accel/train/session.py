@@ -1,12 +1,18 @@
-"""One fine-tuning run put together: checkpoint + data + LoRA state -> a TrainModel, and saving its adapter."""
+"""One fine-tuning run put together: checkpoint + data + LoRA state -> a TrainModel, and saving its adapter.
+
+`Session.open` is the one path for every checkpoint; what depends on the model family (which linears may be
+adapted and under which PEFT names, how a data line becomes a sample, the weights and the training forward) is a
+`TextTraining`, or for Llama 3.2 Vision its subclass accel.train.mllama_session.MllamaTraining.
+"""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from accel.train.adapter import adapter_config, save_adapter
-from accel.train.lora import from_adapter, init_lora, target_names
+from accel.train.lora import from_adapter, init_lora, module_name, target_names
 from accel.train.loop import TrainSettings, evaluate, plan_steps, train
 from accel.train.model import TrainModel
 from accel.weights import DTYPES, load_weights
@@ -15,6 +21,7 @@ from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.formats.lora import load_lora
 from refimpl.formats.params import expected_shapes
+from refimpl.model.mllama_config import is_mllama
 from refimpl.train.data import load_samples
 
 
@@ -30,6 +37,44 @@ class SessionSettings:
     compile: bool = False
 
 
+class TextTraining:
+    """What a fine-tuning run on a Llama text checkpoint adapts and runs: the decoder layers' linears, named by
+    their checkpoint weights (`model.layers.3.self_attn.q_proj`), text conversations, TrainModel."""
+
+    def __init__(self, ckpt, model_path: Path):
+        self.cfg, self.tokenizer = ckpt.config, ckpt.tokenizer
+
+    def record_encoder(self, data_path: Path):
+        """load_samples' `encode_record` for a data file (None: the text path's own)."""
+        return None
+
+    def refuse_untrainable(self, adapter, adapter_dir: Path) -> None:
+        """An existing adapter (load_lora's list) may adapt only the linears training reaches."""
+        lm_head = [name for name, *_ in adapter if not name.startswith("model.layers.")]
+        if lm_head:
+            raise CheckpointError(f"{adapter_dir}: adapts {lm_head[0]!r}; training supports the decoder layers' "
+                                  f"linears only")
+
+    def fresh_targets(self, targets: tuple[str, ...]) -> tuple[dict, list[str]]:
+        """(checkpoint name -> [Dout, Din] of the adaptable weights, the names `targets` (short names) selects)."""
+        return expected_shapes(self.cfg), target_names(self.cfg, targets)
+
+    def module_of(self, param: str) -> str:
+        """Checkpoint weight name -> the PEFT module name the adapter file uses."""
+        return module_name(param)
+
+    def target_modules(self, modules: set[str], targets: list[str]):
+        """adapter_config.json's target_modules for the adapted `modules`, given their short names `targets`."""
+        return targets
+
+    def load_weights(self, params: dict, device, dtype: str):
+        return load_weights(params, self.cfg, device, DTYPES[dtype])
+
+    def model(self, weights, lora: dict, s: SessionSettings) -> TrainModel:
+        """The training forward; `lora` keyed by checkpoint weight name."""
+        return TrainModel(weights, self.cfg, lora, s.dropout, compile=s.compile)
+
+
 class Session:
     def __init__(self, model: TrainModel, samples, eval_samples, config: dict, device):
         self.model, self.samples, self.eval_samples, self.config, self.device = (model, samples, eval_samples,
@@ -39,26 +84,32 @@ class Session:
     def open(cls, model_path: Path, data: Path, eval_data: Path | None, device, dtype: str,
              warn: Callable[[str], None], s: SessionSettings) -> "Session":
         ckpt = load_checkpoint(model_path)
-        cfg = ckpt.config
         if ckpt.tokenizer is None:
             raise CheckpointError(f"{model_path}: has no tokenizer; training data cannot be rendered")
-        if hasattr(cfg, "vision"):  # Llama 3.2 Vision: image samples, LoRA on the text decoder
-            from accel.train.mllama_session import open_mllama
-            return cls(*open_mllama(ckpt, Path(model_path), data, eval_data, device, dtype, warn, s))
-        samples = load_samples(data, ckpt.tokenizer, s.max_length, warn)
-        eval_samples = load_samples(eval_data, ckpt.tokenizer, s.max_length, warn) if eval_data else []
+        if is_mllama(ckpt.config):  # Llama 3.2 Vision: image samples, LoRA on the text decoder
+            from accel.train.mllama_session import MllamaTraining
+            family = MllamaTraining(ckpt, Path(model_path))
+        else:
+            family = TextTraining(ckpt, Path(model_path))
+
+        def load(path):
+            return load_samples(path, ckpt.tokenizer, s.max_length, warn, family.record_encoder(Path(path)))
+
+        samples = load(data)
+        eval_samples = load(eval_data) if eval_data else []
         if s.init_adapter is not None:
-            lora, config = _from_init_adapter(s.init_adapter, cfg, str(model_path))
+            lora, config = _from_init_adapter(s.init_adapter, family, str(model_path))
             config["lora_dropout"] = s.dropout
         else:
-            scale = s.alpha / s.rank
-            lora = init_lora(expected_shapes(cfg), target_names(cfg, s.targets), s.rank, scale, s.seed)
+            lora = init_lora(*family.fresh_targets(s.targets), s.rank, s.alpha / s.rank, s.seed)
+            lora = {name: dataclasses.replace(m, name=family.module_of(name)) for name, m in lora.items()}
             config = adapter_config(str(model_path), s.rank, s.alpha, s.dropout, list(s.targets))
+        config["target_modules"] = family.target_modules({m.name for m in lora.values()}, config["target_modules"])
         for m in lora.values():
             m.a.data, m.b.data = m.a.data.to(device), m.b.data.to(device)
-        weights = load_weights(ckpt.params, cfg, device, DTYPES[dtype])
+        weights = family.load_weights(ckpt.params, device, dtype)
         ckpt.params = None  # the fp32 host copy is no longer needed
-        return cls(TrainModel(weights, cfg, lora, s.dropout, compile=s.compile), samples, eval_samples, config, device)
+        return cls(family.model(weights, lora, s), samples, eval_samples, config, device)
 
     def planned_steps(self, settings: TrainSettings) -> int:
         return len(plan_steps(self.samples, settings))
@@ -72,15 +123,14 @@ class Session:
         return evaluate(self.model, self.eval_samples, batch_size, self.device)
 
 
-def _from_init_adapter(adapter_dir: Path, cfg, base: str):
-    """Trainable modules and the adapter config to write, from an existing PEFT adapter (validated for this base)."""
-    adapter = load_lora(adapter_dir, cfg)
-    lm_head = [name for name, *_ in adapter if not name.startswith("model.layers.")]
-    if lm_head:
-        raise CheckpointError(f"{adapter_dir}: adapts {lm_head[0]!r}; training supports the decoder layers' "
-                              f"linears only")
+def _from_init_adapter(adapter_dir: Path, family: TextTraining, base: str):
+    """Trainable modules (keyed by checkpoint weight name) and the adapter config to write, from an existing PEFT
+    adapter (validated for this base)."""
+    adapter = load_lora(adapter_dir, family.cfg)
+    family.refuse_untrainable(adapter, adapter_dir)
     d = read_json_object(Path(adapter_dir) / "adapter_config.json", "a PEFT adapter config")
-    targets = sorted({name.split(".")[-2] for name, *_ in adapter})
+    lora = {name: dataclasses.replace(m, name=family.module_of(name)) for name, m in from_adapter(adapter).items()}
+    targets = sorted({m.name.rsplit(".", 1)[-1] for m in lora.values()})
     config = adapter_config(base, int(d.get("r", 8)), d.get("lora_alpha", 8), float(d.get("lora_dropout", 0.0)),
                             targets, bool(d.get("use_rslora")), d.get("rank_pattern"), d.get("alpha_pattern"))
-    return from_adapter(adapter), config
+    return lora, config

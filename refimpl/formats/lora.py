@@ -31,7 +31,7 @@ from refimpl.formats.jsonfile import read_json_object
 from refimpl.formats.lora_mllama import ALL_LINEAR_LEAVES, linear_params, mllama_modules, module_of, param_of
 from refimpl.formats.lora_targets import LLAMA_LINEARS, BoundedMatcher, targeted_modules
 from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
-from refimpl.model.mllama_config import MllamaConfig
+from refimpl.model.mllama_config import MllamaConfig, is_mllama
 from refimpl.formats.safe_open import check_path, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -103,12 +103,8 @@ def module_scale(d: dict, module: str, path: Path, matcher: BoundedMatcher | Non
     return r, (alpha / math.sqrt(r) if d.get("use_rslora") else alpha / r)
 
 
-def _is_mllama(cfg) -> bool:
-    return isinstance(cfg, MllamaConfig)
-
-
 def _shapes(cfg) -> dict:
-    return expected_mllama_shapes(cfg) if _is_mllama(cfg) else expected_shapes(cfg)
+    return expected_mllama_shapes(cfg) if is_mllama(cfg) else expected_shapes(cfg)
 
 
 def _mllama_param_name(module: str, how: str, cfg: MllamaConfig, path: Path) -> str:
@@ -126,7 +122,7 @@ def _mllama_param_name(module: str, how: str, cfg: MllamaConfig, path: Path) -> 
 def _param_name(module: str, how: str, cfg: LlamaConfig, path: Path) -> str:
     """PEFT module name -> the checkpoint parameter it adapts, refusing anything but Llama's linears.
     `how` says where the module came from ("a tensor adapts", "target_modules selects")."""
-    if _is_mllama(cfg):
+    if is_mllama(cfg):
         return _mllama_param_name(module, how, cfg, path)
     m = _LAYER_MODULE_RE.match(module)
     if m and m.group(3) in LLAMA_LINEARS:
@@ -181,7 +177,7 @@ def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
     for module, ab in pairs.items():  # a matrix for a module this base lacks or llama32 cannot merge: refused
         _param_name(module, "a tensor adapts", cfg, weights)
     matcher = BoundedMatcher(cfg_path)  # one matching budget for the whole adapter
-    if _is_mllama(cfg):
+    if is_mllama(cfg):
         targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher, modules=mllama_modules(cfg),
                                     all_linear=ALL_LINEAR_LEAVES)
     else:

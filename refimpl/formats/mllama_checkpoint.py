@@ -7,16 +7,14 @@ Every name and shape is checked from the safetensors headers before any tensor d
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from refimpl.errors import CheckpointError
-from refimpl.formats.checkpoint import read_headers, stop_ids
-from refimpl.formats.params import Checkpoint, check_shapes
-from refimpl.formats.safetensors_io import save_safetensors
+from refimpl.formats.checkpoint import read_headers, save_checkpoint, stop_ids
+from refimpl.formats.params import Checkpoint, check_shapes, decoder_layer_shapes
 from refimpl.model.mllama_config import MllamaConfig
 from refimpl.progress import Progress
 
@@ -78,22 +76,12 @@ def vision_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
 
 def text_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
     t = cfg.text
-    D, F, E = t.hidden_size, t.intermediate_size, t.head_dim
+    D, E = t.hidden_size, t.head_dim
     shapes = {"language_model.model.embed_tokens.weight": (t.embedding_rows, D)}
     for i in range(t.num_hidden_layers):
         p = f"language_model.model.layers.{i}."
         attn = "cross_attn." if i in t.cross_attention_layers else "self_attn."
-        shapes.update({
-            p + "input_layernorm.weight": (D,),
-            p + attn + "q_proj.weight": (t.q_size, D),
-            p + attn + "k_proj.weight": (t.kv_size, D),
-            p + attn + "v_proj.weight": (t.kv_size, D),
-            p + attn + "o_proj.weight": (D, t.q_size),
-            p + "post_attention_layernorm.weight": (D,),
-            p + "mlp.gate_proj.weight": (F, D),
-            p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F),
-        })
+        shapes.update(decoder_layer_shapes(p, t, attn))
         if attn == "cross_attn.":
             shapes.update({p + "cross_attn.q_norm.weight": (E,), p + "cross_attn.k_norm.weight": (E,),
                            p + "cross_attn_attn_gate": (1,), p + "cross_attn_mlp_gate": (1,)})
@@ -153,9 +141,4 @@ def load_mllama_checkpoint(model_dir: str | Path, with_tokenizer: bool = True) -
 def save_mllama_checkpoint(model_dir: str | Path, cfg: MllamaConfig, params: dict[str, np.ndarray],
                            dtype: str = "F32") -> Path:
     """Write config.json + model.safetensors with the Hub's names (golden files, tests)."""
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
-    save_safetensors(model_dir / "model.safetensors", {hub_name(n): a for n, a in params.items()}, dtype=dtype,
-                     metadata={"format": "pt"})
-    return model_dir
+    return save_checkpoint(model_dir, cfg, {hub_name(n): a for n, a in params.items()}, dtype)

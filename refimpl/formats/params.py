@@ -13,23 +13,29 @@ from refimpl.errors import CheckpointError
 from refimpl.model.config import LlamaConfig
 
 
+def decoder_layer_shapes(p: str, cfg: LlamaConfig, attn: str = "self_attn.") -> dict[str, tuple[int, ...]]:
+    """One decoder layer's norms, attention projections (under `attn`: self_attn. or Mllama's cross_attn.) and MLP,
+    named below the layer's prefix `p` (model.layers.3.)."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    return {
+        p + "input_layernorm.weight": (D,),
+        p + attn + "q_proj.weight": (cfg.q_size, D),
+        p + attn + "k_proj.weight": (cfg.kv_size, D),
+        p + attn + "v_proj.weight": (cfg.kv_size, D),
+        p + attn + "o_proj.weight": (D, cfg.q_size),
+        p + "post_attention_layernorm.weight": (D,),
+        p + "mlp.gate_proj.weight": (F, D),
+        p + "mlp.up_proj.weight": (F, D),
+        p + "mlp.down_proj.weight": (D, F),
+    }
+
+
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Llama checkpoint must hold, in the checkpoint's own names."""
-    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    D, V = cfg.hidden_size, cfg.vocab_size
     shapes = {"model.embed_tokens.weight": (V, D)}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (D,),
-            p + "self_attn.q_proj.weight": (cfg.q_size, D),
-            p + "self_attn.k_proj.weight": (cfg.kv_size, D),
-            p + "self_attn.v_proj.weight": (cfg.kv_size, D),
-            p + "self_attn.o_proj.weight": (D, cfg.q_size),
-            p + "post_attention_layernorm.weight": (D,),
-            p + "mlp.gate_proj.weight": (F, D),
-            p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F),
-        })
+        shapes.update(decoder_layer_shapes(f"model.layers.{i}.", cfg))
     shapes["model.norm.weight"] = (D,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, D)

@@ -191,7 +191,13 @@ class MllamaConfig:
 
 
 def is_mllama_config(d) -> bool:
+    """config.json's dict describes a Llama 3.2 Vision model."""
     return isinstance(d, dict) and d.get("model_type") == "mllama"
+
+
+def is_mllama(cfg) -> bool:
+    """A parsed config (LlamaConfig or MllamaConfig) is a Llama 3.2 Vision model's: the one test every path uses."""
+    return isinstance(cfg, MllamaConfig)
 
 
 def _text_from_hf(d: dict, source: str) -> MllamaTextConfig:

@@ -22,9 +22,9 @@ from refimpl.errors import DataError, ImageError
 from refimpl.train.data import IGNORE, Sample, encode_conversation, record_messages
 from refimpl.vision.image_io import load_image
 from refimpl.vision.inputs import ImageInputs
-from refimpl.vision.prepare import processor_config
-from refimpl.vision.processor import ImageProcessorConfig, preprocess
-from refimpl.vision.prompt import IMAGE_TOKEN, cross_attention_mask, image_token_id, processor_ids
+from refimpl.vision.prepare import checked_image_token, image_inputs, load_images, processor_config
+from refimpl.vision.processor import ImageProcessorConfig
+from refimpl.vision.prompt import IMAGE_TOKEN, cross_attention_mask, processor_ids
 
 PART_TYPES = ("text", "image")
 
@@ -39,25 +39,21 @@ class VisionData:
     """What turns a vision sample's files into model inputs: the processor settings and the model's vision config."""
 
     processor: ImageProcessorConfig
-    vision: object  # refimpl.model.mllama_config.VisionConfig
+    cfg: object  # refimpl.model.mllama_config.MllamaConfig
     image_id: int  # the <|image|> token id
 
     @classmethod
     def for_checkpoint(cls, model_dir: Path, cfg, tokenizer) -> "VisionData":
-        image_id = image_token_id(tokenizer)
-        if image_id != cfg.image_token_index:
-            raise DataError(f"{tokenizer.source}: {IMAGE_TOKEN} is id {image_id}, but config.json's "
-                            f"image_token_index is {cfg.image_token_index}")
-        return cls(processor_config(model_dir, cfg), cfg.vision, image_id)
+        image_id = checked_image_token(cfg, tokenizer)
+        return cls(processor_config(model_dir, cfg), cfg, image_id)
 
     def inputs(self, sample: ImageSample) -> ImageInputs | None:
         """The sample's images through the processor, with its [T, I, A] cross-attention mask; None without."""
         if not sample.images:
             return None
-        batch = preprocess([load_image(path) for path in sample.images], self.processor)
+        batch = load_images(sample.images, self.processor)
         mask = cross_attention_mask(sample.ids, self.image_id, batch.num_tiles, self.processor.max_image_tiles)
-        return ImageInputs.from_arrays(self.vision, batch.pixel_values, batch.aspect_ratio_ids,
-                                       batch.aspect_ratio_mask, mask)
+        return image_inputs(self.cfg, batch, mask)
 
 
 def _content_parts(content, where: str) -> bool:

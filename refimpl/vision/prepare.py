@@ -32,15 +32,31 @@ def processor_config(model_dir: Path, cfg) -> ImageProcessorConfig:
     return proc
 
 
+def checked_image_token(cfg, tokenizer) -> int:
+    """The tokenizer's <|image|> id, which must be config.json's image_token_index (cfg: a MllamaConfig)."""
+    image_id = image_token_id(tokenizer)
+    if image_id != cfg.image_token_index:
+        raise ConfigError(f"{tokenizer.source}: {IMAGE_TOKEN} is id {image_id}, but config.json's "
+                          f"image_token_index is {cfg.image_token_index}")
+    return image_id
+
+
+def load_images(image_paths: list[Path], proc: ImageProcessorConfig) -> ImageBatch:
+    """Read the images (EXIF orientation applied, RGB) and tile them as the processor does."""
+    return preprocess([load_image(path) for path in image_paths], proc)
+
+
+def image_inputs(cfg, batch: ImageBatch, cross_attention_mask) -> ImageInputs:
+    """The processor's output and the prompt's [T, I, A] cross-attention mask -> the model's image inputs."""
+    return ImageInputs.from_arrays(cfg.vision, batch.pixel_values, batch.aspect_ratio_ids, batch.aspect_ratio_mask,
+                                   cross_attention_mask)
+
+
 def prepare(model_dir: Path, cfg, tokenizer, prompt: str, image_paths: list[Path], chat: bool = False,
             system: str | None = None) -> VisionRequest:
     """Read the images (EXIF orientation applied, RGB), tile them, and build the prompt's ids and mask."""
     proc = processor_config(model_dir, cfg)
-    if image_token_id(tokenizer) != cfg.image_token_index:
-        raise ConfigError(f"{tokenizer.source}: {IMAGE_TOKEN} is id {image_token_id(tokenizer)}, but config.json's "
-                          f"image_token_index is {cfg.image_token_index}")
-    batch = preprocess([load_image(path) for path in image_paths], proc)
+    checked_image_token(cfg, tokenizer)
+    batch = load_images(image_paths, proc)
     vp = build_vision_prompt(tokenizer, prompt, batch.num_tiles, proc.max_image_tiles, chat=chat, system=system)
-    images = ImageInputs.from_arrays(cfg.vision, batch.pixel_values, batch.aspect_ratio_ids,
-                                     batch.aspect_ratio_mask, vp.cross_attention_mask)
-    return VisionRequest(vp.ids, images, batch)
+    return VisionRequest(vp.ids, image_inputs(cfg, batch, vp.cross_attention_mask), batch)

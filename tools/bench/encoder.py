@@ -34,7 +34,7 @@ from accel.vision.weights import random_mllama_weights
 from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
 from refimpl.vision.encoder import padding_tokens
 from tools.bench.gpu import gemm_tflops
-from tools.bench.timing import device_ms, median_ms
+from tools.bench.timing import cuda_profile, device_ms, median_ms
 from tools.bench.vision import config, encode_flops, image_inputs
 
 def attention_rows(tiles=(1, 1, 1, 1)) -> list[dict]:
@@ -119,12 +119,8 @@ def encode_row(name: str, gemm: float, profile: int, cudnn_too: bool) -> dict:
     torch.cuda.synchronize()
     print(f"host time to issue one encode: {row['encode_host_issue_ms']:.2f} ms", flush=True)
     if profile:
-        from torch.profiler import ProfilerActivity, profile as prof
-        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            engine.encode_images(images, sess.cache)
-            torch.cuda.synchronize()
-        events = p.key_averages()
-        print(events.table(sort_by="cuda_time_total", row_limit=profile), flush=True)
+        table, events = cuda_profile(lambda: engine.encode_images(images, sess.cache), profile, host=True)
+        print(table, flush=True)
         gpu = [e for e in events if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
         row["profile"] = [{"name": e.key, "cuda_ms": e.device_time_total / 1e3, "calls": e.count}
                           for e in sorted(gpu, key=lambda e: -e.device_time_total)[:profile]]

@@ -16,7 +16,7 @@ from refimpl.model.config import LlamaConfig
 
 from accel.engine import AccelEngine
 from accel.kernels.tuning import DEFAULT, Tuning
-from tools.bench.timing import device_ms, median_ms
+from tools.bench.timing import cuda_profile, device_ms, median_ms, profile_decode_steps
 from accel.weights import Weights, params_view, random_weights
 
 
@@ -236,30 +236,18 @@ def decode_attention_bench(device, contexts=(1024, 8192, 32768), H: int = 32, K:
 def profile_decode(cfg: LlamaConfig, device, steps: int = 10, rows: int = 25, tuning: Tuning = DEFAULT) -> str:
     """Per-kernel device time of `steps` eager decode steps (no graph, so the profiler sees every kernel):
     where a token's time goes. Totals divided by `steps` are per token."""
-    from torch.profiler import ProfilerActivity, profile
     engine = AccelEngine(cfg, random_weights(cfg, device, torch.bfloat16), torch.device(device), "bf16",
                          use_graph=False, tuning=tuning)
-    prompt = prompt_ids(cfg, 32)
     sess = engine.session(32 + steps + 8)
-    logits = engine.prefill(prompt, sess)
-    engine.decode_greedy(sess, logits, 32, 4)  # warm-up
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.decode_greedy(sess, logits, 32, steps + 1)
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return profile_decode_steps(engine, sess, engine.prefill(prompt_ids(cfg, 32), sess), 32, steps, rows)
 
 
 def profile_prefill(cfg: LlamaConfig, device, tokens: int = 2048, rows: int = 20) -> str:
     """Per-kernel device time of one prefill of `tokens` tokens."""
-    from torch.profiler import ProfilerActivity, profile
     engine = AccelEngine(cfg, random_weights(cfg, device, torch.bfloat16), torch.device(device), "bf16",
                          use_graph=False)
     prompt = prompt_ids(cfg, tokens, seed=1)
     sess = engine.session(tokens)
     engine.prefill(prompt, sess)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.prefill(prompt, sess)
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return cuda_profile(lambda: engine.prefill(prompt, sess), rows)[0]

@@ -40,3 +40,22 @@ def device_ms(fn, reps: int = 20, sleep_cycles: int = 40_000_000) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / reps)
     return sorted(times)[1]
+
+
+def cuda_profile(fn, rows: int, host: bool = False):
+    """fn() once under torch.profiler, CUDA activity only (with `host`, the CPU's calls too), synchronised -> (the
+    top `rows` kernels by device time as torch's table, the key averages behind it)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA] + [ProfilerActivity.CPU] * host) as prof:
+        fn()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    return averages.table(sort_by="cuda_time_total", row_limit=rows), averages
+
+
+def profile_decode_steps(engine, sess, logits, pos: int, steps: int, rows: int) -> str:
+    """Per-kernel device time of `steps` greedy decode steps of an eager (uncaptured) engine after its prefill
+    (`logits` at `pos` tokens), after 4 warm-up steps (compilation): totals divided by `steps` are per token."""
+    engine.decode_greedy(sess, logits, pos, 4)
+    torch.cuda.synchronize()
+    return cuda_profile(lambda: engine.decode_greedy(sess, logits, pos, steps + 1), rows)[0]

@@ -18,7 +18,7 @@ from refimpl.formats.mllama_checkpoint import expected_mllama_shapes, hub_name
 from refimpl.model.mllama_config import MllamaConfig
 from refimpl.vision.inputs import ImageInputs
 from tools.bench.gpu import timed_greedy
-from tools.bench.timing import median_ms
+from tools.bench.timing import median_ms, profile_decode_steps
 
 VISION_11B = {"image_size": 560}  # every other vision field: HF's defaults, the 11B/90B encoder
 CONFIGS = {
@@ -177,17 +177,10 @@ def profile_decode(engine: MllamaAccelEngine, ids: list[int], images: ImageInput
                    rows: int = 30) -> str:
     """Per-kernel device time of `steps` eager decode steps with the image in context (no graph, so the profiler
     sees every kernel): where a token's time goes; totals divided by `steps` are per token."""
-    from torch.profiler import ProfilerActivity, profile
     eager = MllamaAccelEngine(engine.config, engine.weights, engine.device, "bf16", use_graph=False)
     sess = eager.session(len(ids) + steps + 8, eager.image_tokens(images))
     eager.encode_images(images, sess.cache)
-    logits = eager.prefill(ids, sess)
-    eager.decode_greedy(sess, logits, len(ids), 4)  # warm-up: compilation
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        eager.decode_greedy(sess, logits, len(ids), steps + 1)
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return profile_decode_steps(eager, sess, eager.prefill(ids, sess), len(ids), steps, rows)
 
 
 CROSS_VARIANTS = [dict(), dict(split_len=448), dict(split_len=128, config=dict(BLOCK_N=64)),
