@@ -180,7 +180,7 @@ def tiny_gguf(tmp_path, qtype):
     return write_gguf(tmp_path / f"{qtype.name}.gguf", cfg, random_params(cfg, seed=9, std=0.15), qtype=qtype)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4:64:bf16-head", "gguf-q4_0"])
+@pytest.mark.parametrize("spec", ["int8", "int4:64:bf16-head", "int4:32:mixed", "gguf-q4_0"])
 def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
     """Greedy tokens and every step's logits of one quantized toy model on both engines (accel fp32, CPU)."""
     if spec.startswith("gguf"):
@@ -194,6 +194,9 @@ def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
         # accel quantizes the fp32 weights itself, on the device: the same bits as the refimpl's records
         acc = AccelEngine.from_checkpoint(dense, device="cpu", dtype="fp32", quant=QuantSpec.parse(spec))
     assert type(acc.weights.layers[0].qkv).__name__ == "QuantTensor"
+    if spec.endswith("mixed"):  # down_proj in int8 beside int4 (and int8 in the refimpl's records too)
+        assert [acc.weights.layers[0].qkv.fmt, acc.weights.layers[0].down.fmt] == ["int4", "int8"]
+        assert ckpt.params["model.layers.0.mlp.down_proj.weight"].format == "int8"
     ref = RefEngine(ckpt)
     s = Sampling(max_new_tokens=3)
     prompt = [3, 17, 42, 5]

@@ -92,6 +92,30 @@ def test_round_trip_keeps_every_bit(tmp_path):
     np.testing.assert_array_equal(logits(back.params, back.config, ids), logits(params, src.config, ids))
 
 
+def test_mixed_spec_round_trips_and_loads_in_both_engines(tmp_path):
+    """int4:64:mixed (down_proj in int8) through `llama32 quantize`: the config names the int8 matrices, every
+    record comes back in its own format, and accel uploads the stored codes of both formats as they are."""
+    torch = pytest.importorskip("torch")
+    from accel.engine import AccelEngine
+    out = tmp_path / "mixed"
+    r = run_cli(["quantize", "--model", TOY, "--quant", "int4:64:mixed", "--method", "awq-gptq", "--calib",
+                 _calib_file(tmp_path), "--out", out])
+    assert r.exit_code == 0, r.output
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["format"] == "int4" and q["int8_matrices"] == ["mlp.down_proj"] and q["method"] == "awq-gptq"
+    back = load_checkpoint(out)
+    formats = {n: back.params[n].format for n in quantized_names(back.config, True)}
+    assert {f for n, f in formats.items() if "down_proj" in n} == {"int8"}
+    assert {f for n, f in formats.items() if "down_proj" not in n} == {"int4"}
+    acc = AccelEngine.from_checkpoint(back, device="cpu", dtype="fp32", use_triton=False)
+    down, qkv = acc.weights.layers[2].down, acc.weights.layers[2].qkv
+    assert (down.fmt, qkv.fmt) == ("int8", "int4")
+    assert np.array_equal(down.q.numpy(), back.params["model.layers.2.mlp.down_proj.weight"].data)
+    prompt, s = back.tokenizer.encode("the sea"), Sampling(max_new_tokens=3)
+    with torch.no_grad():
+        assert list(acc.generate(prompt, s)) == list(RefEngine(back).generate(prompt, s))
+
+
 def test_calibrated_quantization_tracks_the_model_better_than_round_to_nearest():
     """On the toy model (random weights): GPTQ's logits are closer to the unquantized ones than RTN's."""
     src = load_checkpoint(TOY)
@@ -174,6 +198,7 @@ def test_bad_quantized_checkpoints_name_the_tensor(quantized_dir, tmp_path):
     ({"format": "int3"}, "format 'int3'"),
     ({"group_size": 48}, "group_size 48"),
     ({"version": 2}, "version 2"),
+    ({"int8_matrices": ["mlp.down"]}, "int8_matrices"),
 ])
 def test_bad_quantization_config_is_refused(quantized_dir, tmp_path, change, message):
     bad = _copy(quantized_dir, tmp_path / "cfg")

@@ -113,12 +113,22 @@ def test_int8_error_within_half_a_step():
 @pytest.mark.parametrize("text, want", [("int8", QuantSpec("int8")), ("int4", QuantSpec("int4", 64)),
                                         ("INT4:128", QuantSpec("int4", 128)),
                                         ("int4:32:bf16-head", QuantSpec("int4", 32, False)),
+                                        ("int4:mixed", QuantSpec("int4", 64, True, ("mlp.down_proj",))),
+                                        ("int4:128:mixed:bf16-head", QuantSpec("int4", 128, False, ("mlp.down_proj",))),
                                         ("gguf", QuantSpec("gguf"))])
 def test_quant_spec_parses(text, want):
     assert QuantSpec.parse(text) == want
+    assert QuantSpec.parse(str(want)) == want
 
 
-@pytest.mark.parametrize("text", ["int3", "int4:48", "int8:32", "int4:x", "", "gguf:64"])
+def test_mixed_spec_gives_each_matrix_one_format():
+    spec = QuantSpec.parse("int4:32:mixed")
+    assert spec.for_matrix("model.layers.7.mlp.down_proj.weight") == QuantSpec("int8")
+    for name in ("model.layers.7.mlp.up_proj.weight", "model.layers.0.self_attn.v_proj.weight", "lm_head.weight"):
+        assert spec.for_matrix(name) == QuantSpec("int4", 32)
+
+
+@pytest.mark.parametrize("text", ["int3", "int4:48", "int8:32", "int4:x", "", "gguf:64", "int8:mixed", "mixed"])
 def test_bad_quant_spec_is_one_clear_error(text):
     with pytest.raises(QuantError, match="--quant"):
         QuantSpec.parse(text)

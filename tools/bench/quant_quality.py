@@ -108,8 +108,9 @@ def smollm2_rows(specs: list[str], methods: list[str]) -> tuple[dict, list[dict]
                 bodies[str(full), method] = dequantize_params(quantize_model(ckpt.params, cfg, full, method,
                                                                              None if method == "rtn" else calib))
             params = dict(bodies[str(full), method])
-            if not spec.lm_head:
-                del params[LM_HEAD]  # the tied embedding serves as the head again
+            if not spec.lm_head:  # the tied embedding serves as the head again, after its own final norm (AWQ
+                del params[LM_HEAD]  # folds the quantized head's scales into the norm)
+                params["model.norm.weight"] = ckpt.params["model.norm.weight"]
             kl, top1 = kl_and_top1(ref, logits_of(params))
             rows.append({"quant": text, "method": method, "kl_mean": kl, "top1_agreement": top1,
                          "seconds": time.perf_counter() - t0})
