@@ -194,9 +194,12 @@ def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
         # accel quantizes the fp32 weights itself, on the device: the same bits as the refimpl's records
         acc = AccelEngine.from_checkpoint(dense, device="cpu", dtype="fp32", quant=QuantSpec.parse(spec))
     assert type(acc.weights.layers[0].qkv).__name__ == "QuantTensor"
-    if spec.endswith("mixed"):  # down_proj in int8 beside int4 (and int8 in the refimpl's records too)
-        assert [acc.weights.layers[0].qkv.fmt, acc.weights.layers[0].down.fmt] == ["int4", "int8"]
-        assert ckpt.params["model.layers.0.mlp.down_proj.weight"].format == "int8"
+    if spec.endswith("mixed"):  # int8 q/k/v, down_proj and lm_head beside int4 o and gate/up, in both engines
+        lw = acc.weights.layers[0]
+        assert [lw.qkv.fmt, lw.o.fmt, lw.gate_up.fmt, lw.down.fmt, acc.weights.lm_head.fmt] == [
+            "int8", "int4", "int4", "int8", "int8"]
+        assert [ckpt.params[f"model.layers.0.{k}.weight"].format for k in ("self_attn.v_proj", "mlp.up_proj")] == [
+            "int8", "int4"]
     ref = RefEngine(ckpt)
     s = Sampling(max_new_tokens=3)
     prompt = [3, 17, 42, 5]

@@ -19,7 +19,7 @@ from refimpl.model import ops
 from refimpl.model.llama import KVCache, forward
 from refimpl.quant.apply import quantized_names
 from refimpl.quant.calibrate import calibration_sequences, quantize_model
-from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
+from refimpl.quant.formats import MIXED_INT8, QuantError, QuantizedLinear, QuantSpec
 
 TOY = Path(__file__).resolve().parent.parent / "golden" / "toy-gqa"
 CALIB = ("Call me Ishmael. Some years ago, having little or no money in my purse, and nothing particular to interest "
@@ -102,14 +102,17 @@ def test_mixed_spec_round_trips_and_loads_in_both_engines(tmp_path):
                  _calib_file(tmp_path), "--out", out])
     assert r.exit_code == 0, r.output
     q = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert q["format"] == "int4" and q["int8_matrices"] == ["mlp.down_proj"] and q["method"] == "awq-gptq"
+    assert q["format"] == "int4" and q["int8_matrices"] == list(MIXED_INT8) and q["method"] == "awq-gptq"
     back = load_checkpoint(out)
     formats = {n: back.params[n].format for n in quantized_names(back.config, True)}
-    assert {f for n, f in formats.items() if "down_proj" in n} == {"int8"}
-    assert {f for n, f in formats.items() if "down_proj" not in n} == {"int4"}
+    int8 = ("down_proj", "q_proj", "k_proj", "v_proj", "lm_head")
+    assert {f for n, f in formats.items() if any(k in n for k in int8)} == {"int8"}
+    assert {f for n, f in formats.items() if not any(k in n for k in int8)} == {"int4"}
     acc = AccelEngine.from_checkpoint(back, device="cpu", dtype="fp32", use_triton=False)
-    down, qkv = acc.weights.layers[2].down, acc.weights.layers[2].qkv
-    assert (down.fmt, qkv.fmt) == ("int8", "int4")
+    lw = acc.weights.layers[2]
+    assert (lw.down.fmt, lw.qkv.fmt, lw.gate_up.fmt, lw.o.fmt, acc.weights.lm_head.fmt) == (
+        "int8", "int8", "int4", "int4", "int8")
+    down = lw.down
     assert np.array_equal(down.q.numpy(), back.params["model.layers.2.mlp.down_proj.weight"].data)
     prompt, s = back.tokenizer.encode("the sea"), Sampling(max_new_tokens=3)
     with torch.no_grad():

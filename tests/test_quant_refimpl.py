@@ -13,7 +13,7 @@ from refimpl.formats.params import random_params  # noqa: E402
 from refimpl.model import ops  # noqa: E402
 from refimpl.model.llama import KVCache, forward  # noqa: E402
 from refimpl.quant.apply import dequantize_params, quantize_params  # noqa: E402
-from refimpl.quant.formats import (QuantError, QuantizedLinear, QuantSpec, pack_nibbles, quantize_int4,  # noqa: E402
+from refimpl.quant.formats import (MIXED_INT8, QuantError, QuantizedLinear, QuantSpec, pack_nibbles, quantize_int4,  # noqa: E402
                                    quantize_int8, round_bf16, unpack_nibbles)
 from refimpl.quant.gguf_blocks import BLOCK_BYTES, dequantize_blocks  # noqa: E402
 from test_gguf import tiny_config, write_gguf  # noqa: E402
@@ -113,8 +113,8 @@ def test_int8_error_within_half_a_step():
 @pytest.mark.parametrize("text, want", [("int8", QuantSpec("int8")), ("int4", QuantSpec("int4", 64)),
                                         ("INT4:128", QuantSpec("int4", 128)),
                                         ("int4:32:bf16-head", QuantSpec("int4", 32, False)),
-                                        ("int4:mixed", QuantSpec("int4", 64, True, ("mlp.down_proj",))),
-                                        ("int4:128:mixed:bf16-head", QuantSpec("int4", 128, False, ("mlp.down_proj",))),
+                                        ("int4:mixed", QuantSpec("int4", 64, True, MIXED_INT8)),
+                                        ("int4:128:mixed:bf16-head", QuantSpec("int4", 128, False, MIXED_INT8)),
                                         ("gguf", QuantSpec("gguf"))])
 def test_quant_spec_parses(text, want):
     assert QuantSpec.parse(text) == want
@@ -122,9 +122,12 @@ def test_quant_spec_parses(text, want):
 
 
 def test_mixed_spec_gives_each_matrix_one_format():
-    spec = QuantSpec.parse("int4:32:mixed")
-    assert spec.for_matrix("model.layers.7.mlp.down_proj.weight") == QuantSpec("int8")
-    for name in ("model.layers.7.mlp.up_proj.weight", "model.layers.0.self_attn.v_proj.weight", "lm_head.weight"):
+    spec = QuantSpec.parse("int4:32:mixed")  # q/k/v, down_proj and the lm_head in int8, as llama.cpp's Q4_K_M
+    for name in ("model.layers.7.mlp.down_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+                 "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"):
+        assert spec.for_matrix(name) == QuantSpec("int8")
+    for name in ("model.layers.7.mlp.up_proj.weight", "model.layers.7.mlp.gate_proj.weight",
+                 "model.layers.0.self_attn.o_proj.weight"):
         assert spec.for_matrix(name) == QuantSpec("int4", 32)
 
 

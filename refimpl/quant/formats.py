@@ -161,18 +161,19 @@ def dequantize_int4(packed: np.ndarray, scale: np.ndarray, low: np.ndarray, grou
 
 # ---------------------------------------------------------------- which format
 
-# What `int4:G:mixed` keeps in int8 (as llama.cpp's Q4_K_M gives more bits to ffn_down): the matrices whose
-# int4 error the logits feel most, each a whole fused group of the accel engine (tools/bench/NOTES.md).
-MIXED_INT8 = ("mlp.down_proj",)
+# What `int4:G:mixed` quantizes to int8, after llama.cpp's Q4_K_M (more bits for output.weight, attn_v and
+# ffn_down): v widened to its fused q/k/v group, since accel multiplies q/k/v in one GEMV of one format.
+MIXED_INT8 = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj", "lm_head")
 MATRIX_KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")
+               "mlp.up_proj", "mlp.down_proj", "lm_head")
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """`--quant` parsed: 'int8', 'int4' (G = 64), 'int4:G', 'int4:G:mixed' (int4 with the MIXED_INT8 matrices of
-    every layer in int8), or 'gguf' (keep the file's Q8_0/Q4_0/Q4_1 blocks); a ':bf16-head' suffix leaves the
-    lm_head unquantized. int8_keys: the matrices (MATRIX_KEYS) an int4 spec quantizes to int8 instead."""
+    every layer, and the lm_head, in int8), or 'gguf' (keep the file's Q8_0/Q4_0/Q4_1 blocks); a ':bf16-head'
+    suffix leaves the lm_head unquantized. int8_keys: the matrices (MATRIX_KEYS) an int4 spec makes int8 instead.
+    A fused group (q/k/v, gate/up) whose members differ in format runs unfused-dense in accel: keep groups whole."""
 
     format: str
     group: int | None = None
