@@ -24,7 +24,7 @@ from refimpl.model.config import LlamaConfig
 from refimpl.model.llama import KVCache, attention_block, drive, layer_params, mlp_block
 from refimpl.progress import Progress
 from refimpl.quant import awq
-from refimpl.quant.apply import LM_HEAD, is_quantized, quantize_params, quantized_names, source_weight
+from refimpl.quant.apply import LM_HEAD, is_quantized, quantize_params, source_weight
 from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
 from refimpl.quant.gptq import gptq_quantize
 from refimpl.quant.search import importance_of, quantize_search
