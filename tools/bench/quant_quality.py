@@ -128,11 +128,11 @@ def smollm2_rows(specs: list[str], methods: list[str]) -> tuple[dict, list[dict]
             kl, top1 = kl_and_top1(ref, logits_of(params))
             rows.append({"quant": text, "method": method, "kl_mean": kl, "top1_agreement": top1,
                          "matrix_mb_per_token": read / 1e6, "seconds": time.perf_counter() - t0})
-            print(f"{text:<22}{method:<9} KL {kl:.3e}  top-1 {top1:.4f}  {read / 1e6:.1f} MB  "
+            print(f"{text:<26}{method:<9} KL {kl:.3e}  top-1 {top1:.4f}  {read / 1e6:.1f} MB  "
                   f"({rows[-1]['seconds']:.0f} s)", flush=True)
     return {"model": f"SmolLM2-135M-Instruct ({path.name}, dequantized to fp32)", "engine": "refimpl fp32 (CPU)",
             "calibration": f"{CALIBRATION.name}, {sum(len(s) for s in calib)} tokens in {len(calib)} sequences "
-                           f"(search, gptq)",
+                           f"(every method but rtn)",
             "machine": platform.processor() or platform.machine()}, rows
 
 
@@ -189,10 +189,10 @@ def main(argv=None):
     result = {**head, "tokens": TOKENS, "date": datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y-%m-%d %H:%M UTC"), "rows": rows}
     print(f"\n{result['model']} — {result['engine']} — {result['date']}")
-    print(f"{'quant':<22}{'method':<9}{'mean KL (nats)':>16}{'top-1 agree':>13}{'MB/token':>10}")
+    print(f"{'quant':<26}{'method':<9}{'mean KL (nats)':>16}{'top-1 agree':>13}{'MB/token':>10}")
     for r in rows:
         mb = f"{r['matrix_mb_per_token']:>10.1f}" if "matrix_mb_per_token" in r else ""
-        print(f"{r['quant']:<22}{r['method']:<9}{r['kl_mean']:>16.3e}{r['top1_agreement']:>13.4f}{mb}")
+        print(f"{r['quant']:<26}{r['method']:<9}{r['kl_mean']:>16.3e}{r['top1_agreement']:>13.4f}{mb}")
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")
 
