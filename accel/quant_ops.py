@@ -242,18 +242,21 @@ def load_quantized_weights(params: dict, cfg, device, dtype: torch.dtype, spec: 
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
+        one = (lambda key: None if spec is None else spec.for_matrix(p + key))  # noqa: E731  a fused group's format
         layers.append(LayerWeights(
             attn_norm=_to_device(params[p + "input_layernorm.weight"], device, dtype),
-            qkv=_matrix([params[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], device, spec, dtype),
-            o=_matrix([params[p + "self_attn.o_proj.weight"]], device, spec, dtype),
+            qkv=_matrix([params[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], device, one("self_attn.q_proj"),
+                        dtype),
+            o=_matrix([params[p + "self_attn.o_proj.weight"]], device, one("self_attn.o_proj"), dtype),
             mlp_norm=_to_device(params[p + "post_attention_layernorm.weight"], device, dtype),
-            gate_up=_matrix([params[p + "mlp.gate_proj.weight"], params[p + "mlp.up_proj.weight"]], device, spec,
-                            dtype),
-            down=_matrix([params[p + "mlp.down_proj.weight"]], device, spec, dtype)))
+            gate_up=_matrix([params[p + "mlp.gate_proj.weight"], params[p + "mlp.up_proj.weight"]], device,
+                            one("mlp.gate_proj"), dtype),
+            down=_matrix([params[p + "mlp.down_proj.weight"]], device, one("mlp.down_proj"), dtype)))
     embed = _to_device(params["model.embed_tokens.weight"], device, dtype)
     head = params.get("lm_head.weight")
     if isinstance(head, QuantizedLinear) or (spec is not None and spec.format != "gguf" and spec.lm_head):
-        lm_head = _matrix([head if head is not None else params["model.embed_tokens.weight"]], device, spec, dtype)
+        lm_head = _matrix([head if head is not None else params["model.embed_tokens.weight"]], device,
+                          spec and spec.for_matrix("lm_head.weight"), dtype)
     else:
         lm_head = embed if head is None else _to_device(head, device, dtype)
     return Weights(embed, layers, _to_device(params["model.norm.weight"], device, dtype), lm_head)
@@ -262,9 +265,10 @@ def load_quantized_weights(params: dict, cfg, device, dtype: torch.dtype, spec: 
 def quantize_weights(w, spec: QuantSpec):
     """Dense device Weights (the benchmark's random weights) -> the same model quantized on the device; each
     dense matrix is dropped once quantized."""
-    for lw in w.layers:
-        lw.qkv, lw.o = quantize(lw.qkv, spec), quantize(lw.o, spec)
-        lw.gate_up, lw.down = quantize(lw.gate_up, spec), quantize(lw.down, spec)
+    for i, lw in enumerate(w.layers):
+        one = lambda key: spec.for_matrix(f"model.layers.{i}.{key}")  # noqa: E731  a fused group's format
+        lw.qkv, lw.o = quantize(lw.qkv, one("self_attn.q_proj")), quantize(lw.o, one("self_attn.o_proj"))
+        lw.gate_up, lw.down = quantize(lw.gate_up, one("mlp.gate_proj")), quantize(lw.down, one("mlp.down_proj"))
     if spec.lm_head:
-        w.lm_head = quantize(w.lm_head, spec)
+        w.lm_head = quantize(w.lm_head, spec.for_matrix("lm_head.weight"))
     return w

@@ -180,7 +180,7 @@ def tiny_gguf(tmp_path, qtype):
     return write_gguf(tmp_path / f"{qtype.name}.gguf", cfg, random_params(cfg, seed=9, std=0.15), qtype=qtype)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4:64:bf16-head", "gguf-q4_0"])
+@pytest.mark.parametrize("spec", ["int8", "int4:64:bf16-head", "int4:32:mixed", "gguf-q4_0"])
 def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
     """Greedy tokens and every step's logits of one quantized toy model on both engines (accel fp32, CPU)."""
     if spec.startswith("gguf"):
@@ -194,6 +194,12 @@ def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
         # accel quantizes the fp32 weights itself, on the device: the same bits as the refimpl's records
         acc = AccelEngine.from_checkpoint(dense, device="cpu", dtype="fp32", quant=QuantSpec.parse(spec))
     assert type(acc.weights.layers[0].qkv).__name__ == "QuantTensor"
+    if spec.endswith("mixed"):  # int8 q/k/v, down_proj and lm_head beside int4 o and gate/up, in both engines
+        lw = acc.weights.layers[0]
+        assert [lw.qkv.fmt, lw.o.fmt, lw.gate_up.fmt, lw.down.fmt, acc.weights.lm_head.fmt] == [
+            "int8", "int4", "int4", "int8", "int8"]
+        assert [ckpt.params[f"model.layers.0.{k}.weight"].format for k in ("self_attn.v_proj", "mlp.up_proj")] == [
+            "int8", "int4"]
     ref = RefEngine(ckpt)
     s = Sampling(max_new_tokens=3)
     prompt = [3, 17, 42, 5]

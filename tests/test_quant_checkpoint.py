@@ -19,7 +19,7 @@ from refimpl.model import ops
 from refimpl.model.llama import KVCache, forward
 from refimpl.quant.apply import quantized_names
 from refimpl.quant.calibrate import calibration_sequences, quantize_model
-from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
+from refimpl.quant.formats import MIXED_INT8, QuantError, QuantizedLinear, QuantSpec
 
 TOY = Path(__file__).resolve().parent.parent / "golden" / "toy-gqa"
 CALIB = ("Call me Ishmael. Some years ago, having little or no money in my purse, and nothing particular to interest "
@@ -90,6 +90,33 @@ def test_round_trip_keeps_every_bit(tmp_path):
             assert np.array_equal(got, value)
     ids = src.tokenizer.encode("the watery part of the world")
     np.testing.assert_array_equal(logits(back.params, back.config, ids), logits(params, src.config, ids))
+
+
+def test_mixed_spec_round_trips_and_loads_in_both_engines(tmp_path):
+    """int4:64:mixed (down_proj in int8) through `llama32 quantize`: the config names the int8 matrices, every
+    record comes back in its own format, and accel uploads the stored codes of both formats as they are."""
+    torch = pytest.importorskip("torch")
+    from accel.engine import AccelEngine
+    out = tmp_path / "mixed"
+    r = run_cli(["quantize", "--model", TOY, "--quant", "int4:64:mixed", "--method", "awq-gptq", "--calib",
+                 _calib_file(tmp_path), "--out", out])
+    assert r.exit_code == 0, r.output
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["format"] == "int4" and q["int8_matrices"] == list(MIXED_INT8) and q["method"] == "awq-gptq"
+    back = load_checkpoint(out)
+    formats = {n: back.params[n].format for n in quantized_names(back.config, True)}
+    int8 = ("down_proj", "q_proj", "k_proj", "v_proj", "lm_head")
+    assert {f for n, f in formats.items() if any(k in n for k in int8)} == {"int8"}
+    assert {f for n, f in formats.items() if not any(k in n for k in int8)} == {"int4"}
+    acc = AccelEngine.from_checkpoint(back, device="cpu", dtype="fp32", use_triton=False)
+    lw = acc.weights.layers[2]
+    assert (lw.down.fmt, lw.qkv.fmt, lw.gate_up.fmt, lw.o.fmt, acc.weights.lm_head.fmt) == (
+        "int8", "int8", "int4", "int4", "int8")
+    down = lw.down
+    assert np.array_equal(down.q.numpy(), back.params["model.layers.2.mlp.down_proj.weight"].data)
+    prompt, s = back.tokenizer.encode("the sea"), Sampling(max_new_tokens=3)
+    with torch.no_grad():
+        assert list(acc.generate(prompt, s)) == list(RefEngine(back).generate(prompt, s))
 
 
 def test_calibrated_quantization_tracks_the_model_better_than_round_to_nearest():
@@ -174,6 +201,7 @@ def test_bad_quantized_checkpoints_name_the_tensor(quantized_dir, tmp_path):
     ({"format": "int3"}, "format 'int3'"),
     ({"group_size": 48}, "group_size 48"),
     ({"version": 2}, "version 2"),
+    ({"int8_matrices": ["mlp.down"]}, "int8_matrices"),
 ])
 def test_bad_quantization_config_is_refused(quantized_dir, tmp_path, change, message):
     bad = _copy(quantized_dir, tmp_path / "cfg")

@@ -13,8 +13,8 @@ from refimpl.formats.params import random_params  # noqa: E402
 from refimpl.model import ops  # noqa: E402
 from refimpl.model.llama import KVCache, forward  # noqa: E402
 from refimpl.quant.apply import dequantize_params, quantize_params  # noqa: E402
-from refimpl.quant.formats import (QuantError, QuantizedLinear, QuantSpec, pack_nibbles, quantize_int4,  # noqa: E402
-                                   quantize_int8, round_bf16, unpack_nibbles)
+from refimpl.quant.formats import (MIXED_INT8, QuantError, QuantizedLinear, QuantSpec, pack_nibbles,  # noqa: E402
+                                   quantize_int4, quantize_int8, round_bf16, unpack_nibbles)
 from refimpl.quant.gguf_blocks import BLOCK_BYTES, dequantize_blocks  # noqa: E402
 from test_gguf import tiny_config, write_gguf  # noqa: E402
 
@@ -113,12 +113,25 @@ def test_int8_error_within_half_a_step():
 @pytest.mark.parametrize("text, want", [("int8", QuantSpec("int8")), ("int4", QuantSpec("int4", 64)),
                                         ("INT4:128", QuantSpec("int4", 128)),
                                         ("int4:32:bf16-head", QuantSpec("int4", 32, False)),
+                                        ("int4:mixed", QuantSpec("int4", 64, True, MIXED_INT8)),
+                                        ("int4:128:mixed:bf16-head", QuantSpec("int4", 128, False, MIXED_INT8)),
                                         ("gguf", QuantSpec("gguf"))])
 def test_quant_spec_parses(text, want):
     assert QuantSpec.parse(text) == want
+    assert QuantSpec.parse(str(want)) == want
 
 
-@pytest.mark.parametrize("text", ["int3", "int4:48", "int8:32", "int4:x", "", "gguf:64"])
+def test_mixed_spec_gives_each_matrix_one_format():
+    spec = QuantSpec.parse("int4:32:mixed")  # q/k/v, down_proj and the lm_head in int8, as llama.cpp's Q4_K_M
+    for name in ("model.layers.7.mlp.down_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+                 "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"):
+        assert spec.for_matrix(name) == QuantSpec("int8")
+    for name in ("model.layers.7.mlp.up_proj.weight", "model.layers.7.mlp.gate_proj.weight",
+                 "model.layers.0.self_attn.o_proj.weight"):
+        assert spec.for_matrix(name) == QuantSpec("int4", 32)
+
+
+@pytest.mark.parametrize("text", ["int3", "int4:48", "int8:32", "int4:x", "", "gguf:64", "int8:mixed", "mixed"])
 def test_bad_quant_spec_is_one_clear_error(text):
     with pytest.raises(QuantError, match="--quant"):
         QuantSpec.parse(text)

@@ -4,7 +4,9 @@ stored as codes, scales and minima, read back into refimpl.quant.formats.Quantiz
     config.json              the model's config plus
                              "quantization_config": {"quant_method": "llama32", "version": 1, "format": "int8" |
                              "int4", "group_size": G (int4), "bits": 8 | 4, "lm_head": true | false,
-                             "method": "rtn" | "search" | "gptq", "calibration": "<file, tokens>" | null}
+                             "method": "rtn" | "search" | "gptq" | "awq" | "awq-gptq",
+                             "calibration": "<file, tokens>" | null,
+                             "int8_matrices": ["mlp.down_proj", ...] (int4 only, optional: those in int8)}
     model.safetensors        for each quantized matrix W [N, K] named `<base>.weight`:
                                <base>.qweight   I8 [N, K] (int8)  |  U8 [N, K/2], two codes a byte, low nibble first
                                <base>.scales    BF16 [N, 1] (int8) | BF16 [N, ceil(K/G)] (int4)
@@ -30,7 +32,7 @@ from refimpl.formats.shards import open_shards
 from refimpl.model.config import LlamaConfig
 from refimpl.progress import Progress
 from refimpl.quant.apply import LM_HEAD, quantized_names
-from refimpl.quant.formats import INT4_GROUPS, QuantizedLinear, QuantSpec
+from refimpl.quant.formats import INT4_GROUPS, MATRIX_KEYS, QuantizedLinear, QuantSpec
 
 QUANT_METHOD, VERSION = "llama32", 1
 _PARTS = ("qweight", "scales", "mins")
@@ -44,6 +46,7 @@ def quantization_config(spec: QuantSpec, method: str, calibration: str | None) -
     d = {"quant_method": QUANT_METHOD, "version": VERSION, "format": spec.format,
          "bits": 8 if spec.format == "int8" else 4, "lm_head": spec.lm_head, "method": method,
          "calibration": calibration}
+    d = d | {"int8_matrices": list(spec.int8_keys)} if spec.int8_keys else d
     return d | {"group_size": spec.group} if spec.format == "int4" else d
 
 
@@ -87,7 +90,12 @@ def parse_quantization_config(d: dict, source: str) -> tuple[QuantSpec, dict]:
         raise ConfigError(f"{where}: group_size {group!r}, expected one of {list(INT4_GROUPS)}")
     if not isinstance(q.get("lm_head"), bool):
         raise ConfigError(f"{where}: lm_head must be true or false, got {q.get('lm_head')!r}")
-    return QuantSpec(q["format"], group, q["lm_head"]), {k: v for k, v in d.items() if k != "quantization_config"}
+    int8 = q.get("int8_matrices", [])
+    if not isinstance(int8, list) or not set(int8) <= set(MATRIX_KEYS) or (int8 and q["format"] != "int4"):
+        raise ConfigError(f"{where}: int8_matrices {int8!r}: expected a list drawn from {list(MATRIX_KEYS)} "
+                          f"(with format 'int4')")
+    return (QuantSpec(q["format"], group, q["lm_head"], tuple(int8)),
+            {k: v for k, v in d.items() if k != "quantization_config"})
 
 
 def _expected_parts(spec: QuantSpec, shape: tuple[int, int]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -111,8 +119,8 @@ def load_quantized_params(model_dir: Path, d: dict, source: str) -> tuple[LlamaC
     want = stored | {LM_HEAD: stored["model.embed_tokens.weight"]} if spec.lm_head else stored  # tied: its own
     parts = {}
     for name in quantized:
-        parts[name] = _expected_parts(spec, want[name])
-        if spec.format == "int4" and want[name][1] % 2:
+        parts[name] = _expected_parts(spec.for_matrix(name), want[name])
+        if spec.for_matrix(name).format == "int4" and want[name][1] % 2:
             raise CheckpointError(f"{model_dir}: {name} has an odd input dimension {want[name][1]}; int4 packs two")
     plain_shapes = {n: infos[n].shape for n in infos if not n.endswith(tuple("." + p for p in _PARTS))}
     extra = check_params(plain_shapes | {n: stored[n] for n in quantized if n in stored}, cfg, str(model_dir))
@@ -133,9 +141,10 @@ def load_quantized_params(model_dir: Path, d: dict, source: str) -> tuple[LlamaC
         for name in want:
             if name in parts:  # each part from its own shard
                 load = lambda part: files[where[f"{_base(name)}.{part}"]].load(f"{_base(name)}.{part}")  # noqa: E731
-                params[name] = QuantizedLinear(spec.format, want[name], load("qweight"), load("scales"),
-                                               load("mins") if spec.format == "int4" else None,
-                                               spec.group if spec.format == "int4" else want[name][1])
+                one = spec.for_matrix(name)
+                params[name] = QuantizedLinear(one.format, want[name], load("qweight"), load("scales"),
+                                               load("mins") if one.format == "int4" else None,
+                                               one.group if one.format == "int4" else want[name][1])
             else:
                 params[name] = files[where[name]].load_weight(name)
             bar.advance()

@@ -24,13 +24,15 @@ def quantized_names(cfg: LlamaConfig, lm_head: bool) -> list[str]:
 def quantize_params(params: dict, cfg: LlamaConfig, spec: QuantSpec, quantize=None, label: str = "",
                     source="the checkpoint") -> dict:
     """fp32 params -> a new dict with the linear layers as QuantizedLinear (int8 / int4 specs), each matrix through
-    `quantize` (default: round-to-nearest, spec.quantize)."""
+    `quantize(its one-format spec, w)` (default: round to nearest)."""
     refuse_requantizing(params, spec, source)
     out = dict(params)
     names = quantized_names(cfg, spec.lm_head)
     with Progress(f"quantizing to {spec}{label}", len(names)) as bar:
         for name in names:
-            out[name] = (quantize or spec.quantize)(source_weight(params, name))
+            one = spec.for_matrix(name)
+            out[name] = quantize(one, source_weight(params, name)) if quantize else one.quantize(
+                source_weight(params, name))
             bar.advance()
     return out
 

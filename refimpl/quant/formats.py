@@ -161,34 +161,56 @@ def dequantize_int4(packed: np.ndarray, scale: np.ndarray, low: np.ndarray, grou
 
 # ---------------------------------------------------------------- which format
 
+# What `int4:G:mixed` quantizes to int8, after llama.cpp's Q4_K_M (more bits for output.weight, attn_v and
+# ffn_down): v widened to its fused q/k/v group, since accel multiplies q/k/v in one GEMV of one format.
+MIXED_INT8 = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj", "lm_head")
+MATRIX_KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj", "lm_head")
+
+
 @dataclass(frozen=True)
 class QuantSpec:
-    """`--quant` parsed: 'int8', 'int4' (G = 64), 'int4:G', or 'gguf' (keep the file's Q8_0/Q4_0/Q4_1 blocks);
-    a ':bf16-head' suffix leaves the lm_head unquantized."""
+    """`--quant` parsed: 'int8', 'int4' (G = 64), 'int4:G', 'int4:G:mixed' (int4 with the MIXED_INT8 matrices of
+    every layer, and the lm_head, in int8), or 'gguf' (keep the file's Q8_0/Q4_0/Q4_1 blocks); a ':bf16-head'
+    suffix leaves the lm_head unquantized. int8_keys: the matrices (MATRIX_KEYS) an int4 spec makes int8 instead.
+    A fused group (q/k/v, gate/up) whose members differ in format runs unfused-dense in accel: keep groups whole."""
 
     format: str
     group: int | None = None
     lm_head: bool = True
+    int8_keys: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> "QuantSpec":
         parts = text.strip().lower().split(":")
         head = parts[-1] != "bf16-head"
         parts = parts if head else parts[:-1]
+        mixed = len(parts) > 1 and parts[-1] == "mixed"
+        parts = parts[:-1] if mixed else parts
         fmt, rest = parts[0], parts[1:]
-        usage = "expected int8, int4, int4:32, int4:64, int4:128 or gguf, optionally followed by :bf16-head"
-        if fmt not in ("int8", "int4", "gguf") or len(rest) > (fmt == "int4"):
+        usage = ("expected int8, int4, int4:32, int4:64, int4:128 or gguf, int4 optionally followed by :mixed, "
+                 "then optionally :bf16-head")
+        if fmt not in ("int8", "int4", "gguf") or len(rest) > (fmt == "int4") or (mixed and fmt != "int4"):
             raise QuantError(f"--quant {text!r}: {usage}")
         group = None
         if fmt == "int4":
             group = int(rest[0]) if rest and rest[0].isdigit() else 64 if not rest else None
             if group not in INT4_GROUPS:
                 raise QuantError(f"--quant {text!r}: the int4 group must be one of {INT4_GROUPS}")
-        return cls(fmt, group, head)
+        return cls(fmt, group, head, MIXED_INT8 if mixed else ())
 
     def __str__(self) -> str:
         base = f"int4:{self.group}" if self.format == "int4" else self.format
+        if self.int8_keys:
+            base += ":mixed" if self.int8_keys == MIXED_INT8 else f":mixed({'+'.join(self.int8_keys)})"
         return base if self.lm_head else base + ":bf16-head"
 
+    def for_matrix(self, name: str) -> "QuantSpec":
+        """The one-format spec of the matrix `name` (`model.layers.3.mlp.down_proj.weight`, `lm_head.weight`)."""
+        if self.int8_keys and name.removesuffix(".weight").split(".", 3)[-1] in self.int8_keys:
+            return QuantSpec("int8", None, self.lm_head)
+        return QuantSpec(self.format, self.group, self.lm_head) if self.int8_keys else self
+
     def quantize(self, w: np.ndarray) -> QuantizedLinear:
+        """Round to nearest in this (one-format) spec."""
         return quantize_int8(w) if self.format == "int8" else quantize_int4(w, self.group)

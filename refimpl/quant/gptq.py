@@ -9,8 +9,10 @@ column j and then re-solving the remaining columns optimally is, in closed form 
 
 where U is the upper Cholesky factor of H⁻¹ (H⁻¹ = Uᵀ U): row j of U holds the inverse Hessian of the columns
 ≥ j with the columns < j already eliminated, so one factorization serves every step. Columns are processed in
-blocks of BLOCK: inside a block the update touches the block's columns only, and the block's accumulated errors
-reach the later columns in one matrix product (the paper's "lazy batch" update: the same result, fewer passes).
+blocks of BLOCK: inside a block, column j receives the errors of the block's earlier columns just before it is
+quantized (Σ_i e_i U[i, j], one small product), and the block's errors reach the later columns in one matrix
+product (the paper's "lazy batch" update: the same result, fewer passes). The sweep works on Wᵀ in fp32, as the
+reference code does, so that each column is one contiguous row.
 
 H gets 1% of its mean diagonal added (damping: X is rank-deficient with few calibration tokens); a column no
 calibration token excites (H[j, j] = 0) is set to 0, as in the paper's code. The grid is refimpl.quant.formats'
@@ -63,32 +65,31 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, spec, search: bool = True, act_o
     N, K = w.shape
     if h.shape != (K, K):
         raise QuantError(f"GPTQ: the Hessian is {list(h.shape)}, expected [{K}, {K}] for a [{N}, {K}] weight")
-    W = np.array(w, np.float64)  # [N, K]
+    W = np.array(w, F32)  # [N, K]
     dead = np.diag(h) == 0
     W[:, dead] = 0
     scales, lows = grid(W, spec, importance_of(h) if search else None)
     G = K if spec.format == "int8" else spec.group
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(K)  # [K]: the sweep's columns
-    u = inverse_hessian_factor(h[np.ix_(order, order)], damp)
-    W = W[:, order]  # [N, K] in sweep order, updated in place as the sweep goes
-    codes = np.zeros((N, K), np.int8 if lows is None else np.uint8)  # at the columns' own positions
+    u = inverse_hessian_factor(h[np.ix_(order, order)], damp).astype(F32)
+    Wt = np.ascontiguousarray(W.T[order])  # [K, N]: a column of W is a contiguous row here, in sweep order
+    codes = np.zeros((K, N), np.int8 if lows is None else np.uint8)  # row k: column order[k]'s codes
     for b0 in range(0, K, block):
         b1 = min(b0 + block, K)
-        err = np.zeros((N, b1 - b0))  # [N, b1-b0]: the scaled errors e of this block's columns
+        err = np.zeros((b1 - b0, N), F32)  # [b1-b0, N]: the scaled errors e of this block's columns
         for j in range(b0, b1):
             gi = order[j] // G
-            col = W[:, j:j + 1].astype(F32)  # [N, 1]
+            col = Wt[j] - u[b0:j, j] @ err[:j - b0]  # [N] − [j-b0] @ [j-b0, N]: the block's earlier errors
             if lows is None:
-                q = int8_codes(col, scales[:, gi:gi + 1])[:, 0]
+                q = int8_codes(col[:, None], scales[:, gi:gi + 1])[:, 0]
                 deq = q.astype(F32) * scales[:, gi]
             else:
-                q = int4_codes(col, scales[:, gi], lows[:, gi])[:, 0]
+                q = int4_codes(col[:, None], scales[:, gi], lows[:, gi])[:, 0]
                 deq = q.astype(F32) * scales[:, gi] + lows[:, gi]
-            codes[:, order[j]] = q
-            e = (W[:, j] - deq) / u[j, j]  # [N]
-            W[:, j + 1:b1] -= np.outer(e, u[j, j + 1:b1])  # [N] ⊗ [b1-j-1]
-            err[:, j - b0] = e
-        W[:, b1:] -= err @ u[b0:b1, b1:]  # [N, b1-b0] @ [b1-b0, K-b1] -> [N, K-b1]: the lazy batch update
+            codes[j] = q
+            err[j - b0] = (col - deq) / u[j, j]
+        Wt[b1:] -= u[b0:b1, b1:].T @ err  # [K-b1, b1-b0] @ [b1-b0, N] -> [K-b1, N]: the lazy batch update
+    codes = np.ascontiguousarray(codes[np.argsort(order)].T)  # [K, N] in sweep order -> [N, K] in place
     if lows is None:
         return QuantizedLinear("int8", (N, K), codes, scales, None, K)
     return QuantizedLinear("int4", (N, K), pack_nibbles(codes), scales, lows, G)

@@ -13,7 +13,9 @@ SmolLM2: the default model's Q4_1 GGUF dequantized to fp32 is the "unquantized" 
 requantize those fp32 weights. The refimpl runs them dequantized once (refimpl.quant.apply.dequantize_params):
 the same arithmetic as the refimpl's --quant forward, without redoing it per call.
 Methods (refimpl.quant.calibrate, as `llama32 quantize --method`): rtn (round to nearest, min/max: what --quant
-does at load), search (error-minimizing ranges weighted by the calibration inputs), gptq. search and gptq are
+does at load), search (error-minimizing ranges weighted by the calibration inputs), gptq, awq, awq-gptq (activation-
+aware input scales, then search / gptq). Each row also gives the MB of matrices a decode step reads (the mixed
+specs' price). All but rtn are
 calibrated on `llama32 quantize`'s default text (tools/data/calibration-en.txt), which shares nothing with the
 evaluation passage. A spec with and without ":bf16-head" shares one quantized body (the body's calibration does
 not depend on the head), so it is quantized once.
@@ -37,7 +39,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 SPECS = ["int8", "int8:bf16-head", "int4:32", "int4:32:bf16-head", "int4:64", "int4:64:bf16-head", "int4:128",
-         "int4:128:bf16-head"]
+         "int4:128:bf16-head", "int4:64:mixed", "int4:64:mixed:bf16-head"]
 TOKENS = 256
 
 # Public domain (Dickens, A Tale of Two Cities, 1859): ordinary English the model has seen the like of.
@@ -73,6 +75,15 @@ def kl_and_top1(ref_logits: np.ndarray, logits: np.ndarray) -> tuple[float, floa
     return float(kl.mean()), float((ref_logits.argmax(-1) == logits.argmax(-1)).mean())
 
 
+def matrix_bytes(params: dict, cfg) -> dict:
+    """{name: bytes a decode step reads} of every linear layer and the lm_head: a QuantizedLinear's codes, scales
+    and minima, or 2 bytes a value for an unquantized (bf16) matrix. Norms and one embedding row are left out
+    (under 0.1 MB for SmolLM2)."""
+    from refimpl.quant.apply import quantized_names, source_weight
+    return {n: (w.nbytes if hasattr(w, "dequantize") else 2 * w.size)
+            for n in quantized_names(cfg, True) for w in [params[n] if n in params else source_weight(params, n)]}
+
+
 def smollm2_rows(specs: list[str], methods: list[str]) -> tuple[dict, list[dict]]:
     from refimpl.formats.checkpoint import load_checkpoint
     from refimpl.model import ops
@@ -102,21 +113,26 @@ def smollm2_rows(specs: list[str], methods: list[str]) -> tuple[dict, list[dict]
     for method in methods:
         for text in specs:
             spec = QuantSpec.parse(text)
-            full = QuantSpec(spec.format, spec.group, True)
+            full = QuantSpec(spec.format, spec.group, True, spec.int8_keys)
             t0 = time.perf_counter()
             if (str(full), method) not in bodies:
-                bodies[str(full), method] = dequantize_params(quantize_model(ckpt.params, cfg, full, method,
-                                                                             None if method == "rtn" else calib))
-            params = dict(bodies[str(full), method])
-            if not spec.lm_head:
-                del params[LM_HEAD]  # the tied embedding serves as the head again
+                quantized = quantize_model(ckpt.params, cfg, full, method, None if method == "rtn" else calib)
+                bodies[str(full), method] = dequantize_params(quantized), matrix_bytes(quantized, cfg)
+            deq, sizes = bodies[str(full), method]
+            params = dict(deq)
+            read = sum(sizes.values()) - (0 if spec.lm_head else sizes[LM_HEAD] - 2 * ckpt.params[
+                "model.embed_tokens.weight"].size)  # a bf16 head reads V·D bf16 values
+            if not spec.lm_head:  # the tied embedding serves as the head again, after its own final norm (AWQ
+                del params[LM_HEAD]  # folds the quantized head's scales into the norm)
+                params["model.norm.weight"] = ckpt.params["model.norm.weight"]
             kl, top1 = kl_and_top1(ref, logits_of(params))
             rows.append({"quant": text, "method": method, "kl_mean": kl, "top1_agreement": top1,
-                         "seconds": time.perf_counter() - t0})
-            print(f"{text:<22}{method:<8} KL {kl:.3e}  top-1 {top1:.4f}  ({rows[-1]['seconds']:.0f} s)", flush=True)
+                         "matrix_mb_per_token": read / 1e6, "seconds": time.perf_counter() - t0})
+            print(f"{text:<26}{method:<9} KL {kl:.3e}  top-1 {top1:.4f}  {read / 1e6:.1f} MB  "
+                  f"({rows[-1]['seconds']:.0f} s)", flush=True)
     return {"model": f"SmolLM2-135M-Instruct ({path.name}, dequantized to fp32)", "engine": "refimpl fp32 (CPU)",
             "calibration": f"{CALIBRATION.name}, {sum(len(s) for s in calib)} tokens in {len(calib)} sequences "
-                           f"(search, gptq)",
+                           f"(every method but rtn)",
             "machine": platform.processor() or platform.machine()}, rows
 
 
@@ -161,7 +177,8 @@ def main(argv=None):
     ap.add_argument("--random-1b", action="store_true", help="random Llama-3.2-1B weights on --device (accel)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated --quant formats")
-    ap.add_argument("--methods", default="rtn", help="comma-separated: rtn, search, gptq (SmolLM2 only)")
+    ap.add_argument("--methods", default="rtn", help="comma-separated: rtn, search, gptq, awq, awq-gptq (SmolLM2 "
+                                                     "only)")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
     specs = [s for s in args.specs.split(",") if s]
@@ -172,9 +189,10 @@ def main(argv=None):
     result = {**head, "tokens": TOKENS, "date": datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y-%m-%d %H:%M UTC"), "rows": rows}
     print(f"\n{result['model']} — {result['engine']} — {result['date']}")
-    print(f"{'quant':<22}{'method':<8}{'mean KL (nats)':>16}{'top-1 agree':>13}")
+    print(f"{'quant':<26}{'method':<9}{'mean KL (nats)':>16}{'top-1 agree':>13}{'MB/token':>10}")
     for r in rows:
-        print(f"{r['quant']:<22}{r['method']:<8}{r['kl_mean']:>16.3e}{r['top1_agreement']:>13.4f}")
+        mb = f"{r['matrix_mb_per_token']:>10.1f}" if "matrix_mb_per_token" in r else ""
+        print(f"{r['quant']:<26}{r['method']:<9}{r['kl_mean']:>16.3e}{r['top1_agreement']:>13.4f}{mb}")
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")
 

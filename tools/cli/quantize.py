@@ -32,11 +32,13 @@ def _calibration_text(path: Path) -> str:
 @click.option("--model", "model", default=None, type=UserPath(),
               help="Model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched on first use).")
 @click.option("--quant", required=True, metavar="FORMAT",
-              help="int8 (a scale a row) or int4[:G] (G = 32, 64, 128; default 64); append :bf16-head to keep the "
-                   "lm_head unquantized.")
-@click.option("--method", type=click.Choice(["rtn", "search", "gptq"]), default="gptq", show_default=True,
+              help="int8 (a scale a row) or int4[:G] (G = 32, 64, 128; default 64), int4[:G]:mixed (down_proj in "
+                   "int8); append :bf16-head to keep the lm_head unquantized.")
+@click.option("--method", type=click.Choice(["rtn", "search", "gptq", "awq", "awq-gptq"]), default="gptq",
+              show_default=True,
               help="rtn: round to nearest on min/max ranges; search: error-minimizing ranges (weighted by the "
-                   "calibration inputs); gptq: GPTQ with error feedback on the calibration Hessians.")
+                   "calibration inputs); gptq: GPTQ with error feedback on the calibration Hessians; awq / awq-gptq: "
+                   "activation-aware input scales folded into the norms and v/up rows, then search / gptq.")
 @click.option("--calib", type=UserPath(), default=None,
               help="Calibration text for search/gptq (default: the checked-in tools/data/calibration-en.txt).")
 @click.option("--out", required=True, type=UserPath(output=True), help="New directory for the quantized checkpoint.")
