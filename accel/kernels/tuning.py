@@ -74,9 +74,9 @@ class QGemvConfig(NamedTuple):
 
 # The quantized GEMV per (N, K, bits, group), ("rope",) appended for the fused qkv + RoPE kernel; shapes not
 # listed use `qgemv.qgemv_config`'s rule. The fastest config of the sweeps (tools.bench.qgemv_sweep) where it beat
-# the rule (or the row before it) by > 2%, for int8 (one scale a row: group = K) and int4:64 at the Llama 3.2 1B / 3B decode shapes
-# (gate_up, lm_head and 3B o at int8: one or two warps of 16 or 32 rows over the whole row, a 3-4 stage cp.async
-# pipeline over its tiles).
+# the rule (or the row before it) by > 2%, for int8 (one scale a row: group = K) and int4:64 at the Llama 3.2 1B / 3B
+# decode shapes (gate_up, lm_head and 3B o at int8: one or two warps of 16 or 32 rows over the whole row, a 3-4
+# stage cp.async pipeline over its tiles).
 QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
     (3072, 2048, 8, 2048, "rope"): QGemvConfig(8, 2048, 4, 1, 2),  # 1B qkv
     (2048, 2048, 8, 2048): QGemvConfig(8, 2048, 4, 1, 1),  # 1B o

@@ -91,13 +91,14 @@ def lora_group(adapters, outs, dtype) -> LoraGroup | None:
 
 
 def _accumulate(out, xa, b):
-    """out [.., Dout] + xa [.., ΣR] @ bᵀ [ΣR, Dout]: the second GEMM adds the base output in its epilogue (beta = 1)."""
+    """out [.., Dout] + xa [.., ΣR] @ bᵀ [ΣR, Dout]: the second GEMM adds the base output in its epilogue
+    (beta = 1)."""
     return torch.addmm(out.view(-1, out.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.t()).view(out.shape)
 
 
 def lora_linear(x, weight, a=None, b=None):
-    """x [.., Din] @ weightᵀ + (x @ aᵀ) @ bᵀ, all in x's dtype, no dropout -> (y [.., Dout], x @ aᵀ [.., ΣR]) —
-    the LoRA input kept for a hand-written backward — or (y, None) without a pair."""
+    """x [.., Din] @ weightᵀ + (x @ aᵀ) @ bᵀ, all in x's dtype, no dropout -> (y [.., Dout],
+    x @ aᵀ [.., ΣR]) — the LoRA input kept for a hand-written backward — or (y, None) without a pair."""
     out = F.linear(x, weight)  # [.., Din] -> [.., Dout]
     if a is None:
         return out, None

@@ -198,7 +198,7 @@ def attention_bench(device, seqs=(2048, 8192), shapes=((32, 64), (24, 128)), kv_
 def decode_attention_bench(device, contexts=(1024, 8192, 32768), H: int = 32, K: int = 8, E: int = 64):
     """One query over a full cache of `context` slots (1B's heads): the split-K Triton kernel vs SDPA (GQA).
 
-    triton_us is the kernel as the decode step runs it: launched with PDL behind the step's qkv_rope (which writes
+    in_step_us is the kernel as the decode step runs it: launched with PDL behind the step's qkv_rope (which writes
     its q and the new slot), timed as the device time the pair takes minus qkv_rope's alone. alone_us is the
     kernel by itself, without PDL, launched back to back (the earlier measure). Both on a hot cache: the same
     one every call (at 1k/8k it sits in the L2; tools.bench.attn_sweep times cold caches too)."""
@@ -226,8 +226,8 @@ def decode_attention_bench(device, contexts=(1024, 8192, 32768), H: int = 32, K:
             t_step[pdl] = device_ms(lambda: (produce(q_step, ck, cv, pos),
                                              decode_attention_fwd(q_step, ck, cv, pos, pdl=pdl))) - t_producer
         nbytes = 2 * K * S * E * 2
-        rows.append({"context": S, "triton_us": t_step[True] * 1e3, "sdpa_us": t_sdpa * 1e3,
-                     "triton_tb_s": nbytes / (t_step[True] * 1e-3) / 1e12, "rel_err_vs_sdpa": err,
+        rows.append({"context": S, "in_step_us": t_step[True] * 1e3, "sdpa_us": t_sdpa * 1e3,
+                     "in_step_tb_s": nbytes / (t_step[True] * 1e-3) / 1e12, "rel_err_vs_sdpa": err,
                      "alone_us": t_alone * 1e3, "step_no_pdl_us": t_step[False] * 1e3,
                      "producer_us": t_producer * 1e3})
     return rows
