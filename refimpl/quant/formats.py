@@ -24,6 +24,7 @@ GGUF blocks (`q8_0`, `q4_0`, `q4_1`) are kept as the file stores them; refimpl.q
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,11 +200,11 @@ class QuantSpec:
         parts = text.strip().lower().split(":")
         head = parts[-1] != "bf16-head"
         parts = parts if head else parts[:-1]
-        mixed = len(parts) > 1 and parts[-1] == "mixed"
+        mixed = len(parts) > 1 and re.fullmatch(r"mixed(?:\((.*)\))?", parts[-1])
         parts = parts[:-1] if mixed else parts
         fmt, rest = parts[0], parts[1:]
-        usage = ("expected int8, int4, int4:32, int4:64, int4:128 or gguf, int4 optionally followed by :mixed, "
-                 "then optionally :bf16-head")
+        usage = ("expected int8, int4, int4:32, int4:64, int4:128 or gguf, int4 optionally followed by :mixed or "
+                 ":mixed(KEY+KEY...), then optionally :bf16-head")
         if fmt not in ("int8", "int4", "gguf") or len(rest) > (fmt == "int4") or (mixed and fmt != "int4"):
             raise QuantError(f"--quant {text!r}: {usage}")
         group = None
@@ -211,6 +212,8 @@ class QuantSpec:
             group = int(rest[0]) if rest and rest[0].isdigit() else 64 if not rest else None
             if group not in INT4_GROUPS:
                 raise QuantError(f"--quant {text!r}: the int4 group must be one of {INT4_GROUPS}")
+        if mixed and mixed[1] is not None:
+            return cls(fmt, group, head, int8_keys_of([k.strip() for k in mixed[1].split("+")], f"--quant {text!r}:"))
         return cls(fmt, group, head, MIXED_INT8 if mixed else ())
 
     def __str__(self) -> str:
