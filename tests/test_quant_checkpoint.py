@@ -93,8 +93,9 @@ def test_round_trip_keeps_every_bit(tmp_path):
 
 
 def test_mixed_spec_round_trips_and_loads_in_both_engines(tmp_path):
-    """int4:64:mixed (down_proj in int8) through `llama32 quantize`: the config names the int8 matrices, every
-    record comes back in its own format, and accel uploads the stored codes of both formats as they are."""
+    """int4:64:mixed (q/k/v, down_proj and the lm_head in int8) through `llama32 quantize`: the config names the
+    int8 matrices, every record comes back in its own format, and accel uploads the stored codes of both formats as
+    they are."""
     torch = pytest.importorskip("torch")
     from accel.engine import AccelEngine
     out = tmp_path / "mixed"
