@@ -71,7 +71,22 @@ def test_searched_scales_lower_the_layer_output_error(spec):
     d = (w.astype(np.float64) - spec.quantize(w * s).values / s) @ x.T.astype(np.float64)  # [N, T]
     assert float((d * d).sum()) < 0.9 * plain
     assert s[[5, 40, 71]].min() > np.median(s)
-    np.testing.assert_allclose(awq.output_error(w, spec.quantize(w).values, h), plain, rtol=1e-6)
+    np.testing.assert_allclose(awq.output_error(w, np.ones(96, np.float32), h, spec.quantize), plain, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("int4", 32)])
+def test_output_error_in_row_chunks_is_the_whole_matrix_error(spec):
+    """Chunks of 7 rows of a 50-row matrix (the last one short), fp32 products: ‖(W − Q(W·s)/s) Xᵀ‖², measured in
+    float64 on the inputs themselves."""
+    w = heavy_tailed((50, 64), seed=13)
+    x = correlated_inputs(200, 64, seed=14, outliers=(3, 30))
+    h = x.T.astype(np.float64) @ x  # [K, K]
+    s = np.random.default_rng(15).uniform(0.5, 2.0, 64).astype(np.float32)  # [K]
+    d = (w.astype(np.float64) - spec.quantize(w * s).values / s) @ x.T.astype(np.float64)  # [N, T]
+    want = float((d * d).sum())
+    np.testing.assert_allclose(awq.output_error(w, s, h, spec.quantize, rows=7), want, rtol=1e-5)
+    np.testing.assert_allclose(awq.output_error(w, s, h, spec.quantize, rows=7),
+                               awq.output_error(w, s, h, spec.quantize, rows=50), rtol=1e-6)
 
 
 def test_shared_input_quantization_equals_each_matrix_alone():
