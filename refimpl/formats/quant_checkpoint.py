@@ -24,8 +24,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from refimpl.errors import CheckpointError, ConfigError, quote
 from refimpl.formats.params import check_params, expected_shapes
 from refimpl.formats.safetensors_io import save_safetensors
