@@ -71,7 +71,22 @@ def test_searched_scales_lower_the_layer_output_error(spec):
     d = (w.astype(np.float64) - spec.quantize(w * s).values / s) @ x.T.astype(np.float64)  # [N, T]
     assert float((d * d).sum()) < 0.9 * plain
     assert s[[5, 40, 71]].min() > np.median(s)
-    np.testing.assert_allclose(awq.output_error(w, spec.quantize(w).values, h), plain, rtol=1e-6)
+    np.testing.assert_allclose(awq.output_error(w, np.ones(96, np.float32), h, spec.quantize), plain, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("int4", 32)])
+def test_output_error_in_row_chunks_is_the_whole_matrix_error(spec):
+    """Chunks of 7 rows of a 50-row matrix (the last one short), fp32 products: ‖(W − Q(W·s)/s) Xᵀ‖², measured in
+    float64 on the inputs themselves."""
+    w = heavy_tailed((50, 64), seed=13)
+    x = correlated_inputs(200, 64, seed=14, outliers=(3, 30))
+    h = x.T.astype(np.float64) @ x  # [K, K]
+    s = np.random.default_rng(15).uniform(0.5, 2.0, 64).astype(np.float32)  # [K]
+    d = (w.astype(np.float64) - spec.quantize(w * s).values / s) @ x.T.astype(np.float64)  # [N, T]
+    want = float((d * d).sum())
+    np.testing.assert_allclose(awq.output_error(w, s, h, spec.quantize, rows=7), want, rtol=1e-5)
+    np.testing.assert_allclose(awq.output_error(w, s, h, spec.quantize, rows=7),
+                               awq.output_error(w, s, h, spec.quantize, rows=50), rtol=1e-6)
 
 
 def test_shared_input_quantization_equals_each_matrix_alone():
@@ -90,8 +105,9 @@ def test_shared_input_quantization_equals_each_matrix_alone():
 
 
 def test_awq_methods_fold_into_the_norms_and_track_the_model():
-    """awq-gptq on the toy model: the norms and v/up rows carry the scales, the body's logits are closer to the
-    unquantized model's than round-to-nearest's."""
+    """awq-gptq on the toy model: the norms and v/up rows carry the scales, the scales layer 0's norm carries cut
+    its q/k/v round-to-nearest error on the calibration inputs (measured here) below no scaling's, and the body's
+    logits are closer to the unquantized model's than round-to-nearest's."""
     src = load_checkpoint(TOY)
     cfg, spec = src.config, QuantSpec.parse("int4:32")
     seqs = calibration_sequences(src.tokenizer, CALIB, seq_len=128)
@@ -102,6 +118,17 @@ def test_awq_methods_fold_into_the_norms_and_track_the_model():
                               src.params["model.layers.0.input_layernorm.weight"])
     assert not np.array_equal(q["model.norm.weight"], src.params["model.norm.weight"])  # the quantized head's
     assert np.array_equal(q["model.embed_tokens.weight"], src.params["model.embed_tokens.weight"])
+    norm = "model.layers.0.input_layernorm.weight"  # layer 0's input is the unquantized embedding's
+    s = src.params[norm] / q[norm]  # [D]: the folded scales
+    x = np.concatenate([ops.rms_norm(ops.embedding(ids_, src.params["model.embed_tokens.weight"]), src.params[norm],
+                                     cfg.rms_norm_eps) for ids_ in seqs]).astype(np.float64)  # [T, D]
+    w = np.concatenate([src.params[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])  # [ΣDout, D]
+
+    def rtn_error(scale):  # ‖(W − Q(W·s)/s) Xᵀ‖², on the inputs themselves
+        d = (w.astype(np.float64) - spec.quantize(w * scale).values / scale) @ x.T  # [ΣDout, T]
+        return float((d * d).sum())
+
+    assert rtn_error(s) < 0.95 * rtn_error(np.ones_like(s))
     err = {"awq-gptq": np.mean((logits(q, cfg, ids) - ref) ** 2),
            "rtn": np.mean((logits(quantize_model(src.params, cfg, spec, "rtn"), cfg, ids) - ref) ** 2)}
     assert err["awq-gptq"] < err["rtn"]

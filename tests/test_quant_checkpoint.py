@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _badinput import read_safetensors, run_cli, write_raw_safetensors
+from _badinput import assert_clean_error, read_safetensors, run_cli, write_raw_safetensors
 from refimpl.errors import CheckpointError, ConfigError
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.formats.safetensors_io import SafetensorsFile
@@ -93,8 +93,9 @@ def test_round_trip_keeps_every_bit(tmp_path):
 
 
 def test_mixed_spec_round_trips_and_loads_in_both_engines(tmp_path):
-    """int4:64:mixed (down_proj in int8) through `llama32 quantize`: the config names the int8 matrices, every
-    record comes back in its own format, and accel uploads the stored codes of both formats as they are."""
+    """int4:64:mixed (q/k/v, down_proj and the lm_head in int8) through `llama32 quantize`: the config names the
+    int8 matrices, every record comes back in its own format, and accel uploads the stored codes of both formats as
+    they are."""
     torch = pytest.importorskip("torch")
     from accel.engine import AccelEngine
     out = tmp_path / "mixed"
@@ -201,7 +202,11 @@ def test_bad_quantized_checkpoints_name_the_tensor(quantized_dir, tmp_path):
     ({"format": "int3"}, "format 'int3'"),
     ({"group_size": 48}, "group_size 48"),
     ({"version": 2}, "version 2"),
-    ({"int8_matrices": ["mlp.down"]}, "int8_matrices"),
+    ({"int8_matrices": ["mlp.down"]}, "int8_matrices.*expected a list of matrix names"),
+    ({"int8_matrices": [["mlp.down_proj"]]}, "int8_matrices.*expected a list of matrix names"),
+    ({"int8_matrices": "mlp.down_proj"}, "int8_matrices.*expected a list of matrix names"),
+    ({"int8_matrices": ["self_attn.v_proj"]}, "int8_matrices.*one fused matrix.*list all 3 or none"),
+    ({"int8_matrices": ["mlp.up_proj", "mlp.down_proj"]}, "int8_matrices.*mlp.gate_proj / mlp.up_proj"),
 ])
 def test_bad_quantization_config_is_refused(quantized_dir, tmp_path, change, message):
     bad = _copy(quantized_dir, tmp_path / "cfg")
@@ -210,6 +215,9 @@ def test_bad_quantization_config_is_refused(quantized_dir, tmp_path, change, mes
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
         load_checkpoint(bad)
+    if "int8_matrices" in change:  # the CLI: one line naming the file and the field
+        assert_clean_error(run_cli(["generate", "--model", bad, "--backend", "refimpl", "hi"]), "config.json",
+                           "int8_matrices")
 
 
 def test_quantize_cli_errors(tmp_path, quantized_dir):

@@ -115,10 +115,20 @@ def test_int8_error_within_half_a_step():
                                         ("int4:32:bf16-head", QuantSpec("int4", 32, False)),
                                         ("int4:mixed", QuantSpec("int4", 64, True, MIXED_INT8)),
                                         ("int4:128:mixed:bf16-head", QuantSpec("int4", 128, False, MIXED_INT8)),
+                                        ("int4:32:mixed(lm_head + mlp.down_proj):bf16-head",  # any order
+                                         QuantSpec("int4", 32, False, ("mlp.down_proj", "lm_head"))),
+                                        ("int4:mixed(mlp.gate_proj+mlp.up_proj)",
+                                         QuantSpec("int4", 64, True, ("mlp.gate_proj", "mlp.up_proj"))),
                                         ("gguf", QuantSpec("gguf"))])
 def test_quant_spec_parses(text, want):
     assert QuantSpec.parse(text) == want
     assert QuantSpec.parse(str(want)) == want
+
+
+def test_non_default_int8_matrices_print_as_parse_reads_them():
+    spec = QuantSpec("int4", 128, False, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "lm_head"))
+    assert str(spec) == "int4:128:mixed(self_attn.q_proj+self_attn.k_proj+self_attn.v_proj+lm_head):bf16-head"
+    assert QuantSpec.parse(str(spec)) == spec
 
 
 def test_mixed_spec_gives_each_matrix_one_format():
@@ -131,7 +141,9 @@ def test_mixed_spec_gives_each_matrix_one_format():
         assert spec.for_matrix(name) == QuantSpec("int4", 32)
 
 
-@pytest.mark.parametrize("text", ["int3", "int4:48", "int8:32", "int4:x", "", "gguf:64", "int8:mixed", "mixed"])
+@pytest.mark.parametrize("text", ["int3", "int4:48", "int8:32", "int4:x", "", "gguf:64", "int8:mixed", "mixed",
+                                  "int4:mixed()", "int4:mixed(mlp.down)", "int4:mixed(self_attn.v_proj)",
+                                  "int4:mixed(mlp.up_proj+lm_head)", "int8:mixed(lm_head)"])
 def test_bad_quant_spec_is_one_clear_error(text):
     with pytest.raises(QuantError, match="--quant"):
         QuantSpec.parse(text)

@@ -6,7 +6,8 @@ stored as codes, scales and minima, read back into refimpl.quant.formats.Quantiz
                              "int4", "group_size": G (int4), "bits": 8 | 4, "lm_head": true | false,
                              "method": "rtn" | "search" | "gptq" | "awq" | "awq-gptq",
                              "calibration": "<file, tokens>" | null,
-                             "int8_matrices": ["mlp.down_proj", ...] (int4 only, optional: those in int8)}
+                             "int8_matrices": ["mlp.down_proj", ...] (int4 only, optional: those in int8;
+                             q/k/v and gate/up all or none)}
     model.safetensors        for each quantized matrix W [N, K] named `<base>.weight`:
                                <base>.qweight   I8 [N, K] (int8)  |  U8 [N, K/2], two codes a byte, low nibble first
                                <base>.scales    BF16 [N, 1] (int8) | BF16 [N, ceil(K/G)] (int4)
@@ -23,8 +24,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from refimpl.errors import CheckpointError, ConfigError, quote
 from refimpl.formats.params import check_params, expected_shapes
 from refimpl.formats.safetensors_io import save_safetensors
@@ -32,7 +31,7 @@ from refimpl.formats.shards import open_shards
 from refimpl.model.config import LlamaConfig
 from refimpl.progress import Progress
 from refimpl.quant.apply import LM_HEAD, quantized_names
-from refimpl.quant.formats import INT4_GROUPS, MATRIX_KEYS, QuantizedLinear, QuantSpec
+from refimpl.quant.formats import INT4_GROUPS, QuantizedLinear, QuantSpec, int8_keys_of
 
 QUANT_METHOD, VERSION = "llama32", 1
 _PARTS = ("qweight", "scales", "mins")
@@ -90,11 +89,10 @@ def parse_quantization_config(d: dict, source: str) -> tuple[QuantSpec, dict]:
         raise ConfigError(f"{where}: group_size {group!r}, expected one of {list(INT4_GROUPS)}")
     if not isinstance(q.get("lm_head"), bool):
         raise ConfigError(f"{where}: lm_head must be true or false, got {q.get('lm_head')!r}")
-    int8 = q.get("int8_matrices", [])
-    if not isinstance(int8, list) or not set(int8) <= set(MATRIX_KEYS) or (int8 and q["format"] != "int4"):
-        raise ConfigError(f"{where}: int8_matrices {int8!r}: expected a list drawn from {list(MATRIX_KEYS)} "
-                          f"(with format 'int4')")
-    return (QuantSpec(q["format"], group, q["lm_head"], tuple(int8)),
+    int8 = int8_keys_of(q.get("int8_matrices", []), f"{where}: int8_matrices", ConfigError)
+    if int8 and q["format"] != "int4":
+        raise ConfigError(f"{where}: int8_matrices {int8!r}: only format 'int4' keeps some matrices in int8")
+    return (QuantSpec(q["format"], group, q["lm_head"], int8),
             {k: v for k, v in d.items() if k != "quantization_config"})
 
 

@@ -9,10 +9,9 @@ import numpy as np
 
 from refimpl.model.config import LlamaConfig
 from refimpl.progress import Progress
-from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
+from refimpl.quant.formats import MATRIX_KEYS, QuantError, QuantizedLinear, QuantSpec
 
-LINEAR_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+LINEAR_KEYS = tuple(f"{k}.weight" for k in MATRIX_KEYS if k != "lm_head")  # a block's, as the checkpoint names them
 LM_HEAD = "lm_head.weight"
 
 

@@ -29,12 +29,19 @@ from refimpl.quant.formats import F32
 
 ALPHAS = np.linspace(0.0, 1.0, 11)
 FLOOR = 1e-8  # relative floor of p: a column no calibration token excites keeps a finite scale
+ROWS = 8192  # rows an error chunk: a 128256-row lm_head whole would hold several GB-sized copies at once
 
 
-def output_error(w: np.ndarray, w_hat: np.ndarray, h: np.ndarray) -> float:
-    """w, ŵ [N, K], h [K, K] -> Σ_n (w_n − ŵ_n) H (w_n − ŵ_n)ᵀ = ‖(W − Ŵ) Xᵀ‖² for H = XᵀX."""
-    d = (np.asarray(w, np.float64) - w_hat)  # [N, K]
-    return float(np.einsum("nk,nk->", d @ h, d))  # [N, K] @ [K, K] -> [N, K], then Σ
+def output_error(w: np.ndarray, s: np.ndarray, h: np.ndarray, quantize, rows: int = ROWS) -> float:
+    """w [N, K], s [K], h [K, K], quantize as in search_scales -> Σ_n (w_n − ŵ_n) H (w_n − ŵ_n)ᵀ = ‖(W − Ŵ) Xᵀ‖²
+    for H = XᵀX and ŵ = Q(w·s) / s, `rows` rows at a time (each row is quantized on its own): fp32 products,
+    float64 sums."""
+    h32, total = np.asarray(h, F32), 0.0
+    for start in range(0, len(w), rows):
+        chunk = w[start:start + rows]  # [≤rows, K]
+        d = chunk - quantize(chunk * s).values / s  # [≤rows, K]
+        total += float(np.sum((d @ h32) * d, dtype=np.float64))  # [≤rows, K] @ [K, K] -> [≤rows, K], then Σ
+    return total
 
 
 def scales_for(p: np.ndarray, alpha: float) -> np.ndarray:
@@ -61,7 +68,7 @@ def search_scales(w: np.ndarray, h: np.ndarray, quantize, tie: np.ndarray | None
     for alpha in ALPHAS:
         s = scales_for(p, alpha)
         s = s if tie is None else s[tie]  # [K]
-        err = output_error(w, quantize(w * s).values / s, h)
+        err = output_error(w, s, h, quantize)
         if err < best_err:
             best, best_err = s, err
     return best

@@ -24,6 +24,7 @@ GGUF blocks (`q8_0`, `q4_0`, `q4_1`) are kept as the file stores them; refimpl.q
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,14 +167,28 @@ def dequantize_int4(packed: np.ndarray, scale: np.ndarray, low: np.ndarray, grou
 MIXED_INT8 = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj", "lm_head")
 MATRIX_KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj", "lm_head")
+FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def int8_keys_of(keys, what: str, error: type[Llama32Error] = QuantError) -> tuple[str, ...]:
+    """A list of matrix names to make int8 -> the tuple in MATRIX_KEYS order, or `error` naming `what`: every item a
+    MATRIX_KEYS string, each fused group (accel runs it as one matrix of one format) listed whole or not at all."""
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k in MATRIX_KEYS for k in keys):
+        raise error(f"{what} {keys!r}: expected a list of matrix names drawn from {list(MATRIX_KEYS)}")
+    for group in FUSED_GROUPS:
+        if 0 < len(set(group) & set(keys)) < len(group):
+            raise error(f"{what} {keys!r}: {' / '.join(group)} run as one fused matrix of one format: list all "
+                        f"{len(group)} or none")
+    return tuple(k for k in MATRIX_KEYS if k in keys)
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """`--quant` parsed: 'int8', 'int4' (G = 64), 'int4:G', 'int4:G:mixed' (int4 with the MIXED_INT8 matrices of
-    every layer, and the lm_head, in int8), or 'gguf' (keep the file's Q8_0/Q4_0/Q4_1 blocks); a ':bf16-head'
-    suffix leaves the lm_head unquantized. int8_keys: the matrices (MATRIX_KEYS) an int4 spec makes int8 instead.
-    A fused group (q/k/v, gate/up) whose members differ in format runs unfused-dense in accel: keep groups whole."""
+    every layer, and the lm_head, in int8), 'int4:G:mixed(KEY+KEY...)' (those MATRIX_KEYS in int8 instead), or
+    'gguf' (keep the file's Q8_0/Q4_0/Q4_1 blocks); a ':bf16-head' suffix leaves the lm_head unquantized.
+    int8_keys: the matrices (MATRIX_KEYS) an int4 spec makes int8 instead; a fused group (q/k/v, gate/up) is
+    always whole (int8_keys_of refuses a split one: accel would quantize the whole group in one member's format)."""
 
     format: str
     group: int | None = None
@@ -185,11 +200,11 @@ class QuantSpec:
         parts = text.strip().lower().split(":")
         head = parts[-1] != "bf16-head"
         parts = parts if head else parts[:-1]
-        mixed = len(parts) > 1 and parts[-1] == "mixed"
+        mixed = len(parts) > 1 and re.fullmatch(r"mixed(?:\((.*)\))?", parts[-1])
         parts = parts[:-1] if mixed else parts
         fmt, rest = parts[0], parts[1:]
-        usage = ("expected int8, int4, int4:32, int4:64, int4:128 or gguf, int4 optionally followed by :mixed, "
-                 "then optionally :bf16-head")
+        usage = ("expected int8, int4, int4:32, int4:64, int4:128 or gguf, int4 optionally followed by :mixed or "
+                 ":mixed(KEY+KEY...), then optionally :bf16-head")
         if fmt not in ("int8", "int4", "gguf") or len(rest) > (fmt == "int4") or (mixed and fmt != "int4"):
             raise QuantError(f"--quant {text!r}: {usage}")
         group = None
@@ -197,6 +212,8 @@ class QuantSpec:
             group = int(rest[0]) if rest and rest[0].isdigit() else 64 if not rest else None
             if group not in INT4_GROUPS:
                 raise QuantError(f"--quant {text!r}: the int4 group must be one of {INT4_GROUPS}")
+        if mixed and mixed[1] is not None:
+            return cls(fmt, group, head, int8_keys_of([k.strip() for k in mixed[1].split("+")], f"--quant {text!r}:"))
         return cls(fmt, group, head, MIXED_INT8 if mixed else ())
 
     def __str__(self) -> str:

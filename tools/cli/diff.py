@@ -19,7 +19,7 @@ from tools.engines import engine_for, parse_quant
 from tools.debug.diff import diff_engines
 from tools.debug.lockstep import first_divergence, report
 from tools.cli.golden import key_filter
-from tools.cli.params import Count, UserPath
+from tools.cli.params import QUANT_HELP, Count, UserPath
 
 
 @click.command()
@@ -33,9 +33,7 @@ from tools.cli.params import Count, UserPath
               help="accel compute dtype, and the tolerance used (default: the engines' own; bf16 if either is).")
 @click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
 @click.option("--quant", default=None, metavar="FORMAT",
-              help="Weight-only quantization: int8, int4[:G] (G = 32, 64, 128; default 64), int4[:G]:mixed (q/k/v, "
-                   "down_proj and lm_head in int8), or gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks); append "
-                   ":bf16-head to keep the lm_head unquantized.")
+              help=QUANT_HELP)
 @click.option("--steps", "decode_steps", default=2, show_default=True, type=Count(0, 1024),
               help="Greedy decode steps after the prefill.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")

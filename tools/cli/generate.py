@@ -15,7 +15,7 @@ from refimpl.generate import Sampling
 from tools.chat_session import stop_notice, wants_chat
 from tools.engines import BACKENDS, load_engine, resolve_backend, resolve_model
 from tools.vision_inputs import prompt_inputs
-from tools.cli.params import UserPath
+from tools.cli.params import QUANT_HELP, UserPath
 
 
 class TextStream:
@@ -80,9 +80,7 @@ def fit_to_context(n_prompt: int, max_new_tokens: int, context: int) -> tuple[in
 @click.option("--lora-mode", type=click.Choice(["merged", "unmerged"]), default="merged", show_default=True,
               help="unmerged: keep the base weights and add scale·(x·Aᵀ)·Bᵀ at run time (refimpl backend).")
 @click.option("--quant", default=None, metavar="FORMAT",
-              help="Weight-only quantization: int8, int4[:G] (G = 32, 64, 128; default 64), int4[:G]:mixed (q/k/v, "
-                   "down_proj and lm_head in int8), or gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks); append "
-                   ":bf16-head to keep the lm_head unquantized.")
+              help=QUANT_HELP)
 def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed,
              backend, device, dtype, as_json, lora=None, images=(), lora_mode="merged", quant=None):
     """Generate text from PROMPT ('-' reads it from stdin)."""

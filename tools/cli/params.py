@@ -13,6 +13,13 @@ import click
 
 from refimpl.errors import GenerationError
 from refimpl.formats.safe_open import check_path, stat_path
+from refimpl.quant.formats import MIXED_INT8
+
+_MIXED = [k.split(".")[-1] for k in MIXED_INT8]
+# --quant's help, once for generate, diff, step and quantize; :mixed's list is read from MIXED_INT8 itself.
+QUANT_HELP = ("Weight-only quantization: int8 (a scale a row), int4[:G] (G = 32, 64, 128; default 64), int4[:G]:mixed "
+              f"(int4 with {', '.join(_MIXED[:-1])} and {_MIXED[-1]} in int8), or gguf (at load time only: keep a "
+              "GGUF file's Q8_0/Q4_0/Q4_1 blocks); append :bf16-head to keep the lm_head unquantized.")
 
 
 def _option_name(param) -> str:

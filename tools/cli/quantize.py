@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from refimpl.errors import GenerationError
-from tools.cli.params import UserPath
+from tools.cli.params import QUANT_HELP, UserPath
 
 CALIBRATION = Path(__file__).resolve().parent.parent / "data" / "calibration-en.txt"
 MAX_CALIB_BYTES = 16 * 1024 * 1024
@@ -32,8 +32,7 @@ def _calibration_text(path: Path) -> str:
 @click.option("--model", "model", default=None, type=UserPath(),
               help="Model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched on first use).")
 @click.option("--quant", required=True, metavar="FORMAT",
-              help="int8 (a scale a row) or int4[:G] (G = 32, 64, 128; default 64), int4[:G]:mixed (down_proj in "
-                   "int8); append :bf16-head to keep the lm_head unquantized.")
+              help=QUANT_HELP)
 @click.option("--method", type=click.Choice(["rtn", "search", "gptq", "awq", "awq-gptq"]), default="gptq",
               show_default=True,
               help="rtn: round to nearest on min/max ranges; search: error-minimizing ranges (weighted by the "

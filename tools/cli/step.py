@@ -12,7 +12,7 @@ import click
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 
-from tools.cli.params import UserPath
+from tools.cli.params import QUANT_HELP, UserPath
 from tools.engines import engine_for, parse_quant, resolve_model
 from tools.vision_inputs import forward_names, prompt_inputs
 from tools.debug.step_values import parse_inject
@@ -51,9 +51,7 @@ def interactive(session: Session) -> None:
               help="both: refimpl and accel side by side, compared after every op.")
 @click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
 @click.option("--quant", default=None, metavar="FORMAT",
-              help="Weight-only quantization: int8, int4[:G] (G = 32, 64, 128; default 64), int4[:G]:mixed (q/k/v, "
-                   "down_proj and lm_head in int8), or gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks); append "
-                   ":bf16-head to keep the lm_head unquantized.")
+              help=QUANT_HELP)
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
               help="accel dtype (default bf16 on CUDA, fp32 on CPU).")
 @click.option("--commands", default=None, help='Run these commands and exit, e.g. "b layers.1.*; c; p; q".')
