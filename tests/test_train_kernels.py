@@ -1,11 +1,10 @@
-"""The training path's fused ops (accel/train/fused.py, accel/train/loss.py, accel/train/lora.py's groups).
+"""The training path's fused ops (accel/train/fused.py, accel/train/loss.py); its layers: test_train_layers.py.
 
 CPU, under TRITON_INTERPRET=1, fp32 on odd shapes: each Triton forward and backward against the refimpl forward and
 the NumPy gradient oracle (refimpl/train/grads.py); each autograd Function against an fp32 central difference along
 a random direction; the fused linear + cross-entropy (Triton row kernel and its torch twin) against the oracle's loss
-and gradient, ignored rows included; the grouped LoRA linear (fp64, plain torch) against lora_linear_backward; a
-decoder layer with the kernels against the same layer in plain torch. GPU (skipped without CUDA): bf16 at real shapes
-against the plain-torch ops differentiated by autograd.
+and gradient, ignored rows included. GPU (skipped without CUDA): bf16 at real shapes against the plain-torch ops
+differentiated by autograd.
 """
 import os
 
@@ -14,34 +13,14 @@ import pytest
 import torch
 
 from refimpl.model import ops as R
-from refimpl.model.config import RopeScaling
 from refimpl.train import grads
 
 from accel.kernels.cross_entropy import cross_entropy_rows_
 from accel.train import fused
 from accel.train.loss import cross_entropy_rows_torch, linear_cross_entropy
-from accel.train.lora import adapted_linear, lora_group
-from accel.train.layer import manual_layer
-from accel.train.model import grouped_layer, layer_groups, rms_norm, rope, swiglu
+from accel.train.model import rms_norm, rope, swiglu
 
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU-interpreter coverage; the GPU's is below")
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-FP32 = dict(atol=1e-5, rtol=1e-5)  # fp32 kernels vs float64 NumPy: summation order and FMAs only
-
-
-def randn(*shape, seed=0, dtype=torch.float32, device="cpu", scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
-
-
-def np64(x):
-    return x.detach().double().cpu().numpy()
-
-
-def close(got, want, what, **tol):
-    torch.testing.assert_close(got.detach().double().cpu(), torch.as_tensor(want, dtype=torch.float64),
-                               msg=lambda m: f"{what}: {m}", **(tol or FP32))
+from tests._train_helpers import BF16, close, cuda, interpreted, np64, randn, rel_l2, tables
 
 
 def directional_check(fn, inputs, seed=1, eps=1e-2, rtol=2e-3):
@@ -96,9 +75,6 @@ def qkv_slices(B, T, H, K, E, seed, dtype=torch.float32, device="cpu"):
     return qkv, q.view(B, T, H, E), k.view(B, T, K, E)
 
 
-def tables(T, E, device="cpu"):
-    cos, sin = R.rope_tables(np.arange(T) * 997, E, 500000.0, RopeScaling())  # far positions: every band turns
-    return torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
 
 
 @interpreted
@@ -196,139 +172,8 @@ def test_linear_cross_entropy_without_grad_matches():
     assert float(got) == pytest.approx(grads.cross_entropy(logits, labels.numpy()) * 3, rel=1e-5)
 
 
-# --- grouped LoRA and the layer -----------------------------------------------------------------------------------
-
-def test_grouped_lora_against_oracle():
-    """A fused [q | k | v] linear with k not adapted and two ranks/scales: each module's gradients are the oracle's
-    for its own slice (float64, plain torch)."""
-    T, Din, outs = 5, 12, (8, 4, 4)
-    x = randn(2, T, Din, seed=1, dtype=torch.float64).requires_grad_()
-    w = randn(sum(outs), Din, seed=2, dtype=torch.float64)
-    aq, bq = randn(3, Din, seed=3, dtype=torch.float64), randn(8, 3, seed=4, dtype=torch.float64)
-    av, bv = randn(2, Din, seed=5, dtype=torch.float64), randn(4, 2, seed=6, dtype=torch.float64)
-    for p in (aq, bq, av, bv):
-        p.requires_grad_()
-    d_out = randn(2, T, sum(outs), seed=7, dtype=torch.float64)
-    group = lora_group(((aq, bq, 2.0), None, (av, bv, 0.5)), outs, torch.float64)
-    y = adapted_linear(x, w, group)
-    y.backward(d_out)
-
-    xs, ws, dys = np64(x).reshape(-1, Din), np64(w), np64(d_out).reshape(-1, sum(outs))
-    sl = {"q": slice(0, 8), "k": slice(8, 12), "v": slice(12, 16)}
-    want_dx = dys[:, sl["k"]] @ ws[sl["k"]]  # k: the base only, [T, Dk] @ [Dk, Din]
-    for name, a, b, scale in (("q", aq, bq, 2.0), ("v", av, bv, 0.5)):
-        dx, da, db = grads.lora_linear_backward(xs, ws[sl[name]], np64(a), np64(b), scale, dys[:, sl[name]])
-        want_y = xs @ ws[sl[name]].T + scale * (xs @ np64(a).T) @ np64(b).T
-        close(y.reshape(-1, sum(outs))[:, sl[name]], want_y, f"y {name}")
-        close(a.grad, da, f"dA {name}")
-        close(b.grad, db, f"dB {name}")
-        want_dx = want_dx + dx
-    close(x.grad.reshape(-1, Din), want_dx, "dx")
-
-
-def layer_inputs(B, T, D, H, K, E, Fi, rank, device="cpu", dtype=torch.float32):
-    s = iter(range(100))
-    mk = lambda *shape, scale=0.2: randn(*shape, seed=next(s), dtype=dtype, device=device, scale=scale)  # noqa
-    weights = (1 + mk(D), mk((H + 2 * K) * E, D), mk(D, H * E), 1 + mk(D), mk(2 * Fi, D), mk(D, Fi))
-    outs = [H * E, K * E, K * E, D, Fi, Fi, D]
-    ins = [D, D, D, H * E, D, D, Fi]
-    adapters = tuple(None if i == 1 else  # k_proj not adapted
-                     (mk(rank, ins[i], scale=0.3).float().requires_grad_(),
-                      mk(outs[i], rank, scale=0.3).float().requires_grad_(), 2.0)
-                     for i in range(7))
-    x = mk(B, T, D, scale=1.0).requires_grad_()
-    cos, sin = tables(T, E, device)
-    return x, cos, sin, weights, adapters
-
-
-def run_layer(kernels, x, cos, sin, weights, adapters, shape):
-    for t in [x] + [p for a in adapters if a is not None for p in a[:2]]:
-        t.grad = None
-    y = grouped_layer(x, cos, sin, weights, layer_groups(adapters, shape, x.dtype), shape, 1e-5, 0.0, kernels)
-    y.backward(randn(*y.shape, seed=99, dtype=y.dtype, device=y.device))
-    return [y, x.grad] + [p.grad for a in adapters if a is not None for p in a[:2]]
-
-
-@interpreted
-def test_layer_with_kernels_equals_plain_torch():
-    """One decoder layer (GQA 2, odd sizes) with the Triton Functions vs the torch ops: output, dX, every dA/dB."""
-    shape = (4, 2, 16, 40)  # H, K, E, F
-    inputs = layer_inputs(2, 5, 24, *shape, rank=3)
-    want = run_layer(False, *inputs, shape)
-    got = run_layer(True, *inputs, shape)
-    for i, (g, w) in enumerate(zip(got, want)):
-        # summation orders differ (fused vs unfused): fp32 rounding relative to each tensor's own scale
-        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4,
-                                   msg=lambda m: f"tensor {i}: {m}")
-
-
-def run_manual(x, cos, sin, weights, adapters, shape):
-    for t in [x] + [p for a in adapters if a is not None for p in a[:2]]:
-        t.grad = None
-    y = manual_layer(x, cos, sin, weights, layer_groups(adapters, shape, x.dtype), shape, 1e-5)
-    y.backward(randn(*y.shape, seed=99, dtype=y.dtype, device=y.device))
-    return [y, x.grad] + [p.grad for a in adapters if a is not None for p in a[:2]]
-
-
-@interpreted
-def test_manual_layer_equals_autograd_layer():
-    """The hand-written layer backward (accel/train/layer.py) vs autograd over the torch ops: output, dX, every
-    adapted module's dA/dB (k_proj not adapted), GQA 2, two sequences."""
-    shape = (4, 2, 16, 40)
-    inputs = layer_inputs(2, 5, 24, *shape, rank=3)
-    want = run_layer(False, *inputs, shape)
-    got = run_manual(*inputs, shape)
-    for i, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4,
-                                   msg=lambda m: f"tensor {i}: {m}")
-
-
-
-def run_cross_layer(kernels, x, states, visible, has_image, weights, adapters, shape):
-    from accel.train.mllama_model import cross_layer
-    for t in [x] + [p for a in adapters if a is not None for p in a[:2]]:
-        t.grad = None
-    H, K, E, Fi = shape
-    aq, ak, av, ao, ag, au, ad = adapters
-    groups = (*(lora_group((a,), (None,), x.dtype) for a in (aq, ak, av, ao)),
-              lora_group((ag, au), (Fi, Fi), x.dtype), lora_group((ad,), (None,), x.dtype))
-    y = cross_layer(x, states, visible, has_image, weights, groups, (H, K, E), 1e-5, 0.0, kernels)
-    y.backward(randn(*y.shape, seed=99, dtype=y.dtype, device=y.device))
-    return [y, x.grad] + [p.grad for a in adapters if a is not None for p in a[:2]]
-
-
-@interpreted
-def test_cross_layer_with_kernels_equals_plain_torch():
-    """A gated cross-attention layer (GQA 2, odd sizes, fused gate_up with LoRA on gate only) with the Triton norm
-    and SwiGLU Functions vs the torch ops: output, dX, every dA/dB (a first row that sees no image included)."""
-    B, T, N, D, (H, K, E, Fi) = 2, 5, 7, 24, (4, 2, 16, 40)
-    s = iter(range(100))
-    mk = lambda *shape, scale=0.2: randn(*shape, seed=next(s), scale=scale)  # noqa: E731
-    gate = lambda: mk(1, scale=1.0).abs() + 0.3  # noqa: E731  (nonzero: a zero tanh gate hides the layer)
-    weights = (1 + mk(D), mk(H * E, D), mk(K * E, D), mk(K * E, D), mk(D, H * E), 1 + mk(E), 1 + mk(E), gate(),
-               1 + mk(D), mk(D, Fi), -gate(), mk(2 * Fi, D))
-    outs, ins = [H * E, K * E, K * E, D, Fi, Fi, D], [D, D, D, H * E, D, D, Fi]
-    adapters = tuple(None if i in (1, 5) else  # k_proj and up_proj not adapted
-                     (mk(3, ins[i], scale=0.3).requires_grad_(), mk(outs[i], 3, scale=0.3).requires_grad_(), 2.0)
-                     for i in range(7))
-    x, states = mk(B, T, D, scale=1.0).requires_grad_(), mk(B, N, D, scale=1.0)
-    visible = randn(B, T, N, seed=50) > 0
-    visible[:, 0] = False  # text before the image
-    has_image = visible.any(-1, keepdim=True).float()
-    args = (x, states, visible | ~visible.any(-1, keepdim=True), has_image, weights, adapters, (H, K, E, Fi))
-    want = run_cross_layer(False, *args)
-    got = run_cross_layer(True, *args)
-    for i, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4,
-                                   msg=lambda m: f"tensor {i}: {m}")
-
 # --- GPU, bf16 at the real shapes ---------------------------------------------------------------------------------
 
-BF16 = dict(atol=2e-2, rtol=2e-2)  # a few bf16 roundings apart (2^-9 each), see refimpl/compare.py
-
-
-def rel_l2(got, want):
-    return float((got.float() - want.float()).norm() / want.float().norm())
 
 
 def grads_of(fn, inputs, dys):
@@ -379,23 +224,3 @@ def test_gpu_bf16_linear_cross_entropy_against_torch():
     (gh2,) = torch.autograd.grad(ref / 1000, h2)
     assert float(total) == pytest.approx(float(ref), rel=1e-3)
     assert rel_l2(gh, gh2) < 1e-2
-
-
-@cuda
-def test_gpu_bf16_layer_with_kernels_equals_plain_torch():
-    shape = (32, 8, 64, 8192)
-    inputs = layer_inputs(1, 512, 2048, *shape, rank=16, device="cuda", dtype=torch.bfloat16)
-    want = run_layer(False, *inputs, shape)
-    got = run_layer(True, *inputs, shape)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert rel_l2(g, w) < 2e-2, (i, rel_l2(g, w))
-
-
-@cuda
-def test_gpu_bf16_manual_layer_equals_autograd_layer():
-    shape = (32, 8, 64, 8192)
-    inputs = layer_inputs(1, 512, 2048, *shape, rank=16, device="cuda", dtype=torch.bfloat16)
-    want = run_layer(False, *inputs, shape)
-    got = run_manual(*inputs, shape)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert rel_l2(g, w) < 2e-2, (i, rel_l2(g, w))
