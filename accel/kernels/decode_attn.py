@@ -246,6 +246,14 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
 
 
+# Many query heads a kv head (the vision encoder's padding rows: 28 rows × a head's queries): on the GPU the fused
+# combine would hold [rows, splits, E] partials in one program's registers, so the separate combine kernel spreads
+# them over every query head, over splits of MANY_ROWS_SPLIT keys (tools.bench.encoder's sweep; NOTES.md). Not under
+# the CPU interpreter, where those programs cost more than the default.
+MANY_QUERY_ROWS = 16
+MANY_ROWS_SPLIT = 512
+
+
 def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                                norm_weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None,
                                split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
@@ -253,13 +261,16 @@ def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torc
     norm_weight [E] (None: no norm), over all N keys/values [K, N, E] (any strides but the last), key n seen where
     visible[n] != 0 (bool or integers [N], at least one set) -> out shaped like q. GPU default: splits of 256 keys in
     64-key blocks, 2 stages, the fastest at 11B-Vision's 6404 image tokens, E = 128 (tools/bench/vision.py's
-    variants; NOTES.md)."""
+    variants; NOTES.md); with more than MANY_QUERY_ROWS query heads a kv head, splits of MANY_ROWS_SPLIT keys and
+    the separate combine kernel."""
     N = keys.shape[1]
     assert visible.numel() == N and visible.reshape(-1).stride(0) == 1
     assert norm_weight is None or norm_weight.shape == (q.shape[-1],)
+    many = q.is_cuda and q.shape[-2] // keys.shape[0] > MANY_QUERY_ROWS
     if split_len is None:
-        split_len = 256 if q.is_cuda else max(16, triton.cdiv(triton.cdiv(N, 8), 16) * 16)
-    tuned = {"BLOCK_N": 64, "num_stages": 2} if q.is_cuda else {}
+        cpu_split = max(16, triton.cdiv(triton.cdiv(N, 8), 16) * 16)
+        split_len = (MANY_ROWS_SPLIT if many else 256) if q.is_cuda else cpu_split
+    tuned = {"BLOCK_N": 64, "num_stages": 2, **({"FUSED": False} if many else {})} if q.is_cuda else {}
     cfg = {**_config(q.is_cuda, split_len, q.dtype, q.shape[-1], 0), **tuned, **(config or {})}  # 0: not long
     vis = visible.reshape(-1)
     vis = vis.view(torch.uint8) if vis.dtype == torch.bool else vis

@@ -27,10 +27,6 @@ from ..ops import uses_triton
 
 
 FEW_ROWS = 64  # an image's padding rows up to this many take the split-K decode-attention kernel
-# the kernel's launch for them: with R query rows a kv head, the fused combine would hold [R, splits, E] partials in
-# one program's registers; the separate combine kernel spreads them over H·R programs (tools/bench/NOTES.md). GPU
-# only: under the CPU interpreter those H·R programs cost more than the kernel's own default.
-PADDING_ROWS_LAUNCH = dict(split_len=512, config={"FUSED": False})
 
 
 class PaddingRows:
@@ -64,8 +60,7 @@ def self_attention(qkv, pad: PaddingRows, I: int, H: int, E: int):
         R = len(rows)
         qi = q[i][:, rows]  # [H, R, E] (a copy)
         if uses_triton(qkv) and R <= FEW_ROWS:
-            out = cross_decode_attention_fwd(qi.reshape(1, H * R, E), k[i], v[i], real, None, 0.0,
-                                             **(PADDING_ROWS_LAUNCH if qkv.is_cuda else {}))  # [1, H·R, E]
+            out = cross_decode_attention_fwd(qi.reshape(1, H * R, E), k[i], v[i], real, None, 0.0)  # [1, H·R, E]
         else:
             ki, vi = k[i][:, keys], v[i][:, keys]  # [H, N, E] each (copies)
             out = F.scaled_dot_product_attention(qi[None], ki[None], vi[None])  # 4-D: a fused kernel, not math

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from accel.kernels.flash_attn_bwd import flash_attn_train_fwd
-from accel.kernels.decode_attn import cross_decode_attention_fwd
-from accel.vision.encoder import FEW_ROWS, PADDING_ROWS_LAUNCH, PaddingRows, self_attention
+from accel.kernels.decode_attn import MANY_ROWS_SPLIT, cross_decode_attention_fwd
+from accel.vision.encoder import FEW_ROWS, PaddingRows, self_attention
 from accel.vision.engine import MllamaAccelEngine
 from accel.vision.weights import random_mllama_weights
 from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
@@ -85,7 +85,7 @@ def attention_rows(tiles=(1, 1, 1, 1)) -> list[dict]:
                                                               config={"FUSED": fused}))
             name = f"padding rows alone, split {split}, {'fused' if fused else 'separate'} combine"
             rows.append({"name": name, "ms": ms, "padding_rows": len(pr),
-                         "used": (split, {"FUSED": fused}) == tuple(PADDING_ROWS_LAUNCH.values())})
+                         "used": split == MANY_ROWS_SPLIT and not fused})  # the default for these rows
             print(f"  {name} ({len(pr)} rows){ms * 1e3:9.1f} us", flush=True)
     return rows
 
