@@ -31,74 +31,129 @@ from .tuning import QGemvConfig
 @triton.jit
 def _code_value(v, OFFSET: tl.constexpr):
     """int32 v in [0, 255] -> float(v − OFFSET), exactly, without an int-to-float conversion (a quarter-rate
-    instruction, which would bound the 4-bit GEMV below the memory bandwidth): the bits 0x4B000000 | v are the
-    float 2^23 + v, and one subtraction removes 2^23 + OFFSET."""
+    instruction): the bits 0x4B000000 | v are the float 2^23 + v, and one subtraction removes 2^23 + OFFSET."""
     return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
 
-# 4 codes a 32-bit register -> the fp32 bit patterns 0x4B0000uu = 2^23 + u, one PRMT each (u = the byte + 128
-# for int8: an XOR of the word; for int4 the low / high nibbles: two ANDs and a shift a word)
-_MAGIC_INT8 = tl.constexpr("""{ .reg .b32 m, u; mov.b32 m, 0x4B000000; xor.b32 u, $4, 0x80808080;
-prmt.b32 $0, u, m, 0x7540; prmt.b32 $1, u, m, 0x7541;
-prmt.b32 $2, u, m, 0x7542; prmt.b32 $3, u, m, 0x7543; }""")
-_MAGIC_INT4 = tl.constexpr("""{ .reg .b32 m, lo, hi; mov.b32 m, 0x4B000000; and.b32 lo, $8, 0x0F0F0F0F;
-shr.u32 hi, $8, 4; and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, m, 0x7540; prmt.b32 $1, lo, m, 0x7541; prmt.b32 $2, lo, m, 0x7542; prmt.b32 $3, lo, m, 0x7543;
-prmt.b32 $4, hi, m, 0x7540; prmt.b32 $5, hi, m, 0x7541; prmt.b32 $6, hi, m, 0x7542; prmt.b32 $7, hi, m, 0x7543; }""")
-
-
-@triton.jit
-def _magic(u):
-    return (u | 0x4B000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _tile_magic(byte, BITS: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BN, BYTES] bytes -> [BN, BLOCK_K] fp32 2^23 + u in column order, u = the code + SHIFT (int8: + 128, int4:
-    the nibble). int4: the nibbles of each byte side by side (join, then reshape: both stay in the thread that
-    loaded the byte), so f(x) is read contiguously. FAST: PTX (the GPU), else the same bits with Triton ops."""
-    if BITS == 8:
-        if FAST:
-            v = tl.inline_asm_elementwise(_MAGIC_INT8, "=r,=r,=r,=r,r", [byte], dtype=tl.float32, is_pure=True,
-                                          pack=4)
-        else:
-            v = _magic(byte.to(tl.int32) + 128)
+def _dp4a_asm(bits: int) -> str:
+    """PTX: one row's 16-byte chunk of codes (4 words, $1-$4) · f(x)'s fixed-point planes (byte p of each F, 4
+    columns a word: int8 $5.. planes 0, 1, 2 of words 0-3; int4 the same for the even (low-nibble) then the odd
+    columns) -> $0 = float(Σ q·F), exactly Σ q·(F >> 8) · 256 + Σ q·(F & 255) with two roundings. dp4a multiplies
+    and sums 4 byte pairs in one instruction: int8 codes as signed bytes, int4 nibbles as unsigned bytes (& 0x0F0F0F0F
+    of the word and of the word >> 4), the top plane signed, the lower two unsigned."""
+    ct = "s32" if bits == 8 else "u32"
+    lines = ["{ .reg .b32 w<8>, a, b, t; .reg .f32 fa, fb;"]
+    if bits == 8:
+        words = [f"${1 + j}" for j in range(4)]
     else:
-        if FAST:
-            lo, hi = tl.inline_asm_elementwise(_MAGIC_INT4, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
-                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-        else:
-            lo = _magic(byte.to(tl.int32) & 15)
-            hi = _magic((byte.to(tl.int32) >> 4) & 15)
-        v = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
-    return v
+        words = [f"w{j}" for j in range(8)]
+        for j in range(4):
+            lines.append(f"and.b32 w{j}, ${1 + j}, 0x0F0F0F0F; shr.u32 t, ${1 + j}, 4; and.b32 w{4 + j}, t, 0x0F0F0F0F;")
+    planes = lambda p: [f"${5 + p * 4 + j}" for j in range(4)] + (
+        [f"${17 + p * 4 + j}" for j in range(4)] if bits == 4 else [])  # noqa: E731
+    chain = lambda acc, p, bt, first: [  # noqa: E731
+        f"dp4a.{ct}.{bt} {acc}, {w}, {x}, {first if i == 0 else acc};" for i, (w, x) in enumerate(zip(words, planes(p)))]
+    lines += chain("a", 2, "s32", "0") + ["shl.b32 a, a, 8;"] + chain("a", 1, "u32", "a") + chain("b", 0, "u32", "0")
+    lines.append("cvt.rn.f32.s32 fa, a; cvt.rn.f32.s32 fb, b; fma.rn.f32 $0, fa, 0f43800000, fb; }")
+    return "\n".join(lines)
+
+
+_DP4A_INT8 = tl.constexpr(_dp4a_asm(8))
+_DP4A_INT4 = tl.constexpr(_dp4a_asm(4))
+# F0..F3 (int32, 4 columns) -> byte 0, byte 1 and byte 2 of each, packed 4 to a word (the dp4a operands)
+_PLANES = tl.constexpr("""{ .reg .b32 t, u; prmt.b32 t, $3, $4, 0x5140; prmt.b32 u, $5, $6, 0x5140;
+prmt.b32 $0, t, u, 0x5410; prmt.b32 $1, t, u, 0x7632; prmt.b32 t, $3, $4, 0x0062; prmt.b32 u, $5, $6, 0x0062;
+prmt.b32 $2, t, u, 0x5410; }""")
 
 
 @triton.jit
-def _qtile(Q, S, M, X, NW, rows_c, kb0, jb, jc, K, KB, stride_q, stride_s, rstd, n_groups, BITS: tl.constexpr,
+def _fixed_point(fx, NC: tl.constexpr, CHUNK: tl.constexpr):
+    """f(x) [BK] fp32 -> F [NC, CHUNK] int32 and 2^-s [NC]: F = round(f(x) · 2^s) with 2^s a chunk's power of 2
+    that puts its largest |f(x)| in [2^21, 2^22), so f(x) = F · 2^-s exactly for the bf16 values within 2^14 of
+    that maximum (8-bit significands) and within 2^-22 of it for the rest, below an fp32 sum's own rounding.
+    Rounded by adding 1.5·2^23 (F lands in the low 23 bits of the float)."""
+    fc = tl.reshape(fx, [NC, CHUNK])
+    eb = (tl.max(tl.abs(fc), axis=1).to(tl.int32, bitcast=True) >> 23) & 255  # [NC] the biased exponent e + 127
+    scale = (tl.minimum(275 - eb, 254) << 23).to(tl.float32, bitcast=True)  # 2^(21 - e)
+    F = (fc * scale[:, None] + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+    return F, 1.0 / scale
+
+
+@triton.jit
+def _words4(t, LEAD: tl.constexpr, NC: tl.constexpr):
+    """[LEAD, NC·4] -> its 4 columns of each group of 4 as [LEAD, NC] tensors (in-thread: no data moves)."""
+    a, b = tl.split(tl.reshape(t, [LEAD, NC, 2, 2]))
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _plane_words(F, NC: tl.constexpr):
+    """F [NC, 16] int32 -> 12 [NC] words: planes 0, 1, 2 (byte p of F), words 0-3 of the chunk, 4 columns a word."""
+    f0, f1, f2, f3 = _words4(tl.reshape(F, [NC * 4, 4]), NC * 4, 1)  # [NC·4, 1] byte b of each word
+    p0, p1, p2 = tl.inline_asm_elementwise(_PLANES, "=r,=r,=r,r,r,r,r", [f0, f1, f2, f3],
+                                           dtype=(tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    a0, a1, a2, a3 = _words4(tl.reshape(p0, [1, NC * 4]), 1, NC)
+    b0, b1, b2, b3 = _words4(tl.reshape(p1, [1, NC * 4]), 1, NC)
+    c0, c1, c2, c3 = _words4(tl.reshape(p2, [1, NC * 4]), 1, NC)
+    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3
+
+
+@triton.jit
+def _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                NC: tl.constexpr, CHUNK: tl.constexpr, FAST: tl.constexpr):
+    """Σ q·F per row and 16-byte chunk -> [BN, NC] fp32 (module doc: Σ q·(F >> 8) · 256 + Σ q·(F & 255)), the
+    codes signed (int8) or the nibbles (int4). FAST (the GPU, rows 4-byte aligned): dp4a on words; else the same
+    integers with Triton ops (the interpreter)."""
+    BYTES: tl.constexpr = NC * 16
+    if FAST:
+        Qw = Q.to(tl.pointer_type(tl.int32), bitcast=True)
+        wk = kb0 // 4 + jw[None, :]
+        w = tl.load(Qw + rows_c[:, None] * (stride_q // 4) + wk, mask=wk < KB // 4, other=0)  # [BN, BYTES/4]
+        w0, w1, w2, w3 = _words4(w, BLOCK_N, NC)
+        if BITS == 8:
+            a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3 = _plane_words(F, NC)
+            dots = tl.inline_asm_elementwise(_DP4A_INT8, "=r" + ",r" * 16, [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1,
+                                             b2, b3, c0, c1, c2, c3], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            ev, od = tl.split(tl.reshape(F, [NC, 16, 2]))  # [NC, 16] the even / odd columns: low / high nibbles
+            a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3 = _plane_words(ev, NC)
+            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3 = _plane_words(od, NC)
+            dots = tl.inline_asm_elementwise(_DP4A_INT4, "=r" + ",r" * 28, [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1,
+                                             b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        jb = tl.arange(0, BYTES)
+        byte = tl.load(Q + rows_c[:, None] * stride_q + kb0 + jb[None, :], mask=kb0 + jb[None, :] < KB, other=0)
+        q = byte.to(tl.int32)  # int8: signed; int4: the byte
+        if BITS == 4:
+            q = tl.reshape(tl.join(q & 15, q >> 4), [BLOCK_N, BYTES * 2])  # [BN, BK] nibbles in column order
+        Fk = tl.reshape(F, [NC * CHUNK])
+        hi = tl.sum(tl.reshape(q * (Fk >> 8)[None, :], [BLOCK_N, NC, CHUNK]), axis=2)
+        lo = tl.sum(tl.reshape(q * (Fk & 255)[None, :], [BLOCK_N, NC, CHUNK]), axis=2)
+        dots = hi.to(tl.float32) * 256.0 + lo.to(tl.float32)
+    return dots
+
+
+@triton.jit
+def _qtile(Q, S, M, X, NW, rows_c, kb0, jw, jc, K, KB, stride_q, stride_s, rstd, n_groups, BITS: tl.constexpr,
            OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
            PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
            FAST: tl.constexpr):
     """One [BLOCK_N, BLOCK_K] tile at byte column kb0 -> [BN, BLOCK_K / CHUNK] fp32: per CHUNK columns (the 16
     bytes a thread loads: inside one group) Σ q·f(x), times the group's scale (+ minimum · Σ f(x)); unscaled
-    with PER_ROW. Chunk sums stay in the thread; f(x) is computed once per column for all BN rows.
-    Each product is u·f(x) rounded once, u = q + SHIFT ≥ 0, and SHIFT·Σ f(x) is taken off per chunk: on the GPU
-    fma(2^23 + u, f(x), −2^23·f(x)) gives it without first turning 2^23 + u into u (one instruction a code less)."""
+    with PER_ROW. f(x) is computed once per column for all BN rows and goes into the integer products as a
+    chunk's fixed point (`_fixed_point`), so the codes need no conversion to float: 4 products an instruction."""
     NC: tl.constexpr = BLOCK_K // CHUNK
-    SHIFT: tl.constexpr = OFFSET + 128 if BITS == 8 else OFFSET
-    byte = tl.load(Q + rows_c[:, None] * stride_q + kb0 + jb[None, :], mask=kb0 + jb[None, :] < KB, other=0)
     k0 = kb0 * (8 // BITS)
     fx = prologue_fx(X, NW, k0, jc, K, rstd, PROLOGUE, False)  # [BK] fp32, zeros past K
-    v = _tile_magic(byte, BITS, FAST, BLOCK_N, BLOCK_K)  # [BN, BK]
-    if FAST:
-        t = tl.fma(v, fx[None, :], (fx * -8388608.0)[None, :])
-    else:
-        t = (v - 8388608.0) * fx[None, :]
-    part = tl.sum(tl.reshape(t, [BLOCK_N, NC, CHUNK]), axis=2)  # [BN, NC] Σ u·f(x) a chunk
-    if SHIFT != 0 or HAS_MIN:
+    F, unit = _fixed_point(fx, NC, CHUNK)  # [NC, CHUNK], [NC]
+    part = _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BITS, BLOCK_N, NC, CHUNK, FAST) * unit[None, :]
+    if OFFSET != 0 or HAS_MIN:
         xc = tl.sum(tl.reshape(fx, [NC, CHUNK]), axis=1)  # [NC] Σ f(x) a chunk
-    if SHIFT != 0:
-        part -= SHIFT * xc[None, :]
+    if OFFSET != 0:
+        part -= OFFSET * xc[None, :]
     if not PER_ROW:
         g = (k0 + tl.arange(0, NC) * CHUNK) // GROUP  # [NC] the group of each chunk
         inside = g[None, :] < n_groups
@@ -117,14 +172,14 @@ def _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, 
     """Σ_k W[rows_c, k] · f(x)[k] over bytes kb_lo .. kb_hi of the rows -> [BLOCK_N] fp32, scaled."""
     BYTES: tl.constexpr = BLOCK_K * BITS // 8
     CHUNK: tl.constexpr = 128 // BITS  # 16 bytes
-    jb = tl.arange(0, BYTES)
+    jw = tl.arange(0, BYTES // 4)
     jc = tl.arange(0, BLOCK_K)
     rstd = 0.0
     if PROLOGUE == 1:
         rstd = rms_rstd(X, K, eps, K_POW2)
     acc = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], dtype=tl.float32)
     for kb0 in tl.range(kb_lo, kb_hi, BYTES, num_stages=STAGES):
-        acc += _qtile(Q, S, M, X, NW, rows_c, kb0, jb, jc, K, KB, stride_q, stride_s, rstd, n_groups, BITS, OFFSET,
+        acc += _qtile(Q, S, M, X, NW, rows_c, kb0, jw, jc, K, KB, stride_q, stride_s, rstd, n_groups, BITS, OFFSET,
                       GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, CHUNK, FAST)
     out = tl.sum(acc, axis=1)
     if PER_ROW:
@@ -198,6 +253,11 @@ def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, rope: bool = F
     return QGemvConfig(bn, bk, 4, tiles, 1)
 
 
+def _words_ok(q: torch.Tensor, kbytes: int) -> bool:
+    """The GPU path reads the codes as 32-bit words: rows start 4-byte aligned and hold whole words."""
+    return q.is_cuda and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and kbytes % 4 == 0
+
+
 def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool) -> None:
     chunk = 128 // bits
     assert cfg.block_k % chunk == 0, f"block_k {cfg.block_k}: whole {chunk}-column chunks (16 bytes)"
@@ -232,7 +292,7 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         HAS_MIN=low is not None, PER_ROW=per_row, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
-        FAST=q.is_cuda, num_warps=cfg.warps, num_stages=cfg.stages)
+        FAST=_words_ok(q, triton.cdiv(K, pack)), num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
 
@@ -263,7 +323,8 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
         triton.cdiv(K, 8 // bits), q.stride(0), scale.stride(0), float(eps), scale.shape[1], cos.stride(0),
         sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), H, NKV, E=E,
         BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=q.is_cuda,
+        BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages,
+        FAST=_words_ok(q, triton.cdiv(K, 8 // bits)),
         num_warps=cfg.warps, num_stages=cfg.stages)
     return q_out
 
