@@ -6,8 +6,10 @@ A quantized matrix W [N, K] arrives as (accel.quant_ops.QuantTensor):
     W[n, k] = (Q[n, k] − OFFSET) · S[n, k // GROUP] (+ M[n, k // GROUP])   (OFFSET 8 for GGUF's Q4_0, else 0)
 That covers int8 per row (GROUP = K), int4 in groups (GROUP 32/64/128) and GGUF's Q8_0 / Q4_0 / Q4_1 (GROUP 32,
 their blocks rearranged at load). The GEMV never forms W: per 16-byte chunk of a row (inside one group) a thread
-sums Q·f(x) and Σ f(x) in fp32, then y += S·Σ Q·f(x) + M·Σ f(x) — the same value as multiplying by the
-dequantized W, up to fp32 summation order. The prologues (RMSNorm, SwiGLU) and the residual epilogue are
+sums Q·f(x) and Σ f(x), then y += S·(Σ Q·f(x) − OFFSET·Σ f(x)) + M·Σ f(x) — the same value as multiplying by the
+dequantized W, up to fp32 summation order. Σ Q·f(x) is an integer sum: f(x) (bf16-rounded, fp32) becomes a
+chunk's 23-bit fixed point F = f(x)·2^s, split into three bytes, and the codes multiply the bytes 4 at a time in
+the GPU's dp4a (int8 × int8 summed into int32), exact; only the final float(Σ Q·F)·2^-s rounds. The prologues (RMSNorm, SwiGLU) and the residual epilogue are
 accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry over unchanged; a program multiplies
 a row block over one K slice and, with SPLIT_K > 1, the row block's last program to arrive sums the slices in order
 (gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue

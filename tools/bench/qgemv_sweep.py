@@ -74,6 +74,10 @@ def candidates(N: int, K: int, bits: int, group: int, sms: int, rope: bool, focu
     add(16, 512, 1, 2, 3)
     add(16, 512, 2, 0, 3)
     add(32, 512, 2, 0, 3)
+    add(32, 512, 1, 0, 3)  # 32 rows: f(x)'s fixed point (per column, per thread) shared by twice the rows
+    add(32, 1024, 2, 0, 3)
+    add(32, 512, 1, 4, 3)
+    add(32, 1024, 2, 2, 3)
     if focus:
         return out
     nb = rule.block_k * bits // 8
