@@ -37,6 +37,39 @@ def _code_value(v, OFFSET: tl.constexpr):
     return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
 
+# int4: 4 bytes -> the fp32 bit patterns 0x4B0000uu = 2^23 + u of their low / high nibbles u: two ANDs and a shift
+# a word, one PRMT a code
+_MAGIC_INT4 = tl.constexpr("""{ .reg .b32 m, lo, hi; mov.b32 m, 0x4B000000; and.b32 lo, $8, 0x0F0F0F0F;
+shr.u32 hi, $8, 4; and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, m, 0x7540; prmt.b32 $1, lo, m, 0x7541; prmt.b32 $2, lo, m, 0x7542; prmt.b32 $3, lo, m, 0x7543;
+prmt.b32 $4, hi, m, 0x7540; prmt.b32 $5, hi, m, 0x7541; prmt.b32 $6, hi, m, 0x7542; prmt.b32 $7, hi, m, 0x7543; }""")
+
+
+@triton.jit
+def _magic(u):
+    return (u | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble_dots(Q, rows_c, kb0, KB, stride_q, fx, BLOCK_N: tl.constexpr, NC: tl.constexpr, FAST: tl.constexpr):
+    """int4: Σ u·f(x) per row and 16-byte chunk -> [BN, NC] fp32, u the nibble, in fp32 FMAs: a code's 2^23 + u
+    (one PRMT), fma(2^23 + u, f(x), −2^23·f(x)) = u·f(x) rounded once, summed in the thread. (dp4a as for int8
+    measured slower here: Triton lays the even / odd columns' planes out through shared memory.)"""
+    BYTES: tl.constexpr = NC * 16
+    jb = tl.arange(0, BYTES)
+    byte = tl.load(Q + rows_c[:, None] * stride_q + kb0 + jb[None, :], mask=kb0 + jb[None, :] < KB, other=0)
+    if FAST:
+        lo, hi = tl.inline_asm_elementwise(_MAGIC_INT4, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        v = tl.reshape(tl.join(lo, hi), [BLOCK_N, BYTES * 2])  # [BN, BK] column order, in the loading thread
+        t = tl.fma(v, fx[None, :], (fx * -8388608.0)[None, :])
+    else:
+        lo = _magic(byte.to(tl.int32) & 15)
+        hi = _magic((byte.to(tl.int32) >> 4) & 15)
+        t = (tl.reshape(tl.join(lo, hi), [BLOCK_N, BYTES * 2]) - 8388608.0) * fx[None, :]
+    return tl.sum(tl.reshape(t, [BLOCK_N, NC, 32]), axis=2)
+
+
 def _dp4a_asm(bits: int) -> str:
     """PTX: one row's 16-byte chunk of codes (4 words, $1-$4) · f(x)'s fixed-point planes (byte p of each F, 4
     columns a word: int8 $5.. planes 0, 1, 2 of words 0-3; int4 the same for the even (low-nibble) then the odd
@@ -145,13 +178,16 @@ def _qtile(Q, S, M, X, NW, rows_c, kb0, jw, jc, K, KB, stride_q, stride_s, rstd,
            FAST: tl.constexpr):
     """One [BLOCK_N, BLOCK_K] tile at byte column kb0 -> [BN, BLOCK_K / CHUNK] fp32: per CHUNK columns (the 16
     bytes a thread loads: inside one group) Σ q·f(x), times the group's scale (+ minimum · Σ f(x)); unscaled
-    with PER_ROW. f(x) is computed once per column for all BN rows and goes into the integer products as a
-    chunk's fixed point (`_fixed_point`), so the codes need no conversion to float: 4 products an instruction."""
+    with PER_ROW. f(x) is computed once per column for all BN rows; int8 takes it as a chunk's fixed point
+    (`_fixed_point`) into integer products, 4 an instruction, int4 as fp32 into FMAs (`_nibble_dots`)."""
     NC: tl.constexpr = BLOCK_K // CHUNK
     k0 = kb0 * (8 // BITS)
     fx = prologue_fx(X, NW, k0, jc, K, rstd, PROLOGUE, False)  # [BK] fp32, zeros past K
-    F, unit = _fixed_point(fx, NC, CHUNK)  # [NC, CHUNK], [NC]
-    part = _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BITS, BLOCK_N, NC, CHUNK, FAST) * unit[None, :]
+    if BITS == 8:
+        F, unit = _fixed_point(fx, NC, CHUNK)  # [NC, CHUNK], [NC]
+        part = _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BITS, BLOCK_N, NC, CHUNK, FAST) * unit[None, :]
+    else:
+        part = _nibble_dots(Q, rows_c, kb0, KB, stride_q, fx, BLOCK_N, NC, FAST)
     if OFFSET != 0 or HAS_MIN:
         xc = tl.sum(tl.reshape(fx, [NC, CHUNK]), axis=1)  # [NC] Σ f(x) a chunk
     if OFFSET != 0:
