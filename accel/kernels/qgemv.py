@@ -7,10 +7,10 @@ A quantized matrix W [N, K] arrives as (accel.quant_ops.QuantTensor):
 That covers int8 per row (GROUP = K), int4 in groups (GROUP 32/64/128) and GGUF's Q8_0 / Q4_0 / Q4_1 (GROUP 32,
 their blocks rearranged at load). The GEMV never forms W: per 16-byte chunk of a row (inside one group) a thread
 sums Q·f(x) and Σ f(x), then y += S·(Σ Q·f(x) − OFFSET·Σ f(x)) + M·Σ f(x) — the same value as multiplying by the
-dequantized W, up to fp32 summation order. Σ Q·f(x) is an integer sum: f(x) (bf16-rounded, fp32) becomes a
-chunk's 23-bit fixed point F = f(x)·2^s, split into three bytes, and the codes multiply the bytes 4 at a time in
-the GPU's dp4a (int8 × int8 summed into int32), exact; only the final float(Σ Q·F)·2^-s rounds. The prologues (RMSNorm, SwiGLU) and the residual epilogue are
-accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry over unchanged; a program multiplies
+dequantized W, up to fp32 summation order. 8-bit codes: Σ Q·f(x) is an integer sum (f(x), bf16-rounded, becomes a
+chunk's 22-bit fixed point F = f(x)·2^s in three bytes; dp4a multiplies 4 codes by 4 bytes an instruction, exactly;
+float(Σ Q·F)·2^-s rounds once); 4-bit codes: fp32 FMAs. The prologues (RMSNorm, SwiGLU) and the residual epilogue
+are accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry over unchanged; a program multiplies
 a row block over one K slice and, with SPLIT_K > 1, the row block's last program to arrive sums the slices in order
 (gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue
 (`qkv_rope_qfwd`). Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
@@ -70,31 +70,21 @@ def _nibble_dots(Q, rows_c, kb0, KB, stride_q, fx, BLOCK_N: tl.constexpr, NC: tl
     return tl.sum(tl.reshape(t, [BLOCK_N, NC, 32]), axis=2)
 
 
-def _dp4a_asm(bits: int) -> str:
-    """PTX: one row's 16-byte chunk of codes (4 words, $1-$4) · f(x)'s fixed-point planes (byte p of each F, 4
-    columns a word: int8 $5.. planes 0, 1, 2 of words 0-3; int4 the same for the even (low-nibble) then the odd
-    columns) -> $0 = float(Σ q·F), exactly Σ q·(F >> 8) · 256 + Σ q·(F & 255) with two roundings. dp4a multiplies
-    and sums 4 byte pairs in one instruction: int8 codes as signed bytes, int4 nibbles as unsigned bytes (& 0x0F0F0F0F
-    of the word and of the word >> 4), the top plane signed, the lower two unsigned."""
-    ct = "s32" if bits == 8 else "u32"
-    lines = ["{ .reg .b32 w<8>, a, b, t; .reg .f32 fa, fb;"]
-    if bits == 8:
-        words = [f"${1 + j}" for j in range(4)]
-    else:
-        words = [f"w{j}" for j in range(8)]
-        for j in range(4):
-            lines.append(f"and.b32 w{j}, ${1 + j}, 0x0F0F0F0F; shr.u32 t, ${1 + j}, 4; and.b32 w{4 + j}, t, 0x0F0F0F0F;")
-    planes = lambda p: [f"${5 + p * 4 + j}" for j in range(4)] + (
-        [f"${17 + p * 4 + j}" for j in range(4)] if bits == 4 else [])  # noqa: E731
+def _dp4a_asm() -> str:
+    """PTX: one row's 16 int8 codes (4 words, $1-$4, signed bytes) · f(x)'s fixed-point planes ($5-$8: byte 0 of F
+    for the 4 words' columns, $9-$12 byte 1, $13-$16 byte 2 (signed)) -> $0 = float(Σ q·F), exactly
+    Σ q·(F >> 8) · 256 + Σ q·(F & 255) with two roundings. dp4a: 4 byte products summed into int32, one instruction."""
+    words = [f"${1 + j}" for j in range(4)]
+    planes = lambda p: [f"${5 + p * 4 + j}" for j in range(4)]  # noqa: E731
     chain = lambda acc, p, bt, first: [  # noqa: E731
-        f"dp4a.{ct}.{bt} {acc}, {w}, {x}, {first if i == 0 else acc};" for i, (w, x) in enumerate(zip(words, planes(p)))]
-    lines += chain("a", 2, "s32", "0") + ["shl.b32 a, a, 8;"] + chain("a", 1, "u32", "a") + chain("b", 0, "u32", "0")
+        f"dp4a.s32.{bt} {acc}, {w}, {x}, {first if i == 0 else acc};" for i, (w, x) in enumerate(zip(words, planes(p)))]
+    lines = ["{ .reg .b32 a, b; .reg .f32 fa, fb;"] + chain("a", 2, "s32", "0") + ["shl.b32 a, a, 8;"]
+    lines += chain("a", 1, "u32", "a") + chain("b", 0, "u32", "0")
     lines.append("cvt.rn.f32.s32 fa, a; cvt.rn.f32.s32 fb, b; fma.rn.f32 $0, fa, 0f43800000, fb; }")
     return "\n".join(lines)
 
 
-_DP4A_INT8 = tl.constexpr(_dp4a_asm(8))
-_DP4A_INT4 = tl.constexpr(_dp4a_asm(4))
+_DP4A_INT8 = tl.constexpr(_dp4a_asm())
 # F0..F3 (int32, 4 columns) -> byte 0, byte 1 and byte 2 of each, packed 4 to a word (the dp4a operands)
 _PLANES = tl.constexpr("""{ .reg .b32 t, u; prmt.b32 t, $3, $4, 0x5140; prmt.b32 u, $5, $6, 0x5140;
 prmt.b32 $0, t, u, 0x5410; prmt.b32 $1, t, u, 0x7632; prmt.b32 t, $3, $4, 0x0062; prmt.b32 u, $5, $6, 0x0062;
@@ -136,37 +126,24 @@ def _plane_words(F, NC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                NC: tl.constexpr, CHUNK: tl.constexpr, FAST: tl.constexpr):
-    """Σ q·F per row and 16-byte chunk -> [BN, NC] fp32 (module doc: Σ q·(F >> 8) · 256 + Σ q·(F & 255)), the
-    codes signed (int8) or the nibbles (int4). FAST (the GPU, rows 4-byte aligned): dp4a on words; else the same
-    integers with Triton ops (the interpreter)."""
-    BYTES: tl.constexpr = NC * 16
+def _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BLOCK_N: tl.constexpr, NC: tl.constexpr, FAST: tl.constexpr):
+    """int8: Σ q·F per row and 16-byte chunk -> [BN, NC] fp32 (Σ q·(F >> 8) · 256 + Σ q·(F & 255)). FAST (the GPU,
+    rows 4-byte aligned): dp4a on the codes' 32-bit words; else the same integers with Triton ops (the interpreter)."""
     if FAST:
         Qw = Q.to(tl.pointer_type(tl.int32), bitcast=True)
         wk = kb0 // 4 + jw[None, :]
-        w = tl.load(Qw + rows_c[:, None] * (stride_q // 4) + wk, mask=wk < KB // 4, other=0)  # [BN, BYTES/4]
+        w = tl.load(Qw + rows_c[:, None] * (stride_q // 4) + wk, mask=wk < KB // 4, other=0)  # [BN, 4·NC] words
         w0, w1, w2, w3 = _words4(w, BLOCK_N, NC)
-        if BITS == 8:
-            a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3 = _plane_words(F, NC)
-            dots = tl.inline_asm_elementwise(_DP4A_INT8, "=r" + ",r" * 16, [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1,
-                                             b2, b3, c0, c1, c2, c3], dtype=tl.float32, is_pure=True, pack=1)
-        else:
-            ev, od = tl.split(tl.reshape(F, [NC, 16, 2]))  # [NC, 16] the even / odd columns: low / high nibbles
-            a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3 = _plane_words(ev, NC)
-            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3 = _plane_words(od, NC)
-            dots = tl.inline_asm_elementwise(_DP4A_INT4, "=r" + ",r" * 28, [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1,
-                                             b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3],
-                                             dtype=tl.float32, is_pure=True, pack=1)
+        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3 = _plane_words(F, NC)
+        dots = tl.inline_asm_elementwise(_DP4A_INT8, "=r" + ",r" * 16, [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2,
+                                         b3, c0, c1, c2, c3], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        jb = tl.arange(0, BYTES)
-        byte = tl.load(Q + rows_c[:, None] * stride_q + kb0 + jb[None, :], mask=kb0 + jb[None, :] < KB, other=0)
-        q = byte.to(tl.int32)  # int8: signed; int4: the byte
-        if BITS == 4:
-            q = tl.reshape(tl.join(q & 15, q >> 4), [BLOCK_N, BYTES * 2])  # [BN, BK] nibbles in column order
-        Fk = tl.reshape(F, [NC * CHUNK])
-        hi = tl.sum(tl.reshape(q * (Fk >> 8)[None, :], [BLOCK_N, NC, CHUNK]), axis=2)
-        lo = tl.sum(tl.reshape(q * (Fk & 255)[None, :], [BLOCK_N, NC, CHUNK]), axis=2)
+        jb = tl.arange(0, NC * 16)
+        q = tl.load(Q + rows_c[:, None] * stride_q + kb0 + jb[None, :], mask=kb0 + jb[None, :] < KB, other=0)
+        q = q.to(tl.int32)
+        Fk = tl.reshape(F, [NC * 16])
+        hi = tl.sum(tl.reshape(q * (Fk >> 8)[None, :], [BLOCK_N, NC, 16]), axis=2)
+        lo = tl.sum(tl.reshape(q * (Fk & 255)[None, :], [BLOCK_N, NC, 16]), axis=2)
         dots = hi.to(tl.float32) * 256.0 + lo.to(tl.float32)
     return dots
 
@@ -185,7 +162,7 @@ def _qtile(Q, S, M, X, NW, rows_c, kb0, jw, jc, K, KB, stride_q, stride_s, rstd,
     fx = prologue_fx(X, NW, k0, jc, K, rstd, PROLOGUE, False)  # [BK] fp32, zeros past K
     if BITS == 8:
         F, unit = _fixed_point(fx, NC, CHUNK)  # [NC, CHUNK], [NC]
-        part = _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BITS, BLOCK_N, NC, CHUNK, FAST) * unit[None, :]
+        part = _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BLOCK_N, NC, FAST) * unit[None, :]
     else:
         part = _nibble_dots(Q, rows_c, kb0, KB, stride_q, fx, BLOCK_N, NC, FAST)
     if OFFSET != 0 or HAS_MIN:
@@ -291,9 +268,9 @@ def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, rope: bool = F
     return QGemvConfig(bn, bk, 4, tiles, 1)
 
 
-def _words_ok(q: torch.Tensor, kbytes: int) -> bool:
-    """The GPU path reads the codes as 32-bit words: rows start 4-byte aligned and hold whole words."""
-    return q.is_cuda and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and kbytes % 4 == 0
+def _fast(q: torch.Tensor, bits: int, K: int) -> bool:
+    """The PTX path (GPU); at 8 bits it reads the codes as 32-bit words: rows 4-byte aligned and whole words."""
+    return q.is_cuda and (bits == 4 or (q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and K % 4 == 0))
 
 
 def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool) -> None:
@@ -330,7 +307,7 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         HAS_MIN=low is not None, PER_ROW=per_row, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
-        FAST=_words_ok(q, triton.cdiv(K, pack)), num_warps=cfg.warps, num_stages=cfg.stages)
+        FAST=_fast(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
 
@@ -362,7 +339,7 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
         sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), H, NKV, E=E,
         BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages,
-        FAST=_words_ok(q, triton.cdiv(K, 8 // bits)),
+        FAST=_fast(q, bits, K),
         num_warps=cfg.warps, num_stages=cfg.stages)
     return q_out
 
