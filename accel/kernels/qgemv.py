@@ -7,9 +7,9 @@ A quantized matrix W [N, K] arrives as (accel.quant_ops.QuantTensor):
 That covers int8 per row (GROUP = K), int4 in groups (GROUP 32/64/128) and GGUF's Q8_0 / Q4_0 / Q4_1 (GROUP 32,
 their blocks rearranged at load). The GEMV never forms W: per 16-byte chunk of a row (inside one group) a thread
 sums Q·f(x) and Σ f(x), then y += S·(Σ Q·f(x) − OFFSET·Σ f(x)) + M·Σ f(x) — the same value as multiplying by the
-dequantized W, up to fp32 summation order. 8-bit codes: Σ Q·f(x) is an integer sum (f(x), bf16-rounded, becomes a
-chunk's 22-bit fixed point F = f(x)·2^s in three bytes; dp4a multiplies 4 codes by 4 bytes an instruction, exactly;
-float(Σ Q·F)·2^-s rounds once); 4-bit codes: fp32 FMAs. The prologues (RMSNorm, SwiGLU) and the residual epilogue
+dequantized W, up to fp32 summation order. Σ Q·f(x) is an integer sum: f(x), bf16-rounded, becomes a chunk's 22-bit
+fixed point F = f(x)·2^s in three bytes, and dp4a multiplies 4 codes by 4 bytes an instruction, exactly; only
+float(Σ Q·F)·2^-s rounds. The prologues (RMSNorm, SwiGLU) and the residual epilogue
 are accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry over unchanged; a program multiplies
 a row block over one K slice and, with SPLIT_K > 1, the row block's last program to arrive sums the slices in order
 (gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue
@@ -37,58 +37,41 @@ def _code_value(v, OFFSET: tl.constexpr):
     return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
 
-# int4: 4 bytes -> the fp32 bit patterns 0x4B0000uu = 2^23 + u of their low / high nibbles u: two ANDs and a shift
-# a word, one PRMT a code
-_MAGIC_INT4 = tl.constexpr("""{ .reg .b32 m, lo, hi; mov.b32 m, 0x4B000000; and.b32 lo, $8, 0x0F0F0F0F;
-shr.u32 hi, $8, 4; and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, m, 0x7540; prmt.b32 $1, lo, m, 0x7541; prmt.b32 $2, lo, m, 0x7542; prmt.b32 $3, lo, m, 0x7543;
-prmt.b32 $4, hi, m, 0x7540; prmt.b32 $5, hi, m, 0x7541; prmt.b32 $6, hi, m, 0x7542; prmt.b32 $7, hi, m, 0x7543; }""")
-
-
-@triton.jit
-def _magic(u):
-    return (u | 0x4B000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _nibble_dots(Q, rows_c, kb0, KB, stride_q, fx, BLOCK_N: tl.constexpr, NC: tl.constexpr, FAST: tl.constexpr):
-    """int4: Σ u·f(x) per row and 16-byte chunk -> [BN, NC] fp32, u the nibble, in fp32 FMAs: a code's 2^23 + u
-    (one PRMT), fma(2^23 + u, f(x), −2^23·f(x)) = u·f(x) rounded once, summed in the thread. (dp4a as for int8
-    measured slower here: Triton lays the even / odd columns' planes out through shared memory.)"""
-    BYTES: tl.constexpr = NC * 16
-    jb = tl.arange(0, BYTES)
-    byte = tl.load(Q + rows_c[:, None] * stride_q + kb0 + jb[None, :], mask=kb0 + jb[None, :] < KB, other=0)
-    if FAST:
-        lo, hi = tl.inline_asm_elementwise(_MAGIC_INT4, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
-                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-        v = tl.reshape(tl.join(lo, hi), [BLOCK_N, BYTES * 2])  # [BN, BK] column order, in the loading thread
-        t = tl.fma(v, fx[None, :], (fx * -8388608.0)[None, :])
+def _dp4a_asm(bits: int) -> str:
+    """PTX: one row's 16-byte chunk of codes (4 words, $1-$4) · f(x)'s fixed-point planes (byte p of F, 4 columns
+    a word: $5-$8 plane 0 of words 0-3, $9-$12 plane 1, $13-$16 plane 2; int4: those of the even (low-nibble)
+    columns, then $17-$28 the odd ones) -> $0 = float(Σ q·F), exactly Σ q·(F >> 8) · 256 + Σ q·(F & 255) with
+    two roundings. dp4a: 4 byte products summed into int32, one instruction; int8 codes are signed bytes, int4
+    nibbles unsigned bytes (& 0x0F0F0F0F of the word and of the word >> 4); plane 2 signed, planes 0 and 1 not."""
+    ct = "s32" if bits == 8 else "u32"
+    lines = ["{ .reg .b32 w<8>, a, b, t; .reg .f32 fa, fb;"]
+    if bits == 8:
+        words = [f"${1 + j}" for j in range(4)]
     else:
-        lo = _magic(byte.to(tl.int32) & 15)
-        hi = _magic((byte.to(tl.int32) >> 4) & 15)
-        t = (tl.reshape(tl.join(lo, hi), [BLOCK_N, BYTES * 2]) - 8388608.0) * fx[None, :]
-    return tl.sum(tl.reshape(t, [BLOCK_N, NC, 32]), axis=2)
-
-
-def _dp4a_asm() -> str:
-    """PTX: one row's 16 int8 codes (4 words, $1-$4, signed bytes) · f(x)'s fixed-point planes ($5-$8: byte 0 of F
-    for the 4 words' columns, $9-$12 byte 1, $13-$16 byte 2 (signed)) -> $0 = float(Σ q·F), exactly
-    Σ q·(F >> 8) · 256 + Σ q·(F & 255) with two roundings. dp4a: 4 byte products summed into int32, one instruction."""
-    words = [f"${1 + j}" for j in range(4)]
-    planes = lambda p: [f"${5 + p * 4 + j}" for j in range(4)]  # noqa: E731
+        words = [f"w{j}" for j in range(8)]
+        for j in range(4):
+            lines.append(f"and.b32 w{j}, ${1 + j}, 0x0F0F0F0F; shr.u32 t, ${1 + j}, 4; and.b32 w{4 + j}, t, 0x0F0F0F0F;")
+    planes = lambda p: [f"${5 + p * 4 + j}" for j in range(4)] + (  # noqa: E731
+        [f"${17 + p * 4 + j}" for j in range(4)] if bits == 4 else [])
     chain = lambda acc, p, bt, first: [  # noqa: E731
-        f"dp4a.s32.{bt} {acc}, {w}, {x}, {first if i == 0 else acc};" for i, (w, x) in enumerate(zip(words, planes(p)))]
-    lines = ["{ .reg .b32 a, b; .reg .f32 fa, fb;"] + chain("a", 2, "s32", "0") + ["shl.b32 a, a, 8;"]
-    lines += chain("a", 1, "u32", "a") + chain("b", 0, "u32", "0")
+        f"dp4a.{ct}.{bt} {acc}, {w}, {x}, {first if i == 0 else acc};" for i, (w, x) in enumerate(zip(words, planes(p)))]
+    lines += chain("a", 2, "s32", "0") + ["shl.b32 a, a, 8;"] + chain("a", 1, "u32", "a") + chain("b", 0, "u32", "0")
     lines.append("cvt.rn.f32.s32 fa, a; cvt.rn.f32.s32 fb, b; fma.rn.f32 $0, fa, 0f43800000, fb; }")
     return "\n".join(lines)
 
 
-_DP4A_INT8 = tl.constexpr(_dp4a_asm())
+_DP4A_INT8 = tl.constexpr(_dp4a_asm(8))
+_DP4A_INT4 = tl.constexpr(_dp4a_asm(4))
 # F0..F3 (int32, 4 columns) -> byte 0, byte 1 and byte 2 of each, packed 4 to a word (the dp4a operands)
 _PLANES = tl.constexpr("""{ .reg .b32 t, u; prmt.b32 t, $3, $4, 0x5140; prmt.b32 u, $5, $6, 0x5140;
 prmt.b32 $0, t, u, 0x5410; prmt.b32 $1, t, u, 0x7632; prmt.b32 t, $3, $4, 0x0062; prmt.b32 u, $5, $6, 0x0062;
 prmt.b32 $2, t, u, 0x5410; }""")
+# int4: F0..F7 (8 consecutive columns: one word of nibbles) -> planes 0, 1, 2 of the even columns, then the odd
+_PLANES8 = tl.constexpr("""{ .reg .b32 t, u; prmt.b32 t, $6, $8, 0x5140; prmt.b32 u, $10, $12, 0x5140;
+prmt.b32 $0, t, u, 0x5410; prmt.b32 $1, t, u, 0x7632; prmt.b32 t, $6, $8, 0x0062; prmt.b32 u, $10, $12, 0x0062;
+prmt.b32 $2, t, u, 0x5410; prmt.b32 t, $7, $9, 0x5140; prmt.b32 u, $11, $13, 0x5140;
+prmt.b32 $3, t, u, 0x5410; prmt.b32 $4, t, u, 0x7632; prmt.b32 t, $7, $9, 0x0062; prmt.b32 u, $11, $13, 0x0062;
+prmt.b32 $5, t, u, 0x5410; }""")
 
 
 @triton.jit
@@ -126,26 +109,74 @@ def _plane_words(F, NC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BLOCK_N: tl.constexpr, NC: tl.constexpr, FAST: tl.constexpr):
-    """int8: Σ q·F per row and 16-byte chunk -> [BN, NC] fp32 (Σ q·(F >> 8) · 256 + Σ q·(F & 255)). FAST (the GPU,
-    rows 4-byte aligned): dp4a on the codes' 32-bit words; else the same integers with Triton ops (the interpreter)."""
+def _spread(p, NC: tl.constexpr):
+    """[4·NC, 1] words of a plane (chunk-major) -> its 4 words of each chunk as [1, NC] tensors."""
+    return _words4(tl.reshape(p, [1, NC * 4]), 1, NC)
+
+
+@triton.jit
+def _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BITS: tl.constexpr, BLOCK_N: tl.constexpr, NC: tl.constexpr,
+                CHUNK: tl.constexpr, FAST: tl.constexpr):
+    """Σ q·F per row and 16-byte chunk -> [BN, NC] fp32 (Σ q·(F >> 8) · 256 + Σ q·(F & 255)), q the signed int8
+    code or the nibble. FAST (the GPU): dp4a on the codes' 32-bit words; else the same integers with Triton ops."""
     if FAST:
         Qw = Q.to(tl.pointer_type(tl.int32), bitcast=True)
         wk = kb0 // 4 + jw[None, :]
         w = tl.load(Qw + rows_c[:, None] * (stride_q // 4) + wk, mask=wk < KB // 4, other=0)  # [BN, 4·NC] words
         w0, w1, w2, w3 = _words4(w, BLOCK_N, NC)
-        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3 = _plane_words(F, NC)
-        dots = tl.inline_asm_elementwise(_DP4A_INT8, "=r" + ",r" * 16, [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2,
-                                         b3, c0, c1, c2, c3], dtype=tl.float32, is_pure=True, pack=1)
+        if BITS == 8:
+            a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3 = _plane_words(F, NC)
+            dots = tl.inline_asm_elementwise(_DP4A_INT8, "=r" + ",r" * 16, [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1,
+                                             b2, b3, c0, c1, c2, c3], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            ga, gb = tl.split(tl.reshape(F, [NC * 4, 4, 2]))  # [word, i]: columns 8·word + 2i and 8·word + 2i + 1
+            g0, g2, g4, g6 = _words4(ga, NC * 4, 1)
+            g1, g3, g5, g7 = _words4(gb, NC * 4, 1)
+            pa0, pa1, pa2, pb0, pb1, pb2 = tl.inline_asm_elementwise(
+                _PLANES8, "=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r", [g0, g1, g2, g3, g4, g5, g6, g7],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            a0, a1, a2, a3 = _spread(pa0, NC)
+            b0, b1, b2, b3 = _spread(pa1, NC)
+            c0, c1, c2, c3 = _spread(pa2, NC)
+            d0, d1, d2, d3 = _spread(pb0, NC)
+            e0, e1, e2, e3 = _spread(pb1, NC)
+            f0, f1, f2, f3 = _spread(pb2, NC)
+            dots = tl.inline_asm_elementwise(_DP4A_INT4, "=r" + ",r" * 28, [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1,
+                                             b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3],
+                                             dtype=tl.float32, is_pure=True, pack=1)
     else:
         jb = tl.arange(0, NC * 16)
-        q = tl.load(Q + rows_c[:, None] * stride_q + kb0 + jb[None, :], mask=kb0 + jb[None, :] < KB, other=0)
-        q = q.to(tl.int32)
-        Fk = tl.reshape(F, [NC * 16])
-        hi = tl.sum(tl.reshape(q * (Fk >> 8)[None, :], [BLOCK_N, NC, 16]), axis=2)
-        lo = tl.sum(tl.reshape(q * (Fk & 255)[None, :], [BLOCK_N, NC, 16]), axis=2)
+        byte = tl.load(Q + rows_c[:, None] * stride_q + kb0 + jb[None, :], mask=kb0 + jb[None, :] < KB, other=0)
+        q = byte.to(tl.int32)  # int8: signed; int4: the byte
+        if BITS == 4:
+            q = tl.reshape(tl.join(q & 15, q >> 4), [BLOCK_N, NC * 32])  # [BN, BK] nibbles in column order
+        Fk = tl.reshape(F, [NC * CHUNK])
+        hi = tl.sum(tl.reshape(q * (Fk >> 8)[None, :], [BLOCK_N, NC, CHUNK]), axis=2)
+        lo = tl.sum(tl.reshape(q * (Fk & 255)[None, :], [BLOCK_N, NC, CHUNK]), axis=2)
         dots = hi.to(tl.float32) * 256.0 + lo.to(tl.float32)
     return dots
+
+
+@triton.jit
+def _group_param(ptrs, inside, FAST: tl.constexpr):
+    """A group's scale / minimum -> fp32. FAST: an inline-PTX load, so that Triton does not lay the whole tile's
+    products out after this small [BN, NC] load (it did: rows across lanes, the codes through shared memory)."""
+    if FAST:
+        dt: tl.constexpr = ptrs.dtype.element_ty
+        if dt == tl.float32:
+            v = tl.inline_asm_elementwise("""{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0;
+@p ld.global.nc.b32 $0, [$1]; }""", "=r,l,r", [ptrs, inside.to(tl.int32)], dtype=tl.float32, is_pure=True, pack=1)
+        elif dt == tl.float16:
+            v = tl.inline_asm_elementwise("""{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $2, 0; mov.b16 h, 0;
+@p ld.global.nc.b16 h, [$1]; cvt.f32.f16 $0, h; }""", "=r,l,r", [ptrs, inside.to(tl.int32)], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:
+            v = tl.inline_asm_elementwise("""{ .reg .pred p; .reg .b16 h, z; setp.ne.b32 p, $2, 0; mov.b16 h, 0;
+mov.b16 z, 0; @p ld.global.nc.b16 h, [$1]; mov.b32 $0, {z, h}; }""", "=r,l,r", [ptrs, inside.to(tl.int32)],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        v = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+    return v
 
 
 @triton.jit
@@ -155,27 +186,23 @@ def _qtile(Q, S, M, X, NW, rows_c, kb0, jw, jc, K, KB, stride_q, stride_s, rstd,
            FAST: tl.constexpr):
     """One [BLOCK_N, BLOCK_K] tile at byte column kb0 -> [BN, BLOCK_K / CHUNK] fp32: per CHUNK columns (the 16
     bytes a thread loads: inside one group) Σ q·f(x), times the group's scale (+ minimum · Σ f(x)); unscaled
-    with PER_ROW. f(x) is computed once per column for all BN rows; int8 takes it as a chunk's fixed point
-    (`_fixed_point`) into integer products, 4 an instruction, int4 as fp32 into FMAs (`_nibble_dots`)."""
+    with PER_ROW. f(x) is computed once per column for all BN rows and goes into the integer products as a
+    chunk's fixed point (`_fixed_point`), so the codes need no conversion to float: 4 products an instruction."""
     NC: tl.constexpr = BLOCK_K // CHUNK
     k0 = kb0 * (8 // BITS)
     fx = prologue_fx(X, NW, k0, jc, K, rstd, PROLOGUE, False)  # [BK] fp32, zeros past K
-    if BITS == 8:
-        F, unit = _fixed_point(fx, NC, CHUNK)  # [NC, CHUNK], [NC]
-        part = _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BLOCK_N, NC, FAST) * unit[None, :]
-    else:
-        part = _nibble_dots(Q, rows_c, kb0, KB, stride_q, fx, BLOCK_N, NC, FAST)
+    F, unit = _fixed_point(fx, NC, CHUNK)  # [NC, CHUNK], [NC]
+    part = _chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BITS, BLOCK_N, NC, CHUNK, FAST) * unit[None, :]
     if OFFSET != 0 or HAS_MIN:
         xc = tl.sum(tl.reshape(fx, [NC, CHUNK]), axis=1)  # [NC] Σ f(x) a chunk
     if OFFSET != 0:
         part -= OFFSET * xc[None, :]
     if not PER_ROW:
         g = (k0 + tl.arange(0, NC) * CHUNK) // GROUP  # [NC] the group of each chunk
-        inside = g[None, :] < n_groups
-        part *= tl.load(S + rows_c[:, None] * stride_s + g[None, :], mask=inside, other=0.0).to(tl.float32)
+        inside = (g[None, :] < n_groups) & (rows_c[:, None] >= 0)  # [BN, NC]
+        part *= _group_param(S + rows_c[:, None] * stride_s + g[None, :], inside, FAST)
         if HAS_MIN:
-            m = tl.load(M + rows_c[:, None] * stride_s + g[None, :], mask=inside, other=0.0)
-            part += m.to(tl.float32) * xc[None, :]
+            part += _group_param(M + rows_c[:, None] * stride_s + g[None, :], inside, FAST) * xc[None, :]
     return part
 
 
@@ -269,8 +296,8 @@ def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, rope: bool = F
 
 
 def _fast(q: torch.Tensor, bits: int, K: int) -> bool:
-    """The PTX path (GPU); at 8 bits it reads the codes as 32-bit words: rows 4-byte aligned and whole words."""
-    return q.is_cuda and (bits == 4 or (q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and K % 4 == 0))
+    """The PTX path (GPU) reads the codes as 32-bit words: rows 4-byte aligned and whole words."""
+    return q.is_cuda and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and triton.cdiv(K * bits, 8) % 4 == 0
 
 
 def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool) -> None:
