@@ -78,22 +78,22 @@ class QGemvConfig(NamedTuple):
 # decode shapes (gate_up, lm_head and 3B o at int8: one or two warps of 16 or 32 rows over the whole row, a 3-4
 # stage cp.async pipeline over its tiles).
 QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
-    (3072, 2048, 8, 2048, "rope"): QGemvConfig(8, 2048, 4, 1, 2),  # 1B qkv
+    (3072, 2048, 8, 2048, "rope"): QGemvConfig(16, 512, 2, 1, 3),  # 1B qkv
     (2048, 2048, 8, 2048): QGemvConfig(8, 2048, 4, 1, 1),  # 1B o
     (16384, 2048, 8, 2048): QGemvConfig(32, 512, 2, 1, 3),  # 1B gate_up
-    (16384, 2048, 4, 64): QGemvConfig(16, 1024, 1, 1, 3),
+    (16384, 2048, 4, 64): QGemvConfig(32, 1024, 2, 1, 3),
     (2048, 8192, 8, 8192): QGemvConfig(16, 512, 2, 8, 2),  # 1B down
     (128256, 2048, 8, 2048): QGemvConfig(16, 512, 1, 1, 3),  # 1B lm_head
     (128256, 2048, 4, 64): QGemvConfig(16, 1024, 2, 1, 3),
-    (5120, 3072, 8, 3072, "rope"): QGemvConfig(8, 1024, 4, 1, 2),  # 3B qkv
+    (5120, 3072, 8, 3072, "rope"): QGemvConfig(16, 512, 2, 1, 3),  # 3B qkv
     (5120, 3072, 4, 64, "rope"): QGemvConfig(16, 1024, 4, 1, 2),
-    (3072, 3072, 8, 3072): QGemvConfig(16, 512, 2, 1, 3),  # 3B o
-    (3072, 3072, 4, 64): QGemvConfig(16, 1024, 4, 3, 1),
+    (3072, 3072, 8, 3072): QGemvConfig(8, 512, 1, 1, 3),  # 3B o
+    (3072, 3072, 4, 64): QGemvConfig(8, 1024, 4, 3, 1),
     (16384, 3072, 8, 3072): QGemvConfig(32, 512, 2, 1, 3),  # 3B gate_up
-    (16384, 3072, 4, 64): QGemvConfig(16, 1024, 2, 1, 3),
+    (16384, 3072, 4, 64): QGemvConfig(32, 1024, 2, 1, 3),
     (3072, 8192, 8, 8192): QGemvConfig(16, 2048, 4, 2, 2),  # 3B down
     (128256, 3072, 8, 3072): QGemvConfig(16, 512, 1, 1, 4),  # 3B lm_head
-    (128256, 3072, 4, 64): QGemvConfig(16, 1024, 2, 1, 3),
+    (128256, 3072, 4, 64): QGemvConfig(32, 1024, 2, 1, 3),
 })
 
 
