@@ -128,6 +128,28 @@ def test_quantized_gemv_split_k_sums_slices_in_order(name):
 
 
 @interpreter
+@pytest.mark.parametrize("name", ["int8", "int4:32", "q8_0", "q4_0"])
+def test_quantized_gemv_holds_over_a_wide_range_of_inputs(name):
+    """f(x) meets the codes as each 16-byte chunk's fixed point, scaled by the chunk's largest |f(x)|: values 2^20
+    apart inside chunks, a chunk of zeros and one of values near 2^-110 stay within the fp32 summation bound."""
+    rec = RECORDS[name]
+    K = rec.shape[1]
+    t = from_quantized_linear(rec, "cpu")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(K).astype(np.float32)
+    x[::7] *= np.float32(2.0 ** 20)  # a spike in every chunk
+    x[:32] = 0
+    x[32:64] = (rng.standard_normal(32) * 2.0 ** -110).astype(np.float32)
+    got = qgemv(t, torch.from_numpy(x)[None])[0].numpy()
+    check_fp32(got, oracle_product(rec, x), rec, x)
+    small = np.zeros_like(x)
+    small[32:64] = x[32:64]  # the tiny chunk alone: its own scale, not the spikes'
+    got = qgemv(t, torch.from_numpy(small)[None])[0].numpy()
+    want = oracle_product(rec, small)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@interpreter
 @pytest.mark.parametrize("H, NKV, E, D, spec", [(4, 2, 16, 64, "int8"), (3, 1, 24, 96, "int4:32"),
                                                   (2, 2, 64, 160, "q4_1"), (4, 1, 32, 96, "q4_0")])
 @pytest.mark.parametrize("block_n", [None, 4])

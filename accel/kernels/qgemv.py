@@ -6,11 +6,11 @@ A quantized matrix W [N, K] arrives as (accel.quant_ops.QuantTensor):
     W[n, k] = (Q[n, k] − OFFSET) · S[n, k // GROUP] (+ M[n, k // GROUP])   (OFFSET 8 for GGUF's Q4_0, else 0)
 That covers int8 per row (GROUP = K), int4 in groups (GROUP 32/64/128) and GGUF's Q8_0 / Q4_0 / Q4_1 (GROUP 32,
 their blocks rearranged at load). The GEMV never forms W: per 16-byte chunk of a row (inside one group) a thread
-sums Q·f(x) and Σ f(x), then y += S·(Σ Q·f(x) − OFFSET·Σ f(x)) + M·Σ f(x) — the same value as multiplying by the
-dequantized W, up to fp32 summation order. Σ Q·f(x) is an integer sum: f(x), bf16-rounded, becomes a chunk's 22-bit
-fixed point F = f(x)·2^s in three bytes, and dp4a multiplies 4 codes by 4 bytes an instruction, exactly; only
-float(Σ Q·F)·2^-s rounds. The prologues (RMSNorm, SwiGLU) and the residual epilogue
-are accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry over unchanged; a program multiplies
+sums Q·f(x) and Σ f(x), then y += S·(Σ Q·f(x) − OFFSET·Σ f(x)) + M·Σ f(x) — the same value as multiplying
+by the dequantized W, up to fp32 summation order. Σ Q·f(x) is an integer sum: f(x), bf16-rounded, becomes a
+chunk's 22-bit fixed point F = f(x)·2^s in three bytes, and dp4a multiplies 4 codes by 4 bytes an instruction,
+exactly; only float(Σ Q·F)·2^-s rounds. The prologues (RMSNorm, SwiGLU) and the residual epilogue are
+accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry over unchanged; a program multiplies
 a row block over one K slice and, with SPLIT_K > 1, the row block's last program to arrive sums the slices in order
 (gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue
 (`qkv_rope_qfwd`). Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
@@ -33,7 +33,8 @@ from .tuning import QGemvConfig
 @triton.jit
 def _code_value(v, OFFSET: tl.constexpr):
     """int32 v in [0, 255] -> float(v − OFFSET), exactly, without an int-to-float conversion (a quarter-rate
-    instruction): the bits 0x4B000000 | v are the float 2^23 + v, and one subtraction removes 2^23 + OFFSET."""
+    instruction, which would bound the 4-bit GEMV below the memory bandwidth): the bits 0x4B000000 | v are the
+    float 2^23 + v, and one subtraction removes 2^23 + OFFSET."""
     return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
 
@@ -50,11 +51,13 @@ def _dp4a_asm(bits: int) -> str:
     else:
         words = [f"w{j}" for j in range(8)]
         for j in range(4):
-            lines.append(f"and.b32 w{j}, ${1 + j}, 0x0F0F0F0F; shr.u32 t, ${1 + j}, 4; and.b32 w{4 + j}, t, 0x0F0F0F0F;")
+            lines.append(f"and.b32 w{j}, ${1 + j}, 0x0F0F0F0F; shr.u32 t, ${1 + j}, 4;")
+            lines.append(f"and.b32 w{4 + j}, t, 0x0F0F0F0F;")
     planes = lambda p: [f"${5 + p * 4 + j}" for j in range(4)] + (  # noqa: E731
         [f"${17 + p * 4 + j}" for j in range(4)] if bits == 4 else [])
     chain = lambda acc, p, bt, first: [  # noqa: E731
-        f"dp4a.{ct}.{bt} {acc}, {w}, {x}, {first if i == 0 else acc};" for i, (w, x) in enumerate(zip(words, planes(p)))]
+        f"dp4a.{ct}.{bt} {acc}, {w}, {x}, {first if i == 0 else acc};"
+        for i, (w, x) in enumerate(zip(words, planes(p)))]
     lines += chain("a", 2, "s32", "0") + ["shl.b32 a, a, 8;"] + chain("a", 1, "u32", "a") + chain("b", 0, "u32", "0")
     lines.append("cvt.rn.f32.s32 fa, a; cvt.rn.f32.s32 fb, b; fma.rn.f32 $0, fa, 0f43800000, fb; }")
     return "\n".join(lines)
@@ -97,21 +100,21 @@ def _words4(t, LEAD: tl.constexpr, NC: tl.constexpr):
 
 
 @triton.jit
+def _spread(p, NC: tl.constexpr):
+    """[4·NC, 1] words of a plane (chunk-major) -> its 4 words of each chunk as [1, NC] tensors."""
+    return _words4(tl.reshape(p, [1, NC * 4]), 1, NC)
+
+
+@triton.jit
 def _plane_words(F, NC: tl.constexpr):
     """F [NC, 16] int32 -> 12 [NC] words: planes 0, 1, 2 (byte p of F), words 0-3 of the chunk, 4 columns a word."""
     f0, f1, f2, f3 = _words4(tl.reshape(F, [NC * 4, 4]), NC * 4, 1)  # [NC·4, 1] byte b of each word
     p0, p1, p2 = tl.inline_asm_elementwise(_PLANES, "=r,=r,=r,r,r,r,r", [f0, f1, f2, f3],
                                            dtype=(tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    a0, a1, a2, a3 = _words4(tl.reshape(p0, [1, NC * 4]), 1, NC)
-    b0, b1, b2, b3 = _words4(tl.reshape(p1, [1, NC * 4]), 1, NC)
-    c0, c1, c2, c3 = _words4(tl.reshape(p2, [1, NC * 4]), 1, NC)
+    a0, a1, a2, a3 = _spread(p0, NC)
+    b0, b1, b2, b3 = _spread(p1, NC)
+    c0, c1, c2, c3 = _spread(p2, NC)
     return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3
-
-
-@triton.jit
-def _spread(p, NC: tl.constexpr):
-    """[4·NC, 1] words of a plane (chunk-major) -> its 4 words of each chunk as [1, NC] tensors."""
-    return _words4(tl.reshape(p, [1, NC * 4]), 1, NC)
 
 
 @triton.jit
@@ -199,7 +202,7 @@ def _qtile(Q, S, M, X, NW, rows_c, kb0, jw, jc, K, KB, stride_q, stride_s, rstd,
         part -= OFFSET * xc[None, :]
     if not PER_ROW:
         g = (k0 + tl.arange(0, NC) * CHUNK) // GROUP  # [NC] the group of each chunk
-        inside = (g[None, :] < n_groups) & (rows_c[:, None] >= 0)  # [BN, NC]
+        inside = (g[None, :] < n_groups) & (rows_c[:, None] >= 0)  # [BN, NC] (rows_c >= 0 always: the shape)
         part *= _group_param(S + rows_c[:, None] * stride_s + g[None, :], inside, FAST)
         if HAS_MIN:
             part += _group_param(M + rows_c[:, None] * stride_s + g[None, :], inside, FAST) * xc[None, :]
