@@ -75,8 +75,8 @@ class QGemvConfig(NamedTuple):
 # The quantized GEMV per (N, K, bits, group), ("rope",) appended for the fused qkv + RoPE kernel; shapes not
 # listed use `qgemv.qgemv_config`'s rule. The fastest config of the sweeps (tools.bench.qgemv_sweep) where it beat
 # the rule (or the row before it) by > 2%, for int8 (one scale a row: group = K) and int4:64 at the Llama 3.2 1B / 3B
-# decode shapes (gate_up, lm_head and 3B o at int8: one or two warps of 16 or 32 rows over the whole row, a 3-4
-# stage cp.async pipeline over its tiles).
+# decode shapes (gate_up, lm_head, qkv and 3B o: one or two warps of 8, 16 or 32 rows over the whole row, a 3-4
+# stage cp.async pipeline over its tiles; 32 rows share each column's f(x) fixed point at int4).
 QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
     (3072, 2048, 8, 2048, "rope"): QGemvConfig(16, 512, 2, 1, 3),  # 1B qkv
     (2048, 2048, 8, 2048): QGemvConfig(8, 2048, 4, 1, 1),  # 1B o
