@@ -28,7 +28,8 @@ from tools.bench.decode_variants import NAMES
 from tools.bench.gpu import decode_rate
 
 # (name, the quantized kernels' mode, the decode attention's launch options)
-VARIANTS = [("plain", None, {}), ("pdl, prefetch 1 tile", PdlMode("wait", 1), {}),
+VARIANTS = [("plain", None, {}), ("pdl, no prefetch", PdlMode("wait", 0), {}),
+            ("pdl, prefetch 1 tile", PdlMode("wait", 1), {}),
             ("pdl, prefetch all", PdlMode("wait", 64), {}),
             ("pdl late trigger, prefetch 1 tile", PdlMode("late", 1), {}),
             ("pdl + attention pdl", PdlMode("wait", 1), {"config": {"PDL": True}})]
@@ -79,9 +80,9 @@ def main(argv):
            "torch": torch.__version__, "rows": []}
     for m in models:
         res["rows"] += compare(m, specs, warm)
-    if not warm:
-        with open(f"{out_dir}/quant_pdl.json", "w") as f:
-            json.dump(res, f, indent=1)
+        if not warm:  # after each model: a run cut short keeps what it measured
+            with open(f"{out_dir}/quant_pdl.json", "w") as f:
+                json.dump(res, f, indent=1)
     print(f"total {time.time() - t0:.0f} s", flush=True)
 
 
