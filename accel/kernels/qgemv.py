@@ -25,6 +25,7 @@ one and the next one's prologue.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
 import torch
@@ -246,15 +247,19 @@ class PdlMode(NamedTuple):
     prefetch: int = 1
 
 
-PDL_DEFAULT: PdlMode | None = PdlMode()  # None: plain launches
+# The mode by code width, as measured in the engine (tools.bench.quant_pdl): the int4 step gained from it, the int8
+# step (its GEMVs closer to the bandwidth) lost, with or without the prefetch. None: plain launches.
+PDL_DEFAULT: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: None})
 
 
-def _pdl_kwargs(mode: PdlMode | None, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
+def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
                 rope: bool) -> dict:
-    """The PDL constexprs and launch option (none off sm_90 or under the interpreter). Without PDL the qkv + RoPE
-    kernel still lets its dependents launch at its start: the decode attention, PDL-launched over long caches."""
+    """The PDL constexprs and launch option for `mode` ("default": PDL_DEFAULT's; none off sm_90 or under the
+    interpreter). Without PDL the qkv + RoPE kernel still lets its dependents launch at its start: the decode
+    attention, PDL-launched over long caches."""
     if not pdl_available(q):
         return {}
+    mode = PDL_DEFAULT.get(bits) if mode == "default" else mode
     if mode is None:
         return dict(TRIGGER=1) if rope else {}
     assert mode.trigger in ("wait", "late") and mode.prefetch >= 0, mode
@@ -272,9 +277,10 @@ def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool) -> No
 def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int, group: int,
               K: int, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
               swiglu: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              config: QGemvConfig | tuple | None = None, pdl: PdlMode | None = PDL_DEFAULT) -> torch.Tensor:
+              config: QGemvConfig | tuple | None = None, pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """y = [residual +] W @ f(x) for the quantized W [N, K] (module doc), x [K] or [1, K] ([2K] with swiglu)
-    -> [1, N] in x's dtype (or `out`); f and the epilogue as accel.kernels.gemv.gemv_fwd. pdl: PdlMode, None."""
+    -> [1, N] in x's dtype (or `out`); f and the epilogue as accel.kernels.gemv.gemv_fwd. pdl: a PdlMode, None
+    (plain launches) or "default" (PDL_DEFAULT's for the code width)."""
     N = q.shape[0]
     assert q.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
     xv = x.reshape(-1)
@@ -306,7 +312,7 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
                   group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor, position: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                   q_out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None,
-                  pdl: PdlMode | None = PDL_DEFAULT) -> torch.Tensor:
+                  pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """accel.kernels.qkv_rope.qkv_rope_fwd for the quantized W [(H+2K)·E, D] (module doc): one launch, the same
     roundings -> q_rot [1, H, E]; rope(k) and v written to slot `position` of the caches. pdl: as qgemv_fwd."""
     NKV, S, E = cache_k.shape

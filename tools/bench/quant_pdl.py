@@ -1,15 +1,17 @@
 """The quantized decode step's launch modes (accel.kernels.qgemv.PdlMode: programmatic dependent launch with an L2
 prefetch of each program's weights) in the engine, beside bf16, one process, the same weights (tools/bench/NOTES.md).
 
-`python3 -m tools.bench.quant_pdl OUT_DIR [--models=1b,3b] [--specs=int8,int4:64] [--warm]`: for each model the
-bf16 engine's greedy decode tok/s (tools.bench.gpu.decode_rate: 32-token prompt, 256 tokens, median of 3), then
-for each format every VARIANTS row twice (forward, then reversed order: drift shows as a gap between the two),
-with the greedy tokens checked equal to the plain launch's. --warm: only build each variant and decode a few
-tokens (fills Triton's cache; several such processes may compile in parallel before the timed one).
+`python3 -m tools.bench.quant_pdl OUT_DIR [--models=1b,3b] [--specs=int8,int4:64] [--roles] [--warm]`: for each
+model the bf16 engine's greedy decode tok/s (tools.bench.gpu.decode_rate: 32-token prompt, 256 tokens, median of
+3), then for each format every VARIANTS row twice (forward, then reversed order: drift shows as a gap between the
+two), with the greedy tokens checked equal to the plain launch's. --roles: ROLE_VARIANTS instead, PDL for one
+kernel of the step at a time. --warm: only build each variant and decode a few tokens (fills Triton's cache;
+several such processes may compile in parallel before the timed one).
 Writes OUT_DIR/quant_pdl.json.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
@@ -19,6 +21,7 @@ import torch
 
 from accel.engine import AccelEngine
 from accel.kernels.qgemv import PdlMode
+from accel import quant_ops
 from accel.kernels.tuning import Tuning
 from accel.quant_ops import decode_pdl, quantize_weights
 from accel.weights import random_weights
@@ -27,16 +30,45 @@ from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
 from tools.bench.gpu import decode_rate
 
-# (name, the quantized kernels' mode, the decode attention's launch options)
-VARIANTS = [("plain", None, {}), ("pdl, no prefetch", PdlMode("wait", 0), {}),
-            ("pdl, prefetch 1 tile", PdlMode("wait", 1), {}),
-            ("pdl, prefetch all", PdlMode("wait", 64), {}),
-            ("pdl late trigger, prefetch 1 tile", PdlMode("late", 1), {}),
-            ("pdl + attention pdl", PdlMode("wait", 1), {"config": {"PDL": True}})]
+# (name, the quantized kernels' mode, the decode attention's launch options, the one kernel it applies to or None)
+VARIANTS = [("plain", None, {}, None), ("pdl, no prefetch", PdlMode("wait", 0), {}, None),
+            ("pdl, prefetch 1 tile", PdlMode("wait", 1), {}, None),
+            ("pdl, prefetch all", PdlMode("wait", 64), {}, None),
+            ("pdl late trigger, prefetch 1 tile", PdlMode("late", 1), {}, None),
+            ("pdl + attention pdl", PdlMode("wait", 1), {"config": {"PDL": True}}, None)]
+# the accel.quant_ops op each kernel of the step goes through (gate_up and the lm_head share one: told by N)
+ROLES = {"qkv": "quant_qkv_rope", "o": "quant_linear_add", "gate_up": "quant_norm_linear",
+         "down": "quant_swiglu_linear_add", "lm_head": "quant_norm_linear"}
+ROLE_VARIANTS = [("plain", None, {}, None), ("pdl, no prefetch", PdlMode("wait", 0), {}, None)] + [
+    (f"pdl {role} only, no prefetch", PdlMode("wait", 0), {}, role) for role in ROLES]
 
 
-def _rate(cfg, weights, mode, attention: dict, warm: bool) -> tuple[float, list[int]]:
-    with decode_pdl(mode):
+@contextlib.contextmanager
+def pdl_only(role: str | None, mode, vocab: int):
+    """`mode` for the step's `role` kernel and plain launches for the rest (role None: `mode` for all), by
+    wrapping the accel.quant_ops op that accel.ops.fused calls for it."""
+    if role is None:
+        with decode_pdl(mode):
+            yield
+        return
+    name = ROLES[role]
+    orig = getattr(quant_ops, name)
+
+    def op(*args):
+        w = args[2] if name in ("quant_norm_linear", "quant_qkv_rope") else args[1]
+        hit = role not in ("gate_up", "lm_head") or (w.shape[0] == vocab) == (role == "lm_head")
+        with decode_pdl(mode if hit else None):
+            return orig(*args)
+    setattr(quant_ops, name, op)
+    try:
+        with decode_pdl(None):
+            yield
+    finally:
+        setattr(quant_ops, name, orig)
+
+
+def _rate(cfg, weights, mode, attention: dict, warm: bool, role: str | None = None) -> tuple[float, list[int]]:
+    with pdl_only(role, mode, cfg.vocab_size):
         eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16", tuning=Tuning(decode_attention=attention))
         rate, _, tokens = decode_rate(eng, 32, 4 if warm else 256, reps=1 if warm else 3)
     del eng
@@ -45,7 +77,7 @@ def _rate(cfg, weights, mode, attention: dict, warm: bool) -> tuple[float, list[
     return rate, tokens
 
 
-def compare(model: str, specs: list[str], warm: bool = False) -> list[dict]:
+def compare(model: str, specs: list[str], warm: bool = False, variants=VARIANTS) -> list[dict]:
     cfg = PRESETS[NAMES[model]]
     bf16, _ = _rate(cfg, random_weights(cfg, "cuda", torch.bfloat16, seed=0), None, {}, warm)
     rows = [{"model": model, "quant": "bf16", "variant": "plain", "decode_tok_s": bf16}]
@@ -53,9 +85,9 @@ def compare(model: str, specs: list[str], warm: bool = False) -> list[dict]:
     for spec in specs:
         weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
         plain_tokens = None
-        for order in (VARIANTS, VARIANTS[::-1])[:1 if warm else 2]:
-            for name, mode, attention in order:
-                rate, tokens = _rate(cfg, weights, mode, attention, warm)
+        for order in (variants, variants[::-1])[:1 if warm else 2]:
+            for name, mode, attention, role in order:
+                rate, tokens = _rate(cfg, weights, mode, attention, warm, role)
                 plain_tokens = tokens if mode is None else plain_tokens
                 row = {"model": model, "quant": spec, "variant": name, "mode": mode and mode._asdict(),
                        "attention": attention, "decode_tok_s": rate, "x_bf16": rate / bf16, "tokens": tokens[:16]}
@@ -79,9 +111,9 @@ def main(argv):
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "torch": torch.__version__, "rows": []}
     for m in models:
-        res["rows"] += compare(m, specs, warm)
+        res["rows"] += compare(m, specs, warm, ROLE_VARIANTS if "--roles" in argv else VARIANTS)
         if not warm:  # after each model: a run cut short keeps what it measured
-            with open(f"{out_dir}/quant_pdl.json", "w") as f:
+            with open(f"{out_dir}/quant_pdl{'_roles' if '--roles' in argv else ''}.json", "w") as f:
                 json.dump(res, f, indent=1)
     print(f"total {time.time() - t0:.0f} s", flush=True)
 
