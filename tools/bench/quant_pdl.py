@@ -1,13 +1,13 @@
 """The quantized decode step's launch modes (accel.kernels.qgemv.PdlMode: programmatic dependent launch with an L2
 prefetch of each program's weights) in the engine, beside bf16, one process, the same weights (tools/bench/NOTES.md).
 
-`python3 -m tools.bench.quant_pdl OUT_DIR [--models=1b,3b] [--specs=int8,int4:64] [--roles] [--warm]`: for each
-model the bf16 engine's greedy decode tok/s (tools.bench.gpu.decode_rate: 32-token prompt, 256 tokens, median of
-3), then for each format every VARIANTS row twice (forward, then reversed order: drift shows as a gap between the
-two), with the greedy tokens checked equal to the plain launch's. --roles: ROLE_VARIANTS instead, PDL for one
-kernel of the step at a time. --warm: only build each variant and decode a few tokens (fills Triton's cache;
-several such processes may compile in parallel before the timed one).
-Writes OUT_DIR/quant_pdl.json.
+`python3 -m tools.bench.quant_pdl OUT_DIR [--models=1b,3b] [--specs=int8,int4:64] [--roles] [--once] [--warm]`:
+for each model the bf16 engine's greedy decode tok/s (tools.bench.gpu.decode_rate: 32-token prompt, 256 tokens,
+median of 3), then for each format every VARIANTS row twice (forward, then reversed order: drift shows as a gap
+between the two; --once: forward only), with the greedy tokens checked equal to the plain launch's. --roles:
+ROLE_VARIANTS instead, PDL for one kernel of the step at a time. --warm: only build each variant and decode a few
+tokens (fills Triton's cache; several such processes may compile in parallel before the timed one).
+Writes OUT_DIR/quant_pdl.json (quant_pdl_roles.json with --roles).
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ VARIANTS = [("plain", None, {}, None), ("pdl, no prefetch", PdlMode("wait", 0), 
 # the accel.quant_ops op each kernel of the step goes through (gate_up and the lm_head share one: told by N)
 ROLES = {"qkv": "quant_qkv_rope", "o": "quant_linear_add", "gate_up": "quant_norm_linear",
          "down": "quant_swiglu_linear_add", "lm_head": "quant_norm_linear"}
-ROLE_VARIANTS = [("plain", None, {}, None), ("pdl, no prefetch", PdlMode("wait", 0), {}, None)] + [
-    (f"pdl {role} only, no prefetch", PdlMode("wait", 0), {}, role) for role in ROLES]
+ROLE_VARIANTS = [("plain", None, {}, None), ("pdl, prefetch 1 tile", PdlMode("wait", 1), {}, None)] + [
+    (f"pdl {role} only, prefetch 1 tile", PdlMode("wait", 1), {}, role) for role in ROLES]
 
 
 @contextlib.contextmanager
@@ -77,7 +77,7 @@ def _rate(cfg, weights, mode, attention: dict, warm: bool, role: str | None = No
     return rate, tokens
 
 
-def compare(model: str, specs: list[str], warm: bool = False, variants=VARIANTS) -> list[dict]:
+def compare(model: str, specs: list[str], warm: bool = False, variants=VARIANTS, once: bool = False) -> list[dict]:
     cfg = PRESETS[NAMES[model]]
     bf16, _ = _rate(cfg, random_weights(cfg, "cuda", torch.bfloat16, seed=0), None, {}, warm)
     rows = [{"model": model, "quant": "bf16", "variant": "plain", "decode_tok_s": bf16}]
@@ -85,7 +85,7 @@ def compare(model: str, specs: list[str], warm: bool = False, variants=VARIANTS)
     for spec in specs:
         weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
         plain_tokens = None
-        for order in (variants, variants[::-1])[:1 if warm else 2]:
+        for order in (variants, variants[::-1])[:1 if warm or once else 2]:
             for name, mode, attention, role in order:
                 rate, tokens = _rate(cfg, weights, mode, attention, warm, role)
                 plain_tokens = tokens if mode is None else plain_tokens
@@ -111,7 +111,7 @@ def main(argv):
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "torch": torch.__version__, "rows": []}
     for m in models:
-        res["rows"] += compare(m, specs, warm, ROLE_VARIANTS if "--roles" in argv else VARIANTS)
+        res["rows"] += compare(m, specs, warm, ROLE_VARIANTS if "--roles" in argv else VARIANTS, "--once" in argv)
         if not warm:  # after each model: a run cut short keeps what it measured
             with open(f"{out_dir}/quant_pdl{'_roles' if '--roles' in argv else ''}.json", "w") as f:
                 json.dump(res, f, indent=1)
