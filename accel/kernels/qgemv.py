@@ -13,15 +13,16 @@ a row block over one K slice and, with SPLIT_K > 1, the row block's last program
 (gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue
 (`qkv_rope_qfwd`). Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
 
-PDL (programmatic dependent launch, sm_90+; `PdlMode`): in the decode step each of these kernels may be launched
-while the kernel before it is still running. Before `gdc_wait` a program only prefetches its own weight tiles and
-scales into L2 (weights are never written by a kernel; a prefetch is a hint, and L2 is where writes land, so a
-line fetched early is still current); x, the norm weight, the residual, `out`, the cache and the split-K scratch
-are touched only after the wait, which returns once the previous kernel has finished and its writes are visible.
-Every write comes after the wait, so a kernel never overwrites what an earlier one still reads (the split-K
-partials and counters, which consecutive GEMVs share, included). The trigger that lets the NEXT kernel launch
-comes after our own wait (or after the main loop), never before it: so at most two kernels overlap, the running
-one and the next one's prologue.
+PDL (programmatic dependent launch, sm_90+; `PdlMode`, by default for 4-bit codes only: `PDL_DEFAULT`): each of
+these kernels may then be launched while the kernel before it is still running. Before `gdc_wait` a program only
+prefetches its own weight tiles and scales into L2 (weights are never written by a kernel; a prefetch is a hint,
+and L2 is where writes land, so a line fetched early is still current); x, the norm weight, the residual, `out`,
+the cache and the split-K scratch are touched only after the wait, which returns once the previous kernel has
+finished and its writes are visible. Every write comes after the wait, so a kernel never overwrites what an
+earlier one still reads (the split-K partials and counters, which consecutive GEMVs share, included). The trigger
+that lets the NEXT kernel launch comes after our own wait (or after the main loop), never before it: so at most two
+kernels overlap, the running one and the next one's prologue. Launched plainly, the qkv + RoPE kernel still
+triggers, at its start (it has no wait): the decode attention after it is PDL-launched over long caches.
 """
 from __future__ import annotations
 
