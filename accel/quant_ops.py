@@ -151,6 +151,7 @@ def from_quantized_linear(w: QuantizedLinear, device) -> QuantTensor:
 
 _DEQUANT_SCRATCH: dict[tuple, torch.Tensor] = {}
 _PREFILL_PATH = contextvars.ContextVar("accel_quant_prefill_path", default=None)
+_DECODE_PDL = contextvars.ContextVar("accel_quant_decode_pdl", default=())  # (): the kernels' default
 
 
 @contextlib.contextmanager
@@ -163,6 +164,21 @@ def prefill_path(path: str | None):
         yield
     finally:
         _PREFILL_PATH.reset(token)
+
+
+@contextlib.contextmanager
+def decode_pdl(mode):
+    """Within this block (a CUDA graph's capture included), the quantized GEMVs and qkv + RoPE launch with
+    `mode`, an accel.kernels.qgemv.PdlMode, or None for plain launches. For benchmarks and tests comparing them."""
+    token = _DECODE_PDL.set((mode,))
+    try:
+        yield
+    finally:
+        _DECODE_PDL.reset(token)
+
+
+def _pdl_kw() -> dict:
+    return dict(pdl=_DECODE_PDL.get()[0]) if _DECODE_PDL.get() else {}
 
 
 def quant_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -184,7 +200,7 @@ def quant_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 def qgemv(w: QuantTensor, x, **kw) -> torch.Tensor:
     from .kernels.qgemv import qgemv_fwd
-    return qgemv_fwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, **kw)
+    return qgemv_fwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, **{**_pdl_kw(), **kw})
 
 
 def quant_norm_linear(x, norm_weight, w: QuantTensor, eps):
@@ -212,7 +228,7 @@ def quant_qkv_rope(x, norm_weight, w: QuantTensor, eps, cos, sin, position, cach
     if x.numel() == w.K and ops.uses_triton(x):
         from .kernels.qgemv import qkv_rope_qfwd
         return qkv_rope_qfwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, norm_weight, eps, cos, sin,
-                             position, cache_k, cache_v)
+                             position, cache_k, cache_v, **_pdl_kw())
     return unfused_qkv_rope(quant_norm_linear, ops.rope_kv_write, x, norm_weight, w, eps, cos, sin, position,
                             cache_k, cache_v)
 

@@ -73,3 +73,30 @@ def test_qgemv_table_source_is_the_table_with_winners_past_the_margin():
     assert table(row) == dict(tuning.QGEMV)  # 1% faster: kept
     row["configs"][1]["us"] = row["best"]["us"] = 9.7
     assert table(row) == {**tuning.QGEMV, (N, K, bits, group): QGemvConfig(*other)}
+
+
+def test_quant_pdl_roles_give_the_mode_to_one_kernel_only(monkeypatch):
+    """tools.bench.quant_pdl.pdl_only: inside it, the op of the named kernel sees the mode, every other sees None
+    (plain launches); gate_up and the lm_head share an op and are told apart by their rows."""
+    from types import SimpleNamespace
+
+    from accel import quant_ops
+    from accel.kernels.qgemv import PdlMode
+    from tools.bench import quant_pdl
+    for name in set(quant_pdl.ROLES.values()):  # each op reports the mode it would launch with
+        monkeypatch.setattr(quant_ops, name, lambda *a: quant_ops._DECODE_PDL.get())
+    mode, vocab = PdlMode("wait", 1), 100
+    w = {"qkv": 48, "o": 16, "gate_up": 64, "down": 16, "lm_head": vocab}  # rows of each weight
+
+    def seen(role):
+        name = quant_pdl.ROLES[role]
+        wt = SimpleNamespace(shape=(w[role], 16))
+        args = ("x", "nw", wt, 1e-5) if name in ("quant_norm_linear", "quant_qkv_rope") else ("a", wt, "r")
+        return getattr(quant_ops, name)(*args)
+    for only in quant_pdl.ROLES:
+        with quant_pdl.pdl_only(only, mode, vocab):
+            assert {r: seen(r) for r in quant_pdl.ROLES} == {r: ((mode,) if r == only else (None,))
+                                                             for r in quant_pdl.ROLES}
+    with quant_pdl.pdl_only(None, mode, vocab):
+        assert all(seen(r) == (mode,) for r in quant_pdl.ROLES)
+    assert all(seen(r) == () for r in quant_pdl.ROLES)  # outside: the kernels' defaults

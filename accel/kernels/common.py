@@ -46,6 +46,15 @@ def prefetch_l2(ptrs):
 
 
 @triton.jit
+def prefetch_rows_l2(W, rows_c, stride, lo, hi, LINE: tl.constexpr, LINES: tl.constexpr):
+    """An L2 prefetch of W[rows_c, lo : min(hi, lo + LINES·LINE)], one LINE-element (128-byte) line a prefetch:
+    a PDL-launched GEMV's weights, fetched while the kernel before it drains (addresses clamped, not masked: the
+    asm takes no mask; a repeated line costs one more hint)."""
+    cols = tl.minimum(lo + tl.arange(0, LINES) * LINE, hi - 1)  # [LINES]
+    prefetch_l2(W + rows_c[:, None] * stride + cols[None, :])
+
+
+@triton.jit
 def prologue_fx(X, NW, k0, cols, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
     """f(x)[k0 : k0 + BLOCK_K] in fp32 (zeros past K)."""
     offs = k0 + cols

@@ -14,18 +14,31 @@ accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry ove
 a row block over one K slice and, with SPLIT_K > 1, the row block's last program to arrive sums the slices in order
 (gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue
 (`qkv_rope_qfwd`). Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
+
+PDL (programmatic dependent launch, sm_90+; `PdlMode`, by default for 4-bit codes only: `PDL_DEFAULT`): each of
+these kernels may then be launched while the kernel before it is still running. Before `gdc_wait` a program only
+prefetches its own weight tiles and scales into L2 (weights are never written by a kernel; a prefetch is a hint,
+and L2 is where writes land, so a line fetched early is still current); x, the norm weight, the residual, `out`,
+the cache and the split-K scratch are touched only after the wait, which returns once the previous kernel has
+finished and its writes are visible. Every write comes after the wait, so a kernel never overwrites what an
+earlier one still reads (the split-K partials and counters, which consecutive GEMVs share, included). The trigger
+that lets the NEXT kernel launch comes after our own wait (or after the main loop), never before it: so at most two
+kernels overlap, the running one and the next one's prologue. Launched plainly, the qkv + RoPE kernel still
+triggers, at its start (it has no wait): the decode attention after it is PDL-launched over long caches.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from . import tuning
-from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, prologue_fx, rms_rstd, sm_count,
-                     split_k_epilogue, split_scratch)
+from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, gdc_launch_dependents, gdc_wait,
+                     pdl_available, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd, sm_count, split_k_epilogue,
+                     split_scratch)
 from .qkv_rope import rope_store
 from .tuning import QGemvConfig
 
@@ -233,19 +246,43 @@ def _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, 
 
 
 @triton.jit
+def _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr,
+               HAS_MIN: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr):
+    """A program's start (module doc, PDL): PDL: the first PF_LINES 128-byte lines of each of its rows' bytes
+    kb_lo..kb_hi and the rows' first scale (and minimum) line into L2, then the wait for the previous kernel.
+    TRIGGER 1: then let the next kernel launch (2: the caller does, after its main loop)."""
+    if PDL:
+        if PF_LINES > 0:
+            prefetch_rows_l2(Q, rows_c, stride_q, kb_lo, kb_hi, 128, PF_LINES)
+            g0 = kb_lo * (8 // BITS) // GROUP
+            prefetch_l2(S + rows_c * stride_s + g0)
+            if HAS_MIN:
+                prefetch_l2(M + rows_c * stride_s + g0)
+        gdc_wait()
+    if TRIGGER == 1:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, eps, n_groups, kb_split,
                   BITS: tl.constexpr, OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
                   PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
-                  FAST: tl.constexpr):
-    """Program (row block b, K slice s): rows b·BN .. (b+1)·BN over bytes s·kb_split .. (s+1)·kb_split of Q."""
+                  FAST: tl.constexpr,
+                  PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PF_LINES: tl.constexpr = 0):
+    """Program (row block b, K slice s): rows b·BN .. (b+1)·BN over bytes s·kb_split .. (s+1)·kb_split of Q.
+    PDL, TRIGGER, PF_LINES: `_pdl_start`."""
     b = tl.program_id(0)
     sp = tl.program_id(1)
     rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
     kb_lo = sp * kb_split
+    _pdl_start(Q, S, M, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), stride_q, stride_s, BITS, GROUP, HAS_MIN,
+               PDL, TRIGGER, PF_LINES)
     acc = _qdot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
                 n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
+    if TRIGGER == 2:
+        gdc_launch_dependents()
     split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
 
 
@@ -254,9 +291,11 @@ def _qkv_rope_kernel(Q, S, M, X, NW, COS, SIN, POS, QO, CK, CV, K, KB, stride_q,
                      s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV, E: tl.constexpr, BITS: tl.constexpr,
                      OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, STAGES: tl.constexpr,
-                     FAST: tl.constexpr):
+                     FAST: tl.constexpr,
+                     PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PF_LINES: tl.constexpr = 0):
     """accel/kernels/qkv_rope.py's norm + qkv + RoPE + cache write for a quantized weight: a program's BLOCK_N
-    rows are BLOCK_N/2 columns of the first half of one head and the matching BLOCK_N/2 of its second half."""
+    rows are BLOCK_N/2 columns of the first half of one head and the matching BLOCK_N/2 of its second half.
+    PDL, TRIGGER, PF_LINES: `_pdl_start` (TRIGGER 1 without PDL: at once, for the decode attention after us)."""
     half: tl.constexpr = E // 2
     HN: tl.constexpr = BLOCK_N // 2
     per_head: tl.constexpr = (half + HN - 1) // HN
@@ -265,8 +304,11 @@ def _qkv_rope_kernel(Q, S, M, X, NW, COS, SIN, POS, QO, CK, CV, K, KB, stride_q,
     i = tl.arange(0, BLOCK_N)
     c = (b % per_head) * HN + i % HN  # [BN] the column in the head's first half
     rows_c = (head * E + tl.minimum(c, half - 1) + (i // HN) * half).to(tl.int64)  # tail columns re-read a row
+    _pdl_start(Q, S, M, rows_c, 0, KB, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
     acc = _qdot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
                 HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
+    if TRIGGER == 2:
+        gdc_launch_dependents()
     a1, a2 = tl.split(tl.permute(tl.reshape(acc, [2, HN]), [1, 0]))  # [HN] each: first-half and second-half rows
     cols = (b % per_head) * HN + tl.arange(0, HN)
     pos = tl.load(POS).to(tl.int64)
@@ -303,6 +345,35 @@ def _fast(q: torch.Tensor, bits: int, K: int) -> bool:
     return q.is_cuda and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and triton.cdiv(K * bits, 8) % 4 == 0
 
 
+class PdlMode(NamedTuple):
+    """How the kernels launch on sm_90+ (module doc, PDL). trigger: "wait" (the next kernel may launch once our
+    wait has returned) or "late" (once our main loop is done); prefetch: tiles of a program's weights prefetched
+    into L2 before the wait (0: none; more than a program has: all of them)."""
+    trigger: str = "wait"
+    prefetch: int = 1
+
+
+# The mode by code width, as measured in the engine (tools.bench.quant_pdl): the int4 step gained from it, the int8
+# step (its GEMVs closer to the bandwidth) lost, with or without the prefetch. None: plain launches.
+PDL_DEFAULT: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: None})
+
+
+def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
+                rope: bool) -> dict:
+    """The PDL constexprs and launch option for `mode` ("default": PDL_DEFAULT's; none off sm_90 or under the
+    interpreter). Without PDL the qkv + RoPE kernel still lets its dependents launch at its start: the decode
+    attention, PDL-launched over long caches."""
+    if not pdl_available(q):
+        return {}
+    mode = PDL_DEFAULT.get(bits) if mode == "default" else mode
+    if mode is None:
+        return dict(TRIGGER=1) if rope else {}
+    assert mode.trigger in ("wait", "late") and mode.prefetch >= 0, mode
+    nbytes = min(mode.prefetch * cfg.block_k * bits // 8, program_bytes)
+    return dict(PDL=True, TRIGGER=1 if mode.trigger == "wait" else 2,
+                PF_LINES=triton.next_power_of_2(triton.cdiv(nbytes, 128)) if nbytes else 0, launch_pdl=True)
+
+
 def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool) -> None:
     chunk = 128 // bits
     assert cfg.block_k % chunk == 0, f"block_k {cfg.block_k}: whole {chunk}-column chunks (16 bytes)"
@@ -312,9 +383,10 @@ def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool) -> No
 def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int, group: int,
               K: int, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
               swiglu: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              config: QGemvConfig | tuple | None = None) -> torch.Tensor:
+              config: QGemvConfig | tuple | None = None, pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """y = [residual +] W @ f(x) for the quantized W [N, K] (module doc), x [K] or [1, K] ([2K] with swiglu)
-    -> [1, N] in x's dtype (or `out`); f and the epilogue as accel.kernels.gemv.gemv_fwd."""
+    -> [1, N] in x's dtype (or `out`); f and the epilogue as accel.kernels.gemv.gemv_fwd. pdl: a PdlMode, None
+    (plain launches) or "default" (PDL_DEFAULT's for the code width)."""
     N = q.shape[0]
     assert q.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
     xv = x.reshape(-1)
@@ -337,16 +409,18 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         HAS_MIN=low is not None, PER_ROW=per_row, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
-        FAST=_fast(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages)
+        FAST=_fast(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages,
+        **_pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False))
     return out
 
 
 def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
                   group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor, position: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                  q_out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None) -> torch.Tensor:
+                  q_out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None,
+                  pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """accel.kernels.qkv_rope.qkv_rope_fwd for the quantized W [(H+2K)·E, D] (module doc): one launch, the same
-    roundings -> q_rot [1, H, E]; rope(k) and v written to slot `position` of the caches."""
+    roundings -> q_rot [1, H, E]; rope(k) and v written to slot `position` of the caches. pdl: as qgemv_fwd."""
     NKV, S, E = cache_k.shape
     N = q.shape[0]
     H = N // E - 2 * NKV
@@ -368,8 +442,7 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
         triton.cdiv(K, 8 // bits), q.stride(0), scale.stride(0), float(eps), scale.shape[1], cos.stride(0),
         sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), H, NKV, E=E,
         BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages,
-        FAST=_fast(q, bits, K),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=_fast(q, bits, K),
+        num_warps=cfg.warps, num_stages=cfg.stages, **_pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=True))
     return q_out
 
