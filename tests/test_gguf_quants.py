@@ -1,6 +1,6 @@
-"""refimpl.quant.gguf_blocks.dequantize_ggml (the GGUF loader's path) against the gguf library's dequantize (the oracle), bit for bit, on random blocks of
-every type it speeds up, with odd block counts that straddle a chunk boundary; and the header walk against
-GGUFReader on a real file when one is cached."""
+"""refimpl.quant.gguf_blocks.dequantize_ggml (the GGUF loader's path) against the gguf library's dequantize (the
+oracle), bit for bit, on random blocks of every type it speeds up, with odd block counts that straddle a chunk boundary;
+and the header walk against GGUFReader on a real file when one is cached."""
 from pathlib import Path
 
 import numpy as np
