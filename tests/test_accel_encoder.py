@@ -1,10 +1,11 @@
 """The fast encoder's LayerNorm kernels (accel.kernels.layer_norm: plain, and fused with the scaled residual add)
-against the NumPy oracle's layer_norm op (CPU: Triton's interpreter, fp32, odd widths) and torch's unfused ops on
-the GPU at the encoder's shape ([4·1608, 1280], bf16 and fp32). The fast encoder's self-attention (accel.vision.encoder.self_attention: unmasked SDPA for every row, then the
-padding rows again under HF's pad×pad mask) against the NumPy oracle's encoder_attention op: CPU fp32 on odd
-shapes and padding patterns (padding tokens, padding tiles, images padded differently), and on the GPU at the real
-11B encoder shape (4 tiles of 1601 tokens padded to 1608, 16 heads of 80), bf16 and fp32, against fp64 torch.
-q/k/v are one fused [I·L, 3·H·E] tensor, as the encoder's fused QKV GEMM produces it."""
+against the NumPy oracle's layer_norm op (CPU: Triton's interpreter, fp32, odd widths) and torch's unfused ops on the
+GPU at the encoder's shape ([4·1608, 1280], bf16 and fp32). The fast encoder's self-attention
+(accel.vision.encoder.self_attention: unmasked SDPA for every row, then the padding rows again under HF's pad×pad mask)
+against the NumPy oracle's encoder_attention op: CPU fp32 on odd shapes and padding patterns (padding tokens, padding
+tiles, images padded differently), and on the GPU at the real 11B encoder shape (4 tiles of 1601 tokens padded to 1608,
+16 heads of 80), bf16 and fp32, against fp64 torch. q/k/v are one fused [I·L, 3·H·E] tensor, as the encoder's fused QKV
+GEMM produces it."""
 import numpy as np
 import pytest
 

@@ -19,6 +19,15 @@ def _first_two(header):
     return spans[0][1], spans[1][1]
 
 
+def edits_header(change):
+    """A corruption made by `change(header)` alone: the file rewritten with the edited header, the same data."""
+    def corrupt(path):
+        header, data = read_safetensors(path)
+        change(header)
+        write_raw_safetensors(path, header, data)
+    return corrupt
+
+
 def short_file(path):
     path.write_bytes(b"\x01\x02\x03")
 
@@ -69,19 +78,17 @@ def offsets_out_of_range(path):
     write_raw_safetensors(path, header, data)
 
 
-def offsets_negative(path):
-    header, data = read_safetensors(path)
+@edits_header
+def offsets_negative(header):
     header[EMBED]["data_offsets"] = [-4, header[EMBED]["data_offsets"][1] - 4]
-    write_raw_safetensors(path, header, data)
 
 
-def offsets_overlap(path):
-    header, data = read_safetensors(path)
+@edits_header
+def offsets_overlap(header):
     a, b = _first_two(header)
     width = header[b]["data_offsets"][1] - header[b]["data_offsets"][0]
     start = header[a]["data_offsets"][1] - 4  # start b inside a, same length: sizes still agree with shapes
     header[b]["data_offsets"] = [start, start + width]
-    write_raw_safetensors(path, header, data)
 
 
 def offsets_gap(path):
@@ -92,34 +99,29 @@ def offsets_gap(path):
     write_raw_safetensors(path, header, b"\0" * 8 + data)
 
 
-def size_mismatch(path):
-    header, data = read_safetensors(path)
+@edits_header
+def size_mismatch(header):
     header[EMBED]["shape"] = [header[EMBED]["shape"][0] + 1, header[EMBED]["shape"][1]]
-    write_raw_safetensors(path, header, data)
 
 
-def unknown_dtype(path):
-    header, data = read_safetensors(path)
+@edits_header
+def unknown_dtype(header):
     header[EMBED]["dtype"] = "Q4"
-    write_raw_safetensors(path, header, data)
 
 
-def dtype_not_string(path):
-    header, data = read_safetensors(path)
+@edits_header
+def dtype_not_string(header):
     header[EMBED]["dtype"] = ["F32"]
-    write_raw_safetensors(path, header, data)
 
 
-def shape_not_ints(path):
-    header, data = read_safetensors(path)
+@edits_header
+def shape_not_ints(header):
     header[EMBED]["shape"] = [64.0, "16"]
-    write_raw_safetensors(path, header, data)
 
 
-def extra_field(path):
-    header, data = read_safetensors(path)
+@edits_header
+def extra_field(header):
     header[EMBED]["quant"] = "nf4"
-    write_raw_safetensors(path, header, data)
 
 
 def trailing_bytes(path):
@@ -127,10 +129,9 @@ def trailing_bytes(path):
     write_raw_safetensors(path, header, data + b"\0" * 12)
 
 
-def metadata_not_strings(path):
-    header, data = read_safetensors(path)
+@edits_header
+def metadata_not_strings(header):
     header["__metadata__"] = {"format": 1}
-    write_raw_safetensors(path, header, data)
 
 
 def truncated_download(path):

@@ -41,10 +41,10 @@ def hf_chat_model(path, seed=0, kv_heads=2, layers=2, hidden=32):
     torch.manual_seed(seed)
     eos = [special_id(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")]
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=hidden * 3 // 2, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=kv_heads, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, initializer_range=0.1, bos_token_id=special_id("<|begin_of_text|>"),
-        eos_token_id=eos, attn_implementation="eager",
+        vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=hidden * 3 // 2, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256, rope_theta=10000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.1,
+        bos_token_id=special_id("<|begin_of_text|>"), eos_token_id=eos, attn_implementation="eager",
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 16})
     model = transformers.LlamaForCausalLM(cfg)

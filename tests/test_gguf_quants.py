@@ -1,6 +1,6 @@
-"""refimpl.formats.gguf_quants against the gguf library's dequantize (the oracle), bit for bit, on random blocks of
-every type it speeds up, with odd block counts that straddle a chunk boundary; and the header walk against
-GGUFReader on a real file when one is cached."""
+"""refimpl.quant.gguf_blocks.dequantize_ggml (the GGUF loader's path) against the gguf library's dequantize (the
+oracle), bit for bit, on random blocks of every type it speeds up, with odd block counts that straddle a chunk boundary;
+and the header walk against GGUFReader on a real file when one is cached."""
 from pathlib import Path
 
 import numpy as np
@@ -8,9 +8,9 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from refimpl.formats import gguf_quants  # noqa: E402
 from refimpl.formats.gguf_check import validate_gguf  # noqa: E402
-from refimpl.formats.gguf_quants import fast_dequantize  # noqa: E402
+from refimpl.quant import gguf_blocks  # noqa: E402
+from refimpl.quant.gguf_blocks import dequantize_ggml  # noqa: E402
 
 
 def random_blocks(rng, qtype, n_blocks: int) -> np.ndarray:
@@ -24,17 +24,17 @@ def random_blocks(rng, qtype, n_blocks: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_fast_dequantize_equals_gguf(qtype, monkeypatch):
-    monkeypatch.setattr(gguf_quants, "CHUNK_BLOCKS", 7)  # many chunks and a ragged last one
+def test_dequantize_ggml_equals_gguf(qtype, monkeypatch):
+    monkeypatch.setattr(gguf_blocks, "CHUNK_BLOCKS", 7)  # many chunks and a ragged last one
     qtype = gguf.GGMLQuantizationType[qtype]
     data = random_blocks(np.random.default_rng(int(qtype)), qtype, 7 * 5 + 3)
-    ours = fast_dequantize(data, qtype)
+    ours = dequantize_ggml(data, qtype)
     np.testing.assert_array_equal(ours, gguf.quants.dequantize(data, qtype).reshape(-1))
     assert ours.dtype == np.float32
 
 
 def test_other_types_are_left_to_gguf():
-    assert fast_dequantize(np.zeros(210, np.uint8), gguf.GGMLQuantizationType.Q6_K) is None
+    assert dequantize_ggml(np.zeros(210, np.uint8), gguf.GGMLQuantizationType.Q6_K) is None
 
 
 def test_header_walk_matches_gguf_reader_on_the_default_model():
@@ -55,7 +55,7 @@ def test_header_walk_matches_gguf_reader_on_the_default_model():
         (t.name, int(t.tensor_type), t.shape.tolist(), int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
     raw = np.memmap(Path(path), np.uint8, mode="r")
     t, info = reader.tensors[1], header.tensors[1]
-    np.testing.assert_array_equal(fast_dequantize(raw[info.start:info.start + info.n_bytes], info.type_code)
-                                  if fast_dequantize(raw[:0], info.type_code) is not None else
+    np.testing.assert_array_equal(dequantize_ggml(raw[info.start:info.start + info.n_bytes], info.type_code)
+                                  if dequantize_ggml(raw[:0], info.type_code) is not None else
                                   gguf.quants.dequantize(raw[info.start:info.start + info.n_bytes], t.tensor_type),
                                   gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1))

@@ -228,3 +228,13 @@ def test_quantize_cli_errors(tmp_path, quantized_dir):
     r = run_cli(["quantize", "--model", TOY, "--quant", "int8", "--method", "gptq", "--calib",
                  tmp_path / "none.txt", "--out", tmp_path / "y"])
     assert r.exit_code == 2 and "none.txt" in r.output
+
+
+def test_quantize_refuses_a_vision_model_from_its_config(tmp_path):
+    """Refused from config.json alone: the directory holds no weights, so reading them first would fail otherwise."""
+    model = tmp_path / "vision"
+    model.mkdir()
+    shutil.copy(TOY.parent / "toy-vision" / "config.json", model)
+    r = run_cli(["quantize", "--model", model, "--quant", "int8", "--method", "rtn", "--out", tmp_path / "out"])
+    assert_clean_error(r, str(model / "config.json"), "mllama", "text Llama")
+    assert not (tmp_path / "out").exists()

@@ -116,7 +116,8 @@ def toy_image():
     h, w = TOY_IMAGE_SIZE
     y, x = np.mgrid[0:h, 0:w]
     rng = np.random.default_rng(7)
-    rgb = np.stack([255 * x / w, 255 * y / h, 128 + 60 * np.sin(x / 5.0)], axis=-1) + 20 * rng.standard_normal((h, w, 3))
+    rgb = np.stack([255 * x / w, 255 * y / h, 128 + 60 * np.sin(x / 5.0)], axis=-1)  # [h, w, 3]
+    rgb = rgb + 20 * rng.standard_normal((h, w, 3))
     return Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
 
 

@@ -112,8 +112,8 @@ def _gemv_kernel(W, X, NW, R, G, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.
 
 @triton.jit
 def _gemv_stream_kernel(W, X, NW, R, G, Y, N, K, stride_w, eps, n_blocks, PROLOGUE: tl.constexpr,
-                        HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        K_POW2: tl.constexpr, STAGES: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, STAGES: tl.constexpr):
     """Persistent like _gemv_kernel (row blocks p, p + P, ...; tiles as one flat sequence), but the weight tiles
     go through shared memory by Triton's software pipeline (cp.async), STAGES tiles in flight a program, instead
     of through registers: bytes in flight are bounded by shared memory, not by the register file. K % BLOCK_K == 0."""

@@ -16,5 +16,5 @@ from .interface import (attention, cross_attention, embedding, encoder_attention
 __all__ = ["INTERPRET", "torch_only", "triton_available", "uses_triton", "FUSED_OP_NAMES", "FusedOps",
            "add_rms_norm", "argmax_row", "causal_attention", "decode_attention", "greedy_next", "linear_add",
            "norm_cross_attention", "norm_linear", "qkv_rope", "rope_kv_write", "swiglu_gate_up", "swiglu_linear_add",
-           "attention", "cross_attention", "embedding", "encoder_attention", "gelu", "layer_norm", "linear", "lora_linear",
-           "lora_merge", "rms_norm", "rope", "rope_tables", "swiglu"]
+           "attention", "cross_attention", "embedding", "encoder_attention", "gelu", "layer_norm", "linear",
+           "lora_linear", "lora_merge", "rms_norm", "rope", "rope_tables", "swiglu"]

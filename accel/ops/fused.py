@@ -1,4 +1,5 @@
-"""The fused ops (contract: accel.ops.fused_interface), each a Triton kernel or its torch version (accel.ops.dispatch)."""
+"""The fused ops (contract: accel.ops.fused_interface), each a Triton kernel or its torch version
+(accel.ops.dispatch)."""
 from __future__ import annotations
 
 import torch

@@ -25,8 +25,8 @@ from ..kernels.rope import rope_fwd
 from ..kernels.swiglu import swiglu_fwd
 from .dispatch import rows, uses_triton
 from .fused import causal_attention, decode_attention
-from .torch_ops import (add_lora, kv_write, torch_encoder_attention, torch_gelu, torch_grouped_attention, torch_layer_norm,
-                        torch_rms_norm, torch_rotate, torch_swiglu)
+from .torch_ops import (add_lora, kv_write, torch_encoder_attention, torch_gelu, torch_grouped_attention,
+                        torch_layer_norm, torch_rms_norm, torch_rotate, torch_swiglu)
 
 
 def embedding(ids, table):

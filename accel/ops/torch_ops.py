@@ -96,8 +96,8 @@ def torch_causal_attention(q, cache_k, cache_v, positions):
 
 
 def torch_decode_attention(q, cache_k, cache_v, position):
-    """q [1, H, E] over slots 0..position of the cache [K, S, E]. Masks the whole capacity S rather than slicing to the length: a slice needs the length on the host (a sync)
-    and a new shape each step (no CUDA graph)."""
+    """q [1, H, E] over slots 0..position of the cache [K, S, E]. Masks the whole capacity S rather than slicing to the
+    length: a slice needs the length on the host (a sync) and a new shape each step (no CUDA graph)."""
     visible = torch.arange(cache_k.shape[1], device=q.device)[None, :] <= position.reshape(-1)[:, None]  # [1, S]
     v = cache_v.masked_fill(~visible[0][None, :, None], 0.0)  # slots past the position may hold anything (NaN)
     return torch_grouped_attention(q, cache_k, v, visible).to(q.dtype)

@@ -86,7 +86,8 @@ class MllamaAccelEngine(AccelEngine):
     def _device_images(self, images: ImageInputs) -> ImageInputs:
         """The pixels and aspect-ratio ids as device tensors (kept if they are already); the masks stay host
         arrays (they build masks)."""
-        return dataclasses.replace(images, pixel_values=torch.as_tensor(images.pixel_values).to(self.device, self.dtype),
+        pixels = torch.as_tensor(images.pixel_values).to(self.device, self.dtype)
+        return dataclasses.replace(images, pixel_values=pixels,
                                    aspect_ratio_ids=torch.as_tensor(images.aspect_ratio_ids).to(self.device))
 
     def steps(self, ids, positions, cache: MllamaStaticCache, last_logits_only: bool = False,

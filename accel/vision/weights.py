@@ -21,6 +21,15 @@ from refimpl.model.mllama_config import MllamaConfig
 from ..weights import Weights, _to_device, load_weights, params_view, random_weights
 
 
+def fuse_rows(params: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    """The named matrices stacked along their rows into one tensor (one GEMM for all of them); `params` then holds
+    views of it under the checkpoint names (no second copy)."""
+    fused = torch.cat([params[n] for n in names])  # n × [R_i, D] -> [ΣR_i, D]
+    for n, view in zip(names, fused.split([params[n].shape[0] for n in names])):
+        params[n] = view
+    return fused
+
+
 @dataclass
 class CrossLayer:
     """A cross-attention layer's tensors the fast path reads (views of `params`)."""
@@ -57,14 +66,10 @@ class CrossImageKV:
         layers = cfg.text.cross_attention_layers
         if not layers:
             return None
-        fused = {}
-        for m in ("k", "v"):
-            names = [f"{TEXT}layers.{i}.cross_attn.{m}_proj.weight" for i in layers]
-            fused[m] = torch.cat([params[n] for n in names])  # C × [K·E, D] -> [C·K·E, D]
-            for n, view in zip(names, fused[m].chunk(len(layers))):
-                params[n] = view
+        k, v = (fuse_rows(params, [f"{TEXT}layers.{i}.cross_attn.{m}_proj.weight" for i in layers])
+                for m in ("k", "v"))  # C × [K·E, D] -> [C·K·E, D] each
         k_norm = torch.stack([params[f"{TEXT}layers.{i}.cross_attn.k_norm.weight"] for i in layers])  # [C, E]
-        return cls(fused["k"], fused["v"], k_norm, torch.ones_like(k_norm[0]))
+        return cls(k, v, k_norm, torch.ones_like(k_norm[0]))
 
 
 @dataclass
@@ -127,11 +132,7 @@ def fuse_vision_qkv(params: dict[str, torch.Tensor], cfg: MllamaConfig) -> dict[
     for stack, n in (("transformer", v.num_hidden_layers), ("global_transformer", v.num_global_layers)):
         for i in range(n):
             prefix = f"vision_model.{stack}.layers.{i}."
-            names = [f"{prefix}self_attn.{x}_proj.weight" for x in "qkv"]
-            qkv = torch.cat([params[name] for name in names])  # 3 × [U, U] -> [3·U, U]
-            for name, view in zip(names, qkv.chunk(3)):
-                params[name] = view
-            fused[prefix] = qkv
+            fused[prefix] = fuse_rows(params, [f"{prefix}self_attn.{x}_proj.weight" for x in "qkv"])  # [3·U, U]
     return fused
 
 
@@ -171,11 +172,8 @@ def _with_cross_layers(w: MllamaWeights, cfg: MllamaConfig) -> MllamaWeights:
     w.image_kv = CrossImageKV.of(w.params, cfg)
     w.cross = []
     for i in cfg.text.cross_attention_layers:
-        gate, up = (f"{TEXT}layers.{i}.mlp.{m}_proj.weight" for m in ("gate", "up"))
-        fused = torch.cat([w.params[gate], w.params[up]])  # [F, D] + [F, D] -> [2F, D]
-        F_ = w.params[gate].shape[0]
-        w.params[gate], w.params[up] = fused[:F_], fused[F_:]
-        w.cross.append(CrossLayer.of(w.params, i, fused))
+        gate_up = fuse_rows(w.params, [f"{TEXT}layers.{i}.mlp.{m}_proj.weight" for m in ("gate", "up")])  # [2F, D]
+        w.cross.append(CrossLayer.of(w.params, i, gate_up))
     return w
 
 

@@ -25,14 +25,7 @@ from refimpl.formats.params import Checkpoint, check_params, expected_shapes
 from refimpl.formats.quant_checkpoint import is_quantized_config, load_quantized_params
 from refimpl.formats.safe_open import check_path, open_regular, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
-from refimpl.formats.shards import open_shards, weight_files
-
-
-def read_headers(model_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str, tuple[int, ...]]]:
-    """({tensor name: the opened file holding it}, {tensor name: shape}) from the headers alone."""
-    where, files = open_shards(model_dir)
-    holder = {name: files[path] for name, path in where.items()}
-    return holder, {name: st.tensors[name].shape for name, st in holder.items()}
+from refimpl.formats.shards import read_headers, weight_files
 
 
 def iter_safetensors(model_dir: Path, cfg: LlamaConfig) -> Iterator[tuple[str, np.ndarray]]:

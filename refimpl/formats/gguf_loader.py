@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.formats.gguf_quants import fast_dequantize
 from refimpl.formats.params import Checkpoint, check_params
 from refimpl.model.config import LlamaConfig, RopeScaling
 from refimpl.errors import CheckpointError, ConfigError
 from refimpl.progress import Progress
+from refimpl.quant.gguf_blocks import dequantize_ggml
 
 _REQUIRED = object()
 
@@ -220,7 +220,7 @@ def dequantize(tensor, source: str) -> np.ndarray:
         if tensor.byte_order == ">" and qtype in _FLOAT_TYPES:  # a big-endian writer's floats (as GGUFReader)
             values = tensor.data.view(np.dtype(_FLOAT_TYPES[qtype]).newbyteorder(">")).astype(np.float32)
         else:
-            values = fast_dequantize(tensor.data, qtype)
+            values = dequantize_ggml(tensor.data, qtype)
             if values is None:
                 values = gguf.quants.dequantize(tensor.data, qtype)
     except NotImplementedError:

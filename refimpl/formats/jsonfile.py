@@ -29,7 +29,8 @@ def read_json_object(path: Path, what: str, error: type[Exception] = CheckpointE
     try:
         d = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
     except UnicodeDecodeError as e:
-        raise error(f"{path}: not valid JSON (not UTF-8: {e.reason} at byte {e.start}); expected {what}{tail}") from None
+        raise error(f"{path}: not valid JSON (not UTF-8: {e.reason} at byte {e.start}); "
+                    f"expected {what}{tail}") from None
     except ValueError as e:  # JSONDecodeError, and a duplicate key
         raise error(f"{path}: not valid JSON ({e}); expected {what}{tail}") from None
     except RecursionError:

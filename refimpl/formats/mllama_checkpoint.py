@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.errors import CheckpointError
-from refimpl.formats.checkpoint import read_headers, save_checkpoint, stop_ids
+from refimpl.formats.checkpoint import save_checkpoint, stop_ids
+from refimpl.formats.shards import read_headers
 from refimpl.formats.params import Checkpoint, check_shapes, decoder_layer_shapes
 from refimpl.model.mllama_config import MllamaConfig
 from refimpl.progress import Progress

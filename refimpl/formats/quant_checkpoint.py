@@ -27,7 +27,7 @@ from pathlib import Path
 from refimpl.errors import CheckpointError, ConfigError, quote
 from refimpl.formats.params import check_params, expected_shapes
 from refimpl.formats.safetensors_io import save_safetensors
-from refimpl.formats.shards import open_shards
+from refimpl.formats.shards import read_headers
 from refimpl.model.config import LlamaConfig
 from refimpl.progress import Progress
 from refimpl.quant.apply import LM_HEAD, quantized_names
@@ -110,8 +110,7 @@ def load_quantized_params(model_dir: Path, d: dict, source: str) -> tuple[LlamaC
     Every tensor's presence, dtype and shape is checked from the headers before any data is read."""
     spec, plain = parse_quantization_config(d, source)
     cfg = LlamaConfig.from_hf(plain, source=source)
-    where, files = open_shards(model_dir)
-    infos = {name: files[path].tensors[name] for name, path in where.items()}
+    holder, shapes = read_headers(model_dir)
     stored = expected_shapes(cfg)
     quantized = quantized_names(cfg, spec.lm_head)
     want = stored | {LM_HEAD: stored["model.embed_tokens.weight"]} if spec.lm_head else stored  # tied: its own
@@ -120,15 +119,15 @@ def load_quantized_params(model_dir: Path, d: dict, source: str) -> tuple[LlamaC
         parts[name] = _expected_parts(spec.for_matrix(name), want[name])
         if spec.for_matrix(name).format == "int4" and want[name][1] % 2:
             raise CheckpointError(f"{model_dir}: {name} has an odd input dimension {want[name][1]}; int4 packs two")
-    plain_shapes = {n: infos[n].shape for n in infos if not n.endswith(tuple("." + p for p in _PARTS))}
+    plain_shapes = {n: shape for n, shape in shapes.items() if not n.endswith(tuple("." + p for p in _PARTS))}
     extra = check_params(plain_shapes | {n: stored[n] for n in quantized if n in stored}, cfg, str(model_dir))
     for name, expected in parts.items():
         for part, (dtype, shape) in expected.items():
             key = f"{_base(name)}.{part}"
-            info = infos.get(key)
-            if info is None:
+            if key not in holder:
                 raise CheckpointError(f"{model_dir}: missing tensor {quote(key)} (a {spec} checkpoint stores "
                                       f"{', '.join(_base(name) + '.' + p for p in expected)})")
+            info = holder[key].tensors[key]
             if info.dtype != dtype or tuple(info.shape) != shape:
                 raise CheckpointError(f"{model_dir}: tensor {quote(key)} is {info.dtype} {list(info.shape)}, "
                                       f"expected {dtype} {list(shape)} for {spec} of a {list(want[name])} matrix")
@@ -138,12 +137,12 @@ def load_quantized_params(model_dir: Path, d: dict, source: str) -> tuple[LlamaC
     with Progress(f"loading {model_dir.name}", len(want)) as bar:
         for name in want:
             if name in parts:  # each part from its own shard
-                load = lambda part: files[where[f"{_base(name)}.{part}"]].load(f"{_base(name)}.{part}")  # noqa: E731
+                load = lambda part: holder[f"{_base(name)}.{part}"].load(f"{_base(name)}.{part}")  # noqa: E731
                 one = spec.for_matrix(name)
                 params[name] = QuantizedLinear(one.format, want[name], load("qweight"), load("scales"),
                                                load("mins") if one.format == "int4" else None,
                                                one.group if one.format == "int4" else want[name][1])
             else:
-                params[name] = files[where[name]].load_weight(name)
+                params[name] = holder[name].load_weight(name)
             bar.advance()
     return cfg, params, spec

@@ -75,3 +75,10 @@ def open_shards(model_dir: Path) -> tuple[dict[str, Path], dict[Path, Safetensor
             raise CheckpointError(f"{index}: tensor {quote(twice)} is stored in more than one shard "
                                   f"({', '.join(p.name for p in holders[twice])}); each tensor must be in one")
     return where, files
+
+
+def read_headers(model_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str, tuple[int, ...]]]:
+    """({tensor name: the opened file holding it}, {tensor name: shape}) from the headers alone."""
+    where, files = open_shards(model_dir)
+    holder = {name: files[path] for name, path in where.items()}
+    return holder, {name: st.tensors[name].shape for name, st in holder.items()}

@@ -72,11 +72,12 @@ def attention_block(ops, p: dict, x, cfg: LlamaConfig, i: int, cos, sin, cache: 
     n = f"layers.{i}."
     T = x.shape[0]
     h = yield from emit(n + "attn_norm", ops.rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps))
-    q = project(ops, h, p["self_attn.q_proj.weight"]).reshape(T, cfg.num_attention_heads, cfg.head_dim)  # [T, D] -> [T, H, E]
+    H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = project(ops, h, p["self_attn.q_proj.weight"]).reshape(T, H, E)  # [T, D] -> [T, H, E]
     q = yield from emit(n + "attn.q", q)
-    k = project(ops, h, p["self_attn.k_proj.weight"]).reshape(T, cfg.num_key_value_heads, cfg.head_dim)  # [T, D] -> [T, K, E]
+    k = project(ops, h, p["self_attn.k_proj.weight"]).reshape(T, K, E)  # [T, D] -> [T, K, E]
     k = yield from emit(n + "attn.k", k)
-    v = project(ops, h, p["self_attn.v_proj.weight"]).reshape(T, cfg.num_key_value_heads, cfg.head_dim)  # [T, D] -> [T, K, E]
+    v = project(ops, h, p["self_attn.v_proj.weight"]).reshape(T, K, E)  # [T, D] -> [T, K, E]
     v = yield from emit(n + "attn.v", v)
     q_rot, k_rot = ops.rope(q, k, cos, sin)
     q_rot = yield from emit(n + "attn.q_rot", q_rot)

@@ -49,7 +49,8 @@ def attention_backward(q, k, v, d_out, causal: bool = True, mask=None):
 
 
 def rms_norm_backward(x, weight, eps: float, d_out):
-    """y = x · r · weight with r = 1/sqrt(mean(x²) + eps). x [T, D], weight [D], d_out [T, D] -> (dx [T, D], dweight [D])."""
+    """y = x · r · weight with r = 1/sqrt(mean(x²) + eps).
+    x [T, D], weight [D], d_out [T, D] -> (dx [T, D], dweight [D])."""
     r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)  # [T, D] -> [T, 1]
     dweight = (d_out * x * r).sum(axis=0)  # [T, D] -> [D]
     d_norm = d_out * weight  # gradient w.r.t. the normalized x·r, [T, D]

@@ -7,8 +7,8 @@ One image becomes a canvas of up to `max_image_tiles` square tiles of X×X pixel
        and no side is below one tile;
     3. zero-pad bottom and right to the canvas, rescale by 1/255, normalize with the file's mean/std;
     4. cut the canvas into tiles, row by row.
-A prompt's images are stacked as pixel_values [I, A, C, X, X] (C = 3) (unused tile slots zero), with aspect_ratio_ids [I]
-(1-based index of the arrangement in `supported_aspect_ratios`) and aspect_ratio_mask [I, A].
+A prompt's images are stacked as pixel_values [I, A, C, X, X] (C = 3) (unused tile slots zero), with aspect_ratio_ids
+[I] (1-based index of the arrangement in `supported_aspect_ratios`) and aspect_ratio_mask [I, A].
 """
 from __future__ import annotations
 

@@ -4,11 +4,11 @@
     python -m tools.bench.cpu --profile --json out.json
     python -m tools.bench.cpu --random              # random fp32 weights at SmolLM2-135M's shapes
 
-The engines (refimpl, HF eager fp32, and accel's torch path on CPU in fp32 when torch is installed) run greedy
-from the same chat prompt for a fixed number of tokens (no stop ids), in one process, one after the other. The
-record names the machine's state: CPUs, 1-minute load average before and after, OpenBLAS's core type and threads,
-torch's threads; JSON is written only with --json. Decode speed is (tokens - 1) / (time of the last token - time of the first): the prefill and the
-first token are left out. `--profile` also times each op of the refimpl's one-token forward (summed over the
+The engines (refimpl, HF eager fp32, and accel's torch path on CPU in fp32 when torch is installed) run greedy from the
+same chat prompt for a fixed number of tokens (no stop ids), in one process, one after the other. The record names the
+machine's state: CPUs, 1-minute load average before and after, OpenBLAS's core type and threads, torch's threads; JSON
+is written only with --json. Decode speed is (tokens - 1) / (time of the last token - time of the first): the prefill
+and the first token are left out. `--profile` also times each op of the refimpl's one-token forward (summed over the
 decode), to show where a decode step goes. A benchmark, not a test: it asserts nothing.
 """
 from __future__ import annotations

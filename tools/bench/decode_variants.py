@@ -1,10 +1,10 @@
 """Decode-step variants on a CUDA GPU, timed in one process on the same weights (tools/bench/NOTES.md).
 
 `python3 -m tools.bench.decode_variants OUT_DIR [--models=1b,3b] [--sweep] [--stream] [--attention] [--profile]`:
-  1. --sweep: the fused norm + qkv + RoPE + cache-write kernel (accel/kernels/qkv_rope.py) per config, against
-     the unfused pair (GEMV with the norm prologue + rope_kv_write, UNFUSED_QKV), and the layers' GEMVs per split config, µs a call in a CUDA
-     graph over >= 256 MB of weight copies (the layers' weights do not stay in the 50 MB L2 during decode
-     either); every config is first checked against the unfused ops;
+  1. --sweep: the fused norm + qkv + RoPE + cache-write kernel (accel/kernels/qkv_rope.py) per config, against the
+     unfused pair (GEMV with the norm prologue + rope_kv_write, UNFUSED_QKV), and the layers' GEMVs per split config, µs
+     a call in a CUDA graph over >= 256 MB of weight copies (the layers' weights do not stay in the 50 MB L2 during
+     decode either); every config is first checked against the unfused ops;
      --stream: the same for the streaming kernels (gemv kind "stream", qkv_rope with stages > 0; STREAM,
      QKV_STREAM) and the lm_heads, after a probe that the GPU's Triton pipelines the weight loads (cp.async);
   2. the engine's greedy decode (32-token prompt, 128 tokens, median of 3) with the built-in tables, then with
@@ -203,7 +203,8 @@ def stream_probe() -> dict:
     y = torch.empty(3072, device=dev, dtype=torch.bfloat16)
     from accel.kernels.gemv import _gemv_stream_kernel
     k = _gemv_stream_kernel[(132,)](w, x, x, y, y, y, 3072, 3072, 3072, 1e-5, 384, PROLOGUE=0, HAS_RESIDUAL=False,
-                                        HAS_GATE=False, BLOCK_N=8, BLOCK_K=512, K_POW2=1, STAGES=4, num_warps=4, num_stages=4)
+                                    HAS_GATE=False, BLOCK_N=8, BLOCK_K=512, K_POW2=1, STAGES=4, num_warps=4,
+                                    num_stages=4)
     out = {"cp_async": k.asm["ptx"].count("cp.async"), "n_regs": getattr(k, "n_regs", None),
            "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared}
     print(f"stream probe {out}", flush=True)

@@ -231,7 +231,8 @@ def main(argv):
             t_table = r["configs"].get(json.dumps(list(table))) if table else None
             print(f"{model + ' ' + name:<14}{r['mb']:>6.1f}{r['cublas_us']:>8.2f}{r['unfused_us']:>9.2f}"
                   f"{t_table or float('nan'):>8.2f}{r['best_us']:>8.2f}{r['best_tb_s']:>6.2f}"
-                  f"  {r['best_config']}{' (unfused faster)' if r['unfused_faster'] else ''}  failed {len(r['failed'])}",
+                  f"  {r['best_config']}{' (unfused faster)' if r['unfused_faster'] else ''}"
+                  f"  failed {len(r['failed'])}",
                   flush=True)
             for k, v in sorted(r["configs"].items(), key=lambda kv: kv[1])[:6]:
                 print(f"      {v:7.2f}  {k}")

@@ -182,7 +182,8 @@ def main():
     import triton
     if not torch.cuda.is_available():
         raise SystemExit("error: tools.bench.train_attn needs a CUDA GPU")
-    meta = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = {"device": torch.cuda.get_device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "triton": triton.__version__, "dtype": "bf16", "causal": True, "B": 1,
             "flop_count": "backward = 2.5 x causal forward (4*S*S*E*H/2)"}
     rows: list[dict] = []

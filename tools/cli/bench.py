@@ -72,7 +72,8 @@ def render(result: dict) -> str:
     for f in result.get("vision_memory", []):
         lines.append(f"{f['model']}: bf16 weights {f['weights_gb']:.1f} GB + KV for {f['context']} positions "
                      f"{f['kv_gb']:.2f} GB + image K/V {f['image_kv_gb']:.2f} GB = {f['total_gb']:.1f} GB; this GPU "
-                     f"has {f['gpu_gb']:.1f} GB: {'fits on one GPU' if f['fits_one_gpu'] else 'does NOT fit on one GPU'}")
+                     f"has {f['gpu_gb']:.1f} GB: "
+                     f"{'fits on one GPU' if f['fits_one_gpu'] else 'does NOT fit on one GPU'}")
     return "\n".join(lines)
 
 

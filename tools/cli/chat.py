@@ -14,7 +14,8 @@ from refimpl.generate import Sampling
 
 from tools.chat_session import ChatSession, stop_notice
 from tools.cli.generate import TextStream
-from tools.engines import BACKENDS, load_engine, resolve_backend, resolve_model
+from tools.cli.params import ENGINE_OPTIONS, MODEL_OPTION, sampling_options
+from tools.engines import load_engine, resolve_backend, resolve_model
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (new system message, new conversation), /exit"
 
@@ -59,22 +60,13 @@ def answer(session: ChatSession, text: str) -> None:
 
 
 @click.command()
-@click.option("--model", "model", default=None,
-              help="Model directory, .gguf file, or Hub id in the local HF cache (default: SmolLM2-135M-Instruct).")
+@MODEL_OPTION
 @click.option("--system", default=None, help="System message.")
 @click.option("--max-new-tokens", default=512, show_default=True, type=int, help="Per answer.")
 @click.option("--context", default=4096, show_default=True, type=int,
               help="Positions the conversation may fill (at most the model's).")
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 means greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
-@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
-              help="HF's, over the tokens of the current turn; 1 disables it.")
-@click.option("--seed", default=None, type=int, help="Same seed, same tokens.")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
-              help="auto: accel when CUDA is present, else refimpl.")
-@click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="accel weight dtype (default bf16).")
+@sampling_options("HF's, over the tokens of the current turn; 1 disables it.")
+@ENGINE_OPTIONS
 def chat(model, system, max_new_tokens, context, temperature, top_p, top_k, repetition_penalty, seed, backend,
          device, dtype):
     """Chat with a model, turn after turn."""

@@ -13,9 +13,9 @@ from refimpl.errors import GenerationError
 from refimpl.generate import Sampling
 
 from tools.chat_session import stop_notice, wants_chat
-from tools.engines import BACKENDS, load_engine, resolve_backend, resolve_model
+from tools.engines import load_engine, resolve_backend, resolve_model
 from tools.vision_inputs import prompt_inputs
-from tools.cli.params import QUANT_HELP, UserPath
+from tools.cli.params import ENGINE_OPTIONS, MODEL_OPTION, QUANT_HELP, UserPath, sampling_options
 
 
 class TextStream:
@@ -55,22 +55,13 @@ def fit_to_context(n_prompt: int, max_new_tokens: int, context: int) -> tuple[in
 
 @click.command()
 @click.argument("prompt")
-@click.option("--model", "model", default=None,
-              help="Model directory, .gguf file, or Hub id in the local HF cache (default: SmolLM2-135M-Instruct).")
+@MODEL_OPTION
 @click.option("--chat/--no-chat", default=None,
               help="Wrap the prompt in the model's chat template (default: on for instruct models with a template).")
 @click.option("--system", default=None, help="System message for --chat.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 means greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
-@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
-              help="HF's: seen tokens' logits divided by it (multiplied if negative); 1 disables it.")
-@click.option("--seed", default=None, type=int, help="Same seed, same tokens.")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
-              help="auto: accel when CUDA is present, else refimpl.")
-@click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="accel weight dtype (default bf16).")
+@sampling_options("HF's: seen tokens' logits divided by it (multiplied if negative); 1 disables it.")
+@ENGINE_OPTIONS
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
 @click.option("--lora", "lora", default=None, type=UserPath(),
               help="PEFT LoRA adapter directory, merged (fp32) into the weights after loading.")

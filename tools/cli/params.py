@@ -1,5 +1,6 @@
 """Click parameter types for the llama32 CLI: what a malformed value is (click's usage error, its convention) is
-kept apart from a value out of range (the project's one `error:` line, exit 2).
+kept apart from a value out of range (the project's one `error:` line, exit 2). Also the options several commands
+share, declared once.
 
 `--max-new-tokens ten` is a usage error: click prints its usage block. `--steps -1` is a well-formed number the
 command cannot use: it raises GenerationError like every other bad input, so it reads the same as the rest.
@@ -14,6 +15,7 @@ import click
 from refimpl.errors import GenerationError
 from refimpl.formats.safe_open import check_path, stat_path
 from refimpl.quant.formats import MIXED_INT8
+from tools.engines import BACKENDS
 
 _MIXED = [k.split(".")[-1] for k in MIXED_INT8]
 # --quant's help, once for generate, diff, step and quantize; :mixed's list is read from MIXED_INT8 itself.
@@ -60,3 +62,35 @@ class UserPath(click.ParamType):
             if st is None or not stat.S_ISDIR(st.st_mode):
                 raise GenerationError(f"{_option_name(param)} {path}: directory {parent} does not exist")
         return Path(path)
+
+
+def options(*decorators):
+    """Several click options as one decorator, shown in --help in the order given."""
+    def apply(f):
+        for option in reversed(decorators):
+            f = option(f)
+        return f
+    return apply
+
+
+MODEL_OPTION = click.option(
+    "--model", "model", default=None,
+    help="Model directory, .gguf file, or Hub id in the local HF cache (default: SmolLM2-135M-Instruct).")
+
+
+def sampling_options(repetition_help: str):
+    """generate's and chat's sampling settings (refimpl.generate.Sampling)."""
+    return options(
+        click.option("--temperature", default=0.0, show_default=True, type=float, help="0 means greedy."),
+        click.option("--top-p", default=1.0, show_default=True, type=float),
+        click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k."),
+        click.option("--repetition-penalty", default=1.0, show_default=True, type=float, help=repetition_help),
+        click.option("--seed", default=None, type=int, help="Same seed, same tokens."))
+
+
+ENGINE_OPTIONS = options(
+    click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+                 help="auto: accel when CUDA is present, else refimpl."),
+    click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu."),
+    click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
+                 help="accel weight dtype (default bf16)."))

@@ -24,7 +24,8 @@ from refimpl.formats.safetensors_io import save_safetensors
 
 from tools.debug.lockstep import lockstep as drive, reference_stream
 from tools.vision_inputs import forward_names, token_rows
-from tools.debug.step_values import INT, CommandError, Diff, difference, g, injected, parse_index, softmax64, stats_lines
+from tools.debug.step_values import (INT, CommandError, Diff, difference, g, injected, parse_index, softmax64,
+                                     stats_lines)
 
 HELP = """commands (separate several with ';'):
   n, next [COUNT]     run one op (or COUNT ops) and show what it produced
