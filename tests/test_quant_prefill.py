@@ -14,7 +14,7 @@ pytest.importorskip("gguf")
 from accel.kernels.qdequant import QGemmConfig, dequantize_fwd, qgemm_fwd  # noqa: E402
 from accel import quant_ops  # noqa: E402
 from accel.quant_ops import (MATRICES, from_quantized_linear, pack_layer, prefill_path, prefill_weights,  # noqa: E402
-                             quant_linear, quantize, torch_dequantize)
+                             qgemv, quant_linear, quantize, torch_dequantize)
 from accel.weights import LayerWeights  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
 from test_quant_accel import RECORDS, bits, gguf_record, weights  # noqa: E402
@@ -141,6 +141,33 @@ def test_quantized_gemm_gpu_bf16(spec, M, N, K):
     with prefill_path("dequant"):
         via_scratch = quant_linear(x, t).double()
     assert (via_scratch - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+
+
+@gpu
+@pytest.mark.parametrize("spec", ["int8", "int4:64", "int4:128", "int4:64:mixed"])
+@pytest.mark.parametrize("D, F, NQKV", [(2048, 8192, 3072), (3072, 8192, 5120)], ids=["1b", "3b"])
+def test_packed_layer_at_llama_shapes_gpu(spec, D, F, NQKV):
+    """At the real shapes (the aligned launch: 16-byte vectors): each matrix of the one-launch-a-format scratch
+    equals the per-matrix dequantize (checked against the oracle above), and the decode GEMV reads the packed views
+    as it read the separate matrices."""
+    spec = QuantSpec.parse(spec)
+    keys = {"qkv": "self_attn.q_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_proj", "down": "mlp.down_proj"}
+    shapes = {"qkv": (NQKV, D), "o": (D, D), "gate_up": (2 * F, D), "down": (D, F)}
+    g = torch.Generator(device="cuda").manual_seed(D)
+    ts = {n: quantize(torch.randn(*shapes[n], device="cuda", generator=g) * 0.02,
+                      spec.for_matrix(f"model.layers.0.{keys[n]}.weight")) for n in MATRICES}
+    want = {n: dequantize(t, torch.bfloat16) for n, t in ts.items()}
+    x = torch.randn(1, D, device="cuda", generator=g).to(torch.bfloat16)
+    gemv = {n: qgemv(t, x) for n, t in ts.items() if n != "down"}
+    norm = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    lw = pack_layer(LayerWeights(norm, ts["qkv"], ts["o"], norm, ts["gate_up"], ts["down"]))
+    assert len(lw.plan.launches) == (2 if spec.int8_keys else 1)
+    assert all(launch.meta["ALIGNED"] for launch in lw.plan.launches)
+    dense = prefill_weights(lw, torch.zeros(5, D, device="cuda", dtype=torch.bfloat16))
+    for n in MATRICES:
+        assert torch.equal(getattr(dense, n), want[n]), n
+    for n, y in gemv.items():
+        assert torch.equal(qgemv(getattr(lw, n), x), y), n
 
 
 @gpu
