@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import signal
-import statistics
 import sys
 import time
 
@@ -35,7 +34,7 @@ from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.gpu import prompt_ids
-from tools.bench.timing import device_ms
+from tools.bench.timing import device_ms, round_robin_ms
 
 NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
 DEQUANT_BLOCKS = [(16, 512, 4), (32, 512, 8), (16, 1024, 8), (64, 256, 8)]
@@ -103,10 +102,8 @@ PATHS = {"layer": None, "dequant": "dequant", "gemm": "gemm"}  # label -> accel.
 
 def engine_rows(model: str, specs: list[str], rows: list[dict], tokens: int = 2048, paths=("layer", "dequant"),
                 rounds: int = 9) -> None:
-    """bf16 and every (format, path) engine held at once and called in turn, `rounds` times round-robin, so that
-    a drift of the host's speed (NOTES.md: as-called times of one build differ by 30% between processes) falls
-    on every row alike: per call the host's time to queue it (no sync inside) and the time as called (CUDA
-    events around it, synced); medians. GPU time alone (behind a spin) once per row. Appends to `rows`."""
+    """bf16 and every (format, path) engine held at once and called in turn (timing.round_robin_ms): as called
+    and the host's time to queue a call, medians; GPU time alone (behind a spin) once per row. Appends to `rows`."""
     cfg = PRESETS[NAMES[model]]
     prompt = torch.tensor(prompt_ids(cfg, tokens, seed=1), device="cuda")
     variants = []
@@ -118,29 +115,16 @@ def engine_rows(model: str, specs: list[str], rows: list[dict], tokens: int = 20
         sess = engine.session(tokens)
         for path in paths if spec != "bf16" else ["cublas"]:
             variants.append((spec, path, lambda e=engine, s=sess: e.prefill(prompt, s)))
-    times = {(spec, path): ([], []) for spec, path, _ in variants}
-    for r in range(rounds + 1):  # round 0: warm-up (compilation, cuBLAS handles)
-        for spec, path, fn in variants:
-            with prefill_path(PATHS.get(path)):
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                t = time.perf_counter()
-                fn()
-                host = (time.perf_counter() - t) * 1e3
-                end.record()
-                end.synchronize()
-            if r:
-                times[spec, path][0].append(host)
-                times[spec, path][1].append(start.elapsed_time(end))
+    fns = {(spec, path): fn for spec, path, fn in variants}
+    timed = round_robin_ms(fns, rounds, around=lambda label: prefill_path(PATHS.get(label[1])))
     for spec, path, fn in variants:
         with prefill_path(PATHS.get(path)):
             gpu_ms = device_ms(fn, reps=3, sleep_cycles=100_000_000)
-        host, called = times[spec, path]
-        rows.append({"model": model, "quant": spec, "path": path, "prefill_ms": statistics.median(called),
-                     "host_ms": statistics.median(host), "prefill_gpu_ms": gpu_ms, "rounds": rounds})
+        called, host = timed[spec, path]
+        rows.append({"model": model, "quant": spec, "path": path, "prefill_ms": called, "host_ms": host,
+                     "prefill_gpu_ms": gpu_ms, "rounds": rounds})
         print(rows[-1], flush=True)
-    del variants
+    del variants, fns
     torch.cuda.empty_cache()
 
 
