@@ -49,23 +49,6 @@ def test_decode_combine_paths_repeated(fused):
         torch.testing.assert_close(got, torch.from_numpy(want), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_decode_past_slots_first_then_the_newest(fused):
-    """EARLY (the long-cache PDL launch's order, here without PDL): the slots before the newest stream through
-    their own loops and the newest is added last, as one row. Positions: alone in its split (0, 32), a split's
-    last slot (31), mid-block (40), at a block's end (47), the cache's last slot (95)."""
-    rng = np.random.default_rng(2)
-    H, K, E, S = 8, 2, 16, 96
-    cache_k, cache_v = filled_caches(rng, K, S, E, S)
-    for p in (95, 0, 31, 32, 40, 47):
-        q = rng.standard_normal((1, H, E)).astype(np.float32)
-        want = reference(q, cache_k, cache_v, [p])
-        got = decode_attn.decode_attention_fwd(torch.from_numpy(q), torch.from_numpy(cache_k),
-                                               torch.from_numpy(cache_v), torch.tensor([p]), split_len=32,
-                                               config=dict(FUSED=fused, EARLY=True))
-        torch.testing.assert_close(got, torch.from_numpy(want), atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
 def test_flash_other_tiles(block_m, block_n):
     rng = np.random.default_rng(1)

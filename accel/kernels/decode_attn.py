@@ -87,13 +87,6 @@ def _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, 
     CROSS: key n is seen only where VIS[n] != 0."""
     k, v = load_kv(CK, CV, DK, DV, kh, n0, offs_n, offs_e, e_ok, end, sk_s, sv_s, MASKED, EVEN_E, USE_DESC,
                    BLOCK_N, BLOCK_E)  # [N, E] each
-    return _attend_kv(acc, m_i, l_i, q, k, v, VIS, n0, end, offs_n, qk_scale, MASKED, DOT_PRECISION, CROSS)
-
-
-@triton.jit
-def _attend_kv(acc, m_i, l_i, q, k, v, VIS, n0, end, offs_n, qk_scale, MASKED: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, CROSS: tl.constexpr):
-    """_attend for K and V tiles already loaded."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N], raw scores
     if CROSS:
         if MASKED:
@@ -113,34 +106,16 @@ def _attend_kv(acc, m_i, l_i, q, k, v, VIS, n0, end, offs_n, qk_scale, MASKED: t
 
 
 @triton.jit
-def _attend_row(acc, m_i, l_i, q, KR, VR, offs_e, e_ok, qk_scale):
-    """One more key, the K and V rows at KR and VR, into the running (acc, m, l), rounded as _attend_kv rounds
-    (fp32 scores of the bf16 products; the probability rounded to V's dtype before it weighs V)."""
-    k = tl.load(KR + offs_e, mask=e_ok, other=0.0)
-    v = tl.load(VR + offs_e, mask=e_ok, other=0.0)
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * qk_scale  # [G], log2 domain
-    m_new = tl.maximum(m_i, s)
-    alpha = tl.exp2(m_i - m_new)  # m_i = -inf (no key yet): 0
-    p = tl.exp2(s - m_new)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
                          E: tl.constexpr, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
                          BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          CROSS: tl.constexpr, QNORM: tl.constexpr, PDL: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = 0, EARLY: tl.constexpr = False):
+                         PREFETCH: tl.constexpr = 0):
     """CROSS: the query over all n_keys keys (no position), key n seen where VIS[n] != 0, and with QNORM the
     query RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS.
     PDL: launched as a programmatic dependent; only the position read and the L2 prefetch of the split's first
-    PREFETCH slots come before the wait for the previous kernel (module docstring).
-    EARLY (not CROSS): the slots before the newest one, which earlier steps wrote, are streamed by a loop that
-    waits (PDL) and loads q in its first iteration, so that the loads of its pipeline prologue are issued before
-    the wait; the newest slot (the previous kernel writes it) is added last, one row, after the wait."""
+    PREFETCH slots come before the wait for the previous kernel (module docstring)."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:
@@ -155,62 +130,32 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
         slots = tl.minimum(start + tl.arange(0, PREFETCH), tl.maximum(end - 1, start))  # clamped: no mask in asm
         prefetch_l2(CK + kh * sk_k + slots * sk_s)
         prefetch_l2(CV + kh * sv_k + slots * sv_s)
-    if PDL and not EARLY:
+    if PDL:
         gdc_wait()  # q, the cache slot of this token, the partial buffers and the counters: after this
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # blocks [start, full_end) need no mask
     offs_g = tl.arange(0, BLOCK_G)
     g_ok = offs_g < G
     heads = kh * G + offs_g  # the query heads that read kv head kh
     offs_n = tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
-    q_ptrs = Q + heads[:, None] * sq_h + offs_e[None, :]
-    q_ok = g_ok[:, None] & e_ok[None, :]
+    # [G, E], padded to 16 rows for tl.dot; padding rows are zeros and never stored
+    q = tl.load(Q + heads[:, None] * sq_h + offs_e[None, :], mask=g_ok[:, None] & e_ok[None, :], other=0.0)
+    if QNORM:
+        q = rms_norm_rows(q, QNW, offs_e, e_ok, E, eps)
     CK = CK + kh * sk_k
     CV = CV + kh * sv_k
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_E], tl.float32)
-    if EARLY:
-        newest = ctx - 1
-        past = tl.minimum(start + split_len, newest)  # this split's slots before the newest: [start, past)
-        full_end = start + tl.maximum(past - start, 0) // BLOCK_N * BLOCK_N
-        q = tl.zeros([BLOCK_G, BLOCK_E], Q.dtype.element_ty)
-        for n0 in range(start, full_end, BLOCK_N):
-            k, v = load_kv(CK, CV, DK, DV, kh, n0, offs_n, offs_e, e_ok, past, sk_s, sv_s, False, BLOCK_E == E,
-                           USE_DESC, BLOCK_N, BLOCK_E)
-            if n0 == start:
-                if PDL:
-                    gdc_wait()
-                q = tl.load(q_ptrs, mask=q_ok, other=0.0)
-            acc, m_i, l_i = _attend_kv(acc, m_i, l_i, q, k, v, VIS, n0, past, offs_n, qk_scale, False,
-                                       DOT_PRECISION, CROSS)
-        if full_end == start:
-            if PDL:
-                gdc_wait()
-            q = tl.load(q_ptrs, mask=q_ok, other=0.0)
-        for n0 in range(full_end, past, BLOCK_N):
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, past, offs_n, offs_e, e_ok, sk_s,
-                                    sv_s, qk_scale, True, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION,
-                                    CROSS)
-        if (newest >= start) & (newest < start + split_len):
-            acc, m_i, l_i = _attend_row(acc, m_i, l_i, q, CK + newest * sk_s, CV + newest * sv_s, offs_e, e_ok,
-                                        qk_scale)
-    else:
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # blocks [start, full_end): no mask
-        # [G, E], padded to 16 rows for tl.dot; padding rows are zeros and never stored
-        q = tl.load(q_ptrs, mask=q_ok, other=0.0)
-        if QNORM:
-            q = rms_norm_rows(q, QNW, offs_e, e_ok, E, eps)
-        # whole blocks inside the context, then at most one partial block; both loops are empty past the context
-        for n0 in range(start, full_end, BLOCK_N):
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s,
-                                    sv_s, qk_scale, False, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION,
-                                    CROSS)
-        for n0 in range(full_end, end, BLOCK_N):
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s,
-                                    sv_s, qk_scale, True, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION,
-                                    CROSS)
+    # whole blocks inside the context, then at most one partial block; both loops are empty past the context
+    for n0 in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s,
+                                sv_s, qk_scale, False, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION, CROSS)
+    for n0 in range(full_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s,
+                                sv_s, qk_scale, True, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION, CROSS)
     row = heads * n_splits + split  # partials laid out [H, splits, (E)]
     tl.store(M + row, m_i, mask=g_ok)
     tl.store(L + row, l_i, mask=g_ok)
@@ -286,8 +231,7 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
     BLOCK_N, num_warps, num_stages, FUSED (combine in the split kernel), USE_DESC (K/V through TMA
     descriptors where the cache allows them), PREFETCH (slots a split prefetches into L2 before the PDL wait, a
-    power of 2), EARLY (the past slots' loads begin before the PDL wait, the newest slot added last; default: with
-    PDL): for tuning sweeps. `pdl`: launch as a programmatic dependent of the previous kernel on sm_90+,
+    power of 2): for tuning sweeps. `pdl`: launch as a programmatic dependent of the previous kernel on sm_90+,
     for caches of LONG_CONTEXT slots or more (config PDL=True forces it); the caller promises that kernel does
     not write `position` (module docstring).
     """
@@ -353,7 +297,6 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     pdl = bool(cfg.pop("PDL", False)) and pdl_available(q)
     prefetch = cfg.pop("PREFETCH", PREFETCH_SLOTS if pdl else 0)
     prefetch = prefetch if pdl_available(q) else 0  # inline asm: GPU only
-    early = bool(cfg.pop("EARLY", pdl)) and visible is None  # with PDL by default; a config may ask without
     descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
     cross = visible is not None
@@ -364,7 +307,7 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
         n_splits,
         LOG2E / math.sqrt(E), max_len, float(eps), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e,
         BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None,
-        DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, QNORM=norm_weight is not None, PDL=pdl, EARLY=early,
+        DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, QNORM=norm_weight is not None, PDL=pdl,
         PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
         **{**cfg, "FUSED": cnt is not None}, **({"launch_pdl": True} if pdl else {}))
     if cnt is None:

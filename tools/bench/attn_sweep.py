@@ -132,14 +132,11 @@ FLASH_SHORT = [(128, 128, 8, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 3, T
 
 
 def _decode_grid_pdl(S):
-    """The third sweep: PDL launches and L2 prefetch sizes around the long-cache defaults (TMA, 4 warps, fused),
-    with and without EARLY (decode_attn: the past slots' pipeline prologue issued before the PDL wait)."""
+    """The third sweep: PDL launches and L2 prefetch sizes around the long-cache defaults (TMA, 4 warps, fused)."""
     wide = dict(BLOCK_N=256, num_warps=4, num_stages=2, FUSED=True, USE_DESC=True)
     narrow = dict(BLOCK_N=128, num_warps=4, num_stages=3, FUSED=True, USE_DESC=True)
-    # first EARLY (the default with PDL) against the launch before it, and more of a split in the pre-wait prologue
-    grid = [(None, None)] + [(dict(PDL=True, PREFETCH=p, EARLY=e), None) for p in (0, 64) for e in (True, False)]
-    grid += [(dict(PDL=True, PREFETCH=0, **c), None) for c in (dict(num_stages=3), dict(BLOCK_N=128, num_stages=4))]
-    grid += [(dict(PDL=True, PREFETCH=p), None) for p in (32, 128, 256)]
+    grid = [(None, None), (dict(PDL=True, PREFETCH=0), None)] + [(dict(PDL=True, PREFETCH=p), None)
+                                                                   for p in (32, 64, 128, 256)]
     grid += [(dict(PDL=True, PREFETCH=64, **c), None) for c in (dict(num_warps=8), dict(BLOCK_N=128, num_stages=3),
                                                                 dict(BLOCK_N=128, num_stages=4))]
     for cfg in (wide, narrow):  # 64 splits
