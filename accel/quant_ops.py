@@ -8,11 +8,13 @@ columns. int8 and int4 are refimpl.quant.formats' own layouts; GGUF blocks are r
     Q4_0  -> 4-bit codes repacked low-nibble-first, offset 8, GROUP 32, scale d: (q − 8)·d, as the file defines it
     Q4_1  -> 4-bit codes repacked, GROUP 32, scale d, minimum m (fp16)
 Every product code·scale is exact in fp32 (≤ 8 × 11 significant bits), so dequantizing here gives the oracle's
-bits. A one-row product (the prefill's lm_head, trace mode's decode) takes the GEMV; more rows (the prefill) take
-a copy dequantized by accel/kernels/qdequant.py into a scratch buffer per shape (one per matrix shape, reused layer
-after layer: stream order keeps the reuse safe) and cuBLAS. qdequant's GEMM that dequantizes in registers (reading
-only the codes) is the measured alternative, `prefill_path("gemm")`: slower at every row count of 16-2048 but one
-(tools/bench/NOTES.md, "quantized prefill").
+bits. A one-row product (the prefill's lm_head, trace mode's decode) takes the GEMV. The prefill (more rows) takes
+cuBLAS over dequantized copies: at load, pack_layer puts each layer's matrices of one format into flat buffers, so
+that prefill_weights dequantizes the whole layer (accel/kernels/qdequant.py) with one launch a format into one
+scratch, reused layer after layer (stream order keeps the reuse safe) — one launch a layer instead of four, which is
+what the host pays for (tools/bench/NOTES.md). Measured alternatives, for benchmarks: `prefill_path("dequant")`, a
+launch and a scratch per matrix (quant_linear), and `prefill_path("gemm")`, qdequant's GEMM that dequantizes in
+registers (reading only the codes): slower at every row count of 16-2048 but one (NOTES.md, "quantized prefill").
 """
 from __future__ import annotations
 
@@ -263,7 +265,7 @@ def pack_layer(lw: LayerWeights) -> LayerWeights:
     if not quantized:
         return lw
     layout, size = [], 0
-    for n, t in quantized:  # matrix starts 256-byte aligned in the scratch, as cuBLAS's fastest kernels want
+    for n, t in quantized:  # matrix starts 128 elements aligned in the scratch: aligned cuBLAS operands
         layout.append((n, size, *t.shape))
         size = _at(size + t.shape[0] * t.K, 128)
     out_at = {n: at for n, at, _, _ in layout}

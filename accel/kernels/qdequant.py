@@ -7,11 +7,13 @@ code · scale is exact in fp32, so a fused multiply-add gives the same bits as t
     dequantize   Y [N, K] = W, rounded once to Y's dtype: a program owns a [BLOCK_N, BLOCK_K] tile; 4-bit codes
                  are split into their two nibble planes and interleaved back (tl.join) so that the tile is stored
                  contiguously, and the scales (minima) are loaded once a group and broadcast over it.
+    dequantize_layer  the same for several matrices of one format in one launch (a prefill layer's, laid out at
+                 load by accel.quant_ops.pack_layer): a table on the device says where each matrix starts.
     qgemm        Y [M, N] = X [M, K] @ W^T, W dequantized tile by tile in registers, rounded to X's dtype (the
                  values the dequantized scratch would hold), then tl.dot with fp32 accumulation. The product is
                  computed transposed, W_tile @ X_tile^T, so that the in-register operand is the dot's first one
                  (Hopper's wgmma reads only its first operand from registers; the second comes from shared memory).
-The engine's prefill takes dequantize + cuBLAS (accel.quant_ops): qgemm repeats the dequantization for every block
+The engine's prefill takes dequantize_layer + cuBLAS (accel.quant_ops): qgemm repeats the dequantization for every block
 of input rows, on the MMA's critical path, and measured slower at every row count but one shape (tools/bench/NOTES.md);
 it stays as the benchmark's alternative (`accel.quant_ops.prefill_path("gemm")`).
 """
