@@ -12,9 +12,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
 from accel.kernels.qdequant import QGemmConfig, dequantize_fwd, qgemm_fwd  # noqa: E402
-from accel.quant_ops import from_quantized_linear, prefill_path, quant_linear, quantize  # noqa: E402
+from accel import quant_ops  # noqa: E402
+from accel.quant_ops import (MATRICES, from_quantized_linear, pack_layer, prefill_path, prefill_weights,  # noqa: E402
+                             qgemv, quant_linear, quantize, torch_dequantize)
+from accel.weights import LayerWeights  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
-from test_quant_accel import RECORDS, bits, gguf_record  # noqa: E402
+from test_quant_accel import RECORDS, bits, gguf_record, weights  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -71,6 +74,57 @@ def test_quant_linear_prefill_paths_agree_with_the_oracle(path):
     check_fp32(got.reshape(10, -1), x.reshape(10, -1), rec.dequantize())
 
 
+# a layer's four matrices at odd shapes ([N, K]: qkv, o, gate_up, down; K multiples of 32 for the GGUF blocks, a
+# short last int4 group at K = 96 and 224), in one format or mixed (one launch a format)
+LAYER_SHAPES = {"qkv": (52, 96), "o": (37, 160), "gate_up": (70, 96), "down": (37, 224)}
+LAYER_FORMATS = {"int8": ["int8"] * 4, "int4:64": ["int4:64"] * 4, "int4:32": ["int4:32"] * 4,
+                 "mixed": ["int8", "int4:64", "int4:64", "int8"], "q4_1": ["q4_1"] * 4,
+                 "q8_0+q4_0": ["q8_0", "q4_0", "q4_0", "q8_0"]}
+
+
+def layer_records(formats, seed):
+    recs = {}
+    for i, (name, fmt) in enumerate(zip(MATRICES, formats)):
+        N, K = LAYER_SHAPES[name]
+        recs[name] = (gguf_record(fmt, N, K, seed=seed + i) if fmt.startswith("q") else
+                      QuantSpec.parse(fmt).quantize(weights(N, K, seed=seed + i)))
+    return recs
+
+
+def quantized_layer(recs):
+    norm = torch.ones(4)
+    return LayerWeights(norm, *(from_quantized_linear(recs[n], "cpu") for n in ("qkv", "o")), norm,
+                        *(from_quantized_linear(recs[n], "cpu") for n in ("gate_up", "down")))
+
+
+@interpreter
+@pytest.mark.parametrize("formats", list(LAYER_FORMATS))
+def test_a_packed_layer_dequantizes_in_one_launch_a_format_to_the_oracle(formats):
+    """pack_layer keeps every matrix's values (the decode GEMVs read the views); prefill_weights gives the oracle's
+    dequantized matrices, bit for bit, from one launch a format, for two layers sharing one scratch in turn."""
+    fmts = LAYER_FORMATS[formats]
+    layers = [layer_records(fmts, seed) for seed in (20, 30)]
+    packed = [pack_layer(quantized_layer(recs)) for recs in layers]
+    assert len(packed[0].plan.launches) == len(set(fmts))
+    for recs, lw in zip(layers, packed):
+        for n in MATRICES:
+            np.testing.assert_array_equal(bits(torch_dequantize(getattr(lw, n)).numpy()), bits(recs[n].dequantize()))
+    x = torch.zeros(3, 4)
+    quant_ops._LAYER_SCRATCH.clear()
+    prefill_weights(packed[1], x)
+    for flat in quant_ops._LAYER_SCRATCH.values():
+        flat[0].fill_(float("nan"))  # every element of every view must be written
+    for recs, lw in zip(layers, packed):
+        dense = prefill_weights(lw, x)
+        for n in MATRICES:
+            got = getattr(dense, n)
+            assert isinstance(got, torch.Tensor) and got.shape == LAYER_SHAPES[n]
+            np.testing.assert_array_equal(bits(got.numpy()), bits(recs[n].dequantize()))
+    assert prefill_weights(packed[0], x[:1]) is packed[0]  # one row: the GEMVs
+    with prefill_path("dequant"):
+        assert prefill_weights(packed[0], x) is packed[0]  # the per-matrix path, for benchmarks
+
+
 @gpu
 @pytest.mark.parametrize("spec", ["int8", "int4:32", "int4:64", "int4:128"])
 @pytest.mark.parametrize("M, N, K", [(2048, 3072, 2048), (2048, 2048, 8192), (37, 5120, 3072), (300, 200, 200)])
@@ -87,6 +141,33 @@ def test_quantized_gemm_gpu_bf16(spec, M, N, K):
     with prefill_path("dequant"):
         via_scratch = quant_linear(x, t).double()
     assert (via_scratch - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+
+
+@gpu
+@pytest.mark.parametrize("spec", ["int8", "int4:64", "int4:128", "int4:64:mixed"])
+@pytest.mark.parametrize("D, F, NQKV", [(2048, 8192, 3072), (3072, 8192, 5120)], ids=["1b", "3b"])
+def test_packed_layer_at_llama_shapes_gpu(spec, D, F, NQKV):
+    """At the real shapes (the aligned launch: 16-byte vectors): each matrix of the one-launch-a-format scratch
+    equals the per-matrix dequantize (checked against the oracle above), and the decode GEMV reads the packed views
+    as it read the separate matrices."""
+    spec = QuantSpec.parse(spec)
+    keys = {"qkv": "self_attn.q_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_proj", "down": "mlp.down_proj"}
+    shapes = {"qkv": (NQKV, D), "o": (D, D), "gate_up": (2 * F, D), "down": (D, F)}
+    g = torch.Generator(device="cuda").manual_seed(D)
+    ts = {n: quantize(torch.randn(*shapes[n], device="cuda", generator=g) * 0.02,
+                      spec.for_matrix(f"model.layers.0.{keys[n]}.weight")) for n in MATRICES}
+    want = {n: dequantize(t, torch.bfloat16) for n, t in ts.items()}
+    x = torch.randn(1, D, device="cuda", generator=g).to(torch.bfloat16)
+    gemv = {n: qgemv(t, x) for n, t in ts.items() if n != "down"}
+    norm = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    lw = pack_layer(LayerWeights(norm, ts["qkv"], ts["o"], norm, ts["gate_up"], ts["down"]))
+    assert len(lw.plan.launches) == (2 if spec.int8_keys else 1)
+    assert all(launch.meta["ALIGNED"] for launch in lw.plan.launches)
+    dense = prefill_weights(lw, torch.zeros(5, D, device="cuda", dtype=torch.bfloat16))
+    for n in MATRICES:
+        assert torch.equal(getattr(dense, n), want[n]), n
+    for n, y in gemv.items():
+        assert torch.equal(qgemv(getattr(lw, n), x), y), n
 
 
 @gpu

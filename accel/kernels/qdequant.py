@@ -7,11 +7,13 @@ code · scale is exact in fp32, so a fused multiply-add gives the same bits as t
     dequantize   Y [N, K] = W, rounded once to Y's dtype: a program owns a [BLOCK_N, BLOCK_K] tile; 4-bit codes
                  are split into their two nibble planes and interleaved back (tl.join) so that the tile is stored
                  contiguously, and the scales (minima) are loaded once a group and broadcast over it.
+    dequantize_layer  the same for several matrices of one format in one launch (a prefill layer's, laid out at
+                 load by accel.quant_ops.pack_layer): a table on the device says where each matrix starts.
     qgemm        Y [M, N] = X [M, K] @ W^T, W dequantized tile by tile in registers, rounded to X's dtype (the
                  values the dequantized scratch would hold), then tl.dot with fp32 accumulation. The product is
                  computed transposed, W_tile @ X_tile^T, so that the in-register operand is the dot's first one
                  (Hopper's wgmma reads only its first operand from registers; the second comes from shared memory).
-The engine's prefill takes dequantize + cuBLAS (accel.quant_ops): qgemm repeats the dequantization for every block
+The engine's prefill takes dequantize_layer + cuBLAS (accel.quant_ops): qgemm repeats the dequantization for every block
 of input rows, on the MMA's critical path, and measured slower at every row count but one shape (tools/bench/NOTES.md);
 it stays as the benchmark's alternative (`accel.quant_ops.prefill_path("gemm")`).
 """
@@ -73,6 +75,43 @@ def _dequant_kernel(Q, S, MN, Y, N, K, KB, stride_q, stride_s, stride_y, n_group
     w = _dequant_tile(Q, S, MN, rows_c, k0, K, KB, stride_q, stride_s, n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW,
                       BLOCK_N, BLOCK_K)
     tl.store(Y + rows_c[:, None] * stride_y + cols[None, :], w.to(Y.dtype.element_ty),
+             mask=(rows < N)[:, None] & (cols < K)[None, :])
+
+
+# The columns of a dequantize_layer table row (int64): where a matrix's codes, scales (and minima) and output start
+# in their flat buffers (elements), its shape, the bytes of codes a row, the groups a row, its first program.
+LAYER_FIELDS = ("codes_at", "scales_at", "out_at", "rows", "columns", "row_bytes", "groups", "first_program")
+
+
+@triton.jit
+def _dequant_layer_kernel(Q, S, MN, Y, TABLE, N_MAT: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
+                          GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr, ALIGNED: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_dequant_kernel for N_MAT matrices of one format in flat buffers: program p finds its matrix in TABLE
+    ([N_MAT, 8], LAYER_FIELDS; programs in matrix order), then its tile. ALIGNED: every offset and row length is a
+    multiple of 16 and every group count of 8 (what Triton's divisibility hints tell _dequant_kernel from its
+    arguments), so that the code and scale loads and the stores stay 16-byte vectors."""
+    pid = tl.program_id(0)
+    m = 0
+    for i in tl.static_range(1, N_MAT):
+        m = tl.where(pid >= tl.load(TABLE + i * 8 + 7), i, m)
+    row = TABLE + m * 8
+    q_at, s_at, y_at = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+    N, K, KB, n_groups = tl.load(row + 3), tl.load(row + 4), tl.load(row + 5), tl.load(row + 6)
+    if ALIGNED:
+        q_at, s_at, y_at = tl.multiple_of(q_at, 16), tl.multiple_of(s_at, 16), tl.multiple_of(y_at, 16)
+        K, KB = tl.multiple_of(K, 16), tl.multiple_of(KB, 16)
+        if not PER_ROW:  # one scale a row has n_groups 1
+            n_groups = tl.multiple_of(n_groups, 8)
+    local = pid - tl.load(row + 7)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    rows = (local // k_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = (local % k_blocks) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
+    w = _dequant_tile(Q + q_at, S + s_at, MN + s_at, rows_c, k0, K, KB, KB, n_groups, n_groups, BITS, OFFSET, GROUP,
+                      HAS_MIN, PER_ROW, BLOCK_N, BLOCK_K)
+    tl.store(Y + y_at + rows_c[:, None] * K + cols[None, :], w.to(Y.dtype.element_ty),
              mask=(rows < N)[:, None] & (cols < K)[None, :])
 
 
@@ -174,4 +213,46 @@ def qgemm_fwd(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.
         scale.stride(0), out.stride(0), scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None,
         PER_ROW=per_row, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SWIZZLE=cfg.swizzle,
         STAGES=cfg.stages, DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
+    return out
+
+
+class LayerDequant(NamedTuple):
+    """One dequantize_layer_fwd launch, prepared once at load (accel.quant_ops.pack_layer): matrices of one format
+    whose codes, scales and minima sit in three flat buffers, described by `table` ([M, 8] int64, LAYER_FIELDS)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor  # the scales again when the format has no minima (an unused argument)
+    table: torch.Tensor
+    grid: tuple[int]
+    meta: dict  # the kernel's constexprs and num_warps
+
+
+def layer_block(on_gpu: bool, group: int, per_row: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of a dequantize_layer launch: dequantize_fwd's GPU tile; smaller under the
+    interpreter. The tile holds whole groups."""
+    bn, bk, warps = (16, 512, 4) if on_gpu else (16, 128, 4)
+    return bn, bk if per_row else max(bk, group), warps
+
+
+def layer_launch(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, rows: list[tuple[int, ...]],
+                 bits: int, offset: int, group: int, per_row: bool) -> LayerDequant:
+    """rows: a (codes_at, scales_at, out_at, N, K, row_bytes, groups) tuple a matrix -> the launch over all of
+    them, one program a [BLOCK_N, BLOCK_K] tile of each."""
+    bn, bk, warps = layer_block(q.is_cuda, group, per_row)
+    table, first = [], 0
+    for r in rows:
+        table.append(list(r) + [first])
+        first += triton.cdiv(r[3], bn) * triton.cdiv(r[4], bk)
+    aligned = all(r[0] % 16 == 0 and r[1] % 16 == 0 and r[2] % 16 == 0 and r[4] % 16 == 0 and r[5] % 16 == 0
+                  and (per_row or r[6] % 8 == 0) for r in rows)
+    meta = dict(N_MAT=len(rows), BITS=bits, OFFSET=offset, GROUP=bk if per_row else group, HAS_MIN=low is not None,
+                PER_ROW=per_row, ALIGNED=aligned, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return LayerDequant(q, scale, low if low is not None else scale,
+                        torch.tensor(table, dtype=torch.int64, device=q.device), (first,), meta)
+
+
+def dequantize_layer_fwd(launch: LayerDequant, out: torch.Tensor) -> torch.Tensor:
+    """Dequantize every matrix of `launch` into the flat `out` (its out_at offsets), each value rounded once to
+    out's dtype, in one launch."""
+    _dequant_layer_kernel[launch.grid](launch.q, launch.scale, launch.low, out, launch.table, **launch.meta)
     return out

@@ -2,8 +2,9 @@
 
 For each model: random bf16 weights at the real shapes (seed 0); the bf16 engine is timed, then the same weights
 quantized on the device (accel.quant_ops.quantize_weights) for every format, each timed the same way
-(tools.bench.gpu.decode_rate / prefill_ms). Ratios are to the bf16 row measured just before. Also each decode
-GEMV alone (gemv_bench), bf16 vs quantized, at the model's shapes.
+(tools.bench.gpu.decode_rate); then every engine's prefill, the engines called in turn (as called, the host's
+time to queue one, GPU time alone). Ratios are to the bf16 row. Also each decode GEMV alone (gemv_bench), bf16
+vs quantized, at the model's shapes.
 """
 from __future__ import annotations
 
@@ -19,43 +20,58 @@ from accel.weights import random_weights
 from refimpl.model.config import LlamaConfig
 from refimpl.quant.formats import QuantSpec
 from tools.bench.gemv_sweep import graph_us
-from tools.bench.gpu import decode_rate, prefill_ms
+from tools.bench.gpu import decode_rate, prompt_ids
 from tools.bench.qgemv_sweep import Case, shapes
+from tools.bench.timing import device_ms, round_robin_ms
 
 
-def _row(label: str, engine: AccelEngine, new_tokens: int, prefill_tokens: int, copy_tb_s: float | None) -> dict:
+def _row(label: str, engine: AccelEngine, new_tokens: int, copy_tb_s: float | None) -> dict:
     rate, _, tokens = decode_rate(engine, 32, new_tokens)
     engine._session = None
-    pre, pre_gpu = prefill_ms(engine, prefill_tokens)
-    engine._session = None
     nbytes = engine.weights.nbytes_per_token()
-    row = {"quant": label, "decode_tok_s": rate, "prefill_ms": pre, "prefill_gpu_ms": pre_gpu,
-           "bytes_per_token_gb": nbytes / 1e9, "weights_gb": engine.weights.nbytes() / 1e9, "tokens": tokens[:16]}
+    row = {"quant": label, "decode_tok_s": rate, "bytes_per_token_gb": nbytes / 1e9,
+           "weights_gb": engine.weights.nbytes() / 1e9, "tokens": tokens[:16]}
     if copy_tb_s:
         row["roofline_tok_s"] = copy_tb_s * 1e12 / nbytes
         row["roofline_pct"] = 100 * rate / row["roofline_tok_s"]
     return row
 
 
+def _prefill(engines: dict, tokens: int, rows: list[dict]) -> None:
+    """Every engine's prefill as called, the engines called in turn (tools.bench.timing.round_robin_ms: the host's
+    speed drifts between calls), and GPU time alone."""
+    fns = {}
+    for label, engine in engines.items():
+        prompt = torch.tensor(prompt_ids(engine.config, tokens, seed=1), device=engine.device)
+        fns[label] = lambda e=engine, s=engine.session(tokens), p=prompt: e.prefill(p, s)
+    timed = round_robin_ms(fns)
+    for row in rows:
+        row["prefill_ms"], row["prefill_host_ms"] = timed[row["quant"]]
+        row["prefill_gpu_ms"] = device_ms(fns[row["quant"]], reps=3, sleep_cycles=100_000_000)
+    for engine in engines.values():
+        engine._session = None
+
+
 def quant_bench(name: str, cfg: LlamaConfig, device, specs: list[str], new_tokens: int = 256,
                 prefill_tokens: int = 2048, copy_tb_s: float | None = None) -> list[dict]:
     gc.collect()
     torch.cuda.empty_cache()
-    rows = []
+    rows, engines = [], {}
     for label in ["bf16"] + specs:
         weights = random_weights(cfg, device, torch.bfloat16, seed=0)
         if label != "bf16":
             weights = quantize_weights(weights, QuantSpec.parse(label))
         torch.cuda.synchronize()
-        engine = AccelEngine(cfg, weights, torch.device(device), "bf16")
-        row = {"model": name, **_row(label, engine, new_tokens, prefill_tokens, copy_tb_s)}
-        base = rows[0] if rows else row
-        row["decode_speedup_vs_bf16"] = row["decode_tok_s"] / base["decode_tok_s"]
-        row["prefill_ratio_vs_bf16"] = row["prefill_ms"] / base["prefill_ms"]
-        rows.append(row)
-        del engine, weights
-        gc.collect()
-        torch.cuda.empty_cache()
+        engines[label] = AccelEngine(cfg, weights, torch.device(device), "bf16")
+        rows.append({"model": name, **_row(label, engines[label], new_tokens, copy_tb_s)})
+        del weights
+    _prefill(engines, prefill_tokens, rows)
+    for row in rows:
+        row["decode_speedup_vs_bf16"] = row["decode_tok_s"] / rows[0]["decode_tok_s"]
+        row["prefill_ratio_vs_bf16"] = row["prefill_ms"] / rows[0]["prefill_ms"]
+    del engines
+    gc.collect()
+    torch.cuda.empty_cache()
     return rows
 
 

@@ -1,14 +1,17 @@
-"""The quantized prefill's two paths, measured side by side (accel/kernels/qdequant.py):
+"""The quantized prefill's paths, measured side by side (accel/kernels/qdequant.py, accel.quant_ops):
 
-    dequant  dequantize each matrix into a bf16 scratch, then cuBLAS (accel.quant_ops, rows > GEMM_MAX_ROWS)
+    layer    the engine's: one dequantize launch a layer (a format) into a bf16 scratch, then cuBLAS
+    dequant  one dequantize launch a matrix into a scratch per shape, then cuBLAS
     gemm     the Triton GEMM that dequantizes its weight tiles in registers before tl.dot
 
     python3 -m tools.bench.quant_prefill [--out DIR] [--models 1b,3b] [--specs int8,int4:64] [--parts engine,kernels]
+                                         [--paths layer,dequant] [--rounds 9]
 
 Per matrix shape of each model (qkv, o, gate_up, down): the dequantize kernel alone (µs, TB/s of bytes read +
 written) over a few tile shapes; then at M = 16 .. 2048 rows of input, bf16 cuBLAS, dequant + cuBLAS, and the
 fused GEMM over a few tile configs (µs, device time behind a spin). Then the engine's 2048-token prefill (random
-weights at the real shapes, as called and GPU time) in bf16 and, per format, through each path. Every fused-GEMM
+weights at the real shapes; as called, the host's time to queue it, and GPU time) in bf16 and, per format, through
+each path, the engines called in turn (engine_rows). Every fused-GEMM
 output is checked against dequant + cuBLAS before it is timed. Prints a table; writes DIR/quant_prefill_<parts>.json.
 """
 from __future__ import annotations
@@ -30,8 +33,8 @@ from accel.quant_ops import prefill_path, quantize, quantize_weights
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
-from tools.bench.gpu import prefill_ms
-from tools.bench.timing import device_ms
+from tools.bench.gpu import prompt_ids
+from tools.bench.timing import device_ms, round_robin_ms
 
 NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
 DEQUANT_BLOCKS = [(16, 512, 4), (32, 512, 8), (16, 1024, 8), (64, 256, 8)]
@@ -94,23 +97,35 @@ def kernel_rows(model: str, specs: list[str], budget_s: float, rows: list[dict])
                 print(row, flush=True)
 
 
-def engine_rows(model: str, specs: list[str], rows: list[dict], tokens: int = 2048) -> None:
-    """Appends to `rows` as it goes (a run cut short keeps what it measured)."""
+PATHS = {"layer": None, "dequant": "dequant", "gemm": "gemm"}  # label -> accel.quant_ops.prefill_path
+
+
+def engine_rows(model: str, specs: list[str], rows: list[dict], tokens: int = 2048, paths=("layer", "dequant"),
+                rounds: int = 9) -> None:
+    """bf16 and every (format, path) engine held at once and called in turn (timing.round_robin_ms): as called
+    and the host's time to queue a call, medians; GPU time alone (behind a spin) once per row. Appends to `rows`."""
     cfg = PRESETS[NAMES[model]]
+    prompt = torch.tensor(prompt_ids(cfg, tokens, seed=1), device="cuda")
+    variants = []
     for spec in ["bf16"] + specs:
         weights = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
         if spec != "bf16":
             weights = quantize_weights(weights, QuantSpec.parse(spec))
         engine = AccelEngine(cfg, weights, torch.device("cuda"), "bf16", use_graph=False)
-        for path in ["gemm", "dequant"] if spec != "bf16" else [None]:
-            with prefill_path(path):
-                ms, gpu_ms = prefill_ms(engine, tokens)
-            rows.append({"model": model, "quant": spec, "path": path or "cublas", "prefill_ms": ms,
-                         "prefill_gpu_ms": gpu_ms})
-            print(rows[-1], flush=True)
-            engine._session = None
-        del engine, weights
-        torch.cuda.empty_cache()
+        sess = engine.session(tokens)
+        for path in paths if spec != "bf16" else ["cublas"]:
+            variants.append((spec, path, lambda e=engine, s=sess: e.prefill(prompt, s)))
+    fns = {(spec, path): fn for spec, path, fn in variants}
+    timed = round_robin_ms(fns, rounds, around=lambda label: prefill_path(PATHS.get(label[1])))
+    for spec, path, fn in variants:
+        with prefill_path(PATHS.get(path)):
+            gpu_ms = device_ms(fn, reps=3, sleep_cycles=100_000_000)
+        called, host = timed[spec, path]
+        rows.append({"model": model, "quant": spec, "path": path, "prefill_ms": called, "host_ms": host,
+                     "prefill_gpu_ms": gpu_ms, "rounds": rounds})
+        print(rows[-1], flush=True)
+    del variants, fns
+    torch.cuda.empty_cache()
 
 
 def ratios(rows: list[dict]) -> None:
@@ -132,10 +147,11 @@ def table(res: dict) -> str:
             lines.append(f"  {r['model']} {r['matrix']:<8}{r['quant']:<9}M={r['M']:<6}{r['bf16_us']:9.1f}"
                          f"{r['dequant_cublas_us']:9.1f}{r.get('gemm_best_us', float('nan')):9.1f} "
                          f"({r.get('gemm_best', '-')})")
-    lines.append("engine prefill, ms as called (GPU), x bf16:")
+    lines.append("engine prefill, ms as called (GPU), x bf16 (GPU), host ms to queue one:")
     for r in res["engine"]:
         lines.append(f"  {r['model']} {r['quant']:<9}{r['path']:<9}{r['prefill_ms']:8.2f} ({r['prefill_gpu_ms']:.2f})"
-                     f"{r.get('ratio_vs_bf16', float('nan')):7.2f} ({r.get('gpu_ratio_vs_bf16', float('nan')):.2f})")
+                     f"{r.get('ratio_vs_bf16', float('nan')):7.2f} ({r.get('gpu_ratio_vs_bf16', float('nan')):.2f})"
+                     f"  host {r.get('host_ms', float('nan')):.2f}")
     return "\n".join(lines)
 
 
@@ -146,6 +162,8 @@ def main():
     ap.add_argument("--specs", default="int8,int4:64")
     ap.add_argument("--budget-s", type=float, default=150, help="stop the kernel sweep after this many seconds")
     ap.add_argument("--parts", default="engine,kernels", help="engine (the prefills), kernels (the per-shape sweep)")
+    ap.add_argument("--paths", default="layer,dequant", help=f"the engine's quantized paths, of {', '.join(PATHS)}")
+    ap.add_argument("--rounds", type=int, default=9, help="round-robin rounds of the engine prefills")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still writes what was measured
     import triton
@@ -158,7 +176,7 @@ def main():
     try:
         if "engine" in args.parts:
             for m in models:
-                engine_rows(m, specs, res["engine"])
+                engine_rows(m, specs, res["engine"], paths=args.paths.split(","), rounds=args.rounds)
         if "kernels" in args.parts:
             for m in models:
                 kernel_rows(m, specs, args.budget_s, res["kernels"])

@@ -22,6 +22,31 @@ def median_ms(fn, reps: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def round_robin_ms(fns: dict, rounds: int = 9, around=None) -> dict:
+    """{label: fn} called in turn, `rounds` times round-robin after one warm-up round -> {label: (median ms as
+    called, CUDA events around one synced call; median ms the host took to queue it, no sync inside)}. Rows
+    measured in turn share any drift of the host's speed, which sequential medians do not (NOTES.md: one build's
+    prefill as called differed by 30% between processes). around(label): a context manager each call runs in."""
+    import contextlib
+    import time
+    times = {label: ([], []) for label in fns}
+    for r in range(rounds + 1):
+        for label, fn in fns.items():
+            with around(label) if around else contextlib.nullcontext():
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                t = time.perf_counter()
+                fn()
+                host = (time.perf_counter() - t) * 1e3
+                end.record()
+                end.synchronize()
+            if r:
+                times[label][0].append(start.elapsed_time(end))
+                times[label][1].append(host)
+    return {label: (statistics.median(c), statistics.median(h)) for label, (c, h) in times.items()}
+
+
 def device_ms(fn, reps: int = 20, sleep_cycles: int = 40_000_000) -> float:
     """Device time of one fn() call, free of host launch cost: a ~20 ms spin kernel holds the stream while the
     host queues all `reps` calls, so the events between them see only the GPU's work. Median of 3.
