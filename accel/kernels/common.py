@@ -122,13 +122,15 @@ _RETIRED: list[torch.Tensor] = []  # outgrown scratch stays allocated: a capture
 
 
 def split_scratch(device: torch.device, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split-K GEMV's fp32 partials (gemv.py, qgemv.py) and per-row-block arrival counters (zeros between launches), one pair a
-    device, grown on demand. One stream at a time (the decode step): two split GEMVs running concurrently on
-    different streams would share them. Grown before a graph capture by the engine's warm-up steps."""
+    """A split-K GEMV's fp32 partials (gemv.py, qgemv.py) and per-row-block arrival counters (zeros between
+    launches), one pair a device, grown on demand and never shrunk (callers of different needs do not trade it back
+    and forth). One stream at a time (the decode step): two split GEMVs running concurrently on different streams
+    would share them. Grown before a graph capture by the engine's warm-up steps."""
     p, c = _SCRATCH.get(device, (None, None))
     if p is None or p.numel() < partials or c.numel() < counters:
         if p is not None:
             _RETIRED.extend((p, c))
+            partials, counters = max(partials, p.numel()), max(counters, c.numel())
         # sized for every Llama 3.2 shape at once (16 slices × 16384 rows; 16384 / 4 row blocks): 1 MB
         p = torch.empty(max(partials, 1 << 18), dtype=torch.float32, device=device)
         c = torch.zeros(max(counters, 1 << 13), dtype=torch.int32, device=device)
