@@ -15,6 +15,7 @@ from refimpl.model.llama import KVCache, forward, layer_params
 from refimpl.quant import awq
 from refimpl.quant.calibrate import calibration_sequences, quantize_model, quantize_shared
 from refimpl.quant.formats import QuantSpec
+from refimpl.quant.gptq import gptq_quantize
 from test_quant_methods import correlated_inputs, heavy_tailed, output_error
 
 TOY = Path(__file__).resolve().parent.parent / "golden" / "toy-gqa"  # 4 query heads over 2 kv heads
@@ -66,7 +67,7 @@ def test_searched_scales_lower_the_layer_output_error(spec):
     w = heavy_tailed((48, 96), seed=11)
     x = correlated_inputs(300, 96, seed=12, outliers=(5, 40, 71))
     h = x.T.astype(np.float64) @ x  # [K, K]
-    s = awq.search_scales(w, h, spec.quantize)
+    s = awq.search_scales(w, h, awq.rtn_error(spec.quantize))
     plain = output_error(w, spec.quantize(w), x)
     d = (w.astype(np.float64) - spec.quantize(w * s).values / s) @ x.T.astype(np.float64)  # [N, T]
     assert float((d * d).sum()) < 0.9 * plain
@@ -105,30 +106,36 @@ def test_shared_input_quantization_equals_each_matrix_alone():
 
 
 def test_awq_methods_fold_into_the_norms_and_track_the_model():
-    """awq-gptq on the toy model: the norms and v/up rows carry the scales, the scales layer 0's norm carries cut
-    its q/k/v round-to-nearest error on the calibration inputs (measured here) below no scaling's, and the body's
-    logits are closer to the unquantized model's than round-to-nearest's."""
+    """awq and awq-gptq on the toy model: the norms and v/up rows carry the scales; the scales layer 0's norm carries
+    lower its q/k/v output error on the calibration inputs (measured here, on the inputs themselves) against no
+    scaling, for round to nearest (awq) and for GPTQ (awq-gptq; α = 0 is a candidate, so not above); and the
+    awq-gptq body's logits are closer to the unquantized model's than round-to-nearest's."""
     src = load_checkpoint(TOY)
     cfg, spec = src.config, QuantSpec.parse("int4:32")
     seqs = calibration_sequences(src.tokenizer, CALIB, seq_len=128)
     ids = src.tokenizer.encode("It was the best of times, it was the worst of times.")
     ref = logits(src.params, cfg, ids)
-    q = quantize_model(src.params, cfg, spec, "awq-gptq", seqs)
-    assert not np.array_equal(q["model.layers.0.input_layernorm.weight"],
+    q = {m: quantize_model(src.params, cfg, spec, m, seqs) for m in ("awq", "awq-gptq")}
+    assert not np.array_equal(q["awq"]["model.layers.0.input_layernorm.weight"],
                               src.params["model.layers.0.input_layernorm.weight"])
-    assert not np.array_equal(q["model.norm.weight"], src.params["model.norm.weight"])  # the quantized head's
-    assert np.array_equal(q["model.embed_tokens.weight"], src.params["model.embed_tokens.weight"])
+    assert not np.array_equal(q["awq"]["model.norm.weight"], src.params["model.norm.weight"])  # the quantized head's
+    for m in q:
+        assert np.array_equal(q[m]["model.embed_tokens.weight"], src.params["model.embed_tokens.weight"])
     norm = "model.layers.0.input_layernorm.weight"  # layer 0's input is the unquantized embedding's
-    s = src.params[norm] / q[norm]  # [D]: the folded scales
     x = np.concatenate([ops.rms_norm(ops.embedding(ids_, src.params["model.embed_tokens.weight"]), src.params[norm],
                                      cfg.rms_norm_eps) for ids_ in seqs]).astype(np.float64)  # [T, D]
     w = np.concatenate([src.params[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])  # [ΣDout, D]
+    h = x.T @ x  # [D, D]
 
-    def rtn_error(scale):  # ‖(W − Q(W·s)/s) Xᵀ‖², on the inputs themselves
-        d = (w.astype(np.float64) - spec.quantize(w * scale).values / scale) @ x.T  # [ΣDout, T]
+    def error(scale, gptq):  # ‖(W − Q(W·s)/s) Xᵀ‖², on the inputs themselves
+        hs = h / scale[:, None] / scale[None, :]  # the divided inputs' Hessian
+        deq = (gptq_quantize(w * scale, hs, spec) if gptq else spec.quantize(w * scale)).values / scale
+        d = (w.astype(np.float64) - deq) @ x.T  # [ΣDout, T]
         return float((d * d).sum())
 
-    assert rtn_error(s) < 0.95 * rtn_error(np.ones_like(s))
-    err = {"awq-gptq": np.mean((logits(q, cfg, ids) - ref) ** 2),
+    s = {m: src.params[norm] / q[m][norm] for m in q}  # [D]: the folded scales
+    assert error(s["awq"], False) < 0.95 * error(np.ones_like(s["awq"]), False)
+    assert error(s["awq-gptq"], True) <= error(np.ones_like(s["awq-gptq"]), True) * (1 + 1e-6)
+    err = {"awq-gptq": np.mean((logits(q["awq-gptq"], cfg, ids) - ref) ** 2),
            "rtn": np.mean((logits(quantize_model(src.params, cfg, spec, "rtn"), cfg, ids) - ref) ** 2)}
     assert err["awq-gptq"] < err["rtn"]
