@@ -75,6 +75,28 @@ def test_searched_scales_lower_the_layer_output_error(spec):
     np.testing.assert_allclose(awq.output_error(w, np.ones(96, np.float32), h, spec.quantize), plain, rtol=1e-5)
 
 
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("int4", 16)])
+def test_scales_for_gptq_minimize_the_error_gptq_leaves(spec):
+    """α chosen by GPTQ's error: for every α on the grid, s = p^(α/2) / sqrt(max · min) from the inputs' mean
+    squares, GPTQ on W·s with the divided inputs' Hessian, the output error measured on the inputs themselves; the
+    chosen scales are the α with the smallest."""
+    w = heavy_tailed((32, 64), seed=16)
+    x = correlated_inputs(256, 64, seed=17, outliers=(4, 33))
+    h = x.T.astype(np.float64) @ x  # [K, K]
+    p = (x.astype(np.float64) ** 2).sum(axis=0)  # [K]
+
+    def error(scale):
+        deq = gptq_quantize(w * scale, h / scale[:, None] / scale[None, :], spec).values / scale  # [N, K]
+        d = (w.astype(np.float64) - deq) @ x.T.astype(np.float64)  # [N, T]
+        return float((d * d).sum())
+
+    candidates = [p ** (a / 2) / np.sqrt(p.max() ** (a / 2) * p.min() ** (a / 2)) for a in awq.ALPHAS_GPTQ]
+    errors = [error(c.astype(np.float32)) for c in candidates]
+    got = awq.search_scales(w, h, awq.gptq_error(spec), alphas=awq.ALPHAS_GPTQ)
+    np.testing.assert_allclose(got, candidates[int(np.argmin(errors))], rtol=1e-5)
+    assert len(set(np.round(errors, 6))) == len(errors)  # distinct errors: the choice is not a tie
+
+
 @pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("int4", 32)])
 def test_output_error_in_row_chunks_is_the_whole_matrix_error(spec):
     """Chunks of 7 rows of a 50-row matrix (the last one short), fp32 products: ‖(W − Q(W·s)/s) Xᵀ‖², measured in
