@@ -133,6 +133,7 @@ def test_gptq_keeps_each_rows_better_grid(spec):
         runs.append((codes, q.scales, q.mins, (d * d).sum(axis=1)))  # [N] output errors
     pick = np.argmin([r[3] for r in runs], axis=0)  # [N]
     assert 0 < pick.sum() < len(pick)  # each grid is the better one for some rows
+    assert (got.mins is None) == (spec.format == "int8") and got.data.dtype == spec.quantize(w).data.dtype
     for n, i in enumerate(pick):
         assert np.array_equal(codes_of(got)[n], runs[i][0][n]) and np.array_equal(got.scales[n], runs[i][1][n])
 

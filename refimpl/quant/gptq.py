@@ -76,8 +76,9 @@ def best_rows(w: np.ndarray, h: np.ndarray, candidates: list[QuantizedLinear]) -
     if len(candidates) == 1:
         return candidates[0]
     pick = np.argmin(np.stack([row_errors(w, q, h) for q in candidates]), axis=0)  # [N]
-    rows = lambda a: None if a is None else np.choose(pick[:, None], [getattr(q, a) for q in candidates])  # noqa: E731
     first = candidates[0]
+    rows = lambda a: None if getattr(first, a) is None else np.choose(  # noqa: E731
+        pick[:, None], [getattr(q, a) for q in candidates])  # [N, ...]: row n from candidate pick[n]
     return QuantizedLinear(first.format, first.shape, rows("data"), rows("scales"), rows("mins"), first.group)
 
 
