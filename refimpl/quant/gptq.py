@@ -20,9 +20,10 @@ calibration token excites (H[j, j] = 0) is set to 0, as in the paper's code. The
 whole matrix (the reference code's `static_groups`): min/max, and the refimpl.quant.search ranges weighted with H's
 diagonal; the sweep runs on each, and every row keeps the grid whose result leaves it the smaller output error
 (rows are independent given their grid, so the choice is exact; a clipped range can lose to min/max here because
-the error pushed forward moves later columns past the clip). With `act_order` the sweep visits columns by decreasing H[j, j] (the reference's `act_order`): the
-columns the inputs excite most are quantized first, while the most error can still be pushed onto the others;
-codes are stored at their own columns, so the layout is unchanged. [N, K] = [Dout, Din].
+the error pushed forward moves later columns past the clip). With `act_order` the sweep visits columns by
+decreasing H[j, j] (the reference's `act_order`): the columns the inputs excite most are quantized first, while the
+most error can still be pushed onto the others; codes are stored at their own columns, so the layout is unchanged.
+[N, K] = [Dout, Din].
 """
 from __future__ import annotations
 
