@@ -19,8 +19,6 @@ with α on a grid in [0, 1] chosen to minimize the layer's output error on the c
 Σ_n (w_n − ŵ_n) H (w_n − ŵ_n)ᵀ (refimpl.quant.gptq's quadratic form), of the round-to-nearest quantization
 ŵ = Q(w·s) / s. α = 0 (s = 1, no scaling) is on the grid, so the search never makes round-to-nearest worse.
 AWQ's paper uses the mean |x| and the same grid; p is the mean square because H holds it already.
-Before GPTQ (awq-gptq) α is chosen by the error GPTQ itself leaves (gptq_error), on the shorter ALPHAS_GPTQ: the
-scales best for round to nearest are too large for GPTQ, whose error feedback already protects the excited columns.
 [N, K] = [Dout, Din] as in refimpl.quant.formats.
 """
 from __future__ import annotations
@@ -28,38 +26,22 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl.quant.formats import F32
-from refimpl.quant.gptq import gptq_quantize, row_errors
 
 ALPHAS = np.linspace(0.0, 1.0, 11)
-ALPHAS_GPTQ = np.linspace(0.0, 0.3, 4)  # on SmolLM2 GPTQ's best α was 0-0.2 for every matrix group, int8 and int4
 FLOOR = 1e-8  # relative floor of p: a column no calibration token excites keeps a finite scale
 ROWS = 8192  # rows an error chunk: a 128256-row lm_head whole would hold several GB-sized copies at once
 
 
 def output_error(w: np.ndarray, s: np.ndarray, h: np.ndarray, quantize, rows: int = ROWS) -> float:
-    """w [N, K], s [K], h [K, K], quantize: fp32 [N, K] -> QuantizedLinear (round to nearest) -> Σ_n (w_n − ŵ_n) H
-    (w_n − ŵ_n)ᵀ = ‖(W − Ŵ) Xᵀ‖² for H = XᵀX and ŵ = Q(w·s) / s, `rows` rows at a time (each row is quantized on
-    its own): fp32 products, float64 sums."""
+    """w [N, K], s [K], h [K, K], quantize as in search_scales -> Σ_n (w_n − ŵ_n) H (w_n − ŵ_n)ᵀ = ‖(W − Ŵ) Xᵀ‖²
+    for H = XᵀX and ŵ = Q(w·s) / s, `rows` rows at a time (each row is quantized on its own): fp32 products,
+    float64 sums."""
     h32, total = np.asarray(h, F32), 0.0
     for start in range(0, len(w), rows):
         chunk = w[start:start + rows]  # [≤rows, K]
         d = chunk - quantize(chunk * s).values / s  # [≤rows, K]
         total += float(np.sum((d @ h32) * d, dtype=np.float64))  # [≤rows, K] @ [K, K] -> [≤rows, K], then Σ
     return total
-
-
-def rtn_error(quantize):
-    """The output error of round to nearest (`quantize`, as in output_error), as search_scales' `error`."""
-    return lambda w, s, h: output_error(w, s, h, quantize)
-
-
-def gptq_error(spec):
-    """The output error GPTQ (refimpl.quant.gptq, in `spec`) leaves on w·s with the divided inputs' Hessian, as
-    search_scales' `error`: the same quantity as output_error, measured on the scaled side."""
-    def error(w, s, h):
-        ws, hs = w * s, scaled_hessian(h, s)  # [N, K] * [K], [K, K]
-        return float(row_errors(ws, gptq_quantize(ws, hs, spec), hs).sum())
-    return error
 
 
 def scales_for(p: np.ndarray, alpha: float) -> np.ndarray:
@@ -74,20 +56,19 @@ def tied_columns(cfg) -> np.ndarray:
     return (heads[:, None] * cfg.head_dim + np.arange(cfg.head_dim)[None, :]).reshape(-1)  # [H, E] -> [H·E]
 
 
-def search_scales(w: np.ndarray, h: np.ndarray, error, tie: np.ndarray | None = None,
-                  alphas: np.ndarray = ALPHAS) -> np.ndarray:
+def search_scales(w: np.ndarray, h: np.ndarray, quantize, tie: np.ndarray | None = None) -> np.ndarray:
     """w [N, K] (the matrices sharing one input, stacked by rows), h [K, K] their calibration Hessian,
-    error(w, s, h) -> the output error of quantizing with scales s (rtn_error or gptq_error) -> the best s [K] on
-    `alphas`. tie [K]: index of each column's shared scale (o_proj's columns, tied_columns), or None."""
+    quantize: fp32 [N, K] -> QuantizedLinear (round to nearest) -> the best s [K] on ALPHAS.
+    tie [K]: index of each column's shared scale (o_proj's columns, tied_columns), or None."""
     p = np.diag(h).astype(np.float64)  # [K]
     if tie is not None:
         p = np.bincount(tie, weights=p) / np.bincount(tie)  # [rows of v]: the mean over the columns a row feeds
     p = np.maximum(p, FLOOR * p.max())
     best, best_err = None, np.inf
-    for alpha in alphas:
+    for alpha in ALPHAS:
         s = scales_for(p, alpha)
         s = s if tie is None else s[tie]  # [K]
-        err = error(w, s, h)
+        err = output_error(w, s, h, quantize)
         if err < best_err:
             best, best_err = s, err
     return best

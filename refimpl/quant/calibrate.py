@@ -5,8 +5,7 @@
             mean square of its input (llama.cpp's importance matrix)
     gptq    GPTQ (refimpl.quant.gptq) on each layer's calibration Hessian, with searched ranges
     awq     activation-aware scales (refimpl.quant.awq) folded into the preceding ops, then search
-    awq-gptq  the same kind of scales (α chosen by the error GPTQ leaves), then GPTQ on the scaled weights and the
-              Hessians of the divided inputs
+    awq-gptq  the same scales, then GPTQ on the scaled weights and the Hessians of the divided inputs
 
 With calibration the model is walked layer by layer, as GPTQ's reference does: every calibration sequence's
 residual stream enters layer i; one pass with the layer's original weights records the inputs of its seven linear
@@ -94,20 +93,14 @@ def quantize_shared(ws: list[np.ndarray], h: np.ndarray | None, spec: QuantSpec,
     return [q] if len(ws) == 1 else [q.take_rows(np.arange(e - len(w), e)) for w, e in zip(ws, ends)]
 
 
-def _awq_scales(w: np.ndarray, h: np.ndarray, one: QuantSpec, base: str, tie: np.ndarray | None = None):
-    """AWQ's s [K] for w [N, K] with Hessian h, chosen by the error of the quantizer that follows (`base`)."""
-    if base == "gptq":
-        return awq.search_scales(w, h, awq.gptq_error(one), tie, awq.ALPHAS_GPTQ)
-    return awq.search_scales(w, h, awq.rtn_error(one.quantize), tie)
-
-
-def _awq_layer(p: dict, grams: dict, cfg: LlamaConfig, i: int, spec: QuantSpec, base: str) -> tuple[dict, dict]:
+def _awq_layer(p: dict, grams: dict, cfg: LlamaConfig, i: int, spec: QuantSpec) -> tuple[dict, dict]:
     """AWQ on one layer: its params with the scales folded in, and the Hessians of the divided inputs."""
     scales = {}
     for act, keys in SHARED_INPUT.items():
         w = np.concatenate([p[k] for k in keys])  # [ΣDout, Din]
-        scales[act] = _awq_scales(w, grams[act], spec.for_matrix(f"model.layers.{i}.{keys[0]}"), base,
-                                  awq.tied_columns(cfg) if act == "attn.out" else None)
+        one = spec.for_matrix(f"model.layers.{i}.{keys[0]}")
+        scales[act] = awq.search_scales(w, grams[act], one.quantize, awq.tied_columns(cfg) if act == "attn.out"
+                                        else None)
     folded = awq.fold(p, {"qkv": scales["attn_norm"], "o": scales["attn.out"][_first_of_tie(cfg)],
                           "gate_up": scales["mlp_norm"], "down": scales["mlp.act"]}, cfg)
     return folded, {act: awq.scaled_hessian(grams[act], scales[act]) for act in SHARED_INPUT}
@@ -152,7 +145,7 @@ def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
                     key = name.split(".", 2)[2]
                     grams[key] = grams.get(key, 0) + _gram(x)
             if use_awq:
-                p, grams = _awq_layer(p, grams, cfg, i, spec, base)
+                p, grams = _awq_layer(p, grams, cfg, i, spec)
             for act, keys in SHARED_INPUT.items():
                 names = [f"model.layers.{i}.{k}" for k in keys]
                 for one in {spec.for_matrix(n) for n in names}:  # one format a fused group (module formats)
@@ -169,7 +162,7 @@ def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
             h = sum(_gram(ops.rms_norm(s.x, norm, cfg.rms_norm_eps)) for s in streams)
             one = spec.for_matrix(LM_HEAD)
             if use_awq:
-                sc = _awq_scales(head, h, one, base)
+                sc = awq.search_scales(head, h, one.quantize)
                 head, h, out["model.norm.weight"] = head * sc, awq.scaled_hessian(h, sc), norm / sc
             out[LM_HEAD] = quantize_matrix(head, h, one, base)
             bar.advance()

@@ -37,8 +37,7 @@ def _calibration_text(path: Path) -> str:
               show_default=True,
               help="rtn: round to nearest on min/max ranges; search: error-minimizing ranges (weighted by the "
                    "calibration inputs); gptq: GPTQ with error feedback on the calibration Hessians; awq / awq-gptq: "
-                   "activation-aware input scales folded into the norms and v/up rows (chosen by the error of what "
-                   "follows), then search / gptq.")
+                   "activation-aware input scales folded into the norms and v/up rows, then search / gptq.")
 @click.option("--calib", type=UserPath(), default=None,
               help="Calibration text for search/gptq (default: the checked-in tools/data/calibration-en.txt).")
 @click.option("--out", required=True, type=UserPath(output=True), help="New directory for the quantized checkpoint.")
