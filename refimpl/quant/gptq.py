@@ -77,9 +77,12 @@ def best_rows(w: np.ndarray, h: np.ndarray, candidates: list[QuantizedLinear]) -
     if len(candidates) == 1:
         return candidates[0]
     pick = np.argmin(np.stack([row_errors(w, q, h) for q in candidates]), axis=0)  # [N]
+
+    def rows(attr: str) -> np.ndarray | None:  # [N, ...]: row n from candidate pick[n]
+        arrays = [getattr(q, attr) for q in candidates]
+        return None if arrays[0] is None else np.choose(pick[:, None], arrays)
+
     first = candidates[0]
-    rows = lambda a: None if getattr(first, a) is None else np.choose(  # noqa: E731
-        pick[:, None], [getattr(q, a) for q in candidates])  # [N, ...]: row n from candidate pick[n]
     return QuantizedLinear(first.format, first.shape, rows("data"), rows("scales"), rows("mins"), first.group)
 
 
