@@ -110,6 +110,34 @@ def test_gptq_equals_the_published_algorithm_on_an_8x16_matrix(spec, act_order):
     assert not np.array_equal(codes_of(got), codes_of(rtn))  # the error feedback changed some codes
 
 
+def dequantize_codes(codes, scales, mins, G):
+    """codes [N, K] on a grid (scales, mins or None [N, ceil(K/G)]) -> float64 values [N, K]."""
+    per_col = np.arange(codes.shape[1]) // G  # [K]
+    return codes * scales[:, per_col].astype(np.float64) + (0 if mins is None else mins[:, per_col])
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("int4", 8)])
+def test_gptq_keeps_each_rows_better_grid(spec):
+    """The published algorithm run on the min/max grid and on the searched grid, each row's output error measured
+    on the inputs themselves: GPTQ's result is, row by row, the run whose row errs less."""
+    w = heavy_tailed((40, 24), seed=21)
+    x = correlated_inputs(96, 24, seed=22, outliers=(2, 9))
+    h = x.T.astype(np.float64) @ x  # [K, K]
+    got = gptq_quantize(w, h, spec, block=8)
+    order = np.argsort(-np.diag(h), kind="stable")
+    G = spec.group or 24
+    runs = []
+    for q in (spec.quantize(w), quantize_search(spec, w, np.diag(h) / np.diag(h).max())):  # the two grids
+        codes = published_gptq(w, h, spec, q.scales, q.mins, order)
+        d = (w - dequantize_codes(codes, q.scales, q.mins, G)) @ x.T.astype(np.float64)  # [N, K] @ [K, T]
+        runs.append((codes, q.scales, q.mins, (d * d).sum(axis=1)))  # [N] output errors
+    pick = np.argmin([r[3] for r in runs], axis=0)  # [N]
+    assert 0 < pick.sum() < len(pick)  # each grid is the better one for some rows
+    assert (got.mins is None) == (spec.format == "int8") and got.data.dtype == spec.quantize(w).data.dtype
+    for n, i in enumerate(pick):
+        assert np.array_equal(codes_of(got)[n], runs[i][0][n]) and np.array_equal(got.scales[n], runs[i][1][n])
+
+
 @pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("int4", 32)])
 def test_gptq_reduces_the_layer_output_error(spec):
     w = heavy_tailed((32, 96), seed=5)

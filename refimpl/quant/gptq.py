@@ -17,10 +17,13 @@ reference code does, so that each column is one contiguous row.
 H gets 1% of its mean diagonal added (damping: X is rank-deficient with few calibration tokens); a column no
 calibration token excites (H[j, j] = 0) is set to 0, as in the paper's code. The grid is refimpl.quant.formats'
 (int8: a scale a row; int4: a scale and a minimum per group of G columns), chosen once before the sweep from the
-whole matrix (the reference code's `static_groups`), by min/max or by refimpl.quant.search weighted with H's
-diagonal. With `act_order` the sweep visits columns by decreasing H[j, j] (the reference's `act_order`): the
-columns the inputs excite most are quantized first, while the most error can still be pushed onto the others;
-codes are stored at their own columns, so the layout is unchanged. [N, K] = [Dout, Din].
+whole matrix (the reference code's `static_groups`): min/max, and the refimpl.quant.search ranges weighted with H's
+diagonal; the sweep runs on each, and every row keeps the grid whose result leaves it the smaller output error
+(rows are independent given their grid, so the choice is exact; a clipped range can lose to min/max here because
+the error pushed forward moves later columns past the clip). With `act_order` the sweep visits columns by
+decreasing H[j, j] (the reference's `act_order`): the columns the inputs excite most are quantized first, while the
+most error can still be pushed onto the others; codes are stored at their own columns, so the layout is unchanged.
+[N, K] = [Dout, Din].
 """
 from __future__ import annotations
 
@@ -58,20 +61,52 @@ def grid(w: np.ndarray, spec, importance: np.ndarray | None) -> tuple[np.ndarray
     return q.scales, q.mins
 
 
+def row_errors(w: np.ndarray, q: QuantizedLinear, h: np.ndarray, rows: int = 8192) -> np.ndarray:
+    """w [N, K], q its quantization, h [K, K] -> [N]: each row's output error (w_n − ŵ_n) H (w_n − ŵ_n)ᵀ, fp32
+    products, `rows` rows at a time (an lm_head has 10^5)."""
+    h32, deq, out = np.asarray(h, F32), q.dequantize(), np.zeros(len(w))
+    for r0 in range(0, len(w), rows):
+        d = np.asarray(w[r0:r0 + rows], F32) - deq[r0:r0 + rows]  # [≤rows, K]
+        out[r0:r0 + rows] = np.sum((d @ h32) * d, axis=1, dtype=np.float64)  # [≤rows, K] @ [K, K] -> Σ_k
+    return out
+
+
+def best_rows(w: np.ndarray, h: np.ndarray, candidates: list[QuantizedLinear]) -> QuantizedLinear:
+    """Quantizations of one w [N, K] -> one whose row n is the candidate with the smallest output error on row n
+    (the first on ties)."""
+    if len(candidates) == 1:
+        return candidates[0]
+    pick = np.argmin(np.stack([row_errors(w, q, h) for q in candidates]), axis=0)  # [N]
+
+    def rows(attr: str) -> np.ndarray | None:  # [N, ...]: row n from candidate pick[n]
+        arrays = [getattr(q, attr) for q in candidates]
+        return None if arrays[0] is None else np.choose(pick[:, None], arrays)
+
+    first = candidates[0]
+    return QuantizedLinear(first.format, first.shape, rows("data"), rows("scales"), rows("mins"), first.group)
+
+
 def gptq_quantize(w: np.ndarray, h: np.ndarray, spec, search: bool = True, act_order: bool = True,
                   block: int = BLOCK, damp: float = DAMP) -> QuantizedLinear:
     """w [N, K], h = Xᵀ X [K, K] from calibration inputs, spec a QuantSpec (int8 or int4:G) -> QuantizedLinear.
-    `search`: the grid by importance-weighted search instead of min/max."""
+    `search`: also sweep on the importance-weighted searched grid, each row keeping the better of the two."""
     N, K = w.shape
     if h.shape != (K, K):
         raise QuantError(f"GPTQ: the Hessian is {list(h.shape)}, expected [{K}, {K}] for a [{N}, {K}] weight")
     W = np.array(w, F32)  # [N, K]
-    dead = np.diag(h) == 0
-    W[:, dead] = 0
-    scales, lows = grid(W, spec, importance_of(h) if search else None)
-    G = K if spec.format == "int8" else spec.group
+    W[:, np.diag(h) == 0] = 0
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(K)  # [K]: the sweep's columns
     u = inverse_hessian_factor(h[np.ix_(order, order)], damp).astype(F32)
+    grids = [grid(W, spec, None)] + ([grid(W, spec, importance_of(h))] if search else [])
+    return best_rows(W, h, [sweep(W, u, order, spec, scales, lows, block) for scales, lows in grids])
+
+
+def sweep(W: np.ndarray, u: np.ndarray, order: np.ndarray, spec, scales: np.ndarray, lows: np.ndarray | None,
+          block: int = BLOCK) -> QuantizedLinear:
+    """The GPTQ sweep of W [N, K] on a fixed grid (scales, lows [N, ceil(K/G)]; lows None for int8), visiting the
+    columns in `order` [K], u [K, K] the inverse Hessian's factor in that order."""
+    N, K = W.shape
+    G = K if spec.format == "int8" else spec.group
     Wt = np.ascontiguousarray(W.T[order])  # [K, N]: a column of W is a contiguous row here, in sweep order
     codes = np.zeros((K, N), np.int8 if lows is None else np.uint8)  # row k: column order[k]'s codes
     for b0 in range(0, K, block):
