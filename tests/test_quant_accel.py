@@ -27,6 +27,7 @@ CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 # Triton on CPU tensors needs the interpreter, which conftest turns on only where there is no GPU
 interpreter = pytest.mark.skipif(CUDA, reason="CPU-interpreter coverage; the GPU's is below")
+DEV = "cuda" if CUDA else "cpu"  # the odd-shape GEMV tests: the interpreter here, the device's kernels there
 INT_SPECS = ["int8", "int4:32", "int4:64", "int4:128"]
 Q = gguf.GGMLQuantizationType
 
@@ -77,6 +78,7 @@ def records():
     out = {spec: QuantSpec.parse(spec).quantize(weights(37, 200, seed=2)) for spec in INT_SPECS}
     out.update({fmt: gguf_record(fmt, 37, 160, seed=3) for fmt in ("q8_0", "q4_0", "q4_1")})
     out["int4:64 (G > K)"] = QuantSpec.parse("int4:64").quantize(weights(37, 48, seed=2))  # one short group a row
+    out["int8 (K = 202)"] = QuantSpec.parse("int8").quantize(weights(37, 202, seed=2))  # rows not whole words
     return out
 
 
@@ -93,13 +95,18 @@ def check_fp32(got, want, rec, x):
     assert (np.abs(got - want) <= bound).all(), f"max excess {np.max(np.abs(got - want) - bound):.3g}"
 
 
-@interpreter
+def gemv_on(t, x, **kw) -> np.ndarray:
+    """qgemv on DEV from NumPy inputs (tensor keyword arguments moved there too) -> [N] fp32."""
+    kw = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    return qgemv(t, torch.from_numpy(x)[None].to(DEV), **kw)[0].cpu().numpy()
+
+
 @pytest.mark.parametrize("name", list(RECORDS))
 @pytest.mark.parametrize("fusion", ["plain", "norm", "swiglu", "residual"])
 def test_quantized_gemv_is_dequantize_then_multiply(name, fusion):
     rec = RECORDS[name]
     N, K = rec.shape
-    t = from_quantized_linear(rec, "cpu")
+    t = from_quantized_linear(rec, DEV)
     rng = np.random.default_rng(4)
     x = rng.standard_normal(2 * K if fusion == "swiglu" else K).astype(np.float32)
     r = rng.standard_normal(N).astype(np.float32)
@@ -111,42 +118,55 @@ def test_quantized_gemv_is_dequantize_then_multiply(name, fusion):
         kw, fx = dict(swiglu=True), np_ops.swiglu(x[None, :K], x[None, K:])[0]
     elif fusion == "residual":
         kw = dict(residual=torch.from_numpy(r.copy()))
-    got = qgemv(t, torch.from_numpy(x)[None], **kw)[0].numpy()
+    got = gemv_on(t, x, **kw)
     want = oracle_product(rec, fx) + (r if fusion == "residual" else 0)
     check_fp32(got, want, rec, fx)
 
 
-@interpreter
 @pytest.mark.parametrize("name", ["int8", "int4:32", "q4_1"])
 def test_quantized_gemv_split_k_sums_slices_in_order(name):
     rec = RECORDS[name]
-    t = from_quantized_linear(rec, "cpu")
+    t = from_quantized_linear(rec, DEV)
     x = np.random.default_rng(5).standard_normal(rec.shape[1]).astype(np.float32)
     cfg = QGemvConfig(16, 64 if t.group < t.K else 32, 4, 2, 1)  # two K slices (and a ragged last one)
-    got = qgemv(t, torch.from_numpy(x)[None], config=cfg)[0].numpy()
+    got = gemv_on(t, x, config=cfg)
     check_fp32(got, oracle_product(rec, x), rec, x)
 
 
-@interpreter
 @pytest.mark.parametrize("name", ["int8", "int4:32", "q8_0", "q4_0"])
 def test_quantized_gemv_holds_over_a_wide_range_of_inputs(name):
     """f(x) meets the codes as each 16-byte chunk's fixed point, scaled by the chunk's largest |f(x)|: values 2^20
     apart inside chunks, a chunk of zeros and one of values near 2^-110 stay within the fp32 summation bound."""
     rec = RECORDS[name]
     K = rec.shape[1]
-    t = from_quantized_linear(rec, "cpu")
+    t = from_quantized_linear(rec, DEV)
     rng = np.random.default_rng(6)
     x = rng.standard_normal(K).astype(np.float32)
     x[::7] *= np.float32(2.0 ** 20)  # a spike in every chunk
     x[:32] = 0
     x[32:64] = (rng.standard_normal(32) * 2.0 ** -110).astype(np.float32)
-    got = qgemv(t, torch.from_numpy(x)[None])[0].numpy()
+    got = gemv_on(t, x)
     check_fp32(got, oracle_product(rec, x), rec, x)
     small = np.zeros_like(x)
     small[32:64] = x[32:64]  # the tiny chunk alone: its own scale, not the spikes'
-    got = qgemv(t, torch.from_numpy(small)[None])[0].numpy()
+    got = gemv_on(t, small)
     want = oracle_product(rec, small)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["int8", "int4:32", "q8_0", "q4_1"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_input_gives_non_finite_outputs(name, bad):
+    """The integer products cannot carry NaN or ±inf: the chunk holding one must not come out finite (the oracle's
+    products are ±inf or NaN in every row whose code there is not zero)."""
+    rec = RECORDS[name]
+    x = np.random.default_rng(7).standard_normal(rec.shape[1]).astype(np.float32)
+    x[21] = bad
+    with np.errstate(invalid="ignore"):
+        want = oracle_product(rec, x)
+    got = gemv_on(from_quantized_linear(rec, DEV), x)
+    assert (~np.isfinite(want)).any()
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
 
 
 @interpreter

@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 
 from .flash_attn import dot_precision
-from .qgemv import _code_value
+
+
+@triton.jit
+def _code_value(v, OFFSET: tl.constexpr):
+    """int32 v in [0, 255] -> float(v − OFFSET), exactly, without an int-to-float conversion (a quarter-rate
+    instruction): the bits 0x4B000000 | v are the float 2^23 + v, and one subtraction removes 2^23 + OFFSET."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
 
 @triton.jit
