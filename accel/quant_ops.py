@@ -288,7 +288,8 @@ def pack_layer(lw: LayerWeights) -> LayerWeights:
     formats: dict[tuple, list] = {}
     for n, t in quantized:
         per_row = _per_row(t.group, t.K, t.low)
-        key = (t.bits, t.offset, per_row, None if per_row else t.group, t.low is None, t.q.dtype, t.scale.dtype)
+        key = (t.bits, t.offset, per_row, None if per_row else t.group, t.q.dtype, t.scale.dtype,
+               None if t.low is None else t.low.dtype)
         formats.setdefault(key, []).append((n, t))
     packed, launches = {}, []
     for (bits, offset, per_row, _, _, _, _), members in formats.items():

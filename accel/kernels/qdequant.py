@@ -167,6 +167,9 @@ def _per_row(group: int, K: int, low) -> bool:
     return group >= K and low is None  # one scale a row (int8); int4 with G > K keeps the group path (minima)
 
 
+GPU_BLOCK = (16, 512, 4)  # (BLOCK_N, BLOCK_K, warps): 16 rows × 512 columns a program on the GPU
+
+
 def _block_k(want: int, group: int, K: int, per_row: bool) -> int:
     """A tile width holding whole groups, no wider than K needs."""
     bk = min(want, max(16, triton.next_power_of_2(K)))
@@ -182,7 +185,7 @@ def dequantize_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | Non
     assert q.stride(1) == 1 and out.stride(1) == 1 and (low is None or low.stride() == scale.stride())
     per_row = _per_row(group, K, low)
     if block is None:
-        block = (16, 512, 4) if q.is_cuda else (min(32, triton.next_power_of_2(N)), 256, 4)
+        block = GPU_BLOCK if q.is_cuda else (min(32, triton.next_power_of_2(N)), 256, 4)
     bn, bk, warps = block
     bk = _block_k(bk, group, K, per_row)
     _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
@@ -236,7 +239,7 @@ class LayerDequant(NamedTuple):
 def layer_block(on_gpu: bool, group: int, per_row: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) of a dequantize_layer launch: dequantize_fwd's GPU tile; smaller under the
     interpreter. The tile holds whole groups."""
-    bn, bk, warps = (16, 512, 4) if on_gpu else (16, 128, 4)
+    bn, bk, warps = GPU_BLOCK if on_gpu else (16, 128, 4)
     return bn, bk if per_row else max(bk, group), warps
 
 

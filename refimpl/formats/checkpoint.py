@@ -16,8 +16,8 @@ import numpy as np
 
 from refimpl.model.config import LlamaConfig
 from refimpl.model.mllama_config import is_mllama_config
-from refimpl.errors import CheckpointError, ConfigError
-from refimpl.formats.jsonfile import read_json_object
+from refimpl.errors import CheckpointError
+from refimpl.formats.jsonfile import read_config_json, read_json_object
 from refimpl.progress import Progress
 from refimpl.quant.apply import quantize_params
 from refimpl.formats.gguf_loader import load_gguf
@@ -62,7 +62,7 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
         raise CheckpointError(f"{path}: no such file or directory (expected a model directory or a .gguf file)")
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{path}: expected a model directory (with config.json) or a .gguf file")
-    config = read_json_object(path / "config.json", "a model directory needs config.json", ConfigError)
+    config = read_config_json(path)
     if is_mllama_config(config):
         from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
         return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer)

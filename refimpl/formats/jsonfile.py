@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from refimpl.errors import CheckpointError, quote
+from refimpl.errors import CheckpointError, ConfigError, quote
 from refimpl.formats.safe_open import read_bytes, stat_path
 
 MAX_JSON_BYTES = 256 * 1024 * 1024  # tokenizer files run to tens of MB; past this it is not a settings file
@@ -38,3 +38,10 @@ def read_json_object(path: Path, what: str, error: type[Exception] = CheckpointE
     if not isinstance(d, dict):
         raise error(f"{path}: expected a JSON object ({what}){tail}")
     return d
+
+
+def read_config_json(path: Path) -> dict:
+    """A model's config.json (the file itself, or `path` / config.json for a directory) as a JSON object."""
+    path = Path(path)
+    return read_json_object(path / "config.json" if path.is_dir() else path, "a model directory needs config.json",
+                            ConfigError)

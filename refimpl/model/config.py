@@ -13,7 +13,7 @@ from pathlib import Path
 
 from refimpl.errors import ConfigError, quote
 from refimpl.model.config_fields import LLAMA_FIELDS, ROPE_FIELDS, check_fields
-from refimpl.formats.jsonfile import read_json_object
+from refimpl.formats.jsonfile import read_config_json
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class LlamaConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "LlamaConfig":
-        d = read_json_object(Path(path), "a model directory needs config.json", ConfigError)
+        d = read_config_json(Path(path))
         return cls.from_hf(d, source=str(path))
 
     def to_hf(self) -> dict:

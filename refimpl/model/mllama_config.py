@@ -13,7 +13,7 @@ from pathlib import Path
 
 from refimpl.errors import ConfigError, quote
 from refimpl.model.config_fields import MLLAMA_FIELDS, MLLAMA_TEXT_FIELDS, MLLAMA_VISION_FIELDS, check_fields
-from refimpl.formats.jsonfile import read_json_object
+from refimpl.formats.jsonfile import read_config_json
 from refimpl.model.config import LlamaConfig
 
 EXTRA_EMBEDDING_ROWS = 8  # embed_tokens has vocab_size + 8 rows: <|image|> (= vocab_size) and 7 reserved ids
@@ -174,7 +174,7 @@ class MllamaConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "MllamaConfig":
-        d = read_json_object(Path(path), "a model directory needs config.json", ConfigError)
+        d = read_config_json(Path(path))
         return cls.from_hf(d, source=str(path))
 
     def to_hf(self) -> dict:

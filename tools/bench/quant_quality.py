@@ -12,8 +12,9 @@ the lm_head quantized and kept unquantized (":bf16-head"). A benchmark, not a te
 SmolLM2: the default model's Q4_1 GGUF dequantized to fp32 is the "unquantized" model; the quantized models
 requantize those fp32 weights. Its linear layers already sit on Q4_1's grid (blocks of 32 columns, a scale and a
 minimum each; the embedding is Q8_0), so int4:32, whose groups are those blocks, nearly reproduces them, while
-int4:64 pays for moving them onto another 4-bit grid: compare the int4:32 and int4:64 rows before blaming a method. The refimpl runs them dequantized once (refimpl.quant.apply.dequantize_params):
-the same arithmetic as the refimpl's --quant forward, without redoing it per call.
+int4:64 pays for moving them onto another 4-bit grid: compare the int4:32 and int4:64 rows before blaming a method.
+The refimpl runs them dequantized once (refimpl.quant.apply.dequantize_params): the same arithmetic as the refimpl's
+--quant forward, without redoing it per call.
 Methods (refimpl.quant.calibrate, as `llama32 quantize --method`): rtn (round to nearest, min/max: what --quant
 does at load), search (error-minimizing ranges weighted by the calibration inputs), gptq, awq, awq-gptq (activation-
 aware input scales, then search / gptq). Each row also gives the MB of matrices a decode step reads (the mixed

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from refimpl.errors import ConfigError, GenerationError
+from refimpl.errors import GenerationError
 from tools.cli.params import QUANT_HELP, UserPath
 
 CALIBRATION = Path(__file__).resolve().parent.parent / "data" / "calibration-en.txt"
@@ -45,7 +45,7 @@ def quantize(model, quant, method, calib, out):
     """Quantize MODEL's linear layers and write a quantized checkpoint to OUT."""
     from refimpl.formats.checkpoint import load_checkpoint, weight_dtype, write_side_files
     from refimpl.formats.quant_checkpoint import quantization_config, save_quantized_weights
-    from refimpl.formats.jsonfile import read_json_object
+    from refimpl.formats.jsonfile import read_config_json
     from refimpl.model.mllama_config import is_mllama_config
     from refimpl.quant.calibrate import calibration_sequences, quantize_model
     from tools.engines import parse_quant, resolve_model
@@ -60,7 +60,7 @@ def quantize(model, quant, method, calib, out):
     text = None if method == "rtn" else _calibration_text(calib or CALIBRATION)
     path = resolve_model(model)
     config = path / "config.json"
-    if path.is_dir() and is_mllama_config(read_json_object(config, "a model directory needs config.json", ConfigError)):
+    if path.is_dir() and is_mllama_config(read_config_json(path)):
         # refused before the weights are read (an 11B-Vision checkpoint is 20 GB)
         raise GenerationError(f"{config}: model_type is 'mllama' (Llama 3.2 Vision); `quantize` handles text Llama "
                               f"models")
