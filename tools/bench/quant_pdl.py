@@ -23,7 +23,7 @@ from accel.engine import AccelEngine
 from accel.kernels.qgemv import PdlMode
 from accel import quant_ops
 from accel.kernels.tuning import Tuning
-from accel.quant_ops import decode_pdl, quantize_weights
+from accel.quant_ops import decode_pdl, quantize_weights, swiglu_in_gate_up
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
@@ -46,7 +46,15 @@ ROLE_VARIANTS = [("plain", None, {}, None), ("pdl, prefetch 1 tile", PdlMode("wa
 @contextlib.contextmanager
 def pdl_only(role: str | None, mode, vocab: int):
     """`mode` for the step's `role` kernel and plain launches for the rest (role None: `mode` for all), by
-    wrapping the accel.quant_ops op that accel.ops.fused calls for it."""
+    wrapping the accel.quant_ops op that accel.ops.fused calls for it. The step as this study measured it: the
+    SwiGLU in down's prologue (ROLES' ops; swiglu_in_gate_up)."""
+    with swiglu_in_gate_up(False):
+        with _pdl_only(role, mode, vocab):
+            yield
+
+
+@contextlib.contextmanager
+def _pdl_only(role: str | None, mode, vocab: int):
     if role is None:
         with decode_pdl(mode):
             yield
