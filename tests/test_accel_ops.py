@@ -305,8 +305,8 @@ def test_gemv_config_fills_the_gpu_at_llama_shapes():
 
 @pytest.mark.parametrize("N,K", [(37, 53), (64, 40)])
 def test_decode_gemv_ops_match_refimpl(path, N, K):
-    """The fused decode ops norm_linear, linear_add, swiglu_linear_add, norm_mlp_add through the op layer (GEMV kernel or torch
-    version) against refimpl's rms_norm / swiglu / linear and the residual add."""
+    """The fused decode ops norm_linear, linear_add, swiglu_linear_add, norm_mlp_add through the op layer (GEMV
+    kernel or torch version) against refimpl's rms_norm / swiglu / linear and the residual add."""
     rng = rng_for("gemv-ops", N, K)
     w, x, nw, r = randn(rng, N, K), randn(rng, 1, K) * 3, randn(rng, K), randn(rng, 1, N)
     w_down, gate_up = randn(rng, N, K), randn(rng, 1, 2 * K) * 3

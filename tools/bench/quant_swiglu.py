@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import json
 import sys
-import time
 
 import torch
 
@@ -21,6 +20,7 @@ from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
 from tools.bench.gpu import decode_rate
+from tools.bench.quant_pdl import bench_args
 
 
 def _rate(cfg, weights, on: bool) -> tuple[float, list[int]]:
@@ -56,11 +56,7 @@ def compare(model: str, specs: list[str]) -> list[dict]:
 
 
 def main(argv):
-    out_dir = argv[1] if len(argv) > 1 and not argv[1].startswith("--") else "."
-    models = next((a.split("=")[1] for a in argv if a.startswith("--models=")), "1b,3b").split(",")
-    specs = next((a.split("=")[1] for a in argv if a.startswith("--specs=")), "int8,int4:64").split(",")
-    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "torch": torch.__version__, "rows": []}
+    out_dir, models, specs, res = bench_args(argv)
     for m in models:
         res["rows"] += compare(m, specs)
         with open(f"{out_dir}/quant_swiglu.json", "w") as f:  # after each model: a run cut short keeps it
