@@ -89,7 +89,8 @@ def decode_step(w: Weights, cfg: LlamaConfig, token, position, tables: RopeTable
 
     Same values as `_layers` (the same roundings in the same order), with the GEMVs carrying the neighbours:
     attn norm + RoPE + cache write around the qkv GEMV, mlp norm in gate_up's prologue, SwiGLU in down's
-    prologue, the residual adds in o/down's epilogue, the final norm in the lm_head's prologue.
+    prologue (quantized: in gate_up's epilogue), the residual adds in o/down's epilogue, the final norm in the
+    lm_head's prologue.
     """
     eps = cfg.rms_norm_eps
     cos, sin = tables.cos, tables.sin  # [S, E/2]: qkv_rope reads row `position` on the device
@@ -106,5 +107,4 @@ def decode_layer(lw, cfg: LlamaConfig, x, position, cos, sin, cache_k, cache_v, 
     q_rot = ops.qkv_rope(x, lw.attn_norm, lw.qkv, eps, cos, sin, position, cache_k, cache_v, tuning)  # [1, H, E]
     a = ops.decode_attention(q_rot, cache_k, cache_v, position, tuning)  # [1, H, E] over 0..position
     ops.linear_add(a.reshape(1, H * E), lw.o, x, tuning)  # x += o(a): resid_mid
-    gate_up = ops.norm_linear(x, lw.mlp_norm, lw.gate_up, eps, tuning)  # [1, D] -> [1, 2F]
-    ops.swiglu_linear_add(gate_up, lw.down, x, tuning)  # x += down(silu(gate)·up): resid_post
+    ops.norm_mlp_add(x, lw.mlp_norm, lw.gate_up, lw.down, eps, tuning)  # x += down(silu(gate)·up): resid_post

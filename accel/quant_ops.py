@@ -155,6 +155,8 @@ def from_quantized_linear(w: QuantizedLinear, device) -> QuantTensor:
 _DEQUANT_SCRATCH: dict[tuple, torch.Tensor] = {}
 _PREFILL_PATH = contextvars.ContextVar("accel_quant_prefill_path", default=None)
 _DECODE_PDL = contextvars.ContextVar("accel_quant_decode_pdl", default=())  # (): the kernels' default
+# the decode MLP's SwiGLU in gate_up's epilogue (True) or in down's prologue (False): quant_norm_mlp_add
+_SWIGLU_IN_GATE_UP = contextvars.ContextVar("accel_quant_swiglu_in_gate_up", default=True)
 
 
 @contextlib.contextmanager
@@ -178,6 +180,17 @@ def decode_pdl(mode):
         yield
     finally:
         _DECODE_PDL.reset(token)
+
+
+@contextlib.contextmanager
+def swiglu_in_gate_up(on: bool):
+    """Within this block (a CUDA graph's capture included), the quantized decode MLP puts the SwiGLU in gate_up's
+    epilogue (on) or in down's prologue (off). For benchmarks and tests comparing the two."""
+    token = _SWIGLU_IN_GATE_UP.set(on)
+    try:
+        yield
+    finally:
+        _SWIGLU_IN_GATE_UP.reset(token)
 
 
 def _pdl_kw() -> dict:
@@ -223,6 +236,25 @@ def quant_swiglu_linear_add(gate_up, w: QuantTensor, residual):
     if ops.uses_triton(gate_up):
         return qgemv(w, gate_up, swiglu=True, residual=residual, out=residual)
     return torch_swiglu_linear_add(gate_up, w.dequantize(gate_up.dtype), residual)
+
+
+def quant_norm_swiglu(x, norm_weight, w: QuantTensor, eps):
+    """swiglu_gate_up(norm_linear(x, norm_weight, w, eps)) for a quantized gate_up [2F, D]: one kernel
+    (accel.kernels.qgemv.gate_up_swiglu_qfwd) for one row, else the two ops -> [1, F]."""
+    if x.numel() == w.K and ops.uses_triton(x):
+        from .kernels.qgemv import gate_up_swiglu_qfwd
+        return gate_up_swiglu_qfwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, norm_weight, eps,
+                                   **_pdl_kw())
+    return ops.swiglu_gate_up(quant_norm_linear(x, norm_weight, w, eps))
+
+
+def quant_norm_mlp_add(x, norm_weight, gate_up: QuantTensor, down, eps):
+    """ops.norm_mlp_add for quantized weights: the SwiGLU in gate_up's epilogue, then down's plain GEMV with the
+    residual add (down's SwiGLU prologue cost more instructions a code than any other f(x): tools/bench/NOTES.md);
+    inside swiglu_in_gate_up(False), gate_up's norm GEMV then down's SwiGLU prologue."""
+    if _SWIGLU_IN_GATE_UP.get():
+        return ops.linear_add(quant_norm_swiglu(x, norm_weight, gate_up, eps), down, x)
+    return ops.swiglu_linear_add(quant_norm_linear(x, norm_weight, gate_up, eps), down, x)
 
 
 def quant_qkv_rope(x, norm_weight, w: QuantTensor, eps, cos, sin, position, cache_k, cache_v):

@@ -305,8 +305,8 @@ def test_gemv_config_fills_the_gpu_at_llama_shapes():
 
 @pytest.mark.parametrize("N,K", [(37, 53), (64, 40)])
 def test_decode_gemv_ops_match_refimpl(path, N, K):
-    """The fused decode ops norm_linear, linear_add, swiglu_linear_add through the op layer (GEMV kernel or torch
-    version) against refimpl's rms_norm / swiglu / linear and the residual add."""
+    """The fused decode ops norm_linear, linear_add, swiglu_linear_add, norm_mlp_add through the op layer (GEMV
+    kernel or torch version) against refimpl's rms_norm / swiglu / linear and the residual add."""
     rng = rng_for("gemv-ops", N, K)
     w, x, nw, r = randn(rng, N, K), randn(rng, 1, K) * 3, randn(rng, K), randn(rng, 1, N)
     w_down, gate_up = randn(rng, N, K), randn(rng, 1, 2 * K) * 3
@@ -326,6 +326,11 @@ def test_decode_gemv_ops_match_refimpl(path, N, K):
     A.swiglu_linear_add(t(gate_up), t(w_down), resid, gate=t(-g))
     close(resid, r - g * R.linear(R.swiglu(gate_up[:, :K], gate_up[:, K:]), w_down), "swiglu_linear_add gated",
           **tol)
+    w_gate_up, w_mlp_down = randn(rng, 2 * N, K), randn(rng, K, N)  # the whole MLP block: [2F, D], [D, F]
+    resid = t(x.copy())
+    assert A.norm_mlp_add(resid, t(nw), t(w_gate_up), t(w_mlp_down), 1e-5) is resid
+    gu = R.linear(R.rms_norm(x, nw, 1e-5), w_gate_up)  # [1, D] -> [1, 2F]
+    close(resid, x + R.linear(R.swiglu(gu[:, :N], gu[:, N:]), w_mlp_down), "norm_mlp_add", **tol)
 
 
 @pytest.mark.parametrize("V", [7, 1000, 1537])

@@ -167,6 +167,32 @@ def _qkv_rope_kernel(Q, S, M, X, NW, COS, SIN, POS, QO, CK, CV, K, KB, stride_q,
                NKV, E)
 
 
+@triton.jit
+def _gate_up_swiglu_kernel(Q, S, M, X, NW, Y, F, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
+                           OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr,
+                           STAGES: tl.constexpr, FAST: tl.constexpr,
+                           PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PF_LINES: tl.constexpr = 0):
+    """norm + gate_up GEMV + SwiGLU: a program's BLOCK_N rows are BLOCK_N/2 gate rows and the matching up rows
+    (F further down: the qkv + RoPE kernel's pairing), so its epilogue writes silu(gate)·up straight to Y [F].
+    PDL, TRIGGER, PF_LINES: `_pdl_start`."""
+    HN: tl.constexpr = BLOCK_N // 2
+    b = tl.program_id(0)
+    i = tl.arange(0, BLOCK_N)
+    rows_c = (tl.minimum(b * HN + i % HN, F - 1) + (i // HN) * F).to(tl.int64)  # tail columns re-read a row
+    _pdl_start(Q, S, M, rows_c, 0, KB, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
+    acc = _qdot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
+                HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
+    if TRIGGER == 2:
+        gdc_launch_dependents()
+    g, u = tl.split(tl.permute(tl.reshape(acc, [2, HN]), [1, 0]))  # [HN] each: the gate and the up rows
+    dt = Y.dtype.element_ty  # the roundings of the unfused path: gate_up's output, silu's, the product's
+    g = g.to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt)
+    cols = b * HN + tl.arange(0, HN)
+    tl.store(Y + cols, (act.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt), mask=cols < F)
+
+
 def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, rope: bool = False,
                  table: Mapping[tuple, QGemvConfig] = tuning.QGEMV) -> QGemvConfig:
     """`table`'s row for (N, K, bits, group) on a GPU, else the rule: ONE tile a program (all its loads issued at
@@ -297,3 +323,37 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
         num_warps=cfg.warps, num_stages=cfg.stages, **_pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=True))
     return q_out
 
+
+
+def gate_up_swiglu_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
+                        group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None,
+                        pdl: PdlMode | None | str = "default") -> torch.Tensor:
+    """swiglu(gate, up) of linear(rms_norm(x), W) for the quantized W [2F, K] (rows gate, then up): one launch,
+    the roundings of the unfused GEMV then accel.kernels.swiglu -> [1, F] in x's dtype. A program owns whole
+    rows (the launch table's row for W when it does not split K, else the rule's unsplit config: the SwiGLU needs
+    both sums complete). pdl: as qgemv_fwd."""
+    N = q.shape[0]
+    F = N // 2
+    assert N == 2 * F, "weight rows must be 2F (gate, then up)"
+    assert q.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
+    assert x.numel() == K and x.reshape(-1).stride(0) == 1
+    assert norm_weight.shape == (K,) and norm_weight.stride(0) == 1
+    out = torch.empty((1, F), dtype=x.dtype, device=x.device) if out is None else out
+    per_row = group >= K and low is None
+    if config is not None:
+        cfg = QGemvConfig(*config)
+    else:
+        cfg = qgemv_config(N, K, bits, group, sm_count(q.device))
+        if cfg.split_k != 1:
+            cfg = qgemv_config(N, K, bits, group, sm_count(q.device), rope=True, table={})
+    _launch_checks(cfg, bits, group, per_row)
+    hn = cfg.block_n // 2
+    assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
+    _gate_up_swiglu_kernel[(triton.cdiv(F, hn),)](
+        q, scale, low if low is not None else scale, x, norm_weight, out, F, K, triton.cdiv(K, 8 // bits),
+        q.stride(0), scale.stride(0), float(eps), scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group,
+        HAS_MIN=low is not None, PER_ROW=per_row, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=_fast(q, bits, K), num_warps=cfg.warps,
+        num_stages=cfg.stages, **_pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=False))
+    return out

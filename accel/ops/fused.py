@@ -88,6 +88,12 @@ def swiglu_linear_add(gate_up, weight, residual, tuning: Tuning = DEFAULT, gate=
     return torch_swiglu_linear_add(gate_up, weight, residual, gate)
 
 
+def norm_mlp_add(x, norm_weight, gate_up, down, eps, tuning: Tuning = DEFAULT):
+    if is_quantized(gate_up):
+        return quant.quant_norm_mlp_add(x, norm_weight, gate_up, down, eps)
+    return swiglu_linear_add(norm_linear(x, norm_weight, gate_up, eps, tuning), down, x, tuning)
+
+
 def norm_cross_attention(q, norm_weight, eps, keys, values, visible, tuning: Tuning = DEFAULT):
     if uses_triton(q):
         if q.shape[0] == 1:  # the decode step: split along the image tokens

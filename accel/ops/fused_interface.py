@@ -23,6 +23,9 @@ Decode (one token, the residual stream x [1, D] updated in place):
     linear_add         o GEMV + residual add (a cross layer's: times its tanh gate first).
     norm_linear        mlp norm + gate_up GEMV (also final norm + lm_head, a cross layer's norm + q).
     swiglu_linear_add  SwiGLU + down GEMV + residual add (gated, as linear_add).
+    norm_mlp_add       the whole MLP block in two launches, the SwiGLU wherever it costs least: in down's
+                       prologue (norm_linear, swiglu_linear_add) for dense weights; in gate_up's epilogue for
+                       quantized ones, whose GEMV pairs gate row i with up row i in one program.
 Both (Llama 3.2 Vision's cross-attention layers):
     norm_cross_attention  q_norm + attention over the image tokens with the cross-attention mask (the decode
                           step: split along the image tokens; prefill: flash attention without the causal mask).
@@ -83,6 +86,11 @@ class FusedOps(Protocol):
         """gate_up [1, 2F], weight [D, F], residual [1, D] -> residual += linear(swiglu_gate_up(gate_up), weight)
         in place (times gate first, as linear_add); returns residual."""
 
+    def norm_mlp_add(self, x: Tensor, norm_weight: Tensor, gate_up: Tensor, down: Tensor, eps: float,
+                     tuning: Tuning = DEFAULT) -> Tensor:
+        """x [1, D], norm_weight [D], gate_up [2F, D] (rows gate, then up), down [D, F] -> x += linear(
+        swiglu_gate_up(norm_linear(x, norm_weight, gate_up, eps)), down) in place, the same roundings; returns x."""
+
     def norm_cross_attention(self, q: Tensor, norm_weight: Tensor, eps: float, keys: Tensor, values: Tensor,
                              visible: Tensor, tuning: Tuning = DEFAULT) -> Tensor:
         """q [T, H, E], norm_weight [E], keys/values [K, N, E], visible [T, N] bool -> [T, H, E]:
@@ -102,4 +110,4 @@ class FusedOps(Protocol):
 
 FUSED_OP_NAMES: tuple[str, ...] = ("add_rms_norm", "rope_kv_write", "swiglu_gate_up", "causal_attention",
                                    "decode_attention", "qkv_rope", "norm_linear", "linear_add", "swiglu_linear_add",
-                                   "norm_cross_attention", "argmax_row", "greedy_next")
+                                   "norm_mlp_add", "norm_cross_attention", "argmax_row", "greedy_next")

@@ -23,7 +23,7 @@ from accel.engine import AccelEngine
 from accel.kernels.qgemv import PdlMode
 from accel import quant_ops
 from accel.kernels.tuning import Tuning
-from accel.quant_ops import decode_pdl, quantize_weights
+from accel.quant_ops import decode_pdl, quantize_weights, swiglu_in_gate_up
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
@@ -46,7 +46,15 @@ ROLE_VARIANTS = [("plain", None, {}, None), ("pdl, prefetch 1 tile", PdlMode("wa
 @contextlib.contextmanager
 def pdl_only(role: str | None, mode, vocab: int):
     """`mode` for the step's `role` kernel and plain launches for the rest (role None: `mode` for all), by
-    wrapping the accel.quant_ops op that accel.ops.fused calls for it."""
+    wrapping the accel.quant_ops op that accel.ops.fused calls for it. The step as this study measured it: the
+    SwiGLU in down's prologue (ROLES' ops; swiglu_in_gate_up)."""
+    with swiglu_in_gate_up(False):
+        with _pdl_only(role, mode, vocab):
+            yield
+
+
+@contextlib.contextmanager
+def _pdl_only(role: str | None, mode, vocab: int):
     if role is None:
         with decode_pdl(mode):
             yield
@@ -102,14 +110,20 @@ def compare(model: str, specs: list[str], warm: bool = False, variants=VARIANTS,
     return rows
 
 
-def main(argv):
+def bench_args(argv) -> tuple[str, list[str], list[str], dict]:
+    """OUT_DIR [--models=1b,3b] [--specs=int8,int4:64] -> (out_dir, models, specs, the results record)."""
     out_dir = argv[1] if len(argv) > 1 and not argv[1].startswith("--") else "."
     models = next((a.split("=")[1] for a in argv if a.startswith("--models=")), "1b,3b").split(",")
     specs = next((a.split("=")[1] for a in argv if a.startswith("--specs=")), "int8,int4:64").split(",")
-    warm = "--warm" in argv
-    t0 = time.time()
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "torch": torch.__version__, "rows": []}
+    return out_dir, models, specs, res
+
+
+def main(argv):
+    out_dir, models, specs, res = bench_args(argv)
+    warm = "--warm" in argv
+    t0 = time.time()
     for m in models:
         res["rows"] += compare(m, specs, warm, ROLE_VARIANTS if "--roles" in argv else VARIANTS, "--once" in argv)
         if not warm:  # after each model: a run cut short keeps what it measured

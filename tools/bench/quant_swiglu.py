@@ -1,0 +1,67 @@
+"""The quantized decode MLP's two layouts, in one process (accel.quant_ops.swiglu_in_gate_up): the SwiGLU in
+gate_up's epilogue (then down's plain GEMV) against the SwiGLU in down's prologue. Batch-1 greedy decode rate,
+random weights at the real shapes, the two alternated (on, off, off, on) so drift hits both; the greedy tokens
+of both are compared.
+
+    python3 -m tools.bench.quant_swiglu OUT_DIR [--models=1b,3b] [--specs=int8,int4:64]
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+import torch
+
+from accel.engine import AccelEngine
+from accel.quant_ops import quantize_weights, swiglu_in_gate_up
+from accel.weights import random_weights
+from refimpl.model.config import PRESETS
+from refimpl.quant.formats import QuantSpec
+from tools.bench.decode_variants import NAMES
+from tools.bench.gpu import decode_rate
+from tools.bench.quant_pdl import bench_args
+
+
+def _rate(cfg, weights, on: bool) -> tuple[float, list[int]]:
+    with swiglu_in_gate_up(on):  # the capture records the layout chosen here
+        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
+        rate, _, tokens = decode_rate(eng, 32, 256, reps=3)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rate, tokens
+
+
+def compare(model: str, specs: list[str]) -> list[dict]:
+    cfg = PRESETS[NAMES[model]]
+    rows = []
+    for spec in specs:
+        weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
+        runs = {True: [], False: []}
+        tokens = {}
+        for on in (True, False, False, True):
+            rate, tokens[on] = _rate(cfg, weights, on)
+            runs[on].append(rate)
+        row = {"model": model, "quant": spec, "epilogue_tok_s": runs[True], "prologue_tok_s": runs[False],
+               "speedup": max(runs[True]) / max(runs[False]), "tokens_equal": tokens[True] == tokens[False]}
+        print(f"{model} {spec:<8} gate_up epilogue {max(runs[True]):8.1f} tok/s  down prologue "
+              f"{max(runs[False]):8.1f} tok/s  ×{row['speedup']:.3f}  tokens equal: {row['tokens_equal']}",
+              flush=True)
+        rows.append(row)
+        del weights
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv):
+    out_dir, models, specs, res = bench_args(argv)
+    for m in models:
+        res["rows"] += compare(m, specs)
+        with open(f"{out_dir}/quant_swiglu.json", "w") as f:  # after each model: a run cut short keeps it
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
