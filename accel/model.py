@@ -22,7 +22,7 @@ from refimpl.model.config import LlamaConfig
 
 from . import ops
 from .kernels.tuning import DEFAULT, Tuning
-from .quant_ops import prefill_weights
+from .quant_layers import prefill_weights
 from .weights import Weights
 
 
@@ -56,7 +56,7 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
 def _layers(w: Weights, cfg: LlamaConfig, x, cos, sin, cache_k, cache_v, positions, attend):
     """The decoder layers over the residual stream x [T, D]; returns final_norm(x) [T, D].
     `attend(i, q_rot)` -> [T, H, E] is the attention of layer i. A packed quantized layer is dequantized whole
-    into a scratch first (accel.quant_ops.prefill_weights: one launch instead of one a matrix)."""
+    into a scratch first (accel.quant_layers.prefill_weights: one launch instead of one a matrix)."""
     h = ops.rms_norm(x, w.layers[0].attn_norm, cfg.rms_norm_eps)
     for i, lw in enumerate(w.layers):
         next_norm = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.norm

@@ -1,6 +1,7 @@
 """Weight-only quantized weights on the device: the QuantTensor record, quantizing on the device (bit for bit
-refimpl.quant's oracle), loading refimpl's QuantizedLinear records, and the quantized versions of the decode
-step's fused GEMV ops (accel.ops.fused sends a QuantTensor weight here).
+refimpl.quant's oracle), converting refimpl's QuantizedLinear records, and the quantized versions of the decode
+step's fused GEMV ops (accel.ops.fused sends a QuantTensor weight here). Loading a model's quantized layers and
+packing them for the prefill: accel/quant_layers.py.
 
 One device layout serves every format (accel/kernels/qgemv.py): codes, then a scale (and a minimum) per GROUP
 columns. int8 and int4 are refimpl.quant.formats' own layouts; GGUF blocks are rearranged once at load:
@@ -9,7 +10,7 @@ columns. int8 and int4 are refimpl.quant.formats' own layouts; GGUF blocks are r
     Q4_1  -> 4-bit codes repacked, GROUP 32, scale d, minimum m (fp16)
 Every product code·scale is exact in fp32 (≤ 8 × 11 significant bits), so dequantizing here gives the oracle's
 bits. A one-row product (the prefill's lm_head, trace mode's decode) takes the GEMV. The prefill (more rows) takes
-cuBLAS over dequantized copies: at load, pack_layer puts each layer's matrices of one format into flat buffers, so
+cuBLAS over dequantized copies: at load, quant_layers.pack_layer puts each layer's matrices of one format into flat buffers, so
 that prefill_weights dequantizes the whole layer (accel/kernels/qdequant.py) with one launch a format into one
 scratch, reused layer after layer (stream order keeps the reuse safe) — one launch a layer instead of four, which is
 what the host pays for (tools/bench/NOTES.md). Measured alternatives, for benchmarks: `prefill_path("dequant")`, a
@@ -32,7 +33,6 @@ from refimpl.quant.gguf_blocks import block_fields
 
 from . import ops
 from .ops.torch_ops import torch_linear_add, torch_norm_linear, torch_swiglu_linear_add, unfused_qkv_rope
-from .weights import LayerWeights
 
 
 @dataclass(eq=False)
@@ -266,159 +266,3 @@ def quant_qkv_rope(x, norm_weight, w: QuantTensor, eps, cos, sin, position, cach
                              position, cache_k, cache_v, **_pdl_kw())
     return unfused_qkv_rope(quant_norm_linear, ops.rope_kv_write, x, norm_weight, w, eps, cos, sin, position,
                             cache_k, cache_v)
-
-
-# ---------------------------------------------------------------- the prefill: one dequantize launch a layer
-
-MATRICES = ("qkv", "o", "gate_up", "down")
-_LAYER_SCRATCH: dict[tuple, list[torch.Tensor]] = {}
-
-
-@dataclass(eq=False)
-class LayerPlan:
-    """How a packed layer's quantized matrices are dequantized for the prefill: one launch a format
-    (accel.kernels.qdequant.LayerDequant), into one scratch laid out as `layout` ((name, out_at, N, K) a matrix)."""
-
-    launches: list
-    layout: tuple
-    size: int  # elements of the scratch
-
-    @property
-    def nbytes(self) -> int:
-        return sum(launch.table.nbytes for launch in self.launches)
-
-
-@dataclass(eq=False)
-class QuantLayerWeights(LayerWeights):
-    """LayerWeights whose quantized matrices share flat buffers (pack_layer), with their prefill LayerPlan."""
-
-    plan: LayerPlan | None = None
-
-
-def _at(n: int, align: int) -> int:
-    return -(-n // align) * align
-
-
-def _into(flat: torch.Tensor, at: int, t: torch.Tensor) -> torch.Tensor:
-    """t copied into flat[at:], returned as the view there of t's shape."""
-    return flat[at: at + t.numel()].view(t.shape).copy_(t)
-
-
-def pack_layer(lw: LayerWeights) -> LayerWeights:
-    """Rearranged at load: the layer's quantized matrices of one format moved into one flat buffer each of codes,
-    scales and minima (the QuantTensors become views of them: the decode GEMVs see the same matrices), so that the
-    prefill dequantizes the whole layer with one launch a format (prefill_weights) instead of one a matrix."""
-    from .kernels.qdequant import _per_row, layer_launch
-    quantized = [(n, getattr(lw, n)) for n in MATRICES if isinstance(getattr(lw, n), QuantTensor)]
-    if not quantized:
-        return lw
-    layout, size = [], 0
-    for n, t in quantized:  # matrix starts 128 elements aligned in the scratch: aligned cuBLAS operands
-        layout.append((n, size, *t.shape))
-        size = _at(size + t.shape[0] * t.K, 128)
-    out_at = {n: at for n, at, _, _ in layout}
-    formats: dict[tuple, list] = {}
-    for n, t in quantized:
-        per_row = _per_row(t.group, t.K, t.low)
-        key = (t.bits, t.offset, per_row, None if per_row else t.group, t.q.dtype, t.scale.dtype,
-               None if t.low is None else t.low.dtype)
-        formats.setdefault(key, []).append((n, t))
-    packed, launches = {}, []
-    for (bits, offset, per_row, _, _, _, _), members in formats.items():
-        codes_at, scales_at = [], []
-        n_codes = n_scales = 0
-        for _, t in members:  # 16-element aligned starts: 16-byte code loads, stores and scale vectors
-            codes_at.append(n_codes)
-            scales_at.append(n_scales)
-            n_codes, n_scales = _at(n_codes + t.q.numel(), 16), _at(n_scales + t.scale.numel(), 16)
-        first = members[0][1]
-        q = torch.zeros(n_codes, dtype=first.q.dtype, device=first.device)
-        scale = torch.zeros(n_scales, dtype=first.scale.dtype, device=first.device)
-        low = None if first.low is None else torch.zeros(n_scales, dtype=first.low.dtype, device=first.device)
-        rows = []
-        for (n, t), ca, sa in zip(members, codes_at, scales_at):
-            packed[n] = QuantTensor(t.fmt, t.bits, t.group, _into(q, ca, t.q), _into(scale, sa, t.scale),
-                                    None if low is None else _into(low, sa, t.low), t.K, t.offset)
-            rows.append((ca, sa, out_at[n], t.shape[0], t.K, t.q.shape[1], t.scale.shape[1]))
-        launches.append(layer_launch(q, scale, low, rows, bits, offset, first.group, per_row))
-    fields = {f: packed.get(f, getattr(lw, f)) for f in ("attn_norm", "mlp_norm") + MATRICES}
-    return QuantLayerWeights(**fields, plan=LayerPlan(launches, tuple(layout), size))
-
-
-def prefill_weights(lw: LayerWeights, x: torch.Tensor) -> LayerWeights:
-    """The layer as the prefill over x [T, D] multiplies by it: for a packed layer (pack_layer) and T > 1 on the
-    Triton path, a LayerWeights whose quantized matrices are views of one scratch, filled by one dequantize launch
-    a format (one scratch for every layer of one layout: stream order keeps the reuse safe); otherwise lw itself
-    (one row takes the GEMVs; prefill_path() chooses the per-matrix paths, for benchmarks)."""
-    plan = getattr(lw, "plan", None)
-    if plan is None or x.shape[0] == 1 or _PREFILL_PATH.get() is not None or not ops.uses_triton(x):
-        return lw
-    from .kernels.qdequant import dequantize_layer_fwd
-    key = (plan.layout, x.dtype, x.device)
-    views = _LAYER_SCRATCH.get(key)
-    if views is None:  # [the flat scratch] + one [N, K] view a matrix, in layout order
-        flat = torch.empty(plan.size, dtype=x.dtype, device=x.device)
-        views = _LAYER_SCRATCH[key] = [flat] + [flat[at: at + N * K].view(N, K) for _, at, N, K in plan.layout]
-    for launch in plan.launches:
-        dequantize_layer_fwd(launch, views[0])
-    dense = {n: v for (n, *_), v in zip(plan.layout, views[1:])}
-    return LayerWeights(lw.attn_norm, dense.get("qkv", lw.qkv), dense.get("o", lw.o), lw.mlp_norm,
-                        dense.get("gate_up", lw.gate_up), dense.get("down", lw.down))
-
-
-# ---------------------------------------------------------------- loading
-
-def is_quantized(params: dict) -> bool:
-    return any(isinstance(v, QuantizedLinear) for v in params.values())
-
-
-def _matrix(parts: list, device, spec: QuantSpec | None, dtype: torch.dtype):
-    """Host matrices stacked by rows -> a QuantTensor (refimpl records converted, fp32 arrays quantized by
-    `spec`), or a dense device tensor in `dtype` (no spec, or GGUF parts of mixed or unsupported types)."""
-    from .weights import _host
-    if all(isinstance(p, QuantizedLinear) for p in parts) and len({p.format for p in parts}) == 1:
-        return cat_rows([from_quantized_linear(p, device) for p in parts])
-    dense = torch.cat([_host(p.dequantize() if isinstance(p, QuantizedLinear) else p).to(device) for p in parts])
-    if spec is None or spec.format == "gguf":
-        return dense.to(dtype)
-    return quantize(dense, spec)
-
-
-def load_quantized_weights(params: dict, cfg, device, dtype: torch.dtype, spec: QuantSpec | None):
-    """accel.weights.load_weights for a quantized run: the linear layers (and the lm_head unless
-    spec.lm_head is False) as QuantTensors, the embedding and norms dense in `dtype`."""
-    from .weights import Weights, _to_device
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        one = (lambda key: None if spec is None else spec.for_matrix(p + key))  # noqa: E731  a fused group's format
-        layers.append(pack_layer(LayerWeights(
-            attn_norm=_to_device(params[p + "input_layernorm.weight"], device, dtype),
-            qkv=_matrix([params[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], device, one("self_attn.q_proj"),
-                        dtype),
-            o=_matrix([params[p + "self_attn.o_proj.weight"]], device, one("self_attn.o_proj"), dtype),
-            mlp_norm=_to_device(params[p + "post_attention_layernorm.weight"], device, dtype),
-            gate_up=_matrix([params[p + "mlp.gate_proj.weight"], params[p + "mlp.up_proj.weight"]], device,
-                            one("mlp.gate_proj"), dtype),
-            down=_matrix([params[p + "mlp.down_proj.weight"]], device, one("mlp.down_proj"), dtype))))
-    embed = _to_device(params["model.embed_tokens.weight"], device, dtype)
-    head = params.get("lm_head.weight")
-    if isinstance(head, QuantizedLinear) or (spec is not None and spec.format != "gguf" and spec.lm_head):
-        lm_head = _matrix([head if head is not None else params["model.embed_tokens.weight"]], device,
-                          spec and spec.for_matrix("lm_head.weight"), dtype)
-    else:
-        lm_head = embed if head is None else _to_device(head, device, dtype)
-    return Weights(embed, layers, _to_device(params["model.norm.weight"], device, dtype), lm_head)
-
-
-def quantize_weights(w, spec: QuantSpec):
-    """Dense device Weights (the benchmark's random weights) -> the same model quantized on the device; each
-    dense matrix is dropped once quantized."""
-    for i, lw in enumerate(w.layers):
-        one = lambda key: spec.for_matrix(f"model.layers.{i}.{key}")  # noqa: E731  a fused group's format
-        lw.qkv, lw.o = quantize(lw.qkv, one("self_attn.q_proj")), quantize(lw.o, one("self_attn.o_proj"))
-        lw.gate_up, lw.down = quantize(lw.gate_up, one("mlp.gate_proj")), quantize(lw.down, one("mlp.down_proj"))
-        w.layers[i] = pack_layer(lw)
-    if spec.lm_head:
-        w.lm_head = quantize(w.lm_head, spec.for_matrix("lm_head.weight"))
-    return w

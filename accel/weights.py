@@ -88,10 +88,10 @@ def load_weights(params: dict[str, np.ndarray], cfg: LlamaConfig, device, dtype:
     """float32 NumPy params keyed by HF names -> fused device tensors in `dtype`.
 
     quant (a refimpl.quant.formats.QuantSpec), or params holding refimpl QuantizedLinear records: the linear
-    layers become accel.quant_ops.QuantTensors instead."""
-    from . import quant_ops
-    if quant is not None or quant_ops.is_quantized(params):
-        return quant_ops.load_quantized_weights(params, cfg, device, dtype, quant)
+    layers become accel.quant_ops.QuantTensors instead (accel.quant_layers)."""
+    from . import quant_layers
+    if quant is not None or quant_layers.is_quantized(params):
+        return quant_layers.load_quantized_weights(params, cfg, device, dtype, quant)
     D, F = cfg.hidden_size, cfg.intermediate_size
     qkv_rows = cfg.q_size + 2 * cfg.kv_size
     layers = []

@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 
 from accel.engine import AccelEngine  # noqa: E402
 from accel.kernels.qgemv import PdlMode, QGemvConfig, qgemv_fwd, qkv_rope_qfwd  # noqa: E402
-from accel.quant_ops import decode_pdl, quantize, quantize_weights  # noqa: E402
+from accel.quant_layers import quantize_weights  # noqa: E402
+from accel.quant_ops import decode_pdl, quantize  # noqa: E402
 from accel.weights import random_weights  # noqa: E402
 from refimpl.model.config import PRESETS  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402

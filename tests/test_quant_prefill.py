@@ -12,9 +12,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
 from accel.kernels.qdequant import QGemmConfig, dequantize_fwd, qgemm_fwd  # noqa: E402
-from accel import quant_ops  # noqa: E402
-from accel.quant_ops import (MATRICES, from_quantized_linear, pack_layer, prefill_path, prefill_weights,  # noqa: E402
-                             qgemv, quant_linear, quantize, torch_dequantize)
+from accel import quant_layers  # noqa: E402
+from accel.quant_layers import MATRICES, pack_layer, prefill_weights  # noqa: E402
+from accel.quant_ops import (from_quantized_linear, prefill_path, qgemv, quant_linear, quantize,  # noqa: E402
+                             torch_dequantize)
 from accel.weights import LayerWeights  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
 from test_quant_accel import RECORDS, bits, gguf_record, weights  # noqa: E402
@@ -110,9 +111,9 @@ def test_a_packed_layer_dequantizes_in_one_launch_a_format_to_the_oracle(formats
         for n in MATRICES:
             np.testing.assert_array_equal(bits(torch_dequantize(getattr(lw, n)).numpy()), bits(recs[n].dequantize()))
     x = torch.zeros(3, 4)
-    quant_ops._LAYER_SCRATCH.clear()
+    quant_layers._LAYER_SCRATCH.clear()
     prefill_weights(packed[1], x)
-    for flat in quant_ops._LAYER_SCRATCH.values():
+    for flat in quant_layers._LAYER_SCRATCH.values():
         flat[0].fill_(float("nan"))  # every element of every view must be written
     for recs, lw in zip(layers, packed):
         dense = prefill_weights(lw, x)

@@ -8,7 +8,7 @@ code · scale is exact in fp32, so a fused multiply-add gives the same bits as t
                  are split into their two nibble planes and interleaved back (tl.join) so that the tile is stored
                  contiguously, and the scales (minima) are loaded once a group and broadcast over it.
     dequantize_layer  the same for several matrices of one format in one launch (a prefill layer's, laid out at
-                 load by accel.quant_ops.pack_layer): a table on the device says where each matrix starts.
+                 load by accel.quant_layers.pack_layer): a table on the device says where each matrix starts.
     qgemm        Y [M, N] = X [M, K] @ W^T, W dequantized tile by tile in registers, rounded to X's dtype (the
                  values the dequantized scratch would hold), then tl.dot with fp32 accumulation. The product is
                  computed transposed, W_tile @ X_tile^T, so that the in-register operand is the dot's first one
@@ -226,7 +226,7 @@ def qgemm_fwd(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.
 
 
 class LayerDequant(NamedTuple):
-    """One dequantize_layer_fwd launch, prepared once at load (accel.quant_ops.pack_layer): matrices of one format
+    """One dequantize_layer_fwd launch, prepared once at load (accel.quant_layers.pack_layer): matrices of one format
     whose codes, scales and minima sit in three flat buffers, described by `table` ([M, 8] int64, LAYER_FIELDS)."""
     q: torch.Tensor
     scale: torch.Tensor

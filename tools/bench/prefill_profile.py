@@ -26,7 +26,8 @@ import time
 import torch
 
 from accel.engine import AccelEngine
-from accel.quant_ops import prefill_path, quantize_weights
+from accel.quant_layers import quantize_weights
+from accel.quant_ops import prefill_path
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec

@@ -1,7 +1,7 @@
 """Measurements for `llama32 bench --quant`: weight-only quantized decode and prefill beside bf16, in one run.
 
 For each model: random bf16 weights at the real shapes (seed 0); the bf16 engine is timed, then the same weights
-quantized on the device (accel.quant_ops.quantize_weights) for every format, each timed the same way
+quantized on the device (accel.quant_layers.quantize_weights) for every format, each timed the same way
 (tools.bench.gpu.decode_rate); then every engine's prefill, the engines called in turn (as called, the host's
 time to queue one, GPU time alone). Ratios are to the bf16 row. Also each decode GEMV alone (gemv_bench), bf16
 vs quantized, at the model's shapes.
@@ -15,7 +15,7 @@ import torch
 from accel.engine import AccelEngine
 from accel.kernels.gemv import gemv_fwd
 from accel.kernels.qkv_rope import qkv_rope_fwd
-from accel.quant_ops import quantize_weights
+from accel.quant_layers import quantize_weights
 from accel.weights import random_weights
 from refimpl.model.config import LlamaConfig
 from refimpl.quant.formats import QuantSpec

@@ -23,7 +23,8 @@ from accel.engine import AccelEngine
 from accel.kernels.qgemv import PdlMode
 from accel import quant_ops
 from accel.kernels.tuning import Tuning
-from accel.quant_ops import decode_pdl, quantize_weights, swiglu_in_gate_up
+from accel.quant_layers import quantize_weights
+from accel.quant_ops import decode_pdl, swiglu_in_gate_up
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from accel.engine import AccelEngine
 from accel.kernels.qdequant import QGemmConfig, dequantize_fwd, qgemm_fwd
-from accel.quant_ops import prefill_path, quantize, quantize_weights
+from accel.quant_layers import quantize_weights
+from accel.quant_ops import prefill_path, quantize
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec

@@ -143,7 +143,7 @@ def random_1b_rows(specs: list[str], device: str) -> tuple[dict, list[dict]]:
     import torch
 
     from accel.engine import AccelEngine
-    from accel.quant_ops import quantize_weights
+    from accel.quant_layers import quantize_weights
     from accel.weights import random_weights
     from refimpl.model.config import PRESETS
     from refimpl.model.llama import run_steps

@@ -14,7 +14,8 @@ import sys
 import torch
 
 from accel.engine import AccelEngine
-from accel.quant_ops import quantize_weights, swiglu_in_gate_up
+from accel.quant_layers import quantize_weights
+from accel.quant_ops import swiglu_in_gate_up
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
