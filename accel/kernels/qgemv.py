@@ -324,7 +324,6 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
     return q_out
 
 
-
 def gate_up_swiglu_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
                         group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None,
