@@ -13,9 +13,10 @@ bits. A one-row product (the prefill's lm_head, trace mode's decode) takes the G
 cuBLAS over dequantized copies: at load, quant_layers.pack_layer puts each layer's matrices of one format into
 flat buffers, so that quant_layers.prefill_weights dequantizes the whole layer (accel/kernels/qdequant.py) with one
 launch a format into one scratch, reused layer after layer (stream order keeps the reuse safe) — one launch a layer
-instead of four, which is what the host pays for (tools/bench/NOTES.md). Measured alternatives, for benchmarks: `prefill_path("dequant")`, a
-launch and a scratch per matrix (quant_linear), and `prefill_path("gemm")`, qdequant's GEMM that dequantizes in
-registers (reading only the codes): slower at every row count of 16-2048 but one (NOTES.md, "quantized prefill").
+instead of four, which is what the host pays for (tools/bench/NOTES.md). Measured alternatives, for benchmarks:
+`prefill_path("dequant")`, a launch and a scratch per matrix (quant_linear), and `prefill_path("gemm")`, qdequant's
+GEMM that dequantizes in registers (reading only the codes): slower at every row count of 16-2048 but one
+(NOTES.md, "quantized prefill").
 """
 from __future__ import annotations
 
