@@ -115,6 +115,28 @@ def _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS: tl.const
 
 
 @triton.jit
+def _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
+              OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+              PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr,
+              STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+              PF_LINES: tl.constexpr):
+    """A kernel's body up to its epilogue: `_pdl_start`, `_qdot` over bytes kb_lo .. kb_hi of rows_c, and with
+    TRIGGER 2 the next kernel's launch after the main loop -> [BLOCK_N] fp32."""
+    _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
+    acc = _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
+                HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
+    if TRIGGER == 2:
+        gdc_launch_dependents()
+    return acc
+
+
+@triton.jit
+def _halves(acc, HN: tl.constexpr):
+    """[2·HN] sums of a paired-rows program (its first HN rows, then the HN rows they pair with) -> the two [HN]."""
+    return tl.split(tl.permute(tl.reshape(acc, [2, HN]), [1, 0]))
+
+
+@triton.jit
 def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, eps, n_groups, kb_split,
                   BITS: tl.constexpr, OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
                   PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -128,12 +150,9 @@ def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, ep
     rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
     kb_lo = sp * kb_split
-    _pdl_start(Q, S, M, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), stride_q, stride_s, BITS, GROUP, HAS_MIN,
-               PDL, TRIGGER, PF_LINES)
-    acc = _qdot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
-                n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
-    if TRIGGER == 2:
-        gdc_launch_dependents()
+    acc = _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
+                    n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST,
+                    PDL, TRIGGER, PF_LINES)
     split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
 
 
@@ -155,12 +174,9 @@ def _qkv_rope_kernel(Q, S, M, X, NW, COS, SIN, POS, QO, CK, CV, K, KB, stride_q,
     i = tl.arange(0, BLOCK_N)
     c = (b % per_head) * HN + i % HN  # [BN] the column in the head's first half
     rows_c = (head * E + tl.minimum(c, half - 1) + (i // HN) * half).to(tl.int64)  # tail columns re-read a row
-    _pdl_start(Q, S, M, rows_c, 0, KB, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
-    acc = _qdot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
-                HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
-    if TRIGGER == 2:
-        gdc_launch_dependents()
-    a1, a2 = tl.split(tl.permute(tl.reshape(acc, [2, HN]), [1, 0]))  # [HN] each: first-half and second-half rows
+    acc = _rows_dot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
+                    HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL, TRIGGER, PF_LINES)
+    a1, a2 = _halves(acc, HN)  # [HN] each: first-half and second-half rows
     cols = (b % per_head) * HN + tl.arange(0, HN)
     pos = tl.load(POS).to(tl.int64)
     rope_store(a1, a2, head, cols, cols < half, pos, COS, SIN, QO, CK, CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H,
@@ -180,12 +196,9 @@ def _gate_up_swiglu_kernel(Q, S, M, X, NW, Y, F, K, KB, stride_q, stride_s, eps,
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK_N)
     rows_c = (tl.minimum(b * HN + i % HN, F - 1) + (i // HN) * F).to(tl.int64)  # tail columns re-read a row
-    _pdl_start(Q, S, M, rows_c, 0, KB, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
-    acc = _qdot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
-                HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
-    if TRIGGER == 2:
-        gdc_launch_dependents()
-    g, u = tl.split(tl.permute(tl.reshape(acc, [2, HN]), [1, 0]))  # [HN] each: the gate and the up rows
+    acc = _rows_dot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
+                    HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL, TRIGGER, PF_LINES)
+    g, u = _halves(acc, HN)  # [HN] each: the gate and the up rows
     dt = Y.dtype.element_ty  # the roundings of the unfused path: gate_up's output, silu's, the product's
     g = g.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt)
