@@ -12,7 +12,7 @@ import torch
 from refimpl.quant.formats import QuantizedLinear, QuantSpec
 
 from . import ops
-from .quant_ops import _PREFILL_PATH, QuantTensor, cat_rows, from_quantized_linear, quantize
+from .quant_ops import QuantTensor, cat_rows, chosen_prefill_path, from_quantized_linear, quantize
 from .weights import LayerWeights
 
 # ---------------------------------------------------------------- the prefill: one dequantize launch a layer
@@ -98,7 +98,7 @@ def prefill_weights(lw: LayerWeights, x: torch.Tensor) -> LayerWeights:
     a format (one scratch for every layer of one layout: stream order keeps the reuse safe); otherwise lw itself
     (one row takes the GEMVs; prefill_path() chooses the per-matrix paths, for benchmarks)."""
     plan = getattr(lw, "plan", None)
-    if plan is None or x.shape[0] == 1 or _PREFILL_PATH.get() is not None or not ops.uses_triton(x):
+    if plan is None or x.shape[0] == 1 or chosen_prefill_path() is not None or not ops.uses_triton(x):
         return lw
     from .kernels.qdequant import dequantize_layer_fwd
     key = (plan.layout, x.dtype, x.device)

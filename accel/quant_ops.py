@@ -161,37 +161,38 @@ _SWIGLU_IN_GATE_UP = contextvars.ContextVar("accel_quant_swiglu_in_gate_up", def
 
 
 @contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value):
+    """`var` set to `value` within the block (a CUDA graph's capture included)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def prefill_path(path: str | None):
-    """Within this block, products of more than one row take `path`: "gemm" (the fused GEMM) or "dequant" (scratch
-    + cuBLAS; also None, the default). For benchmarks comparing the two."""
+    """Within this block, products of more than one row take `path`: "gemm" (the fused GEMM) or "dequant" (a
+    scratch a matrix + cuBLAS) instead of a packed layer's one dequantize launch (None, the default:
+    accel.quant_layers.prefill_weights). For benchmarks comparing them."""
     assert path in (None, "gemm", "dequant")
-    token = _PREFILL_PATH.set(path)
-    try:
-        yield
-    finally:
-        _PREFILL_PATH.reset(token)
+    return _setting(_PREFILL_PATH, path)
 
 
-@contextlib.contextmanager
+def chosen_prefill_path() -> str | None:
+    """The path prefill_path() chose here, or None."""
+    return _PREFILL_PATH.get()
+
+
 def decode_pdl(mode):
-    """Within this block (a CUDA graph's capture included), the quantized GEMVs and qkv + RoPE launch with
-    `mode`, an accel.kernels.qgemv.PdlMode, or None for plain launches. For benchmarks and tests comparing them."""
-    token = _DECODE_PDL.set((mode,))
-    try:
-        yield
-    finally:
-        _DECODE_PDL.reset(token)
+    """Within this block, the quantized GEMVs and qkv + RoPE launch with `mode`, an accel.kernels.qgemv.PdlMode, or
+    None for plain launches. For benchmarks and tests comparing them."""
+    return _setting(_DECODE_PDL, (mode,))
 
 
-@contextlib.contextmanager
 def swiglu_in_gate_up(on: bool):
-    """Within this block (a CUDA graph's capture included), the quantized decode MLP puts the SwiGLU in gate_up's
-    epilogue (on) or in down's prologue (off). For benchmarks and tests comparing the two."""
-    token = _SWIGLU_IN_GATE_UP.set(on)
-    try:
-        yield
-    finally:
-        _SWIGLU_IN_GATE_UP.reset(token)
+    """Within this block, the quantized decode MLP puts the SwiGLU in gate_up's epilogue (on) or in down's prologue
+    (off). For benchmarks and tests comparing the two."""
+    return _setting(_SWIGLU_IN_GATE_UP, on)
 
 
 def _pdl_kw() -> dict:
