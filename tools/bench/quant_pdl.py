@@ -76,14 +76,20 @@ def _pdl_only(role: str | None, mode, vocab: int):
         setattr(quant_ops, name, orig)
 
 
-def _rate(cfg, weights, mode, attention: dict, warm: bool, role: str | None = None) -> tuple[float, list[int]]:
-    with pdl_only(role, mode, cfg.vocab_size):
-        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16", tuning=Tuning(decode_attention=attention))
+def rate_within(cfg, weights, context, tuning: Tuning | None = None, warm: bool = False) -> tuple[float, list[int]]:
+    """The bf16 engine over `weights` built and timed inside `context` (the capture records the launches chosen
+    there): greedy decode tok/s (32-token prompt, 256 tokens, median of 3; warm: 4 tokens once) and the tokens."""
+    with context:
+        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16", tuning=tuning or Tuning())
         rate, _, tokens = decode_rate(eng, 32, 4 if warm else 256, reps=1 if warm else 3)
     del eng
     gc.collect()
     torch.cuda.empty_cache()
     return rate, tokens
+
+
+def _rate(cfg, weights, mode, attention: dict, warm: bool, role: str | None = None) -> tuple[float, list[int]]:
+    return rate_within(cfg, weights, pdl_only(role, mode, cfg.vocab_size), Tuning(decode_attention=attention), warm)
 
 
 def compare(model: str, specs: list[str], warm: bool = False, variants=VARIANTS, once: bool = False) -> list[dict]:

@@ -13,25 +13,13 @@ import sys
 
 import torch
 
-from accel.engine import AccelEngine
 from accel.quant_layers import quantize_weights
 from accel.quant_ops import swiglu_in_gate_up
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
-from tools.bench.gpu import decode_rate
-from tools.bench.quant_pdl import bench_args
-
-
-def _rate(cfg, weights, on: bool) -> tuple[float, list[int]]:
-    with swiglu_in_gate_up(on):  # the capture records the layout chosen here
-        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
-        rate, _, tokens = decode_rate(eng, 32, 256, reps=3)
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
-    return rate, tokens
+from tools.bench.quant_pdl import bench_args, rate_within
 
 
 def compare(model: str, specs: list[str]) -> list[dict]:
@@ -42,7 +30,7 @@ def compare(model: str, specs: list[str]) -> list[dict]:
         runs = {True: [], False: []}
         tokens = {}
         for on in (True, False, False, True):
-            rate, tokens[on] = _rate(cfg, weights, on)
+            rate, tokens[on] = rate_within(cfg, weights, swiglu_in_gate_up(on))
             runs[on].append(rate)
         row = {"model": model, "quant": spec, "epilogue_tok_s": runs[True], "prologue_tok_s": runs[False],
                "speedup": max(runs[True]) / max(runs[False]), "tokens_equal": tokens[True] == tokens[False]}
