@@ -26,22 +26,14 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl.quant.formats import F32
+from refimpl.quant.search import ROWS_AT_ONCE, row_errors
 
 ALPHAS = np.linspace(0.0, 1.0, 11)
 FLOOR = 1e-8  # relative floor of p: a column no calibration token excites keeps a finite scale
-ROWS = 8192  # rows an error chunk: a 128256-row lm_head whole would hold several GB-sized copies at once
-
-
-def output_error(w: np.ndarray, s: np.ndarray, h: np.ndarray, quantize, rows: int = ROWS) -> float:
+def output_error(w: np.ndarray, s: np.ndarray, h: np.ndarray, quantize, rows: int = ROWS_AT_ONCE) -> float:
     """w [N, K], s [K], h [K, K], quantize as in search_scales -> Σ_n (w_n − ŵ_n) H (w_n − ŵ_n)ᵀ = ‖(W − Ŵ) Xᵀ‖²
-    for H = XᵀX and ŵ = Q(w·s) / s, `rows` rows at a time (each row is quantized on its own): fp32 products,
-    float64 sums."""
-    h32, total = np.asarray(h, F32), 0.0
-    for start in range(0, len(w), rows):
-        chunk = w[start:start + rows]  # [≤rows, K]
-        d = chunk - quantize(chunk * s).values / s  # [≤rows, K]
-        total += float(np.sum((d @ h32) * d, dtype=np.float64))  # [≤rows, K] @ [K, K] -> [≤rows, K], then Σ
-    return total
+    for H = XᵀX and ŵ = Q(w·s) / s, `rows` rows at a time (each row is quantized on its own)."""
+    return float(row_errors(w, lambda r0, r1: quantize(w[r0:r1] * s).values / s, h, rows).sum())
 
 
 def scales_for(p: np.ndarray, alpha: float) -> np.ndarray:

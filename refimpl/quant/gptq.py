@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl.quant.formats import F32, QuantError, QuantizedLinear, int4_codes, int8_codes, pack_nibbles
-from refimpl.quant.search import importance_of, quantize_search
+from refimpl.quant.search import importance_of, quantize_search, row_errors
 
 BLOCK = 128
 DAMP = 0.01
@@ -61,22 +61,13 @@ def grid(w: np.ndarray, spec, importance: np.ndarray | None) -> tuple[np.ndarray
     return q.scales, q.mins
 
 
-def row_errors(w: np.ndarray, q: QuantizedLinear, h: np.ndarray, rows: int = 8192) -> np.ndarray:
-    """w [N, K], q its quantization, h [K, K] -> [N]: each row's output error (w_n − ŵ_n) H (w_n − ŵ_n)ᵀ, fp32
-    products, `rows` rows at a time (an lm_head has 10^5)."""
-    h32, deq, out = np.asarray(h, F32), q.dequantize(), np.zeros(len(w))
-    for r0 in range(0, len(w), rows):
-        d = np.asarray(w[r0:r0 + rows], F32) - deq[r0:r0 + rows]  # [≤rows, K]
-        out[r0:r0 + rows] = np.sum((d @ h32) * d, axis=1, dtype=np.float64)  # [≤rows, K] @ [K, K] -> Σ_k
-    return out
-
-
 def best_rows(w: np.ndarray, h: np.ndarray, candidates: list[QuantizedLinear]) -> QuantizedLinear:
     """Quantizations of one w [N, K] -> one whose row n is the candidate with the smallest output error on row n
     (the first on ties)."""
     if len(candidates) == 1:
         return candidates[0]
-    pick = np.argmin(np.stack([row_errors(w, q, h) for q in candidates]), axis=0)  # [N]
+    errors = [row_errors(w, lambda r0, r1, q=q: q.take_rows(np.arange(r0, r1)).dequantize(), h) for q in candidates]
+    pick = np.argmin(np.stack(errors), axis=0)  # [N]
 
     def rows(attr: str) -> np.ndarray | None:  # [N, ...]: row n from candidate pick[n]
         arrays = [getattr(q, attr) for q in candidates]

@@ -120,6 +120,18 @@ def quantize_int4_search(w: np.ndarray, group: int, a: np.ndarray | None = None)
 ROWS_AT_ONCE = 4096  # bounds the candidates' temporaries (an lm_head has 10^5 rows)
 
 
+def row_errors(w: np.ndarray, w_hat_of, h: np.ndarray, rows: int = ROWS_AT_ONCE) -> np.ndarray:
+    """w [N, K], w_hat_of(r0, r1) -> ŵ [r1 − r0, K] (the rows' quantized values), h [K, K] -> [N]: each row's
+    output error (w_n − ŵ_n) H (w_n − ŵ_n)ᵀ, fp32 products, float64 sums, `rows` rows at a time (so no ŵ of a
+    whole 10^5-row lm_head is ever held)."""
+    h32, out = np.asarray(h, F32), np.zeros(len(w))
+    for r0 in range(0, len(w), rows):
+        r1 = min(r0 + rows, len(w))
+        d = np.asarray(w[r0:r1], F32) - w_hat_of(r0, r1)  # [r1 − r0, K]
+        out[r0:r1] = np.sum((d @ h32) * d, axis=1, dtype=np.float64)  # [r1 − r0, K] @ [K, K] -> Σ_k
+    return out
+
+
 def quantize_search(spec, w: np.ndarray, a: np.ndarray | None = None) -> QuantizedLinear:
     """The spec's format (a QuantSpec, int8 or int4:G) with searched parameters; a: column importance [K] or None.
     Rows are independent: searched ROWS_AT_ONCE at a time and stacked."""
