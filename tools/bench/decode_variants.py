@@ -246,12 +246,18 @@ def stream_sweep(models) -> tuple[list, dict, dict]:
     return rows, tables, qkv_tables
 
 
-def main(argv):
+def run_args(argv, **fields) -> tuple[str, list[str], dict]:
+    """OUT_DIR [--models=1b,3b] -> (out_dir, models, the results record: device, date, torch and `fields`)."""
     out_dir = argv[1] if len(argv) > 1 and not argv[1].startswith("--") else "."
     models = next((a.split("=")[1] for a in argv if a.startswith("--models=")), "1b,3b").split(",")
-    t0 = time.time()
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "torch": torch.__version__, "qkv": [], "decode": []}
+           "torch": torch.__version__, **fields}
+    return out_dir, models, res
+
+
+def main(argv):
+    out_dir, models, res = run_args(argv, qkv=[], decode=[])
+    t0 = time.time()
     tables, qkv_tables = {m: {} for m in models}, {m: {} for m in models}
     if "--sweep" in argv:
         for m in models:

@@ -28,7 +28,7 @@ from accel.quant_ops import decode_pdl, swiglu_in_gate_up
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
-from tools.bench.decode_variants import NAMES
+from tools.bench.decode_variants import NAMES, run_args
 from tools.bench.gpu import decode_rate
 
 # (name, the quantized kernels' mode, the decode attention's launch options, the one kernel it applies to or None)
@@ -119,11 +119,8 @@ def compare(model: str, specs: list[str], warm: bool = False, variants=VARIANTS,
 
 def bench_args(argv) -> tuple[str, list[str], list[str], dict]:
     """OUT_DIR [--models=1b,3b] [--specs=int8,int4:64] -> (out_dir, models, specs, the results record)."""
-    out_dir = argv[1] if len(argv) > 1 and not argv[1].startswith("--") else "."
-    models = next((a.split("=")[1] for a in argv if a.startswith("--models=")), "1b,3b").split(",")
+    out_dir, models, res = run_args(argv, rows=[])
     specs = next((a.split("=")[1] for a in argv if a.startswith("--specs=")), "int8,int4:64").split(",")
-    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "torch": torch.__version__, "rows": []}
     return out_dir, models, specs, res
 
 
