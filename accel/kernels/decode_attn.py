@@ -294,9 +294,10 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     block_e = max(16, triton.next_power_of_2(E))
     block_s = triton.next_power_of_2(n_splits)
     use_desc = cfg.pop("USE_DESC", False)
-    pdl = bool(cfg.pop("PDL", False)) and pdl_available(q)
-    prefetch = cfg.pop("PREFETCH", PREFETCH_SLOTS if pdl else 0)
-    prefetch = prefetch if pdl_available(q) else 0  # inline asm: GPU only
+    on_gpu = pdl_available(q)  # the PDL and prefetch parts are inline asm: GPU only
+    pdl = bool(cfg.pop("PDL", False)) and on_gpu
+    prefetch = cfg.pop("PREFETCH", PREFETCH_SLOTS if pdl else 0)  # popped always: not a kernel argument
+    prefetch = prefetch if on_gpu else 0
     descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
     cross = visible is not None
