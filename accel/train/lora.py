@@ -1,4 +1,5 @@
-"""LoRA on torch: the trainable adapter state (the unmerged `lora_linear` op itself is in accel.ops).
+"""LoRA on torch: the trainable adapter state and the training layers' linear with its LoRA pair (`lora_linear`
+here returns x·Aᵀ too, for a hand-written backward; the op interface's unmerged `lora_linear` is accel.ops').
 
 x @ Wᵀ + scale · (dropout(x) @ Aᵀ) @ Bᵀ with W frozen in the model dtype and A, B trainable fp32 masters.
 
@@ -44,22 +45,24 @@ def target_names(cfg, targets: tuple[str, ...]) -> list[str]:
     return [weight_name(i, t) for i in range(cfg.num_hidden_layers) for t in LLAMA_LINEARS if t in targets]
 
 
-def init_lora(shapes: dict, names: list[str], rank: int, scale: float, seed: int) -> dict[str, LoraModule]:
-    """PEFT's default initialisation: A ~ kaiming_uniform(a=√5) = U(±1/√Din), B = 0 (the adapter starts a no-op)."""
+def init_lora(shapes: dict, names: list[str], rank: int, scale: float, seed: int,
+              name_of=module_name) -> dict[str, LoraModule]:
+    """PEFT's default initialisation: A ~ kaiming_uniform(a=√5) = U(±1/√Din), B = 0 (the adapter starts a no-op).
+    name_of: a weight's name -> its module's name in PEFT's files."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name in names:
         d_out, d_in = shapes[name]
         bound = 1.0 / math.sqrt(d_in)
         a = (torch.rand(rank, d_in, generator=gen, dtype=torch.float32) * 2 - 1) * bound
-        out[name] = LoraModule(module_name(name), torch.nn.Parameter(a),
+        out[name] = LoraModule(name_of(name), torch.nn.Parameter(a),
                                torch.nn.Parameter(torch.zeros(d_out, rank)), scale)
     return out
 
 
-def from_adapter(adapter) -> dict[str, LoraModule]:
-    """refimpl.formats.lora.load_lora's [(name, A, B, scale)] -> trainable fp32 modules."""
-    return {name: LoraModule(module_name(name), torch.nn.Parameter(torch.from_numpy(a.copy())),
+def from_adapter(adapter, name_of=module_name) -> dict[str, LoraModule]:
+    """refimpl.formats.lora.load_lora's [(name, A, B, scale)] -> trainable fp32 modules (name_of: as init_lora)."""
+    return {name: LoraModule(name_of(name), torch.nn.Parameter(torch.from_numpy(a.copy())),
                              torch.nn.Parameter(torch.from_numpy(b.copy())), scale)
             for name, a, b, scale in adapter}
 

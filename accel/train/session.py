@@ -6,7 +6,6 @@ adapted and under which PEFT names, how a data line becomes a sample, the weight
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -101,8 +100,7 @@ class Session:
             lora, config = _from_init_adapter(s.init_adapter, family, str(model_path))
             config["lora_dropout"] = s.dropout
         else:
-            lora = init_lora(*family.fresh_targets(s.targets), s.rank, s.alpha / s.rank, s.seed)
-            lora = {name: dataclasses.replace(m, name=family.module_of(name)) for name, m in lora.items()}
+            lora = init_lora(*family.fresh_targets(s.targets), s.rank, s.alpha / s.rank, s.seed, family.module_of)
             config = adapter_config(str(model_path), s.rank, s.alpha, s.dropout, list(s.targets))
         config["target_modules"] = family.target_modules({m.name for m in lora.values()}, config["target_modules"])
         for m in lora.values():
@@ -129,7 +127,7 @@ def _from_init_adapter(adapter_dir: Path, family: TextTraining, base: str):
     adapter = load_lora(adapter_dir, family.cfg)
     family.refuse_untrainable(adapter, adapter_dir)
     d = read_json_object(Path(adapter_dir) / "adapter_config.json", "a PEFT adapter config")
-    lora = {name: dataclasses.replace(m, name=family.module_of(name)) for name, m in from_adapter(adapter).items()}
+    lora = from_adapter(adapter, family.module_of)
     targets = sorted({m.name.rsplit(".", 1)[-1] for m in lora.values()})
     config = adapter_config(base, int(d.get("r", 8)), d.get("lora_alpha", 8), float(d.get("lora_dropout", 0.0)),
                             targets, bool(d.get("use_rslora")), d.get("rank_pattern"), d.get("alpha_pattern"))
