@@ -65,12 +65,24 @@ def timed_greedy(engine, sess, prefill, start: int, new_tokens: int, reps: int =
     return statistics.median(times), tokens
 
 
+def prefill_call(engine: AccelEngine, tokens: int = 2048, prompt: torch.Tensor | None = None):
+    """A no-argument call of the engine's prefill of a `tokens`-token prompt (built on the device once: no copy
+    in the timing) into a session of its own."""
+    if prompt is None:
+        prompt = torch.tensor(prompt_ids(engine.config, tokens, seed=1), device=engine.device)
+    sess = engine.session(tokens)
+    return lambda: engine.prefill(prompt, sess)
+
+
+def prefill_gpu_ms(fn) -> float:
+    """A prefill call's GPU time alone (timing.device_ms, a spin long enough to queue a 2048-token prefill)."""
+    return device_ms(fn, reps=3, sleep_cycles=100_000_000)
+
+
 def prefill_ms(engine: AccelEngine, tokens: int = 2048) -> tuple[float, float]:
     """(as a caller sees it: events around one eager prefill, host launch cost included; GPU time alone)."""
-    prompt = torch.tensor(prompt_ids(engine.config, tokens, seed=1), device=engine.device)  # no copy in the timing
-    sess = engine.session(tokens)
-    fn = lambda: engine.prefill(prompt, sess)  # noqa: E731
-    return median_ms(fn, reps=10, warmup=2), device_ms(fn, reps=3, sleep_cycles=100_000_000)
+    fn = prefill_call(engine, tokens)
+    return median_ms(fn, reps=10, warmup=2), prefill_gpu_ms(fn)
 
 
 def prefill_flops(cfg: LlamaConfig, T: int) -> float:

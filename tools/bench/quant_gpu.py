@@ -20,9 +20,9 @@ from accel.weights import random_weights
 from refimpl.model.config import LlamaConfig
 from refimpl.quant.formats import QuantSpec
 from tools.bench.gemv_sweep import graph_us
-from tools.bench.gpu import decode_rate, prompt_ids
+from tools.bench.gpu import decode_rate, prefill_call, prefill_gpu_ms
 from tools.bench.qgemv_sweep import Case, shapes
-from tools.bench.timing import device_ms, round_robin_ms
+from tools.bench.timing import round_robin_ms
 
 
 def _row(label: str, engine: AccelEngine, new_tokens: int, copy_tb_s: float | None) -> dict:
@@ -40,14 +40,11 @@ def _row(label: str, engine: AccelEngine, new_tokens: int, copy_tb_s: float | No
 def _prefill(engines: dict, tokens: int, rows: list[dict]) -> None:
     """Every engine's prefill as called, the engines called in turn (tools.bench.timing.round_robin_ms: the host's
     speed drifts between calls), and GPU time alone."""
-    fns = {}
-    for label, engine in engines.items():
-        prompt = torch.tensor(prompt_ids(engine.config, tokens, seed=1), device=engine.device)
-        fns[label] = lambda e=engine, s=engine.session(tokens), p=prompt: e.prefill(p, s)
+    fns = {label: prefill_call(engine, tokens) for label, engine in engines.items()}
     timed = round_robin_ms(fns)
     for row in rows:
         row["prefill_ms"], row["prefill_host_ms"] = timed[row["quant"]]
-        row["prefill_gpu_ms"] = device_ms(fns[row["quant"]], reps=3, sleep_cycles=100_000_000)
+        row["prefill_gpu_ms"] = prefill_gpu_ms(fns[row["quant"]])
     for engine in engines.values():
         engine._session = None
 

@@ -34,7 +34,7 @@ from accel.quant_ops import prefill_path, quantize
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
-from tools.bench.gpu import prompt_ids
+from tools.bench.gpu import prefill_call, prefill_gpu_ms, prompt_ids
 from tools.bench.timing import device_ms, round_robin_ms
 
 NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
@@ -112,15 +112,14 @@ def engine_rows(model: str, specs: list[str], rows: list[dict], tokens: int = 20
         weights = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
         if spec != "bf16":
             weights = quantize_weights(weights, QuantSpec.parse(spec))
-        engine = AccelEngine(cfg, weights, torch.device("cuda"), "bf16", use_graph=False)
-        sess = engine.session(tokens)
+        fn = prefill_call(AccelEngine(cfg, weights, torch.device("cuda"), "bf16", use_graph=False), tokens, prompt)
         for path in paths if spec != "bf16" else ["cublas"]:
-            variants.append((spec, path, lambda e=engine, s=sess: e.prefill(prompt, s)))
+            variants.append((spec, path, fn))
     fns = {(spec, path): fn for spec, path, fn in variants}
     timed = round_robin_ms(fns, rounds, around=lambda label: prefill_path(PATHS.get(label[1])))
     for spec, path, fn in variants:
         with prefill_path(PATHS.get(path)):
-            gpu_ms = device_ms(fn, reps=3, sleep_cycles=100_000_000)
+            gpu_ms = prefill_gpu_ms(fn)
         called, host = timed[spec, path]
         rows.append({"model": model, "quant": spec, "path": path, "prefill_ms": called, "host_ms": host,
                      "prefill_gpu_ms": gpu_ms, "rounds": rounds})
