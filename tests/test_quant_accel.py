@@ -133,6 +133,25 @@ def test_quantized_gemv_split_k_sums_slices_in_order(name):
     check_fp32(got, oracle_product(rec, x), rec, x)
 
 
+@pytest.mark.parametrize("name", ["int4:32", "int4:64", "q4_0", "q4_1", "int8", "int4:64 (G > K)"])
+@pytest.mark.parametrize("fusion", ["norm", "residual"])
+def test_persistent_quantized_gemv_is_dequantize_then_multiply(name, fusion):
+    """Persistent programs (QGemvConfig.programs): 2 programs over the 5 row blocks of 8 rows (the last ragged),
+    f(x) built once a program, the epilogue a block."""
+    rec = RECORDS[name]
+    N, K = rec.shape
+    t = from_quantized_linear(rec, DEV)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal(K).astype(np.float32)
+    r = rng.standard_normal(N).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    kw, fx = dict(residual=torch.from_numpy(r.copy())), x
+    if fusion == "norm":
+        kw, fx = dict(norm_weight=torch.from_numpy(nw), eps=1e-5), np_ops.rms_norm(x[None], nw, 1e-5)[0]
+    got = gemv_on(t, x, config=QGemvConfig(8, 1 << (K - 1).bit_length(), 4, 1, 2, 2), **kw)
+    check_fp32(got, oracle_product(rec, fx) + (r if fusion == "residual" else 0), rec, fx)
+
+
 @pytest.mark.parametrize("name", ["int8", "int4:32", "q8_0", "q4_0"])
 def test_quantized_gemv_holds_over_a_wide_range_of_inputs(name):
     """f(x) meets the codes as each 16-byte chunk's fixed point, scaled by the chunk's largest |f(x)|: values 2^20
@@ -285,6 +304,29 @@ def test_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion):
     got = qgemv(t, x, **kw).float()
     want = fx.double() @ t.dequantize().double().T + (r.double() if fusion == "residual" else 0)
     # bf16 output: one rounding of the result (and of the residual sum), 2^-8 relative
+    err = (got.double() - want).abs().max().item()
+    assert err <= 2 ** -7 * want.abs().max().item() + 1e-3, err
+
+
+@gpu
+@pytest.mark.parametrize("spec", ["int4:32", "int4:64"])
+@pytest.mark.parametrize("N, K, fusion, bn, warps", [(16384, 2048, "norm", 16, 2), (2048, 2048, "residual", 32, 4),
+                                                     (2048, 8192, "residual", 8, 4), (128256, 3072, "norm", 16, 4),
+                                                     (3072, 3072, "residual", 8, 2)])
+def test_persistent_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion, bn, warps):
+    """Persistent configs (QGemvConfig.programs: fewer programs than row blocks, one tile a row, the scale lines
+    of each next block prefetched) against float64, bf16 tolerance."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    t = quantize(torch.randn(N, K, device="cuda", generator=g) * 0.02, QuantSpec.parse(spec))
+    x = torch.randn(1, K, device="cuda", generator=g).to(torch.bfloat16)
+    r = torch.randn(1, N, device="cuda", generator=g).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).to(torch.bfloat16)
+    from accel.ops.torch_ops import torch_rms_norm
+    kw, fx = (dict(norm_weight=nw, eps=1e-5), torch_rms_norm(x, nw, 1e-5)) if fusion == "norm" else \
+        (dict(residual=r.clone()), x)
+    cfg = QGemvConfig(bn, 1 << (K - 1).bit_length(), warps, 1, 3, 264)
+    got = qgemv(t, x, config=cfg, **kw).float()
+    want = fx.double() @ t.dequantize().double().T + (r.double() if fusion == "residual" else 0)
     err = (got.double() - want).abs().max().item()
     assert err <= 2 ** -7 * want.abs().max().item() + 1e-3, err
 

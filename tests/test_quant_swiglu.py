@@ -47,7 +47,7 @@ def oracle_swiglu(w_deq: np.ndarray, x: np.ndarray, nw: np.ndarray):
 @interpreter
 @pytest.mark.parametrize("name, F, K", [("int8", 37, 200), ("int4:32", 37, 200), ("int4:64", 21, 200),
                                         ("q4_0", 37, 160), ("q8_0", 19, 96), ("q4_1", 37, 160)])
-@pytest.mark.parametrize("block_n", [None, 4])
+@pytest.mark.parametrize("block_n", [None, 4, "persistent"])
 def test_gate_up_swiglu_is_dequantize_then_norm_matmul_swiglu(name, F, K, block_n):
     rec = record(name, 2 * F, K, seed=7)  # rows: F gate rows, then F up rows; F odd: a ragged last row block
     t = from_quantized_linear(rec, "cpu")
@@ -55,6 +55,8 @@ def test_gate_up_swiglu_is_dequantize_then_norm_matmul_swiglu(name, F, K, block_
     x = (3 * rng.standard_normal(K)).astype(np.float32)
     nw = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     cfg = None if block_n is None else (block_n, 32 if t.bits == 4 else 16, 4, 1, 1)  # several K tiles
+    if block_n == "persistent":  # 3 programs over the row blocks of 4 gate / 4 up rows, one tile a row
+        cfg = (8, 256, 4, 1, 2, 3)
     got = launch(t, torch.from_numpy(x)[None], torch.from_numpy(nw), config=cfg)[0].numpy()
     want, bound = oracle_swiglu(rec.dequantize(), x, nw)
     assert got.shape == (F,)
@@ -87,7 +89,8 @@ def test_quantized_norm_mlp_add_is_the_mlp_block_either_way(spec):
 @gpu
 @pytest.mark.parametrize("spec", ["int8", "int4:64", "int4:32"])
 @pytest.mark.parametrize("F, D", [(8192, 2048), (8192, 3072)])
-def test_gate_up_swiglu_at_llama_shapes_gpu(spec, F, D):
+@pytest.mark.parametrize("config", [None, "persistent"])
+def test_gate_up_swiglu_at_llama_shapes_gpu(spec, F, D, config):
     g = torch.Generator(device="cuda").manual_seed(0)
     t = quantize(torch.randn(2 * F, D, device="cuda", generator=g) * 0.02, QuantSpec.parse(spec))
     x = torch.randn(1, D, device="cuda", generator=g).to(torch.bfloat16)
@@ -95,7 +98,9 @@ def test_gate_up_swiglu_at_llama_shapes_gpu(spec, F, D):
     from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
     gu = (torch_rms_norm(x, nw, EPS).double() @ t.dequantize().double().T).to(torch.bfloat16)  # [1, 2F]
     want = torch_swiglu_gate_up(gu).double()  # the unfused path's roundings on fp64 sums
-    got = launch(t, x, nw).double()
+    if config == "persistent":  # 264 programs over the 512 or 1024 row blocks, one tile a row
+        config = (16, 2048 if D == 2048 else 4096, 4, 1, 3, 264)
+    got = launch(t, x, nw, config=config).double()
     # gate and up each one bf16 rounding away from fp64 sums (the GEMV's fp32 sums may round the other way)
     err = (got - want).abs().max().item()
     assert err <= 2 ** -6 * want.abs().max().item() + 1e-3, err

@@ -38,12 +38,44 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, gdc_launch_dependents, gdc_wait,
-                     pdl_available, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd, sm_count, split_k_epilogue,
+from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, gdc_launch_dependents,
+                     gdc_wait, pdl_available, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd, sm_count, split_k_epilogue,
                      split_scratch)
 from .qdot import chunk_dots, fixed_point, group_param
 from .qkv_rope import rope_store
 from .tuning import QGemvConfig
+
+
+@triton.jit
+def _fx_fixed(X, NW, k0, jc, K, rstd, PROLOGUE: tl.constexpr, NC: tl.constexpr, CHUNK: tl.constexpr,
+              NEED_XC: tl.constexpr):
+    """f(x) of the columns k0 + jc as each chunk's fixed point -> F [NC, CHUNK], 2^-s [NC] and (NEED_XC) Σ f(x)
+    a chunk [NC] (else 2^-s again, unused)."""
+    fx = prologue_fx(X, NW, k0, jc, K, rstd, PROLOGUE, False)  # [BK] fp32, zeros past K
+    F, unit = fixed_point(fx, NC, CHUNK)  # [NC, CHUNK], [NC]
+    xc = unit
+    if NEED_XC:
+        xc = tl.sum(tl.reshape(fx, [NC, CHUNK]), axis=1)  # [NC] Σ f(x) a chunk
+    return F, unit, xc
+
+
+@triton.jit
+def _tile_sums(Q, S, M, rows_c, kb0, jw, KB, stride_q, stride_s, n_groups, F, unit, xc, BITS: tl.constexpr,
+               OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+               BLOCK_N: tl.constexpr, NC: tl.constexpr, CHUNK: tl.constexpr, FAST: tl.constexpr):
+    """The [BN, NC] chunk sums of the tile at byte column kb0 for f(x)'s fixed point F (`_fx_fixed`), times the
+    group's scale (+ minimum · Σ f(x)); unscaled with PER_ROW."""
+    k0 = kb0 * (8 // BITS)
+    part = chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BITS, BLOCK_N, NC, CHUNK, FAST) * unit[None, :]
+    if OFFSET != 0:
+        part -= OFFSET * xc[None, :]
+    if not PER_ROW:
+        g = (k0 + tl.arange(0, NC) * CHUNK) // GROUP  # [NC] the group of each chunk
+        inside = (g[None, :] < n_groups) & (rows_c[:, None] >= 0)  # [BN, NC] (rows_c >= 0 always: the shape)
+        part *= group_param(S + rows_c[:, None] * stride_s + g[None, :], inside, FAST)
+        if HAS_MIN:
+            part += group_param(M + rows_c[:, None] * stride_s + g[None, :], inside, FAST) * xc[None, :]
+    return part
 
 
 @triton.jit
@@ -56,21 +88,9 @@ def _qtile(Q, S, M, X, NW, rows_c, kb0, jw, jc, K, KB, stride_q, stride_s, rstd,
     with PER_ROW. f(x) is computed once per column for all BN rows and goes into the integer products as a
     chunk's fixed point (`fixed_point`), so the codes need no conversion to float: 4 products an instruction."""
     NC: tl.constexpr = BLOCK_K // CHUNK
-    k0 = kb0 * (8 // BITS)
-    fx = prologue_fx(X, NW, k0, jc, K, rstd, PROLOGUE, False)  # [BK] fp32, zeros past K
-    F, unit = fixed_point(fx, NC, CHUNK)  # [NC, CHUNK], [NC]
-    part = chunk_dots(Q, rows_c, kb0, jw, KB, stride_q, F, BITS, BLOCK_N, NC, CHUNK, FAST) * unit[None, :]
-    if OFFSET != 0 or HAS_MIN:
-        xc = tl.sum(tl.reshape(fx, [NC, CHUNK]), axis=1)  # [NC] Σ f(x) a chunk
-    if OFFSET != 0:
-        part -= OFFSET * xc[None, :]
-    if not PER_ROW:
-        g = (k0 + tl.arange(0, NC) * CHUNK) // GROUP  # [NC] the group of each chunk
-        inside = (g[None, :] < n_groups) & (rows_c[:, None] >= 0)  # [BN, NC] (rows_c >= 0 always: the shape)
-        part *= group_param(S + rows_c[:, None] * stride_s + g[None, :], inside, FAST)
-        if HAS_MIN:
-            part += group_param(M + rows_c[:, None] * stride_s + g[None, :], inside, FAST) * xc[None, :]
-    return part
+    F, unit, xc = _fx_fixed(X, NW, kb0 * (8 // BITS), jc, K, rstd, PROLOGUE, NC, CHUNK, OFFSET != 0 or HAS_MIN)
+    return _tile_sums(Q, S, M, rows_c, kb0, jw, KB, stride_q, stride_s, n_groups, F, unit, xc, BITS, OFFSET, GROUP,
+                      HAS_MIN, PER_ROW, BLOCK_N, NC, CHUNK, FAST)
 
 
 @triton.jit
@@ -131,6 +151,40 @@ def _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, e
 
 
 @triton.jit
+def _whole_rows(X, NW, K, eps, BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr,
+                PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr):
+    """The persistent kernels' f(x) over the whole row (one tile), as its fixed point, once a program: F, 2^-s,
+    Σ f(x) a chunk (`_fx_fixed`)."""
+    CHUNK: tl.constexpr = 128 // BITS
+    rstd = 0.0
+    if PROLOGUE == 1:
+        rstd = rms_rstd(X, K, eps, K_POW2)
+    return _fx_fixed(X, NW, 0, tl.arange(0, BLOCK_K), K, rstd, PROLOGUE, BLOCK_K // CHUNK, CHUNK,
+                     OFFSET != 0 or HAS_MIN)
+
+
+@triton.jit
+def _block_sums(Q, S, M, rows_c, next_c, KB, stride_q, stride_s, n_groups, F, unit, xc, BITS: tl.constexpr,
+                OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr, SLINES: tl.constexpr):
+    """A persistent program's row block rows_c over the whole row (one tile, f(x) given) -> [BLOCK_N] fp32,
+    scaled. SLINES > 0: first the scale (and minimum) lines of the program's next row block next_c into L2 (a hint:
+    those small loads are not in the cp.async pipeline the codes are)."""
+    CHUNK: tl.constexpr = 128 // BITS
+    if SLINES > 0:
+        LINE: tl.constexpr = 1024 // S.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
+        prefetch_rows_l2(S, next_c, stride_s, 0, n_groups, LINE, SLINES)
+        if HAS_MIN:
+            prefetch_rows_l2(M, next_c, stride_s, 0, n_groups, LINE, SLINES)
+    part = _tile_sums(Q, S, M, rows_c, 0, tl.arange(0, BLOCK_K * BITS // 32), KB, stride_q, stride_s, n_groups, F,
+                      unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N, BLOCK_K // CHUNK, CHUNK, FAST)
+    out = tl.sum(part, axis=1)
+    if PER_ROW:
+        out *= tl.load(S + rows_c * stride_s).to(tl.float32)
+    return out
+
+
+@triton.jit
 def _halves(acc, HN: tl.constexpr):
     """[2·HN] sums of a paired-rows program (its first HN rows, then the HN rows they pair with) -> the two [HN]."""
     return tl.split(tl.permute(tl.reshape(acc, [2, HN]), [1, 0]))
@@ -142,18 +196,35 @@ def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, ep
                   PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
                   FAST: tl.constexpr,
-                  PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PF_LINES: tl.constexpr = 0):
+                  PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PF_LINES: tl.constexpr = 0,
+                  PERSIST: tl.constexpr = False, SLINES: tl.constexpr = 0):
     """Program (row block b, K slice s): rows b·BN .. (b+1)·BN over bytes s·kb_split .. (s+1)·kb_split of Q.
-    PDL, TRIGGER, PF_LINES: `_pdl_start`."""
+    PERSIST (one K slice, one tile a row): program b takes row blocks b, b + programs, ... through a STAGES-deep
+    cp.async pipeline, f(x)'s fixed point built once; SLINES: `_block_sums`. PDL, TRIGGER, PF_LINES: `_pdl_start`."""
     b = tl.program_id(0)
-    sp = tl.program_id(1)
-    rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
-    kb_lo = sp * kb_split
-    acc = _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
-                    n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST,
-                    PDL, TRIGGER, PF_LINES)
-    split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
+    if PERSIST:
+        step = tl.num_programs(0)
+        _pdl_start(Q, S, M, tl.minimum(b * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64), 0, KB, stride_q,
+                   stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
+        F, unit, xc = _whole_rows(X, NW, K, eps, BITS, OFFSET, HAS_MIN, PROLOGUE, BLOCK_K, K_POW2)
+        for blk in tl.range(b, tl.cdiv(N, BLOCK_N), step, num_stages=STAGES):
+            rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows_c = tl.minimum(rows, N - 1).to(tl.int64)
+            acc = _block_sums(Q, S, M, rows_c, tl.minimum(rows + step * BLOCK_N, N - 1).to(tl.int64), KB, stride_q,
+                              stride_s, n_groups, F, unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N,
+                              BLOCK_K, FAST, SLINES)
+            epilogue(acc, R, Y, rows, N, HAS_RESIDUAL)
+        if TRIGGER == 2:
+            gdc_launch_dependents()
+    else:
+        sp = tl.program_id(1)
+        rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
+        kb_lo = sp * kb_split
+        acc = _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s,
+                        eps, n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2,
+                        STAGES, FAST, PDL, TRIGGER, PF_LINES)
+        split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
 
 
 @triton.jit
@@ -188,16 +259,42 @@ def _gate_up_swiglu_kernel(Q, S, M, X, NW, Y, F, K, KB, stride_q, stride_s, eps,
                            OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr,
                            STAGES: tl.constexpr, FAST: tl.constexpr,
-                           PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PF_LINES: tl.constexpr = 0):
+                           PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PF_LINES: tl.constexpr = 0,
+                           PERSIST: tl.constexpr = False, SLINES: tl.constexpr = 0):
     """norm + gate_up GEMV + SwiGLU: a program's BLOCK_N rows are BLOCK_N/2 gate rows and the matching up rows
     (F further down: the qkv + RoPE kernel's pairing), so its epilogue writes silu(gate)·up straight to Y [F].
-    PDL, TRIGGER, PF_LINES: `_pdl_start`."""
+    PERSIST, SLINES: as `_qgemv_kernel`'s. PDL, TRIGGER, PF_LINES: `_pdl_start`."""
     HN: tl.constexpr = BLOCK_N // 2
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK_N)
-    rows_c = (tl.minimum(b * HN + i % HN, F - 1) + (i // HN) * F).to(tl.int64)  # tail columns re-read a row
-    acc = _rows_dot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
-                    HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL, TRIGGER, PF_LINES)
+    if PERSIST:
+        step = tl.num_programs(0)
+        _pdl_start(Q, S, M, _pair_rows(b, i, F, HN), 0, KB, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER,
+                   PF_LINES)
+        fx, unit, xc = _whole_rows(X, NW, K, eps, BITS, OFFSET, HAS_MIN, 1, BLOCK_K, K_POW2)
+        for blk in tl.range(b, tl.cdiv(F, HN), step, num_stages=STAGES):
+            acc = _block_sums(Q, S, M, _pair_rows(blk, i, F, HN), _pair_rows(blk + step, i, F, HN), KB, stride_q,
+                              stride_s, n_groups, fx, unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N,
+                              BLOCK_K, FAST, SLINES)
+            _swiglu_store(acc, Y, blk, F, HN)
+        if TRIGGER == 2:
+            gdc_launch_dependents()
+    else:
+        acc = _rows_dot(Q, S, M, X, NW, _pair_rows(b, i, F, HN), 0, KB, K, KB, stride_q, stride_s, eps, n_groups,
+                        BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL,
+                        TRIGGER, PF_LINES)
+        _swiglu_store(acc, Y, b, F, HN)
+
+
+@triton.jit
+def _pair_rows(b, i, F, HN: tl.constexpr):
+    """Row block b of the gate_up pairing: gate rows b·HN + i (i < HN), then the up rows F further down."""
+    return (tl.minimum(b * HN + i % HN, F - 1) + (i // HN) * F).to(tl.int64)  # tail columns re-read a row
+
+
+@triton.jit
+def _swiglu_store(acc, Y, b, F, HN: tl.constexpr):
+    """Y[b·HN ..] = silu(gate)·up of a paired block's sums acc [2·HN]."""
     g, u = _halves(acc, HN)  # [HN] each: the gate and the up rows
     dt = Y.dtype.element_ty  # the roundings of the unfused path: gate_up's output, silu's, the product's
     g = g.to(dt).to(tl.float32)
@@ -264,10 +361,20 @@ def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, b
                 PF_LINES=triton.next_power_of_2(triton.cdiv(nbytes, 128)) if nbytes else 0, launch_pdl=True)
 
 
-def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool) -> None:
+def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int = 0) -> None:
     chunk = 128 // bits
     assert cfg.block_k % chunk == 0, f"block_k {cfg.block_k}: whole {chunk}-column chunks (16 bytes)"
     assert per_row or group % chunk == 0, f"group {group}: whole {chunk}-column chunks"
+    assert not cfg.programs or (cfg.split_k == 1 and cfg.block_k >= K), "persistent: one K slice, one tile a row"
+
+
+def _persist_kwargs(cfg: QGemvConfig, blocks: int, scale: torch.Tensor, per_row: bool) -> tuple[tuple, dict]:
+    """The grid and constexprs: one program a row block (and K slice), or cfg.programs persistent ones, which
+    prefetch each next row block's scale lines (SLINES a row; on the GPU: the interpreter has no prefetch)."""
+    if not cfg.programs:
+        return (blocks,), {}
+    slines = 0 if per_row or not scale.is_cuda else triton.next_power_of_2(triton.cdiv(scale.shape[1] * scale.element_size(), 128))
+    return (min(cfg.programs, blocks),), dict(PERSIST=True, SLINES=slines)
 
 
 def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int, group: int,
@@ -285,21 +392,22 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
     out = torch.empty((1, N), dtype=x.dtype, device=x.device) if out is None else out
     per_row = group >= K and low is None  # one scale a row, applied after the sum (with minima: the group path)
     cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device))
-    _launch_checks(cfg, bits, group, per_row)
+    _launch_checks(cfg, bits, group, per_row, K)
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE
     blocks = triton.cdiv(N, cfg.block_n)
     k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(K, k_split)
     pack = 8 // bits
     p, c = split_scratch(q.device, split * N, blocks) if split > 1 else (out, out)
-    _qgemv_kernel[(blocks, split)](
+    grid, persist = _persist_kwargs(cfg, blocks, scale, per_row)
+    _qgemv_kernel[grid + (split,)](
         q, scale, low if low is not None else scale, xv, norm_weight if norm_weight is not None else xv,
         residual if residual is not None else out, out, p, c, N, K, triton.cdiv(K, pack), q.stride(0),
         scale.stride(0), float(eps), scale.shape[1], k_split // pack, BITS=bits, OFFSET=offset, GROUP=group,
         HAS_MIN=low is not None, PER_ROW=per_row, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
-        FAST=_fast(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages,
+        FAST=_fast(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages, **persist,
         **_pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False))
     return out
 
@@ -327,6 +435,7 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
     _launch_checks(cfg, bits, group, per_row)
     hn = cfg.block_n // 2
     assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
+    assert not cfg.programs, "the qkv + RoPE kernel takes one program a head block"
     _qkv_rope_kernel[((H + 2 * NKV) * triton.cdiv(E // 2, hn),)](
         q, scale, low if low is not None else scale, x, norm_weight, cos, sin, position, q_out, cache_k, cache_v, K,
         triton.cdiv(K, 8 // bits), q.stride(0), scale.stride(0), float(eps), scale.shape[1], cos.stride(0),
@@ -359,13 +468,14 @@ def gate_up_swiglu_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor 
         cfg = qgemv_config(N, K, bits, group, sm_count(q.device))
         if cfg.split_k != 1:
             cfg = qgemv_config(N, K, bits, group, sm_count(q.device), rope=True, table={})
-    _launch_checks(cfg, bits, group, per_row)
+    _launch_checks(cfg, bits, group, per_row, K)
     hn = cfg.block_n // 2
     assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
-    _gate_up_swiglu_kernel[(triton.cdiv(F, hn),)](
+    grid, persist = _persist_kwargs(cfg, triton.cdiv(F, hn), scale, per_row)
+    _gate_up_swiglu_kernel[grid](
         q, scale, low if low is not None else scale, x, norm_weight, out, F, K, triton.cdiv(K, 8 // bits),
         q.stride(0), scale.stride(0), float(eps), scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group,
         HAS_MIN=low is not None, PER_ROW=per_row, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=_fast(q, bits, K), num_warps=cfg.warps,
-        num_stages=cfg.stages, **_pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=False))
+        num_stages=cfg.stages, **persist, **_pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=False))
     return out

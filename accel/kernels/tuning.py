@@ -70,6 +70,7 @@ class QGemvConfig(NamedTuple):
     warps: int
     split_k: int
     stages: int
+    programs: int = 0  # > 0: persistent, this many programs loop over the row blocks (one K slice, one tile a row)
 
 
 # The quantized GEMV per (N, K, bits, group), ("rope",) appended for the fused qkv + RoPE kernel; shapes not

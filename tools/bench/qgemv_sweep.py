@@ -223,7 +223,8 @@ def table_source(result: dict, sms: int, margin: float = 0.02) -> str:
     for key, c in table.items():
         name = names.get(key[:2]) if key[:2] not in seen else None
         seen.add(key[:2])
-        lines.append(f"    {key!r}: QGemvConfig{tuple(c)!r},{'  # ' + name if name else ''}".replace("'", '"'))
+        c = tuple(c) if c.programs else tuple(c)[:5]  # programs 0 (one a row block): the field's default
+        lines.append(f"    {key!r}: QGemvConfig{c!r},{'  # ' + name if name else ''}".replace("'", '"'))
     return "\n".join(lines)
 
 
