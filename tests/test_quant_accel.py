@@ -225,15 +225,16 @@ def test_quantized_qkv_rope_is_dequantize_then_norm_gemv_rope(H, NKV, E, D, spec
 
 def test_qgemv_launch_table_rows_are_launchable():
     """Every row of the measured table (accel/kernels/tuning.py QGEMV) passes the launcher's checks: whole 16-byte
-    chunks a tile, chunks inside groups, the qkv + RoPE rows unsplit with a power-of-2 half block."""
+    chunks a tile, chunks inside groups, persistent rows one tile a row, the qkv + RoPE rows unsplit with a
+    power-of-2 half block and not persistent."""
     from accel.kernels.qgemv import _launch_checks
     from accel.kernels.tuning import QGEMV
     for key, cfg in QGEMV.items():
         N, K, bits, group = key[:4]
-        _launch_checks(cfg, bits, group, per_row=bits == 8 and group >= K)
+        _launch_checks(cfg, bits, group, per_row=bits == 8 and group >= K, K=K)
         if key[4:] == ("rope",):
             hn = cfg.block_n // 2
-            assert cfg.split_k == 1 and hn & (hn - 1) == 0, key
+            assert cfg.split_k == 1 and hn & (hn - 1) == 0 and not cfg.programs, key
 
 
 def tiny_gguf(tmp_path, qtype):

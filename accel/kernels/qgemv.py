@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, gdc_launch_dependents,
-                     gdc_wait, pdl_available, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd, sm_count, split_k_epilogue,
+from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, gdc_launch_dependents, gdc_wait,
+                     pdl_available, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd, sm_count, split_k_epilogue,
                      split_scratch)
 from .qdot import chunk_dots, fixed_point, group_param
 from .qkv_rope import rope_store
@@ -373,7 +373,8 @@ def _persist_kwargs(cfg: QGemvConfig, blocks: int, scale: torch.Tensor, per_row:
     prefetch each next row block's scale lines (SLINES a row; on the GPU: the interpreter has no prefetch)."""
     if not cfg.programs:
         return (blocks,), {}
-    slines = 0 if per_row or not scale.is_cuda else triton.next_power_of_2(triton.cdiv(scale.shape[1] * scale.element_size(), 128))
+    row_bytes = scale.shape[1] * scale.element_size()
+    slines = 0 if per_row or not scale.is_cuda else triton.next_power_of_2(triton.cdiv(row_bytes, 128))
     return (min(cfg.programs, blocks),), dict(PERSIST=True, SLINES=slines)
 
 

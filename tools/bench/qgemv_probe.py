@@ -1,6 +1,6 @@
 """What limits the 4-bit decode GEMVs (accel/kernels/qgemv.py), and the persistent launch configs, on a CUDA GPU.
 
-`python3 -m tools.bench.qgemv_probe OUT_DIR [--models=1b,3b] [--quant=int4:64] [--budget=S]`
+`python3 -m tools.bench.qgemv_probe OUT_DIR [--models=1b,3b] [--quant=int4:64] [--budget=S] [--no-probes]`
 For each decode GEMV as the step runs it (qkv + RoPE + cache write, o + residual, norm + gate_up + SwiGLU, down +
 residual, norm + lm_head), µs a call inside one CUDA graph over >= 256 MB of weight copies
 (tools.bench.gemv_sweep.graph_us), each config checked against float64 first:
@@ -10,8 +10,8 @@ residual, norm + lm_head), µs a call inside one CUDA graph over >= 256 MB of we
   stream        a kernel reading the same bytes (codes, then scales and minima) over the same grid, tiles, warps
                 and pipeline depth that does no math (an xor a word): the ceiling of that launch shape;
   stream_codes  the same without the scales and minima;
-  persist       persistent configs (QGemvConfig.programs > 0: a program loops over row blocks), then the stream
-                probe at the fastest of them.
+  persist       persistent configs (QGemvConfig.programs > 0: a program loops over row blocks; and EXTRA's), then
+                the stream probe at the fastest of them (--no-probes: only the table's config and these).
 The stream probes read contiguous row blocks (the paired kernels read two half blocks: the same bytes).
 Past --budget seconds only the probes of the table's config run. Writes OUT_DIR/qgemv_probe.json and
 OUT_DIR/qgemv_table.txt (tools.bench.qgemv_sweep.table_source: tuning.QGEMV with the rows whose fastest timed
@@ -38,6 +38,8 @@ from tools.bench.qgemv_sweep import NAMES, Case, shapes, table_source
 # the step's kernel for each GEMV: the fusion Case builds inputs for, and how the step calls it
 STEP = {"qkv": "rope", "o": "residual", "gate_up": "norm", "down": "residual", "lm_head": "norm"}
 ORDER = ["gate_up", "down", "lm_head", "o"]  # persistent candidates, most time a token first (qkv: none)
+# gate_up's step kernel (+ SwiGLU) spills at the table's 32 rows (its row came from the norm GEMV's sweep): half
+EXTRA = {"gate_up": [QGemvConfig(16, 1024, 2, 1, 3), QGemvConfig(16, 1024, 1, 1, 3)]}
 
 
 @triton.jit
@@ -141,14 +143,23 @@ class StepCase(Case):
         return graph_us([lambda t=t: stream_call(t, config, scales, self.stream_out) for t in self.copies])
 
 
-def persistent_candidates(K: int, bits: int, sms: int) -> list[QGemvConfig]:
-    """One tile a row (block_k = K rounded up to a power of 2), tiles of 16-32 KB, 2-8 warps, 3 stages, 1-3
-    programs an SM (the program count is a launch argument: no compile of its own)."""
+def persistent_candidates(N: int, K: int, bits: int, sms: int, paired: bool) -> list[QGemvConfig]:
+    """One tile a row (block_k = K rounded up to a power of 2), tiles of 4-32 KB, 2-4 warps, 3 stages, 2-6
+    programs an SM, each count rounded so that the row blocks deal evenly (a program count is a launch argument:
+    no compile of its own). paired: the gate_up kernel, whose row block is block_n / 2 rows of N / 2."""
     bk = triton.next_power_of_2(K)
     row = bk * bits // 8
-    tiles = {1024: [(16, 2), (16, 4), (32, 4)], 2048: [(8, 2), (8, 4), (16, 4)], 4096: [(4, 4), (8, 4), (8, 8)]}
-    return [QGemvConfig(bn, bk, warps, 1, 3, per_sm * sms)
-            for bn, warps in tiles.get(row, [(max(2, 16384 // row), 4)]) for per_sm in (1, 2, 3)]
+    tiles = {1024: [(8, 2), (16, 2), (16, 4), (32, 4)], 2048: [(8, 2), (8, 4), (16, 4)],
+             4096: [(4, 2), (4, 4), (8, 4)]}
+    out = []
+    for bn, warps in tiles.get(row, [(max(2, 16384 // row), 4)]):
+        blocks = triton.cdiv(N // 2, bn // 2) if paired else triton.cdiv(N, bn)
+        for per_sm in (2, 3, 4, 6):
+            programs = triton.cdiv(blocks, triton.cdiv(blocks, per_sm * sms))  # the same row blocks each
+            c = QGemvConfig(bn, bk, warps, 1, 3, programs)
+            if c not in out:
+                out.append(c)
+    return out
 
 
 def _timed(case: StepCase, cfg: QGemvConfig, nbytes: int) -> dict:
@@ -165,7 +176,8 @@ def _timed(case: StepCase, cfg: QGemvConfig, nbytes: int) -> dict:
     return entry
 
 
-def probe(models: list[str], spec: str, budget: float, path: str | None = None) -> dict:
+def probe(models: list[str], spec: str, budget: float, path: str | None = None, probes: bool = True) -> dict:
+    """probes False: only the table's config and the persistent candidates (no no-scales / stream probes)."""
     deadline = time.time() + budget
     sms = sm_count(torch.device("cuda"))
     result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "quant": spec, "rows": []}
@@ -185,13 +197,14 @@ def probe(models: list[str], spec: str, budget: float, path: str | None = None) 
                    "bytes": t.nbytes, "codes_bytes": t.q.nbytes, "table": list(table),
                    "kernel": _timed(case, table, t.nbytes)}
             row["configs"] = [row["kernel"]]
-            row["no_scales_us"] = case.time_us(table, scales=False)
-            if what != "qkv":  # the stream probe's grid is _qgemv_kernel's (qkv's is a head-pair grid)
+            if probes:
+                row["no_scales_us"] = case.time_us(table, scales=False)
+            if probes and what != "qkv":  # the stream probe's grid is _qgemv_kernel's (qkv's: head pairs)
                 row["stream_us"] = case.stream_us(table, True)
                 row["stream_codes_us"] = case.stream_us(table, False)
             print(f"{m} {what:<8} table {table}: kernel {row['kernel'].get('us', float('nan')):7.2f} µs, no scales "
-                  f"{row['no_scales_us']:7.2f}, stream {row.get('stream_us', float('nan')):7.2f}, codes only "
-                  f"{row.get('stream_codes_us', float('nan')):7.2f}", flush=True)
+                  f"{row.get('no_scales_us', float('nan')):7.2f}, stream {row.get('stream_us', float('nan')):7.2f}, "
+                  f"codes only {row.get('stream_codes_us', float('nan')):7.2f}", flush=True)
             result["rows"].append(row)
             save()
             cases[(m, what)] = (case, row)
@@ -199,7 +212,8 @@ def probe(models: list[str], spec: str, budget: float, path: str | None = None) 
         for m in models:
             case, row = cases[(m, what)]
             t = case.t
-            for c in persistent_candidates(row["K"], t.bits, sms):
+            others = EXTRA.get(what, []) + persistent_candidates(row["N"], row["K"], t.bits, sms, what == "gate_up")
+            for c in others:
                 if time.time() > deadline:
                     break
                 row["configs"].append(_timed(case, c, t.nbytes))
@@ -208,7 +222,7 @@ def probe(models: list[str], spec: str, budget: float, path: str | None = None) 
                 best = min(timed, key=lambda e: e["us"])
                 row["best"] = best
                 row["best_stream_us"] = case.stream_us(QGemvConfig(*best["config"]), True)
-                print(f"{m} {what:<8} persistent best {best['config']}: {best['us']:7.2f} µs ({best['tb_s']:.2f} TB/s;"
+                print(f"{m} {what:<8} best other {best['config']}: {best['us']:7.2f} µs ({best['tb_s']:.2f} TB/s;"
                       f" table {row['kernel'].get('us', float('nan')):7.2f}), its stream {row['best_stream_us']:7.2f}",
                       flush=True)
             save()
@@ -222,7 +236,7 @@ def main(argv: list[str]) -> None:
     out_dir = argv[0]
     opts = dict(a[2:].split("=", 1) if "=" in a else (a[2:], "") for a in argv[1:] if a.startswith("--"))
     result = probe(opts.get("models", "1b,3b").split(","), opts.get("quant", "int4:64"),
-                   float(opts.get("budget", "1e9")), f"{out_dir}/qgemv_probe.json")
+                   float(opts.get("budget", "1e9")), f"{out_dir}/qgemv_probe.json", "no-probes" not in opts)
     with open(f"{out_dir}/qgemv_table.txt", "w") as f:
         f.write(table_source(result, sm_count(torch.device("cuda"))) + "\n")
 
