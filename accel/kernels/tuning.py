@@ -95,7 +95,7 @@ QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
     (16384, 3072, 4, 64): QGemvConfig(32, 1024, 2, 1, 3),
     (3072, 8192, 8, 8192): QGemvConfig(16, 2048, 4, 2, 2),  # 3B down
     (128256, 3072, 8, 3072): QGemvConfig(16, 512, 1, 1, 4),  # 3B lm_head
-    (128256, 3072, 4, 64): QGemvConfig(16, 4096, 4, 1, 3, 396),
+    (128256, 3072, 4, 64): QGemvConfig(8, 4096, 2, 1, 3, 764),
 })
 
 
