@@ -75,6 +75,21 @@ def test_qgemv_table_source_is_the_table_with_winners_past_the_margin():
     assert table(row) == {**tuning.QGEMV, (N, K, bits, group): QGemvConfig(*other)}
 
 
+def test_qgemv_probe_persistent_candidates_are_launchable_and_deal_row_blocks_evenly():
+    """tools.bench.qgemv_probe's persistent configs: one tile a row (the launcher's check), no repeats, and a
+    program count that leaves fewer idle slots in the last round than one program's share."""
+    from accel.kernels.qgemv import _launch_checks
+    from tools.bench import qgemv_probe
+    for N, K, paired in [(16384, 2048, True), (2048, 8192, False), (128256, 3072, False), (3072, 3072, False)]:
+        cands = qgemv_probe.persistent_candidates(N, K, 4, 132, paired)
+        assert cands and len(cands) == len(set(cands))
+        for c in cands:
+            _launch_checks(c, 4, 64, False, K)
+            blocks = -(-N // c.block_n)  # paired: block_n / 2 rows of each half, the same count
+            rounds = -(-blocks // c.programs)
+            assert 0 < c.programs <= blocks and c.programs * rounds - blocks < rounds, (N, K, c)
+
+
 def test_quant_pdl_roles_give_the_mode_to_one_kernel_only(monkeypatch):
     """tools.bench.quant_pdl.pdl_only: inside it, the op of the named kernel sees the mode, every other sees None
     (plain launches); gate_up and the lm_head share an op and are told apart by their rows."""
