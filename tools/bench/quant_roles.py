@@ -2,11 +2,12 @@
 mode (accel.kernels.qgemv.PdlMode or plain) and a launch config per role, in the engine beside bf16, one process,
 and where the step's time goes inside the replayed CUDA graph (tools/bench/NOTES.md, int8 decode speed).
 
-`python3 -m tools.bench.quant_roles OUT_DIR [--models=1b,3b] [--specs=int8] [--profile]`: for each model the bf16
-engine's greedy decode tok/s, then for each format every VARIANTS row (tools.bench.quant_pdl.rate_within: 32-token
+`python3 -m tools.bench.quant_roles OUT_DIR [--models=1b,3b] [--specs=int8] [--profile | --search]`: for each model
+the bf16 engine's greedy decode tok/s, then for each format every VARIANTS row (tools.bench.quant_pdl.rate_within: 32-token
 prompt, 256 tokens, median of 3; greedy tokens checked equal to the first row's). --profile: per kernel of the
 graph replays (torch.profiler, 16 greedy steps): mean device time and the gap from the previous kernel's end (< 0:
-overlap under PDL), per position in a layer, for bf16 and each format under PROFILED's variants.
+overlap under PDL), per position in a layer, for bf16 and each format under PROFILED's variants. --search (int8):
+`search`, each role's CANDIDATES in the engine; the winners are printed and written, not put in any table.
 Writes OUT_DIR/quant_roles.json after each model.
 """
 from __future__ import annotations
@@ -52,6 +53,27 @@ VARIANTS = [
                                                 ("3b", "down"): (16, 512, 1, 8, 3)}),
     ("pdl all, down 4 slices", ALL(P1), {("1b", "down"): (16, 1024, 2, 4, 2), ("3b", "down"): (16, 1024, 2, 4, 2)}),
 ]
+# --search: int8 configs tried in the engine for one role at a time (the table's row is the baseline), per model
+CANDIDATES = {
+    ("1b", "qkv"): [(8, 512, 1, 1, 3), (8, 512, 2, 1, 3), (8, 1024, 2, 1, 2), (8, 2048, 4, 1, 1), (16, 2048, 4, 1, 1),
+                    (16, 512, 1, 1, 3)],
+    ("3b", "qkv"): [(8, 512, 1, 1, 3), (8, 512, 2, 1, 3), (8, 1024, 2, 1, 3), (16, 1024, 2, 1, 3), (16, 1024, 4, 1, 3),
+                    (16, 512, 1, 1, 4)],
+    ("1b", "o"): [(4, 2048, 4, 1, 1), (8, 1024, 2, 2, 1), (8, 512, 1, 4, 1), (16, 512, 1, 4, 1), (16, 1024, 2, 2, 1),
+                  (8, 512, 1, 1, 4)],
+    ("3b", "o"): [(8, 1024, 2, 3, 1), (8, 512, 1, 3, 2), (8, 512, 1, 6, 1), (4, 512, 1, 1, 3), (16, 1024, 2, 3, 1),
+                  (8, 1024, 2, 1, 3)],
+    ("1b", "gate_up"): [(16, 512, 1, 1, 3), (32, 512, 1, 1, 3), (32, 1024, 2, 1, 2), (64, 512, 2, 1, 3),
+                        (32, 512, 2, 1, 4), (32, 2048, 4, 1, 1)],
+    ("3b", "gate_up"): [(16, 512, 1, 1, 3), (32, 512, 1, 1, 3), (32, 1024, 2, 1, 3), (64, 512, 2, 1, 3),
+                        (32, 512, 2, 1, 4), (32, 512, 4, 1, 3)],
+    ("1b", "down"): [(16, 512, 2, 4, 3), (16, 1024, 2, 8, 1), (16, 512, 2, 16, 1), (32, 512, 2, 8, 2),
+                     (16, 2048, 4, 4, 1), (8, 1024, 2, 8, 1)],
+    ("3b", "down"): [(16, 512, 2, 8, 2), (16, 1024, 2, 4, 2), (16, 512, 2, 4, 3), (16, 2048, 4, 4, 1),
+                     (32, 2048, 4, 2, 2), (16, 2048, 4, 2, 3)],
+}
+SEARCH_MARGIN = 0.005  # a role's best candidate replaces the table's row when the step is this much faster
+LATE0 = PdlMode("late", 0)
 PROFILED = ("plain", "pdl all, prefetch 1 tile", "pdl all but down, prefetch 1 tile", "pdl down only, no prefetch")
 
 
@@ -194,12 +216,60 @@ def compare(model: str, specs: list[str], profile: bool) -> list[dict]:
     return rows
 
 
+def search(model: str, spec: str = "int8") -> tuple[list[dict], dict]:
+    """CANDIDATES in the engine, one role at a time over the table's other rows; each role's fastest (by more than
+    SEARCH_MARGIN) joins the winners; then the winners together, plain and with late-trigger PDL (no prefetch, the
+    one PDL mode that gained anywhere in the first run). -> (rows, {role: config})."""
+    cfg = PRESETS[NAMES[model]]
+    bf16, _ = rate_within(cfg, random_weights(cfg, "cuda", torch.bfloat16, seed=0), contextlib.nullcontext())
+    print(f"{model} bf16 {bf16:8.1f} tok/s", flush=True)
+    rows = [{"model": model, "quant": "bf16", "variant": "plain", "decode_tok_s": bf16}]
+    weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
+
+    def measure(name, modes, configs):
+        try:
+            rate, tokens = rate_within(cfg, weights, per_role(cfg, model, modes, configs))
+        except Exception as e:  # a config that does not compile or launch is reported, not fatal
+            print(f"{model} {spec} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return 0.0
+        rows.append({"model": model, "quant": spec, "variant": name, "modes": {r: m and m._asdict()
+                                                                               for r, m in modes.items()},
+                     "configs": {r: c for (m, r), c in configs.items() if m == model}, "decode_tok_s": rate,
+                     "x_bf16": rate / bf16, "tokens": tokens[:16]})
+        print(f"{model} {spec:<8} {name:<44} {rate:8.1f} tok/s  {rate / bf16:5.3f}x bf16", flush=True)
+        return rate
+
+    base = measure("table", {}, {})
+    winners = {}
+    for role in ("qkv", "o", "gate_up", "down"):
+        tried = [(measure(f"{role} {c}", {}, {(model, role): c}), c) for c in CANDIDATES[(model, role)]]
+        rate, c = max(tried)
+        if rate > base * (1 + SEARCH_MARGIN):
+            winners[role] = c
+    both = {(model, r): c for r, c in winners.items()}
+    measure("table", {}, {})  # drift check: the baseline again
+    if winners:
+        measure("winners", {}, both)
+    measure("winners, pdl all late", ALL(LATE0), both)
+    measure("winners, pdl all but down late", ALL(LATE0, down=None), both)
+    del weights
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows, winners
+
+
 def main(argv):
     out_dir, models, specs, res = bench_args([a for a in argv if not a.startswith("--specs=")]
                                              + [next((a for a in argv if a.startswith("--specs=")), "--specs=int8")])
     t0 = time.time()
     for m in models:
-        res["rows"] += compare(m, specs, "--profile" in argv)
+        if "--search" in argv:
+            rows, winners = search(m)
+            res["rows"] += rows
+            res.setdefault("winners", {})[m] = winners
+            print(f"{m} winners {winners}", flush=True)
+        else:
+            res["rows"] += compare(m, specs, "--profile" in argv)
         with open(f"{out_dir}/quant_roles.json", "w") as f:
             json.dump(res, f, indent=1)
     print(f"total {time.time() - t0:.0f} s", flush=True)
