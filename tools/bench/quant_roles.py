@@ -73,7 +73,9 @@ CANDIDATES = {
                      (32, 2048, 4, 2, 2), (16, 2048, 4, 2, 3)],
 }
 SEARCH_MARGIN = 0.005  # a role's best candidate replaces the table's row when the step is this much faster
-LATE0 = PdlMode("late", 0)
+# --search, on the winners: the launch modes, as PDL_DEFAULT[8] would set them for every kernel
+FINAL_MODES = {"prefetch 1 tile at start": PdlMode("none", 1), "prefetch 2 tiles at start": PdlMode("none", 2),
+               "pdl all late": PdlMode("late", 0), "pdl all late, prefetch 1 tile": PdlMode("late", 1)}
 PROFILED = ("plain", "pdl all, prefetch 1 tile", "pdl all but down, prefetch 1 tile", "pdl down only, no prefetch")
 
 
@@ -218,8 +220,8 @@ def compare(model: str, specs: list[str], profile: bool) -> list[dict]:
 
 def search(model: str, spec: str = "int8") -> tuple[list[dict], dict]:
     """CANDIDATES in the engine, one role at a time over the table's other rows; each role's fastest (by more than
-    SEARCH_MARGIN) joins the winners; then the winners together, plain and with late-trigger PDL (no prefetch, the
-    one PDL mode that gained anywhere in the first run). -> (rows, {role: config})."""
+    SEARCH_MARGIN) joins the winners; then the winners together, plain and in each FINAL_MODES launch mode.
+    -> (rows, {role: config})."""
     cfg = PRESETS[NAMES[model]]
     bf16, _ = rate_within(cfg, random_weights(cfg, "cuda", torch.bfloat16, seed=0), contextlib.nullcontext())
     print(f"{model} bf16 {bf16:8.1f} tok/s", flush=True)
@@ -248,10 +250,9 @@ def search(model: str, spec: str = "int8") -> tuple[list[dict], dict]:
             winners[role] = c
     both = {(model, r): c for r, c in winners.items()}
     measure("table", {}, {})  # drift check: the baseline again
-    if winners:
-        measure("winners", {}, both)
-    measure("winners, pdl all late", ALL(LATE0), both)
-    measure("winners, pdl all but down late", ALL(LATE0, down=None), both)
+    measure("winners", {}, both)
+    for name, mode in FINAL_MODES.items():
+        measure(f"winners, {name}", ALL(mode), both)
     del weights
     gc.collect()
     torch.cuda.empty_cache()
