@@ -15,7 +15,7 @@ a row block over one K slice and, with SPLIT_K > 1, the row block's last program
 (gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue
 (`qkv_rope_qfwd`). Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
 
-PDL (programmatic dependent launch, sm_90+; `PdlMode`, by default for 4-bit codes only: `PDL_DEFAULT`): each of
+PDL (programmatic dependent launch, sm_90+; `PdlMode`, the default by code width: `PDL_DEFAULT`): each of
 these kernels may then be launched while the kernel before it is still running. Before `gdc_wait` a program only
 prefetches its own weight tiles and scales into L2 (weights are not written after load; a prefetch is a hint,
 and L2 is where writes land, so a line fetched early is still current); x, the norm weight, the residual, `out`,
@@ -245,9 +245,10 @@ class PdlMode(NamedTuple):
     prefetch: int = 1
 
 
-# The mode by code width, as measured in the engine (tools.bench.quant_pdl): the int4 step gained from it, the int8
-# step (its GEMVs closer to the bandwidth) lost, with or without the prefetch. None: plain launches.
-PDL_DEFAULT: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: None})
+# The mode by code width, as measured in the engine (tools.bench.quant_pdl, quant_roles): the int4 step gains with
+# the trigger after the wait; int8's GEMVs, closer to the bandwidth, ran slower beside an early-launched successor
+# than the overlap saved, and gain only with the trigger after the main loop and the 1-tile prefetch.
+PDL_DEFAULT: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: PdlMode("late", 1)})
 
 
 def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
