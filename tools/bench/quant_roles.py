@@ -219,9 +219,9 @@ def compare(model: str, specs: list[str], profile: bool) -> list[dict]:
 
 
 def search(model: str, spec: str = "int8") -> tuple[list[dict], dict]:
-    """CANDIDATES in the engine, one role at a time over the table's other rows; each role's fastest (by more than
-    SEARCH_MARGIN) joins the winners; then the winners together, plain and in each FINAL_MODES launch mode.
-    -> (rows, {role: config})."""
+    """CANDIDATES in the engine under plain launches, one role at a time over the table's other rows; each role's
+    fastest (by more than SEARCH_MARGIN) joins the winners; then the winners together, plain and in each
+    FINAL_MODES launch mode. -> (rows, {role: config})."""
     cfg = PRESETS[NAMES[model]]
     bf16, _ = rate_within(cfg, random_weights(cfg, "cuda", torch.bfloat16, seed=0), contextlib.nullcontext())
     print(f"{model} bf16 {bf16:8.1f} tok/s", flush=True)
