@@ -3,8 +3,8 @@ mode (accel.kernels.qgemv.PdlMode or plain) and a launch config per role, in the
 and where the step's time goes inside the replayed CUDA graph (tools/bench/NOTES.md, int8 decode speed).
 
 `python3 -m tools.bench.quant_roles OUT_DIR [--models=1b,3b] [--specs=int8] [--profile | --search]`: for each model
-the bf16 engine's greedy decode tok/s, then for each format every VARIANTS row (tools.bench.quant_pdl.rate_within: 32-token
-prompt, 256 tokens, median of 3; greedy tokens checked equal to the first row's). --profile: per kernel of the
+the bf16 engine's greedy decode tok/s, then for each format every VARIANTS row (tools.bench.quant_pdl.rate_within:
+32-token prompt, 256 tokens, median of 3; greedy tokens checked equal to the first row's). --profile: per kernel of the
 graph replays (torch.profiler, 16 greedy steps): mean device time and the gap from the previous kernel's end (< 0:
 overlap under PDL), per position in a layer, for bf16 and each format under PROFILED's variants. --search (int8):
 `search`, each role's CANDIDATES in the engine; the winners are printed and written, not put in any table.
@@ -253,10 +253,7 @@ def search(model: str, spec: str = "int8") -> tuple[list[dict], dict]:
     measure("winners", {}, both)
     for name, mode in FINAL_MODES.items():
         measure(f"winners, {name}", ALL(mode), both)
-    del weights
-    gc.collect()
-    torch.cuda.empty_cache()
-    return rows, winners
+    return rows, winners  # the quantized weights go with this frame
 
 
 def main(argv):
