@@ -115,3 +115,30 @@ def test_quant_pdl_roles_give_the_mode_to_one_kernel_only(monkeypatch):
     with quant_pdl.pdl_only(None, mode, vocab):
         assert all(seen(r) == (mode,) for r in quant_pdl.ROLES)
     assert all(seen(r) == () for r in quant_pdl.ROLES)  # outside: the kernels' defaults
+
+
+def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch):
+    """tools.bench.quant_roles.per_role: each op of the step (o and down told apart by K, gate_up's norm GEMV and
+    the lm_head by rows) launches with its role's mode, and the launch table gets the variant's int8 rows."""
+    from types import SimpleNamespace
+
+    from accel import quant_ops
+    from accel.kernels import qgemv
+    from accel.kernels.qgemv import PdlMode
+    from accel.kernels.tuning import QGemvConfig
+    from tools.bench import quant_roles
+    for name in quant_roles.OPS:  # each op reports the mode it would launch with
+        monkeypatch.setattr(quant_ops, name, lambda *a: quant_ops._DECODE_PDL.get())
+    cfg = SimpleNamespace(q_size=32, kv_size=8, hidden_size=32, intermediate_size=64, vocab_size=100)
+    calls = {"qkv": ("quant_qkv_rope", ("x", "nw", SimpleNamespace(shape=(48, 32)), 1e-5)),
+             "o": ("quant_linear_add", ("a", SimpleNamespace(shape=(32, 32)), "r")),
+             "gate_up": ("quant_norm_swiglu", ("x", "nw", SimpleNamespace(shape=(128, 32)), 1e-5)),
+             "down": ("quant_linear_add", ("a", SimpleNamespace(shape=(32, 64)), "r")),
+             "lm_head": ("quant_norm_linear", ("x", "nw", SimpleNamespace(shape=(100, 32)), 1e-5))}
+    modes = {"o": PdlMode("wait", 1), "down": PdlMode("late", 0)}
+    with quant_roles.per_role(cfg, "1b", modes, {("1b", "down"): (4, 64, 1, 2, 2), ("3b", "o"): (2, 32, 1, 1, 1)}):
+        assert {r: getattr(quant_ops, n)(*a) for r, (n, a) in calls.items()} == {r: (modes.get(r),) for r in calls}
+        assert qgemv.qgemv_config(32, 64, 8, 64, 132) == QGemvConfig(4, 64, 1, 2, 2)  # down's row, this model's
+        assert qgemv.qgemv_config(32, 32, 8, 32, 132) == qgemv.qgemv_config(32, 32, 8, 32, 132, table={})
+    assert qgemv.qgemv_config(32, 64, 8, 64, 132) == qgemv.qgemv_config(32, 64, 8, 64, 132, table={})
+    assert all(getattr(quant_ops, n)(*a) == () for n, a in calls.values())  # outside: the kernels' defaults

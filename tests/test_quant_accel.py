@@ -404,3 +404,22 @@ def test_quantized_bf16_engine_on_gpu_tracks_the_refimpl(tmp_path, spec):
     assert compare("logits", got, want, TOLERANCES["bf16"]).ok
     s = Sampling(max_new_tokens=6)
     assert list(acc.generate(prompt, s))[:2] == list(ref.generate(prompt, s))[:2]  # graph replays, bf16
+
+
+def test_launch_mode_none_prefetches_only_in_norm_kernels(monkeypatch):
+    """PdlMode("none", n): plain launches (no PDL attribute, no wait, no trigger but the qkv + RoPE kernel's own);
+    only kernels with the RMSNorm prologue prefetch, n tiles of a program's rows (capped at the program's bytes).
+    The PDL modes keep their constexprs."""
+    from accel.kernels import qgemv
+    from accel.kernels.qgemv import PdlMode, _pdl_kwargs
+    from accel.kernels.tuning import QGemvConfig
+    monkeypatch.setattr(qgemv, "pdl_available", lambda t: True)  # as on sm_90 (the interpreter compiles PDL out)
+    cfg, q = QGemvConfig(16, 512, 2, 1, 3), torch.zeros(1)
+    assert _pdl_kwargs(PdlMode("none", 2), q, cfg, 8, 2048, rope=False) == dict(PF_LINES=8)
+    assert _pdl_kwargs(PdlMode("none", 8), q, cfg, 8, 2048, rope=False) == dict(PF_LINES=16)  # the whole row
+    assert _pdl_kwargs(PdlMode("none", 2), q, cfg, 8, 2048, rope=True) == dict(TRIGGER=1, PF_LINES=8)
+    assert _pdl_kwargs(PdlMode("none", 2), q, cfg, 8, 2048, rope=False, norm=False) == {}
+    assert _pdl_kwargs(PdlMode("none", 0), q, cfg, 8, 2048, rope=True) == dict(TRIGGER=1)
+    assert _pdl_kwargs(None, q, cfg, 8, 2048, rope=False) == {}
+    assert _pdl_kwargs(PdlMode("late", 1), q, cfg, 8, 2048, rope=False, norm=False) == dict(
+        PDL=True, TRIGGER=2, PF_LINES=4, launch_pdl=True)

@@ -22,7 +22,7 @@ from refimpl.model.config import PRESETS  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-MODES = [PdlMode("wait", 1), PdlMode("wait", 64), PdlMode("late", 1)]  # tools.bench.quant_pdl's variants
+MODES = [PdlMode("wait", 1), PdlMode("wait", 64), PdlMode("late", 1), PdlMode("none", 2)]  # the benchmarks' variants
 H, NKV, E, D, F, V, S = 32, 8, 64, 2048, 8192, 128256, 64  # Llama 3.2 1B
 
 

@@ -15,7 +15,7 @@ a row block over one K slice and, with SPLIT_K > 1, the row block's last program
 (gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue
 (`qkv_rope_qfwd`). Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
 
-PDL (programmatic dependent launch, sm_90+; `PdlMode`, by default for 4-bit codes only: `PDL_DEFAULT`): each of
+PDL (programmatic dependent launch, sm_90+; `PdlMode`, the default by code width: `PDL_DEFAULT`): each of
 these kernels may then be launched while the kernel before it is still running. Before `gdc_wait` a program only
 prefetches its own weight tiles and scales into L2 (weights are not written after load; a prefetch is a hint,
 and L2 is where writes land, so a line fetched early is still current); x, the norm weight, the residual, `out`,
@@ -119,16 +119,16 @@ def _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, 
 @triton.jit
 def _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr,
                HAS_MIN: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr):
-    """A program's start (module doc, PDL): PDL: the first PF_LINES 128-byte lines of each of its rows' bytes
-    kb_lo..kb_hi and the rows' first scale (and minimum) line into L2, then the wait for the previous kernel.
+    """A program's start (module doc, PDL): the first PF_LINES 128-byte lines of each of its rows' bytes
+    kb_lo..kb_hi and the rows' first scale (and minimum) line into L2, then (PDL) the wait for the previous kernel.
     TRIGGER 1: then let the next kernel launch (2: the caller does, after its main loop)."""
+    if PF_LINES > 0:
+        prefetch_rows_l2(Q, rows_c, stride_q, kb_lo, kb_hi, 128, PF_LINES)
+        g0 = kb_lo * (8 // BITS) // GROUP
+        prefetch_l2(S + rows_c * stride_s + g0)
+        if HAS_MIN:
+            prefetch_l2(M + rows_c * stride_s + g0)
     if PDL:
-        if PF_LINES > 0:
-            prefetch_rows_l2(Q, rows_c, stride_q, kb_lo, kb_hi, 128, PF_LINES)
-            g0 = kb_lo * (8 // BITS) // GROUP
-            prefetch_l2(S + rows_c * stride_s + g0)
-            if HAS_MIN:
-                prefetch_l2(M + rows_c * stride_s + g0)
         gdc_wait()
     if TRIGGER == 1:
         gdc_launch_dependents()
@@ -334,31 +334,37 @@ def _fast(q: torch.Tensor, bits: int, K: int) -> bool:
 
 class PdlMode(NamedTuple):
     """How the kernels launch on sm_90+ (module doc, PDL). trigger: "wait" (the next kernel may launch once our
-    wait has returned) or "late" (once our main loop is done); prefetch: tiles of a program's weights prefetched
-    into L2 before the wait (0: none; more than a program has: all of them)."""
+    wait has returned), "late" (once our main loop is done) or "none" (plain launches: only the prefetch, and only
+    in the kernels with the RMSNorm prologue, whose first weight loads otherwise wait for x's loads and the rstd
+    reduction); prefetch: tiles of a program's weights prefetched into L2 first (0: none; more than a program has:
+    all of them)."""
     trigger: str = "wait"
     prefetch: int = 1
 
 
-# The mode by code width, as measured in the engine (tools.bench.quant_pdl): the int4 step gained from it, the int8
-# step (its GEMVs closer to the bandwidth) lost, with or without the prefetch. None: plain launches.
-PDL_DEFAULT: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: None})
+# The mode by code width, as measured in the engine (tools.bench.quant_pdl, quant_roles): the int4 step gains with
+# the trigger after the wait; int8's GEMVs, closer to the bandwidth, ran slower beside an early-launched successor
+# than the overlap saved, and gain only with the trigger after the main loop and the 1-tile prefetch.
+PDL_DEFAULT: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: PdlMode("late", 1)})
 
 
 def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
-                rope: bool) -> dict:
+                rope: bool, norm: bool = True) -> dict:
     """The PDL constexprs and launch option for `mode` ("default": PDL_DEFAULT's; none off sm_90 or under the
-    interpreter). Without PDL the qkv + RoPE kernel still lets its dependents launch at its start: the decode
-    attention, PDL-launched over long caches."""
+    interpreter) for a kernel with (norm) or without the RMSNorm prologue. Without PDL the qkv + RoPE kernel still
+    lets its dependents launch at its start: the decode attention, PDL-launched over long caches."""
     if not pdl_available(q):
         return {}
     mode = PDL_DEFAULT.get(bits) if mode == "default" else mode
+    plain = dict(TRIGGER=1) if rope else {}
     if mode is None:
-        return dict(TRIGGER=1) if rope else {}
-    assert mode.trigger in ("wait", "late") and mode.prefetch >= 0, mode
+        return plain
+    assert mode.trigger in ("wait", "late", "none") and mode.prefetch >= 0, mode
     nbytes = min(mode.prefetch * cfg.block_k * bits // 8, program_bytes)
-    return dict(PDL=True, TRIGGER=1 if mode.trigger == "wait" else 2,
-                PF_LINES=triton.next_power_of_2(triton.cdiv(nbytes, 128)) if nbytes else 0, launch_pdl=True)
+    lines = triton.next_power_of_2(triton.cdiv(nbytes, 128)) if nbytes else 0
+    if mode.trigger == "none":
+        return dict(plain, PF_LINES=lines) if norm and lines else plain
+    return dict(PDL=True, TRIGGER=1 if mode.trigger == "wait" else 2, PF_LINES=lines, launch_pdl=True)
 
 
 def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int = 0) -> None:
@@ -409,7 +415,7 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
         FAST=_fast(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages, **persist,
-        **_pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False))
+        **_pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False, norm=prologue == PROLOGUE_NORM))
     return out
 
 

@@ -77,10 +77,11 @@ class QGemvConfig(NamedTuple):
 # listed use `qgemv.qgemv_config`'s rule. The fastest config of the sweeps (tools.bench.qgemv_sweep) where it beat
 # the rule (or the row before it) by > 2%, for int8 (one scale a row: group = K) and int4:64 at the Llama 3.2 1B / 3B
 # decode shapes (gate_up, lm_head, qkv and 3B o: one or two warps of 8, 16 or 32 rows over the whole row, a 3-4
-# stage cp.async pipeline over its tiles; 32 rows share each column's f(x) fixed point at int4). A sixth field:
-# persistent programs (tools.bench.qgemv_probe), each looping over row blocks of one whole-row tile.
+# stage cp.async pipeline over its tiles; 32 rows share each column's f(x) fixed point at int4). The 1B int8 qkv and
+# 3B int8 down rows won in the engine itself (tools.bench.quant_roles --search: one role's config at a time). A sixth
+# field: persistent programs (tools.bench.qgemv_probe), each looping over row blocks of one whole-row tile.
 QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
-    (3072, 2048, 8, 2048, "rope"): QGemvConfig(16, 512, 2, 1, 3),  # 1B qkv
+    (3072, 2048, 8, 2048, "rope"): QGemvConfig(8, 2048, 4, 1, 1),  # 1B qkv
     (2048, 2048, 8, 2048): QGemvConfig(8, 2048, 4, 1, 1),  # 1B o
     (16384, 2048, 8, 2048): QGemvConfig(32, 512, 2, 1, 3),  # 1B gate_up
     (16384, 2048, 4, 64): QGemvConfig(32, 1024, 2, 1, 3),
@@ -93,7 +94,7 @@ QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
     (3072, 3072, 4, 64): QGemvConfig(8, 4096, 2, 1, 3, 396),
     (16384, 3072, 8, 3072): QGemvConfig(32, 512, 2, 1, 3),  # 3B gate_up
     (16384, 3072, 4, 64): QGemvConfig(32, 1024, 2, 1, 3),
-    (3072, 8192, 8, 8192): QGemvConfig(16, 2048, 4, 2, 2),  # 3B down
+    (3072, 8192, 8, 8192): QGemvConfig(16, 512, 2, 4, 3),  # 3B down
     (128256, 3072, 8, 3072): QGemvConfig(16, 512, 1, 1, 4),  # 3B lm_head
     (128256, 3072, 4, 64): QGemvConfig(8, 4096, 2, 1, 3, 764),
 })
