@@ -100,3 +100,23 @@ def test_quant_pdl_roles_give_the_mode_to_one_kernel_only(monkeypatch):
     with quant_pdl.pdl_only(None, mode, vocab):
         assert all(seen(r) == (mode,) for r in quant_pdl.ROLES)
     assert all(seen(r) == () for r in quant_pdl.ROLES)  # outside: the kernels' defaults
+
+
+@pytest.mark.parametrize("script", ["quant_pdl", "quant_swiglu"])
+def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, capsys, monkeypatch, tmp_path):
+    """--help works without a GPU; bad names are argparse errors (exit 2); no CUDA is one error line, no traceback."""
+    import importlib
+    main = importlib.import_module(f"tools.bench.{script}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and f"python3 -m tools.bench.{script}" in capsys.readouterr().out
+    for bad, message in [("--models=1b,8b", "--models 1b,8b: expected names of 1b, 3b"), ("--specs=int5", "--specs:")]:
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path), bad])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--models=1b", "--specs=int8"])
+    assert e.value.code == (f"error: python3 -m tools.bench.{script} needs a CUDA GPU "
+                            "(torch.cuda.is_available() is False here)")
+    assert list(tmp_path.iterdir()) == []
