@@ -120,3 +120,22 @@ def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, cap
     assert e.value.code == (f"error: python3 -m tools.bench.{script} needs a CUDA GPU "
                             "(torch.cuda.is_available() is False here)")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_quant_gemv_table_times_the_steps_mlp_layout(monkeypatch):
+    """`llama32 bench --quant`'s per-GEMV table: a quantized gate_up through the norm + gate_up + SwiGLU kernel
+    the step runs (quant_ops.quant_norm_swiglu), down as a plain GEMV of F inputs with the residual."""
+    from refimpl.model.config import PRESETS
+    from tools.bench import quant_gpu
+    cfg = PRESETS["llama-3.2-1b"]
+    shapes = qgemv_sweep.shapes(cfg)
+    seen, fused = [], []
+    orig_time, orig_swiglu = qgemv_sweep.Case.time_us, quant_gpu.quant_norm_swiglu
+    monkeypatch.setattr(qgemv_sweep.Case, "time_us", lambda self, c: seen.append((self.fusion, self.x.shape[1]))
+                        or orig_time(self, c))
+    monkeypatch.setattr(quant_gpu, "quant_norm_swiglu", lambda *a: fused.append(a[2].shape) or orig_swiglu(*a))
+    us, nbytes = quant_gpu.quant_step_us("gate_up", *shapes["gate_up"], "int4:64", cfg)
+    assert us > 0 and seen == [] and fused and set(fused) == {shapes["gate_up"][:2]}
+    us, nbytes = quant_gpu.quant_step_us("down", *shapes["down"], "int4:64", cfg)
+    assert us > 0 and seen == [("residual", cfg.intermediate_size)]
