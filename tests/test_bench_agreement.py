@@ -9,6 +9,7 @@ from refimpl.formats.params import Checkpoint  # noqa: E402
 from refimpl.generate_mllama import MllamaEngine  # noqa: E402
 from refimpl.model.mllama_config import MllamaConfig  # noqa: E402
 from tools.bench import agreement  # noqa: E402
+from tools.vision_toy import random_mllama_params, toy_vision_config  # noqa: E402
 
 
 def test_vision_agreement_fp32_is_total():
@@ -18,11 +19,16 @@ def test_vision_agreement_fp32_is_total():
     assert r["free_running_shared_prefix"] == 24
 
 
-def test_tiny_vision_model_sees_its_image_and_every_gate_is_open():
-    cfg = MllamaConfig.from_hf(agreement.VISION_TINY)
-    params = agreement.random_mllama_params(cfg)
-    gates = {k: v for k, v in params.items() if "gate" in k and v.size == 1}
-    assert len(gates) >= 2 * len(cfg.text.cross_attention_layers) and all(abs(v) > 0.25 for v in gates.values())
+@pytest.mark.parametrize("model", ["vision-tiny", "toy-vision"])
+def test_random_vision_model_sees_its_image_and_every_gate_is_open(model):
+    """Both random vision models' draw (tools.vision_toy.random_mllama_params): each tanh gate, the cross layers'
+    too, open and unsaturated with both signs present, and another image changes the logits."""
+    cfg = MllamaConfig.from_hf(agreement.VISION_TINY) if model == "vision-tiny" else toy_vision_config()
+    params = random_mllama_params(cfg)
+    gates = [v.item() for k, v in params.items() if v.shape == (1,)]
+    # the position embeddings' 3, each global layer's 2, each cross layer's 2
+    assert len(gates) == 3 + 2 * cfg.vision.num_global_layers + 2 * len(cfg.text.cross_attention_layers)
+    assert all(0.3 <= abs(g) <= 1.2 for g in gates) and min(gates) < 0 < max(gates)
     ref = MllamaEngine(Checkpoint(None, cfg, params))
     ids, images = agreement.vision_inputs(cfg, 12)
     with_image = ref.logits(ids, np.arange(len(ids)), ref.new_cache(len(ids)), images=images)

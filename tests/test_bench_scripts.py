@@ -142,3 +142,42 @@ def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch):
         assert qgemv.qgemv_config(32, 32, 8, 32, 132) == qgemv.qgemv_config(32, 32, 8, 32, 132, table={})
     assert qgemv.qgemv_config(32, 64, 8, 64, 132) == qgemv.qgemv_config(32, 64, 8, 64, 132, table={})
     assert all(getattr(quant_ops, n)(*a) == () for n, a in calls.values())  # outside: the kernels' defaults
+
+
+@pytest.mark.parametrize("script", ["quant_pdl", "quant_swiglu"])
+def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, capsys, monkeypatch, tmp_path):
+    """--help works without a GPU; bad names are argparse errors (exit 2); no CUDA is one error line, no traceback."""
+    import importlib
+    main = importlib.import_module(f"tools.bench.{script}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and f"python3 -m tools.bench.{script}" in capsys.readouterr().out
+    for bad, message in [("--models=1b,8b", "--models 1b,8b: expected names of 1b, 3b"), ("--specs=int5", "--specs:")]:
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path), bad])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--models=1b", "--specs=int8"])
+    assert e.value.code == (f"error: python3 -m tools.bench.{script} needs a CUDA GPU "
+                            "(torch.cuda.is_available() is False here)")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_quant_gemv_table_times_the_steps_mlp_layout(monkeypatch):
+    """`llama32 bench --quant`'s per-GEMV table: a quantized gate_up through the norm + gate_up + SwiGLU kernel
+    the step runs (quant_ops.quant_norm_swiglu), down as a plain GEMV of F inputs with the residual."""
+    from refimpl.model.config import PRESETS
+    from tools.bench import quant_gpu
+    cfg = PRESETS["llama-3.2-1b"]
+    shapes = qgemv_sweep.shapes(cfg)
+    seen, fused = [], []
+    orig_time, orig_swiglu = qgemv_sweep.Case.time_us, quant_gpu.quant_norm_swiglu
+    monkeypatch.setattr(qgemv_sweep.Case, "time_us", lambda self, c: seen.append((self.fusion, self.x.shape[1]))
+                        or orig_time(self, c))
+    monkeypatch.setattr(quant_gpu, "quant_norm_swiglu", lambda *a: fused.append(a[2].shape) or orig_swiglu(*a))
+    us, nbytes = quant_gpu.quant_step_us("gate_up", *shapes["gate_up"], "int4:64", cfg)
+    assert us > 0 and seen == [] and fused and set(fused) == {shapes["gate_up"][:2]}
+    us, nbytes = quant_gpu.quant_step_us("down", *shapes["down"], "int4:64", cfg)
+    assert us > 0 and seen == [("residual", cfg.intermediate_size)]

@@ -32,7 +32,7 @@ def run(*args):
 # ---------------------------------------------------------------- the checked-in data
 
 def text_golden_dirs():
-    """The text toys' records (toy-vision has its own tests: tests/test_vision_golden.py)."""
+    """The text toys' records (toy-vision has its own tests in tests/test_vision_cli.py)."""
     return [d for d in find_golden_dirs(DEFAULT_DIR) if not is_vision_golden(d)]
 
 
@@ -216,7 +216,7 @@ def assert_same_record(new, old):
 def test_make_reproduces_the_checked_in_files(tmp_path):
     made = make_golden(tmp_path, with_hf=False, log=lambda *a: None)
     assert [d.name for d in made] == [t.name for t in TOYS] + ["toy-vision"]
-    made = made[:-1]  # toy-vision: tests/test_vision_golden.py
+    made = made[:-1]  # toy-vision: tests/test_vision_cli.py
     for new in made:
         assert json.loads((new / MANIFEST).read_text())["hf_check"] is None  # --no-hf-check
         assert_same_record(new, DEFAULT_DIR / new.name)

@@ -238,3 +238,19 @@ def test_quantize_refuses_a_vision_model_from_its_config(tmp_path):
     r = run_cli(["quantize", "--model", model, "--quant", "int8", "--method", "rtn", "--out", tmp_path / "out"])
     assert_clean_error(r, str(model / "config.json"), "mllama", "text Llama")
     assert not (tmp_path / "out").exists()
+
+
+def test_quantize_reads_config_json_once(tmp_path, monkeypatch):
+    """The Vision refusal and the load share one read of config.json."""
+    from refimpl.formats import checkpoint, jsonfile
+    reads = []
+
+    def counting(path, *args, **kwargs):
+        reads.append(Path(path).name)
+        return read(path, *args, **kwargs)
+    read = jsonfile.read_json_object
+    for module in (jsonfile, checkpoint):
+        monkeypatch.setattr(module, "read_json_object", counting)
+    r = run_cli(["quantize", "--model", TOY, "--quant", "int8", "--method", "rtn", "--out", tmp_path / "out"])
+    assert r.exit_code == 0, r.output
+    assert reads.count("config.json") == 1, reads

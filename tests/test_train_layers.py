@@ -10,6 +10,7 @@ from refimpl.train import grads
 from accel.train.lora import adapted_linear, lora_group
 from accel.train.layer import manual_layer
 from accel.train.model import grouped_layer, layer_groups
+from accel.vision.weights import CrossLayer
 
 from tests._train_helpers import close, cuda, interpreted, np64, randn, rel_l2, tables
 
@@ -110,7 +111,7 @@ def run_cross_layer(kernels, x, states, visible, has_image, weights, adapters, s
     aq, ak, av, ao, ag, au, ad = adapters
     groups = (*(lora_group((a,), (None,), x.dtype) for a in (aq, ak, av, ao)),
               lora_group((ag, au), (Fi, Fi), x.dtype), lora_group((ad,), (None,), x.dtype))
-    return outputs_and_grads(lambda: cross_layer(x, states, visible, has_image, weights, groups, (H, K, E), 1e-5,
+    return outputs_and_grads(lambda: cross_layer(x, states, visible, has_image, *weights, groups, (H, K, E), 1e-5,
                                                  0.0, kernels), x, adapters)
 
 
@@ -122,8 +123,12 @@ def test_cross_layer_with_kernels_equals_plain_torch():
     s = iter(range(100))
     mk = lambda *shape, scale=0.2: randn(*shape, seed=next(s), scale=scale)  # noqa: E731
     gate = lambda: mk(1, scale=1.0).abs() + 0.3  # noqa: E731  (nonzero: a zero tanh gate hides the layer)
-    weights = (1 + mk(D), mk(H * E, D), mk(K * E, D), mk(K * E, D), mk(D, H * E), 1 + mk(E), 1 + mk(E), gate(),
-               1 + mk(D), mk(D, Fi), -gate(), mk(2 * Fi, D))
+    attn_norm, q, k, v, o, q_norm, k_norm, attn_gate, mlp_norm, down, mlp_gate, gate_up = (
+        1 + mk(D), mk(H * E, D), mk(K * E, D), mk(K * E, D), mk(D, H * E), 1 + mk(E), 1 + mk(E), gate(),
+        1 + mk(D), mk(D, Fi), -gate(), mk(2 * Fi, D))
+    layer = CrossLayer(attn_norm=attn_norm, q=q, q_norm=q_norm, o=o, attn_gate=attn_gate, mlp_norm=mlp_norm,
+                       gate_up=gate_up, down=down, mlp_gate=mlp_gate)
+    weights = (layer, (k, v, k_norm))
     outs, ins = [H * E, K * E, K * E, D, Fi, Fi, D], [D, D, D, H * E, D, D, Fi]
     adapters = tuple(None if i in (1, 5) else  # k_proj and up_proj not adapted
                      (mk(3, ins[i], scale=0.3).requires_grad_(), mk(outs[i], 3, scale=0.3).requires_grad_(), 2.0)

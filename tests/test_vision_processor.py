@@ -4,6 +4,7 @@ import io
 
 import numpy as np
 import pytest
+from packaging.version import Version
 
 from refimpl.errors import ConfigError, ImageError
 from refimpl.vision.image_io import load_image, open_image, to_rgb
@@ -12,6 +13,7 @@ from tools.vision_toy import preprocessor_config
 
 Image = pytest.importorskip("PIL.Image")
 mllama = pytest.importorskip("transformers.models.mllama.image_processing_pil_mllama")
+transformers = pytest.importorskip("transformers")
 
 
 def hf_processor(settings: dict):
@@ -128,6 +130,8 @@ def test_alpha_is_composited_on_white_in_memory():
 
 @pytest.mark.parametrize("name", sorted(FILE_FORMATS))
 def test_modes_from_files_equal_hf(name, tmp_path):
+    if name == "P-transparent" and Version(transformers.__version__) < Version("5.18"):
+        pytest.skip("transformers < 5.18 ignores the tRNS colour key that load_image's RGB image keeps")
     path = tmp_path / f"image.{FILE_FORMATS[name].lower()}"
     mode_images()[name].save(path, format=FILE_FORMATS[name])
     assert_same(preprocess([load_image(path)], ImageProcessorConfig.from_dict(SETTINGS)),

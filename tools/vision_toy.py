@@ -83,27 +83,32 @@ def toy_vision_config():
     }, source="toy-vision config")
 
 
-def toy_vision_params(cfg, seed: int) -> dict:
-    """Seeded weights in the Hub's names, scaled 1/sqrt(fan_in); every tanh gate nonzero (signs mixed), since
-    HF's zero-initialised gates would hide the image from the text."""
+def random_mllama_params(cfg, seed: int = 0) -> dict:
+    """Seeded float32 weights at the checkpoint's shapes, in the Hub's names, none inert: every tanh gate (the
+    encoder's and the cross layers') ±U(0.3, 1.2), signs alternating — open, far from tanh's saturation, where HF's
+    zero-initialised gates would hide the image; norms 1 + N(0, 0.2²); biases N(0, 0.1²); the token, class,
+    position and tile embeddings N(0, 0.5²); matrices and the patch convolution N(0, 1/fan_in) (fan-in: everything
+    after the output axis), the lm_head 3× that, so logits spread (std ~3) as a trained model's do."""
     import numpy as np
 
     from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
 
     rng = np.random.default_rng(seed)
-    params = {}
+    params, gates = {}, 0
     for name, shape in expected_mllama_shapes(cfg).items():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf.startswith("gate") and shape == (1,):
-            value = rng.uniform(0.3, 1.2, shape) * rng.choice([-1.0, 1.0])
-        elif leaf == "bias" or name.endswith("class_embedding"):
+        if "gate" in leaf:  # gate, gate_attn, gate_ffn, cross_attn_attn_gate, cross_attn_mlp_gate (gate_proj: weight)
+            value = rng.uniform(0.3, 1.2, shape) * (-1.0) ** gates
+            gates += 1
+        elif leaf == "bias":
             value = 0.1 * rng.standard_normal(shape)
         elif "norm" in name:  # layer norms and RMSNorms (incl. q_norm / k_norm): near 1, not 1
             value = 1.0 + 0.2 * rng.standard_normal(shape)
         elif "embedding" in name or "embed_tokens" in name:
             value = 0.5 * rng.standard_normal(shape)
-        else:  # matrices and the patch convolution: fan-in is everything after the output axis
-            value = rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))
+        else:
+            scale = 3.0 if name.endswith("lm_head.weight") else 1.0
+            value = scale * rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))
         params[name] = value.astype(np.float32)
     return params
 
@@ -130,7 +135,7 @@ def write_vision_toy(out_dir, seed: int = 3):
     from refimpl.formats.checkpoint import save_checkpoint
 
     cfg = toy_vision_config()
-    model_dir = save_checkpoint(Path(out_dir) / VISION_TOY_NAME, cfg, toy_vision_params(cfg, seed))
+    model_dir = save_checkpoint(Path(out_dir) / VISION_TOY_NAME, cfg, random_mllama_params(cfg, seed))
 
     def write(name, data):
         (model_dir / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -303,14 +303,15 @@ def _swiglu_store(acc, Y, b, F, HN: tl.constexpr):
     tl.store(Y + cols, (act.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt), mask=cols < F)
 
 
-def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, rope: bool = False,
+def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, whole_rows: bool = False,
                  table: Mapping[tuple, QGemvConfig] = tuning.QGEMV) -> QGemvConfig:
     """`table`'s row for (N, K, bits, group) on a GPU, else the rule: ONE tile a program (all its loads issued at
     once, like gemv.py's "split" kind) of 2048, 1024 or 512 bytes of a row (16 B a lane, warps along K, so each
     thread's f(x) serves all its rows; the widest that divides the row), 16 rows (8 at 4 bits: twice the codes
-    a byte), split-K over the tiles. The qkv + RoPE kernel cannot split K: its tiles go through a 3-stage
-    cp.async pipeline instead. On CPU (the interpreter, whose cost is per program and per op): one big tile."""
-    key = (N, K, bits, group) + (("rope",) if rope else ())
+    a byte), split-K over the tiles. whole_rows: a program owns whole rows, no split-K (the qkv + RoPE kernel, its
+    table rows tagged "rope", and the gate_up + SwiGLU kernel): its tiles go through a 3-stage cp.async pipeline
+    instead. On CPU (the interpreter, whose cost is per program and per op): one big tile."""
+    key = (N, K, bits, group) + (("rope",) if whole_rows else ())
     if sms and key in table:
         return table[key]
     chunk = 128 // bits
@@ -322,7 +323,7 @@ def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, rope: bool = F
     bk = nbytes * 8 // bits
     tiles = triton.cdiv(K, bk)
     bn = 16 if bits == 8 else 8
-    if rope:
+    if whole_rows:
         return QGemvConfig(bn, bk, 4, 1, 1 if tiles == 1 else 3)
     return QGemvConfig(bn, bk, 4, tiles, 1)
 
@@ -474,7 +475,7 @@ def gate_up_swiglu_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor 
     else:
         cfg = qgemv_config(N, K, bits, group, sm_count(q.device))
         if cfg.split_k != 1:
-            cfg = qgemv_config(N, K, bits, group, sm_count(q.device), rope=True, table={})
+            cfg = qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True, table={})
     _launch_checks(cfg, bits, group, per_row, K)
     hn = cfg.block_n // 2
     assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"

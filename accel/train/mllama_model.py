@@ -24,16 +24,10 @@ from accel.train.lora import adapted_linear, lora_group
 from accel.train import fused
 from accel.train.model import TrainModel, rms_norm, swiglu
 from accel.vision import encoder
-from accel.vision.weights import MllamaWeights, self_layer_config
+from accel.vision.weights import CrossLayer, MllamaWeights, self_layer_config
 from refimpl.model.mllama import TEXT, MllamaCache, cross_attention_rows
 from refimpl.model.mllama_config import MllamaConfig
 from refimpl.formats.lora_mllama import TEXT_LINEARS, text_param
-
-CROSS_WEIGHTS = ("input_layernorm.weight", "cross_attn.q_proj.weight", "cross_attn.k_proj.weight",
-                 "cross_attn.v_proj.weight", "cross_attn.o_proj.weight", "cross_attn.q_norm.weight",
-                 "cross_attn.k_norm.weight", "cross_attn_attn_gate", "post_attention_layernorm.weight",
-                 "mlp.down_proj.weight", "cross_attn_mlp_gate")  # and the fused gate_up, accel.vision.weights'
-
 
 @torch.compiler.disable
 def cross_attention(q, k, v, visible):
@@ -43,28 +37,29 @@ def cross_attention(q, k, v, visible):
     return attention_reference(q, k, v, causal=False, mask=visible)
 
 
-def cross_layer(x, states, visible, has_image, weights: tuple, groups: tuple, shape: tuple, eps: float,
-                dropout: float, kernels: bool = False):
+def cross_layer(x, states, visible, has_image, layer: CrossLayer, image_side: tuple, groups: tuple, shape: tuple,
+                eps: float, dropout: float, kernels: bool = False):
     """One gated cross-attention layer. x [B, T, D], states [B, N, D] (the image tokens), visible [B, T, N],
-    has_image [B, T, 1] in x's dtype; weights in CROSS_WEIGHTS order, then the fused gate_up [2F, D]; groups = one
-    accel.train.lora.LoraGroup or None per (q, k, v, o, gate_up, down); shape = (H, K, E); kernels: the Triton
-    norm and SwiGLU Functions, as the self layers (accel.train.model.grouped_layer)."""
-    norm_w, q_w, k_w, v_w, o_w, q_norm, k_norm, attn_gate, mlp_norm, down_w, mlp_gate, gate_up = weights
+    has_image [B, T, 1] in x's dtype; layer: its norms, q, o, gates, fused gate_up and down; image_side: its
+    (k [K·E, D], v [K·E, D], k_norm [E]); groups = one accel.train.lora.LoraGroup or None per (q, k, v, o, gate_up,
+    down); shape = (H, K, E); kernels: the Triton norm and SwiGLU Functions, as the self layers
+    (accel.train.model.grouped_layer)."""
+    k_w, v_w, k_norm = image_side
     aq, ak, av, ao, a_gate_up, ad = groups
     norm, act = (fused.rms_norm, fused.swiglu) if kernels else (rms_norm, swiglu)
     H, K, E = shape
     B, T, _ = x.shape
     N = states.shape[1]
-    h = norm(x, norm_w, eps)
-    q = norm(adapted_linear(h, q_w, aq, dropout).view(B, T, H, E), q_norm, eps)  # normed over E
+    h = norm(x, layer.attn_norm, eps)
+    q = norm(adapted_linear(h, layer.q, aq, dropout).view(B, T, H, E), layer.q_norm, eps)  # normed over E
     k = norm(adapted_linear(states, k_w, ak, dropout).view(B, N, K, E), k_norm, eps)
     v = adapted_linear(states, v_w, av, dropout).view(B, N, K, E)  # [B, N, D] -> [B, N, K, E]
     a = cross_attention(q, k, v, visible).reshape(B, T, H * E)  # [B, T, H, E] -> [B, T, H·E]
-    x = x + attn_gate.tanh() * adapted_linear(a, o_w, ao, dropout)  # [B, T, H·E] -> [B, T, D]
-    h = norm(x, mlp_norm, eps)
-    act_out = act(adapted_linear(h, gate_up, a_gate_up, dropout))  # [B, T, D] -> [B, T, 2F] -> [B, T, F]
-    down = adapted_linear(act_out, down_w, ad, dropout)  # [B, T, F] -> [B, T, D]
-    return x + mlp_gate.tanh() * (down * has_image)  # full_text_row_masked_out_mask
+    x = x + layer.attn_gate.tanh() * adapted_linear(a, layer.o, ao, dropout)  # [B, T, H·E] -> [B, T, D]
+    h = norm(x, layer.mlp_norm, eps)
+    act_out = act(adapted_linear(h, layer.gate_up, a_gate_up, dropout))  # [B, T, D] -> [B, T, 2F] -> [B, T, F]
+    down = adapted_linear(act_out, layer.down, ad, dropout)  # [B, T, F] -> [B, T, D]
+    return x + layer.mlp_gate.tanh() * (down * has_image)  # full_text_row_masked_out_mask
 
 
 def trainer_key(cfg: MllamaConfig, param: str) -> str:
@@ -89,7 +84,7 @@ class MllamaTrainModel(TrainModel):
         super().__init__(weights.text, self_layer_config(cfg), lora, dropout, checkpointing, compile)
         self.mw, self.mcfg, self.vision_data = weights, cfg, vision_data
         self.slot = {i: j for j, i in enumerate(weights.self_layers)}  # decoder layer -> its self-layer slot
-        self.cross_gate_up = {i: c.gate_up for i, c in zip(cfg.text.cross_attention_layers, weights.cross)}
+        self.cross_slot = {i: c for c, i in enumerate(cfg.text.cross_attention_layers)}  # -> weights.cross[c]
 
     def collate(self, batch, device):
         """(ids [B, T], labels [B, T], [ImageInputs or None] per sample): the images through the processor."""
@@ -143,9 +138,8 @@ class MllamaTrainModel(TrainModel):
                 lora_group((ag, au), (Fi, Fi), dtype), lora_group((ad,), (None,), dtype))
 
     def _cross(self, x, i: int, groups: tuple, states, visible, has_image):
-        t = self.mcfg.text
-        weights = tuple(self.mw.params[f"{TEXT}layers.{i}.{key}"] for key in CROSS_WEIGHTS)
-        return cross_layer(x, states, visible, has_image, (*weights, self.cross_gate_up[i]), groups,
+        t, c = self.mcfg.text, self.cross_slot[i]
+        return cross_layer(x, states, visible, has_image, self.mw.cross[c], self.mw.image_kv.layer(c), groups,
                            (t.num_attention_heads, t.num_key_value_heads, t.head_dim), t.rms_norm_eps,
                            self.dropout if self.training else 0.0, x.is_cuda and self.kernels)
 

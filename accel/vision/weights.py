@@ -71,6 +71,11 @@ class CrossImageKV:
         k_norm = torch.stack([params[f"{TEXT}layers.{i}.cross_attn.k_norm.weight"] for i in layers])  # [C, E]
         return cls(k, v, k_norm, torch.ones_like(k_norm[0]))
 
+    def layer(self, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cross layer c's own (k [K·E, D], v [K·E, D], k_norm [E]): views."""
+        n = self.k.shape[0] // self.k_norm.shape[0]  # K·E
+        return self.k[c * n:(c + 1) * n], self.v[c * n:(c + 1) * n], self.k_norm[c]
+
 
 @dataclass
 class MllamaWeights:

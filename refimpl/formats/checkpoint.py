@@ -16,7 +16,7 @@ import numpy as np
 
 from refimpl.model.config import LlamaConfig
 from refimpl.model.mllama_config import is_mllama_config
-from refimpl.errors import CheckpointError
+from refimpl.errors import CheckpointError, ConfigError
 from refimpl.formats.jsonfile import read_config_json, read_json_object
 from refimpl.progress import Progress
 from refimpl.quant.apply import quantize_params
@@ -38,19 +38,20 @@ def iter_safetensors(model_dir: Path, cfg: LlamaConfig) -> Iterator[tuple[str, n
         yield name, holder[name].load_weight(name)
 
 
-def load_checkpoint(path: str | Path, with_tokenizer: bool = True, quant=None) -> Checkpoint:
+def load_checkpoint(path: str | Path, with_tokenizer: bool = True, quant=None, text_only: bool = False) -> Checkpoint:
     """Load a model directory or a .gguf file into float32 NumPy parameters (plus tokenizer and stop ids).
 
     quant (a refimpl.quant.formats.QuantSpec, `--quant`): int8/int4 quantize the linear layers after loading;
-    gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are stored."""
+    gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are stored. text_only: a Llama 3.2 Vision directory is
+    refused from its config.json, before any weight is read."""
     ckpt = _load(Path(path), with_tokenizer, quant is not None and quant.format == "gguf",
-                 quant is None or quant.lm_head)
+                 quant is None or quant.lm_head, text_only)
     if quant is not None and quant.format != "gguf":
         ckpt.params = quantize_params(ckpt.params, ckpt.config, quant, source=path)
     return ckpt
 
 
-def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: bool) -> Checkpoint:
+def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: bool, text_only: bool) -> Checkpoint:
     path = check_path(path, "model path")
     st = stat_path(path, "expected a model directory or a .gguf file")
     if path.suffix == ".gguf" or (st is not None and stat.S_ISREG(st.st_mode) and _is_gguf(path)):
@@ -64,12 +65,15 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
         raise CheckpointError(f"{path}: expected a model directory (with config.json) or a .gguf file")
     config = read_config_json(path)
     if is_mllama_config(config):
+        if text_only:
+            raise ConfigError(f"{path / 'config.json'}: model_type is 'mllama' (Llama 3.2 Vision); expected a text "
+                              f"Llama model")
         from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
         return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer)
     if is_quantized_config(config):
         cfg, params, _ = load_quantized_params(path, config, str(path / "config.json"))
         return _with_tokenizer(path, cfg, params, with_tokenizer)
-    cfg = LlamaConfig.from_file(path / "config.json")
+    cfg = LlamaConfig.from_hf(config, source=str(path / "config.json"))
     params = {}
     # 9 tensors a layer + embed + norm (+ lm_head): counted, not listed, so 10^12 claimed layers fail in
     # check_params instead of hanging here

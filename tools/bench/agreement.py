@@ -13,8 +13,8 @@ Models:
     text    a Llama preset (default Llama-3.2-1B shapes): matrices N(0, 0.02) (HF's init scale); the tied embedding
             N(0, 0.066), so that logits have a standard deviation near 3 as in trained models (0.066·sqrt(2048) ≈ 3)
             instead of an almost flat distribution;
-    vision  (--vision) a tiny random Llama 3.2 Vision config (`VISION_TINY`) whose every parameter matters: every
-            tanh gate nonzero (signs mixed), norms 1 + N(0, 0.2²), matrices N(0, 1/fan_in), one image of 4 tiles
+    vision  (--vision) a tiny random Llama 3.2 Vision config (`VISION_TINY`) whose every parameter matters
+            (tools.vision_toy.random_mllama_params: every tanh gate open, signs mixed), one image of 4 tiles
             before the prompt's text, so every cross layer and the whole encoder feed each step's logits.
 
     python -m tools.bench.agreement [--preset llama-3.2-1b | --vision] [--steps 256] [--weights bf16|fp32]
@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
 from refimpl.formats.params import Checkpoint, random_params
 from refimpl.generate import RefEngine
 from refimpl.generate_mllama import MllamaEngine
@@ -39,6 +38,7 @@ from refimpl.model.mllama_config import MllamaConfig
 from refimpl.quant.formats import round_bf16
 from refimpl.vision.inputs import ImageInputs
 from refimpl.vision.prompt import cross_attention_mask
+from tools.vision_toy import random_mllama_params
 
 VISION_TINY = {  # 6 text layers (2 cross), 4 tiles of 2×2 patches (5 tokens, padded to 8), 3 + 1 encoder layers
     "model_type": "mllama", "image_token_index": 512,
@@ -49,25 +49,6 @@ VISION_TINY = {  # 6 text layers (2 cross), 4 tiles of 2×2 patches (5 tokens, p
                       "attention_heads": 4, "image_size": 28, "patch_size": 14, "max_num_tiles": 4,
                       "vision_output_dim": 64 * 3, "intermediate_layers_indices": [0, 2]},
 }
-
-
-def random_mllama_params(cfg: MllamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """float32 weights at the checkpoint's shapes, none inert: gates ±U(0.3, 1.2), norms 1 + N(0, 0.2²), biases and
-    the encoder's position/tile embeddings N(0, 0.5²), matrices N(0, 1/fan_in) (the lm_head 3× that: logits ~3)."""
-    rng = np.random.default_rng(seed)
-    params = {}
-    for n, (name, shape) in enumerate(sorted(expected_mllama_shapes(cfg).items())):
-        if "gate" in name and "proj" not in name and int(np.prod(shape)) == 1:
-            x = rng.uniform(0.3, 1.2, shape) * (1 if n % 2 else -1)
-        elif "norm" in name and name.endswith("weight"):
-            x = 1 + 0.2 * rng.standard_normal(shape)
-        elif name.endswith("bias") or "embedding" in name:
-            x = 0.5 * rng.standard_normal(shape)
-        else:
-            scale = 3.0 if name.endswith("lm_head.weight") else 1.0
-            x = scale * rng.standard_normal(shape) / np.sqrt(shape[-1] if len(shape) > 1 else 1)
-        params[name] = x.astype(np.float32)
-    return params
 
 
 def vision_inputs(cfg: MllamaConfig, prompt_tokens: int, seed: int = 1) -> tuple[list[int], ImageInputs]:

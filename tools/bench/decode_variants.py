@@ -250,9 +250,13 @@ def run_args(argv, **fields) -> tuple[str, list[str], dict]:
     """OUT_DIR [--models=1b,3b] -> (out_dir, models, the results record: device, date, torch and `fields`)."""
     out_dir = argv[1] if len(argv) > 1 and not argv[1].startswith("--") else "."
     models = next((a.split("=")[1] for a in argv if a.startswith("--models=")), "1b,3b").split(",")
-    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "torch": torch.__version__, **fields}
-    return out_dir, models, res
+    return out_dir, models, run_record(**fields)
+
+
+def run_record(**fields) -> dict:
+    """A results file's header: device, date, torch, then `fields`."""
+    return {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "torch": torch.__version__, **fields}
 
 
 def main(argv):

@@ -4,7 +4,7 @@ For each model: random bf16 weights at the real shapes (seed 0); the bf16 engine
 quantized on the device (accel.quant_layers.quantize_weights) for every format, each timed the same way
 (tools.bench.gpu.decode_rate); then every engine's prefill, the engines called in turn (as called, the host's
 time to queue one, GPU time alone). Ratios are to the bf16 row. Also each decode GEMV alone (gemv_bench), bf16
-vs quantized, at the model's shapes.
+vs quantized, at the model's shapes, each as its engine's step runs it.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import torch
 from accel.engine import AccelEngine
 from accel.kernels.gemv import gemv_fwd
 from accel.kernels.qkv_rope import qkv_rope_fwd
+from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
 from accel.quant_layers import quantize_weights
+from accel.quant_ops import quant_norm_swiglu
 from accel.weights import random_weights
 from refimpl.model.config import LlamaConfig
 from refimpl.quant.formats import QuantSpec
@@ -72,10 +74,32 @@ def quant_bench(name: str, cfg: LlamaConfig, device, specs: list[str], new_token
     return rows
 
 
+# ops.norm_mlp_add's two layouts: dense weights run gate_up with the norm prologue, then down with the SwiGLU
+# prologue; quantized ones the norm + gate_up + SwiGLU kernel, then down's plain GEMV with the residual
+QUANT_FUSION = {"gate_up": "norm_swiglu", "down": "residual"}
+
+
+def quant_step_us(what: str, N: int, K: int, fusion: str, spec: str, cfg: LlamaConfig) -> tuple[float, int]:
+    """A quantized decode GEMV as the step runs it (QUANT_FUSION) -> (µs a call, the weight's bytes); gate_up's
+    output is first checked against "norm, dequantize, multiply" in float64, then the SwiGLU (bf16 tolerance)."""
+    fusion = QUANT_FUSION.get(what, fusion)
+    if fusion != "norm_swiglu":
+        case = Case(what, N, K, fusion, spec, cfg)
+        return case.time_us(None), case.t.nbytes
+    case = Case(what, N, K, "norm", spec, cfg)
+    gate_up = torch_rms_norm(case.x, case.nw, 1e-5).double() @ case.t.dequantize().double().T  # [1, 2F]
+    want = torch_swiglu_gate_up(gate_up.to(case.x.dtype)).double()  # the unfused path's roundings
+    got = quant_norm_swiglu(case.x, case.nw, case.t, 1e-5).double()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    if not err <= 2 ** -6:  # as tools.bench.qgemv_sweep's check
+        raise AssertionError(f"{what} {spec}: norm + gate_up + SwiGLU off by {err:.2e} (relative max)")
+    return graph_us([lambda t=t: quant_norm_swiglu(case.x, case.nw, t, 1e-5) for t in case.copies]), case.t.nbytes
+
+
 def gemv_bench(cfg: LlamaConfig, device, specs: list[str]) -> list[dict]:
     """Each decode GEMV as the decode step runs it (qkv: the fused norm + qkv + RoPE + cache-write kernel; the
-    norm / SwiGLU prologues and residual epilogues), bf16 vs quantized, µs a call in a CUDA graph over >= 256 MB
-    of weight copies (tools.bench.qgemv_sweep.Case: cold L2, as in decode)."""
+    norm prologues and residual epilogues; the MLP in each engine's layout, QUANT_FUSION), bf16 vs quantized, µs a
+    call in a CUDA graph over >= 256 MB of weight copies (tools.bench.qgemv_sweep.Case: cold L2, as in decode)."""
     rows = []
     for what, (N, K, fusion) in shapes(cfg).items():
         case = Case(what, N, K, fusion, specs[0], cfg, min_bytes=0)  # the inputs (one weight copy)
@@ -94,11 +118,9 @@ def gemv_bench(cfg: LlamaConfig, device, specs: list[str]) -> list[dict]:
         row = {"gemv": what, "N": N, "K": K, "bf16_us": us, "bf16_tb_s": w.nbytes / (us * 1e-6) / 1e12}
         del dense, outs, w
         for label in specs:
-            case = Case(what, N, K, fusion, label, cfg)
-            us = case.time_us(None)
+            us, nbytes = quant_step_us(what, N, K, fusion, label, cfg)
             row[f"{label}_us"] = us
-            row[f"{label}_tb_s"] = case.t.nbytes / (us * 1e-6) / 1e12
-            del case
+            row[f"{label}_tb_s"] = nbytes / (us * 1e-6) / 1e12
             torch.cuda.empty_cache()
         rows.append(row)
     return rows
@@ -113,7 +135,9 @@ def render(result: dict) -> str:
                      f"{r['prefill_ratio_vs_bf16']:>8.2f}{r['bytes_per_token_gb']:>10.3f}")
     for model, rows in result.get("quant_gemv", {}).items():
         specs = [k[:-3] for k in rows[0] if k.endswith("_us") and k != "bf16_us"]
-        lines += ["", f"decode GEMVs of {model}, µs a call in a graph (TB/s): bf16 | " + " | ".join(specs)]
+        lines += ["", f"decode GEMVs of {model}, µs a call in a graph (TB/s): bf16 | " + " | ".join(specs),
+                  "  (MLP: bf16 gate_up with the norm, down with the SwiGLU; quantized gate_up with the norm and the "
+                  "SwiGLU, down plain)"]
         for r in rows:
             cells = [f"{r['bf16_us']:.2f} ({r['bf16_tb_s']:.2f})"] + [f"{r[s + '_us']:.2f} ({r[s + '_tb_s']:.2f})"
                                                                       for s in specs]

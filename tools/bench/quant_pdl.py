@@ -1,7 +1,7 @@
 """The quantized decode step's launch modes (accel.kernels.qgemv.PdlMode: programmatic dependent launch with an L2
 prefetch of each program's weights) in the engine, beside bf16, one process, the same weights (tools/bench/NOTES.md).
 
-`python3 -m tools.bench.quant_pdl OUT_DIR [--models=1b,3b] [--specs=int8,int4:64] [--roles] [--once] [--warm]`:
+`python3 -m tools.bench.quant_pdl [OUT_DIR] [--models=1b,3b] [--specs=int8,int4:64] [--roles] [--once] [--warm]`:
 for each model the bf16 engine's greedy decode tok/s (tools.bench.gpu.decode_rate: 32-token prompt, 256 tokens,
 median of 3), then for each format every VARIANTS row twice (forward, then reversed order: drift shows as a gap
 between the two; --once: forward only), with the greedy tokens checked equal to the plain launch's. --roles:
@@ -11,10 +11,10 @@ Writes OUT_DIR/quant_pdl.json (quant_pdl_roles.json with --roles).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
-import sys
 import time
 
 import torch
@@ -27,9 +27,11 @@ from accel.quant_layers import quantize_weights
 from accel.quant_ops import decode_pdl, swiglu_in_gate_up
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
+from refimpl.errors import Llama32Error
 from refimpl.quant.formats import QuantSpec
-from tools.bench.decode_variants import NAMES, run_args
+from tools.bench.decode_variants import NAMES, run_record
 from tools.bench.gpu import decode_rate
+from tools.bench.timing import require_cuda
 
 # (name, the quantized kernels' mode, the decode attention's launch options, the one kernel it applies to or None)
 VARIANTS = [("plain", None, {}, None), ("pdl, no prefetch", PdlMode("wait", 0), {}, None),
@@ -117,24 +119,45 @@ def compare(model: str, specs: list[str], warm: bool = False, variants=VARIANTS,
     return rows
 
 
-def bench_args(argv) -> tuple[str, list[str], list[str], dict]:
-    """OUT_DIR [--models=1b,3b] [--specs=int8,int4:64] -> (out_dir, models, specs, the results record)."""
-    out_dir, models, res = run_args(argv, rows=[])
-    specs = next((a.split("=")[1] for a in argv if a.startswith("--specs=")), "int8,int4:64").split(",")
-    return out_dir, models, specs, res
+def bench_parser(script: str, doc: str) -> argparse.ArgumentParser:
+    """The arguments quant_pdl and quant_swiglu share: [OUT_DIR] [--models=1b,3b] [--specs=int8,int4:64]."""
+    ap = argparse.ArgumentParser(prog=f"python3 -m {script}", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", nargs="?", default=".", help="where the JSON results go (default: .)")
+    ap.add_argument("--models", default="1b,3b", help=f"comma-separated, of {', '.join(NAMES)} (default: %(default)s)")
+    ap.add_argument("--specs", default="int8,int4:64", help="formats, comma-separated (default: %(default)s)")
+    return ap
 
 
-def main(argv):
-    out_dir, models, specs, res = bench_args(argv)
-    warm = "--warm" in argv
+def bench_args(ap: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespace, list[str], list[str], dict]:
+    """Parsed arguments (--help answers without a GPU), then the CUDA check -> (args, models, specs, results
+    record)."""
+    args = ap.parse_args(argv)
+    models, specs = args.models.split(","), args.specs.split(",")
+    if any(m not in NAMES for m in models):
+        ap.error(f"--models {args.models}: expected names of {', '.join(NAMES)}")
+    try:
+        [QuantSpec.parse(s) for s in specs]
+    except Llama32Error as e:
+        ap.error(f"--specs: {e}")
+    require_cuda(ap.prog)
+    return args, models, specs, run_record(rows=[])
+
+
+def main(argv=None):
+    ap = bench_parser("tools.bench.quant_pdl", __doc__)
+    ap.add_argument("--roles", action="store_true", help="PDL for one kernel of the step at a time (ROLE_VARIANTS)")
+    ap.add_argument("--once", action="store_true", help="each variant once (forward order only)")
+    ap.add_argument("--warm", action="store_true", help="only build each variant and decode a few tokens")
+    args, models, specs, res = bench_args(ap, argv)
     t0 = time.time()
     for m in models:
-        res["rows"] += compare(m, specs, warm, ROLE_VARIANTS if "--roles" in argv else VARIANTS, "--once" in argv)
-        if not warm:  # after each model: a run cut short keeps what it measured
-            with open(f"{out_dir}/quant_pdl{'_roles' if '--roles' in argv else ''}.json", "w") as f:
+        res["rows"] += compare(m, specs, args.warm, ROLE_VARIANTS if args.roles else VARIANTS, args.once)
+        if not args.warm:  # after each model: a run cut short keeps what it measured
+            with open(f"{args.out_dir}/quant_pdl{'_roles' if args.roles else ''}.json", "w") as f:
                 json.dump(res, f, indent=1)
     print(f"total {time.time() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main()

@@ -3,13 +3,12 @@ gate_up's epilogue (then down's plain GEMV) against the SwiGLU in down's prologu
 random weights at the real shapes, the two alternated (on, off, off, on) so drift hits both; the greedy tokens
 of both are compared.
 
-    python3 -m tools.bench.quant_swiglu OUT_DIR [--models=1b,3b] [--specs=int8,int4:64]
+    python3 -m tools.bench.quant_swiglu [OUT_DIR] [--models=1b,3b] [--specs=int8,int4:64]
 """
 from __future__ import annotations
 
 import gc
 import json
-import sys
 
 import torch
 
@@ -19,7 +18,7 @@ from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
-from tools.bench.quant_pdl import bench_args, rate_within
+from tools.bench.quant_pdl import bench_args, bench_parser, rate_within
 
 
 def compare(model: str, specs: list[str]) -> list[dict]:
@@ -44,13 +43,13 @@ def compare(model: str, specs: list[str]) -> list[dict]:
     return rows
 
 
-def main(argv):
-    out_dir, models, specs, res = bench_args(argv)
+def main(argv=None):
+    args, models, specs, res = bench_args(bench_parser("tools.bench.quant_swiglu", __doc__), argv)
     for m in models:
         res["rows"] += compare(m, specs)
-        with open(f"{out_dir}/quant_swiglu.json", "w") as f:  # after each model: a run cut short keeps it
+        with open(f"{args.out_dir}/quant_swiglu.json", "w") as f:  # after each model: a run cut short keeps it
             json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main()

@@ -7,6 +7,12 @@ import statistics
 import torch
 
 
+def require_cuda(script: str) -> None:
+    """One error line, not a traceback, where a GPU-only benchmark starts without CUDA."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"error: {script} needs a CUDA GPU (torch.cuda.is_available() is False here)")
+
+
 def median_ms(fn, reps: int = 10, warmup: int = 2) -> float:
     """Median over `reps` of fn's device time (CUDA events), after `warmup` untimed calls."""
     for _ in range(warmup):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from accel.kernels.flash_attn_bwd import (default_configs, flash_attn_bwd, flash_attn_dkdv, flash_attn_dq,
                                           flash_attn_train_fwd)
-from tools.bench.timing import device_ms
+from tools.bench.timing import device_ms, require_cuda
 
 SHAPES = ((2048, 32, 64), (2048, 24, 128), (8192, 32, 64), (8192, 24, 128))  # S, H, E
 KV = 8
@@ -180,8 +180,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     import triton
-    if not torch.cuda.is_available():
-        raise SystemExit("error: tools.bench.train_attn needs a CUDA GPU")
+    require_cuda("tools.bench.train_attn")
     meta = {"device": torch.cuda.get_device_name(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "triton": triton.__version__, "dtype": "bf16", "causal": True, "B": 1,

@@ -45,8 +45,6 @@ def quantize(model, quant, method, calib, out):
     """Quantize MODEL's linear layers and write a quantized checkpoint to OUT."""
     from refimpl.formats.checkpoint import load_checkpoint, weight_dtype, write_side_files
     from refimpl.formats.quant_checkpoint import quantization_config, save_quantized_weights
-    from refimpl.formats.jsonfile import read_config_json
-    from refimpl.model.mllama_config import is_mllama_config
     from refimpl.quant.calibrate import calibration_sequences, quantize_model
     from tools.engines import parse_quant, resolve_model
 
@@ -59,12 +57,7 @@ def quantize(model, quant, method, calib, out):
         raise GenerationError("--calib is used by --method search or gptq; rtn needs no calibration")
     text = None if method == "rtn" else _calibration_text(calib or CALIBRATION)
     path = resolve_model(model)
-    config = path / "config.json"
-    if path.is_dir() and is_mllama_config(read_config_json(path)):
-        # refused before the weights are read (an 11B-Vision checkpoint is 20 GB)
-        raise GenerationError(f"{config}: model_type is 'mllama' (Llama 3.2 Vision); `quantize` handles text Llama "
-                              f"models")
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, text_only=True)  # a Vision checkpoint refused before its 20 GB are read
     seqs = None if text is None else calibration_sequences(ckpt.tokenizer, text)
     params = quantize_model(ckpt.params, ckpt.config, spec, method, seqs)
     dtype = weight_dtype(path) if path.is_dir() else "F32"  # a GGUF's dequantized values are fp32
