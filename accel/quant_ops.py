@@ -242,9 +242,9 @@ def quant_swiglu_linear_add(gate_up, w: QuantTensor, residual):
 
 def quant_norm_swiglu(x, norm_weight, w: QuantTensor, eps):
     """swiglu_gate_up(norm_linear(x, norm_weight, w, eps)) for a quantized gate_up [2F, D]: one kernel
-    (accel.kernels.qgemv.gate_up_swiglu_qfwd) for one row, else the two ops -> [1, F]."""
+    (accel.kernels.qgemv_fused.gate_up_swiglu_qfwd) for one row, else the two ops -> [1, F]."""
     if x.numel() == w.K and ops.uses_triton(x):
-        from .kernels.qgemv import gate_up_swiglu_qfwd
+        from .kernels.qgemv_fused import gate_up_swiglu_qfwd
         return gate_up_swiglu_qfwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, norm_weight, eps,
                                    **_pdl_kw())
     return ops.swiglu_gate_up(quant_norm_linear(x, norm_weight, w, eps))
@@ -260,10 +260,10 @@ def quant_norm_mlp_add(x, norm_weight, gate_up: QuantTensor, down, eps):
 
 
 def quant_qkv_rope(x, norm_weight, w: QuantTensor, eps, cos, sin, position, cache_k, cache_v):
-    """ops.qkv_rope for a quantized weight: one kernel (accel.kernels.qgemv.qkv_rope_qfwd) for the one-token
+    """ops.qkv_rope for a quantized weight: one kernel (accel.kernels.qgemv_fused.qkv_rope_qfwd) for the one-token
     step, else the quantized GEMV with the norm prologue, then ops.rope_kv_write."""
     if x.numel() == w.K and ops.uses_triton(x):
-        from .kernels.qgemv import qkv_rope_qfwd
+        from .kernels.qgemv_fused import qkv_rope_qfwd
         return qkv_rope_qfwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, norm_weight, eps, cos, sin,
                              position, cache_k, cache_v, **_pdl_kw())
     return unfused_qkv_rope(quant_norm_linear, ops.rope_kv_write, x, norm_weight, w, eps, cos, sin, position,

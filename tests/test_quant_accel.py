@@ -196,7 +196,7 @@ def test_quantized_qkv_rope_is_dequantize_then_norm_gemv_rope(H, NKV, E, D, spec
     """The fused norm -> quantized qkv -> RoPE -> cache write (one token, mid-cache) against the oracle:
     refimpl's dequantized weight, rms_norm, matmul and rope; every other cache slot unchanged. GQA 2/3/1/4, a
     head half (12) that 4-column blocks do not divide, D not a power of 2."""
-    from accel.kernels.qgemv import qkv_rope_qfwd
+    from accel.kernels.qgemv_fused import qkv_rope_qfwd
     from refimpl.model.config import RopeScaling
     N = (H + 2 * NKV) * E
     rec = gguf_record(spec, N, D, seed=7) if spec.startswith("q") else QuantSpec.parse(spec).quantize(weights(N, D, 7))
@@ -337,7 +337,7 @@ def test_persistent_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion, bn, w
 @pytest.mark.parametrize("H, NKV, E, D", [(32, 8, 64, 2048), (24, 8, 128, 3072)])
 def test_quantized_qkv_rope_at_llama_shapes_gpu(spec, H, NKV, E, D):
     """The fused quantized norm + qkv + RoPE + cache write against float64: dequantized weight, rms_norm, rope."""
-    from accel.kernels.qgemv import qkv_rope_qfwd
+    from accel.kernels.qgemv_fused import qkv_rope_qfwd
     from accel.ops.torch_ops import torch_rms_norm
     g = torch.Generator(device="cuda").manual_seed(0)
     N, S, pos = (H + 2 * NKV) * E, 32, 17

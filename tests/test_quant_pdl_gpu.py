@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from accel.engine import AccelEngine  # noqa: E402
-from accel.kernels.qgemv import PdlMode, QGemvConfig, qgemv_fwd, qkv_rope_qfwd  # noqa: E402
+from accel.kernels.qgemv import PdlMode, QGemvConfig, qgemv_fwd  # noqa: E402
+from accel.kernels.qgemv_fused import qkv_rope_qfwd  # noqa: E402
 from accel.quant_layers import quantize_weights  # noqa: E402
 from accel.quant_ops import decode_pdl, quantize  # noqa: E402
 from accel.weights import random_weights  # noqa: E402

@@ -1,4 +1,4 @@
-"""The quantized decode MLP with the SwiGLU in gate_up's epilogue (accel.kernels.qgemv.gate_up_swiglu_qfwd, the
+"""The quantized decode MLP with the SwiGLU in gate_up's epilogue (accel.kernels.qgemv_fused.gate_up_swiglu_qfwd, the
 op accel.ops.norm_mlp_add) against "dequantize with the oracle, norm, gate_up matmul, silu(gate)·up, down".
 
 On CPU the kernel runs under the interpreter (fp32); the GPU test (skipped without CUDA) runs it at the Llama 3.2
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from accel import ops  # noqa: E402
-from accel.kernels.qgemv import gate_up_swiglu_qfwd  # noqa: E402
+from accel.kernels.qgemv_fused import gate_up_swiglu_qfwd  # noqa: E402
 from accel.quant_ops import QuantTensor, from_quantized_linear, quantize, swiglu_in_gate_up  # noqa: E402
 from refimpl.model import ops as np_ops  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402

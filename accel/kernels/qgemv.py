@@ -12,8 +12,8 @@ chunk's 22-bit fixed point F = f(x)·2^s in three bytes, and dp4a multiplies 4 c
 exactly; only float(Σ Q·F)·2^-s rounds. The prologues (RMSNorm, SwiGLU) and the residual epilogue are
 accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry over unchanged; a program multiplies
 a row block over one K slice and, with SPLIT_K > 1, the row block's last program to arrive sums the slices in order
-(gemv.py's split kernel does the same). The qkv GEMV also has qkv_rope.py's RoPE + KV-cache-write epilogue
-(`qkv_rope_qfwd`). Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
+(gemv.py's split kernel does the same). The decode step's two fused epilogues (qkv + RoPE + cache write, gate_up
++ SwiGLU) reuse this body: accel/kernels/qgemv_fused.py. Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
 
 PDL (programmatic dependent launch, sm_90+; `PdlMode`, the default by code width: `PDL_DEFAULT`): each of
 these kernels may then be launched while the kernel before it is still running. Before `gdc_wait` a program only
@@ -42,7 +42,6 @@ from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, gd
                      pdl_available, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd, sm_count, split_k_epilogue,
                      split_scratch)
 from .qdot import chunk_dots, fixed_point, group_param
-from .qkv_rope import rope_store
 from .tuning import QGemvConfig
 
 
@@ -185,12 +184,6 @@ def _block_sums(Q, S, M, rows_c, next_c, KB, stride_q, stride_s, n_groups, F, un
 
 
 @triton.jit
-def _halves(acc, HN: tl.constexpr):
-    """[2·HN] sums of a paired-rows program (its first HN rows, then the HN rows they pair with) -> the two [HN]."""
-    return tl.split(tl.permute(tl.reshape(acc, [2, HN]), [1, 0]))
-
-
-@triton.jit
 def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, eps, n_groups, kb_split,
                   BITS: tl.constexpr, OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
                   PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -225,82 +218,6 @@ def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, ep
                         eps, n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2,
                         STAGES, FAST, PDL, TRIGGER, PF_LINES)
         split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
-
-
-@triton.jit
-def _qkv_rope_kernel(Q, S, M, X, NW, COS, SIN, POS, QO, CK, CV, K, KB, stride_q, stride_s, eps, n_groups, s_cos,
-                     s_sin, sc_k, sc_s, scv_k, scv_s, H, NKV, E: tl.constexpr, BITS: tl.constexpr,
-                     OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, STAGES: tl.constexpr,
-                     FAST: tl.constexpr,
-                     PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PF_LINES: tl.constexpr = 0):
-    """accel/kernels/qkv_rope.py's norm + qkv + RoPE + cache write for a quantized weight: a program's BLOCK_N
-    rows are BLOCK_N/2 columns of the first half of one head and the matching BLOCK_N/2 of its second half.
-    PDL, TRIGGER, PF_LINES: `_pdl_start` (TRIGGER 1 without PDL: at once, for the decode attention after us)."""
-    half: tl.constexpr = E // 2
-    HN: tl.constexpr = BLOCK_N // 2
-    per_head: tl.constexpr = (half + HN - 1) // HN
-    b = tl.program_id(0)
-    head = b // per_head  # over the H + 2·NKV heads of the fused output: q heads, then k, then v
-    i = tl.arange(0, BLOCK_N)
-    c = (b % per_head) * HN + i % HN  # [BN] the column in the head's first half
-    rows_c = (head * E + tl.minimum(c, half - 1) + (i // HN) * half).to(tl.int64)  # tail columns re-read a row
-    acc = _rows_dot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
-                    HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL, TRIGGER, PF_LINES)
-    a1, a2 = _halves(acc, HN)  # [HN] each: first-half and second-half rows
-    cols = (b % per_head) * HN + tl.arange(0, HN)
-    pos = tl.load(POS).to(tl.int64)
-    rope_store(a1, a2, head, cols, cols < half, pos, COS, SIN, QO, CK, CV, s_cos, s_sin, sc_k, sc_s, scv_k, scv_s, H,
-               NKV, E)
-
-
-@triton.jit
-def _gate_up_swiglu_kernel(Q, S, M, X, NW, Y, F, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
-                           OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr,
-                           STAGES: tl.constexpr, FAST: tl.constexpr,
-                           PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PF_LINES: tl.constexpr = 0,
-                           PERSIST: tl.constexpr = False, SLINES: tl.constexpr = 0):
-    """norm + gate_up GEMV + SwiGLU: a program's BLOCK_N rows are BLOCK_N/2 gate rows and the matching up rows
-    (F further down: the qkv + RoPE kernel's pairing), so its epilogue writes silu(gate)·up straight to Y [F].
-    PERSIST, SLINES: as `_qgemv_kernel`'s. PDL, TRIGGER, PF_LINES: `_pdl_start`."""
-    HN: tl.constexpr = BLOCK_N // 2
-    b = tl.program_id(0)
-    i = tl.arange(0, BLOCK_N)
-    if PERSIST:
-        step = tl.num_programs(0)
-        _pdl_start(Q, S, M, _pair_rows(b, i, F, HN), 0, KB, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER,
-                   PF_LINES)
-        fx, unit, xc = _whole_rows(X, NW, K, eps, BITS, OFFSET, HAS_MIN, 1, BLOCK_K, K_POW2)
-        for blk in tl.range(b, tl.cdiv(F, HN), step, num_stages=STAGES):
-            acc = _block_sums(Q, S, M, _pair_rows(blk, i, F, HN), _pair_rows(blk + step, i, F, HN), KB, stride_q,
-                              stride_s, n_groups, fx, unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N,
-                              BLOCK_K, FAST, SLINES)
-            _swiglu_store(acc, Y, blk, F, HN)
-        if TRIGGER == 2:
-            gdc_launch_dependents()
-    else:
-        acc = _rows_dot(Q, S, M, X, NW, _pair_rows(b, i, F, HN), 0, KB, K, KB, stride_q, stride_s, eps, n_groups,
-                        BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL,
-                        TRIGGER, PF_LINES)
-        _swiglu_store(acc, Y, b, F, HN)
-
-
-@triton.jit
-def _pair_rows(b, i, F, HN: tl.constexpr):
-    """Row block b of the gate_up pairing: gate rows b·HN + i (i < HN), then the up rows F further down."""
-    return (tl.minimum(b * HN + i % HN, F - 1) + (i // HN) * F).to(tl.int64)  # tail columns re-read a row
-
-
-@triton.jit
-def _swiglu_store(acc, Y, b, F, HN: tl.constexpr):
-    """Y[b·HN ..] = silu(gate)·up of a paired block's sums acc [2·HN]."""
-    g, u = _halves(acc, HN)  # [HN] each: the gate and the up rows
-    dt = Y.dtype.element_ty  # the roundings of the unfused path: gate_up's output, silu's, the product's
-    g = g.to(dt).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dt)
-    cols = b * HN + tl.arange(0, HN)
-    tl.store(Y + cols, (act.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt), mask=cols < F)
 
 
 def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, whole_rows: bool = False,
@@ -417,73 +334,4 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
         FAST=_fast(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages, **persist,
         **_pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False, norm=prologue == PROLOGUE_NORM))
-    return out
-
-
-def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
-                  group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                  sin: torch.Tensor, position: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                  q_out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None,
-                  pdl: PdlMode | None | str = "default") -> torch.Tensor:
-    """accel.kernels.qkv_rope.qkv_rope_fwd for the quantized W [(H+2K)·E, D] (module doc): one launch, the same
-    roundings -> q_rot [1, H, E]; rope(k) and v written to slot `position` of the caches. pdl: as qgemv_fwd."""
-    NKV, S, E = cache_k.shape
-    N = q.shape[0]
-    H = N // E - 2 * NKV
-    assert H > 0 and N == (H + 2 * NKV) * E and E % 2 == 0, "weight rows must be (H + 2K)·E"
-    assert q.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
-    assert x.numel() == K and x.reshape(-1).stride(0) == 1
-    assert norm_weight.shape == (K,) and norm_weight.stride(0) == 1
-    assert cache_v.shape == cache_k.shape and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
-    assert cos.shape == (S, E // 2) and cos.stride(1) == 1 and sin.stride(1) == 1 and position.numel() == 1
-    q_out = torch.empty((1, H, E), dtype=x.dtype, device=x.device) if q_out is None else q_out
-    assert q_out.is_contiguous() and q_out.numel() == H * E
-    per_row = group >= K and low is None
-    cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device), True)
-    _launch_checks(cfg, bits, group, per_row)
-    hn = cfg.block_n // 2
-    assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
-    assert not cfg.programs, "the qkv + RoPE kernel takes one program a head block"
-    _qkv_rope_kernel[((H + 2 * NKV) * triton.cdiv(E // 2, hn),)](
-        q, scale, low if low is not None else scale, x, norm_weight, cos, sin, position, q_out, cache_k, cache_v, K,
-        triton.cdiv(K, 8 // bits), q.stride(0), scale.stride(0), float(eps), scale.shape[1], cos.stride(0),
-        sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), H, NKV, E=E,
-        BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=_fast(q, bits, K),
-        num_warps=cfg.warps, num_stages=cfg.stages, **_pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=True))
-    return q_out
-
-
-def gate_up_swiglu_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
-                        group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None,
-                        pdl: PdlMode | None | str = "default") -> torch.Tensor:
-    """swiglu(gate, up) of linear(rms_norm(x), W) for the quantized W [2F, K] (rows gate, then up): one launch,
-    the roundings of the unfused GEMV then accel.kernels.swiglu -> [1, F] in x's dtype. A program owns whole
-    rows (the launch table's row for W when it does not split K, else the rule's unsplit config: the SwiGLU needs
-    both sums complete). pdl: as qgemv_fwd."""
-    N = q.shape[0]
-    F = N // 2
-    assert N == 2 * F, "weight rows must be 2F (gate, then up)"
-    assert q.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
-    assert x.numel() == K and x.reshape(-1).stride(0) == 1
-    assert norm_weight.shape == (K,) and norm_weight.stride(0) == 1
-    out = torch.empty((1, F), dtype=x.dtype, device=x.device) if out is None else out
-    per_row = group >= K and low is None
-    if config is not None:
-        cfg = QGemvConfig(*config)
-    else:
-        cfg = qgemv_config(N, K, bits, group, sm_count(q.device))
-        if cfg.split_k != 1:
-            cfg = qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True, table={})
-    _launch_checks(cfg, bits, group, per_row, K)
-    hn = cfg.block_n // 2
-    assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
-    grid, persist = _persist_kwargs(cfg, triton.cdiv(F, hn), scale, per_row)
-    _gate_up_swiglu_kernel[grid](
-        q, scale, low if low is not None else scale, x, norm_weight, out, F, K, triton.cdiv(K, 8 // bits),
-        q.stride(0), scale.stride(0), float(eps), scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group,
-        HAS_MIN=low is not None, PER_ROW=per_row, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=_fast(q, bits, K), num_warps=cfg.warps,
-        num_stages=cfg.stages, **persist, **_pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=False))
     return out

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from accel.kernels.common import sm_count
-from accel.kernels.qgemv import gate_up_swiglu_qfwd, qgemv_config, qgemv_fwd, qkv_rope_qfwd
+from accel.kernels.qgemv import qgemv_config, qgemv_fwd
+from accel.kernels.qgemv_fused import gate_up_swiglu_qfwd, qkv_rope_qfwd
 from accel.kernels.tuning import QGemvConfig
 from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
 from refimpl.model.config import PRESETS

@@ -23,7 +23,8 @@ import torch
 import triton
 
 from accel.kernels.common import sm_count
-from accel.kernels.qgemv import qgemv_config, qgemv_fwd, qkv_rope_qfwd
+from accel.kernels.qgemv import qgemv_config, qgemv_fwd
+from accel.kernels.qgemv_fused import qkv_rope_qfwd
 from accel.kernels.rope import rope_kv_write_fwd
 from accel.kernels.tuning import QGEMV, QGemvConfig
 from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up

@@ -115,8 +115,8 @@ def per_role(cfg, model: str, modes: dict, configs: dict):
 
     orig_config = qgemv.qgemv_config
 
-    def config(N, K, bits, group, sms, rope=False, table=None):
-        return orig_config(N, K, bits, group, sms, rope, MappingProxyType(own) if table is None else table)
+    def config(N, K, bits, group, sms, whole_rows=False, table=None):
+        return orig_config(N, K, bits, group, sms, whole_rows, MappingProxyType(own) if table is None else table)
 
     for name in OPS:
         setattr(quant_ops, name, wrap(name))
