@@ -3,6 +3,7 @@
 random Llama whose sizes are not powers of two, every norm weight random) and by the refimpl on the toy checkpoint."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,35 @@ def test_rotated_toy_checkpoint_keeps_its_logits(values):
     assert rotated["lm_head.weight"].shape == src.params["model.embed_tokens.weight"].shape
     c = compare("logits", logits(rotated, cfg), logits(src.params, src.config), TOLERANCES["fp32"])
     assert c.ok, c
+
+
+def test_quantize_rotate_writes_an_ordinary_checkpoint_both_engines_run(tmp_path):
+    """`llama32 quantize --rotate` on the toy: the config records the rotation and unties the head, the norms are 1,
+    the int8 model's logits stay near the original (unrotated, unquantized) model's, and both engines load it and
+    pick the same greedy tokens."""
+    torch = pytest.importorskip("torch")
+    from _badinput import run_cli
+    from accel.engine import AccelEngine
+    from refimpl.generate import RefEngine, Sampling
+    (tmp_path / "calib.txt").write_text("Call me Ishmael. Some years ago, having little or no money in my purse, and "
+                                        "nothing particular to interest me on shore, I thought I would sail. " * 6)
+    out = tmp_path / "rot-int8"
+    r = run_cli(["quantize", "--model", TOY, "--quant", "int8", "--method", "gptq", "--rotate", "--calib",
+                 tmp_path / "calib.txt", "--out", out])
+    assert r.exit_code == 0, r.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert config["quantization_config"]["rotation"] == {"residual": True, "values": True, "seed": 0}
+    back, src = load_checkpoint(out), load_checkpoint(TOY)
+    assert all(np.array_equal(v, np.ones_like(v)) for k, v in back.params.items() if k.endswith("norm.weight"))
+    ids = src.tokenizer.encode("It was the best of times, it was the worst of times.")
+    cache = lambda cfg: KVCache.allocate(cfg, len(ids), lambda s: np.zeros(s, np.float32))  # noqa: E731
+    got = forward(ops, back.params, back.config, np.asarray(ids), np.arange(len(ids)), cache(back.config))
+    want = forward(ops, src.params, src.config, np.asarray(ids), np.arange(len(ids)), cache(src.config))
+    c = compare("logits", got, want, TOLERANCES["bf16"])
+    assert c.ok, c
+    acc = AccelEngine.from_checkpoint(back, device="cpu", dtype="fp32", use_triton=False)
+    assert acc.weights.lm_head is not acc.weights.embed
+    prompt, s = back.tokenizer.encode("the sea"), Sampling(max_new_tokens=4)
+    with torch.no_grad():
+        assert list(acc.generate(prompt, s)) == list(RefEngine(back).generate(prompt, s))

@@ -32,6 +32,7 @@ from refimpl.model.config import LlamaConfig
 from refimpl.quant.apply import LM_HEAD, source_weight
 from refimpl.quant.formats import F32
 
+ROTATION_SEED = 0  # `llama32 quantize --rotate`'s
 READERS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
            "mlp.gate_proj.weight", "mlp.up_proj.weight")  # [Dout, D]: read the (normed) stream
 WRITERS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # [D, Din]: add to the stream

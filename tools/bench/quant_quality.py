@@ -87,7 +87,7 @@ def matrix_bytes(params: dict, cfg) -> dict:
             for n in quantized_names(cfg, True) for w in [params[n] if n in params else source_weight(params, n)]}
 
 
-def smollm2_rows(specs: list[str], methods: list[str], rotate: bool = False) -> tuple[dict, list[dict]]:
+def smollm2_rows(specs: list[str], methods: list[str], rotate: int | None = None) -> tuple[dict, list[dict]]:
     from refimpl.formats.checkpoint import load_checkpoint
     from refimpl.model import ops
     from refimpl.model.llama import KVCache, forward
@@ -113,8 +113,8 @@ def smollm2_rows(specs: list[str], methods: list[str], rotate: bool = False) -> 
     ref = logits_of(ckpt.params)
     print(f"unquantized forward of {TOKENS} tokens: {time.perf_counter() - t0:.1f} s", flush=True)
     source, qcfg, rows = ckpt.params, cfg, []
-    if rotate:  # quantize the rotated model; the reference stays the original
-        source, qcfg = rotate_model(ckpt.params, cfg)
+    if rotate is not None:  # quantize the rotated model; the reference stays the original
+        source, qcfg = rotate_model(ckpt.params, cfg, seed=rotate)
         rotated = logits_of(source, qcfg)
         kl, top1 = kl_and_top1(ref, rotated)
         rows.append({"quant": "none", "method": "rotated", "kl_mean": kl, "top1_agreement": top1,
@@ -138,14 +138,15 @@ def smollm2_rows(specs: list[str], methods: list[str], rotate: bool = False) -> 
                 params.pop(LM_HEAD)  # quantized head's scales into the norm); a tied one is the embedding
                 params |= {k: source[k] for k in (LM_HEAD, "model.norm.weight") if k in source}
             kl, top1 = kl_and_top1(ref, logits_of(params, qcfg))
-            rows.append({"quant": text, "method": method, "rotated": rotate, "kl_mean": kl, "top1_agreement": top1,
+            rows.append({"quant": text, "method": method, "rotation_seed": rotate, "kl_mean": kl,
+                         "top1_agreement": top1,
                          "matrix_mb_per_token": read / 1e6, "seconds": time.perf_counter() - t0})
             print(f"{text:<26}{method:<9} KL {kl:.3e}  top-1 {top1:.4f}  {read / 1e6:.1f} MB  "
                   f"({rows[-1]['seconds']:.0f} s)", flush=True)
     return {"model": f"SmolLM2-135M-Instruct ({path.name}, dequantized to fp32)", "engine": "refimpl fp32 (CPU)",
             "calibration": f"{CALIBRATION.name}, {sum(len(s) for s in calib)} tokens in {len(calib)} sequences "
                            f"(every method but rtn)",
-            "rotation": "residual stream and values (refimpl.quant.rotate, seed 0)" if rotate else None,
+            "rotation": None if rotate is None else f"residual stream and values (refimpl.quant.rotate, seed {rotate})",
             "machine": platform.processor() or platform.machine()}, rows
 
 
@@ -192,14 +193,16 @@ def main(argv=None):
     ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated --quant formats")
     ap.add_argument("--methods", default="rtn", help="comma-separated: rtn, search, gptq, awq, awq-gptq (SmolLM2 "
                                                      "only)")
-    ap.add_argument("--rotate", action="store_true", help="quantize the residual-rotated model (SmolLM2; "
-                                                          "refimpl.quant.rotate)")
+    ap.add_argument("--rotate", type=int, default=None, metavar="SEED", help="quantize the model rotated with "
+                    "this seed (SmolLM2; refimpl.quant.rotate); the reference stays the original")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
     specs = [s for s in args.specs.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
     if args.random_1b and methods != ["rtn"]:
         ap.error("--random-1b quantizes on the device: --methods rtn only")
+    if args.random_1b and args.rotate is not None:
+        ap.error("--rotate is for SmolLM2 (the refimpl quantizers)")
     head, rows = random_1b_rows(specs, args.device) if args.random_1b else smollm2_rows(specs, methods, args.rotate)
     result = {**head, "tokens": TOKENS, "date": datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y-%m-%d %H:%M UTC"), "rows": rows}
