@@ -7,6 +7,7 @@ the lm_head quantized and kept unquantized (":bf16-head"). A benchmark, not a te
 
     python -m tools.bench.quant_quality                       # SmolLM2-135M-Instruct on the CPU (the refimpl)
     python -m tools.bench.quant_quality --methods rtn,search,gptq --specs int8,int4:64   # offline quantizers
+    python -m tools.bench.quant_quality --methods gptq --specs int8 --rotate 0   # the rotated model, seed 0
     python -m tools.bench.quant_quality --random-1b --device cuda   # random Llama-3.2-1B-shaped weights (accel bf16)
 
 SmolLM2: the default model's Q4_1 GGUF dequantized to fp32 is the "unquantized" model; the quantized models
@@ -20,7 +21,10 @@ does at load), search (error-minimizing ranges weighted by the calibration input
 aware input scales, then search / gptq). Each row also gives the MB of matrices a decode step reads (the mixed
 specs' price). All but rtn are
 calibrated on `llama32 quantize`'s default text (tools/data/calibration-en.txt), which shares nothing with the
-evaluation passage. A spec with and without ":bf16-head" shares one quantized body (the body's calibration does
+evaluation passage. --rotate SEED quantizes the model after refimpl.quant.rotate (norms folded, residual stream
+and values rotated; `llama32 quantize --rotate` uses seed 0), against the same unrotated reference; its first row
+("none", "rotated") is the rotated model unquantized, which must match the reference to fp32 rounding.
+A spec with and without ":bf16-head" shares one quantized body (the body's calibration does
 not depend on the head), so it is quantized once.
 Random 1B: accel's bf16 engine in trace mode (all 256 positions' logits), the quantized engines quantizing the
 same bf16 weights on the device; the tied embedding is scaled to std 0.066 so logits have a standard deviation
