@@ -102,8 +102,8 @@ def rotate_values(params: dict, cfg: LlamaConfig, rv: np.ndarray) -> dict:
     out = dict(params)
     for i in range(cfg.num_hidden_layers):
         v = params[f"model.layers.{i}.self_attn.v_proj.weight"].reshape(K, E, D)  # [K·E, D] -> [K, E, D]
-        out[f"model.layers.{i}.self_attn.v_proj.weight"] = np.einsum(
-            "fe,kfd->ked", rv, v).reshape(K * E, D).astype(F32)  # rvᵀ @ [E, D] a kv head -> [K·E, D]
+        v = rv.T @ v  # [E, E] @ [K, E, D] -> [K, E, D]: rvᵀ times each kv head's block
+        out[f"model.layers.{i}.self_attn.v_proj.weight"] = v.reshape(K * E, D).astype(F32)  # -> [K·E, D]
         o = params[f"model.layers.{i}.self_attn.o_proj.weight"].reshape(D, H, E)  # [D, H·E] -> [D, H, E]
         out[f"model.layers.{i}.self_attn.o_proj.weight"] = (o @ rv).reshape(D, H * E).astype(F32)  # [D, H, E] @ [E, E]
     return out
