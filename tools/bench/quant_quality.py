@@ -150,7 +150,7 @@ def smollm2_rows(specs: list[str], methods: list[str], rotate: int | None = None
     return {"model": f"SmolLM2-135M-Instruct ({path.name}, dequantized to fp32)", "engine": "refimpl fp32 (CPU)",
             "calibration": f"{CALIBRATION.name}, {sum(len(s) for s in calib)} tokens in {len(calib)} sequences "
                            f"(every method but rtn)",
-            "rotation": None if rotate is None else f"residual stream and values (refimpl.quant.rotate, seed {rotate})",
+            "rotation": None if rotate is None else f"residual stream and values, refimpl.quant.rotate seed {rotate}",
             "machine": platform.processor() or platform.machine()}, rows
 
 

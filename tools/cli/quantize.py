@@ -40,8 +40,8 @@ def _calibration_text(path: Path) -> str:
                    "activation-aware input scales folded into the norms and v/up rows, then search / gptq.")
 @click.option("--rotate", is_flag=True,
               help="Rotate the residual stream and each head's values first (norm weights folded into the matrices): "
-                   "the same model, weights an int8 / int4 grid fits better; the output is an ordinary Llama "
-                   "checkpoint with its own lm_head.")
+                   "the same model with other weights, an ordinary Llama checkpoint with its own lm_head. Measured "
+                   "to help int8 with gptq and to hurt int4 (README).")
 @click.option("--calib", type=UserPath(), default=None,
               help="Calibration text for search/gptq (default: the checked-in tools/data/calibration-en.txt).")
 @click.option("--out", required=True, type=UserPath(output=True), help="New directory for the quantized checkpoint.")
