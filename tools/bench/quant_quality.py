@@ -7,6 +7,7 @@ the lm_head quantized and kept unquantized (":bf16-head"). A benchmark, not a te
 
     python -m tools.bench.quant_quality                       # SmolLM2-135M-Instruct on the CPU (the refimpl)
     python -m tools.bench.quant_quality --methods rtn,search,gptq --specs int8,int4:64   # offline quantizers
+    python -m tools.bench.quant_quality --methods gptq --specs int8 --rotate 0   # the rotated model, seed 0
     python -m tools.bench.quant_quality --random-1b --device cuda   # random Llama-3.2-1B-shaped weights (accel bf16)
 
 SmolLM2: the default model's Q4_1 GGUF dequantized to fp32 is the "unquantized" model; the quantized models
@@ -20,7 +21,10 @@ does at load), search (error-minimizing ranges weighted by the calibration input
 aware input scales, then search / gptq). Each row also gives the MB of matrices a decode step reads (the mixed
 specs' price). All but rtn are
 calibrated on `llama32 quantize`'s default text (tools/data/calibration-en.txt), which shares nothing with the
-evaluation passage. A spec with and without ":bf16-head" shares one quantized body (the body's calibration does
+evaluation passage. --rotate SEED quantizes the model after refimpl.quant.rotate (norms folded, residual stream
+and values rotated; `llama32 quantize --rotate` uses seed 0), against the same unrotated reference; its first row
+("none", "rotated") is the rotated model unquantized, which must match the reference to fp32 rounding.
+A spec with and without ":bf16-head" shares one quantized body (the body's calibration does
 not depend on the head), so it is quantized once.
 Random 1B: accel's bf16 engine in trace mode (all 256 positions' logits), the quantized engines quantizing the
 same bf16 weights on the device; the tied embedding is scaled to std 0.066 so logits have a standard deviation
@@ -87,13 +91,14 @@ def matrix_bytes(params: dict, cfg) -> dict:
             for n in quantized_names(cfg, True) for w in [params[n] if n in params else source_weight(params, n)]}
 
 
-def smollm2_rows(specs: list[str], methods: list[str]) -> tuple[dict, list[dict]]:
+def smollm2_rows(specs: list[str], methods: list[str], rotate: int | None = None) -> tuple[dict, list[dict]]:
     from refimpl.formats.checkpoint import load_checkpoint
     from refimpl.model import ops
     from refimpl.model.llama import KVCache, forward
     from refimpl.quant.apply import LM_HEAD, dequantize_params
     from refimpl.quant.calibrate import calibration_sequences, quantize_model
     from refimpl.quant.formats import QuantSpec
+    from refimpl.quant.rotate import rotate_model
     from tools.cli.quantize import CALIBRATION
     from tools.default_model import default_model_path
 
@@ -104,14 +109,22 @@ def smollm2_rows(specs: list[str], methods: list[str]) -> tuple[dict, list[dict]
     assert len(ids) == TOKENS, f"the passage gives only {len(ids)} tokens"
     calib = calibration_sequences(ckpt.tokenizer, CALIBRATION.read_text())
 
-    def logits_of(params):
+    def logits_of(params, cfg=cfg):
         cache = KVCache.allocate(cfg, TOKENS, lambda s: np.zeros(s, np.float32))
         return forward(ops, params, cfg, ids, np.arange(TOKENS), cache)  # [T, V]
 
     t0 = time.perf_counter()
     ref = logits_of(ckpt.params)
     print(f"unquantized forward of {TOKENS} tokens: {time.perf_counter() - t0:.1f} s", flush=True)
-    rows = []
+    source, qcfg, rows = ckpt.params, cfg, []
+    if rotate is not None:  # quantize the rotated model; the reference stays the original
+        source, qcfg = rotate_model(ckpt.params, cfg, seed=rotate)
+        rotated = logits_of(source, qcfg)
+        kl, top1 = kl_and_top1(ref, rotated)
+        rows.append({"quant": "none", "method": "rotated", "kl_mean": kl, "top1_agreement": top1,
+                     "max_abs_logit_diff": float(np.abs(ref - rotated).max())})
+        print(f"rotated, unquantized: KL {kl:.3e}  top-1 {top1:.4f}  max |Δlogit| "
+              f"{rows[-1]['max_abs_logit_diff']:.2e}", flush=True)
     bodies = {}  # (spec without the head suffix, method) -> params with the head quantized too
     for method in methods:
         for text in specs:
@@ -119,23 +132,25 @@ def smollm2_rows(specs: list[str], methods: list[str]) -> tuple[dict, list[dict]
             full = QuantSpec(spec.format, spec.group, True, spec.int8_keys)
             t0 = time.perf_counter()
             if (str(full), method) not in bodies:
-                quantized = quantize_model(ckpt.params, cfg, full, method, None if method == "rtn" else calib)
-                bodies[str(full), method] = dequantize_params(quantized), matrix_bytes(quantized, cfg)
+                quantized = quantize_model(source, qcfg, full, method, None if method == "rtn" else calib)
+                bodies[str(full), method] = dequantize_params(quantized), matrix_bytes(quantized, qcfg)
             deq, sizes = bodies[str(full), method]
             params = dict(deq)
             read = sum(sizes.values()) - (0 if spec.lm_head else sizes[LM_HEAD] - 2 * ckpt.params[
                 "model.embed_tokens.weight"].size)  # a bf16 head reads V·D bf16 values
-            if not spec.lm_head:  # the tied embedding serves as the head again, after its own final norm (AWQ
-                del params[LM_HEAD]  # folds the quantized head's scales into the norm)
-                params["model.norm.weight"] = ckpt.params["model.norm.weight"]
-            kl, top1 = kl_and_top1(ref, logits_of(params))
-            rows.append({"quant": text, "method": method, "kl_mean": kl, "top1_agreement": top1,
+            if not spec.lm_head:  # the unquantized head again, after its own final norm (AWQ folds the
+                params.pop(LM_HEAD)  # quantized head's scales into the norm); a tied one is the embedding
+                params |= {k: source[k] for k in (LM_HEAD, "model.norm.weight") if k in source}
+            kl, top1 = kl_and_top1(ref, logits_of(params, qcfg))
+            rows.append({"quant": text, "method": method, "rotation_seed": rotate, "kl_mean": kl,
+                         "top1_agreement": top1,
                          "matrix_mb_per_token": read / 1e6, "seconds": time.perf_counter() - t0})
             print(f"{text:<26}{method:<9} KL {kl:.3e}  top-1 {top1:.4f}  {read / 1e6:.1f} MB  "
                   f"({rows[-1]['seconds']:.0f} s)", flush=True)
     return {"model": f"SmolLM2-135M-Instruct ({path.name}, dequantized to fp32)", "engine": "refimpl fp32 (CPU)",
             "calibration": f"{CALIBRATION.name}, {sum(len(s) for s in calib)} tokens in {len(calib)} sequences "
                            f"(every method but rtn)",
+            "rotation": None if rotate is None else f"residual stream and values, refimpl.quant.rotate seed {rotate}",
             "machine": platform.processor() or platform.machine()}, rows
 
 
@@ -182,13 +197,17 @@ def main(argv=None):
     ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated --quant formats")
     ap.add_argument("--methods", default="rtn", help="comma-separated: rtn, search, gptq, awq, awq-gptq (SmolLM2 "
                                                      "only)")
+    ap.add_argument("--rotate", type=int, default=None, metavar="SEED", help="quantize the model rotated with "
+                    "this seed (SmolLM2; refimpl.quant.rotate); the reference stays the original")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
     specs = [s for s in args.specs.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
     if args.random_1b and methods != ["rtn"]:
         ap.error("--random-1b quantizes on the device: --methods rtn only")
-    head, rows = random_1b_rows(specs, args.device) if args.random_1b else smollm2_rows(specs, methods)
+    if args.random_1b and args.rotate is not None:
+        ap.error("--rotate is for SmolLM2 (the refimpl quantizers)")
+    head, rows = random_1b_rows(specs, args.device) if args.random_1b else smollm2_rows(specs, methods, args.rotate)
     result = {**head, "tokens": TOKENS, "date": datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y-%m-%d %H:%M UTC"), "rows": rows}
     print(f"\n{result['model']} — {result['engine']} — {result['date']}")

@@ -1,0 +1,136 @@
+"""The residual-stream rotation (refimpl.quant.rotate) against independent checks: orthogonality measured directly
+(RᵀR = I), and the rotated model's logits against the original model's, computed by Hugging Face transformers (a tiny
+random Llama whose sizes are not powers of two, every norm weight random) and by the refimpl on the toy checkpoint."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from refimpl.compare import TOLERANCES, compare
+from refimpl.formats.checkpoint import load_checkpoint
+from refimpl.model import ops
+from refimpl.model.config import LlamaConfig
+from refimpl.model.llama import KVCache, forward
+from refimpl.quant import rotate
+
+TOY = Path(__file__).resolve().parent.parent / "golden" / "toy-gqa"  # D = 64, E = 16: Hadamard only
+
+
+@pytest.mark.parametrize("d", [1, 2, 8, 12, 48, 64, 576])
+def test_rotations_are_orthogonal(d):
+    r = rotate.rotation(d, seed=3)
+    assert r.shape == (d, d)
+    np.testing.assert_allclose(r.T @ r, np.eye(d), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(r @ r.T, np.eye(d), rtol=0, atol=1e-12)
+    if d >= 8:  # incoherent: no entry carries more than a few times its share 1/√d
+        assert np.abs(r).max() < 4 / np.sqrt(d)
+        assert not np.allclose(r, rotate.rotation(d, seed=4))
+
+
+def test_hadamard_entries():
+    h = rotate.hadamard(16)
+    np.testing.assert_array_equal(np.abs(h) * 4, np.ones((16, 16)))
+    np.testing.assert_allclose(h @ h.T, np.eye(16), rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="power of two"):
+        rotate.hadamard(12)
+
+
+def test_rotation_spreads_a_large_column():
+    """A weight matrix with one column 30× the others: after W·R no column stands out, so a per-row scale (max |w|
+    of the row) is no longer set by one column. The rows' norms are kept."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((32, 48))
+    w[:, 7] *= 30
+    wr = w @ rotate.rotation(48)
+    peak = lambda m: (np.abs(m).max(1) / np.sqrt((m * m).mean(1))).mean()  # noqa: E731
+    assert peak(w) > 5.5 and peak(wr) < 2.5  # a Gaussian row of 48: about 2.4
+    np.testing.assert_allclose(np.linalg.norm(wr, axis=1), np.linalg.norm(w, axis=1), rtol=1e-12)
+
+
+def _hf_model(cfg_dict: dict, state: dict | None = None):
+    torch, transformers = pytest.importorskip("torch"), pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg_dict, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        if state is None:  # every parameter random, the norm weights around 1 but all different
+            torch.manual_seed(0)
+            for name, p in model.named_parameters():
+                p.copy_(1 + 0.5 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+        else:
+            model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
+    return model
+
+
+def test_rotated_model_is_an_ordinary_llama_to_transformers():
+    """hidden 48 = 3·16 and head_dim 12 = 3·4 (the Kronecker construction), grouped-query attention, a tied head:
+    the rotated weights, loaded into an untied transformers Llama with unit norm weights, give the original logits."""
+    import torch
+    base = dict(vocab_size=61, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5, rope_theta=10000.0,
+                max_position_embeddings=64, tie_word_embeddings=True)
+    model = _hf_model(base)
+    params = {k: v.numpy().copy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    ids = torch.tensor([[3, 17, 5, 40, 9, 60, 0, 22, 31, 8, 8, 44]])
+    with torch.no_grad():
+        want = model(ids).logits[0].numpy()
+    rotated, cfg = rotate.rotate_model(params, LlamaConfig.from_hf(base), seed=1)
+    assert cfg.tie_word_embeddings is False
+    assert all(np.array_equal(v, np.ones_like(v)) for k, v in rotated.items() if k.endswith("norm.weight"))
+    for key in ("model.embed_tokens.weight", "model.layers.1.self_attn.v_proj.weight",
+                "model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert not np.allclose(rotated[key], params[key], atol=1e-2), key
+    with torch.no_grad():
+        got = _hf_model({**base, "tie_word_embeddings": False}, rotated)(ids).logits[0].numpy()
+    c = compare("logits", got, want, TOLERANCES["fp32"])
+    assert c.ok, c
+
+
+@pytest.mark.parametrize("values", [False, True])
+def test_rotated_toy_checkpoint_keeps_its_logits(values):
+    """The toy checkpoint (D = 64: a randomized Hadamard) through the refimpl's forward, with and without the value
+    rotation: the logits of the original weights."""
+    src = load_checkpoint(TOY)
+    ids = np.random.default_rng(0).integers(0, src.config.vocab_size, 40)
+
+    def logits(params, cfg):
+        cache = KVCache.allocate(cfg, len(ids), lambda s: np.zeros(s, np.float32))
+        return forward(ops, params, cfg, ids, np.arange(len(ids)), cache)
+
+    rotated, cfg = rotate.rotate_model(src.params, src.config, seed=0, values=values)
+    assert rotated["lm_head.weight"].shape == src.params["model.embed_tokens.weight"].shape
+    c = compare("logits", logits(rotated, cfg), logits(src.params, src.config), TOLERANCES["fp32"])
+    assert c.ok, c
+
+
+def test_quantize_rotate_writes_an_ordinary_checkpoint_both_engines_run(tmp_path):
+    """`llama32 quantize --rotate` on the toy: the config records the rotation and unties the head, the norms are 1,
+    the int8 model's logits stay near the original (unrotated, unquantized) model's, and both engines load it and
+    pick the same greedy tokens."""
+    torch = pytest.importorskip("torch")
+    from _badinput import run_cli
+    from accel.engine import AccelEngine
+    from refimpl.generate import RefEngine, Sampling
+    (tmp_path / "calib.txt").write_text("Call me Ishmael. Some years ago, having little or no money in my purse, and "
+                                        "nothing particular to interest me on shore, I thought I would sail. " * 6)
+    out = tmp_path / "rot-int8"
+    r = run_cli(["quantize", "--model", TOY, "--quant", "int8", "--method", "gptq", "--rotate", "--calib",
+                 tmp_path / "calib.txt", "--out", out])
+    assert r.exit_code == 0, r.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert config["quantization_config"]["rotation"] == {"residual": True, "values": True, "seed": 0}
+    back, src = load_checkpoint(out), load_checkpoint(TOY)
+    assert all(np.array_equal(v, np.ones_like(v)) for k, v in back.params.items() if k.endswith("norm.weight"))
+    ids = src.tokenizer.encode("It was the best of times, it was the worst of times.")
+    cache = lambda cfg: KVCache.allocate(cfg, len(ids), lambda s: np.zeros(s, np.float32))  # noqa: E731
+    got = forward(ops, back.params, back.config, np.asarray(ids), np.arange(len(ids)), cache(back.config))
+    want = forward(ops, src.params, src.config, np.asarray(ids), np.arange(len(ids)), cache(src.config))
+    c = compare("logits", got, want, TOLERANCES["bf16"])
+    assert c.ok, c
+    acc = AccelEngine.from_checkpoint(back, device="cpu", dtype="fp32", use_triton=False)
+    assert acc.weights.lm_head is not acc.weights.embed
+    prompt, s = back.tokenizer.encode("the sea"), Sampling(max_new_tokens=4)
+    with torch.no_grad():
+        assert list(acc.generate(prompt, s)) == list(RefEngine(back).generate(prompt, s))
