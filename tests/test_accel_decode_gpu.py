@@ -114,3 +114,43 @@ def test_greedy_graph_at_1b_width(wide):
         want.append(int(token))
         logits = sess.decoder.step(token, p)
     assert got == want
+
+
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.2-3b"])
+def test_prefill_launch_variants_agree(preset):
+    """The prefill's launch variants (accel.model.prefill_launch) at the real widths, 2 layers (E = 64 pointer
+    and E = 128 TMA flash tiles): a 300-token prompt, then a 77-token chunk continuing it. PDL launches must give
+    bit-identical logits and caches (the same kernels, only launched earlier; no sync between them, so a kernel
+    reading before its predecessor finished shows); RoPE in the flash kernel's q load must write the same caches
+    and give the logits of rope_kv_write's stored q_rot within bf16 tolerance."""
+    from accel.engine import AccelEngine
+    from accel.model import prefill_launch
+    from accel.weights import random_weights
+    from refimpl.compare import TOLERANCES, compare
+    from refimpl.model.config import PRESETS
+    cfg = dataclasses.replace(PRESETS[preset], num_hidden_layers=2)
+    w = random_weights(cfg, "cuda", torch.bfloat16, seed=5, std=0.066)
+    eng = AccelEngine(cfg, w, torch.device("cuda"), "bf16", use_graph=False)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    first, second = (torch.randint(0, cfg.vocab_size, (n,), device="cuda", generator=g) for n in (300, 77))
+    runs = {}
+    for rope in (False, True):
+        for pdl in (False, True):
+            sess = eng.session(400)
+            sess.cache.k_all.fill_(float("nan"))
+            sess.cache.v_all.fill_(float("nan"))
+            with prefill_launch(rope_in_attention=rope, pdl=pdl):
+                a = eng.prefill(first, sess)
+                b = eng.prefill(second, sess, start=300)
+            runs[rope, pdl] = (a.float(), b.float(), sess.cache.k_all[:, :, :377].clone(),
+                               sess.cache.v_all[:, :, :377].clone())
+    for rope in (False, True):
+        assert all(torch.equal(x, y) for x, y in zip(runs[rope, False], runs[rope, True])), f"pdl, rope={rope}"
+    old, new = runs[False, False], runs[True, False]
+    assert torch.equal(old[2], new[2]) and torch.equal(old[3], new[3]), "caches differ"
+    assert not torch.isnan(new[2]).any()
+    for what, x, y in (("first", old[0], new[0]), ("second", old[1], new[1])):
+        print(f"rope in attention, {preset} {what} chunk: bit-equal {torch.equal(x, y)}, "
+              f"max diff {(x - y).abs().max().item():.3e}")
+        r = compare(what, y[0].cpu().numpy(), x[0].cpu().numpy(), TOLERANCES["bf16"])
+        assert r.ok, str(r)

@@ -10,10 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import gdc_wait, launch_pdl, pdl_kw
+
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, XSUM, Y, stride_x, stride_r, stride_xsum, stride_y, D, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # a programmatic dependent (common.pdl_launches): the previous kernel's output first
+        gdc_wait()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
@@ -39,8 +43,10 @@ def _launch(x, residual, weight, eps, out_sum, out):
     num_warps = 4 if BLOCK_D <= 4096 else 8
     r = residual if residual is not None else x
     s = out_sum if out_sum is not None else x
+    pdl = launch_pdl(x)
     _rms_norm_kernel[(T,)](x, r, weight, s, out, x.stride(0), r.stride(0), s.stride(0), out.stride(0), D,
-                           float(eps), HAS_RESIDUAL=residual is not None, BLOCK_D=BLOCK_D, num_warps=num_warps)
+                           float(eps), HAS_RESIDUAL=residual is not None, BLOCK_D=BLOCK_D, num_warps=num_warps,
+                           PDL=pdl, **pdl_kw(pdl))
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
