@@ -45,7 +45,7 @@ class PrefillLaunch:
     """How the prefill launches its kernels (the same values either way; `prefill_launch` to compare)."""
 
     rope_in_attention: bool = True  # q rotated where the flash kernel loads it, not stored rotated by rope_kv_write
-    pdl: bool = False  # the Triton kernels launched as programmatic dependents (accel.kernels.common.pdl_launches)
+    pdl: bool = True  # the Triton kernels launched as programmatic dependents (accel.kernels.common.pdl_launches)
 
 
 _PREFILL_LAUNCH = contextvars.ContextVar("accel_prefill_launch", default=PrefillLaunch())
@@ -86,11 +86,10 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
     return ops.add_rms_norm(down, x, next_norm, eps)  # resid_post, next attn_norm (or final_norm)
 
 
-def _layers(w: Weights, cfg: LlamaConfig, x, cos, sin, cache_k, cache_v, positions):
-    """The decoder layers over the residual stream x [T, D]; returns final_norm(x) [T, D].
-    A packed quantized layer is dequantized whole into a scratch first (accel.quant_layers.prefill_weights: one
-    launch instead of one a matrix)."""
-    h = ops.rms_norm(x, w.layers[0].attn_norm, cfg.rms_norm_eps)
+def _layers(w: Weights, cfg: LlamaConfig, x, h, cos, sin, cache_k, cache_v, positions):
+    """The decoder layers over the residual stream x [T, D] and h, its first attention norm; returns final_norm(x)
+    [T, D]. A packed quantized layer is dequantized whole into a scratch first (accel.quant_layers.prefill_weights:
+    one launch instead of one a matrix)."""
     for i, lw in enumerate(w.layers):
         next_norm = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.norm
         x, h = self_layer(prefill_weights(lw, x), cfg, x, h, next_norm, cos, sin, cache_k[i], cache_v[i], positions)
@@ -107,8 +106,8 @@ def prefill(w: Weights, cfg: LlamaConfig, ids, tables: RopeTables, cache_k, cach
     positions = tables.slots[start:start + T]  # [T]
     cos, sin = tables.cos[start:start + T], tables.sin[start:start + T]  # [T, E/2]
     with pdl_launches(_PREFILL_LAUNCH.get().pdl):
-        x = ops.embedding(ids, w.embed)  # [T, D]
-        h = _layers(w, cfg, x, cos, sin, cache_k, cache_v, positions)
+        x, h = ops.embedding_rms_norm(ids, w.embed, w.layers[0].attn_norm, cfg.rms_norm_eps)  # [T, D] each
+        h = _layers(w, cfg, x, h, cos, sin, cache_k, cache_v, positions)
         return ops.linear(h[-1:], w.lm_head)  # [1, D] -> [1, V]: only the next token's logits
 
 

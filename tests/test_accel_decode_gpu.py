@@ -121,8 +121,9 @@ def test_prefill_launch_variants_agree(preset):
     """The prefill's launch variants (accel.model.prefill_launch) at the real widths, 2 layers (E = 64 pointer
     and E = 128 TMA flash tiles): a 300-token prompt, then a 77-token chunk continuing it. PDL launches must give
     bit-identical logits and caches (the same kernels, only launched earlier; no sync between them, so a kernel
-    reading before its predecessor finished shows); RoPE in the flash kernel's q load must write the same caches
-    and give the logits of rope_kv_write's stored q_rot within bf16 tolerance."""
+    reading before its predecessor finished shows); RoPE in the flash kernel's q load must write the same layer-0
+    cache and give the logits and later caches of rope_kv_write's stored q_rot within bf16 tolerance (its fp32
+    products may contract into FMAs differently: not bit for bit)."""
     from accel.engine import AccelEngine
     from accel.model import prefill_launch
     from accel.weights import random_weights
@@ -147,10 +148,12 @@ def test_prefill_launch_variants_agree(preset):
     for rope in (False, True):
         assert all(torch.equal(x, y) for x, y in zip(runs[rope, False], runs[rope, True])), f"pdl, rope={rope}"
     old, new = runs[False, False], runs[True, False]
-    assert torch.equal(old[2], new[2]) and torch.equal(old[3], new[3]), "caches differ"
-    assert not torch.isnan(new[2]).any()
-    for what, x, y in (("first", old[0], new[0]), ("second", old[1], new[1])):
+    # layer 0's k/v come before any attention: the same kernel code either way; later layers see its output
+    assert torch.equal(old[2][0], new[2][0]) and torch.equal(old[3][0], new[3][0]), "layer 0's cache differs"
+    assert not torch.isnan(new[2]).any() and not torch.isnan(new[3]).any()
+    for what, x, y in (("first", old[0], new[0]), ("second", old[1], new[1]), ("k cache", old[2], new[2]),
+                       ("v cache", old[3], new[3])):
         print(f"rope in attention, {preset} {what} chunk: bit-equal {torch.equal(x, y)}, "
               f"max diff {(x - y).abs().max().item():.3e}")
-        r = compare(what, y[0].cpu().numpy(), x[0].cpu().numpy(), TOLERANCES["bf16"])
+        r = compare(what, y.cpu().numpy(), x.cpu().numpy(), TOLERANCES["bf16"])
         assert r.ok, str(r)

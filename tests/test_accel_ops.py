@@ -58,6 +58,18 @@ def test_embedding(path, T, D):
     close(A.embedding(t(ids), t(table)), R.embedding(ids, table), "embedding", atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("T", [1, 17])
+@pytest.mark.parametrize("D", [48, 72])
+def test_embedding_rms_norm(path, T, D):
+    """The prefill's first launch: the gathered rows exactly, and their RMSNorm as refimpl's."""
+    rng = rng_for("emb-norm", T, D)
+    table, ids, w = randn(rng, 37, D) * 3, rng.integers(0, 37, T), 1 + randn(rng, D) / 10
+    x, h = A.embedding_rms_norm(t(ids), t(table), t(w), 1e-5)
+    want = R.embedding(ids, table)
+    close(x, want, "embedding_rms_norm x", atol=0, rtol=0)
+    close(h, R.rms_norm(want, w, 1e-5), "embedding_rms_norm h")
+
+
 @pytest.mark.parametrize("T", [1, 3, 17])
 @pytest.mark.parametrize("D", [48, 72])
 def test_rms_norm_and_fused_residual(path, T, D):

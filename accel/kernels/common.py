@@ -17,7 +17,8 @@ PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU = 0, 1, 2
 
 def pdl_available(t: torch.Tensor) -> bool:
     """Whether kernels over t can be launched with PDL (programmatic dependent launch: CUDA sm_90+, compiled;
-    the interpreter has no griddepcontrol)."""
+    the interpreter has no griddepcontrol) — also where TMA descriptors exist. Cached per device: launchers
+    call it every launch."""
     return t.is_cuda and _pdl_device(t.device)
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import gdc_wait, launch_pdl, pdl_kw
+from .common import gdc_wait, launch_pdl, pdl_available, pdl_kw
 from .rope import rope_fwd
 
 LOG2E = 1.4426950408889634
@@ -218,8 +218,7 @@ def _tma_fallback(cfg: dict) -> dict:
 def kv_descriptors(cache_k, cache_v, block_n: int, block_e: int, use: bool):
     """TMA descriptors over the [K, S, E] caches (tiles [1, BLOCK_N, BLOCK_E]); None where not usable:
     no host descriptors in this triton, not on CUDA sm_90+, or strides/base not 16-byte aligned."""
-    if not (use and TensorDescriptor is not None and cache_k.is_cuda and torch.cuda.get_device_capability(
-            cache_k.device)[0] >= 9 and block_e == cache_k.shape[2]):
+    if not (use and TensorDescriptor is not None and pdl_available(cache_k) and block_e == cache_k.shape[2]):
         return None
     try:
         return tuple(TensorDescriptor(c, list(c.shape), list(c.stride()), [1, block_n, block_e])

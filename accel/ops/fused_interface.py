@@ -13,6 +13,7 @@ model dtype, rms_norm's HF cast order, RoPE in fp32, attention scores and softma
 `tuning` (accel.kernels.tuning.Tuning) picks the kernels' launch configs; the torch versions ignore it.
 
 Prefill (T tokens):
+    embedding_rms_norm the embedding gather + the first layer's attention norm: one launch, at the start.
     add_rms_norm       residual add + the next RMSNorm: one pass over the row instead of two.
     rope_kv_write      RoPE on q and k, rotated k and v written into the cache: one launch instead of three
                        (without q: k and v only, when causal_attention rotates q itself).
@@ -45,6 +46,10 @@ Tensor = Any  # torch.Tensor
 
 @runtime_checkable
 class FusedOps(Protocol):
+    def embedding_rms_norm(self, ids: Tensor, table: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """ids [T] int, table [V, D], weight [D] -> (x, rms_norm(x, weight, eps)), x = embedding(ids, table)
+        [T, D] (an exact copy of the rows)."""
+
     def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         """x, residual [T, D], weight [D] -> (s, rms_norm(s, weight, eps)), s = x + residual rounded to x's dtype
         before the norm reads it (as the unfused `x + r` does)."""
@@ -114,6 +119,6 @@ class FusedOps(Protocol):
         device ([1], [1], [n], [1] int64); returns token."""
 
 
-FUSED_OP_NAMES: tuple[str, ...] = ("add_rms_norm", "rope_kv_write", "swiglu_gate_up", "causal_attention",
+FUSED_OP_NAMES: tuple[str, ...] = ("embedding_rms_norm", "add_rms_norm", "rope_kv_write", "swiglu_gate_up", "causal_attention",
                                    "decode_attention", "qkv_rope", "norm_linear", "linear_add", "swiglu_linear_add",
                                    "norm_mlp_add", "norm_cross_attention", "argmax_row", "greedy_next")

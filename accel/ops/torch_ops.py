@@ -78,6 +78,11 @@ def torch_add_rms_norm(x, residual, weight, eps):
     return s, torch_rms_norm(s, weight, eps)
 
 
+def torch_embedding_rms_norm(ids, table, weight, eps):
+    x = table[ids]  # [V, D][T] -> [T, D]
+    return x, torch_rms_norm(x, weight, eps)
+
+
 def torch_rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions):
     kv_write(torch_rotate(k, cos, sin), v, cache_k, cache_v, positions)
     return None if q is None else torch_rotate(q, cos, sin)
