@@ -41,31 +41,35 @@ class RopeTables:
 
 
 @dataclass(frozen=True)
-class PrefillLaunch:
-    """How the prefill launches its kernels (the same values either way; `prefill_launch` to compare)."""
+class PrefillOptions:
+    """How the prefill runs (`prefill_options` to compare; every choice gives the last token's logits and the
+    caches within rounding of the others)."""
 
     rope_in_attention: bool = True  # q rotated where the flash kernel loads it, not stored rotated by rope_kv_write
     pdl: bool = True  # the Triton kernels launched as programmatic dependents (accel.kernels.common.pdl_launches)
+    last_row: bool = True  # the last layer past its k/v (attention, o, MLP) on the last token's row only
 
 
-_PREFILL_LAUNCH = contextvars.ContextVar("accel_prefill_launch", default=PrefillLaunch())
+_PREFILL_OPTIONS = contextvars.ContextVar("accel_prefill_options", default=PrefillOptions())
 
 
 @contextlib.contextmanager
-def prefill_launch(**changes):
-    """Within this block, prefills launch with PrefillLaunch's fields changed as given. For benchmarks and tests."""
-    token = _PREFILL_LAUNCH.set(replace(_PREFILL_LAUNCH.get(), **changes))
+def prefill_options(**changes):
+    """Within this block, prefills run with PrefillOptions' fields changed as given. For benchmarks and tests."""
+    token = _PREFILL_OPTIONS.set(replace(_PREFILL_OPTIONS.get(), **changes))
     try:
         yield
     finally:
-        _PREFILL_LAUNCH.reset(token)
+        _PREFILL_OPTIONS.reset(token)
 
 
-def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v, positions):
+def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v, positions, last_row=False):
     """One self-attention layer over the residual stream x [T, D] and its normed h -> (x, next_norm(x)).
 
     Causal attention over cache_k/cache_v [K, S, E], into which this chunk's k/v are written at `positions` first.
     Each add_rms_norm adds the previous block's output into the stream and normalizes for the next block.
+    last_row: every row's k/v, then only the last token's row onwards (x, h [1, D]): a prompt's last layer, whose
+    other rows nothing reads.
     """
     T, eps = x.shape[0], cfg.rms_norm_eps
     H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -73,13 +77,17 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
     q = qkv[:, : H * E].view(T, H, E)
     k = qkv[:, H * E: (H + K) * E].view(T, K, E)
     v = qkv[:, (H + K) * E:].view(T, K, E)
-    if _PREFILL_LAUNCH.get().rope_in_attention:
+    if _PREFILL_OPTIONS.get().rope_in_attention:
         ops.rope_kv_write(None, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
+        if last_row:
+            q, x, positions, cos, sin = q[-1:], x[-1:], positions[-1:], cos[-1:], sin[-1:]
         a = ops.causal_attention(q, cache_k, cache_v, positions, cos, sin)  # [T, H, E], q rotated inside
     else:
         q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
+        if last_row:
+            q_rot, x, positions = q_rot[-1:], x[-1:], positions[-1:]
         a = ops.causal_attention(q_rot, cache_k, cache_v, positions)  # [T, H, E]
-    o = ops.linear(a.reshape(T, H * E), lw.o)  # [T, H·E] -> [T, D]
+    o = ops.linear(a.reshape(x.shape[0], H * E), lw.o)  # [T, H·E] -> [T, D]
     x, h = ops.add_rms_norm(o, x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
     act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
     down = ops.linear(act, lw.down)  # [T, F] -> [T, D]
@@ -88,11 +96,15 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
 
 def _layers(w: Weights, cfg: LlamaConfig, x, h, cos, sin, cache_k, cache_v, positions):
     """The decoder layers over the residual stream x [T, D] and h, its first attention norm; returns final_norm(x)
-    [T, D]. A packed quantized layer is dequantized whole into a scratch first (accel.quant_layers.prefill_weights:
-    one launch instead of one a matrix)."""
+    of the rows the logits need (the last one, with PrefillOptions.last_row). A packed quantized layer is
+    dequantized whole into a scratch first (accel.quant_layers.prefill_weights: one launch instead of one a
+    matrix)."""
+    last = len(w.layers) - 1
+    last_row = _PREFILL_OPTIONS.get().last_row
     for i, lw in enumerate(w.layers):
-        next_norm = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.norm
-        x, h = self_layer(prefill_weights(lw, x), cfg, x, h, next_norm, cos, sin, cache_k[i], cache_v[i], positions)
+        next_norm = w.layers[i + 1].attn_norm if i < last else w.norm
+        x, h = self_layer(prefill_weights(lw, x), cfg, x, h, next_norm, cos, sin, cache_k[i], cache_v[i], positions,
+                          last_row and i == last)
     return h
 
 
@@ -105,7 +117,7 @@ def prefill(w: Weights, cfg: LlamaConfig, ids, tables: RopeTables, cache_k, cach
     T = ids.shape[0]
     positions = tables.slots[start:start + T]  # [T]
     cos, sin = tables.cos[start:start + T], tables.sin[start:start + T]  # [T, E/2]
-    with pdl_launches(_PREFILL_LAUNCH.get().pdl):
+    with pdl_launches(_PREFILL_OPTIONS.get().pdl):
         x, h = ops.embedding_rms_norm(ids, w.embed, w.layers[0].attn_norm, cfg.rms_norm_eps)  # [T, D] each
         h = _layers(w, cfg, x, h, cos, sin, cache_k, cache_v, positions)
         return ops.linear(h[-1:], w.lm_head)  # [1, D] -> [1, V]: only the next token's logits

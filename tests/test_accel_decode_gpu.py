@@ -117,15 +117,17 @@ def test_greedy_graph_at_1b_width(wide):
 
 
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.2-3b"])
-def test_prefill_launch_variants_agree(preset):
-    """The prefill's launch variants (accel.model.prefill_launch) at the real widths, 2 layers (E = 64 pointer
-    and E = 128 TMA flash tiles): a 300-token prompt, then a 77-token chunk continuing it. PDL launches must give
+def test_prefill_options_agree(preset):
+    """The prefill's options (accel.model.prefill_options) at the real widths, 2 layers (E = 64 pointer and
+    E = 128 TMA flash tiles): a 300-token prompt, then a 77-token chunk continuing it. PDL launches must give
     bit-identical logits and caches (the same kernels, only launched earlier; no sync between them, so a kernel
-    reading before its predecessor finished shows); RoPE in the flash kernel's q load must write the same layer-0
-    cache and give the logits and later caches of rope_kv_write's stored q_rot within bf16 tolerance (its fp32
-    products may contract into FMAs differently: not bit for bit)."""
+    reading before its predecessor finished shows). The last layer on the last row only must write the same caches
+    bit for bit (every row's k/v still) and give the logits within bf16 tolerance (its GEMMs of one row sum in
+    another order). RoPE in the flash kernel's q load must write the same layer-0 cache and give the logits and
+    later caches of rope_kv_write's stored q_rot within bf16 tolerance (its fp32 products may contract into FMAs
+    differently: not bit for bit)."""
     from accel.engine import AccelEngine
-    from accel.model import prefill_launch
+    from accel.model import prefill_options
     from accel.weights import random_weights
     from refimpl.compare import TOLERANCES, compare
     from refimpl.model.config import PRESETS
@@ -135,25 +137,28 @@ def test_prefill_launch_variants_agree(preset):
     g = torch.Generator(device="cuda").manual_seed(9)
     first, second = (torch.randint(0, cfg.vocab_size, (n,), device="cuda", generator=g) for n in (300, 77))
     runs = {}
-    for rope in (False, True):
-        for pdl in (False, True):
-            sess = eng.session(400)
-            sess.cache.k_all.fill_(float("nan"))
-            sess.cache.v_all.fill_(float("nan"))
-            with prefill_launch(rope_in_attention=rope, pdl=pdl):
-                a = eng.prefill(first, sess)
-                b = eng.prefill(second, sess, start=300)
-            runs[rope, pdl] = (a.float(), b.float(), sess.cache.k_all[:, :, :377].clone(),
-                               sess.cache.v_all[:, :, :377].clone())
-    for rope in (False, True):
-        assert all(torch.equal(x, y) for x, y in zip(runs[rope, False], runs[rope, True])), f"pdl, rope={rope}"
-    old, new = runs[False, False], runs[True, False]
+    for rope, pdl, last in [(False, False, False), (True, False, True), (True, True, True), (False, True, True),
+                            (True, True, False)]:
+        sess = eng.session(400)
+        sess.cache.k_all.fill_(float("nan"))
+        sess.cache.v_all.fill_(float("nan"))
+        with prefill_options(rope_in_attention=rope, pdl=pdl, last_row=last):
+            a = eng.prefill(first, sess)
+            b = eng.prefill(second, sess, start=300)
+        runs[rope, pdl, last] = (a.float(), b.float(), sess.cache.k_all[:, :, :377].clone(),
+                                 sess.cache.v_all[:, :, :377].clone())
+    default = runs[True, True, True]
+    assert not torch.isnan(default[2]).any() and not torch.isnan(default[3]).any()
+    assert all(torch.equal(x, y) for x, y in zip(runs[True, False, True], default)), "pdl changed a value"
+    full = runs[True, True, False]
+    assert torch.equal(full[2], default[2]) and torch.equal(full[3], default[3]), "last_row changed the caches"
+    stored = runs[False, True, True]
     # layer 0's k/v come before any attention: the same kernel code either way; later layers see its output
-    assert torch.equal(old[2][0], new[2][0]) and torch.equal(old[3][0], new[3][0]), "layer 0's cache differs"
-    assert not torch.isnan(new[2]).any() and not torch.isnan(new[3]).any()
-    for what, x, y in (("first", old[0], new[0]), ("second", old[1], new[1]), ("k cache", old[2], new[2]),
-                       ("v cache", old[3], new[3])):
-        print(f"rope in attention, {preset} {what} chunk: bit-equal {torch.equal(x, y)}, "
-              f"max diff {(x - y).abs().max().item():.3e}")
-        r = compare(what, y.cpu().numpy(), x.cpu().numpy(), TOLERANCES["bf16"])
-        assert r.ok, str(r)
+    assert torch.equal(stored[2][0], default[2][0]) and torch.equal(stored[3][0], default[3][0]), "rope: layer 0"
+    names = ("first logits", "second logits", "k cache", "v cache")
+    for label, other in (("all rows", full), ("q_rot stored", stored), ("before", runs[False, False, False])):
+        for what, x, y in zip(names, other, default):
+            print(f"{preset} {label} vs default, {what}: bit-equal {torch.equal(x, y)}, "
+                  f"max diff {(x - y).abs().max().item():.3e}")
+            r = compare(what, y.cpu().numpy(), x.cpu().numpy(), TOLERANCES["bf16"])
+            assert r.ok, f"{label}: {r}"

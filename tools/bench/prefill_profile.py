@@ -8,7 +8,7 @@ the kernels around them) and when the host issued its last launch; then the as-c
 eager call, tools.bench.gpu.prefill_ms) beside the GPU time alone (queued behind a spin), each while nvidia-smi
 samples the SM clock and power; the host's own time to queue one prefill (no sync inside), and a cProfile of it.
 --quant runs the same on the weights quantized on the device, through --path (accel.quant_ops.prefill_path).
---variants also times each of accel.model.PrefillLaunch's variants in turn in the same process (`variant_times`):
+--variants also times each of accel.model.PrefillOptions' variants in turn in the same process (`variant_times`):
 as called, with a head start (the same call queued behind a short spin, events from the spin's end: the GPU never
 waits for the host, so as called minus this is what the host's first launches cost), and GPU time alone.
 Prints a summary; writes DIR/prefill_profile.json.
@@ -29,7 +29,7 @@ import time
 import torch
 
 from accel.engine import AccelEngine
-from accel.model import prefill_launch
+from accel.model import prefill_options
 from accel.quant_layers import quantize_weights
 from accel.quant_ops import prefill_path
 from accel.weights import random_weights
@@ -178,10 +178,10 @@ def _measure(engine, prompt, sess, row: dict) -> dict:
     return row
 
 
-VARIANTS = {"old: rope_kv_write stores q_rot": dict(rope_in_attention=False, pdl=False),
-            "rope in flash": dict(rope_in_attention=True, pdl=False),
-            "rope in flash + pdl": dict(rope_in_attention=True, pdl=True),
-            "old + pdl": dict(rope_in_attention=False, pdl=True)}
+VARIANTS = {"before: q_rot stored, no PDL, all rows": dict(rope_in_attention=False, pdl=False, last_row=False),
+            "+ PDL": dict(rope_in_attention=False, pdl=True, last_row=False),
+            "+ PDL + RoPE in flash": dict(rope_in_attention=True, pdl=True, last_row=False),
+            "+ PDL + RoPE in flash + last row (default)": dict(rope_in_attention=True, pdl=True, last_row=True)}
 
 
 def head_start_ms(fn, spin_cycles: int = 4_000_000) -> float:
@@ -203,7 +203,7 @@ def variant_times(fn, rounds: int = 9) -> dict:
     times = {label: ([], []) for label in VARIANTS}
     for r in range(rounds + 1):
         for label, kw in VARIANTS.items():
-            with prefill_launch(**kw):
+            with prefill_options(**kw):
                 called = median_ms(fn, reps=1, warmup=0)
                 ahead = head_start_ms(fn)
             if r:
@@ -211,7 +211,7 @@ def variant_times(fn, rounds: int = 9) -> dict:
                 times[label][1].append(ahead)
     out = {}
     for label, kw in VARIANTS.items():
-        with prefill_launch(**kw):
+        with prefill_options(**kw):
             gpu = device_ms(fn, reps=3, sleep_cycles=100_000_000)
         out[label] = {"as_called_ms": statistics.median(times[label][0]),
                       "head_start_ms": statistics.median(times[label][1]), "gpu_ms": gpu}
@@ -225,7 +225,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--quant", default=None, help="a --quant format: profile the quantized engine")
     ap.add_argument("--path", default=None, choices=["gemm", "dequant"], help="the quantized prefill path")
-    ap.add_argument("--variants", action="store_true", help="also time accel.model.PrefillLaunch's variants")
+    ap.add_argument("--variants", action="store_true", help="also time accel.model.PrefillOptions' variants")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still writes what was measured
     res = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
