@@ -123,9 +123,9 @@ def test_prefill_options_agree(preset):
     bit-identical logits and caches (the same kernels, only launched earlier; no sync between them, so a kernel
     reading before its predecessor finished shows). The last layer on the last row only must write the same caches
     bit for bit (every row's k/v still) and give the logits within bf16 tolerance (its GEMMs of one row sum in
-    another order). RoPE in the flash kernel's q load must write the same layer-0 cache and give the logits and
-    later caches of rope_kv_write's stored q_rot within bf16 tolerance (its fp32 products may contract into FMAs
-    differently: not bit for bit)."""
+    another order). RoPE in the flash kernel's q load must write layer 0's cache alike (v exactly, k to one bf16
+    ulp) and give the logits and later caches of rope_kv_write's stored q_rot within bf16 tolerance (its fp32
+    products may contract into FMAs differently: not bit for bit)."""
     from accel.engine import AccelEngine
     from accel.model import prefill_options
     from accel.weights import random_weights
@@ -153,8 +153,11 @@ def test_prefill_options_agree(preset):
     full = runs[True, True, False]
     assert torch.equal(full[2], default[2]) and torch.equal(full[3], default[3]), "last_row changed the caches"
     stored = runs[False, True, True]
-    # layer 0's k/v come before any attention: the same kernel code either way; later layers see its output
-    assert torch.equal(stored[2][0], default[2][0]) and torch.equal(stored[3][0], default[3][0]), "rope: layer 0"
+    # layer 0's k/v come before any attention, from the same source lines in rope_kv_write's two specializations
+    # (with and without q programs): equal up to how the compiler contracts x1·c − x2·s (one bf16 ulp); v is a copy
+    print(f"{preset} rope variants, layer 0 k bit-equal: {torch.equal(stored[2][0], default[2][0])}")
+    torch.testing.assert_close(stored[2][0], default[2][0], rtol=2 ** -8, atol=1e-6)
+    assert torch.equal(stored[3][0], default[3][0]), "rope: layer 0's v"
     names = ("first logits", "second logits", "k cache", "v cache")
     for label, other in (("all rows", full), ("q_rot stored", stored), ("before", runs[False, False, False])):
         for what, x, y in zip(names, other, default):

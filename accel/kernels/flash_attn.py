@@ -141,8 +141,8 @@ def _flash_fwd_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, COS, SIN, O, sq_t, sq_h,
                       PDL: tl.constexpr = False):
     """CROSS: Mllama's cross-attention instead of the causal mask: every query over all n_keys image keys,
     query t seeing key n where VIS[t, n] != 0, the queries RMSNorm'd per head by QNW (q_norm) once loaded.
-    ROPE: q unrotated, rotated by row t of COS/SIN [T, E/2] once loaded (E a power of 2). PDL: launched as a programmatic
-    dependent (accel.kernels.common.pdl_launches): wait for the previous kernel before touching memory."""
+    ROPE: q unrotated, rotated by row t of COS/SIN [T, E/2] once loaded (E a power of 2). PDL: launched as a
+    programmatic dependent (accel.kernels.common.pdl_launches): wait for the previous kernel before touching memory."""
     if PDL:
         gdc_wait()
     # heads vary fastest and query blocks run last-first: under the causal mask the last blocks have the most

@@ -16,8 +16,9 @@ from ..kernels.swiglu import swiglu_gate_up_fwd
 from ..kernels.tuning import DEFAULT, Tuning
 from .dispatch import rows, uses_triton
 from .torch_ops import (torch_add_rms_norm, torch_argmax_row, torch_causal_attention, torch_decode_attention,
-                        torch_embedding_rms_norm, torch_greedy_next, torch_linear_add, torch_norm_cross_attention, torch_norm_linear,
-                        torch_qkv_rope, torch_rope_kv_write, torch_swiglu_gate_up, torch_swiglu_linear_add)
+                        torch_embedding_rms_norm, torch_greedy_next, torch_linear_add, torch_norm_cross_attention,
+                        torch_norm_linear, torch_qkv_rope, torch_rope_kv_write, torch_swiglu_gate_up,
+                        torch_swiglu_linear_add)
 
 
 def add_rms_norm(x, residual, weight, eps):

@@ -119,6 +119,7 @@ class FusedOps(Protocol):
         device ([1], [1], [n], [1] int64); returns token."""
 
 
-FUSED_OP_NAMES: tuple[str, ...] = ("embedding_rms_norm", "add_rms_norm", "rope_kv_write", "swiglu_gate_up", "causal_attention",
-                                   "decode_attention", "qkv_rope", "norm_linear", "linear_add", "swiglu_linear_add",
-                                   "norm_mlp_add", "norm_cross_attention", "argmax_row", "greedy_next")
+FUSED_OP_NAMES: tuple[str, ...] = ("embedding_rms_norm", "add_rms_norm", "rope_kv_write", "swiglu_gate_up",
+                                   "causal_attention", "decode_attention", "qkv_rope", "norm_linear", "linear_add",
+                                   "swiglu_linear_add", "norm_mlp_add", "norm_cross_attention", "argmax_row",
+                                   "greedy_next")
