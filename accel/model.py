@@ -3,8 +3,7 @@
 Same computation as `refimpl.model.llama.forward` (the trace mode runs that one over `accel.ops`), rearranged for speed
 with the fused ops of accel.ops (contract: accel/ops/fused_interface.py):
     * fused QKV and gate_up GEMMs (accel.weights), the residual add fused into the next RMSNorm;
-    * RoPE fused into the KV-cache write (k is rotated straight into the cache slot, v copied beside it) and,
-      for q, into the prefill's flash attention (rotated where it is loaded);
+    * RoPE fused into the KV-cache write (k is rotated straight into the cache slot, v copied beside it);
     * prefill attends with flash attention over the fresh k/v; decode with the split-sequence decode kernel over
       the cache, its context length a device tensor so that one CUDA graph serves every position;
     * decode reads cos/sin rows from tables precomputed for the whole cache and indexes them on the device;
@@ -45,7 +44,9 @@ class PrefillOptions:
     """How the prefill runs (`prefill_options` to compare; every choice gives the last token's logits and the
     caches within rounding of the others)."""
 
-    rope_in_attention: bool = True  # q rotated where the flash kernel loads it, not stored rotated by rope_kv_write
+    # q rotated where the flash kernel loads it, not stored rotated by rope_kv_write: fewer bytes, but the rotation
+    # before the first MMA costs the flash kernel what rope_kv_write saves (measured: no gain), so off
+    rope_in_attention: bool = False
     pdl: bool = True  # the Triton kernels launched as programmatic dependents (accel.kernels.common.pdl_launches)
     last_row: bool = True  # the last layer past its k/v (attention, o, MLP) on the last token's row only
 

@@ -180,8 +180,8 @@ def _measure(engine, prompt, sess, row: dict) -> dict:
 
 VARIANTS = {"before: q_rot stored, no PDL, all rows": dict(rope_in_attention=False, pdl=False, last_row=False),
             "+ PDL": dict(rope_in_attention=False, pdl=True, last_row=False),
-            "+ PDL + RoPE in flash": dict(rope_in_attention=True, pdl=True, last_row=False),
-            "+ PDL + RoPE in flash + last row (default)": dict(rope_in_attention=True, pdl=True, last_row=True)}
+            "+ PDL + last row (default)": dict(rope_in_attention=False, pdl=True, last_row=True),
+            "+ PDL + last row + RoPE in flash": dict(rope_in_attention=True, pdl=True, last_row=True)}
 
 
 def head_start_ms(fn, spin_cycles: int = 4_000_000) -> float:
