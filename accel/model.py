@@ -14,13 +14,16 @@ what the engine captures in a CUDA graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import contextvars
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from refimpl.model.config import LlamaConfig
 
 from . import ops
+from .kernels.common import pdl_launches
 from .kernels.tuning import DEFAULT, Tuning
 from .quant_layers import prefill_weights
 from .weights import Weights
@@ -30,13 +33,44 @@ from .weights import Weights
 class RopeTables:
     cos: torch.Tensor  # [S, E/2] fp32, row p for position p
     sin: torch.Tensor  # [S, E/2] fp32
+    slots: torch.Tensor = field(init=False)  # [S] int64, 0..S-1: a prefill's positions are a slice (no launch)
+
+    def __post_init__(self):
+        self.slots = torch.arange(self.cos.shape[0], device=self.cos.device)
 
 
-def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v, positions, attend):
+@dataclass(frozen=True)
+class PrefillOptions:
+    """How the prefill runs (`prefill_options` to compare; every choice gives the last token's logits and the
+    caches within rounding of the others)."""
+
+    # q rotated where the flash kernel loads it, not stored rotated by rope_kv_write: fewer bytes, but the rotation
+    # before the first MMA costs the flash kernel what rope_kv_write saves (measured: no gain), so off
+    rope_in_attention: bool = False
+    pdl: bool = True  # the Triton kernels launched as programmatic dependents (accel.kernels.common.pdl_launches)
+    last_row: bool = True  # the last layer past its k/v (attention, o, MLP) on the last token's row only
+
+
+_PREFILL_OPTIONS = contextvars.ContextVar("accel_prefill_options", default=PrefillOptions())
+
+
+@contextlib.contextmanager
+def prefill_options(**changes):
+    """Within this block, prefills run with PrefillOptions' fields changed as given. For benchmarks and tests."""
+    token = _PREFILL_OPTIONS.set(replace(_PREFILL_OPTIONS.get(), **changes))
+    try:
+        yield
+    finally:
+        _PREFILL_OPTIONS.reset(token)
+
+
+def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v, positions, last_row=False):
     """One self-attention layer over the residual stream x [T, D] and its normed h -> (x, next_norm(x)).
 
-    `attend(q_rot)` -> [T, H, E] is the attention (the k/v are already in cache_k/cache_v [K, S, E]).
+    Causal attention over cache_k/cache_v [K, S, E], into which this chunk's k/v are written at `positions` first.
     Each add_rms_norm adds the previous block's output into the stream and normalizes for the next block.
+    last_row: every row's k/v, then only the last token's row onwards (x, h [1, D]): a prompt's last layer, whose
+    other rows nothing reads.
     """
     T, eps = x.shape[0], cfg.rms_norm_eps
     H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -44,24 +78,34 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
     q = qkv[:, : H * E].view(T, H, E)
     k = qkv[:, H * E: (H + K) * E].view(T, K, E)
     v = qkv[:, (H + K) * E:].view(T, K, E)
-    q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
-    a = attend(q_rot)  # [T, H, E]
-    o = ops.linear(a.reshape(T, H * E), lw.o)  # [T, H·E] -> [T, D]
+    if _PREFILL_OPTIONS.get().rope_in_attention:
+        ops.rope_kv_write(None, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
+        if last_row:
+            q, x, positions, cos, sin = q[-1:], x[-1:], positions[-1:], cos[-1:], sin[-1:]
+        a = ops.causal_attention(q, cache_k, cache_v, positions, cos, sin)  # [T, H, E], q rotated inside
+    else:
+        q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
+        if last_row:
+            q_rot, x, positions = q_rot[-1:], x[-1:], positions[-1:]
+        a = ops.causal_attention(q_rot, cache_k, cache_v, positions)  # [T, H, E]
+    o = ops.linear(a.reshape(x.shape[0], H * E), lw.o)  # [T, H·E] -> [T, D]
     x, h = ops.add_rms_norm(o, x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
     act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
     down = ops.linear(act, lw.down)  # [T, F] -> [T, D]
     return ops.add_rms_norm(down, x, next_norm, eps)  # resid_post, next attn_norm (or final_norm)
 
 
-def _layers(w: Weights, cfg: LlamaConfig, x, cos, sin, cache_k, cache_v, positions, attend):
-    """The decoder layers over the residual stream x [T, D]; returns final_norm(x) [T, D].
-    `attend(i, q_rot)` -> [T, H, E] is the attention of layer i. A packed quantized layer is dequantized whole
-    into a scratch first (accel.quant_layers.prefill_weights: one launch instead of one a matrix)."""
-    h = ops.rms_norm(x, w.layers[0].attn_norm, cfg.rms_norm_eps)
+def _layers(w: Weights, cfg: LlamaConfig, x, h, cos, sin, cache_k, cache_v, positions):
+    """The decoder layers over the residual stream x [T, D] and h, its first attention norm; returns final_norm(x)
+    of the rows the logits need (the last one, with PrefillOptions.last_row). A packed quantized layer is
+    dequantized whole into a scratch first (accel.quant_layers.prefill_weights: one launch instead of one a
+    matrix)."""
+    last = len(w.layers) - 1
+    last_row = _PREFILL_OPTIONS.get().last_row
     for i, lw in enumerate(w.layers):
-        next_norm = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.norm
-        x, h = self_layer(prefill_weights(lw, x), cfg, x, h, next_norm, cos, sin, cache_k[i], cache_v[i],
-                          positions, lambda q_rot, i=i: attend(i, q_rot))
+        next_norm = w.layers[i + 1].attn_norm if i < last else w.norm
+        x, h = self_layer(prefill_weights(lw, x), cfg, x, h, next_norm, cos, sin, cache_k[i], cache_v[i], positions,
+                          last_row and i == last)
     return h
 
 
@@ -72,15 +116,12 @@ def prefill(w: Weights, cfg: LlamaConfig, ids, tables: RopeTables, cache_k, cach
     already hold the earlier tokens (a chat continuing its history).
     """
     T = ids.shape[0]
-    positions = torch.arange(start, start + T, device=ids.device)
-    x = ops.embedding(ids, w.embed)  # [T, D]
+    positions = tables.slots[start:start + T]  # [T]
     cos, sin = tables.cos[start:start + T], tables.sin[start:start + T]  # [T, E/2]
-
-    def attend(i, q_rot):  # over the prompt's own k/v, which rope_kv_write has just put in the cache
-        return ops.causal_attention(q_rot, cache_k[i], cache_v[i], positions)
-
-    h = _layers(w, cfg, x, cos, sin, cache_k, cache_v, positions, attend)
-    return ops.linear(h[-1:], w.lm_head)  # [1, D] -> [1, V]: only the next token's logits
+    with pdl_launches(_PREFILL_OPTIONS.get().pdl):
+        x, h = ops.embedding_rms_norm(ids, w.embed, w.layers[0].attn_norm, cfg.rms_norm_eps)  # [T, D] each
+        h = _layers(w, cfg, x, h, cos, sin, cache_k, cache_v, positions)
+        return ops.linear(h[-1:], w.lm_head)  # [1, D] -> [1, V]: only the next token's logits
 
 
 def decode_step(w: Weights, cfg: LlamaConfig, token, position, tables: RopeTables, cache_k, cache_v,

@@ -101,6 +101,28 @@ def test_trace_names_and_values_match_refimpl(pair):
     assert compare("logits", acc.to_numpy(logits), want_logits, TOLERANCES["fp32"]).ok
 
 
+@pytest.mark.parametrize("rope_in_attention,last_row", [(False, True), (True, False)])  # each option both ways
+def test_fast_prefill_options_match_refimpl(pair, rope_in_attention, last_row):
+    """accel.model.prefill's options (q rotated by rope_kv_write or in the flash kernel; the last layer on every
+    row or the last one only): a prompt, then a chunk continuing it in the same cache, each chunk's last-token
+    logits against refimpl's forward over the whole sequence so far; every cache slot written as refimpl's."""
+    from accel.model import prefill_options
+    from refimpl.model import ops as np_ops
+    ref, acc, ckpt = pair
+    cfg, more = ckpt.config, [9, 2, 77, 30]
+    sess = acc.session(16)
+    with prefill_options(rope_in_attention=rope_in_attention, last_row=last_row):
+        got = [acc.to_numpy(acc.prefill(PROMPT, sess)), acc.to_numpy(acc.prefill(more, sess, start=len(PROMPT)))]
+    for ids, logits in ((PROMPT, got[0]), (PROMPT + more, got[1])):
+        cache = ref.new_cache(16)
+        _, want = collect(np_ops, ckpt.params, cfg, np.asarray(ids), np.arange(len(ids)), cache)
+        assert compare("logits", logits[-1], want[-1], TOLERANCES["fp32"]).ok
+    n = len(PROMPT) + len(more)
+    for layer in range(cfg.num_hidden_layers):
+        for got_c, want_c in ((sess.cache.k_all, cache.k), (sess.cache.v_all, cache.v)):
+            assert compare("cache", acc.to_numpy(got_c[layer][:, :n]), want_c[layer][:, :n], TOLERANCES["fp32"]).ok
+
+
 def test_trace_send_replaces_a_value(pair):
     """The debugger's substitution: a value sent back replaces the activation for the rest of the forward."""
     _, acc, ckpt = pair

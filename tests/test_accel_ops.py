@@ -58,6 +58,18 @@ def test_embedding(path, T, D):
     close(A.embedding(t(ids), t(table)), R.embedding(ids, table), "embedding", atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("T", [1, 17])
+@pytest.mark.parametrize("D", [48, 72])
+def test_embedding_rms_norm(path, T, D):
+    """The prefill's first launch: the gathered rows exactly, and their RMSNorm as refimpl's."""
+    rng = rng_for("emb-norm", T, D)
+    table, ids, w = randn(rng, 37, D) * 3, rng.integers(0, 37, T), 1 + randn(rng, D) / 10
+    x, h = A.embedding_rms_norm(t(ids), t(table), t(w), 1e-5)
+    want = R.embedding(ids, table)
+    close(x, want, "embedding_rms_norm x", atol=0, rtol=0)
+    close(h, R.rms_norm(want, w, 1e-5), "embedding_rms_norm h")
+
+
 @pytest.mark.parametrize("T", [1, 3, 17])
 @pytest.mark.parametrize("D", [48, 72])
 def test_rms_norm_and_fused_residual(path, T, D):
@@ -155,6 +167,29 @@ def test_attention_prefill_then_second_chunk(path, H, K, E, T):
         close(got, want, f"attention chunk at {first}")
     # the caches hold exactly the written slots, and NaN everywhere else
     torch.testing.assert_close(got_k, t(ref_k), atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got_v, t(ref_v), atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("H,K", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("E", [16, 24])
+def test_causal_attention_rotating_q_equals_rope_then_attention(path, H, K, E):
+    """The prefill's split of the RoPE: rope_kv_write without q (k rotated and v into the cache, nothing
+    returned), then causal_attention given cos/sin rotating q where it loads it = refimpl's rope, then attention.
+    Two chunks (the second over a partly filled cache, positions not starting at 0); E = 24 pads the head."""
+    rng = rng_for("rope-attn", H, K, E)
+    S = 64
+    ref_k, ref_v = _caches(rng, K, S, E)
+    got_k, got_v = t(ref_k.copy()), t(ref_v.copy())
+    for first, n in ((0, 21), (21, 13)):
+        q, k, v = randn(rng, n, H, E), randn(rng, n, K, E), randn(rng, n, K, E)
+        positions = np.arange(first, first + n)
+        cos, sin = R.rope_tables(positions, E, 500000.0, RopeScaling())
+        q_rot, k_rot = R.rope(q, k, cos, sin)
+        want = R.attention(q_rot, k_rot, v, ref_k, ref_v, positions)
+        assert A.rope_kv_write(None, t(k), t(v), t(cos), t(sin), got_k, got_v, t(positions)) is None
+        got = A.causal_attention(t(q), got_k, got_v, t(positions), t(cos), t(sin))
+        close(got, want, f"rope + attention chunk at {first}")
+    torch.testing.assert_close(got_k, t(ref_k), atol=ATOL, rtol=RTOL, equal_nan=True)
     torch.testing.assert_close(got_v, t(ref_v), atol=0, rtol=0, equal_nan=True)
 
 

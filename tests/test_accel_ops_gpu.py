@@ -55,6 +55,10 @@ def test_embedding_and_norms(dtype, T):
     table, _ = draw(1, 128256, 2048, dtype=dtype)
     ids = torch.randint(0, 128256, (T,), device="cuda")
     torch.testing.assert_close(A.embedding(ids, table), table[ids], atol=0, rtol=0)
+    w, wn = draw(4, 2048, dtype=dtype)
+    x, h = A.embedding_rms_norm(ids, table, w, 1e-5)
+    torch.testing.assert_close(x, table[ids], atol=0, rtol=0)
+    check("embedding_rms_norm", h, R.rms_norm(x.float().cpu().numpy(), wn, 1e-5), TOL[dtype])
     for D in (2048, 3072):
         x, xn = draw(2, T, D, dtype=dtype, scale=3.0)
         r, rn = draw(3, T, D, dtype=dtype)

@@ -3,6 +3,8 @@ RMSNorm reciprocal, an unmasked-row weight tile, the residual epilogue, the spli
 launch rules size their grids by, and programmatic dependent launch (PDL) with an L2 prefetch hint."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -15,8 +17,34 @@ PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU = 0, 1, 2
 
 def pdl_available(t: torch.Tensor) -> bool:
     """Whether kernels over t can be launched with PDL (programmatic dependent launch: CUDA sm_90+, compiled;
-    the interpreter has no griddepcontrol)."""
+    the interpreter has no griddepcontrol) — also where TMA descriptors exist. Cached per device: launchers
+    call it every launch."""
     return t.is_cuda and _pdl_device(t.device)
+
+
+_PDL_LAUNCHES = contextvars.ContextVar("accel_kernels_pdl_launches", default=False)
+
+
+@contextlib.contextmanager
+def pdl_launches(on: bool = True):
+    """Within this block, the kernels whose launchers ask `launch_pdl` (the prefill's RMSNorm, RoPE + cache write,
+    flash attention, SwiGLU, embedding) launch as programmatic dependents: each waits for the kernel before it at
+    its start, before any load or store, so its launch overlaps that kernel's drain. Off by default."""
+    token = _PDL_LAUNCHES.set(on)
+    try:
+        yield
+    finally:
+        _PDL_LAUNCHES.reset(token)
+
+
+def launch_pdl(t: torch.Tensor) -> bool:
+    """Whether a kernel over t launches as a programmatic dependent here (pdl_launches on, and PDL available)."""
+    return _PDL_LAUNCHES.get() and pdl_available(t)
+
+
+def pdl_kw(pdl: bool) -> dict:
+    """The launch keyword of a PDL launch (none otherwise: the interpreter's launcher takes no such keyword)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit

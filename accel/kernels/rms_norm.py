@@ -1,4 +1,5 @@
-"""RMSNorm in Triton, with HF's casting order, and the fused residual-add + RMSNorm of the engine's fast path.
+"""RMSNorm in Triton, with HF's casting order, and the fused residual-add + RMSNorm (and embedding + RMSNorm) of
+the engine's fast path.
 
 One program normalizes one row [D] (Llama's D is 2048 or 3072: one block of the next power of two holds a row).
 Casting order, as HF LlamaRMSNorm: reduce in fp32, cast the normalized row back to the input dtype, *then* multiply
@@ -10,14 +11,23 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import gdc_wait, launch_pdl, pdl_kw
+
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, XSUM, Y, stride_x, stride_r, stride_xsum, stride_y, D, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(X, R, W, XSUM, Y, IDS, stride_x, stride_r, stride_xsum, stride_y, D, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+    """GATHER: row t of X is row IDS[t] (an embedding table), copied to XSUM as well (embedding + norm)."""
+    if PDL:  # a programmatic dependent (common.pdl_launches): the previous kernel's output first
+        gdc_wait()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
-    x = tl.load(X + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)  # [D]
+    src = tl.load(IDS + row).to(tl.int64) if GATHER else row  # V·D reaches 394M for Llama 3.2 3B: int64
+    x = tl.load(X + src * stride_x + cols, mask=inside, other=0.0).to(tl.float32)  # [D]
+    if GATHER:
+        tl.store(XSUM + row * stride_xsum + cols, x.to(XSUM.dtype.element_ty), mask=inside)  # exact: a copy
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
         # round the sum to the activation dtype first: the unfused `x + r` in bf16 does, and the norm reads that
@@ -31,16 +41,18 @@ def _rms_norm_kernel(X, R, W, XSUM, Y, stride_x, stride_r, stride_xsum, stride_y
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=inside)
 
 
-def _launch(x, residual, weight, eps, out_sum, out):
-    T, D = x.shape
+def _launch(x, residual, weight, eps, out_sum, out, ids=None):
+    T, D = out.shape
     assert weight.shape == (D,) and x.stride(1) == 1 and weight.stride(0) == 1, "rows must be contiguous"
     BLOCK_D = triton.next_power_of_2(D)
     # a 2048-wide bf16 row is 4 KB: 4 warps keep 16-byte loads per thread up to D = 4096, 8 beyond
     num_warps = 4 if BLOCK_D <= 4096 else 8
     r = residual if residual is not None else x
     s = out_sum if out_sum is not None else x
-    _rms_norm_kernel[(T,)](x, r, weight, s, out, x.stride(0), r.stride(0), s.stride(0), out.stride(0), D,
-                           float(eps), HAS_RESIDUAL=residual is not None, BLOCK_D=BLOCK_D, num_warps=num_warps)
+    pdl = launch_pdl(x)
+    _rms_norm_kernel[(T,)](x, r, weight, s, out, ids if ids is not None else x, x.stride(0), r.stride(0),
+                           s.stride(0), out.stride(0), D, float(eps), HAS_RESIDUAL=residual is not None,
+                           BLOCK_D=BLOCK_D, GATHER=ids is not None, num_warps=num_warps, PDL=pdl, **pdl_kw(pdl))
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,3 +74,15 @@ def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     out = torch.empty_like(x) if out is None else out
     _launch(x, residual, weight, eps, out_sum, out)
     return out_sum, out
+
+
+def embedding_rms_norm_fwd(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T] int (device), table [V, D] (rows contiguous) -> (x = table[ids], rms_norm(x)), both [T, D] in the
+    table's dtype, in one pass: the prefill's embedding and first attention norm (one launch fewer, at the start,
+    where the GPU waits for the host's launches)."""
+    (T,), (_, D) = ids.shape, table.shape
+    x = torch.empty((T, D), dtype=table.dtype, device=table.device)
+    out = torch.empty_like(x)
+    _launch(table, None, weight, eps, x, out, ids=ids)
+    return x, out

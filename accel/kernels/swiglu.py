@@ -9,9 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import gdc_wait, launch_pdl, pdl_kw
+
 
 @triton.jit
-def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, F, BLOCK: tl.constexpr):
+def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, F, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # a programmatic dependent (common.pdl_launches): the previous kernel's output first
+        gdc_wait()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < F
@@ -26,8 +30,9 @@ def _launch(gate, up, out):
     assert up.shape == (T, F) and gate.stride(1) == 1 and up.stride(1) == 1 and out.stride(1) == 1
     # 1024 columns a program: 8192-wide rows give 8 programs a token, enough to fill the GPU at T >= 32
     BLOCK = min(1024, triton.next_power_of_2(F))
+    pdl = launch_pdl(gate)
     _swiglu_kernel[(T, triton.cdiv(F, BLOCK))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), F,
-                                               BLOCK=BLOCK, num_warps=4)
+                                               BLOCK=BLOCK, num_warps=4, PDL=pdl, **pdl_kw(pdl))
     return out
 
 

@@ -10,14 +10,15 @@ from ..kernels.decode_attn import cross_decode_attention_fwd, decode_attention_f
 from ..kernels.flash_attn import cross_attention_fwd, flash_attention_fwd
 from ..kernels.gemv import gemv_fwd
 from ..kernels.qkv_rope import qkv_rope_fwd
-from ..kernels.rms_norm import add_rms_norm_fwd
+from ..kernels.rms_norm import add_rms_norm_fwd, embedding_rms_norm_fwd
 from ..kernels.rope import rope_kv_write_fwd
 from ..kernels.swiglu import swiglu_gate_up_fwd
 from ..kernels.tuning import DEFAULT, Tuning
 from .dispatch import rows, uses_triton
 from .torch_ops import (torch_add_rms_norm, torch_argmax_row, torch_causal_attention, torch_decode_attention,
-                        torch_greedy_next, torch_linear_add, torch_norm_cross_attention, torch_norm_linear,
-                        torch_qkv_rope, torch_rope_kv_write, torch_swiglu_gate_up, torch_swiglu_linear_add)
+                        torch_embedding_rms_norm, torch_greedy_next, torch_linear_add, torch_norm_cross_attention,
+                        torch_norm_linear, torch_qkv_rope, torch_rope_kv_write, torch_swiglu_gate_up,
+                        torch_swiglu_linear_add)
 
 
 def add_rms_norm(x, residual, weight, eps):
@@ -28,10 +29,18 @@ def add_rms_norm(x, residual, weight, eps):
     return torch_add_rms_norm(x, residual, weight, eps)
 
 
+def embedding_rms_norm(ids, table, weight, eps):
+    ids = ids.to(table.device)
+    if uses_triton(table):
+        return embedding_rms_norm_fwd(ids.reshape(-1), rows(table), rows(weight), eps)
+    return torch_embedding_rms_norm(ids, table, weight, eps)
+
+
 def rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions):
-    positions = positions.to(q.device)
-    if uses_triton(q):
-        return rope_kv_write_fwd(rows(q), rows(k), rows(v), rows(cos), rows(sin), cache_k, cache_v, positions)
+    positions = positions.to(k.device)
+    if uses_triton(k):
+        return rope_kv_write_fwd(None if q is None else rows(q), rows(k), rows(v), rows(cos), rows(sin), cache_k,
+                                 cache_v, positions)
     return torch_rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)
 
 
@@ -41,10 +50,11 @@ def swiglu_gate_up(gate_up):
     return torch_swiglu_gate_up(gate_up)
 
 
-def causal_attention(q, cache_k, cache_v, positions):
+def causal_attention(q, cache_k, cache_v, positions, cos=None, sin=None):
     if uses_triton(q):
-        return flash_attention_fwd(rows(q), cache_k, cache_v, positions)
-    return torch_causal_attention(q, cache_k, cache_v, positions)
+        return flash_attention_fwd(rows(q), cache_k, cache_v, positions, cos=cos if cos is None else rows(cos),
+                                   sin=sin if sin is None else rows(sin))
+    return torch_causal_attention(q, cache_k, cache_v, positions, cos, sin)
 
 
 def decode_attention(q, cache_k, cache_v, position, tuning: Tuning = DEFAULT):

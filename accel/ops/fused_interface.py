@@ -13,10 +13,13 @@ model dtype, rms_norm's HF cast order, RoPE in fp32, attention scores and softma
 `tuning` (accel.kernels.tuning.Tuning) picks the kernels' launch configs; the torch versions ignore it.
 
 Prefill (T tokens):
+    embedding_rms_norm the embedding gather + the first layer's attention norm: one launch, at the start.
     add_rms_norm       residual add + the next RMSNorm: one pass over the row instead of two.
-    rope_kv_write      RoPE on q and k, rotated k and v written into the cache: one launch instead of three.
+    rope_kv_write      RoPE on q and k, rotated k and v written into the cache: one launch instead of three
+                       (without q: k and v only, when causal_attention rotates q itself).
     swiglu_gate_up     SwiGLU over the fused [gate | up] GEMM output (accel.weights fuses the two weights).
-    causal_attention   attention over the cache already holding this chunk's k/v (flash attention).
+    causal_attention   attention over the cache already holding this chunk's k/v (flash attention); given
+                       cos/sin, the RoPE of q too, where q is loaded (never stored rotated).
 Decode (one token, the residual stream x [1, D] updated in place):
     qkv_rope           attn norm + qkv GEMV + RoPE + cache write: one launch.
     decode_attention   split-K attention over the cache, the length read from `position`.
@@ -43,6 +46,10 @@ Tensor = Any  # torch.Tensor
 
 @runtime_checkable
 class FusedOps(Protocol):
+    def embedding_rms_norm(self, ids: Tensor, table: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """ids [T] int, table [V, D], weight [D] -> (x, rms_norm(x, weight, eps)), x = embedding(ids, table)
+        [T, D] (an exact copy of the rows)."""
+
     def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         """x, residual [T, D], weight [D] -> (s, rms_norm(s, weight, eps)), s = x + residual rounded to x's dtype
         before the norm reads it (as the unfused `x + r` does)."""
@@ -50,14 +57,18 @@ class FusedOps(Protocol):
     def rope_kv_write(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache_k: Tensor,
                       cache_v: Tensor, positions: Tensor) -> Tensor:
         """q [T, H, E], k/v [T, K, E], cos/sin [T, E/2] fp32, cache_k/cache_v [K, S, E], positions [T] int ->
-        rope(q) [T, H, E]; rope(k) and v are written into the caches at `positions` (in place)."""
+        rope(q) [T, H, E]; rope(k) and v are written into the caches at `positions` (in place). q None: only the
+        cache writes, returns None."""
 
     def swiglu_gate_up(self, gate_up: Tensor) -> Tensor:
         """gate_up [T, 2F] (gate = first F columns, up = last F) -> swiglu(gate, up), [T, F]."""
 
-    def causal_attention(self, q: Tensor, cache_k: Tensor, cache_v: Tensor, positions: Tensor) -> Tensor:
+    def causal_attention(self, q: Tensor, cache_k: Tensor, cache_v: Tensor, positions: Tensor,
+                         cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
         """q [T, H, E] (rotated) at positions [T] over cache_k/cache_v [K, S, E], whose slots 0..max(positions)
-        hold this sequence -> [T, H, E]: query t sees slots 0..positions[t]; head h reads kv head h // (H/K)."""
+        hold this sequence -> [T, H, E]: query t sees slots 0..positions[t]; head h reads kv head h // (H/K).
+        With cos/sin [T, E/2] fp32, q is unrotated: = causal_attention(rope(q, cos, sin), ...), q rotated with
+        rope's roundings (fp32, rounded to q's dtype)."""
 
     def decode_attention(self, q: Tensor, cache_k: Tensor, cache_v: Tensor, position: Tensor,
                          tuning: Tuning = DEFAULT) -> Tensor:
@@ -108,6 +119,7 @@ class FusedOps(Protocol):
         device ([1], [1], [n], [1] int64); returns token."""
 
 
-FUSED_OP_NAMES: tuple[str, ...] = ("add_rms_norm", "rope_kv_write", "swiglu_gate_up", "causal_attention",
-                                   "decode_attention", "qkv_rope", "norm_linear", "linear_add", "swiglu_linear_add",
-                                   "norm_mlp_add", "norm_cross_attention", "argmax_row", "greedy_next")
+FUSED_OP_NAMES: tuple[str, ...] = ("embedding_rms_norm", "add_rms_norm", "rope_kv_write", "swiglu_gate_up",
+                                   "causal_attention", "decode_attention", "qkv_rope", "norm_linear", "linear_add",
+                                   "swiglu_linear_add", "norm_mlp_add", "norm_cross_attention", "argmax_row",
+                                   "greedy_next")

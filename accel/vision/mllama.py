@@ -106,8 +106,7 @@ def prefill(w: MllamaWeights, cfg: MllamaConfig, ids, cache: MllamaStaticCache):
     for i, j, c, next_norm in layers:
         if j is not None:
             x, h = self_layer(w.text.layers[j], sub, x, h, next_norm, cos, sin, cache.k_all[j], cache.v_all[j],
-                              positions, lambda q, j=j: ops.causal_attention(q, cache.k_all[j], cache.v_all[j],
-                                                                             positions))
+                              positions)
         else:
             x, h = _cross_layer(w.cross[c], t, x, h, next_norm, cache.xk_all[c], cache.xv_all[c], visible, has)
     return ops.linear(h[-1:], w.text.lm_head)  # [1, D] -> [1, V]

@@ -86,12 +86,14 @@ def prefill_ms(engine: AccelEngine, tokens: int = 2048) -> tuple[float, float]:
 
 
 def prefill_flops(cfg: LlamaConfig, T: int) -> float:
-    """Matrix FLOPs of a T-token prefill as the engine runs it: every layer's GEMMs on T rows, causal attention
-    (half of the T×T scores), and the lm_head on the last row only."""
-    D, F, E, H = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads
-    per_layer = D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * F
+    """Matrix FLOPs of a T-token prefill as the engine runs it: every layer's qkv GEMM on T rows; causal attention
+    (half of the T×T scores), o and the MLP on T rows but in the last layer, which runs them for the last row only
+    (accel.model.PrefillOptions.last_row); the lm_head on the last row."""
+    D, F, E, H, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_hidden_layers
+    qkv, rest = D * (cfg.q_size + 2 * cfg.kv_size), cfg.q_size * D + 3 * D * F
     attention = 4 * T * T * E * H / 2
-    return cfg.num_hidden_layers * (2 * T * per_layer + attention) + 2 * D * cfg.vocab_size
+    last = 2 * rest + 4 * T * E * H  # one query row over T keys
+    return L * 2 * T * qkv + (L - 1) * (2 * T * rest + attention) + last + 2 * D * cfg.vocab_size
 
 
 def hf_model(cfg: LlamaConfig, weights: Weights, device):

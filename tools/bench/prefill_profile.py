@@ -8,6 +8,9 @@ the kernels around them) and when the host issued its last launch; then the as-c
 eager call, tools.bench.gpu.prefill_ms) beside the GPU time alone (queued behind a spin), each while nvidia-smi
 samples the SM clock and power; the host's own time to queue one prefill (no sync inside), and a cProfile of it.
 --quant runs the same on the weights quantized on the device, through --path (accel.quant_ops.prefill_path).
+--variants also times each of accel.model.PrefillOptions' variants in turn in the same process (`variant_times`):
+as called, with a head start (the same call queued behind a short spin, events from the spin's end: the GPU never
+waits for the host, so as called minus this is what the host's first launches cost), and GPU time alone.
 Prints a summary; writes DIR/prefill_profile.json.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 import torch
 
 from accel.engine import AccelEngine
+from accel.model import prefill_options
 from accel.quant_layers import quantize_weights
 from accel.quant_ops import prefill_path
 from accel.weights import random_weights
@@ -39,9 +43,11 @@ NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
 
 def _sampled(fn) -> tuple[object, dict]:
     """fn()'s result and nvidia-smi's SM clock (MHz) and power (W) sampled every 10 ms meanwhile (empty when
-    nvidia-smi is missing)."""
+    nvidia-smi is missing), with the clock event (throttle) reason bitmasks seen and how often."""
     try:
         smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                "-lms", "10"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        why = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks_throttle_reasons.active", "--format=csv,noheader",
                                 "-lms", "10"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     except FileNotFoundError:
         return fn(), {}
@@ -49,6 +55,11 @@ def _sampled(fn) -> tuple[object, dict]:
         out = fn()
     finally:
         smi.terminate()
+        why.terminate()
+    reasons: dict[str, int] = {}
+    for line in why.communicate(timeout=10)[0].splitlines():
+        if line.strip().startswith("0x"):
+            reasons[line.strip()] = reasons.get(line.strip(), 0) + 1
     samples = []
     for line in smi.communicate(timeout=10)[0].splitlines():
         try:
@@ -60,7 +71,7 @@ def _sampled(fn) -> tuple[object, dict]:
         return out, {}
     clocks, power = [c for c, _ in samples], [w for _, w in samples]
     return out, {"samples": len(samples), "sm_mhz_median": statistics.median(clocks), "sm_mhz_min": min(clocks),
-                 "power_w_median": statistics.median(power), "power_w_max": max(power)}
+                 "power_w_median": statistics.median(power), "power_w_max": max(power), "reasons": reasons}
 
 
 def timeline(engine: AccelEngine, prompt, sess) -> dict:
@@ -77,6 +88,7 @@ def timeline(engine: AccelEngine, prompt, sess) -> dict:
         events = json.load(f)["traceEvents"]
     os.unlink(name)
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    memsets = sorted((e for e in events if e.get("cat") == "gpu_memset"), key=lambda e: e["ts"])
     launches = [e for e in events if e.get("cat") == "cuda_runtime" and "Launch" in e.get("name", "")]
     if not kernels:
         return {}
@@ -94,12 +106,18 @@ def timeline(engine: AccelEngine, prompt, sess) -> dict:
         t[0] += e["dur"]
         t[1] += 1
     top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]
+    around: dict[str, int] = {}  # the kernel that follows each device memset: whose workspace it clears
+    for m in memsets:
+        after = next((k["name"][:60] for k in kernels if k["ts"] >= m["ts"]), "(none)")
+        around[after] = around.get(after, 0) + 1
     return {"kernels": len(kernels), "launches": len(launches), "gpu_span_ms": (end - start) / 1e3,
             "gpu_busy_ms": sum(e["dur"] for e in kernels) / 1e3, "idle_ms": sum(g[0] for g in gaps) / 1e3,
             "idle_gaps_over_5us": sum(1 for g in gaps if g[0] > 5),
             "host_first_launch_to_first_kernel_us": start - first_launch,
             "host_last_launch_ms": (max((e["ts"] for e in launches), default=start) - first_launch) / 1e3,
             "kernel_totals_us": [{"name": n, "us": us, "calls": c} for n, (us, c) in top],
+            "memsets": len(memsets), "memset_us": sum(e["dur"] for e in memsets),
+            "kernel_after_memset": around,
             "largest_gaps_us": [{"us": g, "after": a, "before": b, "at_ms": t / 1e3} for g, a, b, t in gaps[:12]]}
 
 
@@ -126,7 +144,8 @@ def host_queue(fn, reps: int = 10) -> tuple[float, str]:
     return statistics.median(times), text.getvalue()
 
 
-def model_profile(model: str, tokens: int, quant: str | None = None, path: str | None = None) -> dict:
+def model_profile(model: str, tokens: int, quant: str | None = None, path: str | None = None,
+                  variants: bool = False) -> dict:
     cfg = PRESETS[NAMES[model]]
     weights = random_weights(cfg, "cuda", torch.bfloat16)
     if quant:
@@ -136,8 +155,11 @@ def model_profile(model: str, tokens: int, quant: str | None = None, path: str |
     prompt = torch.tensor(prompt_ids(cfg, tokens, seed=1), device="cuda")
     sess = engine.session(tokens)
     with prefill_path(path):
-        return _measure(engine, prompt, sess, {"model": model, "quant": quant or "bf16", "path": path,
-                                               "tokens": tokens, "profile": table})
+        row = _measure(engine, prompt, sess, {"model": model, "quant": quant or "bf16", "path": path,
+                                              "tokens": tokens, "profile": table})
+        if variants:
+            row["variants"] = variant_times(lambda: engine.prefill(prompt, sess))
+        return row
 
 
 def _measure(engine, prompt, sess, row: dict) -> dict:
@@ -146,6 +168,7 @@ def _measure(engine, prompt, sess, row: dict) -> dict:
     row["timeline"] = timeline(engine, prompt, sess)
     row["host_queue_ms"], row["host_cprofile"] = host_queue(fn)
     row["as_called_ms"], row["as_called_clock"] = _sampled(lambda: median_ms(fn, reps=20, warmup=2))
+    row["head_start_ms"] = statistics.median(head_start_ms(fn) for _ in range(10))
     row["gpu_ms"], row["gpu_clock"] = _sampled(lambda: device_ms(fn, reps=3, sleep_cycles=100_000_000))
     spaced = []  # one call after 50 ms of host sleep each: the GPU idles between calls, as between a user's requests
     for _ in range(10):
@@ -155,6 +178,46 @@ def _measure(engine, prompt, sess, row: dict) -> dict:
     return row
 
 
+VARIANTS = {"before: q_rot stored, no PDL, all rows": dict(rope_in_attention=False, pdl=False, last_row=False),
+            "+ PDL": dict(rope_in_attention=False, pdl=True, last_row=False),
+            "+ PDL + last row (default)": dict(rope_in_attention=False, pdl=True, last_row=True),
+            "+ PDL + last row + RoPE in flash": dict(rope_in_attention=True, pdl=True, last_row=True)}
+
+
+def head_start_ms(fn, spin_cycles: int = 4_000_000) -> float:
+    """One synced call queued behind a ~2 ms spin, CUDA events from the spin's end to the call's: the host has
+    queued its first launches by then (and queues faster than the GPU runs after), so no host gap is inside."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(spin_cycles)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def variant_times(fn, rounds: int = 9) -> dict:
+    """Each VARIANTS entry called in turn (rounds after a warm-up round), each round as called then with a head
+    start -> {label: {as_called_ms, head_start_ms (medians), gpu_ms (device_ms)}}."""
+    times = {label: ([], []) for label in VARIANTS}
+    for r in range(rounds + 1):
+        for label, kw in VARIANTS.items():
+            with prefill_options(**kw):
+                called = median_ms(fn, reps=1, warmup=0)
+                ahead = head_start_ms(fn)
+            if r:
+                times[label][0].append(called)
+                times[label][1].append(ahead)
+    out = {}
+    for label, kw in VARIANTS.items():
+        with prefill_options(**kw):
+            gpu = device_ms(fn, reps=3, sleep_cycles=100_000_000)
+        out[label] = {"as_called_ms": statistics.median(times[label][0]),
+                      "head_start_ms": statistics.median(times[label][1]), "gpu_ms": gpu}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -162,13 +225,14 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--quant", default=None, help="a --quant format: profile the quantized engine")
     ap.add_argument("--path", default=None, choices=["gemm", "dequant"], help="the quantized prefill path")
+    ap.add_argument("--variants", action="store_true", help="also time accel.model.PrefillOptions' variants")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still writes what was measured
     res = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}, "rows": []}
     try:
         for m in args.models.split(","):
-            res["rows"].append(model_profile(m, args.tokens, args.quant, args.path))
+            res["rows"].append(model_profile(m, args.tokens, args.quant, args.path, args.variants))
             r = res["rows"][-1]
             print(r["profile"] + r["host_cprofile"])
             print(json.dumps({k: v for k, v in r.items() if k not in ("profile", "host_cprofile")}, indent=1),
