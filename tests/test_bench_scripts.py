@@ -144,7 +144,7 @@ def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch):
     assert all(getattr(quant_ops, n)(*a) == () for n, a in calls.values())  # outside: the kernels' defaults
 
 
-@pytest.mark.parametrize("script", ["quant_pdl", "quant_swiglu"])
+@pytest.mark.parametrize("script", ["quant_pdl", "quant_swiglu", "quant_roles"])
 def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, capsys, monkeypatch, tmp_path):
     """--help works without a GPU; bad names are argparse errors (exit 2); no CUDA is one error line, no traceback."""
     import importlib
