@@ -45,13 +45,15 @@ EXTRA = {"gate_up": [QGemvConfig(16, 1024, 2, 1, 3), QGemvConfig(16, 1024, 1, 1,
 
 @triton.jit
 def _stream_tile(Qw, S, M, rows_c, kb0, kb_hi, stride_q, stride_s, n_groups, BLOCK_N: tl.constexpr,
-                 BYTES: tl.constexpr, GPT: tl.constexpr, SCALES: tl.constexpr, HAS_MIN: tl.constexpr):
-    """The xor of a [BLOCK_N, BYTES] tile's words (and of its GPT scales / minima a row) -> [BLOCK_N] int32."""
+                 BYTES: tl.constexpr, GBYTES: tl.constexpr, GPT: tl.constexpr, SCALES: tl.constexpr,
+                 HAS_MIN: tl.constexpr):
+    """The xor of a [BLOCK_N, BYTES] tile's words (and of its GPT scales / minima a row: GBYTES code bytes a
+    group, so the tile at byte kb0 starts at group kb0 / GBYTES) -> [BLOCK_N] int32."""
     jw = kb0 // 4 + tl.arange(0, BYTES // 4)
     w = tl.load(Qw + rows_c[:, None] * (stride_q // 4) + jw[None, :], mask=jw[None, :] < kb_hi // 4, other=0)
     acc = tl.xor_sum(w, axis=1)
     if SCALES:
-        g = kb0 * 2 * GPT // BYTES + tl.arange(0, GPT)
+        g = kb0 // GBYTES + tl.arange(0, GPT)
         inside = g[None, :] < n_groups
         s = tl.load(S + rows_c[:, None] * stride_s + g[None, :], mask=inside, other=0.0)
         acc ^= tl.xor_sum(s.to(tl.int16, bitcast=True).to(tl.int32), axis=1)
@@ -63,8 +65,8 @@ def _stream_tile(Qw, S, M, rows_c, kb0, kb_hi, stride_q, stride_s, n_groups, BLO
 
 @triton.jit
 def _stream_kernel(Q, S, M, Y, N, KB, stride_q, stride_s, n_groups, kb_split, BLOCK_N: tl.constexpr,
-                   BYTES: tl.constexpr, GPT: tl.constexpr, STAGES: tl.constexpr, SCALES: tl.constexpr,
-                   HAS_MIN: tl.constexpr, PERSIST: tl.constexpr):
+                   BYTES: tl.constexpr, GBYTES: tl.constexpr, GPT: tl.constexpr, STAGES: tl.constexpr,
+                   SCALES: tl.constexpr, HAS_MIN: tl.constexpr, PERSIST: tl.constexpr):
     """The quantized GEMV's loads without its math: program (row block, K slice) as `_qgemv_kernel`'s, or
     (PERSIST) row blocks b, b + programs, ... of one tile a row; one int32 a row to Y so nothing is dropped."""
     Qw = Q.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -73,8 +75,8 @@ def _stream_kernel(Q, S, M, Y, N, KB, stride_q, stride_s, n_groups, kb_split, BL
         for blk in tl.range(b, tl.cdiv(N, BLOCK_N), tl.num_programs(0), num_stages=STAGES):
             rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-            acc = _stream_tile(Qw, S, M, rows_c, 0, KB, stride_q, stride_s, n_groups, BLOCK_N, BYTES, GPT, SCALES,
-                               HAS_MIN)
+            acc = _stream_tile(Qw, S, M, rows_c, 0, KB, stride_q, stride_s, n_groups, BLOCK_N, BYTES, GBYTES, GPT,
+                               SCALES, HAS_MIN)
             tl.store(Y + rows, acc, mask=rows < N)
     else:
         sp = tl.program_id(1)
@@ -84,8 +86,8 @@ def _stream_kernel(Q, S, M, Y, N, KB, stride_q, stride_s, n_groups, kb_split, BL
         kb_hi = tl.minimum(kb_lo + kb_split, KB)
         acc = tl.zeros([BLOCK_N], dtype=tl.int32)
         for kb0 in tl.range(kb_lo, kb_hi, BYTES, num_stages=STAGES):
-            acc ^= _stream_tile(Qw, S, M, rows_c, kb0, kb_hi, stride_q, stride_s, n_groups, BLOCK_N, BYTES, GPT,
-                                SCALES, HAS_MIN)
+            acc ^= _stream_tile(Qw, S, M, rows_c, kb0, kb_hi, stride_q, stride_s, n_groups, BLOCK_N, BYTES,
+                                GBYTES, GPT, SCALES, HAS_MIN)
         tl.store(Y + sp * N + rows, acc, mask=rows < N)
 
 
@@ -99,8 +101,8 @@ def stream_call(t, cfg: QGemvConfig, scales: bool, out: torch.Tensor):
     grid = (min(cfg.programs, blocks), 1) if cfg.programs else (blocks, triton.cdiv(kb, k_split))
     _stream_kernel[grid](t.q, t.scale, t.low if t.low is not None else t.scale, out, N, kb, t.q.stride(0),
                          t.scale.stride(0), t.scale.shape[1], k_split, BLOCK_N=cfg.block_n, BYTES=nbytes,
-                         GPT=max(1, cfg.block_k // t.group), STAGES=cfg.stages, SCALES=scales,
-                         HAS_MIN=t.low is not None, PERSIST=cfg.programs > 0, num_warps=cfg.warps,
+                         GBYTES=t.group * t.bits // 8, GPT=max(1, cfg.block_k // t.group), STAGES=cfg.stages,
+                         SCALES=scales, HAS_MIN=t.low is not None, PERSIST=cfg.programs > 0, num_warps=cfg.warps,
                          num_stages=cfg.stages)
 
 
