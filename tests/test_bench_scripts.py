@@ -144,21 +144,22 @@ def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch):
     assert all(getattr(quant_ops, n)(*a) == () for n, a in calls.values())  # outside: the kernels' defaults
 
 
-@pytest.mark.parametrize("script", ["quant_pdl", "quant_swiglu", "quant_roles"])
-def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, capsys, monkeypatch, tmp_path):
+@pytest.mark.parametrize("script, flag", [("quant_pdl", "--specs"), ("quant_swiglu", "--specs"),
+                                          ("quant_roles", "--specs"), ("qgemv_probe", "--quant")])
+def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, flag, capsys, monkeypatch, tmp_path):
     """--help works without a GPU; bad names are argparse errors (exit 2); no CUDA is one error line, no traceback."""
     import importlib
     main = importlib.import_module(f"tools.bench.{script}").main
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and f"python3 -m tools.bench.{script}" in capsys.readouterr().out
-    for bad, message in [("--models=1b,8b", "--models 1b,8b: expected names of 1b, 3b"), ("--specs=int5", "--specs:")]:
+    for bad, message in [("--models=1b,8b", "--models 1b,8b: expected names of 1b, 3b"), (f"{flag}=int5", f"{flag}:")]:
         with pytest.raises(SystemExit) as e:
             main([str(tmp_path), bad])
         assert e.value.code == 2 and message in capsys.readouterr().err
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
-        main([str(tmp_path), "--models=1b", "--specs=int8"])
+        main([str(tmp_path), "--models=1b", f"{flag}=int8"])
     assert e.value.code == (f"error: python3 -m tools.bench.{script} needs a CUDA GPU "
                             "(torch.cuda.is_available() is False here)")
     assert list(tmp_path.iterdir()) == []

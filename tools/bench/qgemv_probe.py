@@ -1,6 +1,6 @@
 """What limits the 4-bit decode GEMVs (accel/kernels/qgemv.py), and the persistent launch configs, on a CUDA GPU.
 
-`python3 -m tools.bench.qgemv_probe OUT_DIR [--models=1b,3b] [--quant=int4:64] [--budget=S] [--no-probes]`
+`python3 -m tools.bench.qgemv_probe [OUT_DIR] [--models=1b,3b] [--quant=int4:64] [--budget=S] [--no-probes]`
 For each decode GEMV as the step runs it (qkv + RoPE + cache write, o + residual, norm + gate_up + SwiGLU, down +
 residual, norm + lm_head), µs a call inside one CUDA graph over >= 256 MB of weight copies
 (tools.bench.gemv_sweep.graph_us), each config checked against float64 first:
@@ -20,7 +20,6 @@ config beat the table's by > 2%; to copy by hand once the engine is measured wit
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import torch
@@ -35,6 +34,7 @@ from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
 from refimpl.model.config import PRESETS
 from tools.bench.gemv_sweep import graph_us
 from tools.bench.qgemv_sweep import NAMES, Case, shapes, table_source
+from tools.bench.quant_pdl import bench_args, bench_parser
 
 # the step's kernel for each GEMV: the fusion Case builds inputs for, and how the step calls it
 STEP = {"qkv": "rope", "o": "residual", "gate_up": "norm", "down": "residual", "lm_head": "norm"}
@@ -235,14 +235,17 @@ def probe(models: list[str], spec: str, budget: float, path: str | None = None, 
     return result
 
 
-def main(argv: list[str]) -> None:
-    out_dir = argv[0]
-    opts = dict(a[2:].split("=", 1) if "=" in a else (a[2:], "") for a in argv[1:] if a.startswith("--"))
-    result = probe(opts.get("models", "1b,3b").split(","), opts.get("quant", "int4:64"),
-                   float(opts.get("budget", "1e9")), f"{out_dir}/qgemv_probe.json", "no-probes" not in opts)
-    with open(f"{out_dir}/qgemv_table.txt", "w") as f:
+def main(argv=None) -> None:
+    ap = bench_parser("tools.bench.qgemv_probe", __doc__, specs="int4:64", flag="--quant")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds; past it only the table's probes run")
+    ap.add_argument("--no-probes", action="store_true", help="only the table's config and the persistent ones")
+    args, models, specs, _ = bench_args(ap, argv)
+    if len(specs) != 1:
+        ap.error(f"--quant {args.specs}: expected one format")
+    result = probe(models, specs[0], args.budget, f"{args.out_dir}/qgemv_probe.json", not args.no_probes)
+    with open(f"{args.out_dir}/qgemv_table.txt", "w") as f:
         f.write(table_source(result, sm_count(torch.device("cuda"))) + "\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
