@@ -3,8 +3,11 @@
 qkv + RoPE + KV-cache write (`qkv_rope_qfwd`: accel/kernels/qkv_rope.py's epilogue) and gate_up + SwiGLU
 (`gate_up_swiglu_qfwd`): a program owns whole rows in pairs — a head's two halves, or gate row i and up row F + i —
 so the epilogue has both sums of a pair; no rearranging of the weights. The body up to the epilogue, the launch
-configs and the PDL modes are qgemv.py's (its module doc); configs come through `qgemv.qgemv_config`, so what
-replaces that (tools.bench.quant_roles) reaches these kernels too.
+configs and the PDL modes are qgemv.py's (its module doc): its private helpers (`_rows_dot`, `_whole_rows`,
+`_block_sums`, `_pdl_start`, ...) are shared within this package on purpose, one body for all three kernels.
+gate_up + SwiGLU can also run persistent (a config with `programs` > 0, as qgemv.py's: P programs looping over
+row-pair blocks, f(x)'s fixed point built once a program); qkv + RoPE cannot (a program owns one head's pair).
+Configs come through `qgemv.qgemv_config`, so what replaces that (tools.bench.quant_roles) reaches these kernels too.
 """
 from __future__ import annotations
 
