@@ -292,7 +292,7 @@ def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, b
     return dict(PDL=True, TRIGGER=1 if mode.trigger == "wait" else 2, PF_LINES=lines, launch_pdl=True)
 
 
-def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int = 0) -> None:
+def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int) -> None:
     chunk = 128 // bits
     assert cfg.block_k % chunk == 0, f"block_k {cfg.block_k}: whole {chunk}-column chunks (16 bytes)"
     assert per_row or group % chunk == 0, f"group {group}: whole {chunk}-column chunks"

@@ -126,7 +126,7 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
     per_row = group >= K and low is None
     cfg = (QGemvConfig(*config) if config is not None
            else qgemv.qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True))
-    _launch_checks(cfg, bits, group, per_row)
+    _launch_checks(cfg, bits, group, per_row, K)
     hn = cfg.block_n // 2
     assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
     assert not cfg.programs, "the qkv + RoPE kernel takes one program a head block"
