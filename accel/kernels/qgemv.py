@@ -262,7 +262,8 @@ class PdlMode(NamedTuple):
     wait has returned), "late" (once our main loop is done) or "none" (plain launches: only the prefetch, and only
     in the kernels with the RMSNorm prologue, whose first weight loads otherwise wait for x's loads and the rstd
     reduction); prefetch: tiles of a program's weights prefetched into L2 first (0: none; more than a program has:
-    all of them)."""
+    all of them). "none" is a benchmark variant, not a default: in its one measurement (int8, tools/bench/NOTES.md,
+    "int8 decode speed") it was slower than plain launches at 1B and about tied at 3B."""
     trigger: str = "wait"
     prefetch: int = 1
 
