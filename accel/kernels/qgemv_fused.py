@@ -73,10 +73,10 @@ def _gate_up_swiglu_kernel(Q, S, M, X, NW, Y, F, K, KB, stride_q, stride_s, eps,
         step = tl.num_programs(0)
         _pdl_start(Q, S, M, _pair_rows(b, i, F, HN), 0, KB, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER,
                    PF_LINES)
-        fx, unit, xc = _whole_rows(X, NW, K, eps, BITS, OFFSET, HAS_MIN, 1, BLOCK_K, K_POW2)
+        Fx, unit, xc = _whole_rows(X, NW, K, eps, BITS, OFFSET, HAS_MIN, 1, BLOCK_K, K_POW2)
         for blk in tl.range(b, tl.cdiv(F, HN), step, num_stages=STAGES):
             acc = _block_sums(Q, S, M, _pair_rows(blk, i, F, HN), _pair_rows(blk + step, i, F, HN), KB, stride_q,
-                              stride_s, n_groups, fx, unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N,
+                              stride_s, n_groups, Fx, unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N,
                               BLOCK_K, FAST, SLINES)
             _swiglu_store(acc, Y, blk, F, HN)
         if TRIGGER == 2:
