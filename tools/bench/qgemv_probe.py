@@ -30,7 +30,6 @@ from accel.kernels.common import sm_count
 from accel.kernels.qgemv import qgemv_config, qgemv_fwd
 from accel.kernels.qgemv_fused import gate_up_swiglu_qfwd, qkv_rope_qfwd
 from accel.kernels.tuning import QGemvConfig
-from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
 from refimpl.model.config import PRESETS
 from tools.bench.gemv_sweep import graph_us
 from tools.bench.qgemv_sweep import NAMES, Case, shapes, table_source
@@ -131,10 +130,7 @@ class StepCase(Case):
     def check(self, config) -> float:
         if self.what != "gate_up":
             return super().check(config)
-        gu = (torch_rms_norm(self.x, self.nw, 1e-5).double() @ self.t.dequantize().double().T).to(torch.bfloat16)
-        want = torch_swiglu_gate_up(gu).double()
-        got = self.call(self.t, config).double()
-        return ((got - want).abs().max() / want.abs().max()).item()
+        return self.gate_up_swiglu_error(self.call(self.t, config))
 
     def time_us(self, config, scales: bool = True) -> float:
         outs = [torch.empty(1, self.N, device="cuda", dtype=torch.bfloat16) for _ in self.copies]
