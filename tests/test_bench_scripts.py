@@ -144,21 +144,22 @@ def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch):
     assert all(getattr(quant_ops, n)(*a) == () for n, a in calls.values())  # outside: the kernels' defaults
 
 
-@pytest.mark.parametrize("script", ["quant_pdl", "quant_swiglu"])
-def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, capsys, monkeypatch, tmp_path):
+@pytest.mark.parametrize("script, flag", [("quant_pdl", "--specs"), ("quant_swiglu", "--specs"),
+                                          ("quant_roles", "--specs"), ("qgemv_probe", "--quant")])
+def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, flag, capsys, monkeypatch, tmp_path):
     """--help works without a GPU; bad names are argparse errors (exit 2); no CUDA is one error line, no traceback."""
     import importlib
     main = importlib.import_module(f"tools.bench.{script}").main
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and f"python3 -m tools.bench.{script}" in capsys.readouterr().out
-    for bad, message in [("--models=1b,8b", "--models 1b,8b: expected names of 1b, 3b"), ("--specs=int5", "--specs:")]:
+    for bad, message in [("--models=1b,8b", "--models 1b,8b: expected names of 1b, 3b"), (f"{flag}=int5", f"{flag}:")]:
         with pytest.raises(SystemExit) as e:
             main([str(tmp_path), bad])
         assert e.value.code == 2 and message in capsys.readouterr().err
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
-        main([str(tmp_path), "--models=1b", "--specs=int8"])
+        main([str(tmp_path), "--models=1b", f"{flag}=int8"])
     assert e.value.code == (f"error: python3 -m tools.bench.{script} needs a CUDA GPU "
                             "(torch.cuda.is_available() is False here)")
     assert list(tmp_path.iterdir()) == []
@@ -181,3 +182,27 @@ def test_quant_gemv_table_times_the_steps_mlp_layout(monkeypatch):
     assert us > 0 and seen == [] and fused and set(fused) == {shapes["gate_up"][:2]}
     us, nbytes = quant_gpu.quant_step_us("down", *shapes["down"], "int4:64", cfg)
     assert us > 0 and seen == [("residual", cfg.intermediate_size)]
+
+
+@pytest.mark.parametrize("config", [(4, 128, 1, 1, 2), (4, 128, 1, 2, 1), (8, 256, 1, 1, 1, 2)])
+def test_qgemv_probe_stream_reads_each_scale_once(config):
+    """The stream probe's xor (codes words, then scales and minima as int16 bits) over a row of 2 tiles, of 2
+    split-K slices of one tile, and of one persistent tile: every group's scale and minimum read once, in place."""
+    import numpy as np
+    import torch
+
+    from accel.kernels.tuning import QGemvConfig
+    from accel.quant_ops import quantize
+    from refimpl.quant.formats import QuantSpec
+    from tools.bench import qgemv_probe
+    cfg = QGemvConfig(*config)
+    N, K = 6, 256  # 4 groups of 64 a row; 6 rows: a ragged last row block
+    t = quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)), QuantSpec.parse("int4:64"))
+    bits16 = lambda x: x.view(torch.int16).numpy().astype(np.int32)  # noqa: E731  sign-extended, as the kernel
+    want_codes = np.bitwise_xor.reduce(t.q.numpy().view(np.int32), axis=1)  # [N, K/8] words -> [N]
+    want = want_codes ^ np.bitwise_xor.reduce(bits16(t.scale) ^ bits16(t.low), axis=1)
+    for scales, expect in ((False, want_codes), (True, want)):
+        out = torch.zeros(16 * N, dtype=torch.int32)
+        qgemv_probe.stream_call(t, cfg, scales, out)
+        got = np.bitwise_xor.reduce(out.numpy().reshape(16, N), axis=0)  # the split-K slices' rows
+        np.testing.assert_array_equal(got, expect)

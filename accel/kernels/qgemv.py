@@ -12,8 +12,13 @@ chunk's 22-bit fixed point F = f(x)·2^s in three bytes, and dp4a multiplies 4 c
 exactly; only float(Σ Q·F)·2^-s rounds. The prologues (RMSNorm, SwiGLU) and the residual epilogue are
 accel/kernels/common.py's (as gemv.py's), so the decode step's fusions carry over unchanged; a program multiplies
 a row block over one K slice and, with SPLIT_K > 1, the row block's last program to arrive sums the slices in order
-(gemv.py's split kernel does the same). The decode step's two fused epilogues (qkv + RoPE + cache write, gate_up
-+ SwiGLU) reuse this body: accel/kernels/qgemv_fused.py. Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
+(gemv.py's split kernel does the same). Persistent programs (QGemvConfig.programs = P > 0; one K slice, one tile
+a row): program b takes row blocks b, b + P, b + 2P, ... through the STAGES-deep cp.async pipeline, so the next
+blocks' codes are in flight while this one is multiplied; f(x)'s fixed point is built once a program (not once a
+row block), and before each block the next block's scale (and minimum) lines are prefetched into L2 (SLINES: those
+small loads are outside the pipeline). The same sums in the same order: only which program computes a row changes.
+The decode step's two fused epilogues (qkv + RoPE + cache write, gate_up + SwiGLU) reuse this body:
+accel/kernels/qgemv_fused.py. Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
 
 PDL (programmatic dependent launch, sm_90+; `PdlMode`, the default by code width: `PDL_DEFAULT`): each of
 these kernels may then be launched while the kernel before it is still running. Before `gdc_wait` a program only
@@ -227,7 +232,9 @@ def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, whole_rows: bo
     thread's f(x) serves all its rows; the widest that divides the row), 16 rows (8 at 4 bits: twice the codes
     a byte), split-K over the tiles. whole_rows: a program owns whole rows, no split-K (the qkv + RoPE kernel, its
     table rows tagged "rope", and the gate_up + SwiGLU kernel): its tiles go through a 3-stage cp.async pipeline
-    instead. On CPU (the interpreter, whose cost is per program and per op): one big tile."""
+    instead. A table row may set `programs` (P > 0: persistent, module doc): one K slice and one tile a row, P
+    programs each looping over every P-th row block (the rule never does). On CPU (the interpreter, whose cost is
+    per program and per op): one big tile."""
     key = (N, K, bits, group) + (("rope",) if whole_rows else ())
     if sms and key in table:
         return table[key]
@@ -255,7 +262,8 @@ class PdlMode(NamedTuple):
     wait has returned), "late" (once our main loop is done) or "none" (plain launches: only the prefetch, and only
     in the kernels with the RMSNorm prologue, whose first weight loads otherwise wait for x's loads and the rstd
     reduction); prefetch: tiles of a program's weights prefetched into L2 first (0: none; more than a program has:
-    all of them)."""
+    all of them). "none" is a benchmark variant, not a default: in its one measurement (int8, tools/bench/NOTES.md,
+    "int8 decode speed") it was slower than plain launches at 1B and about tied at 3B."""
     trigger: str = "wait"
     prefetch: int = 1
 
@@ -285,7 +293,7 @@ def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, b
     return dict(PDL=True, TRIGGER=1 if mode.trigger == "wait" else 2, PF_LINES=lines, launch_pdl=True)
 
 
-def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int = 0) -> None:
+def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int) -> None:
     chunk = 128 // bits
     assert cfg.block_k % chunk == 0, f"block_k {cfg.block_k}: whole {chunk}-column chunks (16 bytes)"
     assert per_row or group % chunk == 0, f"group {group}: whole {chunk}-column chunks"

@@ -3,8 +3,11 @@
 qkv + RoPE + KV-cache write (`qkv_rope_qfwd`: accel/kernels/qkv_rope.py's epilogue) and gate_up + SwiGLU
 (`gate_up_swiglu_qfwd`): a program owns whole rows in pairs — a head's two halves, or gate row i and up row F + i —
 so the epilogue has both sums of a pair; no rearranging of the weights. The body up to the epilogue, the launch
-configs and the PDL modes are qgemv.py's (its module doc); configs come through `qgemv.qgemv_config`, so what
-replaces that (tools.bench.quant_roles) reaches these kernels too.
+configs and the PDL modes are qgemv.py's (its module doc): its private helpers (`_rows_dot`, `_whole_rows`,
+`_block_sums`, `_pdl_start`, ...) are shared within this package on purpose, one body for all three kernels.
+gate_up + SwiGLU can also run persistent (a config with `programs` > 0, as qgemv.py's: P programs looping over
+row-pair blocks, f(x)'s fixed point built once a program); qkv + RoPE cannot (a program owns one head's pair).
+Configs come through `qgemv.qgemv_config`, so what replaces that (tools.bench.quant_roles) reaches these kernels too.
 """
 from __future__ import annotations
 
@@ -70,10 +73,10 @@ def _gate_up_swiglu_kernel(Q, S, M, X, NW, Y, F, K, KB, stride_q, stride_s, eps,
         step = tl.num_programs(0)
         _pdl_start(Q, S, M, _pair_rows(b, i, F, HN), 0, KB, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER,
                    PF_LINES)
-        fx, unit, xc = _whole_rows(X, NW, K, eps, BITS, OFFSET, HAS_MIN, 1, BLOCK_K, K_POW2)
+        Fx, unit, xc = _whole_rows(X, NW, K, eps, BITS, OFFSET, HAS_MIN, 1, BLOCK_K, K_POW2)
         for blk in tl.range(b, tl.cdiv(F, HN), step, num_stages=STAGES):
             acc = _block_sums(Q, S, M, _pair_rows(blk, i, F, HN), _pair_rows(blk + step, i, F, HN), KB, stride_q,
-                              stride_s, n_groups, fx, unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N,
+                              stride_s, n_groups, Fx, unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N,
                               BLOCK_K, FAST, SLINES)
             _swiglu_store(acc, Y, blk, F, HN)
         if TRIGGER == 2:
@@ -123,7 +126,7 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
     per_row = group >= K and low is None
     cfg = (QGemvConfig(*config) if config is not None
            else qgemv.qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True))
-    _launch_checks(cfg, bits, group, per_row)
+    _launch_checks(cfg, bits, group, per_row, K)
     hn = cfg.block_n // 2
     assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
     assert not cfg.programs, "the qkv + RoPE kernel takes one program a head block"

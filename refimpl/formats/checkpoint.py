@@ -58,7 +58,7 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
         return load_gguf(path, with_tokenizer, keep_blocks, lm_head_blocks)
     if keep_blocks:
         raise CheckpointError(f"{path}: --quant gguf keeps a GGUF file's quantized blocks; this is not a .gguf file "
-                              f"(use --quant int8 or int4 to quantize it)")
+                              "(use --quant int8 or int4 to quantize it)")
     if st is None:
         raise CheckpointError(f"{path}: no such file or directory (expected a model directory or a .gguf file)")
     if not stat.S_ISDIR(st.st_mode):
@@ -67,7 +67,7 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
     if is_mllama_config(config):
         if text_only:
             raise ConfigError(f"{path / 'config.json'}: model_type is 'mllama' (Llama 3.2 Vision); expected a text "
-                              f"Llama model")
+                              "Llama model")
         from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
         return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer)
     if is_quantized_config(config):

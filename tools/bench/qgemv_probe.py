@@ -1,6 +1,6 @@
 """What limits the 4-bit decode GEMVs (accel/kernels/qgemv.py), and the persistent launch configs, on a CUDA GPU.
 
-`python3 -m tools.bench.qgemv_probe OUT_DIR [--models=1b,3b] [--quant=int4:64] [--budget=S] [--no-probes]`
+`python3 -m tools.bench.qgemv_probe [OUT_DIR] [--models=1b,3b] [--quant=int4:64] [--budget=S] [--no-probes]`
 For each decode GEMV as the step runs it (qkv + RoPE + cache write, o + residual, norm + gate_up + SwiGLU, down +
 residual, norm + lm_head), µs a call inside one CUDA graph over >= 256 MB of weight copies
 (tools.bench.gemv_sweep.graph_us), each config checked against float64 first:
@@ -20,7 +20,6 @@ config beat the table's by > 2%; to copy by hand once the engine is measured wit
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import torch
@@ -31,10 +30,10 @@ from accel.kernels.common import sm_count
 from accel.kernels.qgemv import qgemv_config, qgemv_fwd
 from accel.kernels.qgemv_fused import gate_up_swiglu_qfwd, qkv_rope_qfwd
 from accel.kernels.tuning import QGemvConfig
-from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
 from refimpl.model.config import PRESETS
 from tools.bench.gemv_sweep import graph_us
 from tools.bench.qgemv_sweep import NAMES, Case, shapes, table_source
+from tools.bench.quant_pdl import bench_args, bench_parser
 
 # the step's kernel for each GEMV: the fusion Case builds inputs for, and how the step calls it
 STEP = {"qkv": "rope", "o": "residual", "gate_up": "norm", "down": "residual", "lm_head": "norm"}
@@ -45,13 +44,15 @@ EXTRA = {"gate_up": [QGemvConfig(16, 1024, 2, 1, 3), QGemvConfig(16, 1024, 1, 1,
 
 @triton.jit
 def _stream_tile(Qw, S, M, rows_c, kb0, kb_hi, stride_q, stride_s, n_groups, BLOCK_N: tl.constexpr,
-                 BYTES: tl.constexpr, GPT: tl.constexpr, SCALES: tl.constexpr, HAS_MIN: tl.constexpr):
-    """The xor of a [BLOCK_N, BYTES] tile's words (and of its GPT scales / minima a row) -> [BLOCK_N] int32."""
+                 BYTES: tl.constexpr, GBYTES: tl.constexpr, GPT: tl.constexpr, SCALES: tl.constexpr,
+                 HAS_MIN: tl.constexpr):
+    """The xor of a [BLOCK_N, BYTES] tile's words (and of its GPT scales / minima a row: GBYTES code bytes a
+    group, so the tile at byte kb0 starts at group kb0 / GBYTES) -> [BLOCK_N] int32."""
     jw = kb0 // 4 + tl.arange(0, BYTES // 4)
     w = tl.load(Qw + rows_c[:, None] * (stride_q // 4) + jw[None, :], mask=jw[None, :] < kb_hi // 4, other=0)
     acc = tl.xor_sum(w, axis=1)
     if SCALES:
-        g = kb0 * 2 * GPT // BYTES + tl.arange(0, GPT)
+        g = kb0 // GBYTES + tl.arange(0, GPT)
         inside = g[None, :] < n_groups
         s = tl.load(S + rows_c[:, None] * stride_s + g[None, :], mask=inside, other=0.0)
         acc ^= tl.xor_sum(s.to(tl.int16, bitcast=True).to(tl.int32), axis=1)
@@ -63,8 +64,8 @@ def _stream_tile(Qw, S, M, rows_c, kb0, kb_hi, stride_q, stride_s, n_groups, BLO
 
 @triton.jit
 def _stream_kernel(Q, S, M, Y, N, KB, stride_q, stride_s, n_groups, kb_split, BLOCK_N: tl.constexpr,
-                   BYTES: tl.constexpr, GPT: tl.constexpr, STAGES: tl.constexpr, SCALES: tl.constexpr,
-                   HAS_MIN: tl.constexpr, PERSIST: tl.constexpr):
+                   BYTES: tl.constexpr, GBYTES: tl.constexpr, GPT: tl.constexpr, STAGES: tl.constexpr,
+                   SCALES: tl.constexpr, HAS_MIN: tl.constexpr, PERSIST: tl.constexpr):
     """The quantized GEMV's loads without its math: program (row block, K slice) as `_qgemv_kernel`'s, or
     (PERSIST) row blocks b, b + programs, ... of one tile a row; one int32 a row to Y so nothing is dropped."""
     Qw = Q.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -73,8 +74,8 @@ def _stream_kernel(Q, S, M, Y, N, KB, stride_q, stride_s, n_groups, kb_split, BL
         for blk in tl.range(b, tl.cdiv(N, BLOCK_N), tl.num_programs(0), num_stages=STAGES):
             rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-            acc = _stream_tile(Qw, S, M, rows_c, 0, KB, stride_q, stride_s, n_groups, BLOCK_N, BYTES, GPT, SCALES,
-                               HAS_MIN)
+            acc = _stream_tile(Qw, S, M, rows_c, 0, KB, stride_q, stride_s, n_groups, BLOCK_N, BYTES, GBYTES, GPT,
+                               SCALES, HAS_MIN)
             tl.store(Y + rows, acc, mask=rows < N)
     else:
         sp = tl.program_id(1)
@@ -84,8 +85,8 @@ def _stream_kernel(Q, S, M, Y, N, KB, stride_q, stride_s, n_groups, kb_split, BL
         kb_hi = tl.minimum(kb_lo + kb_split, KB)
         acc = tl.zeros([BLOCK_N], dtype=tl.int32)
         for kb0 in tl.range(kb_lo, kb_hi, BYTES, num_stages=STAGES):
-            acc ^= _stream_tile(Qw, S, M, rows_c, kb0, kb_hi, stride_q, stride_s, n_groups, BLOCK_N, BYTES, GPT,
-                                SCALES, HAS_MIN)
+            acc ^= _stream_tile(Qw, S, M, rows_c, kb0, kb_hi, stride_q, stride_s, n_groups, BLOCK_N, BYTES,
+                                GBYTES, GPT, SCALES, HAS_MIN)
         tl.store(Y + sp * N + rows, acc, mask=rows < N)
 
 
@@ -99,8 +100,8 @@ def stream_call(t, cfg: QGemvConfig, scales: bool, out: torch.Tensor):
     grid = (min(cfg.programs, blocks), 1) if cfg.programs else (blocks, triton.cdiv(kb, k_split))
     _stream_kernel[grid](t.q, t.scale, t.low if t.low is not None else t.scale, out, N, kb, t.q.stride(0),
                          t.scale.stride(0), t.scale.shape[1], k_split, BLOCK_N=cfg.block_n, BYTES=nbytes,
-                         GPT=max(1, cfg.block_k // t.group), STAGES=cfg.stages, SCALES=scales,
-                         HAS_MIN=t.low is not None, PERSIST=cfg.programs > 0, num_warps=cfg.warps,
+                         GBYTES=t.group * t.bits // 8, GPT=max(1, cfg.block_k // t.group), STAGES=cfg.stages,
+                         SCALES=scales, HAS_MIN=t.low is not None, PERSIST=cfg.programs > 0, num_warps=cfg.warps,
                          num_stages=cfg.stages)
 
 
@@ -129,10 +130,7 @@ class StepCase(Case):
     def check(self, config) -> float:
         if self.what != "gate_up":
             return super().check(config)
-        gu = (torch_rms_norm(self.x, self.nw, 1e-5).double() @ self.t.dequantize().double().T).to(torch.bfloat16)
-        want = torch_swiglu_gate_up(gu).double()
-        got = self.call(self.t, config).double()
-        return ((got - want).abs().max() / want.abs().max()).item()
+        return self.gate_up_swiglu_error(self.call(self.t, config))
 
     def time_us(self, config, scales: bool = True) -> float:
         outs = [torch.empty(1, self.N, device="cuda", dtype=torch.bfloat16) for _ in self.copies]
@@ -233,14 +231,17 @@ def probe(models: list[str], spec: str, budget: float, path: str | None = None, 
     return result
 
 
-def main(argv: list[str]) -> None:
-    out_dir = argv[0]
-    opts = dict(a[2:].split("=", 1) if "=" in a else (a[2:], "") for a in argv[1:] if a.startswith("--"))
-    result = probe(opts.get("models", "1b,3b").split(","), opts.get("quant", "int4:64"),
-                   float(opts.get("budget", "1e9")), f"{out_dir}/qgemv_probe.json", "no-probes" not in opts)
-    with open(f"{out_dir}/qgemv_table.txt", "w") as f:
+def main(argv=None) -> None:
+    ap = bench_parser("tools.bench.qgemv_probe", __doc__, specs="int4:64", flag="--quant")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds; past it only the table's probes run")
+    ap.add_argument("--no-probes", action="store_true", help="only the table's config and the persistent ones")
+    args, models, specs, _ = bench_args(ap, argv)
+    if len(specs) != 1:
+        ap.error(f"--quant {args.specs}: expected one format")
+    result = probe(models, specs[0], args.budget, f"{args.out_dir}/qgemv_probe.json", not args.no_probes)
+    with open(f"{args.out_dir}/qgemv_table.txt", "w") as f:
         f.write(table_source(result, sm_count(torch.device("cuda"))) + "\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

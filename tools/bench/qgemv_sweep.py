@@ -158,6 +158,13 @@ class Case:
         got = self.call(t, config).double()
         return ((got - want).abs().max() / want.abs().max()).item()
 
+    def gate_up_swiglu_error(self, got: torch.Tensor) -> float:
+        """got [1, F] (norm + gate_up + SwiGLU, self.fusion "norm") against norm, the dequantized GEMV in float64
+        rounded to x's dtype (the unfused path's roundings), then SwiGLU: max error over the max of the reference."""
+        gate_up = torch_rms_norm(self.x, self.nw, 1e-5).double() @ self.t.dequantize().double().T  # [1, 2F]
+        want = torch_swiglu_gate_up(gate_up.to(self.x.dtype)).double()  # [1, F]
+        return ((got.double() - want).abs().max() / want.abs().max()).item()
+
     def time_us(self, config) -> float:
         outs = [torch.empty(1, self.N, device="cuda", dtype=torch.bfloat16) for _ in self.copies]
         for o in outs:

@@ -15,7 +15,6 @@ import torch
 from accel.engine import AccelEngine
 from accel.kernels.gemv import gemv_fwd
 from accel.kernels.qkv_rope import qkv_rope_fwd
-from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
 from accel.quant_layers import quantize_weights
 from accel.quant_ops import quant_norm_swiglu
 from accel.weights import random_weights
@@ -87,10 +86,7 @@ def quant_step_us(what: str, N: int, K: int, fusion: str, spec: str, cfg: LlamaC
         case = Case(what, N, K, fusion, spec, cfg)
         return case.time_us(None), case.t.nbytes
     case = Case(what, N, K, "norm", spec, cfg)
-    gate_up = torch_rms_norm(case.x, case.nw, 1e-5).double() @ case.t.dequantize().double().T  # [1, 2F]
-    want = torch_swiglu_gate_up(gate_up.to(case.x.dtype)).double()  # the unfused path's roundings
-    got = quant_norm_swiglu(case.x, case.nw, case.t, 1e-5).double()
-    err = ((got - want).abs().max() / want.abs().max()).item()
+    err = case.gate_up_swiglu_error(quant_norm_swiglu(case.x, case.nw, case.t, 1e-5))
     if not err <= 2 ** -6:  # as tools.bench.qgemv_sweep's check
         raise AssertionError(f"{what} {spec}: norm + gate_up + SwiGLU off by {err:.2e} (relative max)")
     return graph_us([lambda t=t: quant_norm_swiglu(case.x, case.nw, t, 1e-5) for t in case.copies]), case.t.nbytes

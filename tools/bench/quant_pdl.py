@@ -119,13 +119,16 @@ def compare(model: str, specs: list[str], warm: bool = False, variants=VARIANTS,
     return rows
 
 
-def bench_parser(script: str, doc: str) -> argparse.ArgumentParser:
-    """The arguments quant_pdl and quant_swiglu share: [OUT_DIR] [--models=1b,3b] [--specs=int8,int4:64]."""
+def bench_parser(script: str, doc: str, specs: str = "int8,int4:64",
+                 flag: str = "--specs") -> argparse.ArgumentParser:
+    """The arguments the quantized decode benchmarks share: [OUT_DIR] [--models=1b,3b] [--specs=int8,int4:64]
+    (`flag` names the formats' option, e.g. qgemv_probe's --quant; args.specs either way)."""
     ap = argparse.ArgumentParser(prog=f"python3 -m {script}", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", nargs="?", default=".", help="where the JSON results go (default: .)")
     ap.add_argument("--models", default="1b,3b", help=f"comma-separated, of {', '.join(NAMES)} (default: %(default)s)")
-    ap.add_argument("--specs", default="int8,int4:64", help="formats, comma-separated (default: %(default)s)")
+    ap.add_argument(flag, dest="specs", default=specs, help="formats, comma-separated (default: %(default)s)")
+    ap.set_defaults(specs_flag=flag)
     return ap
 
 
@@ -139,7 +142,7 @@ def bench_args(ap: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespa
     try:
         [QuantSpec.parse(s) for s in specs]
     except Llama32Error as e:
-        ap.error(f"--specs: {e}")
+        ap.error(f"{args.specs_flag}: {e}")
     require_cuda(ap.prog)
     return args, models, specs, run_record(rows=[])
 

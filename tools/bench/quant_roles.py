@@ -2,7 +2,7 @@
 mode (accel.kernels.qgemv.PdlMode or plain) and a launch config per role, in the engine beside bf16, one process,
 and where the step's time goes inside the replayed CUDA graph (tools/bench/NOTES.md, int8 decode speed).
 
-`python3 -m tools.bench.quant_roles OUT_DIR [--models=1b,3b] [--specs=int8] [--profile | --search]`: for each model
+`python3 -m tools.bench.quant_roles [OUT_DIR] [--models=1b,3b] [--specs=int8] [--profile | --search]`: for each model
 the bf16 engine's greedy decode tok/s, then for each format every VARIANTS row (tools.bench.quant_pdl.rate_within:
 32-token prompt, 256 tokens, median of 3; greedy tokens checked equal to the first row's). --profile: per kernel of the
 graph replays (torch.profiler, 16 greedy steps): mean device time and the gap from the previous kernel's end (< 0:
@@ -16,7 +16,6 @@ import contextlib
 import gc
 import json
 import statistics
-import sys
 import time
 from types import MappingProxyType
 
@@ -33,7 +32,7 @@ from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
 from tools.bench.gpu import prompt_ids
-from tools.bench.quant_pdl import bench_args, rate_within
+from tools.bench.quant_pdl import bench_args, bench_parser, rate_within
 
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 P1, P0 = PdlMode("wait", 1), PdlMode("wait", 0)
@@ -256,22 +255,25 @@ def search(model: str, spec: str = "int8") -> tuple[list[dict], dict]:
     return rows, winners  # the quantized weights go with this frame
 
 
-def main(argv):
-    out_dir, models, specs, res = bench_args([a for a in argv if not a.startswith("--specs=")]
-                                             + [next((a for a in argv if a.startswith("--specs=")), "--specs=int8")])
+def main(argv=None):
+    ap = bench_parser("tools.bench.quant_roles", __doc__)
+    ap.set_defaults(specs="int8")
+    ap.add_argument("--profile", action="store_true", help="per kernel of the graph replays (torch.profiler)")
+    ap.add_argument("--search", action="store_true", help="int8: each role's CANDIDATES in the engine")
+    args, models, specs, res = bench_args(ap, argv)
     t0 = time.time()
     for m in models:
-        if "--search" in argv:
+        if args.search:
             rows, winners = search(m)
             res["rows"] += rows
             res.setdefault("winners", {})[m] = winners
             print(f"{m} winners {winners}", flush=True)
         else:
-            res["rows"] += compare(m, specs, "--profile" in argv)
-        with open(f"{out_dir}/quant_roles.json", "w") as f:
+            res["rows"] += compare(m, specs, args.profile)
+        with open(f"{args.out_dir}/quant_roles.json", "w") as f:
             json.dump(res, f, indent=1)
     print(f"total {time.time() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main()
