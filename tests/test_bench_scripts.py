@@ -187,7 +187,8 @@ def test_quant_gemv_table_times_the_steps_mlp_layout(monkeypatch):
 @pytest.mark.parametrize("config", [(4, 128, 1, 1, 2), (4, 128, 1, 2, 1), (8, 256, 1, 1, 1, 2)])
 def test_qgemv_probe_stream_reads_each_scale_once(config):
     """The stream probe's xor (codes words, then scales and minima as int16 bits) over a row of 2 tiles, of 2
-    split-K slices of one tile, and of one persistent tile: every group's scale and minimum read once, in place."""
+    split-K slices of one tile, and of one persistent tile: every group's scale and minimum read once, in place.
+    On the GPU where there is one, else in the interpreter."""
     import numpy as np
     import torch
 
@@ -197,12 +198,14 @@ def test_qgemv_probe_stream_reads_each_scale_once(config):
     from tools.bench import qgemv_probe
     cfg = QGemvConfig(*config)
     N, K = 6, 256  # 4 groups of 64 a row; 6 rows: a ragged last row block
-    t = quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)), QuantSpec.parse("int4:64"))
-    bits16 = lambda x: x.view(torch.int16).numpy().astype(np.int32)  # noqa: E731  sign-extended, as the kernel
-    want_codes = np.bitwise_xor.reduce(t.q.numpy().view(np.int32), axis=1)  # [N, K/8] words -> [N]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
+    t = quantize(w.to(dev), QuantSpec.parse("int4:64"))
+    bits16 = lambda x: x.view(torch.int16).cpu().numpy().astype(np.int32)  # noqa: E731  sign-extended, as the kernel
+    want_codes = np.bitwise_xor.reduce(t.q.cpu().numpy().view(np.int32), axis=1)  # [N, K/8] words -> [N]
     want = want_codes ^ np.bitwise_xor.reduce(bits16(t.scale) ^ bits16(t.low), axis=1)
     for scales, expect in ((False, want_codes), (True, want)):
-        out = torch.zeros(16 * N, dtype=torch.int32)
+        out = torch.zeros(16 * N, dtype=torch.int32, device=dev)
         qgemv_probe.stream_call(t, cfg, scales, out)
-        got = np.bitwise_xor.reduce(out.numpy().reshape(16, N), axis=0)  # the split-K slices' rows
+        got = np.bitwise_xor.reduce(out.cpu().numpy().reshape(16, N), axis=0)  # the split-K slices' rows
         np.testing.assert_array_equal(got, expect)
