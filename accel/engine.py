@@ -262,8 +262,11 @@ class AccelEngine:
     def prefill(self, prompt_ids, sess: Session, start: int = 0) -> torch.Tensor:
         """The prompt (a list, or an int64 tensor already on the device) at positions start..start+P-1 into the
         session's cache -> next-token logits [1, V] (eager)."""
-        ids = torch.as_tensor(prompt_ids, dtype=torch.int64, device=self.device)
         c = sess.cache
+        if start + len(prompt_ids) > c.capacity:
+            raise GenerationError(f"{len(prompt_ids)} tokens after {start} do not fit the session's {c.capacity} "
+                                  "slots")
+        ids = torch.as_tensor(prompt_ids, dtype=torch.int64, device=self.device)
         with ops.torch_only(not self.triton):
             return fast.prefill(self.weights, self.config, ids, c.tables, c.k_all, c.v_all, start)
 

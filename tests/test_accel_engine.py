@@ -101,7 +101,18 @@ def test_trace_names_and_values_match_refimpl(pair):
     assert compare("logits", acc.to_numpy(logits), want_logits, TOLERANCES["fp32"]).ok
 
 
-@pytest.mark.parametrize("rope_in_attention,last_row", [(False, True), (True, False)])  # each option both ways
+def test_prefill_past_the_session_is_an_error(pair):
+    """A chunk that would run past the session's cache slots: a one-line GenerationError before any launch, not a
+    short RoPE slice failing inside a kernel (or a broadcast error on the torch path)."""
+    _, acc, _ = pair
+    sess = acc.session(8)
+    with pytest.raises(GenerationError, match="do not fit the session's"):
+        acc.prefill(PROMPT + [1] * (sess.cache.capacity + 1 - len(PROMPT)), sess)
+    with pytest.raises(GenerationError, match="after 5 do not fit"):
+        acc.prefill([1] * (sess.cache.capacity - 4), sess, start=5)
+
+
+@pytest.mark.parametrize("rope_in_attention,last_row", [(False, False), (True, True)])  # each both ways, and together
 def test_fast_prefill_options_match_refimpl(pair, rope_in_attention, last_row):
     """accel.model.prefill's options (q rotated by rope_kv_write or in the flash kernel; the last layer on every
     row or the last one only): a prompt, then a chunk continuing it in the same cache, each chunk's last-token

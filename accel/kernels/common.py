@@ -27,9 +27,10 @@ _PDL_LAUNCHES = contextvars.ContextVar("accel_kernels_pdl_launches", default=Fal
 
 @contextlib.contextmanager
 def pdl_launches(on: bool = True):
-    """Within this block, the kernels whose launchers ask `launch_pdl` (the prefill's RMSNorm, RoPE + cache write,
-    flash attention, SwiGLU, embedding) launch as programmatic dependents: each waits for the kernel before it at
-    its start, before any load or store, so its launch overlaps that kernel's drain. Off by default."""
+    """Within this block, the kernels whose launchers ask `launch_pdl` (the prefill's embedding + RMSNorm,
+    RMSNorm, RoPE + cache write, flash attention, SwiGLU) launch as programmatic dependents: each waits for the
+    kernel before it at its start, before any load or store, so its launch overlaps that kernel's drain. Off by
+    default."""
     token = _PDL_LAUNCHES.set(on)
     try:
         yield

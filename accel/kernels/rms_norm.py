@@ -24,7 +24,7 @@ def _rms_norm_kernel(X, R, W, XSUM, Y, IDS, stride_x, stride_r, stride_xsum, str
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
-    src = tl.load(IDS + row).to(tl.int64) if GATHER else row  # V·D reaches 394M for Llama 3.2 3B: int64
+    src = tl.load(IDS + row).to(tl.int64) if GATHER else row  # int64: row · stride may pass 2^31
     x = tl.load(X + src * stride_x + cols, mask=inside, other=0.0).to(tl.float32)  # [D]
     if GATHER:
         tl.store(XSUM + row * stride_xsum + cols, x.to(XSUM.dtype.element_ty), mask=inside)  # exact: a copy
