@@ -104,6 +104,15 @@ def test_rotated_toy_checkpoint_keeps_its_logits(values):
     assert c.ok, c
 
 
+def test_rotating_quantized_params_is_refused():
+    from refimpl.quant.formats import QuantError, QuantSpec
+    src = load_checkpoint(TOY)
+    key = "model.layers.0.mlp.up_proj.weight"
+    params = src.params | {key: QuantSpec.parse("int8").quantize(src.params[key])}
+    with pytest.raises(QuantError, match=f"{key} is a QuantizedLinear"):
+        rotate.rotate_model(params, src.config)
+
+
 def test_quantize_rotate_writes_an_ordinary_checkpoint_both_engines_run(tmp_path):
     """`llama32 quantize --rotate` on the toy: the config records the rotation and unties the head, the norms are 1,
     the int8 model's logits stay near the original (unrotated, unquantized) model's, and both engines load it and

@@ -112,6 +112,12 @@ def _first_of_tie(cfg: LlamaConfig) -> np.ndarray:
     return np.unique(tie, return_index=True)[1]
 
 
+def refuse_quantized(params: dict) -> None:
+    """Quantizing (or rotating) a checkpoint `llama32 quantize` wrote would only add error to its codes."""
+    if is_quantized(params):
+        raise QuantError("--model: already quantized (by `llama32 quantize`); quantize the original checkpoint")
+
+
 def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
                    sequences: list[np.ndarray] | None = None) -> dict:
     """fp32 params -> a new dict with every linear layer (and the lm_head unless spec says bf16-head) a
@@ -121,8 +127,7 @@ def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
         raise QuantError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
     if spec.format not in ("int8", "int4"):
         raise QuantError(f"--quant {spec}: offline quantization writes int8 or int4:G")
-    if is_quantized(params):
-        raise QuantError("--model: already quantized (by `llama32 quantize`); quantize the original checkpoint")
+    refuse_quantized(params)
     if sequences is None or method == "rtn":
         if method.startswith("awq"):
             raise QuantError(f"--method {method} needs calibration text (--calib FILE)")

@@ -30,7 +30,7 @@ import numpy as np
 
 from refimpl.model.config import LlamaConfig
 from refimpl.quant.apply import LM_HEAD, source_weight
-from refimpl.quant.formats import F32
+from refimpl.quant.formats import F32, QuantError
 
 ROTATION_SEED = 0  # `llama32 quantize --rotate`'s
 READERS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -112,6 +112,10 @@ def rotate_values(params: dict, cfg: LlamaConfig, rv: np.ndarray) -> dict:
 def rotate_model(params: dict, cfg: LlamaConfig, seed: int = 0, values: bool = True) -> tuple[dict, LlamaConfig]:
     """fp32 params -> (norm-folded, stream-rotated (and value-rotated) params, the config with an untied head).
     The rotated model computes the same logits as the original up to fp32 rounding."""
+    coded = [k for k, v in params.items() if not isinstance(v, np.ndarray)]
+    if coded:  # e.g. QuantizedLinear records: rotating their codes would need dequantizing first
+        raise QuantError(f"rotate: {coded[0]} is a {type(params[coded[0]]).__name__}, expected a float array "
+                         "(rotate the original checkpoint, before quantizing)")
     out = rotate_stream(fold_norms(params, cfg), cfg, rotation(cfg.hidden_size, seed))
     if values:
         out = rotate_values(out, cfg, rotation(cfg.head_dim, seed + 1))

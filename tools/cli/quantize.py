@@ -49,7 +49,7 @@ def quantize(model, quant, method, rotate, calib, out):
     """Quantize MODEL's linear layers and write a quantized checkpoint to OUT."""
     from refimpl.formats.checkpoint import load_checkpoint, weight_dtype, write_side_files
     from refimpl.formats.quant_checkpoint import quantization_config, save_quantized_weights
-    from refimpl.quant.calibrate import calibration_sequences, quantize_model
+    from refimpl.quant.calibrate import calibration_sequences, quantize_model, refuse_quantized
     from refimpl.quant.rotate import ROTATION_SEED, rotate_model
     from tools.engines import parse_quant, resolve_model
 
@@ -63,6 +63,7 @@ def quantize(model, quant, method, rotate, calib, out):
     text = None if method == "rtn" else _calibration_text(calib or CALIBRATION)
     path = resolve_model(model)
     ckpt = load_checkpoint(path, text_only=True)  # a Vision checkpoint refused before its 20 GB are read
+    refuse_quantized(ckpt.params)  # before rotating, which reads plain arrays only
     seqs = None if text is None else calibration_sequences(ckpt.tokenizer, text)
     params, cfg = rotate_model(ckpt.params, ckpt.config, ROTATION_SEED) if rotate else (ckpt.params, ckpt.config)
     params = quantize_model(params, cfg, spec, method, seqs)
