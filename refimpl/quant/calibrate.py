@@ -37,7 +37,8 @@ SHARED_INPUT = {"attn_norm": ("self_attn.q_proj.weight", "self_attn.k_proj.weigh
                 "attn.out": ("self_attn.o_proj.weight",),
                 "mlp_norm": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
                 "mlp.act": ("mlp.down_proj.weight",)}
-FOLDED = ("input_layernorm.weight", "post_attention_layernorm.weight")  # AWQ changes them (v, up: quantized)
+NORMS = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}  # whose weight
+FOLDED = tuple(NORMS.values())  # AWQ changes them (v, up: quantized)
 
 
 def calibration_sequences(tokenizer, text: str, seq_len: int = SEQ_LEN) -> list[np.ndarray]:

@@ -30,13 +30,13 @@ import numpy as np
 
 from refimpl.model.config import LlamaConfig
 from refimpl.quant.apply import LM_HEAD, source_weight
+from refimpl.quant.calibrate import NORMS, SHARED_INPUT
 from refimpl.quant.formats import F32, QuantError
 
 ROTATION_SEED = 0  # `llama32 quantize --rotate`'s
-READERS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-           "mlp.gate_proj.weight", "mlp.up_proj.weight")  # [Dout, D]: read the (normed) stream
-WRITERS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # [D, Din]: add to the stream
-NORM_READERS = {"input_layernorm.weight": READERS[:3], "post_attention_layernorm.weight": READERS[3:]}
+NORM_READERS = {norm: SHARED_INPUT[act] for act, norm in NORMS.items()}  # [Dout, D]: read the (normed) stream
+READERS = tuple(key for keys in NORM_READERS.values() for key in keys)
+WRITERS = SHARED_INPUT["attn.out"] + SHARED_INPUT["mlp.act"]  # [D, Din]: add to the stream
 
 
 def hadamard(p: int) -> np.ndarray:
