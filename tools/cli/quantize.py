@@ -65,7 +65,10 @@ def quantize(model, quant, method, rotate, calib, out):
     ckpt = load_checkpoint(path, text_only=True)  # a Vision checkpoint refused before its 20 GB are read
     refuse_quantized(ckpt.params)  # before rotating, which reads plain arrays only
     seqs = None if text is None else calibration_sequences(ckpt.tokenizer, text)
-    params, cfg = rotate_model(ckpt.params, ckpt.config, ROTATION_SEED) if rotate else (ckpt.params, ckpt.config)
+    params, cfg = ckpt.params, ckpt.config
+    if rotate:
+        params, cfg = rotate_model(params, cfg, ROTATION_SEED)
+        ckpt.params = {}  # the unrotated model's last reference: only its config and tokenizer are used below
     params = quantize_model(params, cfg, spec, method, seqs)
     dtype = weight_dtype(path) if path.is_dir() else "F32"  # a GGUF's dequantized values are fp32
     save_quantized_weights(out, params, dtype)
