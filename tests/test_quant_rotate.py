@@ -104,13 +104,16 @@ def test_rotated_toy_checkpoint_keeps_its_logits(values):
     assert c.ok, c
 
 
-def test_rotating_quantized_params_is_refused():
+def test_rotating_quantized_or_biased_params_is_refused():
     from refimpl.quant.formats import QuantError, QuantSpec
     src = load_checkpoint(TOY)
     key = "model.layers.0.mlp.up_proj.weight"
     params = src.params | {key: QuantSpec.parse("int8").quantize(src.params[key])}
     with pytest.raises(QuantError, match=f"{key} is a QuantizedLinear"):
         rotate.rotate_model(params, src.config)
+    bias = src.params | {"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)}
+    with pytest.raises(QuantError, match="o_proj.bias is not a tensor of a bias-free Llama"):
+        rotate.rotate_model(bias, src.config)
 
 
 def test_quantize_rotate_writes_an_ordinary_checkpoint_both_engines_run(tmp_path):

@@ -2,7 +2,10 @@
 axis-aligned quantization grid serves better.
 
 A Llama block reads the residual stream x [T, D] only through an RMSNorm followed by linear layers, and writes it
-only through o_proj and down_proj. Two exact rewrites, both done once on the weights, make the stream free to rotate:
+only through o_proj and down_proj. This holds for the bias-free Llama this package runs (config_fields refuses
+attention_bias / mlp_bias, LlamaConfig any model_type but llama); a bias would need rotating too, so rotate_model
+refuses any tensor other than a Llama's. Two exact rewrites, both done once on the weights, make the stream free
+to rotate:
 
 1. Fold each RMSNorm's weight g into the matrices that read its output: W ← W·diag(g) for q/k/v (input_layernorm),
    gate/up (post_attention_layernorm) and the lm_head (model.norm); the norm weights become 1.
