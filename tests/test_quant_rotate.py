@@ -132,7 +132,8 @@ def test_quantize_rotate_writes_an_ordinary_checkpoint_both_engines_run(tmp_path
     assert r.exit_code == 0, r.output
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
-    assert config["quantization_config"]["rotation"] == {"residual": True, "values": True, "seed": 0}
+    assert config["quantization_config"]["rotation"] == {"residual": True, "values": True, "seed": 0,
+                                                          "construction": "hadamard-kron-haar"}
     back, src = load_checkpoint(out), load_checkpoint(TOY)
     assert all(np.array_equal(v, np.ones_like(v)) for k, v in back.params.items() if k.endswith("norm.weight"))
     ids = src.tokenizer.encode("It was the best of times, it was the worst of times.")

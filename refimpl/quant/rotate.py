@@ -39,6 +39,7 @@ from refimpl.quant.calibrate import NORMS, SHARED_INPUT
 from refimpl.quant.formats import F32, QuantError
 
 ROTATION_SEED = 0  # `llama32 quantize --rotate`'s
+CONSTRUCTION = "hadamard-kron-haar"  # rotation()'s: with it a seed pins R; rename it when rotation() changes
 NORM_READERS = {norm: SHARED_INPUT[act] for act, norm in NORMS.items()}  # [Dout, D]: read the (normed) stream
 READERS = tuple(key for keys in NORM_READERS.values() for key in keys)
 WRITERS = SHARED_INPUT["attn.out"] + SHARED_INPUT["mlp.act"]  # [D, Din]: add to the stream
@@ -68,6 +69,11 @@ def rotation(d: int, seed: int = 0) -> np.ndarray:
     signed = hadamard(p) * rng.choice([-1.0, 1.0], p)[:, None]  # diag(±1)·H: rows' signs flipped
     m = d // p
     return signed if m == 1 else np.kron(random_orthogonal(m, rng), signed)  # [m·p, m·p]
+
+
+def record(seed: int, values: bool) -> dict:
+    """What a checkpoint records of rotate_model(params, cfg, seed, values): enough to rebuild R and Rv."""
+    return {"residual": True, "values": values, "seed": seed, "construction": CONSTRUCTION}
 
 
 def value_rows(v: np.ndarray, rv: np.ndarray, K: int) -> np.ndarray:
