@@ -63,15 +63,19 @@ def _hf_model(cfg_dict: dict, state: dict | None = None):
     return model
 
 
-def test_rotated_model_is_an_ordinary_llama_to_transformers():
-    """hidden 48 = 3·16 and head_dim 12 = 3·4 (the Kronecker construction), grouped-query attention, a tied head:
-    the rotated weights, loaded into an untied transformers Llama with unit norm weights, give the original logits."""
+@pytest.mark.parametrize("tied", [True, False])
+def test_rotated_model_is_an_ordinary_llama_to_transformers(tied):
+    """hidden 48 = 3·16 and head_dim 12 = 3·4 (the Kronecker construction), grouped-query attention, a tied head or
+    an untied one of its own random values: the rotated weights, loaded into an untied transformers Llama with unit
+    norm weights, give the original logits."""
     import torch
     base = dict(vocab_size=61, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5, rope_theta=10000.0,
-                max_position_embeddings=64, tie_word_embeddings=True)
+                max_position_embeddings=64, tie_word_embeddings=tied)
     model = _hf_model(base)
-    params = {k: v.numpy().copy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    params = {k: v.numpy().copy() for k, v in model.state_dict().items() if k != "lm_head.weight" or not tied}
+    if not tied:  # the head under test is the source's own, not the embedding
+        assert not np.allclose(params["lm_head.weight"], params["model.embed_tokens.weight"], atol=1e-2)
     ids = torch.tensor([[3, 17, 5, 40, 9, 60, 0, 22, 31, 8, 8, 44]])
     with torch.no_grad():
         want = model(ids).logits[0].numpy()
