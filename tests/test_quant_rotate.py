@@ -91,6 +91,31 @@ def test_rotated_model_is_an_ordinary_llama_to_transformers(tied):
     assert c.ok, c
 
 
+def test_value_rotation_turns_each_head_block_by_rv():
+    """values=True against values=False on the toy (H = 4 query heads, K = 2 kv heads, E = 16): each kv head's
+    v_proj row block is rvᵀ·block, each query head's o_proj column block is block·rv, rv = rotation(E, seed + 1)
+    built here; every other tensor is the same."""
+    src = load_checkpoint(TOY)
+    cfg = src.config
+    H, K, E, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    assert H != K and np.diff([H, K, E]).all()  # the blocks cannot be cut along the wrong axis unnoticed
+    plain, _ = rotate.rotate_model(src.params, cfg, seed=5, values=False)
+    turned, _ = rotate.rotate_model(src.params, cfg, seed=5, values=True)
+    rv = rotate.rotation(E, seed=6).astype(np.float64)
+    assert not np.allclose(rv, np.eye(E), atol=0.1)
+    for i in range(cfg.num_hidden_layers):
+        v, o = f"model.layers.{i}.self_attn.v_proj.weight", f"model.layers.{i}.self_attn.o_proj.weight"
+        for k in range(K):
+            rows = slice(k * E, (k + 1) * E)
+            np.testing.assert_allclose(turned[v][rows], rv.T @ plain[v][rows], rtol=1e-5, atol=1e-6)
+        for h in range(H):
+            cols = slice(h * E, (h + 1) * E)
+            np.testing.assert_allclose(turned[o][:, cols], plain[o][:, cols] @ rv, rtol=1e-5, atol=1e-6)
+        assert turned[v].shape == (K * E, D) and turned[o].shape == (D, H * E)
+    same = [k for k in plain if not k.endswith(("v_proj.weight", "o_proj.weight"))]
+    assert same and all(np.array_equal(turned[k], plain[k]) for k in same)
+
+
 @pytest.mark.parametrize("values", [False, True])
 def test_rotated_toy_checkpoint_keeps_its_logits(values):
     """The toy checkpoint (D = 64: a randomized Hadamard) through the refimpl's forward, with and without the value
