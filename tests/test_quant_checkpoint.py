@@ -228,6 +228,10 @@ def test_quantize_cli_errors(tmp_path, quantized_dir):
     r = run_cli(["quantize", "--model", TOY, "--quant", "int8", "--method", "gptq", "--calib",
                  tmp_path / "none.txt", "--out", tmp_path / "y"])
     assert r.exit_code == 2 and "none.txt" in r.output
+    for rotate in ([], ["--rotate"]):  # rotating first must not turn the refusal into a traceback
+        r = run_cli(["quantize", "--model", quantized_dir, "--quant", "int8", "--method", "rtn", *rotate,
+                     "--out", tmp_path / f"again{len(rotate)}"])
+        assert_clean_error(r, "already quantized")
 
 
 def test_quantize_refuses_a_vision_model_from_its_config(tmp_path):

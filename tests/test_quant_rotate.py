@@ -63,15 +63,19 @@ def _hf_model(cfg_dict: dict, state: dict | None = None):
     return model
 
 
-def test_rotated_model_is_an_ordinary_llama_to_transformers():
-    """hidden 48 = 3·16 and head_dim 12 = 3·4 (the Kronecker construction), grouped-query attention, a tied head:
-    the rotated weights, loaded into an untied transformers Llama with unit norm weights, give the original logits."""
+@pytest.mark.parametrize("tied", [True, False])
+def test_rotated_model_is_an_ordinary_llama_to_transformers(tied):
+    """hidden 48 = 3·16 and head_dim 12 = 3·4 (the Kronecker construction), grouped-query attention, a tied head or
+    an untied one of its own random values: the rotated weights, loaded into an untied transformers Llama with unit
+    norm weights, give the original logits."""
     import torch
     base = dict(vocab_size=61, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5, rope_theta=10000.0,
-                max_position_embeddings=64, tie_word_embeddings=True)
+                max_position_embeddings=64, tie_word_embeddings=tied)
     model = _hf_model(base)
-    params = {k: v.numpy().copy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    params = {k: v.numpy().copy() for k, v in model.state_dict().items() if k != "lm_head.weight" or not tied}
+    if not tied:  # the head under test is the source's own, not the embedding
+        assert not np.allclose(params["lm_head.weight"], params["model.embed_tokens.weight"], atol=1e-2)
     ids = torch.tensor([[3, 17, 5, 40, 9, 60, 0, 22, 31, 8, 8, 44]])
     with torch.no_grad():
         want = model(ids).logits[0].numpy()
@@ -85,6 +89,31 @@ def test_rotated_model_is_an_ordinary_llama_to_transformers():
         got = _hf_model({**base, "tie_word_embeddings": False}, rotated)(ids).logits[0].numpy()
     c = compare("logits", got, want, TOLERANCES["fp32"])
     assert c.ok, c
+
+
+def test_value_rotation_turns_each_head_block_by_rv():
+    """values=True against values=False on the toy (H = 4 query heads, K = 2 kv heads, E = 16): each kv head's
+    v_proj row block is rvᵀ·block, each query head's o_proj column block is block·rv, rv = rotation(E, seed + 1)
+    built here; every other tensor is the same."""
+    src = load_checkpoint(TOY)
+    cfg = src.config
+    H, K, E, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    assert H != K and np.diff([H, K, E]).all()  # the blocks cannot be cut along the wrong axis unnoticed
+    plain, _ = rotate.rotate_model(src.params, cfg, seed=5, values=False)
+    turned, _ = rotate.rotate_model(src.params, cfg, seed=5, values=True)
+    rv = rotate.rotation(E, seed=6).astype(np.float64)
+    assert not np.allclose(rv, np.eye(E), atol=0.1)
+    for i in range(cfg.num_hidden_layers):
+        v, o = f"model.layers.{i}.self_attn.v_proj.weight", f"model.layers.{i}.self_attn.o_proj.weight"
+        for k in range(K):
+            rows = slice(k * E, (k + 1) * E)
+            np.testing.assert_allclose(turned[v][rows], rv.T @ plain[v][rows], rtol=1e-5, atol=1e-6)
+        for h in range(H):
+            cols = slice(h * E, (h + 1) * E)
+            np.testing.assert_allclose(turned[o][:, cols], plain[o][:, cols] @ rv, rtol=1e-5, atol=1e-6)
+        assert turned[v].shape == (K * E, D) and turned[o].shape == (D, H * E)
+    same = [k for k in plain if not k.endswith(("v_proj.weight", "o_proj.weight"))]
+    assert same and all(np.array_equal(turned[k], plain[k]) for k in same)
 
 
 @pytest.mark.parametrize("values", [False, True])
@@ -104,6 +133,18 @@ def test_rotated_toy_checkpoint_keeps_its_logits(values):
     assert c.ok, c
 
 
+def test_rotating_quantized_or_biased_params_is_refused():
+    from refimpl.quant.formats import QuantError, QuantSpec
+    src = load_checkpoint(TOY)
+    key = "model.layers.0.mlp.up_proj.weight"
+    params = src.params | {key: QuantSpec.parse("int8").quantize(src.params[key])}
+    with pytest.raises(QuantError, match=f"{key} is a QuantizedLinear"):
+        rotate.rotate_model(params, src.config)
+    bias = src.params | {"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)}
+    with pytest.raises(QuantError, match="o_proj.bias is not a tensor of a bias-free Llama"):
+        rotate.rotate_model(bias, src.config)
+
+
 def test_quantize_rotate_writes_an_ordinary_checkpoint_both_engines_run(tmp_path):
     """`llama32 quantize --rotate` on the toy: the config records the rotation and unties the head, the norms are 1,
     the int8 model's logits stay near the original (unrotated, unquantized) model's, and both engines load it and
@@ -120,7 +161,8 @@ def test_quantize_rotate_writes_an_ordinary_checkpoint_both_engines_run(tmp_path
     assert r.exit_code == 0, r.output
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
-    assert config["quantization_config"]["rotation"] == {"residual": True, "values": True, "seed": 0}
+    assert config["quantization_config"]["rotation"] == {"residual": True, "values": True, "seed": 0,
+                                                          "construction": "hadamard-kron-haar"}
     back, src = load_checkpoint(out), load_checkpoint(TOY)
     assert all(np.array_equal(v, np.ones_like(v)) for k, v in back.params.items() if k.endswith("norm.weight"))
     ids = src.tokenizer.encode("It was the best of times, it was the worst of times.")

@@ -8,8 +8,9 @@ stored as codes, scales and minima, read back into refimpl.quant.formats.Quantiz
                              "calibration": "<file, tokens>" | null,
                              "int8_matrices": ["mlp.down_proj", ...] (int4 only, optional: those in int8;
                              q/k/v and gate/up all or none),
-                             "rotation": {"residual": true, "values": true, "seed": 0} (optional: quantized
-                             after refimpl.quant.rotate; a record only: the weights are an ordinary Llama's)}
+                             "rotation": {"residual": true, "values": true | false, "seed": 0,
+                             "construction": "hadamard-kron-haar"} (optional: quantized after refimpl.quant.rotate,
+                             rotate.record's; a record only: the weights are an ordinary Llama's)}
     model.safetensors        for each quantized matrix W [N, K] named `<base>.weight`:
                                <base>.qweight   I8 [N, K] (int8)  |  U8 [N, K/2], two codes a byte, low nibble first
                                <base>.scales    BF16 [N, 1] (int8) | BF16 [N, ceil(K/G)] (int4)
@@ -43,13 +44,12 @@ def _base(name: str) -> str:
     return name.removesuffix(".weight")
 
 
-def quantization_config(spec: QuantSpec, method: str, calibration: str | None,
-                        rotation_seed: int | None = None) -> dict:
+def quantization_config(spec: QuantSpec, method: str, calibration: str | None, rotation: dict | None = None) -> dict:
     d = {"quant_method": QUANT_METHOD, "version": VERSION, "format": spec.format,
          "bits": 8 if spec.format == "int8" else 4, "lm_head": spec.lm_head, "method": method,
          "calibration": calibration}
     d = d | {"int8_matrices": list(spec.int8_keys)} if spec.int8_keys else d
-    d = d if rotation_seed is None else d | {"rotation": {"residual": True, "values": True, "seed": rotation_seed}}
+    d = d if rotation is None else d | {"rotation": rotation}
     return d | {"group_size": spec.group} if spec.format == "int4" else d
 
 

@@ -37,7 +37,8 @@ SHARED_INPUT = {"attn_norm": ("self_attn.q_proj.weight", "self_attn.k_proj.weigh
                 "attn.out": ("self_attn.o_proj.weight",),
                 "mlp_norm": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
                 "mlp.act": ("mlp.down_proj.weight",)}
-FOLDED = ("input_layernorm.weight", "post_attention_layernorm.weight")  # AWQ changes them (v, up: quantized)
+NORMS = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}  # whose weight
+FOLDED = tuple(NORMS.values())  # AWQ changes them (v, up: quantized)
 
 
 def calibration_sequences(tokenizer, text: str, seq_len: int = SEQ_LEN) -> list[np.ndarray]:
@@ -112,6 +113,12 @@ def _first_of_tie(cfg: LlamaConfig) -> np.ndarray:
     return np.unique(tie, return_index=True)[1]
 
 
+def refuse_quantized(params: dict) -> None:
+    """Quantizing (or rotating) a checkpoint `llama32 quantize` wrote would only add error to its codes."""
+    if is_quantized(params):
+        raise QuantError("--model: already quantized (by `llama32 quantize`); quantize the original checkpoint")
+
+
 def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
                    sequences: list[np.ndarray] | None = None) -> dict:
     """fp32 params -> a new dict with every linear layer (and the lm_head unless spec says bf16-head) a
@@ -121,8 +128,7 @@ def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
         raise QuantError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
     if spec.format not in ("int8", "int4"):
         raise QuantError(f"--quant {spec}: offline quantization writes int8 or int4:G")
-    if is_quantized(params):
-        raise QuantError("--model: already quantized (by `llama32 quantize`); quantize the original checkpoint")
+    refuse_quantized(params)
     if sequences is None or method == "rtn":
         if method.startswith("awq"):
             raise QuantError(f"--method {method} needs calibration text (--calib FILE)")

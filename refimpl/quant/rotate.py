@@ -2,7 +2,10 @@
 axis-aligned quantization grid serves better.
 
 A Llama block reads the residual stream x [T, D] only through an RMSNorm followed by linear layers, and writes it
-only through o_proj and down_proj. Two exact rewrites, both done once on the weights, make the stream free to rotate:
+only through o_proj and down_proj. This holds for the bias-free Llama this package runs (config_fields refuses
+attention_bias / mlp_bias, LlamaConfig any model_type but llama); a bias would need rotating too, so rotate_model
+refuses any tensor other than a Llama's. Two exact rewrites, both done once on the weights, make the stream free
+to rotate:
 
 1. Fold each RMSNorm's weight g into the matrices that read its output: W ← W·diag(g) for q/k/v (input_layernorm),
    gate/up (post_attention_layernorm) and the lm_head (model.norm); the norm weights become 1.
@@ -28,15 +31,18 @@ import dataclasses
 
 import numpy as np
 
+from refimpl.formats.params import expected_shapes
 from refimpl.model.config import LlamaConfig
+from refimpl.progress import Progress
 from refimpl.quant.apply import LM_HEAD, source_weight
-from refimpl.quant.formats import F32
+from refimpl.quant.calibrate import NORMS, SHARED_INPUT
+from refimpl.quant.formats import F32, QuantError
 
 ROTATION_SEED = 0  # `llama32 quantize --rotate`'s
-READERS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-           "mlp.gate_proj.weight", "mlp.up_proj.weight")  # [Dout, D]: read the (normed) stream
-WRITERS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # [D, Din]: add to the stream
-NORM_READERS = {"input_layernorm.weight": READERS[:3], "post_attention_layernorm.weight": READERS[3:]}
+CONSTRUCTION = "hadamard-kron-haar"  # rotation()'s: with it a seed pins R; rename it when rotation() changes
+NORM_READERS = {norm: SHARED_INPUT[act] for act, norm in NORMS.items()}  # [Dout, D]: read the (normed) stream
+READERS = tuple(key for keys in NORM_READERS.values() for key in keys)
+WRITERS = SHARED_INPUT["attn.out"] + SHARED_INPUT["mlp.act"]  # [D, Din]: add to the stream
 
 
 def hadamard(p: int) -> np.ndarray:
@@ -65,54 +71,62 @@ def rotation(d: int, seed: int = 0) -> np.ndarray:
     return signed if m == 1 else np.kron(random_orthogonal(m, rng), signed)  # [m·p, m·p]
 
 
-def fold_norms(params: dict, cfg: LlamaConfig) -> dict:
-    """Every RMSNorm weight folded into the matrices reading its output (W·diag(g)); the norms become 1 and the
-    lm_head its own tensor. The same function in exact arithmetic."""
-    out = dict(params)
-    for i in range(cfg.num_hidden_layers):
-        for norm, readers in NORM_READERS.items():
-            g = params[f"model.layers.{i}.{norm}"]  # [D]
-            for key in readers:
-                out[f"model.layers.{i}.{key}"] = params[f"model.layers.{i}.{key}"] * g  # [Dout, D] * [D]
-            out[f"model.layers.{i}.{norm}"] = np.ones_like(g)
-    out[LM_HEAD] = source_weight(params, LM_HEAD) * params["model.norm.weight"]  # [V, D] * [D]
-    out["model.norm.weight"] = np.ones_like(params["model.norm.weight"])
-    return out
+def record(seed: int, values: bool) -> dict:
+    """What a checkpoint records of rotate_model(params, cfg, seed, values): enough to rebuild R and Rv."""
+    return {"residual": True, "values": values, "seed": seed, "construction": CONSTRUCTION}
 
 
-def rotate_stream(params: dict, cfg: LlamaConfig, r: np.ndarray) -> dict:
-    """Norm-folded params (fold_norms) and an orthogonal r [D, D] -> the model that carries the stream as x·r."""
-    r = np.asarray(r, np.float64)
-    out = dict(params)
-    for name in ("model.embed_tokens.weight", LM_HEAD):
-        out[name] = (params[name] @ r).astype(F32)  # [V, D] @ [D, D]
-    for i in range(cfg.num_hidden_layers):
-        for key in READERS:
-            out[f"model.layers.{i}.{key}"] = (params[f"model.layers.{i}.{key}"] @ r).astype(F32)  # [Dout, D] @ [D, D]
-        for key in WRITERS:
-            out[f"model.layers.{i}.{key}"] = (r.T @ params[f"model.layers.{i}.{key}"]).astype(F32)  # [D, D] @ [D, Din]
-    return out
+def value_rows(v: np.ndarray, rv: np.ndarray, K: int) -> np.ndarray:
+    """v_proj [K·E, D] with every kv head's row block ← rvᵀ·block (its values come out as v·rv)."""
+    E, D = rv.shape[0], v.shape[1]
+    return (rv.T @ v.reshape(K, E, D)).reshape(K * E, D)  # [E, E] @ [K, E, D] -> [K, E, D] -> [K·E, D]
 
 
-def rotate_values(params: dict, cfg: LlamaConfig, rv: np.ndarray) -> dict:
-    """Every head's value vector carried as v·rv (rv [E, E] orthogonal): v_proj's kv-head blocks ← rvᵀ·block,
-    o_proj's query-head column blocks ← block·rv. Attention mixes v over positions only, so this is exact."""
-    rv = np.asarray(rv, np.float64)
-    K, H, E, D = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
-    out = dict(params)
-    for i in range(cfg.num_hidden_layers):
-        v = params[f"model.layers.{i}.self_attn.v_proj.weight"].reshape(K, E, D)  # [K·E, D] -> [K, E, D]
-        v = rv.T @ v  # [E, E] @ [K, E, D] -> [K, E, D]: rvᵀ times each kv head's block
-        out[f"model.layers.{i}.self_attn.v_proj.weight"] = v.reshape(K * E, D).astype(F32)  # -> [K·E, D]
-        o = params[f"model.layers.{i}.self_attn.o_proj.weight"].reshape(D, H, E)  # [D, H·E] -> [D, H, E]
-        out[f"model.layers.{i}.self_attn.o_proj.weight"] = (o @ rv).reshape(D, H * E).astype(F32)  # [D, H, E] @ [E, E]
-    return out
+def value_columns(o: np.ndarray, rv: np.ndarray, H: int) -> np.ndarray:
+    """o_proj [D, H·E] with every query head's column block ← block·rv (it reads v·rv)."""
+    D, E = o.shape[0], rv.shape[0]
+    return (o.reshape(D, H, E) @ rv).reshape(D, H * E)  # [D, H, E] @ [E, E] -> [D, H, E] -> [D, H·E]
+
+
+def _check_plain(params: dict, cfg: LlamaConfig) -> None:
+    """Float arrays, and exactly a bias-free Llama's tensors (a `*.bias` would need rotating too)."""
+    known = set(expected_shapes(cfg)) | {LM_HEAD}
+    other = [k for k in params if k not in known]
+    if other:
+        raise QuantError(f"rotate: {other[0]} is not a tensor of a bias-free Llama; cannot rotate it")
+    coded = [k for k, v in params.items() if not isinstance(v, np.ndarray)]
+    if coded:  # e.g. QuantizedLinear records: rotating their codes would need dequantizing first
+        raise QuantError(f"rotate: {coded[0]} is a {type(params[coded[0]]).__name__}, expected a float array "
+                         "(rotate the original checkpoint, before quantizing)")
 
 
 def rotate_model(params: dict, cfg: LlamaConfig, seed: int = 0, values: bool = True) -> tuple[dict, LlamaConfig]:
     """fp32 params -> (norm-folded, stream-rotated (and value-rotated) params, the config with an untied head).
-    The rotated model computes the same logits as the original up to fp32 rounding."""
-    out = rotate_stream(fold_norms(params, cfg), cfg, rotation(cfg.hidden_size, seed))
-    if values:
-        out = rotate_values(out, cfg, rotation(cfg.head_dim, seed + 1))
+    The rotated model computes the same logits as the original up to fp32 rounding.
+
+    One pass, one new tensor at a time: each matrix is folded and rotated in a single product with diag(g)·r
+    (r in fp32, the weights' dtype), so the host holds the source and the result, no intermediate model."""
+    _check_plain(params, cfg)
+    H, K = cfg.num_attention_heads, cfg.num_key_value_heads
+    r = rotation(cfg.hidden_size, seed).astype(F32)  # [D, D]
+    rv = rotation(cfg.head_dim, seed + 1).astype(F32) if values else None  # [E, E]
+    out = dict.fromkeys(params)  # the source's order; every entry replaced below
+    out["model.embed_tokens.weight"] = params["model.embed_tokens.weight"] @ r  # [V, D] @ [D, D]
+    with Progress(f"rotating {cfg.num_hidden_layers} layers", cfg.num_hidden_layers) as bar:
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for norm, readers in NORM_READERS.items():
+                gr = params[p + norm][:, None] * r  # diag(g)·r [D, D]: the norm's weight folded into the rotation
+                for key in readers:
+                    out[p + key] = params[p + key] @ gr  # [Dout, D] @ [D, D]
+                out[p + norm] = np.ones_like(params[p + norm])
+            for key in WRITERS:
+                out[p + key] = r.T @ params[p + key]  # [D, D] @ [D, Din]
+            if values:
+                v, o = p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight"
+                out[v], out[o] = value_rows(out[v], rv, K), value_columns(out[o], rv, H)
+            bar.advance()
+    norm = params["model.norm.weight"]
+    out[LM_HEAD] = source_weight(params, LM_HEAD) @ (norm[:, None] * r)  # [V, D] @ [D, D]
+    out["model.norm.weight"] = np.ones_like(norm)
     return out, dataclasses.replace(cfg, tie_word_embeddings=False)

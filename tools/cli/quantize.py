@@ -49,8 +49,8 @@ def quantize(model, quant, method, rotate, calib, out):
     """Quantize MODEL's linear layers and write a quantized checkpoint to OUT."""
     from refimpl.formats.checkpoint import load_checkpoint, weight_dtype, write_side_files
     from refimpl.formats.quant_checkpoint import quantization_config, save_quantized_weights
-    from refimpl.quant.calibrate import calibration_sequences, quantize_model
-    from refimpl.quant.rotate import ROTATION_SEED, rotate_model
+    from refimpl.quant.calibrate import calibration_sequences, quantize_model, refuse_quantized
+    from refimpl.quant.rotate import ROTATION_SEED, record, rotate_model
     from tools.engines import parse_quant, resolve_model
 
     spec = parse_quant(quant)
@@ -63,13 +63,18 @@ def quantize(model, quant, method, rotate, calib, out):
     text = None if method == "rtn" else _calibration_text(calib or CALIBRATION)
     path = resolve_model(model)
     ckpt = load_checkpoint(path, text_only=True)  # a Vision checkpoint refused before its 20 GB are read
+    refuse_quantized(ckpt.params)  # before rotating, which reads plain arrays only
     seqs = None if text is None else calibration_sequences(ckpt.tokenizer, text)
-    params, cfg = rotate_model(ckpt.params, ckpt.config, ROTATION_SEED) if rotate else (ckpt.params, ckpt.config)
+    params, cfg = ckpt.params, ckpt.config
+    rotation = record(ROTATION_SEED, values=True) if rotate else None
+    if rotation:
+        params, cfg = rotate_model(params, cfg, rotation["seed"], rotation["values"])
+        ckpt.params = {}  # the unrotated model's last reference: only its config and tokenizer are used below
     params = quantize_model(params, cfg, spec, method, seqs)
     dtype = weight_dtype(path) if path.is_dir() else "F32"  # a GGUF's dequantized values are fp32
     save_quantized_weights(out, params, dtype)
     note = None if seqs is None else f"{(calib or CALIBRATION).name}, {sum(len(s) for s in seqs)} tokens"
-    qcfg = quantization_config(spec, method, note, ROTATION_SEED if rotate else None)
+    qcfg = quantization_config(spec, method, note, rotation)
     write_side_files(ckpt, out, cfg.to_hf() | {"quantization_config": qcfg})
     size = sum(f.stat().st_size for f in out.iterdir())
     click.echo(f"wrote {out}: {spec} by {method}{', rotated' if rotate else ''}{' on ' + note if note else ''}, "
