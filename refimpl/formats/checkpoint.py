@@ -63,7 +63,7 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
         raise CheckpointError(f"{path}: no such file or directory (expected a model directory or a .gguf file)")
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{path}: expected a model directory (with config.json) or a .gguf file")
-    config = read_config_json(path)
+    config = read_config_json(path / "config.json")
     if is_mllama_config(config):
         if text_only:
             raise ConfigError(f"{path / 'config.json'}: model_type is 'mllama' (Llama 3.2 Vision); expected a text "

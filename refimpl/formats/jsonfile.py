@@ -41,7 +41,5 @@ def read_json_object(path: Path, what: str, error: type[Exception] = CheckpointE
 
 
 def read_config_json(path: Path) -> dict:
-    """A model's config.json (the file itself, or `path` / config.json for a directory) as a JSON object."""
-    path = Path(path)
-    return read_json_object(path / "config.json" if path.is_dir() else path, "a model directory needs config.json",
-                            ConfigError)
+    """A model's config.json (the file's path) as a JSON object."""
+    return read_json_object(Path(path), "a model directory needs config.json", ConfigError)

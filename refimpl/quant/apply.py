@@ -45,11 +45,17 @@ def is_quantized(params: dict) -> bool:
     return any(isinstance(v, QuantizedLinear) for v in params.values())
 
 
+def refuse_quantized(params: dict, source, advice: str) -> None:
+    """A checkpoint `llama32 quantize` wrote runs as stored: quantizing (or rotating) its dequantized values again
+    would only add error."""
+    if is_quantized(params):
+        raise QuantError(f"{source}: already quantized (by `llama32 quantize`); {advice}")
+
+
 def refuse_requantizing(params: dict, spec: QuantSpec | None, source) -> None:
-    """A checkpoint `llama32 quantize` wrote runs as stored: quantizing its dequantized values again would only
-    add error."""
-    if spec is not None and spec.format != "gguf" and is_quantized(params):
-        raise QuantError(f"{source}: already quantized (by `llama32 quantize`); drop --quant {spec}")
+    """`--quant` on a checkpoint `llama32 quantize` wrote (GGUF blocks excepted: they are kept, not re-quantized)."""
+    if spec is not None and spec.format != "gguf":
+        refuse_quantized(params, source, f"drop --quant {spec}")
 
 
 def dequantize_params(params: dict) -> dict:

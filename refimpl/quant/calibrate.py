@@ -24,7 +24,7 @@ from refimpl.model.config import LlamaConfig
 from refimpl.model.llama import KVCache, attention_block, drive, layer_params, mlp_block
 from refimpl.progress import Progress
 from refimpl.quant import awq
-from refimpl.quant.apply import LM_HEAD, is_quantized, quantize_params, source_weight
+from refimpl.quant.apply import LM_HEAD, quantize_params, refuse_quantized, source_weight
 from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
 from refimpl.quant.gptq import gptq_quantize
 from refimpl.quant.search import importance_of, quantize_search
@@ -113,12 +113,6 @@ def _first_of_tie(cfg: LlamaConfig) -> np.ndarray:
     return np.unique(tie, return_index=True)[1]
 
 
-def refuse_quantized(params: dict) -> None:
-    """Quantizing (or rotating) a checkpoint `llama32 quantize` wrote would only add error to its codes."""
-    if is_quantized(params):
-        raise QuantError("--model: already quantized (by `llama32 quantize`); quantize the original checkpoint")
-
-
 def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
                    sequences: list[np.ndarray] | None = None) -> dict:
     """fp32 params -> a new dict with every linear layer (and the lm_head unless spec says bf16-head) a
@@ -128,7 +122,7 @@ def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
         raise QuantError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
     if spec.format not in ("int8", "int4"):
         raise QuantError(f"--quant {spec}: offline quantization writes int8 or int4:G")
-    refuse_quantized(params)
+    refuse_quantized(params, "--model", "quantize the original checkpoint")
     if sequences is None or method == "rtn":
         if method.startswith("awq"):
             raise QuantError(f"--method {method} needs calibration text (--calib FILE)")

@@ -49,7 +49,8 @@ def quantize(model, quant, method, rotate, calib, out):
     """Quantize MODEL's linear layers and write a quantized checkpoint to OUT."""
     from refimpl.formats.checkpoint import load_checkpoint, weight_dtype, write_side_files
     from refimpl.formats.quant_checkpoint import quantization_config, save_quantized_weights
-    from refimpl.quant.calibrate import calibration_sequences, quantize_model, refuse_quantized
+    from refimpl.quant.apply import refuse_quantized
+    from refimpl.quant.calibrate import calibration_sequences, quantize_model
     from refimpl.quant.rotate import ROTATION_SEED, record, rotate_model
     from tools.engines import parse_quant, resolve_model
 
@@ -63,7 +64,8 @@ def quantize(model, quant, method, rotate, calib, out):
     text = None if method == "rtn" else _calibration_text(calib or CALIBRATION)
     path = resolve_model(model)
     ckpt = load_checkpoint(path, text_only=True)  # a Vision checkpoint refused before its 20 GB are read
-    refuse_quantized(ckpt.params)  # before rotating, which reads plain arrays only
+    # before rotating, which reads plain arrays only
+    refuse_quantized(ckpt.params, "--model", "quantize the original checkpoint")
     seqs = None if text is None else calibration_sequences(ckpt.tokenizer, text)
     params, cfg = ckpt.params, ckpt.config
     rotation = record(ROTATION_SEED, values=True) if rotate else None
