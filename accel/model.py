@@ -14,7 +14,6 @@ what the engine captures in a CUDA graph.
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from dataclasses import dataclass, field, replace
 
@@ -23,7 +22,7 @@ import torch
 from refimpl.model.config import LlamaConfig
 
 from . import ops
-from .kernels.common import pdl_launches
+from .kernels.common import pdl_launches, setting
 from .kernels.tuning import DEFAULT, Tuning
 from .quant_layers import prefill_weights
 from .weights import Weights
@@ -54,14 +53,9 @@ class PrefillOptions:
 _PREFILL_OPTIONS = contextvars.ContextVar("accel_prefill_options", default=PrefillOptions())
 
 
-@contextlib.contextmanager
 def prefill_options(**changes):
     """Within this block, prefills run with PrefillOptions' fields changed as given. For benchmarks and tests."""
-    token = _PREFILL_OPTIONS.set(replace(_PREFILL_OPTIONS.get(), **changes))
-    try:
-        yield
-    finally:
-        _PREFILL_OPTIONS.reset(token)
+    return setting(_PREFILL_OPTIONS, replace(_PREFILL_OPTIONS.get(), **changes))
 
 
 def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v, positions, last_row=False):
@@ -78,16 +72,12 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
     q = qkv[:, : H * E].view(T, H, E)
     k = qkv[:, H * E: (H + K) * E].view(T, K, E)
     v = qkv[:, (H + K) * E:].view(T, K, E)
-    if _PREFILL_OPTIONS.get().rope_in_attention:
-        ops.rope_kv_write(None, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
-        if last_row:
-            q, x, positions, cos, sin = q[-1:], x[-1:], positions[-1:], cos[-1:], sin[-1:]
-        a = ops.causal_attention(q, cache_k, cache_v, positions, cos, sin)  # [T, H, E], q rotated inside
-    else:
-        q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
-        if last_row:
-            q_rot, x, positions = q_rot[-1:], x[-1:], positions[-1:]
-        a = ops.causal_attention(q_rot, cache_k, cache_v, positions)  # [T, H, E]
+    inside = _PREFILL_OPTIONS.get().rope_in_attention  # q rotated by the flash kernel's load, not stored rotated
+    q_rot = ops.rope_kv_write(None if inside else q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
+    q = q if inside else q_rot
+    if last_row:
+        q, x, positions, cos, sin = q[-1:], x[-1:], positions[-1:], cos[-1:], sin[-1:]
+    a = ops.causal_attention(q, cache_k, cache_v, positions, *((cos, sin) if inside else ()))  # [T, H, E]
     o = ops.linear(a.reshape(x.shape[0], H * E), lw.o)  # [T, H·E] -> [T, D]
     x, h = ops.add_rms_norm(o, x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
     act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]

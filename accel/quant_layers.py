@@ -30,10 +30,6 @@ class LayerPlan:
     layout: tuple
     size: int  # elements of the scratch
 
-    @property
-    def nbytes(self) -> int:
-        return sum(launch.table.nbytes for launch in self.launches)
-
 
 @dataclass(eq=False)
 class QuantLayerWeights(LayerWeights):
@@ -55,7 +51,8 @@ def pack_layer(lw: LayerWeights) -> LayerWeights:
     """Rearranged at load: the layer's quantized matrices of one format moved into one flat buffer each of codes,
     scales and minima (the QuantTensors become views of them: the decode GEMVs see the same matrices), so that the
     prefill dequantizes the whole layer with one launch a format (prefill_weights) instead of one a matrix."""
-    from .kernels.qdequant import _per_row, layer_launch
+    from .kernels.common import per_row_scales
+    from .kernels.qdequant import layer_launch
     quantized = [(n, getattr(lw, n)) for n in MATRICES if isinstance(getattr(lw, n), QuantTensor)]
     if not quantized:
         return lw
@@ -66,7 +63,7 @@ def pack_layer(lw: LayerWeights) -> LayerWeights:
     out_at = {n: at for n, at, _, _ in layout}
     formats: dict[tuple, list] = {}
     for n, t in quantized:
-        per_row = _per_row(t.group, t.K, t.low)
+        per_row = per_row_scales(t.group, t.K, t.low)
         key = (t.bits, t.offset, per_row, None if per_row else t.group, t.q.dtype, t.scale.dtype,
                None if t.low is None else t.low.dtype)
         formats.setdefault(key, []).append((n, t))

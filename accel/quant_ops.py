@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import contextlib
 import contextvars
 
 import numpy as np
@@ -33,6 +32,7 @@ from refimpl.quant.formats import QuantizedLinear, QuantSpec, pack_nibbles
 from refimpl.quant.gguf_blocks import block_fields
 
 from . import ops
+from .kernels.common import setting
 from .ops.torch_ops import torch_linear_add, torch_norm_linear, torch_swiglu_linear_add, unfused_qkv_rope
 
 
@@ -160,22 +160,12 @@ _DECODE_PDL = contextvars.ContextVar("accel_quant_decode_pdl", default=())  # ()
 _SWIGLU_IN_GATE_UP = contextvars.ContextVar("accel_quant_swiglu_in_gate_up", default=True)
 
 
-@contextlib.contextmanager
-def _setting(var: contextvars.ContextVar, value):
-    """`var` set to `value` within the block (a CUDA graph's capture included)."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
-
-
 def prefill_path(path: str | None):
     """Within this block, products of more than one row take `path`: "gemm" (the fused GEMM) or "dequant" (a
     scratch a matrix + cuBLAS) instead of a packed layer's one dequantize launch (None, the default:
     accel.quant_layers.prefill_weights). For benchmarks comparing them."""
     assert path in (None, "gemm", "dequant")
-    return _setting(_PREFILL_PATH, path)
+    return setting(_PREFILL_PATH, path)
 
 
 def chosen_prefill_path() -> str | None:
@@ -186,13 +176,13 @@ def chosen_prefill_path() -> str | None:
 def decode_pdl(mode):
     """Within this block, the quantized GEMVs and qkv + RoPE launch with `mode`, an accel.kernels.qgemv.PdlMode, or
     None for plain launches. For benchmarks and tests comparing them."""
-    return _setting(_DECODE_PDL, (mode,))
+    return setting(_DECODE_PDL, (mode,))
 
 
 def swiglu_in_gate_up(on: bool):
     """Within this block, the quantized decode MLP puts the SwiGLU in gate_up's epilogue (on) or in down's prologue
     (off). For benchmarks and tests comparing the two."""
-    return _setting(_SWIGLU_IN_GATE_UP, on)
+    return setting(_SWIGLU_IN_GATE_UP, on)
 
 
 def _pdl_kw() -> dict:

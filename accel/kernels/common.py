@@ -26,21 +26,32 @@ _PDL_LAUNCHES = contextvars.ContextVar("accel_kernels_pdl_launches", default=Fal
 
 
 @contextlib.contextmanager
+def setting(var: contextvars.ContextVar, value):
+    """`var` set to `value` within the block (a CUDA graph's capture included)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def pdl_launches(on: bool = True):
     """Within this block, the kernels whose launchers ask `launch_pdl` (the prefill's embedding + RMSNorm,
     RMSNorm, RoPE + cache write, flash attention, SwiGLU) launch as programmatic dependents: each waits for the
     kernel before it at its start, before any load or store, so its launch overlaps that kernel's drain. Off by
     default."""
-    token = _PDL_LAUNCHES.set(on)
-    try:
-        yield
-    finally:
-        _PDL_LAUNCHES.reset(token)
+    return setting(_PDL_LAUNCHES, on)
 
 
 def launch_pdl(t: torch.Tensor) -> bool:
     """Whether a kernel over t launches as a programmatic dependent here (pdl_launches on, and PDL available)."""
     return _PDL_LAUNCHES.get() and pdl_available(t)
+
+
+def per_row_scales(group: int, K: int, low) -> bool:
+    """One scale a row, applied after the sum (int8); int4 with G >= K keeps the group path (its minima). The
+    decode GEMVs and the prefill's dequantize must agree on it."""
+    return group >= K and low is None
 
 
 def pdl_kw(pdl: bool) -> dict:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import per_row_scales
 from .flash_attn import dot_precision
 
 
@@ -163,10 +164,6 @@ class QGemmConfig(NamedTuple):
     swizzle: int = 8
 
 
-def _per_row(group: int, K: int, low) -> bool:
-    return group >= K and low is None  # one scale a row (int8); int4 with G > K keeps the group path (minima)
-
-
 GPU_BLOCK = (16, 512, 4)  # (BLOCK_N, BLOCK_K, warps): 16 rows × 512 columns a program on the GPU
 
 
@@ -183,7 +180,7 @@ def dequantize_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | Non
     bf16 out a program), 4 warps."""
     N = q.shape[0]
     assert q.stride(1) == 1 and out.stride(1) == 1 and (low is None or low.stride() == scale.stride())
-    per_row = _per_row(group, K, low)
+    per_row = per_row_scales(group, K, low)
     if block is None:
         block = GPU_BLOCK if q.is_cuda else (min(32, triton.next_power_of_2(N)), 256, 4)
     bn, bk, warps = block
@@ -213,7 +210,7 @@ def qgemm_fwd(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.
     assert low is None or low.stride() == scale.stride()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     assert out.shape == (M, N) and out.stride(1) == 1
-    per_row = _per_row(group, K, low)
+    per_row = per_row_scales(group, K, low)
     cfg = QGemmConfig(*config) if config is not None else qgemm_config(M, x.is_cuda)
     bk = _block_k(cfg.block_k, group, K, per_row)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)

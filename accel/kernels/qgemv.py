@@ -44,8 +44,8 @@ import triton.language as tl
 
 from . import tuning
 from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, gdc_launch_dependents, gdc_wait,
-                     pdl_available, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd, sm_count, split_k_epilogue,
-                     split_scratch)
+                     pdl_available, pdl_kw, per_row_scales, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd,
+                     sm_count, split_k_epilogue, split_scratch)
 from .qdot import chunk_dots, fixed_point, group_param
 from .tuning import QGemvConfig
 
@@ -290,7 +290,7 @@ def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, b
     lines = triton.next_power_of_2(triton.cdiv(nbytes, 128)) if nbytes else 0
     if mode.trigger == "none":
         return dict(plain, PF_LINES=lines) if norm and lines else plain
-    return dict(PDL=True, TRIGGER=1 if mode.trigger == "wait" else 2, PF_LINES=lines, launch_pdl=True)
+    return dict(PDL=True, TRIGGER=1 if mode.trigger == "wait" else 2, PF_LINES=lines, **pdl_kw(True))
 
 
 def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int) -> None:
@@ -323,7 +323,7 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
     assert xv.stride(0) == 1 and xv.numel() == (2 * K if swiglu else K), "x must be contiguous [K] (swiglu: [2K])"
     assert not (swiglu and norm_weight is not None), "one prologue at a time"
     out = torch.empty((1, N), dtype=x.dtype, device=x.device) if out is None else out
-    per_row = group >= K and low is None  # one scale a row, applied after the sum (with minima: the group path)
+    per_row = per_row_scales(group, K, low)
     cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device))
     _launch_checks(cfg, bits, group, per_row, K)
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import qgemv
-from .common import gdc_launch_dependents, sm_count
+from .common import gdc_launch_dependents, per_row_scales, sm_count
 from .qgemv import (PdlMode, _block_sums, _fast, _launch_checks, _pdl_kwargs, _pdl_start, _persist_kwargs, _rows_dot,
                     _whole_rows)
 from .qkv_rope import rope_store
@@ -123,7 +123,7 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
     assert cos.shape == (S, E // 2) and cos.stride(1) == 1 and sin.stride(1) == 1 and position.numel() == 1
     q_out = torch.empty((1, H, E), dtype=x.dtype, device=x.device) if q_out is None else q_out
     assert q_out.is_contiguous() and q_out.numel() == H * E
-    per_row = group >= K and low is None
+    per_row = per_row_scales(group, K, low)
     cfg = (QGemvConfig(*config) if config is not None
            else qgemv.qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True))
     _launch_checks(cfg, bits, group, per_row, K)
@@ -155,7 +155,7 @@ def gate_up_swiglu_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor 
     assert x.numel() == K and x.reshape(-1).stride(0) == 1
     assert norm_weight.shape == (K,) and norm_weight.stride(0) == 1
     out = torch.empty((1, F), dtype=x.dtype, device=x.device) if out is None else out
-    per_row = group >= K and low is None
+    per_row = per_row_scales(group, K, low)
     if config is not None:
         cfg = QGemvConfig(*config)
     else:
