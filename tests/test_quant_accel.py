@@ -45,6 +45,11 @@ def gguf_record(fmt, N, K, seed=0, edges=False) -> QuantizedLinear:
     return QuantizedLinear(fmt, (N, K), data, None, None, 32)
 
 
+def record(fmt, N, K, seed=0) -> QuantizedLinear:
+    """int8 / int4:G by refimpl's quantizer, GGUF blocks as the gguf library writes them."""
+    return QuantSpec.parse(fmt).quantize(weights(N, K, seed)) if fmt.startswith("int") else gguf_record(fmt, N, K, seed)
+
+
 def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, np.float32).view(np.uint32)
 
@@ -199,7 +204,7 @@ def test_quantized_qkv_rope_is_dequantize_then_norm_gemv_rope(H, NKV, E, D, spec
     from accel.kernels.qgemv_fused import qkv_rope_qfwd
     from refimpl.model.config import RopeScaling
     N = (H + 2 * NKV) * E
-    rec = gguf_record(spec, N, D, seed=7) if spec.startswith("q") else QuantSpec.parse(spec).quantize(weights(N, D, 7))
+    rec = record(spec, N, D, seed=7)
     t = from_quantized_linear(rec, "cpu")
     rng = np.random.default_rng(8)
     S, pos = 9, 5

@@ -18,7 +18,7 @@ from accel.quant_ops import (from_quantized_linear, prefill_path, qgemv, quant_l
                              torch_dequantize)
 from accel.weights import LayerWeights  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
-from test_quant_accel import RECORDS, bits, gguf_record, weights  # noqa: E402
+from test_quant_accel import RECORDS, bits, gguf_record, record  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -87,8 +87,7 @@ def layer_records(formats, seed):
     recs = {}
     for i, (name, fmt) in enumerate(zip(MATRICES, formats)):
         N, K = LAYER_SHAPES[name]
-        recs[name] = (gguf_record(fmt, N, K, seed=seed + i) if fmt.startswith("q") else
-                      QuantSpec.parse(fmt).quantize(weights(N, K, seed=seed + i)))
+        recs[name] = record(fmt, N, K, seed=seed + i)
     return recs
 
 

@@ -14,16 +14,9 @@ from accel.kernels.qgemv_fused import gate_up_swiglu_qfwd  # noqa: E402
 from accel.quant_ops import QuantTensor, from_quantized_linear, quantize, swiglu_in_gate_up  # noqa: E402
 from refimpl.model import ops as np_ops  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
-from test_quant_accel import gguf_record, gpu, interpreter, weights  # noqa: E402
+from test_quant_accel import gpu, interpreter, record  # noqa: E402
 
 EPS = 1e-5
-
-
-def record(name, N, K, seed):
-    """int8 / int4:G by refimpl's quantizer, GGUF blocks as the gguf library writes them."""
-    if name.startswith("int"):
-        return QuantSpec.parse(name).quantize(weights(N, K, seed))
-    return gguf_record(name, N, K, seed)
 
 
 def launch(t: QuantTensor, x, nw, **kw):
@@ -69,8 +62,8 @@ def test_quantized_norm_mlp_add_is_the_mlp_block_either_way(spec):
     """ops.norm_mlp_add with quantized weights, SwiGLU in gate_up's epilogue and (switched off) in down's
     prologue: both equal x + down(swiglu(gate_up(rms_norm(x)))) with the oracle's dequantized weights."""
     F, D = 38, 64  # F even: int4 packs two codes a byte along down's K = F
-    gu_rec = QuantSpec.parse(spec).quantize(weights(2 * F, D, seed=9))
-    down_rec = QuantSpec.parse(spec).quantize(weights(D, F, seed=10))
+    gu_rec = record(spec, 2 * F, D, seed=9)
+    down_rec = record(spec, D, F, seed=10)
     rng = np.random.default_rng(11)
     x = (3 * rng.standard_normal((1, D))).astype(np.float32)
     nw = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)

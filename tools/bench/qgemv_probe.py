@@ -32,7 +32,7 @@ from accel.kernels.qgemv_fused import gate_up_swiglu_qfwd, qkv_rope_qfwd
 from accel.kernels.tuning import QGemvConfig
 from refimpl.model.config import PRESETS
 from tools.bench.gemv_sweep import graph_us
-from tools.bench.qgemv_sweep import NAMES, Case, shapes, table_source
+from tools.bench.qgemv_sweep import NAMES, Case, shapes, table_source, timed_entry
 from tools.bench.quant_pdl import bench_args, bench_parser
 
 # the step's kernel for each GEMV: the fusion Case builds inputs for, and how the step calls it
@@ -132,12 +132,6 @@ class StepCase(Case):
             return super().check(config)
         return self.gate_up_swiglu_error(self.call(self.t, config))
 
-    def time_us(self, config, scales: bool = True) -> float:
-        outs = [torch.empty(1, self.N, device="cuda", dtype=torch.bfloat16) for _ in self.copies]
-        for o in outs:
-            o.copy_(self.r)
-        return graph_us([lambda t=t, o=o: self.call(t, config, o, scales) for t, o in zip(self.copies, outs)])
-
     def stream_us(self, config, scales: bool) -> float:
         return graph_us([lambda t=t: stream_call(t, config, scales, self.stream_out) for t in self.copies])
 
@@ -161,19 +155,6 @@ def persistent_candidates(N: int, K: int, bits: int, sms: int, paired: bool) -> 
     return out
 
 
-def _timed(case: StepCase, cfg: QGemvConfig, nbytes: int) -> dict:
-    entry = {"config": list(cfg)}
-    try:
-        entry["rel_err"] = case.check(cfg)
-        if not entry["rel_err"] <= 2 ** -6:
-            entry["error"] = "wrong result"
-        else:
-            entry["us"] = case.time_us(cfg)
-            entry["tb_s"] = nbytes / (entry["us"] * 1e-6) / 1e12
-    except Exception as e:  # a config that does not compile or launch is reported, not fatal
-        entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    return entry
-
 
 def probe(models: list[str], spec: str, budget: float, path: str | None = None, probes: bool = True) -> dict:
     """probes False: only the table's config and the persistent candidates (no no-scales / stream probes)."""
@@ -194,7 +175,7 @@ def probe(models: list[str], spec: str, budget: float, path: str | None = None, 
             table = qgemv_config(N, K, t.bits, t.group, sms, what == "qkv")
             row = {"model": m, "gemv": what, "N": N, "K": K, "quant": spec, "bits": t.bits, "group": t.group,
                    "bytes": t.nbytes, "codes_bytes": t.q.nbytes, "table": list(table),
-                   "kernel": _timed(case, table, t.nbytes)}
+                   "kernel": timed_entry(case, table, t.nbytes)}
             row["configs"] = [row["kernel"]]
             if probes:
                 row["no_scales_us"] = case.time_us(table, scales=False)
@@ -215,7 +196,7 @@ def probe(models: list[str], spec: str, budget: float, path: str | None = None, 
             for c in others:
                 if time.time() > deadline:
                     break
-                row["configs"].append(_timed(case, c, t.nbytes))
+                row["configs"].append(timed_entry(case, c, t.nbytes))
             timed = [e for e in row["configs"][1:] if "us" in e]
             if timed:
                 best = min(timed, key=lambda e: e["us"])

@@ -165,11 +165,29 @@ class Case:
         want = torch_swiglu_gate_up(gate_up.to(self.x.dtype)).double()  # [1, F]
         return ((got.double() - want).abs().max() / want.abs().max()).item()
 
-    def time_us(self, config) -> float:
+    def time_us(self, config, **call_kw) -> float:
         outs = [torch.empty(1, self.N, device="cuda", dtype=torch.bfloat16) for _ in self.copies]
         for o in outs:
             o.copy_(self.r)
-        return graph_us([lambda t=t, o=o: self.call(t, config, o) for t, o in zip(self.copies, outs)])
+        return graph_us([lambda t=t, o=o: self.call(t, config, o, **call_kw) for t, o in zip(self.copies, outs)])
+
+
+MAX_REL_ERR = 2 ** -6  # a config whose result is further off is reported wrong, not timed
+
+
+def timed_entry(case: Case, config, nbytes: int) -> dict:
+    """One config of a case: checked (a NaN error counts as wrong), then timed -> its entry for the results."""
+    entry = {"config": list(config)}
+    try:
+        entry["rel_err"] = case.check(config)
+        if not entry["rel_err"] <= MAX_REL_ERR:
+            entry["error"] = "wrong result"
+        else:
+            entry["us"] = case.time_us(config)
+            entry["tb_s"] = nbytes / (entry["us"] * 1e-6) / 1e12
+    except Exception as e:  # a config that does not compile or launch is reported, not fatal
+        entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return entry
 
 
 def sweep(models: list[str], specs: list[str], budget: float, path: str | None = None,
@@ -190,17 +208,7 @@ def sweep(models: list[str], specs: list[str], budget: float, path: str | None =
                 for c in candidates(N, K, t.bits, t.group, sms, fusion == "rope", focus):
                     if time.time() > deadline and row["configs"]:
                         break
-                    entry = {"config": list(c)}
-                    try:
-                        entry["rel_err"] = case.check(c)
-                        if entry["rel_err"] > 2 ** -6:
-                            entry["error"] = "wrong result"
-                        else:
-                            entry["us"] = case.time_us(c)
-                            entry["tb_s"] = t.nbytes / (entry["us"] * 1e-6) / 1e12
-                    except Exception as e:  # a config that does not compile or launch is reported, not fatal
-                        entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    row["configs"].append(entry)
+                    row["configs"].append(timed_entry(case, c, t.nbytes))
                 timed = [e for e in row["configs"] if "us" in e]
                 if timed:
                     best = min(timed, key=lambda e: e["us"])

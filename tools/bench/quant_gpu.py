@@ -22,7 +22,7 @@ from refimpl.model.config import LlamaConfig
 from refimpl.quant.formats import QuantSpec
 from tools.bench.gemv_sweep import graph_us
 from tools.bench.gpu import decode_rate, prefill_call, prefill_gpu_ms
-from tools.bench.qgemv_sweep import Case, shapes
+from tools.bench.qgemv_sweep import MAX_REL_ERR, Case, shapes
 from tools.bench.timing import round_robin_ms
 
 
@@ -87,7 +87,7 @@ def quant_step_us(what: str, N: int, K: int, fusion: str, spec: str, cfg: LlamaC
         return case.time_us(None), case.t.nbytes
     case = Case(what, N, K, "norm", spec, cfg)
     err = case.gate_up_swiglu_error(quant_norm_swiglu(case.x, case.nw, case.t, 1e-5))
-    if not err <= 2 ** -6:  # as tools.bench.qgemv_sweep's check
+    if not err <= MAX_REL_ERR:  # as tools.bench.qgemv_sweep's check
         raise AssertionError(f"{what} {spec}: norm + gate_up + SwiGLU off by {err:.2e} (relative max)")
     return graph_us([lambda t=t: quant_norm_swiglu(case.x, case.nw, t, 1e-5) for t in case.copies]), case.t.nbytes
 

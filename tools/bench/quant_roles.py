@@ -32,6 +32,7 @@ from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
 from tools.bench.gpu import prompt_ids
+from tools.bench.qgemv_sweep import shapes
 from tools.bench.quant_pdl import bench_args, bench_parser, rate_within
 
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -97,13 +98,10 @@ def per_role(cfg, model: str, modes: dict, configs: dict):
     """Within: each role's kernel launches with modes.get(role) (None: plain), and the launch table has
     configs' rows for the roles' weights (by wrapping accel.quant_ops' ops and qgemv.qgemv_config)."""
     origs = {name: getattr(quant_ops, name) for name in OPS}
-    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
-              "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
-              "down": (cfg.hidden_size, cfg.intermediate_size), "lm_head": (cfg.vocab_size, cfg.hidden_size)}
     own = dict(tuning.QGEMV)
     for (m, role), c in configs.items():  # int8's rows: one scale a row (group = K)
         if m == model:
-            N, K = shapes[role]
+            N, K, _ = shapes(cfg)[role]
             own[(N, K, 8, K) + (("rope",) if role == "qkv" else ())] = tuning.QGemvConfig(*c)
 
     def wrap(name):
