@@ -30,6 +30,10 @@ class LayerPlan:
     layout: tuple
     size: int  # elements of the scratch
 
+    @property
+    def nbytes(self) -> int:  # accel.weights.Weights.nbytes counts the packed tables beside the tensors
+        return sum(launch.table.nbytes for launch in self.launches)
+
 
 @dataclass(eq=False)
 class QuantLayerWeights(LayerWeights):
