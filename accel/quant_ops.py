@@ -155,7 +155,7 @@ def from_quantized_linear(w: QuantizedLinear, device) -> QuantTensor:
 
 _DEQUANT_SCRATCH: dict[tuple, torch.Tensor] = {}
 _PREFILL_PATH = contextvars.ContextVar("accel_quant_prefill_path", default=None)
-_DECODE_PDL = contextvars.ContextVar("accel_quant_decode_pdl", default=())  # (): the kernels' default
+_DECODE_PDL = contextvars.ContextVar("accel_quant_decode_pdl", default="default")  # the kernels' own default
 # the decode MLP's SwiGLU in gate_up's epilogue (True) or in down's prologue (False): quant_norm_mlp_add
 _SWIGLU_IN_GATE_UP = contextvars.ContextVar("accel_quant_swiglu_in_gate_up", default=True)
 
@@ -176,7 +176,7 @@ def chosen_prefill_path() -> str | None:
 def decode_pdl(mode):
     """Within this block, the quantized GEMVs and qkv + RoPE launch with `mode`, an accel.kernels.qgemv.PdlMode, or
     None for plain launches. For benchmarks and tests comparing them."""
-    return setting(_DECODE_PDL, (mode,))
+    return setting(_DECODE_PDL, mode)
 
 
 def swiglu_in_gate_up(on: bool):
@@ -186,7 +186,7 @@ def swiglu_in_gate_up(on: bool):
 
 
 def _pdl_kw() -> dict:
-    return dict(pdl=_DECODE_PDL.get()[0]) if _DECODE_PDL.get() else {}
+    return dict(pdl=_DECODE_PDL.get())
 
 
 def quant_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:

@@ -110,11 +110,11 @@ def test_quant_pdl_roles_give_the_mode_to_one_kernel_only(monkeypatch):
         return getattr(quant_ops, name)(*args)
     for only in quant_pdl.ROLES:
         with quant_pdl.pdl_only(only, mode, vocab):
-            assert {r: seen(r) for r in quant_pdl.ROLES} == {r: ((mode,) if r == only else (None,))
+            assert {r: seen(r) for r in quant_pdl.ROLES} == {r: (mode if r == only else None)
                                                              for r in quant_pdl.ROLES}
     with quant_pdl.pdl_only(None, mode, vocab):
-        assert all(seen(r) == (mode,) for r in quant_pdl.ROLES)
-    assert all(seen(r) == () for r in quant_pdl.ROLES)  # outside: the kernels' defaults
+        assert all(seen(r) == mode for r in quant_pdl.ROLES)
+    assert all(seen(r) == "default" for r in quant_pdl.ROLES)  # outside: the kernels' defaults
 
 
 def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch):
@@ -137,11 +137,11 @@ def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch):
              "lm_head": ("quant_norm_linear", ("x", "nw", SimpleNamespace(shape=(100, 32)), 1e-5))}
     modes = {"o": PdlMode("wait", 1), "down": PdlMode("late", 0)}
     with quant_roles.per_role(cfg, "1b", modes, {("1b", "down"): (4, 64, 1, 2, 2), ("3b", "o"): (2, 32, 1, 1, 1)}):
-        assert {r: getattr(quant_ops, n)(*a) for r, (n, a) in calls.items()} == {r: (modes.get(r),) for r in calls}
+        assert {r: getattr(quant_ops, n)(*a) for r, (n, a) in calls.items()} == {r: modes.get(r) for r in calls}
         assert qgemv.qgemv_config(32, 64, 8, 64, 132) == QGemvConfig(4, 64, 1, 2, 2)  # down's row, this model's
         assert qgemv.qgemv_config(32, 32, 8, 32, 132) == qgemv.qgemv_config(32, 32, 8, 32, 132, table={})
     assert qgemv.qgemv_config(32, 64, 8, 64, 132) == qgemv.qgemv_config(32, 64, 8, 64, 132, table={})
-    assert all(getattr(quant_ops, n)(*a) == () for n, a in calls.values())  # outside: the kernels' defaults
+    assert all(getattr(quant_ops, n)(*a) == "default" for n, a in calls.values())  # outside: the kernels' defaults
 
 
 @pytest.mark.parametrize("script, flag", [("quant_pdl", "--specs"), ("quant_swiglu", "--specs"),
