@@ -90,36 +90,35 @@ def test_qgemv_probe_persistent_candidates_are_launchable_and_deal_row_blocks_ev
             assert 0 < c.programs <= blocks and c.programs * rounds - blocks < rounds, (N, K, c)
 
 
-def test_quant_pdl_roles_give_the_mode_to_one_kernel_only(monkeypatch):
-    """tools.bench.quant_pdl.pdl_only: inside it, the op of the named kernel sees the mode, every other sees None
-    (plain launches); gate_up and the lm_head share an op and are told apart by their rows."""
-    from types import SimpleNamespace
-
+def _reporting_ops(monkeypatch):
+    """accel.quant_ops' ops of the decode step, each answering (the mode it would launch with, the MLP layout)."""
     from accel import quant_ops
-    from accel.kernels.qgemv import PdlMode
-    from tools.bench import quant_pdl
-    for name in set(quant_pdl.ROLES.values()):  # each op reports the mode it would launch with
-        monkeypatch.setattr(quant_ops, name, lambda *a: quant_ops._DECODE_PDL.get())
-    mode, vocab = PdlMode("wait", 1), 100
-    w = {"qkv": 48, "o": 16, "gate_up": 64, "down": 16, "lm_head": vocab}  # rows of each weight
-
-    def seen(role):
-        name = quant_pdl.ROLES[role]
-        wt = SimpleNamespace(shape=(w[role], 16))
-        args = ("x", "nw", wt, 1e-5) if name in ("quant_norm_linear", "quant_qkv_rope") else ("a", wt, "r")
-        return getattr(quant_ops, name)(*args)
-    for only in quant_pdl.ROLES:
-        with quant_pdl.pdl_only(only, mode, vocab):
-            assert {r: seen(r) for r in quant_pdl.ROLES} == {r: (mode if r == only else None)
-                                                             for r in quant_pdl.ROLES}
-    with quant_pdl.pdl_only(None, mode, vocab):
-        assert all(seen(r) == mode for r in quant_pdl.ROLES)
-    assert all(seen(r) == "default" for r in quant_pdl.ROLES)  # outside: the kernels' defaults
+    from tools.bench import quant_roles
+    for name in quant_roles.OPS:
+        monkeypatch.setattr(quant_ops, name, lambda *a: (quant_ops._DECODE_PDL.get(),
+                                                         quant_ops._SWIGLU_IN_GATE_UP.get()))
 
 
-def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch):
+def _step_calls(cfg, gate_up_swiglu: bool) -> dict:
+    """The accel.quant_ops call each role of a decode step makes (placeholders for tensors; weights by shape)."""
+    from types import SimpleNamespace
+    D, F, qkv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size
+    w = lambda N, K: SimpleNamespace(shape=(N, K))  # noqa: E731
+    return {"qkv": ("quant_qkv_rope", ("x", "nw", w(qkv, D), 1e-5)),
+            "o": ("quant_linear_add", ("a", w(D, cfg.q_size), "r")),
+            "gate_up": ("quant_norm_swiglu", ("x", "nw", w(2 * F, D), 1e-5)) if gate_up_swiglu
+            else ("quant_norm_linear", ("x", "nw", w(2 * F, D), 1e-5)),
+            "down": ("quant_linear_add", ("a", w(D, F), "r")) if gate_up_swiglu
+            else ("quant_swiglu_linear_add", ("gu", w(D, F), "r")),
+            "lm_head": ("quant_norm_linear", ("x", "nw", w(cfg.vocab_size, D), 1e-5))}
+
+
+@pytest.mark.parametrize("gate_up_swiglu", [True, False])
+def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch, gate_up_swiglu):
     """tools.bench.quant_roles.per_role: each op of the step (o and down told apart by K, gate_up's norm GEMV and
-    the lm_head by rows) launches with its role's mode, and the launch table gets the variant's int8 rows."""
+    the lm_head by rows; with the SwiGLU in gate_up's epilogue or in down's prologue) launches with its role's mode
+    (a role left out: plain launches), the MLP layout is the one asked for, and the launch table gets the variant's
+    int8 rows; outside, the kernels' defaults."""
     from types import SimpleNamespace
 
     from accel import quant_ops
@@ -127,25 +126,60 @@ def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch):
     from accel.kernels.qgemv import PdlMode
     from accel.kernels.tuning import QGemvConfig
     from tools.bench import quant_roles
-    for name in quant_roles.OPS:  # each op reports the mode it would launch with
-        monkeypatch.setattr(quant_ops, name, lambda *a: quant_ops._DECODE_PDL.get())
+    _reporting_ops(monkeypatch)
     cfg = SimpleNamespace(q_size=32, kv_size=8, hidden_size=32, intermediate_size=64, vocab_size=100)
-    calls = {"qkv": ("quant_qkv_rope", ("x", "nw", SimpleNamespace(shape=(48, 32)), 1e-5)),
-             "o": ("quant_linear_add", ("a", SimpleNamespace(shape=(32, 32)), "r")),
-             "gate_up": ("quant_norm_swiglu", ("x", "nw", SimpleNamespace(shape=(128, 32)), 1e-5)),
-             "down": ("quant_linear_add", ("a", SimpleNamespace(shape=(32, 64)), "r")),
-             "lm_head": ("quant_norm_linear", ("x", "nw", SimpleNamespace(shape=(100, 32)), 1e-5))}
+    calls = _step_calls(cfg, gate_up_swiglu)
+    seen = lambda: {r: getattr(quant_ops, n)(*a) for r, (n, a) in calls.items()}  # noqa: E731
     modes = {"o": PdlMode("wait", 1), "down": PdlMode("late", 0)}
-    with quant_roles.per_role(cfg, "1b", modes, {("1b", "down"): (4, 64, 1, 2, 2), ("3b", "o"): (2, 32, 1, 1, 1)}):
-        assert {r: getattr(quant_ops, n)(*a) for r, (n, a) in calls.items()} == {r: modes.get(r) for r in calls}
+    with quant_roles.per_role(cfg, "1b", modes, {("1b", "down"): (4, 64, 1, 2, 2), ("3b", "o"): (2, 32, 1, 1, 1)},
+                              gate_up_swiglu):
+        assert seen() == {r: (modes.get(r), gate_up_swiglu) for r in calls}
         assert qgemv.qgemv_config(32, 64, 8, 64, 132) == QGemvConfig(4, 64, 1, 2, 2)  # down's row, this model's
         assert qgemv.qgemv_config(32, 32, 8, 32, 132) == qgemv.qgemv_config(32, 32, 8, 32, 132, table={})
+    for only in quant_roles.ROLES:  # the one-role set's shape: the mode on one kernel, plain on the others
+        with quant_roles.per_role(cfg, "1b", {only: modes["o"]}, {}, gate_up_swiglu):
+            assert seen() == {r: (modes["o"] if r == only else None, gate_up_swiglu) for r in calls}
     assert qgemv.qgemv_config(32, 64, 8, 64, 132) == qgemv.qgemv_config(32, 64, 8, 64, 132, table={})
-    assert all(getattr(quant_ops, n)(*a) == "default" for n, a in calls.values())  # outside: the kernels' defaults
+    assert seen() == {r: ("default", True) for r in calls}
 
 
-@pytest.mark.parametrize("script, flag", [("quant_pdl", "--specs"), ("quant_swiglu", "--specs"),
-                                          ("quant_roles", "--specs"), ("qgemv_probe", "--quant")])
+def test_quant_roles_times_each_variant_inside_its_own_context(monkeypatch):
+    """tools.bench.quant_roles.compare: bf16 first, then per format every variant of the set (with reverse, the set
+    again backwards), each engine built and timed inside the variant's context — the ops of the step see its modes
+    and the MLP layout asked for, the engine gets its decode-attention options — and each row says whether its
+    greedy tokens equal the first variant's."""
+    from refimpl.model.config import PRESETS
+    from tools.bench import quant_roles
+    _reporting_ops(monkeypatch)
+    from accel import quant_ops
+    cfg = PRESETS["llama-3.2-1b"]
+    monkeypatch.setattr(quant_roles, "random_weights", lambda *a, **k: "bf16 weights")
+    monkeypatch.setattr(quant_roles, "quantize_weights", lambda w, spec: f"{spec.format} weights")
+    timed = []
+
+    def rate_within(cfg_, weights, context, tuning=None, warm=False):
+        assert cfg_ is cfg and not warm
+        with context:
+            layout = quant_ops._SWIGLU_IN_GATE_UP.get()
+            seen = {r: getattr(quant_ops, n)(*a)[0] for r, (n, a) in _step_calls(cfg, layout).items()}
+        timed.append((weights, layout, seen, dict(tuning.decode_attention) if tuning else {}))
+        return 100.0 * len(timed), [7, 7, len(timed) % 2]  # tokens: every other run differs from the first
+    monkeypatch.setattr(quant_roles, "rate_within", rate_within)
+    variants = quant_roles.MODES[:2] + quant_roles.MODES[-1:]
+    rows = quant_roles.compare("1b", ["int8", "int4:64"], variants, reverse=True, gate_up_swiglu=False)
+    order = [v.name for v in variants + variants[::-1]]
+    assert [(r["quant"], r["variant"]) for r in rows] == [("bf16", "plain")] + [
+        (q, n) for q in ("int8", "int4:64") for n in order]
+    assert timed[0][0] == "bf16 weights" and [t[0] for t in timed[1:]] == ["int8 weights"] * 6 + ["int4 weights"] * 6
+    for (weights, layout, seen, attention), row in zip(timed[1:], rows[1:]):
+        v = next(v for v in variants if v.name == row["variant"])
+        assert not layout and seen == {r: v.modes.get(r) for r in quant_roles.ROLES} and attention == v.attention
+    assert [r["tokens_equal_first"] for r in rows[1:7]] == [True, False, True, False, True, False]
+    assert rows[2]["x_bf16"] == 3.0 and rows[2]["modes"]["down"] == {"trigger": "wait", "prefetch": 0}
+
+
+@pytest.mark.parametrize("script, flag", [("quant_swiglu", "--specs"), ("quant_roles", "--specs"),
+                                          ("qgemv_probe", "--quant")])
 def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, flag, capsys, monkeypatch, tmp_path):
     """--help works without a GPU; bad names are argparse errors (exit 2); no CUDA is one error line, no traceback."""
     import importlib

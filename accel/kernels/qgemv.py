@@ -268,7 +268,7 @@ class PdlMode(NamedTuple):
     prefetch: int = 1
 
 
-# The mode by code width, as measured in the engine (tools.bench.quant_pdl, quant_roles): the int4 step gains with
+# The mode by code width, as measured in the engine (tools.bench.quant_roles): the int4 step gains with
 # the trigger after the wait; int8's GEMVs, closer to the bandwidth, ran slower beside an early-launched successor
 # than the overlap saved, and gain only with the trigger after the main loop and the 1-tile prefetch.
 PDL_DEFAULT: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: PdlMode("late", 1)})

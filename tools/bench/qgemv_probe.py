@@ -33,7 +33,7 @@ from accel.kernels.tuning import QGemvConfig
 from refimpl.model.config import PRESETS
 from tools.bench.gemv_sweep import graph_us
 from tools.bench.qgemv_sweep import NAMES, Case, shapes, table_source, timed_entry
-from tools.bench.quant_pdl import bench_args, bench_parser
+from tools.bench.quant_roles import bench_args, bench_parser
 
 # the step's kernel for each GEMV: the fusion Case builds inputs for, and how the step calls it
 STEP = {"qkv": "rope", "o": "residual", "gate_up": "norm", "down": "residual", "lm_head": "norm"}

@@ -1,23 +1,36 @@
-"""The quantized decode step kernel by kernel, as the engine runs it now (the SwiGLU in gate_up's epilogue): a launch
-mode (accel.kernels.qgemv.PdlMode or plain) and a launch config per role, in the engine beside bf16, one process,
-and where the step's time goes inside the replayed CUDA graph (tools/bench/NOTES.md, int8 decode speed).
+"""The quantized decode step in the engine, kernel by kernel: a launch mode (accel.kernels.qgemv.PdlMode or plain)
+and a launch config per role of the step (qkv + RoPE, o, gate_up + SwiGLU, down, lm_head), beside bf16, one
+process, the same weights; and where the step's time goes inside the replayed CUDA graph (tools/bench/NOTES.md:
+"Quantized decode step with programmatic dependent launch", "int8 decode speed").
 
-`python3 -m tools.bench.quant_roles [OUT_DIR] [--models=1b,3b] [--specs=int8] [--profile | --search]`: for each model
-the bf16 engine's greedy decode tok/s, then for each format every VARIANTS row (tools.bench.quant_pdl.rate_within:
-32-token prompt, 256 tokens, median of 3; greedy tokens checked equal to the first row's). --profile: per kernel of the
-graph replays (torch.profiler, 16 greedy steps): mean device time and the gap from the previous kernel's end (< 0:
-overlap under PDL), per position in a layer, for bf16 and each format under PROFILED's variants. --search (int8):
-`search`, each role's CANDIDATES in the engine; the winners are printed and written, not put in any table.
-Writes OUT_DIR/quant_roles.json after each model.
+`python3 -m tools.bench.quant_roles [OUT_DIR] [--models=1b,3b] [--specs=int8] [--set=roles|modes|one-role]
+[--reverse] [--swiglu-in-down] [--warm] [--profile | --search]`: for each model the bf16 engine's greedy decode
+tok/s, then for each format every variant of the set (rate_within: 32-token prompt, 256 tokens, median of 3; the
+greedy tokens checked equal to the first variant's):
+  roles     VARIANTS (the default): a mode and a config per role;
+  modes     MODES: one mode for every kernel (and the decode attention PDL-launched);
+  one-role  ONE_ROLE: PDL with a 1-tile prefetch on one kernel of the step at a time.
+--reverse: the set again in reverse order (drift shows as a gap between the two passes). --swiglu-in-down: the MLP as
+it ran before the eighth session, the SwiGLU in down's prologue (accel.quant_ops.swiglu_in_gate_up(False)); the
+seventh session's `quant_pdl` measured that step (`quant_pdl` = `--set=modes --swiglu-in-down --reverse`,
+`quant_pdl --roles --once` = `--set=one-role --swiglu-in-down`). --warm: only build each variant and decode 4 tokens
+(fills Triton's cache). --profile: per kernel of the graph replays (torch.profiler, 16 greedy steps): mean device
+time and the gap from the previous kernel's end (< 0: overlap under PDL), per position in a layer, for bf16 and
+each format under PROFILED's variants. --search (int8): `search`, each role's CANDIDATES in the engine; the winners
+are printed and written, not put in any table.
+Writes OUT_DIR/quant_roles.json (quant_roles_modes.json, quant_roles_one-role.json) after each model.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -25,34 +38,53 @@ from accel import quant_ops
 from accel.engine import AccelEngine
 from accel.kernels import qgemv, tuning
 from accel.kernels.qgemv import PdlMode
+from accel.kernels.tuning import Tuning
 from accel.quant_layers import quantize_weights
-from accel.quant_ops import decode_pdl
+from accel.quant_ops import decode_pdl, swiglu_in_gate_up
 from accel.weights import random_weights
+from refimpl.errors import Llama32Error
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
-from tools.bench.decode_variants import NAMES
-from tools.bench.gpu import prompt_ids
+from tools.bench.decode_variants import NAMES, run_record
+from tools.bench.gpu import decode_rate, prompt_ids
 from tools.bench.qgemv_sweep import shapes
-from tools.bench.quant_pdl import bench_args, bench_parser, rate_within
+from tools.bench.timing import require_cuda
 
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+NO_ENTRIES: Mapping = MappingProxyType({})
+
+
+class Variant(NamedTuple):
+    name: str
+    modes: Mapping[str, PdlMode | None]  # {role: mode}; a role missing: plain launches
+    configs: Mapping[tuple[str, str], tuple] = NO_ENTRIES  # {(model, role): a QGemvConfig tuple for its weight}
+    attention: Mapping[str, object] = NO_ENTRIES  # the decode attention's launch options (Tuning.decode_attention)
+
+
 P1, P0 = PdlMode("wait", 1), PdlMode("wait", 0)
 ALL = lambda mode, **but: {r: but.get(r, mode) for r in ROLES}  # noqa: E731
-# (name, {role: mode; missing: plain launches}, {(model, role): a QGemvConfig tuple for that role's weight})
+DOWN_1_WARP = {("1b", "down"): (16, 512, 1, 8, 3), ("3b", "down"): (16, 512, 1, 8, 3)}
 VARIANTS = [
-    ("plain", {}, {}),
-    ("pdl all, prefetch 1 tile", ALL(P1), {}),
-    ("pdl all, no prefetch", ALL(P0), {}),
-    ("pdl all but down, prefetch 1 tile", ALL(P1, down=None), {}),
-    ("pdl all but down, no prefetch", ALL(P0, down=None), {}),
-    ("pdl down only, no prefetch", {"down": P0}, {}),
-    ("pdl all, down late trigger", ALL(P1, down=PdlMode("late", 0)), {}),
-    ("pdl all late, no prefetch", ALL(PdlMode("late", 0)), {}),
-    ("plain, down 1 warp 8 slices", {}, {("1b", "down"): (16, 512, 1, 8, 3), ("3b", "down"): (16, 512, 1, 8, 3)}),
-    ("pdl all, down 1 warp 8 slices", ALL(P1), {("1b", "down"): (16, 512, 1, 8, 3),
-                                                ("3b", "down"): (16, 512, 1, 8, 3)}),
-    ("pdl all, down 4 slices", ALL(P1), {("1b", "down"): (16, 1024, 2, 4, 2), ("3b", "down"): (16, 1024, 2, 4, 2)}),
+    Variant("plain", {}),
+    Variant("pdl all, prefetch 1 tile", ALL(P1)),
+    Variant("pdl all, no prefetch", ALL(P0)),
+    Variant("pdl all but down, prefetch 1 tile", ALL(P1, down=None)),
+    Variant("pdl all but down, no prefetch", ALL(P0, down=None)),
+    Variant("pdl down only, no prefetch", {"down": P0}),
+    Variant("pdl all, down late trigger", ALL(P1, down=PdlMode("late", 0))),
+    Variant("pdl all late, no prefetch", ALL(PdlMode("late", 0))),
+    Variant("plain, down 1 warp 8 slices", {}, DOWN_1_WARP),
+    Variant("pdl all, down 1 warp 8 slices", ALL(P1), DOWN_1_WARP),
+    Variant("pdl all, down 4 slices", ALL(P1), {("1b", "down"): (16, 1024, 2, 4, 2),
+                                                ("3b", "down"): (16, 1024, 2, 4, 2)}),
 ]
+MODES = [Variant("plain", {}), Variant("pdl, no prefetch", ALL(P0)), Variant("pdl, prefetch 1 tile", ALL(P1)),
+         Variant("pdl, prefetch all", ALL(PdlMode("wait", 64))),
+         Variant("pdl late trigger, prefetch 1 tile", ALL(PdlMode("late", 1))),
+         Variant("pdl + attention pdl", ALL(P1), attention={"config": {"PDL": True}})]
+ONE_ROLE = [Variant("plain", {}), Variant("pdl, prefetch 1 tile", ALL(P1))] + [
+    Variant(f"pdl {role} only, prefetch 1 tile", {role: P1}) for role in ROLES]
+SETS = {"roles": VARIANTS, "modes": MODES, "one-role": ONE_ROLE}
 # --search: int8 configs tried in the engine for one role at a time (the table's row is the baseline), per model
 CANDIDATES = {
     ("1b", "qkv"): [(8, 512, 1, 1, 3), (8, 512, 2, 1, 3), (8, 1024, 2, 1, 2), (8, 2048, 4, 1, 1), (16, 2048, 4, 1, 1),
@@ -80,23 +112,27 @@ PROFILED = ("plain", "pdl all, prefetch 1 tile", "pdl all but down, prefetch 1 t
 
 
 def role_of(name: str, args, cfg) -> str:
-    """Which kernel of the step an accel.quant_ops call is (o and down share quant_linear_add: told by K)."""
+    """Which kernel of the step an accel.quant_ops call is (o and down share quant_linear_add: told by K; gate_up's
+    norm GEMV, with the SwiGLU in down, and the lm_head share quant_norm_linear: told by rows)."""
     if name == "quant_qkv_rope":
         return "qkv"
     if name == "quant_norm_swiglu":
         return "gate_up"
     if name == "quant_norm_linear":
         return "lm_head" if args[2].shape[0] == cfg.vocab_size else "gate_up"
+    if name == "quant_swiglu_linear_add":
+        return "down"
     return "down" if args[1].shape[1] == cfg.intermediate_size else "o"
 
 
-OPS = ("quant_qkv_rope", "quant_norm_swiglu", "quant_norm_linear", "quant_linear_add")
+OPS = ("quant_qkv_rope", "quant_norm_swiglu", "quant_norm_linear", "quant_linear_add", "quant_swiglu_linear_add")
 
 
 @contextlib.contextmanager
-def per_role(cfg, model: str, modes: dict, configs: dict):
-    """Within: each role's kernel launches with modes.get(role) (None: plain), and the launch table has
-    configs' rows for the roles' weights (by wrapping accel.quant_ops' ops and qgemv.qgemv_config)."""
+def per_role(cfg, model: str, modes: Mapping, configs: Mapping, gate_up_swiglu: bool = True):
+    """Within: the decode MLP's SwiGLU in gate_up's epilogue (gate_up_swiglu) or in down's prologue, each role's
+    kernel launches with modes.get(role) (None: plain; so does any other quantized launch), and the launch table
+    has configs' rows for the roles' weights (by wrapping accel.quant_ops' ops and qgemv.qgemv_config)."""
     origs = {name: getattr(quant_ops, name) for name in OPS}
     own = dict(tuning.QGEMV)
     for (m, role), c in configs.items():  # int8's rows: one scale a row (group = K)
@@ -119,11 +155,82 @@ def per_role(cfg, model: str, modes: dict, configs: dict):
         setattr(quant_ops, name, wrap(name))
     qgemv.qgemv_config = config
     try:
-        yield
+        with swiglu_in_gate_up(gate_up_swiglu), decode_pdl(None):
+            yield
     finally:
         qgemv.qgemv_config = orig_config
         for name, f in origs.items():
             setattr(quant_ops, name, f)
+
+
+def rate_within(cfg, weights, context, tuning: Tuning | None = None, warm: bool = False) -> tuple[float, list[int]]:
+    """The bf16 engine over `weights` built and timed inside `context` (the capture records the launches chosen
+    there): greedy decode tok/s (32-token prompt, 256 tokens, median of 3; warm: 4 tokens once) and the tokens."""
+    with context:
+        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16", tuning=tuning or Tuning())
+        rate, _, tokens = decode_rate(eng, 32, 4 if warm else 256, reps=1 if warm else 3)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rate, tokens
+
+
+@dataclass
+class Runs:
+    """One model's quantized weights under variant after variant: a row each into `rows`, its greedy tokens
+    checked against the first variant's."""
+    cfg: object
+    model: str
+    spec: str
+    weights: object
+    bf16: float  # tok/s of the bf16 engine in this process
+    gate_up_swiglu: bool = True
+    warm: bool = False
+    rows: list[dict] = field(default_factory=list)
+    first: list[int] | None = None
+
+    def within(self, v: Variant):
+        return per_role(self.cfg, self.model, v.modes, v.configs, self.gate_up_swiglu)
+
+    def measure(self, v: Variant) -> float:
+        """v's decode tok/s (0.0 where it does not compile or launch: reported, not fatal)."""
+        try:
+            rate, tokens = rate_within(self.cfg, self.weights, self.within(v), Tuning(decode_attention=v.attention),
+                                       self.warm)
+        except Exception as e:  # a variant that does not compile or launch is reported, not fatal
+            print(f"{self.model} {self.spec} {v.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return 0.0
+        self.first = tokens if self.first is None else self.first
+        self.rows.append({"model": self.model, "quant": self.spec, "variant": v.name,
+                          "modes": {r: m and m._asdict() for r, m in v.modes.items()},
+                          "configs": {r: c for (m, r), c in v.configs.items() if m == self.model},
+                          "attention": dict(v.attention),
+                          "decode_tok_s": rate, "x_bf16": rate / self.bf16, "tokens": tokens[:16],
+                          "tokens_equal_first": tokens == self.first})
+        print(f"{self.model} {self.spec:<8} {v.name:<44} {rate:8.1f} tok/s  {rate / self.bf16:5.3f}x bf16"
+              f"{'' if tokens == self.first else '  TOKENS DIFFER'}", flush=True)
+        return rate
+
+    def profile(self, v: Variant) -> None:
+        """step_profile of v into its last row."""
+        with self.within(v):
+            eng = AccelEngine(self.cfg, self.weights, torch.device("cuda"), "bf16")
+            self.rows[-1]["profile"] = step_profile(eng)
+        del eng
+        _print_profile(f"{self.model} {self.spec} {v.name}", self.rows[-1]["profile"])
+
+
+def bf16_rate(cfg, model: str, warm: bool = False, profile: bool = False) -> dict:
+    """The bf16 engine's row (tok/s, and with `profile` its step_profile)."""
+    weights = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
+    rate, _ = rate_within(cfg, weights, contextlib.nullcontext(), warm=warm)
+    row = {"model": model, "quant": "bf16", "variant": "plain", "decode_tok_s": rate}
+    print(f"{model} bf16 {rate:8.1f} tok/s", flush=True)
+    if profile:
+        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
+        row["profile"] = step_profile(eng)
+        _print_profile(f"{model} bf16", row["profile"])
+    return row
 
 
 def step_profile(engine: AccelEngine, steps: int = 16) -> list[dict]:
@@ -173,43 +280,18 @@ def _print_profile(label: str, rows: list[dict]) -> None:
         print(f"   {r['pos']!s:>4} {r['kernel']:<48} x{r['count']:<5} {r['us']:8.2f} us{gap}", flush=True)
 
 
-def compare(model: str, specs: list[str], profile: bool) -> list[dict]:
+def compare(model: str, specs: list[str], variants: list[Variant] = VARIANTS, profile: bool = False,
+            reverse: bool = False, gate_up_swiglu: bool = True, warm: bool = False) -> list[dict]:
     cfg = PRESETS[NAMES[model]]
-    bf16_weights = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
-    bf16, _ = rate_within(cfg, bf16_weights, contextlib.nullcontext())
-    rows = [{"model": model, "quant": "bf16", "variant": "plain", "decode_tok_s": bf16}]
-    print(f"{model} bf16 {bf16:8.1f} tok/s", flush=True)
-    if profile:
-        eng = AccelEngine(cfg, bf16_weights, torch.device("cuda"), "bf16")
-        rows[-1]["profile"] = step_profile(eng)
-        _print_profile(f"{model} bf16", rows[-1]["profile"])
-        del eng
-    del bf16_weights
+    rows = [bf16_rate(cfg, model, warm, profile)]
     for spec in specs:
         weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
-        first = None
-        for name, modes, configs in VARIANTS:
-            ctx = per_role(cfg, model, modes, configs)
-            try:
-                rate, tokens = rate_within(cfg, weights, ctx)
-            except Exception as e:  # a variant that does not compile or launch is reported, not fatal
-                print(f"{model} {spec} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            first = tokens if first is None else first
-            row = {"model": model, "quant": spec, "variant": name, "modes": {r: m and m._asdict()
-                                                                             for r, m in modes.items()},
-                   "configs": {r: c for (m, r), c in configs.items() if m == model}, "decode_tok_s": rate,
-                   "x_bf16": rate / bf16, "tokens_equal_first": tokens == first}
-            if profile and name in PROFILED:
-                with per_role(cfg, model, modes, configs):
-                    eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
-                    row["profile"] = step_profile(eng)
-                del eng
-                _print_profile(f"{model} {spec} {name}", row["profile"])
-            rows.append(row)
-            print(f"{model} {spec:<8} {name:<40} {rate:8.1f} tok/s  {rate / bf16:5.3f}x bf16"
-                  f"{'' if row['tokens_equal_first'] else '  TOKENS DIFFER'}", flush=True)
-        del weights
+        runs = Runs(cfg, model, spec, weights, rows[0]["decode_tok_s"], gate_up_swiglu, warm)
+        for v in variants + (variants[::-1] if reverse and not warm else []):
+            if runs.measure(v) and profile and v.name in PROFILED:
+                runs.profile(v)
+        rows += runs.rows
+        del weights, runs
         gc.collect()
         torch.cuda.empty_cache()
     return rows
@@ -220,45 +302,65 @@ def search(model: str, spec: str = "int8") -> tuple[list[dict], dict]:
     fastest (by more than SEARCH_MARGIN) joins the winners; then the winners together, plain and in each
     FINAL_MODES launch mode. -> (rows, {role: config})."""
     cfg = PRESETS[NAMES[model]]
-    bf16, _ = rate_within(cfg, random_weights(cfg, "cuda", torch.bfloat16, seed=0), contextlib.nullcontext())
-    print(f"{model} bf16 {bf16:8.1f} tok/s", flush=True)
-    rows = [{"model": model, "quant": "bf16", "variant": "plain", "decode_tok_s": bf16}]
+    bf16 = bf16_rate(cfg, model)
     weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
-
-    def measure(name, modes, configs):
-        try:
-            rate, tokens = rate_within(cfg, weights, per_role(cfg, model, modes, configs))
-        except Exception as e:  # a config that does not compile or launch is reported, not fatal
-            print(f"{model} {spec} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            return 0.0
-        rows.append({"model": model, "quant": spec, "variant": name, "modes": {r: m and m._asdict()
-                                                                               for r, m in modes.items()},
-                     "configs": {r: c for (m, r), c in configs.items() if m == model}, "decode_tok_s": rate,
-                     "x_bf16": rate / bf16, "tokens": tokens[:16]})
-        print(f"{model} {spec:<8} {name:<44} {rate:8.1f} tok/s  {rate / bf16:5.3f}x bf16", flush=True)
-        return rate
-
-    base = measure("table", {}, {})
+    runs = Runs(cfg, model, spec, weights, bf16["decode_tok_s"])
+    base = runs.measure(Variant("table", {}))
     winners = {}
     for role in ("qkv", "o", "gate_up", "down"):
-        tried = [(measure(f"{role} {c}", {}, {(model, role): c}), c) for c in CANDIDATES[(model, role)]]
+        tried = [(runs.measure(Variant(f"{role} {c}", {}, {(model, role): c})), c) for c in CANDIDATES[(model, role)]]
         rate, c = max(tried)
         if rate > base * (1 + SEARCH_MARGIN):
             winners[role] = c
     both = {(model, r): c for r, c in winners.items()}
-    measure("table", {}, {})  # drift check: the baseline again
-    measure("winners", {}, both)
+    runs.measure(Variant("table", {}))  # drift check: the baseline again
+    runs.measure(Variant("winners", {}, both))
     for name, mode in FINAL_MODES.items():
-        measure(f"winners, {name}", ALL(mode), both)
-    return rows, winners  # the quantized weights go with this frame
+        runs.measure(Variant(f"winners, {name}", ALL(mode), both))
+    return [bf16] + runs.rows, winners  # the quantized weights go with this frame
+
+
+def bench_parser(script: str, doc: str, specs: str = "int8,int4:64",
+                 flag: str = "--specs") -> argparse.ArgumentParser:
+    """The arguments the quantized decode benchmarks share: [OUT_DIR] [--models=1b,3b] [--specs=int8,int4:64]
+    (`flag` names the formats' option, e.g. qgemv_probe's --quant; args.specs either way)."""
+    ap = argparse.ArgumentParser(prog=f"python3 -m {script}", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", nargs="?", default=".", help="where the JSON results go (default: .)")
+    ap.add_argument("--models", default="1b,3b", help=f"comma-separated, of {', '.join(NAMES)} (default: %(default)s)")
+    ap.add_argument(flag, dest="specs", default=specs, help="formats, comma-separated (default: %(default)s)")
+    ap.set_defaults(specs_flag=flag)
+    return ap
+
+
+def bench_args(ap: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespace, list[str], list[str], dict]:
+    """Parsed arguments (--help answers without a GPU), then the CUDA check -> (args, models, specs, results
+    record)."""
+    args = ap.parse_args(argv)
+    models, specs = args.models.split(","), args.specs.split(",")
+    if any(m not in NAMES for m in models):
+        ap.error(f"--models {args.models}: expected names of {', '.join(NAMES)}")
+    try:
+        [QuantSpec.parse(s) for s in specs]
+    except Llama32Error as e:
+        ap.error(f"{args.specs_flag}: {e}")
+    require_cuda(ap.prog)
+    return args, models, specs, run_record(rows=[])
 
 
 def main(argv=None):
-    ap = bench_parser("tools.bench.quant_roles", __doc__)
-    ap.set_defaults(specs="int8")
-    ap.add_argument("--profile", action="store_true", help="per kernel of the graph replays (torch.profiler)")
-    ap.add_argument("--search", action="store_true", help="int8: each role's CANDIDATES in the engine")
+    ap = bench_parser("tools.bench.quant_roles", __doc__, specs="int8")
+    ap.add_argument("--set", dest="variants", choices=tuple(SETS), default="roles",
+                    help="the variants (module doc; default: %(default)s)")
+    ap.add_argument("--reverse", action="store_true", help="the variants again in reverse order")
+    ap.add_argument("--swiglu-in-down", action="store_true", help="the MLP's SwiGLU in down's prologue (the old step)")
+    ap.add_argument("--warm", action="store_true", help="only build each variant and decode a few tokens")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--profile", action="store_true", help="per kernel of the graph replays (torch.profiler)")
+    how.add_argument("--search", action="store_true", help="int8: each role's CANDIDATES in the engine")
     args, models, specs, res = bench_args(ap, argv)
+    res.update(variants=args.variants, swiglu_in_gate_up=not args.swiglu_in_down)
+    out = f"{args.out_dir}/quant_roles{'' if args.variants == 'roles' else '_' + args.variants}.json"
     t0 = time.time()
     for m in models:
         if args.search:
@@ -267,9 +369,11 @@ def main(argv=None):
             res.setdefault("winners", {})[m] = winners
             print(f"{m} winners {winners}", flush=True)
         else:
-            res["rows"] += compare(m, specs, args.profile)
-        with open(f"{args.out_dir}/quant_roles.json", "w") as f:
-            json.dump(res, f, indent=1)
+            res["rows"] += compare(m, specs, SETS[args.variants], args.profile, args.reverse,
+                                   not args.swiglu_in_down, args.warm)
+        if not args.warm:  # after each model: a run cut short keeps what it measured
+            with open(out, "w") as f:
+                json.dump(res, f, indent=1)
     print(f"total {time.time() - t0:.0f} s", flush=True)
 
 

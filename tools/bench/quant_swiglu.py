@@ -18,7 +18,7 @@ from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
-from tools.bench.quant_pdl import bench_args, bench_parser, rate_within
+from tools.bench.quant_roles import bench_args, bench_parser, rate_within
 
 
 def compare(model: str, specs: list[str]) -> list[dict]:
