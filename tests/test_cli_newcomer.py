@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import click
 from click.testing import CliRunner
 
 from refimpl.formats.checkpoint import load_checkpoint
@@ -178,11 +179,33 @@ def test_hub_id_resolves_from_the_hf_cache(tmp_path, variable, sub):
     assert rec["model"] == str(snapshot) and rec["chat"]  # the repository's name says instruct, not the hash
 
 
-def test_missing_hub_id_is_a_clear_error(tmp_path):
-    r = run("generate", "--model", "SomeOrg/Not-There", "x", env={"HF_HUB_CACHE": str(tmp_path), "HF_HOME": None})
-    assert r.exit_code == 2 and "Traceback" not in r.output
+# each command that opens a model, with the other arguments it requires
+MODEL_COMMANDS = {"generate": ["x"], "chat": [], "diff": ["x"], "step": ["x", "--commands", "q"],
+                  "quantize": ["--quant", "int8", "--out", "{tmp}/q"],
+                  "finetune": ["--data", "{tmp}/d.jsonl", "--out", "{tmp}/a"]}
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS)
+def test_missing_hub_id_is_a_clear_error(tmp_path, command):
+    args = [a.format(tmp=tmp_path) for a in MODEL_COMMANDS[command]]
+    r = run(command, "--model", "SomeOrg/Not-There", *args, env={"HF_HUB_CACHE": str(tmp_path), "HF_HOME": None})
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output  # a crash is exit 1 in CliRunner
     assert "SomeOrg/Not-There: not a local path, and not in the Hugging Face cache" in r.output
     assert str(tmp_path) in r.output
+
+
+def test_commands_that_open_a_model_share_one_model_option():
+    """One --model: the same help and the same resolution (a path, a .gguf, a Hub id in the local cache, or the
+    default model) in every command that opens a model (lora merge names its base: no default)."""
+    from tools.cli.params import MODEL_OPTION
+
+    @MODEL_OPTION
+    def probe(model):
+        pass
+    want = probe.__click_params__[0].help
+    for name in MODEL_COMMANDS:
+        opt = next(p for p in main.commands[name].params if p.name == "model")
+        assert (opt.opts, opt.help, opt.default, opt.type) == (["--model"], want, None, click.STRING), name
 
 
 # ---------------------------------------------------------------- start-up and hints

@@ -19,12 +19,12 @@ from tools.engines import engine_for, parse_quant
 from tools.debug.diff import diff_engines
 from tools.debug.lockstep import first_divergence, report
 from tools.cli.golden import key_filter
-from tools.cli.params import QUANT_HELP, Count, UserPath
+from tools.cli.params import MODEL_OPTION, QUANT_HELP, Count, UserPath
 
 
 @click.command()
 @click.argument("prompt")
-@click.option("--model", default=None, help="Model directory or .gguf file (default: SmolLM2-135M-Instruct).")
+@MODEL_OPTION
 @click.option("--a", "a_backend", type=click.Choice(["refimpl", "accel"]), default="refimpl", show_default=True,
               help="The reference side.")
 @click.option("--b", "b_backend", type=click.Choice(["refimpl", "accel"]), default="accel", show_default=True,

@@ -15,6 +15,7 @@ import click
 
 from refimpl.errors import GenerationError
 
+from tools.cli.params import MODEL_OPTION
 from tools.engines import resolve_model
 
 
@@ -36,7 +37,7 @@ def _check(cond: bool, message: str) -> None:
 
 
 @click.command()
-@click.option("--model", "model", default=None, help="Base model directory or .gguf file.")
+@MODEL_OPTION
 @click.option("--data", required=True, type=click.Path(path_type=Path),
               help="Training JSONL (messages or query/response; plus images for a vision checkpoint).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output PEFT adapter directory.")

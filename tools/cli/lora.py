@@ -34,6 +34,7 @@ def lora():
 
 
 @lora.command()
+# not MODEL_OPTION: an adapter merges into the base it was trained on, so the base is named, never a default
 @click.option("--model", "model", required=True, type=click.Path(path_type=Path), help="Base model dir or .gguf.")
 @click.option("--adapter", required=True, type=click.Path(path_type=Path), help="PEFT adapter directory.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory for the merged checkpoint.")

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from refimpl.errors import GenerationError
-from tools.cli.params import QUANT_HELP, UserPath
+from tools.cli.params import MODEL_OPTION, QUANT_HELP, UserPath
 
 CALIBRATION = Path(__file__).resolve().parent.parent / "data" / "calibration-en.txt"
 MAX_CALIB_BYTES = 16 * 1024 * 1024
@@ -29,8 +29,7 @@ def _calibration_text(path: Path) -> str:
 
 
 @click.command()
-@click.option("--model", "model", default=None, type=UserPath(),
-              help="Model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched on first use).")
+@MODEL_OPTION
 @click.option("--quant", required=True, metavar="FORMAT",
               help=QUANT_HELP)
 @click.option("--method", type=click.Choice(["rtn", "search", "gptq", "awq", "awq-gptq"]), default="gptq",

@@ -12,7 +12,7 @@ import click
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 
-from tools.cli.params import QUANT_HELP, UserPath
+from tools.cli.params import MODEL_OPTION, QUANT_HELP, UserPath
 from tools.engines import engine_for, parse_quant, resolve_model
 from tools.vision_inputs import forward_names, prompt_inputs
 from tools.debug.step_values import parse_inject
@@ -44,7 +44,7 @@ def interactive(session: Session) -> None:
 
 @click.command()
 @click.argument("prompt")
-@click.option("--model", default=None, help="Model directory or .gguf file (default: SmolLM2-135M-Instruct).")
+@MODEL_OPTION
 @click.option("--position", default=None, type=int,
               help="Prompt position (from 0) of the token to step through [default: the last one].")
 @click.option("--backend", type=click.Choice(["refimpl", "accel", "both"]), default="refimpl", show_default=True,
