@@ -154,3 +154,21 @@ def test_to_hf_round_trips_and_hf_builds_the_same_shapes():
     model = MllamaForConditionalGeneration(HFConfig(**{k: v for k, v in d.items() if k != "model_type"}))
     hf_shapes = {hub_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
     assert hf_shapes == expected_mllama_shapes(cfg)
+
+
+def test_loading_a_vision_directory_reads_config_json_once(monkeypatch):
+    """load_checkpoint tells a Vision directory by its config.json and hands that one read to the Vision loader."""
+    from pathlib import Path
+
+    from refimpl.formats import checkpoint, jsonfile
+    reads = []
+    read = jsonfile.read_json_object
+
+    def counting(path, *args, **kwargs):
+        reads.append(Path(path).name)
+        return read(path, *args, **kwargs)
+    for module in (jsonfile, checkpoint):
+        monkeypatch.setattr(module, "read_json_object", counting)
+    ckpt = load_checkpoint(Path(__file__).resolve().parent.parent / "golden" / "toy-vision", with_tokenizer=False)
+    assert isinstance(ckpt.config, MllamaConfig) and ckpt.params
+    assert reads.count("config.json") == 1, reads

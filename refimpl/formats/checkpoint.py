@@ -69,7 +69,7 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
             raise ConfigError(f"{path / 'config.json'}: model_type is 'mllama' (Llama 3.2 Vision); expected a text "
                               "Llama model")
         from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
-        return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer)
+        return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer, config=config)
     if is_quantized_config(config):
         cfg, params, _ = load_quantized_params(path, config, str(path / "config.json"))
         return _with_tokenizer(path, cfg, params, with_tokenizer)

@@ -95,12 +95,14 @@ def expected_mllama_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
     return {**vision_shapes(cfg), **text_shapes(cfg)}
 
 
-def check_mllama_dir(model_dir: str | Path) -> tuple[MllamaConfig, dict]:
-    """Validate config.json and every tensor's name and shape from the headers alone (no tensor data is read).
+def check_mllama_dir(model_dir: str | Path, config: dict | None = None) -> tuple[MllamaConfig, dict]:
+    """Validate config.json (`config`: its contents, already read) and every tensor's name and shape from the
+    headers alone (no tensor data is read).
 
     Returns (config, {hub name: (SafetensorsFile, name in the file)})."""
     model_dir = Path(model_dir)
-    cfg = MllamaConfig.from_file(model_dir / "config.json")
+    cfg = (MllamaConfig.from_file(model_dir / "config.json") if config is None
+           else MllamaConfig.from_hf(config, source=str(model_dir / "config.json")))
     files, shapes = read_headers(model_dir)
     layers_claimed = cfg.text.num_hidden_layers + cfg.vision.num_hidden_layers + cfg.vision.num_global_layers
     if layers_claimed > len(shapes):  # a config claiming 10^12 layers: fail before listing their tensors
@@ -121,10 +123,12 @@ def check_mllama_dir(model_dir: str | Path) -> tuple[MllamaConfig, dict]:
     return cfg, located
 
 
-def load_mllama_checkpoint(model_dir: str | Path, with_tokenizer: bool = True) -> Checkpoint:
-    """Float32 parameters in the Hub's names (fp32 tensors memory-mapped, bf16/fp16 widened one at a time)."""
+def load_mllama_checkpoint(model_dir: str | Path, with_tokenizer: bool = True,
+                           config: dict | None = None) -> Checkpoint:
+    """Float32 parameters in the Hub's names (fp32 tensors memory-mapped, bf16/fp16 widened one at a time);
+    config: config.json's contents where the caller has read them."""
     model_dir = Path(model_dir)
-    cfg, located = check_mllama_dir(model_dir)
+    cfg, located = check_mllama_dir(model_dir, config)
     want = expected_mllama_shapes(cfg)
     params: dict[str, np.ndarray] = {}
     with Progress(f"loading {model_dir.name}", len(want)) as bar:
