@@ -72,7 +72,7 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
         return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer, config=config)
     if is_quantized_config(config):
         cfg, params, _ = load_quantized_params(path, config, str(path / "config.json"))
-        return _with_tokenizer(path, cfg, params, with_tokenizer)
+        return assemble(path, cfg, params, with_tokenizer)
     cfg = LlamaConfig.from_hf(config, source=str(path / "config.json"))
     params = {}
     # 9 tensors a layer + embed + norm (+ lm_head): counted, not listed, so 10^12 claimed layers fail in
@@ -82,10 +82,12 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
         for name, array in iter_safetensors(path, cfg):
             params[name] = array
             bar.advance()
-    return _with_tokenizer(path, cfg, params, with_tokenizer)
+    return assemble(path, cfg, params, with_tokenizer)
 
 
-def _with_tokenizer(path: Path, cfg: LlamaConfig, params: dict, with_tokenizer: bool) -> Checkpoint:
+def assemble(path: Path, cfg, params: dict, with_tokenizer: bool) -> Checkpoint:
+    """A directory's Checkpoint from its config (a LlamaConfig or MllamaConfig) and loaded parameters: the
+    tokenizer (with_tokenizer) and the stop ids read beside them."""
     tokenizer = None
     if with_tokenizer:
         from refimpl.text.tokenizer import TextTokenizer

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.errors import CheckpointError
-from refimpl.formats.checkpoint import save_checkpoint, stop_ids
+from refimpl.formats.checkpoint import assemble, save_checkpoint
 from refimpl.formats.shards import read_headers
 from refimpl.formats.params import Checkpoint, check_shapes, decoder_layer_shapes
 from refimpl.model.mllama_config import MllamaConfig
@@ -136,11 +136,7 @@ def load_mllama_checkpoint(model_dir: str | Path, with_tokenizer: bool = True,
             file, name = located[hub]
             params[hub] = file.load_weight(name)
             bar.advance()
-    tokenizer = None
-    if with_tokenizer:
-        from refimpl.text.tokenizer import TextTokenizer
-        tokenizer = TextTokenizer.from_dir(model_dir, cfg)
-    return Checkpoint(model_dir, cfg, params, tokenizer, stop_ids(model_dir, cfg, tokenizer))
+    return assemble(model_dir, cfg, params, with_tokenizer)
 
 
 def save_mllama_checkpoint(model_dir: str | Path, cfg: MllamaConfig, params: dict[str, np.ndarray],
