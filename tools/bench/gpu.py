@@ -99,20 +99,26 @@ def prefill_flops(cfg: LlamaConfig, T: int) -> float:
 def hf_model(cfg: LlamaConfig, weights: Weights, device):
     """transformers' LlamaForCausalLM built on the device in bf16, holding copies of the same tensors."""
     import transformers
-    hf_cfg = transformers.LlamaConfig(**cfg.to_hf())
+    views = params_view(weights, cfg)
+    if cfg.tie_word_embeddings:
+        views.setdefault("lm_head.weight", weights.lm_head)
+    return hf_bf16_model(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf())), device,
+                         views.__getitem__)
+
+
+def hf_bf16_model(build, device, param_of):
+    """build()'s HF model, made on the device in bf16 (the default dtype during the build), in eval mode, each
+    parameter a copy of param_of(its name)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(hf_cfg).eval()
+            model = build().eval()
     finally:
         torch.set_default_dtype(previous)
-    views = params_view(weights, cfg)
-    if cfg.tie_word_embeddings:
-        views.setdefault("lm_head.weight", weights.lm_head)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(views[name])
+            p.copy_(param_of(name))
     return model
 
 

@@ -17,7 +17,7 @@ from accel.vision.weights import random_mllama_weights
 from refimpl.formats.mllama_checkpoint import expected_mllama_shapes, hub_name
 from refimpl.model.mllama_config import MllamaConfig
 from refimpl.vision.inputs import ImageInputs
-from tools.bench.gpu import timed_greedy
+from tools.bench.gpu import hf_bf16_model, timed_greedy
 from tools.bench.timing import median_ms, profile_decode_steps
 
 VISION_11B = {"image_size": 560}  # every other vision field: HF's defaults, the 11B/90B encoder
@@ -76,17 +76,8 @@ def hf_model(cfg: MllamaConfig, params: dict, device):
     import transformers
     hf = cfg.to_hf()
     hf["text_config"]["pad_token_id"] = 0  # HF's default pad id (128004) lies outside a small test vocabulary
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = transformers.MllamaForConditionalGeneration(transformers.MllamaConfig(**hf)).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[hub_name(name)])
-    return model
+    return hf_bf16_model(lambda: transformers.MllamaForConditionalGeneration(transformers.MllamaConfig(**hf)), device,
+                         lambda name: params[hub_name(name)])
 
 
 def hf_decode_rate(model, ids: list[int], images: ImageInputs, new_tokens: int) -> tuple[float, list[int]]:
