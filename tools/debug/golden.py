@@ -104,10 +104,15 @@ def hf_check(model_dir: Path, steps: list[Step], acts: dict[str, np.ndarray]) ->
     ids = [i for s in steps for i in s.ids]
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits[0].numpy()  # [T, V]
+    return logits_check(theirs, steps, acts, transformers.__version__)
+
+
+def logits_check(theirs: np.ndarray, steps: list[Step], acts: dict[str, np.ndarray], version: str) -> dict:
+    """A manifest's hf_check: HF's logits [T, V] over the whole sequence against ours from the cached steps."""
     ours = np.concatenate([acts[f"{s.name}/logits"] for s in steps])  # [T, V]
     max_abs = float(np.abs(theirs - ours).max())
     # two significant digits: summation order may move the last bits between runs, the record must not
-    return {"transformers": transformers.__version__, "max_abs_logits": float(f"{max_abs:.1e}"),
+    return {"transformers": version, "max_abs_logits": float(f"{max_abs:.1e}"),
             "max_abs_ref_logits": float(f"{np.abs(ours).max():.3g}")}
 
 

@@ -20,7 +20,7 @@ from refimpl.model.mllama_config import MllamaConfig
 from refimpl.model.names import mllama_activation_names
 
 from tools.debug.golden import (ACTIVATIONS, DECODE_STEPS, FORMAT, FORMAT_VERSION, MANIFEST, GoldenError,
-                                GoldenRecord, _steps, record, regenerate_hint, tool_version)
+                                GoldenRecord, _steps, logits_check, record, regenerate_hint, tool_version)
 from tools.debug.lockstep import Row, compare_rows, engine_dtype
 
 KIND = "vision"
@@ -67,10 +67,7 @@ def hf_check(model_dir: Path, prompt: str, image: Path, steps, acts: dict) -> di
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     with torch.no_grad():
         theirs = model(**inputs).logits[0].numpy()  # [T, V]
-    ours = np.concatenate([acts[f"{s.name}/logits"] for s in steps])  # [T, V]
-    max_abs = float(np.abs(theirs - ours).max())
-    return {"transformers": transformers.__version__, "max_abs_logits": float(f"{max_abs:.1e}"),
-            "max_abs_ref_logits": float(f"{np.abs(ours).max():.3g}"), "prompt_ids_equal": True}
+    return {**logits_check(theirs, steps, acts, transformers.__version__), "prompt_ids_equal": True}
 
 
 def make_vision_golden(out_root: Path, with_hf: bool = True, log: Callable = print) -> Path:
