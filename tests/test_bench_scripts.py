@@ -143,6 +143,43 @@ def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch, gate
     assert seen() == {r: ("default", True) for r in calls}
 
 
+@pytest.mark.parametrize("gate_up_swiglu", [True, False])
+def test_quant_roles_reach_every_kernel_of_a_real_quantized_step(monkeypatch, gate_up_swiglu):
+    """Inside per_role, a tiny int8 engine's prefill and greedy decode (CPU, torch path): every quantized product
+    launches with the mode of the matrix it multiplies by (told by the matrix itself here, not by its shape), and
+    the MLP runs in the layout asked for."""
+    from accel import quant_ops
+    from accel.engine import AccelEngine
+    from accel.kernels.qgemv import PdlMode
+    from refimpl.formats.params import Checkpoint, random_params
+    from refimpl.quant.formats import QuantSpec
+    from test_gguf import tiny_config
+    from tools.bench import quant_roles
+    cfg = tiny_config(tied=False)
+    eng = AccelEngine.from_checkpoint(Checkpoint(None, cfg, random_params(cfg, seed=1, std=0.1)), device="cpu",
+                                      dtype="fp32", quant=QuantSpec.parse("int8"), use_triton=False)
+    role = {id(eng.weights.lm_head): "lm_head"}
+    role.update({id(getattr(lw, r)): r for lw in eng.weights.layers for r in ("qkv", "o", "gate_up", "down")})
+    seen = set()
+
+    def spy(name, f):
+        def op(*args):
+            w = next(a for a in args if id(a) in role)
+            seen.add((name, role[id(w)], quant_ops._DECODE_PDL.get(), quant_ops._SWIGLU_IN_GATE_UP.get()))
+            return f(*args)
+        return op
+    for name in quant_roles.OPS:
+        monkeypatch.setattr(quant_ops, name, spy(name, getattr(quant_ops, name)))
+    modes = {r: PdlMode("wait", i) for i, r in enumerate(quant_roles.ROLES)}
+    with quant_roles.per_role(cfg, "1b", modes, {}, gate_up_swiglu):
+        sess = eng.session(8)
+        eng.decode_greedy(sess, eng.prefill([1, 2, 3], sess), 3, 3)
+    assert {r for _, r, _, _ in seen} == set(quant_roles.ROLES)
+    assert all(mode == modes[r] and layout == gate_up_swiglu for _, r, mode, layout in seen), seen
+    down_op = "quant_linear_add" if gate_up_swiglu else "quant_swiglu_linear_add"
+    assert {n for n, r, _, _ in seen if r == "down"} == {down_op}
+
+
 def test_quant_roles_times_each_variant_inside_its_own_context(monkeypatch):
     """tools.bench.quant_roles.compare: bf16 first, then per format every variant of the set (with reverse, the set
     again backwards), each engine built and timed inside the variant's context — the ops of the step see its modes

@@ -10,11 +10,9 @@ greedy tokens checked equal to the first variant's):
   roles     VARIANTS (the default): a mode and a config per role;
   modes     MODES: one mode for every kernel (and the decode attention PDL-launched);
   one-role  ONE_ROLE: PDL with a 1-tile prefetch on one kernel of the step at a time.
---reverse: the set again in reverse order (drift shows as a gap between the two passes). --swiglu-in-down: the MLP as
-it ran before the eighth session, the SwiGLU in down's prologue (accel.quant_ops.swiglu_in_gate_up(False)); the
-seventh session's `quant_pdl` measured that step (`quant_pdl` = `--set=modes --swiglu-in-down --reverse`,
-`quant_pdl --roles --once` = `--set=one-role --swiglu-in-down`). --warm: only build each variant and decode 4 tokens
-(fills Triton's cache). --profile: per kernel of the graph replays (torch.profiler, 16 greedy steps): mean device
+--reverse: the set again in reverse order (drift shows as a gap between the two passes). --swiglu-in-down: the MLP
+with the SwiGLU in down's prologue (accel.quant_ops.swiglu_in_gate_up(False)), the step the launch modes were first
+measured on. --warm: only build each variant and decode 4 tokens (fills Triton's cache). --profile: per kernel of the graph replays (torch.profiler, 16 greedy steps): mean device
 time and the gap from the previous kernel's end (< 0: overlap under PDL), per position in a layer, for bf16 and
 each format under PROFILED's variants. --search (int8): `search`, each role's CANDIDATES in the engine; the winners
 are printed and written, not put in any table.
@@ -111,21 +109,22 @@ FINAL_MODES = {"prefetch 1 tile at start": PdlMode("none", 1), "prefetch 2 tiles
 PROFILED = ("plain", "pdl all, prefetch 1 tile", "pdl all but down, prefetch 1 tile", "pdl down only, no prefetch")
 
 
-def role_of(name: str, args, cfg) -> str:
-    """Which kernel of the step an accel.quant_ops call is (o and down share quant_linear_add: told by K; gate_up's
-    norm GEMV, with the SwiGLU in down, and the lm_head share quant_norm_linear: told by rows)."""
-    if name == "quant_qkv_rope":
+def role_of(w, cfg) -> str:
+    """Which kernel of the step multiplies by the matrix w, by its shape [N, K] (o and down share an op, and so do
+    the lm_head and gate_up's norm GEMV with the SwiGLU in down)."""
+    N, K = w.shape
+    if N == cfg.vocab_size:
+        return "lm_head"
+    if N == cfg.q_size + 2 * cfg.kv_size:
         return "qkv"
-    if name == "quant_norm_swiglu":
+    if N == 2 * cfg.intermediate_size:
         return "gate_up"
-    if name == "quant_norm_linear":
-        return "lm_head" if args[2].shape[0] == cfg.vocab_size else "gate_up"
-    if name == "quant_swiglu_linear_add":
-        return "down"
-    return "down" if args[1].shape[1] == cfg.intermediate_size else "o"
+    return "down" if K == cfg.intermediate_size else "o"
 
 
-OPS = ("quant_qkv_rope", "quant_norm_swiglu", "quant_norm_linear", "quant_linear_add", "quant_swiglu_linear_add")
+# the accel.quant_ops ops of the step, and where each takes its weight
+OPS = {"quant_qkv_rope": 2, "quant_norm_swiglu": 2, "quant_norm_linear": 2, "quant_linear_add": 1,
+       "quant_swiglu_linear_add": 1}
 
 
 @contextlib.contextmanager
@@ -142,7 +141,7 @@ def per_role(cfg, model: str, modes: Mapping, configs: Mapping, gate_up_swiglu: 
 
     def wrap(name):
         def op(*args):
-            with decode_pdl(modes.get(role_of(name, args, cfg))):
+            with decode_pdl(modes.get(role_of(args[OPS[name]], cfg))):
                 return origs[name](*args)
         return op
 
