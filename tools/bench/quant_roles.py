@@ -12,10 +12,10 @@ greedy tokens checked equal to the first variant's):
   one-role  ONE_ROLE: PDL with a 1-tile prefetch on one kernel of the step at a time.
 --reverse: the set again in reverse order (drift shows as a gap between the two passes). --swiglu-in-down: the MLP
 with the SwiGLU in down's prologue (accel.quant_ops.swiglu_in_gate_up(False)), the step the launch modes were first
-measured on. --warm: only build each variant and decode 4 tokens (fills Triton's cache). --profile: per kernel of the graph replays (torch.profiler, 16 greedy steps): mean device
-time and the gap from the previous kernel's end (< 0: overlap under PDL), per position in a layer, for bf16 and
-each format under PROFILED's variants. --search (int8): `search`, each role's CANDIDATES in the engine; the winners
-are printed and written, not put in any table.
+measured on. --warm: only build each variant and decode 4 tokens (fills Triton's cache). --profile: per kernel of
+the graph replays (torch.profiler, 16 greedy steps): mean device time and the gap from the previous kernel's end
+(< 0: overlap under PDL), per position in a layer, for bf16 and each format under PROFILED's variants. --search
+(int8): `search`, each role's CANDIDATES in the engine; the winners are printed and written, not put in any table.
 Writes OUT_DIR/quant_roles.json (quant_roles_modes.json, quant_roles_one-role.json) after each model.
 """
 from __future__ import annotations
@@ -196,7 +196,7 @@ class Runs:
         try:
             rate, tokens = rate_within(self.cfg, self.weights, self.within(v), Tuning(decode_attention=v.attention),
                                        self.warm)
-        except Exception as e:  # a variant that does not compile or launch is reported, not fatal
+        except Exception as e:
             print(f"{self.model} {self.spec} {v.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             return 0.0
         self.first = tokens if self.first is None else self.first
