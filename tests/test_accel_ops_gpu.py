@@ -247,16 +247,26 @@ def test_decode_attention_combine_paths_repeated(fused, S):
               ATTN_TOL[torch.bfloat16])
 
 
+# positions of the held-slot cases (8k: 32 splits of 256 slots): 0, inside / at the end of a split's first held
+# block, right after it, a split's first and last slot, the last slot
+HELD_POSITIONS = [0, 5, 63, 64, 255, 256, 256 + 127, 256 + 128, 4095, 8191]
+
+
 @pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("S,config", [(4096, None), (32768, None), (32768, dict(PREFETCH=256)),
-                                      (8192, dict(PREFETCH=64, FUSED=False))])
-def test_decode_attention_pdl_behind_qkv_rope(graph, S, config):
-    """The decode step's pair, qkv_rope then the PDL-launched decode attention, 8 times without a sync (eager, or
-    captured once in a CUDA graph and replayed): each attention must see the q and the cache slot its qkv_rope
-    has just written (an early read before the dependency wait would see the buffers' old contents)."""
+@pytest.mark.parametrize("S,config,picked", [
+    (4096, None, None), (32768, None, None), (32768, dict(PREFETCH=256), None),
+    (8192, dict(PREFETCH=64, FUSED=False), None),
+    (32768, dict(HOLD=64, LATE_Q=True, BLOCK_N=128, num_stages=3), None), (32768, dict(LATE_Q=True), None),
+    (8192, dict(HOLD=64, LATE_Q=True, BLOCK_N=128, num_stages=3), HELD_POSITIONS),
+    (8192, dict(HOLD=128, BLOCK_N=128, num_stages=3, PREFETCH=0), HELD_POSITIONS)])
+def test_decode_attention_pdl_behind_qkv_rope(graph, S, config, picked):
+    """The decode step's pair, qkv_rope then the PDL-launched decode attention, 8 (or len(picked)) times without a
+    sync (eager, or captured once in a CUDA graph and replayed): each attention must see the q and the cache slot
+    its qkv_rope has just written (an early read before the dependency wait would see the buffers' old contents:
+    with HOLD, a held block that took in slot pos would)."""
     from accel.kernels.decode_attn import decode_attention_fwd
     from accel.kernels.qkv_rope import qkv_rope_fwd
-    H, K, E, D, steps = 32, 8, 64, 2048, 8
+    H, K, E, D, steps = 32, 8, 64, 2048, len(picked or range(8))
     dtype = torch.bfloat16
     cache_k, _ = draw(70, K, S, E, dtype=dtype)
     cache_v, _ = draw(71, K, S, E, dtype=dtype)
@@ -265,7 +275,7 @@ def test_decode_attention_pdl_behind_qkv_rope(graph, S, config):
     cos, _ = draw(74, S, E // 2, dtype=torch.float32)
     sin, _ = draw(75, S, E // 2, dtype=torch.float32)
     xs = [draw(76 + i, 1, D, dtype=dtype)[0] for i in range(steps)]
-    picked = torch.randperm(S, generator=torch.Generator().manual_seed(S))[:steps].sort().values.tolist()
+    picked = picked or torch.randperm(S, generator=torch.Generator().manual_seed(S))[:steps].sort().values.tolist()
     positions = [torch.tensor([p], device="cuda") for p in picked]  # distinct: no step overwrites another's slot
     qs = [torch.full((1, H, E), float("nan"), dtype=dtype, device="cuda") for _ in range(steps)]
     outs = [torch.full((1, H, E), float("nan"), dtype=dtype, device="cuda") for _ in range(steps)]

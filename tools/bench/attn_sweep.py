@@ -144,6 +144,17 @@ def _decode_grid_pdl(S):
     return grid
 
 
+def _decode_grid_hold(S):
+    """The fourth sweep: K/V of the first HOLD slots below the position held in registers across the PDL wait,
+    and q loaded in the first loop iteration (LATE_Q), around the long-cache defaults (PDL, 64-slot prefetch)."""
+    narrow = dict(BLOCK_N=128, num_stages=3)
+    grid = [(None, None), (dict(LATE_Q=True), None), (dict(LATE_Q=True, PREFETCH=128), None),
+            (narrow, None), ({**narrow, "LATE_Q": True}, None)]
+    grid += [({**narrow, "HOLD": h, "LATE_Q": lq}, None) for h in (64, 128) for lq in (False, True)]
+    grid += [({**narrow, "HOLD": 64, "LATE_Q": True, "PREFETCH": 0}, None), (dict(HOLD=64, LATE_Q=True), None)]
+    return [(cfg and {"PDL": True, **cfg}, sl) for cfg, sl in grid]
+
+
 def qkv_producer(S, H, K, E, device=None, dtype=None):
     """The kernel before decode attention in the decode step: qkv_rope (1B's D = 2048 at E = 64, 3B's 3072 else),
     writing q and the cache slot at `pos`. Returns f(q, cache_k, cache_v, pos)."""
@@ -301,6 +312,7 @@ def main():
     ap.add_argument("--wide", action="store_true", help="the second sweep's grids (TMA, 256-slot blocks, T=2048 tiles)")
     ap.add_argument("--pdl", action="store_true", help="the third sweep: PDL and L2 prefetch, timed alone and "
                     "behind the decode step's qkv_rope (step)")
+    ap.add_argument("--hold", action="store_true", help="the fourth sweep: HOLD / LATE_Q, alone and as the step")
     ap.add_argument("--contexts", default="1024,8192,32768", help="decode cache lengths")
     ap.add_argument("--flash-seqs", default="8192", help="flash sequence lengths")
     args = ap.parse_args()
@@ -311,7 +323,8 @@ def main():
         meta = {"device": "cpu"}
         rows: list[dict] = []
         decode_sweep(rows, 1e9, contexts=(256,), H=8, K=2, E=64,
-                     variants=[(None, None), (dict(FUSED=False), None), (dict(FUSED=True, PDL=True), 64)], step=True)
+                     variants=[(None, None), (dict(FUSED=False), None), (dict(FUSED=True, PDL=True), 64),
+                               (dict(PDL=True, HOLD=16, LATE_Q=True), 64)], step=True)
         flash_sweep(rows, 1e9, S=96, shapes=((8, 64),), kv=2, smoke=True)
         print(table(rows))
         return
@@ -327,10 +340,10 @@ def main():
             defaults_check(rows, args.budget_s)
         elif "decode" in args.only:
             for S in contexts:
-                grid = (_decode_grid_pdl(S) if args.pdl else [(None, None)] + _decode_grid_wide(S) if args.wide
-                        else None)
-                decode_sweep(rows, args.budget_s * 0.6 if args.wide or args.pdl else args.budget_s * 0.4,
-                             contexts=(S,), variants=grid, step=args.pdl)
+                grid = (_decode_grid_hold(S) if args.hold else _decode_grid_pdl(S) if args.pdl
+                        else [(None, None)] + _decode_grid_wide(S) if args.wide else None)
+                decode_sweep(rows, args.budget_s * 0.6 if args.wide or args.pdl or args.hold else args.budget_s * 0.4,
+                             contexts=(S,), variants=grid, step=args.pdl or args.hold)
         if "flash" in args.only and not args.defaults:
             wide = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, USE_DESC=d)
                     for m, n, w, st, d in FLASH_SHORT]
