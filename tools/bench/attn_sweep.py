@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from accel.kernels.decode_attn import decode_attention_fwd, default_split_len
+from accel.kernels.decode_attn import LONG_CONTEXT, decode_attention_fwd, default_split_len
 from tools.bench import timing
 from accel.kernels.flash_attn import flash_attention_fwd
 
@@ -147,6 +147,8 @@ def _decode_grid_pdl(S):
 def _decode_grid_hold(S):
     """The fourth sweep: K/V of the first HOLD slots below the position held in registers across the PDL wait,
     and q loaded in the first loop iteration (LATE_Q), around the long-cache defaults (PDL, 64-slot prefetch)."""
+    if S < LONG_CONTEXT:  # the short path: no PDL (it lost there), q late or not
+        return [(None, None), (dict(LATE_Q=True), None)]
     narrow = dict(BLOCK_N=128, num_stages=3)
     grid = [(None, None), (dict(LATE_Q=True), None), (dict(LATE_Q=True, PREFETCH=128), None),
             (narrow, None), ({**narrow, "LATE_Q": True}, None)]
