@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .common import gdc_launch_dependents, gdc_wait, pdl_available, prefetch_l2
-from .flash_attn import LOG2E, dot_precision, finite_max, kv_descriptors, load_kv, load_kv_tiles, rms_norm_rows
+from .flash_attn import LOG2E, dot_precision, finite_max, kv_descriptors, load_kv, rms_norm_rows
 
 
 @triton.jit
@@ -87,13 +87,6 @@ def _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, 
     CROSS: key n is seen only where VIS[n] != 0."""
     k, v = load_kv(CK, CV, DK, DV, kh, n0, offs_n, offs_e, e_ok, end, sk_s, sv_s, MASKED, EVEN_E, USE_DESC,
                    BLOCK_N, BLOCK_E)  # [N, E] each
-    return _attend_kv(acc, m_i, l_i, q, k, v, VIS, n0, end, offs_n, qk_scale, MASKED, CROSS, CROSS, DOT_PRECISION)
-
-
-@triton.jit
-def _attend_kv(acc, m_i, l_i, q, k, v, VIS, n0, end, offs_n, qk_scale, MASKED: tl.constexpr, CROSS: tl.constexpr,
-               MASKABLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """_attend on K/V tiles [N, E] already loaded; MASKABLE: a row may have seen no key yet after this block."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N], raw scores
     if CROSS:
         if MASKED:
@@ -104,7 +97,7 @@ def _attend_kv(acc, m_i, l_i, q, k, v, VIS, n0, end, offs_n, qk_scale, MASKED: t
     elif MASKED:
         s = tl.where(((n0 + offs_n) < end)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # log2 domain
-    m_use = finite_max(m_new, MASKABLE)
+    m_use = finite_max(m_new, CROSS)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -118,15 +111,14 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
                          BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          CROSS: tl.constexpr, QNORM: tl.constexpr, PDL: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = 0, HOLD: tl.constexpr = 0, LATE_Q: tl.constexpr = False):
+                         PREFETCH: tl.constexpr = 0, LATE_Q: tl.constexpr = False):
     """CROSS: the query over all n_keys keys (no position), key n seen where VIS[n] != 0, and with QNORM the
     query RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS.
-    PDL: launched as a programmatic dependent; only the position read, the L2 prefetch of PREFETCH slots and the
-    HOLD slots below come before the wait for the previous kernel (module docstring).
-    HOLD (causal only): the split's first HOLD slots that lie below the position — written by earlier steps, so
-    readable before the wait — are loaded into registers first and attended after the loops over the rest.
-    LATE_Q (causal only): q is loaded in the first loop iteration, after the first K/V block's load is issued, so
-    the two round trips overlap (loaded before the loop, q's layout store to shared memory waits for it first)."""
+    PDL: launched as a programmatic dependent; only the position read and the L2 prefetch of the split's first
+    PREFETCH slots come before the wait for the previous kernel (module docstring).
+    LATE_Q (not with QNORM): q is loaded in the first loop iteration, after the pipeline has issued its first
+    K/V load, so their round trips overlap (loaded before the loop, q is stored to shared memory in its dot
+    layout before that first load is issued, which then waits for q)."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:
@@ -137,62 +129,47 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
         ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
-    offs_e = tl.arange(0, BLOCK_E)
-    e_ok = offs_e < E
-    CK = CK + kh * sk_k
-    CV = CV + kh * sv_k
-    rest = start  # the loops cover slots rest..end
-    if HOLD > 0:
-        # slots < pos only, whatever the split: the one the previous kernel writes (pos) is never read here
-        offs_h = tl.arange(0, HOLD)
-        hold_end = tl.minimum(tl.minimum(start + HOLD, end), ctx - 1)
-        hk, hv = load_kv_tiles(CK, CV, start, offs_h, offs_e, e_ok, hold_end, sk_s, sv_s, True, BLOCK_E == E)
-        rest = tl.maximum(tl.minimum(start + HOLD, ctx - 1), start)  # the held slots, or up to pos if it is there
     if PREFETCH > 0:
-        slots = tl.minimum(rest + tl.arange(0, PREFETCH), tl.maximum(end - 1, start))  # clamped: no mask in asm
-        prefetch_l2(CK + slots * sk_s)
-        prefetch_l2(CV + slots * sv_s)
+        slots = tl.minimum(start + tl.arange(0, PREFETCH), tl.maximum(end - 1, start))  # clamped: no mask in asm
+        prefetch_l2(CK + kh * sk_k + slots * sk_s)
+        prefetch_l2(CV + kh * sv_k + slots * sv_s)
     if PDL:
         gdc_wait()  # q, the cache slot of this token, the partial buffers and the counters: after this
-    full_end = rest + tl.maximum(end - rest, 0) // BLOCK_N * BLOCK_N  # blocks [rest, full_end) need no mask
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # blocks [start, full_end) need no mask
     offs_g = tl.arange(0, BLOCK_G)
     g_ok = offs_g < G
     heads = kh * G + offs_g  # the query heads that read kv head kh
     offs_n = tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
     # [G, E], padded to 16 rows for tl.dot; padding rows are zeros and never stored
     q_ptrs = Q + heads[:, None] * sq_h + offs_e[None, :]
     q_ok = g_ok[:, None] & e_ok[None, :]
     if LATE_Q:
-        q = tl.zeros([BLOCK_G, BLOCK_E], Q.dtype.element_ty)
+        q = tl.zeros([BLOCK_G, BLOCK_E], Q.dtype.element_ty)  # loaded by the first iteration of either loop
     else:
         q = tl.load(q_ptrs, mask=q_ok, other=0.0)
     if QNORM:
         q = rms_norm_rows(q, QNW, offs_e, e_ok, E, eps)
+    CK = CK + kh * sk_k
+    CV = CV + kh * sv_k
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_E], tl.float32)
     # whole blocks inside the context, then at most one partial block; both loops are empty past the context
-    for n0 in range(rest, full_end, BLOCK_N):
+    for n0 in range(start, full_end, BLOCK_N):
         if LATE_Q:
-            if n0 == rest:
+            if n0 == start:
                 q = tl.load(q_ptrs, mask=q_ok, other=0.0)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s,
                                 sv_s, qk_scale, False, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION, CROSS)
     for n0 in range(full_end, end, BLOCK_N):
         if LATE_Q:
-            if n0 == rest:
+            if n0 == start:  # the split's only block
                 q = tl.load(q_ptrs, mask=q_ok, other=0.0)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s,
                                 sv_s, qk_scale, True, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION, CROSS)
-    if HOLD > 0:
-        if LATE_Q:
-            if rest >= end:  # no loop iteration loaded q
-                q = tl.load(q_ptrs, mask=q_ok, other=0.0)
-        # last, so the loops' first loads are not queued behind it; MASKABLE: the block may be empty, and so
-        # may everything before it
-        acc, m_i, l_i = _attend_kv(acc, m_i, l_i, q, hk, hv, VIS, start, hold_end, offs_h, qk_scale, True, False,
-                                   True, DOT_PRECISION)
     row = heads * n_splits + split  # partials laid out [H, splits, (E)]
     tl.store(M + row, m_i, mask=g_ok)
     tl.store(L + row, l_i, mask=g_ok)
@@ -232,6 +209,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | None:
 
 PREFETCH_SLOTS = 64  # slots a split prefetches into L2 before the PDL wait (PREFETCH; tools.bench.attn_sweep --pdl)
 LONG_CONTEXT = 8192  # caches from this many slots take the long-context launch (_config)
+LONGER_CONTEXT = 16384  # and from this many, at E <= 64, its double-buffered 128-slot blocks with q late (_config)
 
 
 def default_split_len(max_len: int, block_n: int = 64) -> int:
@@ -247,11 +225,16 @@ def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype, E: int, max
     """Same sweeps: 128-slot blocks where the split allows, 4 warps (8 was slower), 3 stages (4: within noise);
     the fused combine (one launch fewer than the second kernel). Long caches: K/V through TMA descriptors in
     256-slot blocks, 2 stages (E <= 64; 256 × 128 blocks would need 256 KB of shared memory: 128-slot, 3 stages).
+    From LONGER_CONTEXT slots at E <= 64: 128-slot blocks, 3 stages (two buffers: a program loads the next block
+    while it computes one; the 256-slot blocks' two stages are one buffer) and LATE_Q, the fastest as the decode
+    step runs it at 32k (tools/bench/NOTES.md, at); at 8k the 256-slot blocks stay faster.
     fp32 keeps 64-slot blocks: two 128×128 fp32 K/V stages need 272 KB of shared memory (> 227 KB, seen at E=128)."""
     if not on_gpu:
         return dict(BLOCK_N=16, num_warps=4, num_stages=3, FUSED=True)
     if dtype != torch.float32 and max_len >= LONG_CONTEXT:
         wide = E <= 64
+        if wide and max_len >= LONGER_CONTEXT:
+            return dict(BLOCK_N=128, num_warps=4, num_stages=3, FUSED=True, USE_DESC=True, LATE_Q=True)
         return dict(BLOCK_N=256 if wide else 128, num_warps=4, num_stages=2 if wide else 3, FUSED=True,
                     USE_DESC=True)
     wide = dtype != torch.float32 and (split_len is None or split_len >= 128)
@@ -335,9 +318,7 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     pdl = bool(cfg.pop("PDL", False)) and on_gpu
     prefetch = cfg.pop("PREFETCH", PREFETCH_SLOTS if pdl else 0)  # popped always: not a kernel argument
     prefetch = prefetch if on_gpu else 0
-    hold, late_q = cfg.pop("HOLD", 0), bool(cfg.pop("LATE_Q", False))
-    hold, late_q = (0, False) if visible is not None else (hold, late_q)  # options of the causal path
-    assert hold == 0 or (hold >= 16 and hold == triton.next_power_of_2(hold)), "HOLD: a power of 2 >= 16"
+    late_q = bool(cfg.pop("LATE_Q", False)) and norm_weight is None
     descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
     cross = visible is not None
@@ -350,7 +331,7 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
         BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None,
         DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, QNORM=norm_weight is not None, PDL=pdl,
         PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
-        HOLD=hold, LATE_Q=late_q,
+        LATE_Q=late_q,
         **{**cfg, "FUSED": cnt is not None}, **({"launch_pdl": True} if pdl else {}))
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,

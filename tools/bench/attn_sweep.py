@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from accel.kernels.decode_attn import LONG_CONTEXT, decode_attention_fwd, default_split_len
+from accel.kernels.decode_attn import decode_attention_fwd, default_split_len
 from tools.bench import timing
 from accel.kernels.flash_attn import flash_attention_fwd
 
@@ -144,17 +144,16 @@ def _decode_grid_pdl(S):
     return grid
 
 
-def _decode_grid_hold(S):
-    """The fourth sweep: K/V of the first HOLD slots below the position held in registers across the PDL wait,
-    and q loaded in the first loop iteration (LATE_Q), around the long-cache defaults (PDL, 64-slot prefetch)."""
-    if S < LONG_CONTEXT:  # the short path: no PDL (it lost there), q late or not
-        return [(None, None), (dict(LATE_Q=True), None)]
-    narrow = dict(BLOCK_N=128, num_stages=3)
-    grid = [(None, None), (dict(LATE_Q=True), None), (dict(LATE_Q=True, PREFETCH=128), None),
-            (narrow, None), ({**narrow, "LATE_Q": True}, None)]
-    grid += [({**narrow, "HOLD": h, "LATE_Q": lq}, None) for h in (64, 128) for lq in (False, True)]
-    grid += [({**narrow, "HOLD": 64, "LATE_Q": True, "PREFETCH": 0}, None), (dict(HOLD=64, LATE_Q=True), None)]
-    return [(cfg and {"PDL": True, **cfg}, sl) for cfg, sl in grid]
+def _decode_grid_late(S):
+    """The fourth sweep (long caches): LATE_Q with 256-, 128- and 64-slot blocks (the 64-slot ones need 107
+    registers: two programs an SM fit beside qkv_rope's second wave), and the earlier long-cache default spelled
+    out (PDL, 64-slot prefetch, 256 × 2, no LATE_Q)."""
+    old = dict(PDL=True, BLOCK_N=256, num_stages=2, USE_DESC=True, FUSED=True, LATE_Q=False)
+    grid = [old, {**old, "LATE_Q": True}]
+    grid += [dict(PDL=True, BLOCK_N=bn, num_stages=st, LATE_Q=lq) for bn, st in ((128, 3), (64, 4), (64, 3), (128, 2))
+             for lq in (False, True)]
+    grid += [dict(PDL=True, BLOCK_N=128, num_stages=3, LATE_Q=True, PREFETCH=p) for p in (0, 128)]
+    return [(cfg, None) for cfg in grid]
 
 
 def qkv_producer(S, H, K, E, device=None, dtype=None):
@@ -314,7 +313,8 @@ def main():
     ap.add_argument("--wide", action="store_true", help="the second sweep's grids (TMA, 256-slot blocks, T=2048 tiles)")
     ap.add_argument("--pdl", action="store_true", help="the third sweep: PDL and L2 prefetch, timed alone and "
                     "behind the decode step's qkv_rope (step)")
-    ap.add_argument("--hold", action="store_true", help="the fourth sweep: HOLD / LATE_Q, alone and as the step")
+    ap.add_argument("--late", action="store_true", help="the fourth sweep: LATE_Q over block shapes, timed alone "
+                    "and as the step")
     ap.add_argument("--contexts", default="1024,8192,32768", help="decode cache lengths")
     ap.add_argument("--flash-seqs", default="8192", help="flash sequence lengths")
     args = ap.parse_args()
@@ -326,7 +326,7 @@ def main():
         rows: list[dict] = []
         decode_sweep(rows, 1e9, contexts=(256,), H=8, K=2, E=64,
                      variants=[(None, None), (dict(FUSED=False), None), (dict(FUSED=True, PDL=True), 64),
-                               (dict(PDL=True, HOLD=16, LATE_Q=True), 64)], step=True)
+                               (dict(PDL=True, LATE_Q=True), 64)], step=True)
         flash_sweep(rows, 1e9, S=96, shapes=((8, 64),), kv=2, smoke=True)
         print(table(rows))
         return
@@ -342,10 +342,11 @@ def main():
             defaults_check(rows, args.budget_s)
         elif "decode" in args.only:
             for S in contexts:
-                grid = (_decode_grid_hold(S) if args.hold else _decode_grid_pdl(S) if args.pdl
+                grid = (_decode_grid_late(S) if args.late else _decode_grid_pdl(S) if args.pdl
                         else [(None, None)] + _decode_grid_wide(S) if args.wide else None)
-                decode_sweep(rows, args.budget_s * 0.6 if args.wide or args.pdl or args.hold else args.budget_s * 0.4,
-                             contexts=(S,), variants=grid, step=args.pdl or args.hold)
+                step = args.pdl or args.late
+                decode_sweep(rows, args.budget_s * (0.6 if args.wide or step else 0.4), contexts=(S,), variants=grid,
+                             step=step)
         if "flash" in args.only and not args.defaults:
             wide = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, USE_DESC=d)
                     for m, n, w, st, d in FLASH_SHORT]
