@@ -22,7 +22,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from accel.kernels.common import gdc_launch_dependents, gdc_wait
 from accel.kernels.decode_attn import decode_attention_fwd, default_split_len
 from tools.bench import timing
 from accel.kernels.flash_attn import flash_attention_fwd
@@ -153,7 +156,30 @@ def _decode_grid_late(S):
     grid += [dict(PDL=True, BLOCK_N=bn, num_stages=st, LATE_Q=lq) for bn, st in ((128, 3), (64, 4), (64, 3), (128, 2))
              for lq in (False, True)]
     grid += [dict(PDL=True, BLOCK_N=128, num_stages=3, LATE_Q=True, PREFETCH=p) for p in (0, 128)]
+    grid += [dict(PDL=True, BLOCK_N=128, num_stages=3, LATE_Q=True, SKEW=k) for k in (64, 128)]
+    grid += [dict(PDL=True, BLOCK_N=64, num_stages=4, SKEW=64)]
     return [(cfg, None) for cfg in grid]
+
+
+@triton.jit
+def _wait_only(POS, OUT):
+    """A PDL-launched program that reads the position, waits for the previous kernel and stores: the hand-off's
+    own cost behind qkv_rope (the decode attention's floor as the step runs it)."""
+    gdc_launch_dependents()
+    p = tl.load(POS)
+    gdc_wait()
+    tl.store(OUT + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), p)
+
+
+def handoff_floor(rows, S, H=32, K=8, E=64):
+    """step_times of _wait_only over the 1B's decode grid (8 kv heads × 32 splits) behind qkv_rope."""
+    caches = [(torch.randn(K, S, E, device=DEV, dtype=DTYPE), torch.randn(K, S, E, device=DEV, dtype=DTYPE))]
+    pos = torch.tensor([S - 1], device=DEV)
+    buf = torch.empty(K * 32, dtype=torch.int64, device=DEV)
+    call = lambda *_: _wait_only[(K, 32)](pos, buf, launch_pdl=True)  # noqa: E731
+    q = torch.empty(1, H, E, device=DEV, dtype=DTYPE)
+    rows.append({"kind": "decode", "context": S, "variant": "handoff_floor",
+                 **step_times(qkv_producer(S, H, K, E), call, q, caches, pos)})
 
 
 def qkv_producer(S, H, K, E, device=None, dtype=None):
@@ -298,6 +324,8 @@ def table(rows) -> str:
                              f" step {r['step_us']:.2f} / {r['step_us_cold']:.2f}us cold" if "step_us" in r else ""))
         lines += [f"  race check {r['runs']} runs max rel err {r['max_rel_err']:.1e}" for r in sub
                   if r["variant"] == "race_check"]
+        lines += [f"  PDL hand-off floor behind qkv_rope {r['step_us']:.2f}us" for r in sub
+                  if r["variant"] == "handoff_floor"]
         lines += [f"  FAIL {r['config']} split {r['split_len']}: {r['error'][:100]}" for r in sub
                   if r["variant"] == "triton" and "error" in r][:5]
     return "\n".join(lines)
@@ -318,7 +346,6 @@ def main():
     ap.add_argument("--contexts", default="1024,8192,32768", help="decode cache lengths")
     ap.add_argument("--flash-seqs", default="8192", help="flash sequence lengths")
     args = ap.parse_args()
-    import triton
     global DEV, DTYPE
     if args.cpu_smoke:
         DEV, DTYPE = "cpu", torch.float32
@@ -347,6 +374,8 @@ def main():
                 step = args.pdl or args.late
                 decode_sweep(rows, args.budget_s * (0.6 if args.wide or step else 0.4), contexts=(S,), variants=grid,
                              step=step)
+                if args.late:
+                    handoff_floor(rows, S)
         if "flash" in args.only and not args.defaults:
             wide = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, USE_DESC=d)
                     for m, n, w, st, d in FLASH_SHORT]
