@@ -260,8 +260,7 @@ EDGE_POSITIONS = {8192: [0, 5, 255, 256, 511, 512, 512 + 256, 4095, 8191],
     (4096, None, False), (32768, None, False), (32768, dict(PREFETCH=256), False),
     (8192, dict(PREFETCH=64, FUSED=False), False),
     (32768, dict(BLOCK_N=256, num_stages=2, LATE_Q=False), False), (32768, dict(BLOCK_N=64, num_stages=4), False),
-    (32768, dict(SKEW=128), False), (8192, dict(LATE_Q=True), True), (16384, None, True),
-    (16384, dict(SKEW=128), True)])
+    (8192, dict(LATE_Q=True), True), (16384, None, True)])
 def test_decode_attention_pdl_behind_qkv_rope(graph, S, config, edges):
     """The decode step's pair, qkv_rope then the PDL-launched decode attention, 8 times (or at each of
     EDGE_POSITIONS) without a sync (eager, or captured once in a CUDA graph and replayed): each attention must see

@@ -111,16 +111,14 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
                          BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          CROSS: tl.constexpr, QNORM: tl.constexpr, PDL: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = 0, LATE_Q: tl.constexpr = False, SKEW: tl.constexpr = 0):
+                         PREFETCH: tl.constexpr = 0, LATE_Q: tl.constexpr = False):
     """CROSS: the query over all n_keys keys (no position), key n seen where VIS[n] != 0, and with QNORM the
     query RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS.
     PDL: launched as a programmatic dependent; only the position read and the L2 prefetch of the split's first
     PREFETCH slots come before the wait for the previous kernel (module docstring).
     LATE_Q (not with QNORM): q is loaded in the first loop iteration, after the pipeline has issued its first
     K/V load, so their round trips overlap (loaded before the loop, q is stored to shared memory in its dot
-    layout before that first load is issued, which then waits for q).
-    SKEW: the first half of the splits are SKEW slots longer, the second half SKEW shorter (programs are started in
-    order, and behind qkv_rope the later ones find room on the SMs only when its programs leave)."""
+    layout before that first load is issued, which then waits for q)."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:
@@ -131,10 +129,6 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
         ctx = tl.load(POS).to(tl.int32) + 1  # slots 0..pos hold this sequence (the new token's k/v included)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
-    if SKEW > 0:
-        half = n_splits // 2  # n_splits even: the second half gives back what the first took
-        start += (tl.minimum(split, half) - tl.maximum(split - half, 0)) * SKEW
-        end = tl.minimum(start + split_len + tl.where(split < half, SKEW, -SKEW), ctx)
     if PREFETCH > 0:
         slots = tl.minimum(start + tl.arange(0, PREFETCH), tl.maximum(end - 1, start))  # clamped: no mask in asm
         prefetch_l2(CK + kh * sk_k + slots * sk_s)
@@ -257,7 +251,7 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
     BLOCK_N, num_warps, num_stages, FUSED (combine in the split kernel), USE_DESC (K/V through TMA
     descriptors where the cache allows them), PREFETCH (slots a split prefetches into L2 before the PDL wait, a
-    power of 2): for tuning sweeps. `pdl`: launch as a programmatic dependent of the previous kernel on sm_90+,
+    power of 2), LATE_Q (q loaded in the first loop iteration): for tuning sweeps. `pdl`: launch as a programmatic dependent of the previous kernel on sm_90+,
     for caches of LONG_CONTEXT slots or more (config PDL=True forces it); the caller promises that kernel does
     not write `position` (module docstring).
     """
@@ -325,8 +319,6 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     prefetch = cfg.pop("PREFETCH", PREFETCH_SLOTS if pdl else 0)  # popped always: not a kernel argument
     prefetch = prefetch if on_gpu else 0
     late_q = bool(cfg.pop("LATE_Q", False)) and norm_weight is None
-    skew = cfg.pop("SKEW", 0)
-    assert skew == 0 or (n_splits % 2 == 0 and skew < split_len), "SKEW: an even split count, < split_len"
     descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
     cross = visible is not None
@@ -339,7 +331,7 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
         BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None,
         DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, QNORM=norm_weight is not None, PDL=pdl,
         PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
-        LATE_Q=late_q, SKEW=skew,
+        LATE_Q=late_q,
         **{**cfg, "FUSED": cnt is not None}, **({"launch_pdl": True} if pdl else {}))
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,

@@ -156,8 +156,6 @@ def _decode_grid_late(S):
     grid += [dict(PDL=True, BLOCK_N=bn, num_stages=st, LATE_Q=lq) for bn, st in ((128, 3), (64, 4), (64, 3), (128, 2))
              for lq in (False, True)]
     grid += [dict(PDL=True, BLOCK_N=128, num_stages=3, LATE_Q=True, PREFETCH=p) for p in (0, 128)]
-    grid += [dict(PDL=True, BLOCK_N=128, num_stages=3, LATE_Q=True, SKEW=k) for k in (64, 128)]
-    grid += [dict(PDL=True, BLOCK_N=64, num_stages=4, SKEW=64)]
     return [(cfg, None) for cfg in grid]
 
 
