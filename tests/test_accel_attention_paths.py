@@ -62,7 +62,6 @@ def test_flash_other_tiles(block_m, block_n):
     torch.testing.assert_close(got, torch.from_numpy(want), atol=1e-5, rtol=1e-5)
 
 
-
 @pytest.mark.parametrize("fused", [True, False])
 def test_decode_late_query(fused):
     """LATE_Q (q loaded by the first iteration of either loop: the whole blocks', or the partial one's when a

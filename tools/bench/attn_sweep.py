@@ -2,6 +2,7 @@
 
     python3 -m tools.bench.attn_sweep [--out DIR] [--budget-s 240]
     python3 -m tools.bench.attn_sweep --wide --contexts 8192,32768 --flash-seqs 2048   (the second sweep's grid)
+    python3 -m tools.bench.attn_sweep --late --only decode --contexts 32768,16384,8192   (LATE_Q; PDL hand-off floor)
 
 Flash forward (bf16, causal, GQA 8 kv heads, S=8192 at the 1B and 3B head shapes): SDPA (default choice, forced
 flash, forced cuDNN) against our kernel over tile sizes, warps, stages, TMA descriptors. Decode attention (one query,
@@ -148,9 +149,9 @@ def _decode_grid_pdl(S):
 
 
 def _decode_grid_late(S):
-    """The fourth sweep (long caches): LATE_Q with 256-, 128- and 64-slot blocks (the 64-slot ones need 107
-    registers: two programs an SM fit beside qkv_rope's second wave), and the earlier long-cache default spelled
-    out (PDL, 64-slot prefetch, 256 × 2, no LATE_Q)."""
+    """The fourth sweep (long caches): LATE_Q with 256-, 128- and 64-slot blocks (64-slot ones without LATE_Q need
+    107 registers: two programs an SM fit beside qkv_rope's second wave), and the earlier long-cache default
+    spelled out (PDL, 64-slot prefetch, 256 × 2, no LATE_Q)."""
     old = dict(PDL=True, BLOCK_N=256, num_stages=2, USE_DESC=True, FUSED=True, LATE_Q=False)
     grid = [old, {**old, "LATE_Q": True}]
     grid += [dict(PDL=True, BLOCK_N=bn, num_stages=st, LATE_Q=lq) for bn, st in ((128, 3), (64, 4), (64, 3), (128, 2))
