@@ -60,3 +60,21 @@ def test_flash_other_tiles(block_m, block_n):
                                          torch.arange(T), config=dict(BLOCK_M=block_m, BLOCK_N=block_n,
                                                                       num_warps=4, num_stages=2, USE_DESC=False))
     torch.testing.assert_close(got, torch.from_numpy(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_late_query(fused):
+    """LATE_Q (q loaded by the first iteration of either loop: the whole blocks', or the partial one's when a
+    split has only that) at positions around the blocks and the splits: 0, inside / at the end of a split's first
+    block, right after it, a split's last and first slot, the last slot. The slots past the position are NaN: a
+    read of one would show. 32-slot splits of 16-slot blocks, GQA 4."""
+    rng = np.random.default_rng(2)
+    H, K, E, S = 8, 2, 16, 96
+    for p in (0, 5, 15, 16, 31, 32, 95):
+        cache_k, cache_v = filled_caches(rng, K, S, E, p + 1)
+        q = rng.standard_normal((1, H, E)).astype(np.float32)
+        want = reference(q, cache_k, cache_v, [p])
+        got = decode_attn.decode_attention_fwd(torch.from_numpy(q), torch.from_numpy(cache_k),
+                                               torch.from_numpy(cache_v), torch.tensor([p]), split_len=32,
+                                               config=dict(LATE_Q=True, FUSED=fused))
+        torch.testing.assert_close(got, torch.from_numpy(want), atol=1e-5, rtol=1e-5, msg=f"position {p}")

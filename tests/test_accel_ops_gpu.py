@@ -154,7 +154,9 @@ def test_attention_decode(dtype, H, K, E, S, p):
 @pytest.mark.parametrize("S,p", [(8192, 8191), (32768, 20000), (32768, 32767), (4096, 999)])
 @pytest.mark.parametrize("split_len,config", [(None, dict(USE_DESC=True)),
                                               (1024, dict(USE_DESC=True, BLOCK_N=128, num_stages=3)),
-                                              (2048, dict(BLOCK_N=256, num_stages=2)), (512, dict(FUSED=False))])
+                                              (2048, dict(BLOCK_N=256, num_stages=2)), (512, dict(FUSED=False)),
+                                              (1024, dict(USE_DESC=True, BLOCK_N=128, num_stages=3, LATE_Q=True)),
+                                              (1024, dict(USE_DESC=True, BLOCK_N=64, num_stages=4, LATE_Q=True))])
 def test_decode_attention_launch_variants(H, K, E, S, p, split_len, config):
     """The decode kernel's sweep options (TMA descriptors, wider blocks, split lengths) over a cache whose slots
     past the context hold NaN."""
@@ -247,16 +249,27 @@ def test_decode_attention_combine_paths_repeated(fused, S):
               ATTN_TOL[torch.bfloat16])
 
 
+# positions around the blocks and splits (8k: 32 splits of 256 slots; 16k: of 512, 128-slot blocks): 0, inside and
+# at the end of a split's first block, right after it, a split's last and first slot, past a block, the last slot
+EDGE_POSITIONS = {8192: [0, 5, 255, 256, 511, 512, 512 + 256, 4095, 8191],
+                  16384: [0, 5, 127, 128, 511, 512, 512 + 128, 8191, 16383]}
+
+
 @pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("S,config", [(4096, None), (32768, None), (32768, dict(PREFETCH=256)),
-                                      (8192, dict(PREFETCH=64, FUSED=False))])
-def test_decode_attention_pdl_behind_qkv_rope(graph, S, config):
-    """The decode step's pair, qkv_rope then the PDL-launched decode attention, 8 times without a sync (eager, or
-    captured once in a CUDA graph and replayed): each attention must see the q and the cache slot its qkv_rope
-    has just written (an early read before the dependency wait would see the buffers' old contents)."""
+@pytest.mark.parametrize("S,config,edges", [
+    (4096, None, False), (32768, None, False), (32768, dict(PREFETCH=256), False),
+    (8192, dict(PREFETCH=64, FUSED=False), False),
+    (32768, dict(BLOCK_N=256, num_stages=2, LATE_Q=False), False), (32768, dict(BLOCK_N=64, num_stages=4), False),
+    (8192, dict(LATE_Q=True), True), (16384, None, True)])
+def test_decode_attention_pdl_behind_qkv_rope(graph, S, config, edges):
+    """The decode step's pair, qkv_rope then the PDL-launched decode attention, 8 times (or at each of
+    EDGE_POSITIONS) without a sync (eager, or captured once in a CUDA graph and replayed): each attention must see
+    the q and the cache slot its qkv_rope has just written (an early read before the dependency wait would see the
+    buffers' old contents)."""
     from accel.kernels.decode_attn import decode_attention_fwd
     from accel.kernels.qkv_rope import qkv_rope_fwd
-    H, K, E, D, steps = 32, 8, 64, 2048, 8
+    H, K, E, D = 32, 8, 64, 2048
+    steps = len(EDGE_POSITIONS[S]) if edges else 8
     dtype = torch.bfloat16
     cache_k, _ = draw(70, K, S, E, dtype=dtype)
     cache_v, _ = draw(71, K, S, E, dtype=dtype)
@@ -265,7 +278,8 @@ def test_decode_attention_pdl_behind_qkv_rope(graph, S, config):
     cos, _ = draw(74, S, E // 2, dtype=torch.float32)
     sin, _ = draw(75, S, E // 2, dtype=torch.float32)
     xs = [draw(76 + i, 1, D, dtype=dtype)[0] for i in range(steps)]
-    picked = torch.randperm(S, generator=torch.Generator().manual_seed(S))[:steps].sort().values.tolist()
+    picked = EDGE_POSITIONS[S] if edges else torch.randperm(S, generator=torch.Generator().manual_seed(S))[
+        :steps].sort().values.tolist()
     positions = [torch.tensor([p], device="cuda") for p in picked]  # distinct: no step overwrites another's slot
     qs = [torch.full((1, H, E), float("nan"), dtype=dtype, device="cuda") for _ in range(steps)]
     outs = [torch.full((1, H, E), float("nan"), dtype=dtype, device="cuda") for _ in range(steps)]

@@ -111,11 +111,14 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
                          BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          CROSS: tl.constexpr, QNORM: tl.constexpr, PDL: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = 0):
+                         PREFETCH: tl.constexpr = 0, LATE_Q: tl.constexpr = False):
     """CROSS: the query over all n_keys keys (no position), key n seen where VIS[n] != 0, and with QNORM the
     query RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS.
     PDL: launched as a programmatic dependent; only the position read and the L2 prefetch of the split's first
-    PREFETCH slots come before the wait for the previous kernel (module docstring)."""
+    PREFETCH slots come before the wait for the previous kernel (module docstring).
+    LATE_Q (not with QNORM): q is loaded in the first loop iteration, after the pipeline has issued its first
+    K/V load, so their round trips overlap (loaded before the loop, q is stored to shared memory in its dot
+    layout before that first load is issued, which then waits for q)."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:
@@ -140,7 +143,12 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     # [G, E], padded to 16 rows for tl.dot; padding rows are zeros and never stored
-    q = tl.load(Q + heads[:, None] * sq_h + offs_e[None, :], mask=g_ok[:, None] & e_ok[None, :], other=0.0)
+    q_ptrs = Q + heads[:, None] * sq_h + offs_e[None, :]
+    q_ok = g_ok[:, None] & e_ok[None, :]
+    if LATE_Q:
+        q = tl.zeros([BLOCK_G, BLOCK_E], Q.dtype.element_ty)  # loaded by the first iteration of either loop
+    else:
+        q = tl.load(q_ptrs, mask=q_ok, other=0.0)
     if QNORM:
         q = rms_norm_rows(q, QNW, offs_e, e_ok, E, eps)
     CK = CK + kh * sk_k
@@ -151,9 +159,15 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
     acc = tl.zeros([BLOCK_G, BLOCK_E], tl.float32)
     # whole blocks inside the context, then at most one partial block; both loops are empty past the context
     for n0 in range(start, full_end, BLOCK_N):
+        if LATE_Q:
+            if n0 == start:
+                q = tl.load(q_ptrs, mask=q_ok, other=0.0)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s,
                                 sv_s, qk_scale, False, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION, CROSS)
     for n0 in range(full_end, end, BLOCK_N):
+        if LATE_Q:
+            if n0 == start:  # the split's only block
+                q = tl.load(q_ptrs, mask=q_ok, other=0.0)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, CK, CV, DK, DV, VIS, kh, n0, end, offs_n, offs_e, e_ok, sk_s,
                                 sv_s, qk_scale, True, BLOCK_E == E, USE_DESC, BLOCK_N, BLOCK_E, DOT_PRECISION, CROSS)
     row = heads * n_splits + split  # partials laid out [H, splits, (E)]
@@ -195,6 +209,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | None:
 
 PREFETCH_SLOTS = 64  # slots a split prefetches into L2 before the PDL wait (PREFETCH; tools.bench.attn_sweep --pdl)
 LONG_CONTEXT = 8192  # caches from this many slots take the long-context launch (_config)
+LONGER_CONTEXT = 16384  # and from this many, at E <= 64, its double-buffered 128-slot blocks with q late (_config)
 
 
 def default_split_len(max_len: int, block_n: int = 64) -> int:
@@ -210,11 +225,16 @@ def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype, E: int, max
     """Same sweeps: 128-slot blocks where the split allows, 4 warps (8 was slower), 3 stages (4: within noise);
     the fused combine (one launch fewer than the second kernel). Long caches: K/V through TMA descriptors in
     256-slot blocks, 2 stages (E <= 64; 256 × 128 blocks would need 256 KB of shared memory: 128-slot, 3 stages).
+    From LONGER_CONTEXT slots at E <= 64: 128-slot blocks, 3 stages (two buffers: a program loads the next block
+    while it computes one; the 256-slot blocks' two stages are one buffer) and LATE_Q, the fastest as the decode
+    step runs it at 32k (tools/bench/NOTES.md, at); at 8k the 256-slot blocks stay faster.
     fp32 keeps 64-slot blocks: two 128×128 fp32 K/V stages need 272 KB of shared memory (> 227 KB, seen at E=128)."""
     if not on_gpu:
         return dict(BLOCK_N=16, num_warps=4, num_stages=3, FUSED=True)
     if dtype != torch.float32 and max_len >= LONG_CONTEXT:
         wide = E <= 64
+        if wide and max_len >= LONGER_CONTEXT:
+            return dict(BLOCK_N=128, num_warps=4, num_stages=3, FUSED=True, USE_DESC=True, LATE_Q=True)
         return dict(BLOCK_N=256 if wide else 128, num_warps=4, num_stages=2 if wide else 3, FUSED=True,
                     USE_DESC=True)
     wide = dtype != torch.float32 and (split_len is None or split_len >= 128)
@@ -231,7 +251,7 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
     BLOCK_N, num_warps, num_stages, FUSED (combine in the split kernel), USE_DESC (K/V through TMA
     descriptors where the cache allows them), PREFETCH (slots a split prefetches into L2 before the PDL wait, a
-    power of 2): for tuning sweeps. `pdl`: launch as a programmatic dependent of the previous kernel on sm_90+,
+    power of 2), LATE_Q (q loaded in the first loop iteration): for tuning sweeps. `pdl`: launch as a programmatic dependent of the previous kernel on sm_90+,
     for caches of LONG_CONTEXT slots or more (config PDL=True forces it); the caller promises that kernel does
     not write `position` (module docstring).
     """
@@ -298,6 +318,7 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     pdl = bool(cfg.pop("PDL", False)) and on_gpu
     prefetch = cfg.pop("PREFETCH", PREFETCH_SLOTS if pdl else 0)  # popped always: not a kernel argument
     prefetch = prefetch if on_gpu else 0
+    late_q = bool(cfg.pop("LATE_Q", False)) and norm_weight is None
     descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
     cross = visible is not None
@@ -310,6 +331,7 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
         BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None,
         DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, QNORM=norm_weight is not None, PDL=pdl,
         PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
+        LATE_Q=late_q,
         **{**cfg, "FUSED": cnt is not None}, **({"launch_pdl": True} if pdl else {}))
     if cnt is None:
         _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,

@@ -2,6 +2,7 @@
 
     python3 -m tools.bench.attn_sweep [--out DIR] [--budget-s 240]
     python3 -m tools.bench.attn_sweep --wide --contexts 8192,32768 --flash-seqs 2048   (the second sweep's grid)
+    python3 -m tools.bench.attn_sweep --late --only decode --contexts 32768,16384,8192   (LATE_Q; PDL hand-off floor)
 
 Flash forward (bf16, causal, GQA 8 kv heads, S=8192 at the 1B and 3B head shapes): SDPA (default choice, forced
 flash, forced cuDNN) against our kernel over tile sizes, warps, stages, TMA descriptors. Decode attention (one query,
@@ -22,7 +23,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from accel.kernels.common import gdc_launch_dependents, gdc_wait
 from accel.kernels.decode_attn import decode_attention_fwd, default_split_len
 from tools.bench import timing
 from accel.kernels.flash_attn import flash_attention_fwd
@@ -142,6 +146,39 @@ def _decode_grid_pdl(S):
     for cfg in (wide, narrow):  # 64 splits
         grid.append(({**cfg, "PDL": True, "PREFETCH": 64}, 512 if S > 16384 else 128))
     return grid
+
+
+def _decode_grid_late(S):
+    """The fourth sweep (long caches): LATE_Q with 256-, 128- and 64-slot blocks (64-slot ones without LATE_Q need
+    107 registers: two programs an SM fit beside qkv_rope's second wave), and the earlier long-cache default
+    spelled out (PDL, 64-slot prefetch, 256 × 2, no LATE_Q)."""
+    old = dict(PDL=True, BLOCK_N=256, num_stages=2, USE_DESC=True, FUSED=True, LATE_Q=False)
+    grid = [old, {**old, "LATE_Q": True}]
+    grid += [dict(PDL=True, BLOCK_N=bn, num_stages=st, LATE_Q=lq) for bn, st in ((128, 3), (64, 4), (64, 3), (128, 2))
+             for lq in (False, True)]
+    grid += [dict(PDL=True, BLOCK_N=128, num_stages=3, LATE_Q=True, PREFETCH=p) for p in (0, 128)]
+    return [(cfg, None) for cfg in grid]
+
+
+@triton.jit
+def _wait_only(POS, OUT):
+    """A PDL-launched program that reads the position, waits for the previous kernel and stores: the hand-off's
+    own cost behind qkv_rope (the decode attention's floor as the step runs it)."""
+    gdc_launch_dependents()
+    p = tl.load(POS)
+    gdc_wait()
+    tl.store(OUT + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), p)
+
+
+def handoff_floor(rows, S, H=32, K=8, E=64):
+    """step_times of _wait_only over the 1B's decode grid (8 kv heads × 32 splits) behind qkv_rope."""
+    caches = [(torch.randn(K, S, E, device=DEV, dtype=DTYPE), torch.randn(K, S, E, device=DEV, dtype=DTYPE))]
+    pos = torch.tensor([S - 1], device=DEV)
+    buf = torch.empty(K * 32, dtype=torch.int64, device=DEV)
+    call = lambda *_: _wait_only[(K, 32)](pos, buf, launch_pdl=True)  # noqa: E731
+    q = torch.empty(1, H, E, device=DEV, dtype=DTYPE)
+    rows.append({"kind": "decode", "context": S, "variant": "handoff_floor",
+                 **step_times(qkv_producer(S, H, K, E), call, q, caches, pos)})
 
 
 def qkv_producer(S, H, K, E, device=None, dtype=None):
@@ -286,6 +323,8 @@ def table(rows) -> str:
                              f" step {r['step_us']:.2f} / {r['step_us_cold']:.2f}us cold" if "step_us" in r else ""))
         lines += [f"  race check {r['runs']} runs max rel err {r['max_rel_err']:.1e}" for r in sub
                   if r["variant"] == "race_check"]
+        lines += [f"  PDL hand-off floor behind qkv_rope {r['step_us']:.2f}us" for r in sub
+                  if r["variant"] == "handoff_floor"]
         lines += [f"  FAIL {r['config']} split {r['split_len']}: {r['error'][:100]}" for r in sub
                   if r["variant"] == "triton" and "error" in r][:5]
     return "\n".join(lines)
@@ -301,17 +340,19 @@ def main():
     ap.add_argument("--wide", action="store_true", help="the second sweep's grids (TMA, 256-slot blocks, T=2048 tiles)")
     ap.add_argument("--pdl", action="store_true", help="the third sweep: PDL and L2 prefetch, timed alone and "
                     "behind the decode step's qkv_rope (step)")
+    ap.add_argument("--late", action="store_true", help="the fourth sweep: LATE_Q over block shapes, timed alone "
+                    "and as the step")
     ap.add_argument("--contexts", default="1024,8192,32768", help="decode cache lengths")
     ap.add_argument("--flash-seqs", default="8192", help="flash sequence lengths")
     args = ap.parse_args()
-    import triton
     global DEV, DTYPE
     if args.cpu_smoke:
         DEV, DTYPE = "cpu", torch.float32
         meta = {"device": "cpu"}
         rows: list[dict] = []
         decode_sweep(rows, 1e9, contexts=(256,), H=8, K=2, E=64,
-                     variants=[(None, None), (dict(FUSED=False), None), (dict(FUSED=True, PDL=True), 64)], step=True)
+                     variants=[(None, None), (dict(FUSED=False), None), (dict(FUSED=True, PDL=True), 64),
+                               (dict(PDL=True, LATE_Q=True), 64)], step=True)
         flash_sweep(rows, 1e9, S=96, shapes=((8, 64),), kv=2, smoke=True)
         print(table(rows))
         return
@@ -327,10 +368,13 @@ def main():
             defaults_check(rows, args.budget_s)
         elif "decode" in args.only:
             for S in contexts:
-                grid = (_decode_grid_pdl(S) if args.pdl else [(None, None)] + _decode_grid_wide(S) if args.wide
-                        else None)
-                decode_sweep(rows, args.budget_s * 0.6 if args.wide or args.pdl else args.budget_s * 0.4,
-                             contexts=(S,), variants=grid, step=args.pdl)
+                grid = (_decode_grid_late(S) if args.late else _decode_grid_pdl(S) if args.pdl
+                        else [(None, None)] + _decode_grid_wide(S) if args.wide else None)
+                step = args.pdl or args.late
+                decode_sweep(rows, args.budget_s * (0.6 if args.wide or step else 0.4), contexts=(S,), variants=grid,
+                             step=step)
+                if args.late:
+                    handoff_floor(rows, S)
         if "flash" in args.only and not args.defaults:
             wide = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, USE_DESC=d)
                     for m, n, w, st, d in FLASH_SHORT]

@@ -12,6 +12,8 @@
      engine as an accel.kernels.tuning.Tuning;
   3. --attention: the decode attention's split length and launch options in the engine (ATTENTION_VARIANTS);
      --attention-pdl: only its PDL launch on and off after long prompts (PDL_VARIANTS), and no step 2;
+     --attention-long: only the long-cache launch against the one before it after a 32000-token prompt
+     (LONG_VARIANTS), and no step 2;
   4. --profile: the per-kernel device time of eager decode steps of the fastest 1B variant.
 Writes OUT_DIR/decode_variants.json. Copy the winners into accel/kernels/tuning.py by hand, with the numbers in
 NOTES.md, which also lists the earlier rounds of this module (PDL modes, L2 prefetch, attention variants) and
@@ -166,6 +168,8 @@ ATTENTION_VARIANTS = [dict(), dict(split_len=32), dict(split_len=128), dict(conf
 # against none, after long prompts (the cache then holds >= 8192 slots)
 PDL_VARIANTS = [dict(), dict(config=dict(PREFETCH=0)), dict(pdl=False), dict()]
 PDL_PROMPTS = (8000, 32000)
+# the long-cache launch (from 16384 slots: 128-slot blocks, 3 stages, q late) against the 256-slot one it replaced
+LONG_VARIANTS = [dict(), dict(config=dict(BLOCK_N=256, num_stages=2, LATE_Q=False)), dict()]
 
 
 def attention_compare(model: str, new_tokens: int = 256, variants=ATTENTION_VARIANTS,
@@ -273,11 +277,14 @@ def main(argv):
             for r in rows:
                 tables[m].update(gemv_winner(r))
         print(f"sweeps {time.time() - t0:.0f} s; GEMV tables to try {tables}, qkv {qkv_tables}", flush=True)
-    if "--attention" in argv or "--attention-pdl" in argv:
+    long = "--attention-long" in argv
+    if "--attention" in argv or "--attention-pdl" in argv or long:
         for m in models:
-            res.setdefault("attention", []).extend(attention_compare(m, variants=PDL_VARIANTS, prompts=PDL_PROMPTS)
-                                                   if "--attention-pdl" in argv else attention_compare(m))
-    for m in models if "--attention-pdl" not in argv else ():
+            res.setdefault("attention", []).extend(
+                attention_compare(m, variants=LONG_VARIANTS, prompts=(32000,)) if long else
+                attention_compare(m, variants=PDL_VARIANTS, prompts=PDL_PROMPTS) if "--attention-pdl" in argv
+                else attention_compare(m))
+    for m in models if "--attention-pdl" not in argv and not long else ():
         res["decode"] += engine_compare(m, tables[m], qkv_tables[m])
     print(f"decode compare {time.time() - t0:.0f} s", flush=True)
     if "--profile" in argv:
