@@ -48,6 +48,12 @@ class PrefillOptions:
     rope_in_attention: bool = False
     pdl: bool = True  # the Triton kernels launched as programmatic dependents (accel.kernels.common.pdl_launches)
     last_row: bool = True  # the last layer past its k/v (attention, o, MLP) on the last token's row only
+    # o and down add into the residual stream in cuBLAS's epilogue (beta = 1: the sum rounded once, not twice),
+    # so the norm after each reads one [T, D] and writes one instead of reading two and writing two
+    residual_in_gemm: bool = False
+    # the MLP (gate_up, SwiGLU, down) in chunks of this many rows (0: all at once): gate_up's [rows, 2F] output
+    # then fits in the L2 for the SwiGLU to read back, at the price of reading the weights once a chunk
+    mlp_rows: int = 0
 
 
 _PREFILL_OPTIONS = contextvars.ContextVar("accel_prefill_options", default=PrefillOptions())
@@ -72,17 +78,53 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
     q = qkv[:, : H * E].view(T, H, E)
     k = qkv[:, H * E: (H + K) * E].view(T, K, E)
     v = qkv[:, (H + K) * E:].view(T, K, E)
-    inside = _PREFILL_OPTIONS.get().rope_in_attention  # q rotated by the flash kernel's load, not stored rotated
+    opts = _PREFILL_OPTIONS.get()
+    inside = opts.rope_in_attention  # q rotated by the flash kernel's load, not stored rotated
     q_rot = ops.rope_kv_write(None if inside else q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
     q = q if inside else q_rot
     if last_row:
         q, x, positions, cos, sin = q[-1:], x[-1:], positions[-1:], cos[-1:], sin[-1:]
     a = ops.causal_attention(q, cache_k, cache_v, positions, *((cos, sin) if inside else ()))  # [T, H, E]
-    o = ops.linear(a.reshape(x.shape[0], H * E), lw.o)  # [T, H·E] -> [T, D]
-    x, h = ops.add_rms_norm(o, x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
-    act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
-    down = ops.linear(act, lw.down)  # [T, F] -> [T, D]
-    return ops.add_rms_norm(down, x, next_norm, eps)  # resid_post, next attn_norm (or final_norm)
+    in_gemm = opts.residual_in_gemm and _dense(lw.o, lw.down)
+    a = a.reshape(x.shape[0], H * E)
+    x, h = _project_add_norm(a, lw.o, x, lw.mlp_norm, eps, in_gemm)  # resid_mid, mlp_norm
+    if not in_gemm:
+        return ops.add_rms_norm(_mlp(h, lw, opts.mlp_rows), x, next_norm, eps)  # resid_post, next attn_norm
+    _mlp(h, lw, opts.mlp_rows, x)  # x += down(...): resid_post
+    return x, ops.rms_norm(x, next_norm, eps)  # next attn_norm (or final_norm)
+
+
+def _dense(*weights) -> bool:
+    """Plain tensors (cuBLAS's addmm), not quantized matrices (their own GEMM through F.linear)."""
+    return all(isinstance(w, torch.Tensor) for w in weights)
+
+
+def _project_add_norm(a, weight, x, norm_weight, eps, in_gemm: bool):
+    """a [T, N] -> (x + a·weightᵀ, its RMSNorm) [T, D] each: the add in the norm's pass, or (in_gemm) in the GEMM's
+    epilogue, x updated in place (every x here is the prefill's own buffer, never a weight)."""
+    if not in_gemm:
+        return ops.add_rms_norm(ops.linear(a, weight), x, norm_weight, eps)
+    x.addmm_(a, weight.t())  # [T, N] @ [N, D] + x
+    return x, ops.rms_norm(x, norm_weight, eps)
+
+
+def _mlp(h, lw, rows: int = 0, add_to=None):
+    """down(silu(gate)·up) over h [T, D] -> [T, D], or (add_to: x [T, D], dense weights) added into x in the down
+    GEMM's epilogue. rows > 0: in chunks of that many rows; each chunk's [rows, 2F] and [rows, F] buffers free
+    before the next allocates, so the allocator hands every chunk the same (L2-warm) memory."""
+    T = h.shape[0]
+    if add_to is None and (not rows or T <= rows or not _dense(lw.gate_up, lw.down)):
+        act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
+        return ops.linear(act, lw.down)  # [T, F] -> [T, D]
+    out = torch.empty_like(h) if add_to is None else add_to
+    rows = rows if rows > 0 else T
+    for r in range(0, T, rows):
+        act = ops.swiglu_gate_up(ops.linear(h[r:r + rows], lw.gate_up))  # [rows, D] -> [rows, 2F] -> [rows, F]
+        if add_to is None:
+            torch.mm(act, lw.down.t(), out=out[r:r + rows])  # [rows, F] @ [F, D]
+        else:
+            out[r:r + rows].addmm_(act, lw.down.t())
+    return out
 
 
 def _layers(w: Weights, cfg: LlamaConfig, x, h, cos, sin, cache_k, cache_v, positions):
