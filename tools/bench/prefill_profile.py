@@ -16,7 +16,6 @@ Prints a summary; writes DIR/prefill_profile.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -179,31 +178,10 @@ def _measure(engine, prompt, sess, row: dict) -> dict:
     return row
 
 
-VARIANTS = {"+ PDL + last row (default)": {},
-            "+ RoPE in flash": dict(rope_in_attention=True),
-            "+ residual in GEMM": dict(residual_in_gemm=True),
-            "+ MLP in 1024-row chunks": dict(mlp_rows=1024),
-            "+ MLP in 512-row chunks": dict(mlp_rows=512),
-            "+ residual in GEMM + MLP in 1024-row chunks": dict(residual_in_gemm=True, mlp_rows=1024),
-            "+ cuBLASLt": dict(blas="cublaslt"),
-            "before: no PDL, all rows": dict(pdl=False, last_row=False)}
+VARIANTS = {"default (PDL, last row, residual add in the GEMMs)": {},
+            "residual add in the norm's pass": dict(residual_in_gemm=False),
+            "before: no PDL, all rows, add in the norm": dict(pdl=False, last_row=False, residual_in_gemm=False)}
 HEAD_START_CYCLES = 4_000_000  # ~2 ms: longer than the host takes to queue a prefill's first launches
-
-
-@contextlib.contextmanager
-def variant(kw: dict):
-    """A VARIANTS entry: accel.model.prefill_options' changes, and `blas` (torch's preferred BLAS library, a
-    process-wide setting: restored after)."""
-    kw = dict(kw)
-    blas = kw.pop("blas", None)
-    before = torch.backends.cuda.preferred_blas_library()
-    try:
-        if blas:
-            torch.backends.cuda.preferred_blas_library(blas)
-        with prefill_options(**kw):
-            yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 def head_start_ms(fn, reps: int = 10) -> float:
@@ -213,19 +191,19 @@ def head_start_ms(fn, reps: int = 10) -> float:
 
 def variant_times(fn, rounds: int = 15) -> dict:
     """Each VARIANTS entry called in turn (timing.round_robin_ms), as called and with a head start -> {label:
-    {as_called_ms, head_start_ms (medians), gpu_ms (device_ms), and from one traced call gpu_busy_ms, memsets,
-    kernel_totals_us}}."""
+    {as_called_ms, host_ms (the host's time to queue it), head_start_ms (medians), gpu_ms (device_ms), and from
+    one traced call gpu_busy_ms, memsets, kernel_totals_us}}."""
     fns = {label: fn for label in VARIANTS}
-    around = lambda label: variant(VARIANTS[label])  # noqa: E731
+    around = lambda label: prefill_options(**VARIANTS[label])  # noqa: E731
     called = round_robin_ms(fns, rounds, around)
     ahead = round_robin_ms(fns, rounds, around, spin_cycles=HEAD_START_CYCLES)
     out = {}
     for label, kw in VARIANTS.items():
-        with variant(kw):
+        with prefill_options(**kw):
             gpu = device_ms(fn, reps=3, sleep_cycles=100_000_000)
             trace = timeline(fn)
-        out[label] = {"as_called_ms": called[label][0], "head_start_ms": ahead[label][0], "gpu_ms": gpu,
-                      **{k: trace.get(k) for k in ("gpu_busy_ms", "memsets", "kernel_totals_us")}}
+        out[label] = {"as_called_ms": called[label][0], "host_ms": called[label][1], "head_start_ms": ahead[label][0],
+                      "gpu_ms": gpu, **{k: trace.get(k) for k in ("gpu_busy_ms", "memsets", "kernel_totals_us")}}
     return out
 
 
@@ -249,9 +227,9 @@ def main():
             print(json.dumps({k: v for k, v in r.items() if k not in ("profile", "host_cprofile")}, indent=1),
                   flush=True)
             for label, v in r.get("variants", {}).items():
-                print(f"{m} {label:45s} as called {v['as_called_ms']:7.3f}  head start {v['head_start_ms']:7.3f}  "
-                      f"GPU {v['gpu_ms']:7.3f}  busy {v['gpu_busy_ms'] or 0:7.3f} ms  memsets {v['memsets']}",
-                      flush=True)
+                print(f"{m} {label:50s} as called {v['as_called_ms']:7.3f}  host {v['host_ms']:7.3f}  head start "
+                      f"{v['head_start_ms']:7.3f}  GPU {v['gpu_ms']:7.3f}  busy {v['gpu_busy_ms'] or 0:7.3f} ms  "
+                      f"memsets {v['memsets']}", flush=True)
     finally:
         name = f"prefill_profile_{args.models}" + (f"_{args.quant}_{args.path}" if args.quant else "")
         with open(os.path.join(args.out, name.replace(":", "-").replace(",", "_") + ".json"), "w") as f:
