@@ -2,7 +2,8 @@
 
 Same computation as `refimpl.model.llama.forward` (the trace mode runs that one over `accel.ops`), rearranged for speed
 with the fused ops of accel.ops (contract: accel/ops/fused_interface.py):
-    * fused QKV and gate_up GEMMs (accel.weights), the residual add fused into the next RMSNorm;
+    * fused QKV and gate_up GEMMs (accel.weights); prefill: the residual adds in the o and down GEMMs' epilogue
+      (cuBLAS, beta = 1); decode: in the GEMVs' epilogue;
     * RoPE fused into the KV-cache write (k is rotated straight into the cache slot, v copied beside it);
     * prefill attends with flash attention over the fresh k/v; decode with the split-sequence decode kernel over
       the cache, its context length a device tensor so that one CUDA graph serves every position;
@@ -43,11 +44,11 @@ class PrefillOptions:
     """How the prefill runs (`prefill_options` to compare; every choice gives the last token's logits and the
     caches within rounding of the others)."""
 
-    # q rotated where the flash kernel loads it, not stored rotated by rope_kv_write: fewer bytes, but the rotation
-    # before the first MMA costs the flash kernel what rope_kv_write saves (measured: no gain), so off
-    rope_in_attention: bool = False
     pdl: bool = True  # the Triton kernels launched as programmatic dependents (accel.kernels.common.pdl_launches)
     last_row: bool = True  # the last layer past its k/v (attention, o, MLP) on the last token's row only
+    # o and down add into the residual stream in cuBLAS's epilogue (beta = 1: the sum rounded once, not twice),
+    # so the norm after each reads one [T, D] and writes one instead of reading two and writing two
+    residual_in_gemm: bool = True
 
 
 _PREFILL_OPTIONS = contextvars.ContextVar("accel_prefill_options", default=PrefillOptions())
@@ -62,7 +63,8 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
     """One self-attention layer over the residual stream x [T, D] and its normed h -> (x, next_norm(x)).
 
     Causal attention over cache_k/cache_v [K, S, E], into which this chunk's k/v are written at `positions` first.
-    Each add_rms_norm adds the previous block's output into the stream and normalizes for the next block.
+    o and down add their products into the stream x (in place, in the GEMM's epilogue; or, with
+    PrefillOptions.residual_in_gemm off, in add_rms_norm's pass), then each block's input is normalized.
     last_row: every row's k/v, then only the last token's row onwards (x, h [1, D]): a prompt's last layer, whose
     other rows nothing reads.
     """
@@ -72,17 +74,29 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
     q = qkv[:, : H * E].view(T, H, E)
     k = qkv[:, H * E: (H + K) * E].view(T, K, E)
     v = qkv[:, (H + K) * E:].view(T, K, E)
-    inside = _PREFILL_OPTIONS.get().rope_in_attention  # q rotated by the flash kernel's load, not stored rotated
-    q_rot = ops.rope_kv_write(None if inside else q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
-    q = q if inside else q_rot
+    q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
     if last_row:
-        q, x, positions, cos, sin = q[-1:], x[-1:], positions[-1:], cos[-1:], sin[-1:]
-    a = ops.causal_attention(q, cache_k, cache_v, positions, *((cos, sin) if inside else ()))  # [T, H, E]
-    o = ops.linear(a.reshape(x.shape[0], H * E), lw.o)  # [T, H·E] -> [T, D]
-    x, h = ops.add_rms_norm(o, x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
+        q_rot, x, positions = q_rot[-1:], x[-1:], positions[-1:]
+    a = ops.causal_attention(q_rot, cache_k, cache_v, positions)  # [T, H, E]
+    a = a.reshape(x.shape[0], H * E)
+    in_gemm = _PREFILL_OPTIONS.get().residual_in_gemm and _dense(lw.o, lw.down)
+    x, h = _project_add_norm(a, lw.o, x, lw.mlp_norm, eps, in_gemm)  # resid_mid, mlp_norm
     act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
-    down = ops.linear(act, lw.down)  # [T, F] -> [T, D]
-    return ops.add_rms_norm(down, x, next_norm, eps)  # resid_post, next attn_norm (or final_norm)
+    return _project_add_norm(act, lw.down, x, next_norm, eps, in_gemm)  # resid_post, next attn_norm
+
+
+def _dense(*weights) -> bool:
+    """Plain tensors (cuBLAS's addmm), not quantized matrices (their own GEMM through F.linear)."""
+    return all(isinstance(w, torch.Tensor) for w in weights)
+
+
+def _project_add_norm(a, weight, x, norm_weight, eps, in_gemm: bool):
+    """a [T, N] -> (x + a·weightᵀ, its RMSNorm) [T, D] each: the add in the norm's pass, or (in_gemm) in the GEMM's
+    epilogue, x updated in place (every x here is the prefill's own buffer, never a weight)."""
+    if not in_gemm:
+        return ops.add_rms_norm(ops.linear(a, weight), x, norm_weight, eps)
+    x.addmm_(a, weight.t())  # [T, N] @ [N, D] + x
+    return x, ops.rms_norm(x, norm_weight, eps)
 
 
 def _layers(w: Weights, cfg: LlamaConfig, x, h, cos, sin, cache_k, cache_v, positions):

@@ -112,17 +112,19 @@ def test_prefill_past_the_session_is_an_error(pair):
         acc.prefill([1] * (sess.cache.capacity - 4), sess, start=5)
 
 
-@pytest.mark.parametrize("rope_in_attention,last_row", [(False, False), (True, True)])  # each both ways, and together
-def test_fast_prefill_options_match_refimpl(pair, rope_in_attention, last_row):
-    """accel.model.prefill's options (q rotated by rope_kv_write or in the flash kernel; the last layer on every
-    row or the last one only): a prompt, then a chunk continuing it in the same cache, each chunk's last-token
-    logits against refimpl's forward over the whole sequence so far; every cache slot written as refimpl's."""
+@pytest.mark.parametrize("options", [  # each option both ways
+    dict(residual_in_gemm=False, last_row=False), dict(residual_in_gemm=True, last_row=True)])
+def test_fast_prefill_options_match_refimpl(pair, options):
+    """accel.model.prefill's options (the last layer on every row or the last one only; the residual add in the
+    o/down GEMMs' epilogue or in the norm's pass): a prompt, then a chunk continuing it in the same cache, each
+    chunk's last-token logits against refimpl's forward over the whole sequence so far; every cache slot written
+    as refimpl's."""
     from accel.model import prefill_options
     from refimpl.model import ops as np_ops
     ref, acc, ckpt = pair
     cfg, more = ckpt.config, [9, 2, 77, 30]
     sess = acc.session(16)
-    with prefill_options(rope_in_attention=rope_in_attention, last_row=last_row):
+    with prefill_options(**options):
         got = [acc.to_numpy(acc.prefill(PROMPT, sess)), acc.to_numpy(acc.prefill(more, sess, start=len(PROMPT)))]
     for ids, logits in ((PROMPT, got[0]), (PROMPT + more, got[1])):
         cache = ref.new_cache(16)

@@ -170,29 +170,6 @@ def test_attention_prefill_then_second_chunk(path, H, K, E, T):
     torch.testing.assert_close(got_v, t(ref_v), atol=0, rtol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("H,K", [(4, 2), (3, 1)])
-@pytest.mark.parametrize("E", [16, 24])
-def test_causal_attention_rotating_q_equals_rope_then_attention(path, H, K, E):
-    """The prefill's split of the RoPE: rope_kv_write without q (k rotated and v into the cache, nothing
-    returned), then causal_attention given cos/sin rotating q where it loads it = refimpl's rope, then attention.
-    Two chunks (the second over a partly filled cache, positions not starting at 0); E = 24 pads the head."""
-    rng = rng_for("rope-attn", H, K, E)
-    S = 64
-    ref_k, ref_v = _caches(rng, K, S, E)
-    got_k, got_v = t(ref_k.copy()), t(ref_v.copy())
-    for first, n in ((0, 21), (21, 13)):
-        q, k, v = randn(rng, n, H, E), randn(rng, n, K, E), randn(rng, n, K, E)
-        positions = np.arange(first, first + n)
-        cos, sin = R.rope_tables(positions, E, 500000.0, RopeScaling())
-        q_rot, k_rot = R.rope(q, k, cos, sin)
-        want = R.attention(q_rot, k_rot, v, ref_k, ref_v, positions)
-        assert A.rope_kv_write(None, t(k), t(v), t(cos), t(sin), got_k, got_v, t(positions)) is None
-        got = A.causal_attention(t(q), got_k, got_v, t(positions), t(cos), t(sin))
-        close(got, want, f"rope + attention chunk at {first}")
-    torch.testing.assert_close(got_k, t(ref_k), atol=ATOL, rtol=RTOL, equal_nan=True)
-    torch.testing.assert_close(got_v, t(ref_v), atol=0, rtol=0, equal_nan=True)
-
-
 @pytest.mark.parametrize("H,K", GQA)
 @pytest.mark.parametrize("E", [16, 32])
 @pytest.mark.parametrize("p", [0, 5, 37, 79])

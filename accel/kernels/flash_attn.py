@@ -10,9 +10,6 @@ query of the block may see (no causal mask and no bounds checks: they always lie
 of a long prefill) and the diagonal blocks (masked per query, loads bounded by the block's last visible slot).
 Any T (rows past T are masked), any E up to 128 (padded to a power of two; BLOCK_E >= 16 for tl.dot).
 K/V tiles come either through plain pointers or, on Hopper with USE_DESC, through tensor descriptors (TMA).
-With cos/sin (ROPE) the queries arrive unrotated and are rotated once loaded, exactly as accel/kernels/rope.py
-rotates them (fp32, rounded to q's dtype): the prefill's rope_kv_write then writes only k and v, and the rotated q
-is never stored and read back.
 The same kernel runs Mllama's prefill cross-attention (`cross_attention_fwd`, CROSS): no causal structure, every
 query over all image keys with the cross-attention mask tile-loaded beside the keys, q_norm applied on the loaded
 queries; a row may see no key in a whole block, so the online softmax subtracts a finite max (`finite_max`).
@@ -26,7 +23,6 @@ import triton
 import triton.language as tl
 
 from .common import gdc_wait, launch_pdl, pdl_available, pdl_kw
-from .rope import rope_fwd
 
 LOG2E = 1.4426950408889634
 
@@ -86,22 +82,6 @@ def rms_norm_rows(q, NW, offs_e, e_ok, E, eps):
 
 
 @triton.jit
-def rope_rows(q, rows, row_ok, COS, SIN, s_cs, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
-    """q [M, 2·HALF] rotated by row `rows` of cos/sin [T, HALF] (HF's rotate_half): the two halves split apart
-    in registers (no second load of q, no [M, E] pointer tiles: registers), then rope.py's _rotate_heads' fp32
-    expressions, joined back and rounded to q's dtype."""
-    x1, x2 = tl.split(tl.permute(tl.reshape(q, [BLOCK_M, 2, HALF]), [0, 2, 1]))  # [M, E] -> 2 × [M, E/2]
-    offs = rows[:, None] * s_cs + tl.arange(0, HALF)[None, :]
-    c = tl.load(COS + offs, mask=row_ok[:, None], other=0.0)
-    s = tl.load(SIN + offs, mask=row_ok[:, None], other=0.0)
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    y1 = x1 * c - x2 * s
-    y2 = x2 * c + x1 * s
-    return tl.reshape(tl.permute(tl.join(y1, y2), [0, 2, 1]), [BLOCK_M, 2 * HALF]).to(q.dtype)  # [M, E]
-
-
-@triton.jit
 def finite_max(m, MASKABLE: tl.constexpr):
     """The running max to subtract. Under a mask a row may have seen no key yet (m = -inf): subtract 0 there, so
     that exp2(-inf - m) is 0 and not NaN (causal rows always see key 0 first: no check)."""
@@ -134,15 +114,14 @@ def _attend_block(acc, m_i, l_i, q, CK, CV, DK, DV, kh, start, offs_n, offs_e, e
 
 
 @triton.jit
-def _flash_fwd_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, COS, SIN, O, sq_t, sq_h, sk_k, sk_s, sv_k, sv_s, so_t, so_h,
-                      svis_t, s_cs, T, n_keys, eps, E: tl.constexpr, G, n_mblocks, qk_scale, BLOCK_M: tl.constexpr,
+def _flash_fwd_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, O, sq_t, sq_h, sk_k, sk_s, sv_k, sv_s, so_t, so_h, svis_t,
+                      T, n_keys, eps, E: tl.constexpr, G, n_mblocks, qk_scale, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, USE_DESC: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, CROSS: tl.constexpr, ROPE: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      DOT_PRECISION: tl.constexpr, CROSS: tl.constexpr, PDL: tl.constexpr = False):
     """CROSS: Mllama's cross-attention instead of the causal mask: every query over all n_keys image keys,
     query t seeing key n where VIS[t, n] != 0, the queries RMSNorm'd per head by QNW (q_norm) once loaded.
-    ROPE: q unrotated, rotated by row t of COS/SIN [T, E/2] once loaded (E a power of 2). PDL: launched as a
-    programmatic dependent (accel.kernels.common.pdl_launches): wait for the previous kernel before touching memory."""
+    PDL: launched as a programmatic dependent (accel.kernels.common.pdl_launches): wait for the previous kernel
+    before touching memory."""
     if PDL:
         gdc_wait()
     # heads vary fastest and query blocks run last-first: under the causal mask the last blocks have the most
@@ -157,8 +136,6 @@ def _flash_fwd_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, COS, SIN, O, sq_t, sq_h,
     e_ok = offs_e < E
     q = tl.load(Q + offs_m[:, None] * sq_t + h * sq_h + offs_e[None, :], mask=row_ok[:, None] & e_ok[None, :],
                 other=0.0)  # [M, E]
-    if ROPE:  # E == BLOCK_E (the launcher's condition)
-        q = rope_rows(q, offs_m, row_ok, COS, SIN, s_cs, BLOCK_M, BLOCK_E // 2)
     vis_rows = VIS + offs_m[:, None].to(tl.int64) * svis_t  # [M, 1] (CROSS only)
     if CROSS:
         pos = offs_m  # unused
@@ -228,21 +205,13 @@ def kv_descriptors(cache_k, cache_v, block_n: int, block_e: int, use: bool):
 
 
 def flash_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
-                        out: torch.Tensor | None = None, config: dict | None = None, cos: torch.Tensor | None = None,
-                        sin: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """q [T, H, E] (rotated; head rows contiguous), cache_k/cache_v [K, S, E] already holding slots
     0..max(positions), positions [T] int (device) -> out [T, H, E] in q's dtype. No host synchronization.
-    With cos/sin [T, E/2] fp32 (rows contiguous), q is unrotated and rotated as `rope` would: in the kernel
-    where E is a power of 2 >= 16 (every Llama head), else by rope_fwd first.
     `config` overrides the tile sizes of `_config` (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_DESC): for
     tuning sweeps."""
-    T, _, E = q.shape
-    assert positions.shape == (T,)
-    assert cos is None or (cos.shape == sin.shape == (T, E // 2) and cos.stride() == sin.stride()
-                           and cos.stride(1) == 1 and E % 2 == 0)
-    if cos is not None and E != max(16, triton.next_power_of_2(E)):  # a padded head: the halves do not split
-        q, cos, sin = rope_fwd(q, q[:, :1], cos, sin)[0], None, None  # k: a one-head placeholder, dropped
-    return _launch(q, cache_k, cache_v, positions, None, None, 0.0, out, config, cos, sin)
+    assert positions.shape == (q.shape[0],)
+    return _launch(q, cache_k, cache_v, positions, None, None, 0.0, out, config)
 
 
 def cross_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
@@ -257,7 +226,7 @@ def cross_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return _launch(q, keys, values, None, vis, norm_weight, eps, out, config)
 
 
-def _launch(q, cache_k, cache_v, positions, visible, norm_weight, eps, out, config, cos=None, sin=None):
+def _launch(q, cache_k, cache_v, positions, visible, norm_weight, eps, out, config):
     T, H, E = q.shape
     NK, S, _ = cache_k.shape
     assert H % NK == 0 and E <= 128 and q.stride(2) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
@@ -273,15 +242,13 @@ def _launch(q, cache_k, cache_v, positions, visible, norm_weight, eps, out, conf
         cfg = _tma_fallback(cfg)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
     n_mblocks = triton.cdiv(T, cfg["BLOCK_M"])
-    rope = cos is not None
     pdl = launch_pdl(q)
     _flash_fwd_kernel[(H, n_mblocks)](q, cache_k, cache_v, dk, dv, q if cross else positions,
-                                      visible if cross else q, norm_weight if cross else q, cos if rope else q,
-                                      sin if rope else q, out, q.stride(0), q.stride(1), cache_k.stride(0),
-                                      cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(0),
-                                      out.stride(1), visible.stride(0) if cross else 0,
-                                      cos.stride(0) if rope else 0, T, S, float(eps), E, H // NK,
+                                      visible if cross else q, norm_weight if cross else q, out, q.stride(0),
+                                      q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0),
+                                      cache_v.stride(1), out.stride(0), out.stride(1),
+                                      visible.stride(0) if cross else 0, T, S, float(eps), E, H // NK,
                                       n_mblocks, LOG2E / math.sqrt(E), BLOCK_E=block_e, USE_DESC=descs is not None,
-                                      DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, ROPE=rope, PDL=pdl,
-                                      **cfg, **pdl_kw(pdl))
+                                      DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, PDL=pdl, **cfg,
+                                      **pdl_kw(pdl))
     return out

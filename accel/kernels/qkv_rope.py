@@ -28,6 +28,7 @@ import triton.language as tl
 
 from . import tuning
 from .common import gdc_launch_dependents, pdl_available, prologue_fx, rms_rstd, row_tile, sm_count
+from .rope import rotate_half
 from .tuning import QkvConfig
 
 
@@ -42,8 +43,7 @@ def rope_store(a1, a2, head, cols, col_ok, pos, COS, SIN, QO, CK, CV, s_cos, s_s
     if head < H + NKV:  # q and k rotate; v is copied
         c = tl.load(COS + pos * s_cos + cols, mask=col_ok, other=1.0)
         s = tl.load(SIN + pos * s_sin + cols, mask=col_ok, other=0.0)
-        y1 = a1 * c - a2 * s
-        y2 = a2 * c + a1 * s
+        y1, y2 = rotate_half(a1, a2, c, s)
     else:
         y1 = a1
         y2 = a2

@@ -21,6 +21,13 @@ from .common import gdc_wait, launch_pdl, pdl_kw
 
 
 @triton.jit
+def rotate_half(x1, x2, c, s):
+    """HF's rotate_half RoPE of a head's two halves x1, x2 (fp32) by cos/sin: the one spelling of the rotation in
+    the kernels (rope_kv_write's and the decode step's qkv_rope), so that every path rounds alike."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
 def _rotate_heads(SRC, s_h, DST, d_h, n_heads, c, s, half, ROTATE: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK: tl.constexpr):
     """Rows SRC + h·s_h (h < n_heads) -> DST + h·d_h; c, s [1, BLOCK] fp32 (this token's cos/sin)."""
@@ -32,8 +39,7 @@ def _rotate_heads(SRC, s_h, DST, d_h, n_heads, c, s, half, ROTATE: tl.constexpr,
     x1 = tl.load(src, mask=inside, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=inside, other=0.0).to(tl.float32)
     if ROTATE:
-        y1 = x1 * c - x2 * s
-        y2 = x2 * c + x1 * s
+        y1, y2 = rotate_half(x1, x2, c, s)
     else:  # v rows: a plain copy into the cache
         y1 = x1
         y2 = x2
@@ -63,13 +69,12 @@ def _rope_kernel(Q, K, QO, KO, COS, SIN, sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, s
 @triton.jit
 def _rope_kv_write_kernel(Q, K, V, QO, CK, CV, COS, SIN, POS, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h,
                           sc_k, sc_s, scv_k, scv_s, s_cos, s_sin, H, NK, half, BLOCK_H: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, WITH_Q: tl.constexpr = True,
-                          PDL: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # a programmatic dependent (common.pdl_launches): the previous kernel's output first
         gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     c, s = _cos_sin(COS, SIN, t, s_cos, s_sin, half, BLOCK)
-    part = tl.program_id(1) + (0 if WITH_Q else 1)  # 0: q, 1: k -> cache_k, 2: v -> cache_v
+    part = tl.program_id(1)  # 0: q, 1: k -> cache_k, 2: v -> cache_v
     if part == 0:
         _rotate_heads(Q + t * sq_t, sq_h, QO + t * sqo_t, sqo_h, H, c, s, half, True, BLOCK_H, BLOCK)
     else:
@@ -106,27 +111,23 @@ def rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     return q_out, k_out
 
 
-def rope_kv_write_fwd(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
-                      q_out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """q [T, H, E] or None, k/v [T, K, E], cos/sin [T, E/2] fp32, cache_k/cache_v [K, S, E], positions [T] int
-    (device). Writes rope(k) into cache_k[:, positions] and v into cache_v[:, positions]; returns rope(q) (into
-    `q_out`), or None without q (the flash kernel rotates q itself: grid (T, 2), no q programs).
+def rope_kv_write_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
+                      q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, E], k/v [T, K, E], cos/sin [T, E/2] fp32, cache_k/cache_v [K, S, E], positions [T] int (device).
+
+    Writes rope(k) into cache_k[:, positions] and v into cache_v[:, positions]; returns rope(q) (into `q_out`).
     """
-    with_q = q is not None
-    _check_heads(*((q, k, v) if with_q else (k, v)))
-    T, NK, E = k.shape
-    H = q.shape[1] if with_q else NK
-    if with_q:
-        q_out = torch.empty_like(q) if q_out is None else q_out
-    else:
-        q = q_out = k  # placeholders: no program reads or writes them
+    _check_heads(q, k, v)
+    T, H, E = q.shape
+    NK = k.shape[1]
+    q_out = torch.empty_like(q) if q_out is None else q_out
     assert cache_k.stride(2) == 1 and cache_v.stride(2) == 1 and cache_k.shape[0] == NK
     assert positions.shape == (T,) and cos.stride(1) == 1 and sin.stride(1) == 1
     pdl = launch_pdl(k)
-    _rope_kv_write_kernel[(T, 3 if with_q else 2)](
+    _rope_kv_write_kernel[(T, 3)](
         q, k, v, q_out, cache_k, cache_v, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), cache_k.stride(0), cache_k.stride(1),
         cache_v.stride(0), cache_v.stride(1), cos.stride(0), sin.stride(0), H, NK, E // 2, **_blocks(H, NK, E),
-        WITH_Q=with_q, PDL=pdl, **pdl_kw(pdl))
-    return q_out if with_q else None
+        PDL=pdl, **pdl_kw(pdl))
+    return q_out

@@ -39,8 +39,7 @@ def embedding_rms_norm(ids, table, weight, eps):
 def rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions):
     positions = positions.to(k.device)
     if uses_triton(k):
-        return rope_kv_write_fwd(None if q is None else rows(q), rows(k), rows(v), rows(cos), rows(sin), cache_k,
-                                 cache_v, positions)
+        return rope_kv_write_fwd(rows(q), rows(k), rows(v), rows(cos), rows(sin), cache_k, cache_v, positions)
     return torch_rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)
 
 
@@ -50,11 +49,10 @@ def swiglu_gate_up(gate_up):
     return torch_swiglu_gate_up(gate_up)
 
 
-def causal_attention(q, cache_k, cache_v, positions, cos=None, sin=None):
+def causal_attention(q, cache_k, cache_v, positions):
     if uses_triton(q):
-        return flash_attention_fwd(rows(q), cache_k, cache_v, positions, cos=cos if cos is None else rows(cos),
-                                   sin=sin if sin is None else rows(sin))
-    return torch_causal_attention(q, cache_k, cache_v, positions, cos, sin)
+        return flash_attention_fwd(rows(q), cache_k, cache_v, positions)
+    return torch_causal_attention(q, cache_k, cache_v, positions)
 
 
 def decode_attention(q, cache_k, cache_v, position, tuning: Tuning = DEFAULT):

@@ -15,11 +15,9 @@ model dtype, rms_norm's HF cast order, RoPE in fp32, attention scores and softma
 Prefill (T tokens):
     embedding_rms_norm the embedding gather + the first layer's attention norm: one launch, at the start.
     add_rms_norm       residual add + the next RMSNorm: one pass over the row instead of two.
-    rope_kv_write      RoPE on q and k, rotated k and v written into the cache: one launch instead of three
-                       (without q: k and v only, when causal_attention rotates q itself).
+    rope_kv_write      RoPE on q and k, rotated k and v written into the cache: one launch instead of three.
     swiglu_gate_up     SwiGLU over the fused [gate | up] GEMM output (accel.weights fuses the two weights).
-    causal_attention   attention over the cache already holding this chunk's k/v (flash attention); given
-                       cos/sin, the RoPE of q too, where q is loaded (never stored rotated).
+    causal_attention   attention over the cache already holding this chunk's k/v (flash attention).
 Decode (one token, the residual stream x [1, D] updated in place):
     qkv_rope           attn norm + qkv GEMV + RoPE + cache write: one launch.
     decode_attention   split-K attention over the cache, the length read from `position`.
@@ -57,18 +55,14 @@ class FusedOps(Protocol):
     def rope_kv_write(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache_k: Tensor,
                       cache_v: Tensor, positions: Tensor) -> Tensor:
         """q [T, H, E], k/v [T, K, E], cos/sin [T, E/2] fp32, cache_k/cache_v [K, S, E], positions [T] int ->
-        rope(q) [T, H, E]; rope(k) and v are written into the caches at `positions` (in place). q None: only the
-        cache writes, returns None."""
+        rope(q) [T, H, E]; rope(k) and v are written into the caches at `positions` (in place)."""
 
     def swiglu_gate_up(self, gate_up: Tensor) -> Tensor:
         """gate_up [T, 2F] (gate = first F columns, up = last F) -> swiglu(gate, up), [T, F]."""
 
-    def causal_attention(self, q: Tensor, cache_k: Tensor, cache_v: Tensor, positions: Tensor,
-                         cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
+    def causal_attention(self, q: Tensor, cache_k: Tensor, cache_v: Tensor, positions: Tensor) -> Tensor:
         """q [T, H, E] (rotated) at positions [T] over cache_k/cache_v [K, S, E], whose slots 0..max(positions)
-        hold this sequence -> [T, H, E]: query t sees slots 0..positions[t]; head h reads kv head h // (H/K).
-        With cos/sin [T, E/2] fp32, q is unrotated: = causal_attention(rope(q, cos, sin), ...), q rotated with
-        rope's roundings (fp32, rounded to q's dtype)."""
+        hold this sequence -> [T, H, E]: query t sees slots 0..positions[t]; head h reads kv head h // (H/K)."""
 
     def decode_attention(self, q: Tensor, cache_k: Tensor, cache_v: Tensor, position: Tensor,
                          tuning: Tuning = DEFAULT) -> Tensor:

@@ -85,7 +85,7 @@ def torch_embedding_rms_norm(ids, table, weight, eps):
 
 def torch_rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions):
     kv_write(torch_rotate(k, cos, sin), v, cache_k, cache_v, positions)
-    return None if q is None else torch_rotate(q, cos, sin)
+    return torch_rotate(q, cos, sin)
 
 
 def torch_swiglu_gate_up(gate_up):
@@ -93,10 +93,8 @@ def torch_swiglu_gate_up(gate_up):
     return torch_swiglu(gate, up)
 
 
-def torch_causal_attention(q, cache_k, cache_v, positions, cos=None, sin=None):
+def torch_causal_attention(q, cache_k, cache_v, positions):
     """Eager: the key count max(positions) + 1 comes to the host, and only those slots are read."""
-    if cos is not None:
-        q = torch_rotate(q, cos, sin)
     n = int(positions.max()) + 1
     visible = torch.arange(n, device=q.device)[None, :] <= positions[:, None]  # [T, n]: causal by absolute position
     return torch_grouped_attention(q, cache_k[:, :n], cache_v[:, :n], visible).to(q.dtype)

@@ -36,7 +36,7 @@ from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.gpu import profile_prefill, prompt_ids
-from tools.bench.timing import device_ms, median_ms
+from tools.bench.timing import device_ms, median_ms, round_robin_ms
 
 NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
 
@@ -74,12 +74,12 @@ def _sampled(fn) -> tuple[object, dict]:
                  "power_w_median": statistics.median(power), "power_w_max": max(power), "reasons": reasons}
 
 
-def timeline(engine: AccelEngine, prompt, sess) -> dict:
-    """One prefill traced: GPU busy time, idle gaps, and the host's last launch, from the Chrome trace."""
+def timeline(fn) -> dict:
+    """One prefill, fn(), traced: GPU busy time, idle gaps, and the host's last launch, from the Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.prefill(prompt, sess)
+        fn()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         name = f.name
@@ -165,10 +165,10 @@ def model_profile(model: str, tokens: int, quant: str | None = None, path: str |
 def _measure(engine, prompt, sess, row: dict) -> dict:
     fn = lambda: engine.prefill(prompt, sess)  # noqa: E731
     fn()
-    row["timeline"] = timeline(engine, prompt, sess)
+    row["timeline"] = timeline(fn)
     row["host_queue_ms"], row["host_cprofile"] = host_queue(fn)
     row["as_called_ms"], row["as_called_clock"] = _sampled(lambda: median_ms(fn, reps=20, warmup=2))
-    row["head_start_ms"] = statistics.median(head_start_ms(fn) for _ in range(10))
+    row["head_start_ms"] = head_start_ms(fn)
     row["gpu_ms"], row["gpu_clock"] = _sampled(lambda: device_ms(fn, reps=3, sleep_cycles=100_000_000))
     spaced = []  # one call after 50 ms of host sleep each: the GPU idles between calls, as between a user's requests
     for _ in range(10):
@@ -178,43 +178,32 @@ def _measure(engine, prompt, sess, row: dict) -> dict:
     return row
 
 
-VARIANTS = {"before: q_rot stored, no PDL, all rows": dict(rope_in_attention=False, pdl=False, last_row=False),
-            "+ PDL": dict(rope_in_attention=False, pdl=True, last_row=False),
-            "+ PDL + last row (default)": dict(rope_in_attention=False, pdl=True, last_row=True),
-            "+ PDL + last row + RoPE in flash": dict(rope_in_attention=True, pdl=True, last_row=True)}
+VARIANTS = {"default (PDL, last row, residual add in the GEMMs)": {},
+            "residual add in the norm's pass": dict(residual_in_gemm=False),
+            "before: no PDL, all rows, add in the norm": dict(pdl=False, last_row=False, residual_in_gemm=False)}
+HEAD_START_CYCLES = 4_000_000  # ~2 ms: longer than the host takes to queue a prefill's first launches
 
 
-def head_start_ms(fn, spin_cycles: int = 4_000_000) -> float:
-    """One synced call queued behind a ~2 ms spin, CUDA events from the spin's end to the call's: the host has
-    queued its first launches by then (and queues faster than the GPU runs after), so no host gap is inside."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(spin_cycles)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+def head_start_ms(fn, reps: int = 10) -> float:
+    """Median ms of fn() queued behind a ~2 ms spin, CUDA events from the spin's end (timing.round_robin_ms)."""
+    return round_robin_ms({"": fn}, reps, spin_cycles=HEAD_START_CYCLES)[""][0]
 
 
-def variant_times(fn, rounds: int = 9) -> dict:
-    """Each VARIANTS entry called in turn (rounds after a warm-up round), each round as called then with a head
-    start -> {label: {as_called_ms, head_start_ms (medians), gpu_ms (device_ms)}}."""
-    times = {label: ([], []) for label in VARIANTS}
-    for r in range(rounds + 1):
-        for label, kw in VARIANTS.items():
-            with prefill_options(**kw):
-                called = median_ms(fn, reps=1, warmup=0)
-                ahead = head_start_ms(fn)
-            if r:
-                times[label][0].append(called)
-                times[label][1].append(ahead)
+def variant_times(fn, rounds: int = 15) -> dict:
+    """Each VARIANTS entry called in turn (timing.round_robin_ms), as called and with a head start -> {label:
+    {as_called_ms, host_ms (the host's time to queue it), head_start_ms (medians), gpu_ms (device_ms), and from
+    one traced call gpu_busy_ms, memsets, kernel_totals_us}}."""
+    fns = {label: fn for label in VARIANTS}
+    around = lambda label: prefill_options(**VARIANTS[label])  # noqa: E731
+    called = round_robin_ms(fns, rounds, around)
+    ahead = round_robin_ms(fns, rounds, around, spin_cycles=HEAD_START_CYCLES)
     out = {}
     for label, kw in VARIANTS.items():
         with prefill_options(**kw):
             gpu = device_ms(fn, reps=3, sleep_cycles=100_000_000)
-        out[label] = {"as_called_ms": statistics.median(times[label][0]),
-                      "head_start_ms": statistics.median(times[label][1]), "gpu_ms": gpu}
+            trace = timeline(fn)
+        out[label] = {"as_called_ms": called[label][0], "host_ms": called[label][1], "head_start_ms": ahead[label][0],
+                      "gpu_ms": gpu, **{k: trace.get(k) for k in ("gpu_busy_ms", "memsets", "kernel_totals_us")}}
     return out
 
 
@@ -237,6 +226,10 @@ def main():
             print(r["profile"] + r["host_cprofile"])
             print(json.dumps({k: v for k, v in r.items() if k not in ("profile", "host_cprofile")}, indent=1),
                   flush=True)
+            for label, v in r.get("variants", {}).items():
+                print(f"{m} {label:50s} as called {v['as_called_ms']:7.3f}  host {v['host_ms']:7.3f}  head start "
+                      f"{v['head_start_ms']:7.3f}  GPU {v['gpu_ms']:7.3f}  busy {v['gpu_busy_ms'] or 0:7.3f} ms  "
+                      f"memsets {v['memsets']}", flush=True)
     finally:
         name = f"prefill_profile_{args.models}" + (f"_{args.quant}_{args.path}" if args.quant else "")
         with open(os.path.join(args.out, name.replace(":", "-").replace(",", "_") + ".json"), "w") as f:

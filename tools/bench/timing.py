@@ -28,11 +28,13 @@ def median_ms(fn, reps: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def round_robin_ms(fns: dict, rounds: int = 9, around=None) -> dict:
+def round_robin_ms(fns: dict, rounds: int = 9, around=None, spin_cycles: int = 0) -> dict:
     """{label: fn} called in turn, `rounds` times round-robin after one warm-up round -> {label: (median ms as
     called, CUDA events around one synced call; median ms the host took to queue it, no sync inside)}. Rows
     measured in turn share any drift of the host's speed, which sequential medians do not (NOTES.md: one build's
-    prefill as called differed by 30% between processes). around(label): a context manager each call runs in."""
+    prefill as called differed by 30% between processes). around(label): a context manager each call runs in.
+    spin_cycles: each call queued behind a spin that long, the events from the spin's end (a head start: the
+    host has queued the first launches by then, so as called minus this is what those launches cost)."""
     import contextlib
     import time
     times = {label: ([], []) for label in fns}
@@ -41,6 +43,8 @@ def round_robin_ms(fns: dict, rounds: int = 9, around=None) -> dict:
             with around(label) if around else contextlib.nullcontext():
                 torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if spin_cycles:
+                    torch.cuda._sleep(spin_cycles)
                 start.record()
                 t = time.perf_counter()
                 fn()
