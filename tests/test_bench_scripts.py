@@ -145,7 +145,8 @@ def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch):
 
 
 @pytest.mark.parametrize("script, flag", [("quant_pdl", "--specs"), ("quant_swiglu", "--specs"),
-                                          ("quant_roles", "--specs"), ("qgemv_probe", "--quant")])
+                                          ("quant_roles", "--specs"), ("qgemv_probe", "--quant"),
+                                          ("quant_mlp", "--specs")])
 def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, flag, capsys, monkeypatch, tmp_path):
     """--help works without a GPU; bad names are argparse errors (exit 2); no CUDA is one error line, no traceback."""
     import importlib
