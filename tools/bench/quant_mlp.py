@@ -38,7 +38,6 @@ VARIANTS = {
              ("chained, 4 warps", True, 4, "default", {})],
     "int4": [("two kernels", False, None, "default", {}),
              ("chained, 2 warps, down 8 x 2048 / 4 slices", True, 2, "default", {"down": D8}),
-             ("chained, 2 warps, down 16 x 1024 / 4 slices", True, 2, "default", {"down": (16, 1024, 2, 4, 2)}),
              ("chained, 4 warps", True, 4, "default", {}),
              ("chained, 2 warps, down 8 x 2048 / 4, pdl late", True, 2, PdlMode("late", 1), {"down": D8}),
              ("two kernels, down 8 x 2048 / 4 slices", False, None, "default", {"down": D8})],
