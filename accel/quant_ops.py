@@ -189,11 +189,11 @@ def swiglu_in_gate_up(on: bool):
     return setting(_SWIGLU_IN_GATE_UP, on)
 
 
-def mlp_chained(on: bool | None, warps: int | None = None):
+def mlp_chained(on: bool | None, launch=None):
     """Within this block, the quantized one-token MLP (SwiGLU in gate_up's epilogue) runs as one chained launch
-    (on), as two kernels (off) or as tuning.QMLP says (None); warps: the chained launch's num_warps instead of the
-    table's. For benchmarks and tests comparing them."""
-    return setting(_MLP_CHAINED, (on, warps))
+    (on), as two kernels (off) or as tuning.QMLP says (None); launch: an accel.kernels.tuning.QMlpConfig for the
+    chained launch instead of the table's. For benchmarks and tests comparing them."""
+    return setting(_MLP_CHAINED, (on, launch))
 
 
 def _pdl_kw() -> dict:
@@ -275,12 +275,10 @@ def _chained(gate_up: QuantTensor, down: QuantTensor) -> bool:
 
 def quant_norm_mlp_chained(x, norm_weight, gate_up: QuantTensor, down: QuantTensor, eps):
     """quant_norm_mlp_add's one-token MLP as one launch (accel.kernels.qmlp.norm_mlp_qfwd) -> x, updated."""
+    from .kernels.common import sm_count
     from .kernels.qmlp import mlp_configs, norm_mlp_qfwd
-    config, warps = None, _MLP_CHAINED.get()[1]
-    if warps is not None:
-        from .kernels.common import sm_count
-        N, D = gate_up.shape
-        config = mlp_configs(N, D, down.K, gate_up.bits, gate_up.group, down.group, sm_count(x.device))[:2] + (warps,)
+    config = mlp_configs(*gate_up.shape, down.K, gate_up.bits, gate_up.group, down.group, sm_count(x.device),
+                         _MLP_CHAINED.get()[1])
     return norm_mlp_qfwd((gate_up.q, gate_up.scale, gate_up.low, gate_up.group),
                          (down.q, down.scale, down.low, down.group), gate_up.bits, gate_up.offset, x, norm_weight,
                          eps, config, **_pdl_kw())

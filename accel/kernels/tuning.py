@@ -3,7 +3,7 @@
 GEMV      (N, K) of the weight -> GemvConfig (accel/kernels/gemv.py); shapes not listed use `gemv.gemv_config`'s rule.
 QKV_ROPE  (N, K) of the fused qkv weight -> QkvConfig (accel/kernels/qkv_rope.py); else `qkv_rope.qkv_config`'s rule.
 QGEMV     (N, K, bits, group[, "rope"]) of a quantized weight -> QGemvConfig (accel/kernels/qgemv.py); else its rule.
-QMLP      (N, K, bits, group) of a quantized gate_up -> num_warps of the chained MLP launch (accel/kernels/qmlp.py).
+QMLP      (N, K, bits, group) of a quantized gate_up -> QMlpConfig, the MLP as one launch (accel/kernels/qmlp.py).
 A `Tuning` bundles one table of each plus the decode attention's launch options; the engine runs `DEFAULT`.
 Benchmarks that try other configs build their own `Tuning` and pass it in (tools/bench/decode_variants.py): nothing
 here is rewritten at run time. The measurements behind every row (on 132 SMs) are in tools/bench/NOTES.md.
@@ -101,10 +101,18 @@ QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
 })
 
 
-# The quantized decode MLP as one launch (accel/kernels/qmlp.py: gate_up + SwiGLU, then down), per (N, K, bits,
-# group) of gate_up -> the launch's num_warps (each phase's tiles: its QGEMV row or rule). Where a key is listed the
-# step runs the MLP chained; elsewhere as two kernels (accel.quant_ops.quant_norm_mlp_add).
-QMLP: Mapping[tuple, int] = MappingProxyType({})
+class QMlpConfig(NamedTuple):
+    """The quantized decode MLP as one launch (accel/kernels/qmlp.py): its num_warps, down's tiles (None: down's own
+    QGEMV row or rule; gate_up's are always its own) and whether down's programs prefetch their K slice into L2
+    while they wait for h."""
+    warps: int
+    down: QGemvConfig | None = None
+    prefetch: bool = True
+
+
+# The chained MLP per (N, K, bits, group) of gate_up. Where a key is listed the decode step runs its MLP as one
+# launch; elsewhere as two kernels (accel.quant_ops.quant_norm_mlp_add).
+QMLP: Mapping[tuple, QMlpConfig] = MappingProxyType({})
 
 
 class Tuning(NamedTuple):

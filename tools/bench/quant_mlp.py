@@ -4,9 +4,9 @@ process, the same weights (tools/bench/NOTES.md, "decode MLP as one launch").
 `python3 -m tools.bench.quant_mlp [OUT_DIR] [--models=1b,3b] [--specs=int8,int4:64] [--profile]`: for each model the
 bf16 engine's greedy decode tok/s, then for each format every VARIANTS row in order, then the first (the two
 kernels) again: drift shows as a gap between its two rates (tools.bench.quant_pdl.rate_within: 32-token prompt,
-256 tokens, median of 3); the greedy tokens checked equal to the two kernels'. --profile: per kernel of the replayed graph
-(tools.bench.quant_roles.step_profile) for the two kernels and the first chained row. Writes OUT_DIR/quant_mlp.json
-after each model.
+256 tokens, median of 3); the greedy tokens checked equal to the two kernels'. --profile: per kernel of the replayed
+graph (tools.bench.quant_roles.step_profile) for the two kernels and the first chained row. Writes
+OUT_DIR/quant_mlp.json after each model.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import time
 import torch
 
 from accel.engine import AccelEngine
-from accel.kernels.qgemv import PDL_DEFAULT, PdlMode
+from accel.kernels.qgemv import PdlMode
+from accel.kernels.tuning import QMlpConfig
 from accel.quant_layers import quantize_weights
 from accel.quant_ops import decode_pdl, mlp_chained
 from accel.weights import random_weights
@@ -26,30 +27,31 @@ from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
 from tools.bench.quant_pdl import bench_args, bench_parser, rate_within
-from tools.bench.quant_roles import ROLES, _print_profile, per_role, step_profile
+from tools.bench.quant_roles import _print_profile, step_profile
 
-# (name, chained (None: the default), the chained launch's num_warps (None: tuning.QMLP's, else gate_up's),
-#  the quantized kernels' launch mode ("default": PDL_DEFAULT's), {role: a QGemvConfig tuple, every model});
-# the first row is the baseline, timed again after the rest (drift)
-D8 = (8, 2048, 2, 4, 1)  # int4 down at 2 warps: the rule's 8 × 4096-column tile at 2 warps spills (sm_90 SASS)
+# (name, chained (None: the default), the chained launch's QMlpConfig (None: tuning.QMLP's, else gate_up's warps
+#  and down's own tiles), the quantized kernels' launch mode ("default": PDL_DEFAULT's)); the first row is the
+#  baseline, timed again after the rest (drift)
 VARIANTS = {
-    "int8": [("two kernels", False, None, "default", {}),
-             ("chained, 2 warps", True, 2, "default", {}),
-             ("chained, 4 warps", True, 4, "default", {})],
-    "int4": [("two kernels", False, None, "default", {}),
-             ("chained, 2 warps, down 8 x 2048 / 4 slices", True, 2, "default", {"down": D8}),
-             ("chained, 4 warps", True, 4, "default", {}),
-             ("chained, 2 warps, down 8 x 2048 / 4, pdl late", True, 2, PdlMode("late", 1), {"down": D8}),
-             ("two kernels, down 8 x 2048 / 4 slices", False, None, "default", {"down": D8})],
+    "int8": [("two kernels", False, None, "default"),
+             ("chained, 2 warps", True, QMlpConfig(2), "default"),
+             ("chained, 2 warps, no prefetch", True, QMlpConfig(2, prefetch=False), "default"),
+             ("chained, 2 warps, down 16 x 512 / 4 slices", True, QMlpConfig(2, (16, 512, 2, 4, 3)), "default"),
+             ("chained, 2 warps, down 16 x 512 / 16 slices", True, QMlpConfig(2, (16, 512, 2, 16, 1)), "default")],
+    # at 2 warps down's rule tile (8 × 4096 columns, 2 slices) spills (sm_90 SASS): narrower tiles, more slices
+    "int4": [("two kernels", False, None, "default"),
+             ("chained, 4 warps", True, QMlpConfig(4), "default"),
+             ("chained, 2 warps, down 8 x 2048 / 4 slices", True, QMlpConfig(2, (8, 2048, 2, 4, 1)), "default"),
+             ("chained, 2 warps, down 8 x 1024 / 8 slices", True, QMlpConfig(2, (8, 1024, 2, 8, 1)), "default"),
+             ("chained, 2 warps, down 8 x 2048 / 4, pdl late", True, QMlpConfig(2, (8, 2048, 2, 4, 1)),
+              PdlMode("late", 1))],
 }
+
+
 @contextlib.contextmanager
-def variant_context(cfg, model: str, spec: str, chained, warps, mode, configs):
-    """Within: the MLP chained or not at `warps`, every quantized kernel in launch `mode`, the table with `configs`'
-    rows (tools.bench.quant_roles.per_role, which sets each wrapped op's mode: the same mode for all)."""
-    q = QuantSpec.parse(spec)
-    mode = PDL_DEFAULT[8 if q.format == "int8" else 4] if mode == "default" else mode
-    with mlp_chained(chained, warps), decode_pdl(mode), \
-            per_role(cfg, model, {r: mode for r in ROLES}, {(model, r): c for r, c in configs.items()}, spec):
+def variant_context(chained, launch, mode):
+    """Within: the MLP chained (with `launch`) or not, every quantized kernel in launch `mode`."""
+    with mlp_chained(chained, launch), (contextlib.nullcontext() if mode == "default" else decode_pdl(mode)):
         yield
 
 
@@ -63,20 +65,19 @@ def compare(model: str, specs: list[str], profile: bool) -> list[dict]:
         variants = VARIANTS[QuantSpec.parse(spec).format]
         rates: dict[str, list[float]] = {}
         tokens = {}
-        for name, chained, warps, mode, configs in variants + variants[:1]:
-            rate, tokens[name] = rate_within(cfg, weights, variant_context(cfg, model, spec, chained, warps, mode,
-                                                                            configs))
+        for name, chained, launch, mode in variants + variants[:1]:
+            rate, tokens[name] = rate_within(cfg, weights, variant_context(chained, launch, mode))
             rates.setdefault(name, []).append(rate)
             print(f"{model} {spec:<8} {name:<44} {rate:8.1f} tok/s  {rate / bf16:5.3f}x bf16", flush=True)
         base = max(rates[variants[0][0]])
-        for name, chained, warps, mode, configs in variants:
-            row = {"model": model, "quant": spec, "variant": name, "chained": chained, "warps": warps,
-                   "mode": mode if mode == "default" else mode._asdict(), "configs": configs,
+        for name, chained, launch, mode in variants:
+            row = {"model": model, "quant": spec, "variant": name, "chained": chained,
+                   "launch": launch and launch._asdict(), "mode": mode if mode == "default" else mode._asdict(),
                    "decode_tok_s": rates[name], "x_bf16": max(rates[name]) / bf16,
                    "x_two_kernels": max(rates[name]) / base, "tokens_equal_two_kernels": tokens[name] ==
                    tokens[variants[0][0]]}
             if profile and name in (variants[0][0], variants[1][0]):
-                with variant_context(cfg, model, spec, chained, warps, mode, configs):
+                with variant_context(chained, launch, mode):
                     eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
                     row["profile"] = step_profile(eng)
                 del eng

@@ -94,18 +94,15 @@ OPS = ("quant_qkv_rope", "quant_norm_swiglu", "quant_norm_linear", "quant_linear
 
 
 @contextlib.contextmanager
-def per_role(cfg, model: str, modes: dict, configs: dict, spec: str = "int8"):
+def per_role(cfg, model: str, modes: dict, configs: dict):
     """Within: each role's kernel launches with modes.get(role) (None: plain), and the launch table has
-    configs' rows for the roles' weights in format `spec`, int8 or int4:G (by wrapping accel.quant_ops' ops and
-    qgemv.qgemv_config)."""
+    configs' rows for the roles' weights (by wrapping accel.quant_ops' ops and qgemv.qgemv_config)."""
     origs = {name: getattr(quant_ops, name) for name in OPS}
     own = dict(tuning.QGEMV)
-    q = QuantSpec.parse(spec)
-    for (m, role), c in configs.items():
+    for (m, role), c in configs.items():  # int8's rows: one scale a row (group = K)
         if m == model:
-            N, K, _ = shapes(cfg)[role]  # int8: one scale a row (group = K)
-            key = (N, K, 8, K) if q.format == "int8" else (N, K, 4, q.group)
-            own[key + (("rope",) if role == "qkv" else ())] = tuning.QGemvConfig(*c)
+            N, K, _ = shapes(cfg)[role]
+            own[(N, K, 8, K) + (("rope",) if role == "qkv" else ())] = tuning.QGemvConfig(*c)
 
     def wrap(name):
         def op(*args):
