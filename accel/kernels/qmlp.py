@@ -1,14 +1,19 @@
 """The quantized decode MLP as one launch: x += down(silu(gate)·up) with gate, up = gate_up(rms_norm(x)), gate_up's
-and down's programs chained (accel/kernels/chain.py) instead of two kernels, so the step pays one kernel's ramp and
-tail for the MLP, and down's first programs start while gate_up's last ones still run.
+and down's programs chained (accel/kernels/chain.py) instead of two kernels: one kernel's ramp and tail for the MLP,
+and down's programs of a K slice start as soon as the gate_up blocks writing that slice of h are done.
 
 Tickets 0 .. A-1 (A: gate_up's row-pair blocks) run accel/kernels/qgemv_fused.py's gate_up + SwiGLU block
-(`gate_up_block`) and store h [F]; the later tickets are down's (row block, K slice) pairs (qgemv.py's
-`_slice_block`): each first prefetches its slice of the codes and its first scales into L2 (they do not depend on
-h; on the GPU), then waits until all A blocks are counted done, reads h past L1 (PROLOGUE_CHAINED) and runs down's
-block with the residual epilogue (split-K: summed by the row block's last slice, as qgemv_fwd). The same helpers,
-tiles and sums as the two kernels: equal to them bit for bit where the launch's num_warps is theirs (the interpreter:
-always). The program counting the last down block done returns the launch's counters to 0.
+(`gate_up_block`), store h [F] and count themselves done for the down K slice their columns fall in; the later
+tickets are down's (row block, K slice) pairs, slice-major (qgemv.py's `_slice_block`): each first prefetches its
+slice of the codes and its first scales into L2 (they do not depend on h; on the GPU), then waits for its slice's
+gate_up blocks, reads h past L1 (PROLOGUE_CHAINED) and runs down's block with the residual epilogue (split-K: summed
+by the row block's last slice, as qgemv_fwd). The same helpers, tiles and sums as the two kernels: equal to them
+bit for bit where the launch's num_warps is theirs (the interpreter: always). The program counting the last down
+block done returns the launch's counters to 0.
+
+Measured slower than the two kernels at every config tried (tools/bench/NOTES.md, "decode MLP as one launch"): the
+launch gives down's programs gate_up's registers and shared memory, so fewer fit an SM. So it runs only where
+tuning.QMLP lists gate_up's shape (none) or accel.quant_ops.mlp_chained asks for it.
 
 PDL (qgemv.py's module doc): every program waits (gdc_wait) before its first read of x or h and its first store; the
 trigger (PdlMode "wait": after that wait, "late": after its main loop) is placed alike in both phases, so the next

@@ -111,7 +111,8 @@ class QMlpConfig(NamedTuple):
 
 
 # The chained MLP per (N, K, bits, group) of gate_up. Where a key is listed the decode step runs its MLP as one
-# launch; elsewhere as two kernels (accel.quant_ops.quant_norm_mlp_add).
+# launch; elsewhere as two kernels (accel.quant_ops.quant_norm_mlp_add). Empty: at the Llama 3.2 1B / 3B shapes,
+# int8 and int4:64, every chained config tried was slower than the two kernels (tools.bench.quant_mlp).
 QMLP: Mapping[tuple, QMlpConfig] = MappingProxyType({})
 
 
