@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from accel.engine import AccelEngine
 from accel.kernels.qgemv import PdlMode
 from accel.kernels.tuning import QMlpConfig
 from accel.quant_layers import quantize_weights
@@ -27,7 +26,7 @@ from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
 from tools.bench.quant_pdl import bench_args, bench_parser, rate_within
-from tools.bench.quant_roles import _print_profile, step_profile
+from tools.bench.quant_roles import profile_within
 
 # (name, chained (None: the default), the chained launch's QMlpConfig (None: tuning.QMLP's, else gate_up's warps
 #  and down's own tiles), the quantized kernels' launch mode ("default": PDL_DEFAULT's)); the first row is the
@@ -77,11 +76,8 @@ def compare(model: str, specs: list[str], profile: bool) -> list[dict]:
                    "x_two_kernels": max(rates[name]) / base, "tokens_equal_two_kernels": tokens[name] ==
                    tokens[variants[0][0]]}
             if profile and name in (variants[0][0], variants[1][0]):
-                with variant_context(chained, launch, mode):
-                    eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
-                    row["profile"] = step_profile(eng)
-                del eng
-                _print_profile(f"{model} {spec} {name}", row["profile"])
+                row["profile"] = profile_within(cfg, weights, variant_context(chained, launch, mode),
+                                                f"{model} {spec} {name}")
             rows.append(row)
             differ = "" if row["tokens_equal_two_kernels"] else "  TOKENS DIFFER"
             print(f"{model} {spec:<8} {name:<44} best {max(rates[name]):8.1f} tok/s  {row['x_bf16']:5.3f}x bf16  "

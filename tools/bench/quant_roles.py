@@ -166,6 +166,16 @@ def step_profile(engine: AccelEngine, steps: int = 16) -> list[dict]:
     return rows
 
 
+def profile_within(cfg, weights, context, label: str) -> list[dict]:
+    """`step_profile` of the bf16 engine over `weights` built and run inside `context`, printed under `label`."""
+    with context:
+        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
+        rows = step_profile(eng)
+    del eng
+    _print_profile(label, rows)
+    return rows
+
+
 def _print_profile(label: str, rows: list[dict]) -> None:
     print(f"-- {label}", flush=True)
     for r in rows:
@@ -180,10 +190,7 @@ def compare(model: str, specs: list[str], profile: bool) -> list[dict]:
     rows = [{"model": model, "quant": "bf16", "variant": "plain", "decode_tok_s": bf16}]
     print(f"{model} bf16 {bf16:8.1f} tok/s", flush=True)
     if profile:
-        eng = AccelEngine(cfg, bf16_weights, torch.device("cuda"), "bf16")
-        rows[-1]["profile"] = step_profile(eng)
-        _print_profile(f"{model} bf16", rows[-1]["profile"])
-        del eng
+        rows[-1]["profile"] = profile_within(cfg, bf16_weights, contextlib.nullcontext(), f"{model} bf16")
     del bf16_weights
     for spec in specs:
         weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
@@ -201,11 +208,8 @@ def compare(model: str, specs: list[str], profile: bool) -> list[dict]:
                    "configs": {r: c for (m, r), c in configs.items() if m == model}, "decode_tok_s": rate,
                    "x_bf16": rate / bf16, "tokens_equal_first": tokens == first}
             if profile and name in PROFILED:
-                with per_role(cfg, model, modes, configs):
-                    eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
-                    row["profile"] = step_profile(eng)
-                del eng
-                _print_profile(f"{model} {spec} {name}", row["profile"])
+                row["profile"] = profile_within(cfg, weights, per_role(cfg, model, modes, configs),
+                                                f"{model} {spec} {name}")
             rows.append(row)
             print(f"{model} {spec:<8} {name:<40} {rate:8.1f} tok/s  {rate / bf16:5.3f}x bf16"
                   f"{'' if row['tokens_equal_first'] else '  TOKENS DIFFER'}", flush=True)
