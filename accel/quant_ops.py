@@ -160,6 +160,10 @@ _DECODE_PDL = contextvars.ContextVar("accel_quant_decode_pdl", default="default"
 _SWIGLU_IN_GATE_UP = contextvars.ContextVar("accel_quant_swiglu_in_gate_up", default=True)
 
 
+# the one-token MLP as one chained launch (accel/kernels/qmlp.py): True / False, or None: where tuning.QMLP lists it
+_MLP_CHAINED = contextvars.ContextVar("accel_quant_mlp_chained", default=(None, None))
+
+
 def prefill_path(path: str | None):
     """Within this block, products of more than one row take `path`: "gemm" (the fused GEMM) or "dequant" (a
     scratch a matrix + cuBLAS) instead of a packed layer's one dequantize launch (None, the default:
@@ -183,6 +187,13 @@ def swiglu_in_gate_up(on: bool):
     """Within this block, the quantized decode MLP puts the SwiGLU in gate_up's epilogue (on) or in down's prologue
     (off). For benchmarks and tests comparing the two."""
     return setting(_SWIGLU_IN_GATE_UP, on)
+
+
+def mlp_chained(on: bool | None, launch=None):
+    """Within this block, the quantized one-token MLP (SwiGLU in gate_up's epilogue) runs as one chained launch
+    (on), as two kernels (off) or as tuning.QMLP says (None); launch: an accel.kernels.tuning.QMlpConfig for the
+    chained launch instead of the table's. For benchmarks and tests comparing them."""
+    return setting(_MLP_CHAINED, (on, launch))
 
 
 def _pdl_kw() -> dict:
@@ -242,11 +253,35 @@ def quant_norm_swiglu(x, norm_weight, w: QuantTensor, eps):
 
 def quant_norm_mlp_add(x, norm_weight, gate_up: QuantTensor, down, eps):
     """ops.norm_mlp_add for quantized weights: the SwiGLU in gate_up's epilogue, then down's plain GEMV with the
-    residual add (down's SwiGLU prologue cost more instructions a code than any other f(x): tools/bench/NOTES.md);
-    inside swiglu_in_gate_up(False), gate_up's norm GEMV then down's SwiGLU prologue."""
+    residual add (down's SwiGLU prologue cost more instructions a code than any other f(x): tools/bench/NOTES.md),
+    for one token as two kernels or one chained launch (`_chained`); inside swiglu_in_gate_up(False), gate_up's norm
+    GEMV then down's SwiGLU prologue."""
     if _SWIGLU_IN_GATE_UP.get():
+        if x.numel() == gate_up.K and ops.uses_triton(x) and _chained(gate_up, down):
+            return quant_norm_mlp_chained(x, norm_weight, gate_up, down, eps)
         return ops.linear_add(quant_norm_swiglu(x, norm_weight, gate_up, eps), down, x)
     return ops.swiglu_linear_add(quant_norm_linear(x, norm_weight, gate_up, eps), down, x)
+
+
+def _chained(gate_up: QuantTensor, down: QuantTensor) -> bool:
+    """Whether the one-token MLP runs chained (mlp_chained's switch, else tuning.QMLP lists gate_up's shape):
+    only with both matrices in one format (the launch has one set of code constexprs)."""
+    from .kernels.tuning import QMLP
+    if (gate_up.bits, gate_up.offset, gate_up.low is None) != (down.bits, down.offset, down.low is None):
+        return False
+    on = _MLP_CHAINED.get()[0]
+    return on if on is not None else (*gate_up.shape, gate_up.bits, gate_up.group) in QMLP
+
+
+def quant_norm_mlp_chained(x, norm_weight, gate_up: QuantTensor, down: QuantTensor, eps):
+    """quant_norm_mlp_add's one-token MLP as one launch (accel.kernels.qmlp.norm_mlp_qfwd) -> x, updated."""
+    from .kernels.common import sm_count
+    from .kernels.qmlp import mlp_configs, norm_mlp_qfwd
+    config = mlp_configs(*gate_up.shape, down.K, gate_up.bits, gate_up.group, down.group, sm_count(x.device),
+                         _MLP_CHAINED.get()[1])
+    return norm_mlp_qfwd((gate_up.q, gate_up.scale, gate_up.low, gate_up.group),
+                         (down.q, down.scale, down.low, down.group), gate_up.bits, gate_up.offset, x, norm_weight,
+                         eps, config, **_pdl_kw())
 
 
 def quant_qkv_rope(x, norm_weight, w: QuantTensor, eps, cos, sin, position, cache_k, cache_v):

@@ -37,11 +37,15 @@ def count_done(CNT):
 
 @triton.jit
 def wait_count(CNT, target):
-    """Spin until CNT has counted `target`; acquire: what the counted programs stored is visible after it (to loads
-    that bypass L1)."""
-    n = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+    """Spin until CNT has counted `target`, then acquire: what the counted programs stored is visible after it (to
+    loads that bypass L1). The spin polls with plain volatile loads, not atomics: hundreds of waiting programs would
+    otherwise queue read-modify-writes on the counter ahead of the adds they wait for; the barrier puts every
+    thread's later loads after the one acquiring thread's atomic."""
+    n = tl.load(CNT, volatile=True)
     while n < target:
-        n = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+        n = tl.load(CNT, volatile=True)
+    tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit

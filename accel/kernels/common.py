@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU = 0, 1, 2
+PROLOGUE_CHAINED = 3  # x as it is, read past L1: written earlier in the same launch (accel/kernels/chain.py)
 
 
 def pdl_available(t: torch.Tensor) -> bool:
@@ -99,7 +100,9 @@ def prologue_fx(X, NW, k0, cols, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.con
     """f(x)[k0 : k0 + BLOCK_K] in fp32 (zeros past K)."""
     offs = k0 + cols
     inside = offs < K
-    if EVEN_K:
+    if PROLOGUE == 3:
+        x = tl.load(X + offs, mask=inside, other=0.0, cache_modifier=".cg")
+    elif EVEN_K:
         x = tl.load(X + offs)
     else:
         x = tl.load(X + offs, mask=inside, other=0.0)

@@ -46,6 +46,7 @@ from . import tuning
 from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, gdc_launch_dependents, gdc_wait,
                      pdl_available, pdl_kw, per_row_scales, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd,
                      sm_count, split_k_epilogue, split_scratch)
+from .chain import wait_count
 from .qdot import chunk_dots, fixed_point, group_param
 from .tuning import QGemvConfig
 
@@ -143,10 +144,13 @@ def _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, e
               OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
               PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr,
               STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
-              PF_LINES: tl.constexpr):
-    """A kernel's body up to its epilogue: `_pdl_start`, `_qdot` over bytes kb_lo .. kb_hi of rows_c, and with
-    TRIGGER 2 the next kernel's launch after the main loop -> [BLOCK_N] fp32."""
+              PF_LINES: tl.constexpr, DONE=None, n_done=0, CHAINED: tl.constexpr = False):
+    """A kernel's body up to its epilogue: `_pdl_start`, (CHAINED: the wait until DONE has counted n_done, the
+    work that writes X in the same launch: accel/kernels/chain.py) `_qdot` over bytes kb_lo .. kb_hi of rows_c,
+    and with TRIGGER 2 the next kernel's launch after the main loop -> [BLOCK_N] fp32."""
     _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
+    if CHAINED:
+        wait_count(DONE, n_done)
     acc = _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
                 HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
     if TRIGGER == 2:
@@ -215,14 +219,27 @@ def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, ep
         if TRIGGER == 2:
             gdc_launch_dependents()
     else:
-        sp = tl.program_id(1)
-        rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
-        kb_lo = sp * kb_split
-        acc = _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s,
-                        eps, n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2,
-                        STAGES, FAST, PDL, TRIGGER, PF_LINES)
-        split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
+        _slice_block(Q, S, M, X, NW, R, Y, P, CNT, b, tl.program_id(1), N, K, KB, stride_q, stride_s, eps, n_groups,
+                     kb_split, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, HAS_RESIDUAL, BLOCK_N, BLOCK_K, K_POW2,
+                     SPLIT_K, STAGES, FAST, PDL, TRIGGER, PF_LINES)
+
+
+@triton.jit
+def _slice_block(Q, S, M, X, NW, R, Y, P, CNT, b, sp, N, K, KB, stride_q, stride_s, eps, n_groups, kb_split,
+                 BITS: tl.constexpr, OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
+                 PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
+                 FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr, DONE=None,
+                 n_done=0, CHAINED: tl.constexpr = False):
+    """Row block b over K slice sp (bytes sp·kb_split ..), then the (split-K) epilogue; DONE, n_done, CHAINED:
+    `_rows_dot`'s wait (accel/kernels/qmlp.py's down)."""
+    rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
+    kb_lo = sp * kb_split
+    acc = _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
+                    n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST,
+                    PDL, TRIGGER, PF_LINES, DONE, n_done, CHAINED)
+    split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
 
 
 def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, whole_rows: bool = False,
@@ -293,6 +310,23 @@ def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, b
     return dict(PDL=True, TRIGGER=1 if mode.trigger == "wait" else 2, PF_LINES=lines, **pdl_kw(True))
 
 
+def k_slices(cfg: QGemvConfig, K: int) -> tuple[int, int]:
+    """(columns a K slice: whole tiles, slices) of cfg's split-K over K columns."""
+    k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    return k_split, triton.cdiv(K, k_split)
+
+
+def _operands(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, x: torch.Tensor | None = None,
+              n: int = 0, norm_weight: torch.Tensor | None = None) -> None:
+    """The launchers' checks on their operands: the weight's codes, scales (and minima) with contiguous rows; x
+    (if given) contiguous with n elements; the norm weight (if given) contiguous [n]."""
+    assert q.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
+    if x is not None:
+        assert x.numel() == n and x.reshape(-1).stride(0) == 1, f"x must be contiguous with {n} elements"
+    if norm_weight is not None:
+        assert norm_weight.shape == (n,) and norm_weight.stride(0) == 1, f"the norm weight must be contiguous [{n}]"
+
+
 def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int) -> None:
     chunk = 128 // bits
     assert cfg.block_k % chunk == 0, f"block_k {cfg.block_k}: whole {chunk}-column chunks (16 bytes)"
@@ -318,9 +352,8 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
     -> [1, N] in x's dtype (or `out`); f and the epilogue as accel.kernels.gemv.gemv_fwd. pdl: a PdlMode, None
     (plain launches) or "default" (PDL_DEFAULT's for the code width)."""
     N = q.shape[0]
-    assert q.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
     xv = x.reshape(-1)
-    assert xv.stride(0) == 1 and xv.numel() == (2 * K if swiglu else K), "x must be contiguous [K] (swiglu: [2K])"
+    _operands(q, scale, low, xv, 2 * K if swiglu else K)
     assert not (swiglu and norm_weight is not None), "one prologue at a time"
     out = torch.empty((1, N), dtype=x.dtype, device=x.device) if out is None else out
     per_row = per_row_scales(group, K, low)
@@ -328,8 +361,7 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
     _launch_checks(cfg, bits, group, per_row, K)
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE
     blocks = triton.cdiv(N, cfg.block_n)
-    k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(K, k_split)
+    k_split, split = k_slices(cfg, K)
     pack = 8 // bits
     p, c = split_scratch(q.device, split * N, blocks) if split > 1 else (out, out)
     grid, persist = _persist_kwargs(cfg, blocks, scale, per_row)

@@ -17,8 +17,8 @@ import triton.language as tl
 
 from . import qgemv
 from .common import gdc_launch_dependents, per_row_scales, sm_count
-from .qgemv import (PdlMode, _block_sums, _fast, _launch_checks, _pdl_kwargs, _pdl_start, _persist_kwargs, _rows_dot,
-                    _whole_rows)
+from .qgemv import (PdlMode, _block_sums, _fast, _launch_checks, _operands, _pdl_kwargs, _pdl_start, _persist_kwargs,
+                    _rows_dot, _whole_rows)
 from .qkv_rope import rope_store
 from .tuning import QGemvConfig
 
@@ -82,10 +82,22 @@ def _gate_up_swiglu_kernel(Q, S, M, X, NW, Y, F, K, KB, stride_q, stride_s, eps,
         if TRIGGER == 2:
             gdc_launch_dependents()
     else:
-        acc = _rows_dot(Q, S, M, X, NW, _pair_rows(b, i, F, HN), 0, KB, K, KB, stride_q, stride_s, eps, n_groups,
-                        BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL,
-                        TRIGGER, PF_LINES)
-        _swiglu_store(acc, Y, b, F, HN)
+        gate_up_block(Q, S, M, X, NW, Y, b, F, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
+                      HAS_MIN, PER_ROW, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL, TRIGGER, PF_LINES)
+
+
+@triton.jit
+def gate_up_block(Q, S, M, X, NW, Y, b, F, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
+                  OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, STAGES: tl.constexpr,
+                  FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr):
+    """One program's work of the unpersisted kernel (also accel/kernels/qmlp.py's first phase): row-pair block b
+    (`_pair_rows`) over whole rows with the norm prologue, silu(gate)·up stored to Y."""
+    HN: tl.constexpr = BLOCK_N // 2
+    acc = _rows_dot(Q, S, M, X, NW, _pair_rows(b, tl.arange(0, BLOCK_N), F, HN), 0, KB, K, KB, stride_q, stride_s,
+                    eps, n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST,
+                    PDL, TRIGGER, PF_LINES)
+    _swiglu_store(acc, Y, b, F, HN)
 
 
 @triton.jit
@@ -105,6 +117,20 @@ def _swiglu_store(acc, Y, b, F, HN: tl.constexpr):
     tl.store(Y + cols, (act.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt), mask=cols < F)
 
 
+def half_block(cfg: QGemvConfig) -> int:
+    """The rows a paired-rows program owns of each half (its block_n: twice a power of 2)."""
+    hn = cfg.block_n // 2
+    assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
+    return hn
+
+
+def gate_up_config(N: int, K: int, bits: int, group: int, sms: int) -> QGemvConfig:
+    """gate_up + SwiGLU's launch config: the table's row for W [N, K] when it does not split K, else the rule's
+    unsplit config (the SwiGLU needs both sums complete)."""
+    cfg = qgemv.qgemv_config(N, K, bits, group, sms)
+    return cfg if cfg.split_k == 1 else qgemv.qgemv_config(N, K, bits, group, sms, whole_rows=True, table={})
+
+
 def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
                   group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor, position: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
@@ -116,9 +142,7 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
     N = q.shape[0]
     H = N // E - 2 * NKV
     assert H > 0 and N == (H + 2 * NKV) * E and E % 2 == 0, "weight rows must be (H + 2K)·E"
-    assert q.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
-    assert x.numel() == K and x.reshape(-1).stride(0) == 1
-    assert norm_weight.shape == (K,) and norm_weight.stride(0) == 1
+    _operands(q, scale, low, x, K, norm_weight)
     assert cache_v.shape == cache_k.shape and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     assert cos.shape == (S, E // 2) and cos.stride(1) == 1 and sin.stride(1) == 1 and position.numel() == 1
     q_out = torch.empty((1, H, E), dtype=x.dtype, device=x.device) if q_out is None else q_out
@@ -127,8 +151,7 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
     cfg = (QGemvConfig(*config) if config is not None
            else qgemv.qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True))
     _launch_checks(cfg, bits, group, per_row, K)
-    hn = cfg.block_n // 2
-    assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
+    hn = half_block(cfg)
     assert not cfg.programs, "the qkv + RoPE kernel takes one program a head block"
     _qkv_rope_kernel[((H + 2 * NKV) * triton.cdiv(E // 2, hn),)](
         q, scale, low if low is not None else scale, x, norm_weight, cos, sin, position, q_out, cache_k, cache_v, K,
@@ -151,20 +174,12 @@ def gate_up_swiglu_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor 
     N = q.shape[0]
     F = N // 2
     assert N == 2 * F, "weight rows must be 2F (gate, then up)"
-    assert q.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
-    assert x.numel() == K and x.reshape(-1).stride(0) == 1
-    assert norm_weight.shape == (K,) and norm_weight.stride(0) == 1
+    _operands(q, scale, low, x, K, norm_weight)
     out = torch.empty((1, F), dtype=x.dtype, device=x.device) if out is None else out
     per_row = per_row_scales(group, K, low)
-    if config is not None:
-        cfg = QGemvConfig(*config)
-    else:
-        cfg = qgemv.qgemv_config(N, K, bits, group, sm_count(q.device))
-        if cfg.split_k != 1:
-            cfg = qgemv.qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True, table={})
+    cfg = QGemvConfig(*config) if config is not None else gate_up_config(N, K, bits, group, sm_count(q.device))
     _launch_checks(cfg, bits, group, per_row, K)
-    hn = cfg.block_n // 2
-    assert hn >= 1 and hn == triton.next_power_of_2(hn), f"block_n {cfg.block_n}: twice a power of 2"
+    hn = half_block(cfg)
     grid, persist = _persist_kwargs(cfg, triton.cdiv(F, hn), scale, per_row)
     _gate_up_swiglu_kernel[grid](
         q, scale, low if low is not None else scale, x, norm_weight, out, F, K, triton.cdiv(K, 8 // bits),

@@ -212,11 +212,8 @@ class Runs:
 
     def profile(self, v: Variant) -> None:
         """step_profile of v into its last row."""
-        with self.within(v):
-            eng = AccelEngine(self.cfg, self.weights, torch.device("cuda"), "bf16")
-            self.rows[-1]["profile"] = step_profile(eng)
-        del eng
-        _print_profile(f"{self.model} {self.spec} {v.name}", self.rows[-1]["profile"])
+        self.rows[-1]["profile"] = profile_within(self.cfg, self.weights, self.within(v),
+                                                  f"{self.model} {self.spec} {v.name}")
 
 
 def bf16_rate(cfg, model: str, warm: bool = False, profile: bool = False) -> dict:
@@ -226,9 +223,7 @@ def bf16_rate(cfg, model: str, warm: bool = False, profile: bool = False) -> dic
     row = {"model": model, "quant": "bf16", "variant": "plain", "decode_tok_s": rate}
     print(f"{model} bf16 {rate:8.1f} tok/s", flush=True)
     if profile:
-        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
-        row["profile"] = step_profile(eng)
-        _print_profile(f"{model} bf16", row["profile"])
+        row["profile"] = profile_within(cfg, weights, contextlib.nullcontext(), f"{model} bf16")
     return row
 
 
@@ -269,6 +264,16 @@ def step_profile(engine: AccelEngine, steps: int = 16) -> list[dict]:
                      "gap_us": statistics.mean(gaps) if gaps else None})
     span = (kern[-1][1] - kern[0][0]) / (steps + 1)
     rows.append({"pos": None, "kernel": "span a step", "count": steps + 1, "us": span, "gap_us": None})
+    return rows
+
+
+def profile_within(cfg, weights, context, label: str) -> list[dict]:
+    """`step_profile` of the bf16 engine over `weights` built and run inside `context`, printed under `label`."""
+    with context:
+        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
+        rows = step_profile(eng)
+    del eng
+    _print_profile(label, rows)
     return rows
 
 
