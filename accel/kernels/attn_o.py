@@ -27,6 +27,7 @@ chain.chain_counters: a neighbour taking tickets from other counters may overlap
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Mapping
 
 import torch
@@ -34,7 +35,8 @@ import triton
 import triton.language as tl
 
 from . import chain, tuning
-from .common import gdc_launch_dependents, gdc_wait, per_row_scales, row_tile, sm_count, split_k_epilogue, split_scratch
+from .common import (gdc_launch_dependents, gdc_wait, per_row_scales, row_tile, setting, sm_count, split_k_epilogue,
+                     split_scratch)
 from .decode_attn import LONG_CONTEXT, self_config, split_launch, split_program
 from .gemv import _dot_tile
 from .qgemv import PDL_DEFAULT, PdlMode, _fast, _launch_checks, _pdl_kwargs, _pdl_start, _qdot, qgemv_config
@@ -114,10 +116,20 @@ def chain_counters(device: torch.device, kv_heads: int) -> torch.Tensor:
     return chain.chain_counters(device, COUNTER_BASE + 4 + kv_heads)[COUNTER_BASE:]
 
 
-def chained_by_default(max_len: int) -> bool:
-    """Whether the decode step chains attention and o for a cache of max_len slots (caches below LONG_CONTEXT;
-    tools/bench/NOTES.md, "attention + o in one launch")."""
-    return max_len < LONG_CONTEXT
+_CHAINED = contextvars.ContextVar("accel_kernels_attn_o_chained", default=None)
+
+
+def chained_launch(on: bool | None):
+    """Within this block, the decode step's attention + o (accel.ops.attention_o_add) runs as this one launch
+    (True), as the two launches (False), or as `chained` decides (None). For benchmarks and tests comparing them."""
+    return setting(_CHAINED, on)
+
+
+def chained(quantized: bool, max_len: int) -> bool:
+    """Whether attention + o over a cache of max_len slots runs as one launch here: chained_launch's choice, else
+    the default — quantized o below LONG_CONTEXT slots (tools/bench/NOTES.md, "attention + o in one launch")."""
+    on = _CHAINED.get()
+    return on if on is not None else quantized and max_len < LONG_CONTEXT
 
 
 def attention_o_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor,
