@@ -4,13 +4,15 @@ Work is handed out by ticket (accel/kernels/chain.py). Tickets 0..A-1 (A = K kv 
 attention's split programs exactly as accel/kernels/decode_attn.py runs them (`split_program`, the fused combine
 included): the program that combines a kv head's splits stores that head group's output, then counts one kv head
 done. The later tickets are o's (row block, K slice) programs: each first fetches its weights — the quantized
-codes' first tile into L2 (qgemv.py's `_pdl_start`), the dense tile straight into registers — since the weights
+codes of its slice into L2 (qgemv.py's `_pdl_start`), the dense tile straight into registers — since the weights
 do not depend on the attention, then waits until all K kv heads are combined, then multiplies its rows with the
 GEMV's own body (qgemv.py's `_qdot`, gemv.py's `_dot_tile`) and adds the residual in the same epilogue (split-K
 slices summed in slice order by the row block's last program, common.split_k_epilogue). The same sums in the same
-order as the two launches with the same o config, so the results are the same bits. The program that counts the
-launch's last o work returns the chain counters to 0. Why: at batch 1 every kernel pays 1.5-3 µs of ramp and tail
-beyond its bytes; here o's weight fetch overlaps the attention, and one of the layer's five boundaries goes.
+order as the two launches with the same o config, so the results are the same bits. The counters go back to 0
+without a count at the end of the launch: the program that draws the last ticket zeroes the tickets, the last o
+program past its wait zeroes the kv heads' count and the count of those past it, the combining programs their
+kv head's split count. Why: at batch 1 every kernel pays 1.5-3 µs of ramp and tail beyond its bytes; here o's
+weight fetch overlaps the attention, and one of the layer's five boundaries goes.
 
 One kernel has one set of launch options: o's programs run with the attention's warps, stages and shared memory;
 o's tiles and split come from `attn_o_config` (tuning.ATTN_O, else o's own GEMV row without persistence).
@@ -42,7 +44,10 @@ from .gemv import _dot_tile
 from .qgemv import PDL_DEFAULT, PdlMode, _fast, _launch_checks, _pdl_kwargs, _pdl_start, _qdot, qgemv_config
 from .tuning import QGemvConfig
 
-COUNTER_BASE = 64  # chain counters [64, 68): tickets, kv heads combined, o work done, unused; [68, 68 + K): splits
+# chain counters from COUNTER_BASE, each on its own 128-byte line (the o programs' spin on one must not slow the
+# attention's atomics on another): +0 tickets, +32 kv heads combined, +64 o programs past the wait, +96.. the
+# kv heads' split arrivals (decode_attn's fused combine)
+COUNTER_BASE = 128
 
 
 @triton.jit
@@ -60,12 +65,14 @@ def _attn_o_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h, sk
     u // SPLIT_K, K slice u % SPLIT_K (u = t − NKV·n_splits): byte columns kb_split a slice of the codes W
     (quantized: scales SC, minima MN, qgemv.py's layout), or columns OBLOCK_K of the dense W; R += o(O) in place."""
     t = chain.take_ticket(CHAIN)
+    if t == NKV * n_splits + n_o - 1:  # the last ticket: every program has taken its own
+        chain.reset(CHAIN, 1)
     if t < NKV * n_splits:
         if split_program(t // n_splits, t % n_splits, Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h,
                          sk_k, sk_s, sv_k, sv_s, so_h, E, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G,
                          BLOCK_N, BLOCK_E, BLOCK_S, FUSED, BLOCK_HG, USE_DESC, DOT_PRECISION, CROSS, QNORM, PDL,
                          PREFETCH):
-            chain.count_done(CHAIN + 1)  # this kv head's output is stored
+            chain.count_done(CHAIN + 32)  # this kv head's output is stored
     else:
         u = t - NKV * n_splits
         b = u // SPLIT_K
@@ -78,20 +85,23 @@ def _attn_o_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h, sk
             w = row_tile(W, rows_c, stride_w, kb_lo, cols, KO, EVEN_K)  # before any wait: weights are read-only
             if PDL:
                 gdc_wait()
-            chain.wait_count(CHAIN + 1, NKV)
+            chain.wait_count(CHAIN + 32, NKV)
+            passed = chain.take_ticket(CHAIN + 64)  # o programs past the wait (used at the end: no stall here)
             acc = _dot_tile(w, O, O, kb_lo, cols, KO, 0.0, 0, EVEN_K)
         else:
             kb_hi = tl.minimum(kb_lo + kb_split, KB)
             _pdl_start(W, SC, MN, rows_c, kb_lo, kb_hi, stride_w, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER,
                        PF_LINES)
-            chain.wait_count(CHAIN + 1, NKV)
+            chain.wait_count(CHAIN + 32, NKV)
+            passed = chain.take_ticket(CHAIN + 64)  # o programs past the wait (used at the end: no stall here)
             acc = _qdot(W, SC, MN, O, O, rows_c, kb_lo, kb_hi, KO, KB, stride_w, stride_s, 0.0, n_groups, BITS,
                         OFFSET, GROUP, HAS_MIN, PER_ROW, 0, OBLOCK_N, OBLOCK_K, 1, OSTAGES, FAST)
             if TRIGGER == 2:
                 gdc_launch_dependents()
         split_k_epilogue(acc, P, PCNT, R, R, rows, N, sp, b, SPLIT_K, True)
-        if chain.count_done(CHAIN + 2) == n_o - 1:  # the launch's last work: every program has its ticket
-            chain.reset(CHAIN, 4)
+        if passed == n_o - 1:  # every o program is past its wait: nothing reads the kv heads' count again
+            chain.reset(CHAIN + 32, 1)
+            chain.reset(CHAIN + 64, 1)
 
 
 def attn_o_config(N: int, K: int, bits: int, group: int, sms: int,
@@ -113,7 +123,7 @@ def attn_o_config(N: int, K: int, bits: int, group: int, sms: int,
 
 def chain_counters(device: torch.device, kv_heads: int) -> torch.Tensor:
     """This launch's counters (module doc): a view of chain.chain_counters from COUNTER_BASE."""
-    return chain.chain_counters(device, COUNTER_BASE + 4 + kv_heads)[COUNTER_BASE:]
+    return chain.chain_counters(device, COUNTER_BASE + 96 + kv_heads)[COUNTER_BASE:]
 
 
 _CHAINED = contextvars.ContextVar("accel_kernels_attn_o_chained", default=None)
@@ -156,8 +166,8 @@ def attention_o_qfwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
                      o_config: QGemvConfig | tuple | None = None,
                      o_pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """attention_o_fwd for the quantized o [D, K = H·E] (qgemv.py's layout: codes, scale, low, bits, offset,
-    group). o_pdl (a qgemv.PdlMode, None or "default": PDL_DEFAULT's) sets when the next kernel may launch and how
-    many of o's tiles a program prefetches before its wait (at least one, PDL or not)."""
+    group). o_pdl (a qgemv.PdlMode, None or "default": PDL_DEFAULT's) sets when the next kernel may launch; every
+    o program prefetches all its codes into L2 before its wait (on the GPU), whatever the mode."""
     N = codes.shape[0]
     assert codes.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
     per_row = per_row_scales(group, K, low)
@@ -167,8 +177,7 @@ def attention_o_qfwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     mode = PDL_DEFAULT.get(bits) if o_pdl == "default" else o_pdl
     trigger = "wait" if mode is None or mode.trigger == "none" else mode.trigger
-    pk = _pdl_kwargs(PdlMode(trigger, max(1, mode.prefetch if mode else 1)), codes, cfg, bits, k_split // pack,
-                     rope=False)  # {} off the GPU
+    pk = _pdl_kwargs(PdlMode(trigger, k_split), codes, cfg, bits, k_split // pack, rope=False)  # {} off the GPU
     weights = (codes, scale, low if low is not None else scale, triton.cdiv(K, pack), codes.stride(0),
                scale.stride(0), scale.shape[1], k_split // pack)
     o = dict(DENSE=False, BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row,
@@ -188,7 +197,7 @@ def _launch(q, cache_k, cache_v, position, residual, N, K, cfg, split, weights, 
     counters = chain_counters(q.device, NK)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # the attention output, contiguous: o's x
     grid, args, kw, _ = split_launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, acfg,
-                                     counters[4:])
+                                     counters[96:])
     blocks = triton.cdiv(N, cfg.block_n)
     p, c = split_scratch(q.device, split * N, blocks) if split > 1 else (residual, residual)
     W, SC, MN, *sizes = weights

@@ -37,11 +37,13 @@ def count_done(CNT):
 
 @triton.jit
 def wait_count(CNT, target):
-    """Spin until CNT has counted `target`; acquire: what the counted programs stored is visible after it (to loads
-    that bypass L1)."""
-    n = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+    """Spin until CNT has counted `target`, then acquire: what the counted programs stored is visible after it.
+    The spin reads with volatile loads (from L2); an acquire each round (an L2 load plus an invalidation of the
+    SM's whole L1, in SASS) would stall the SM's other programs round after round, so only the last read is one."""
+    n = tl.load(CNT, volatile=True)
     while n < target:
-        n = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+        n = tl.load(CNT, volatile=True)
+    tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
 
 
 @triton.jit

@@ -1,12 +1,14 @@
 """The decode step's attention + o projection as one launch (accel/kernels/attn_o.py) against the two launches, in
 the engine, one process, the same weights (tools/bench/NOTES.md, "attention + o in one launch").
 
-`python3 -m tools.bench.attn_o [OUT_DIR] [--models=1b,3b] [--specs=bf16,int8,int4:64] [--long=8192] [--o-configs]`:
+`python3 -m tools.bench.attn_o [OUT_DIR] [--models=1b,3b] [--specs=bf16,int8,int4:64] [--long=8192] [--o-configs]
+[--profile]`:
 per model and format, greedy decode tok/s (tools.bench.quant_pdl.rate_within: 32-token prompt, 256 tokens, median
 of 3) for each WAYS row, × the bf16 two-launch rate of the same process, the first 16 greedy tokens beside the
 two launches'. --o-configs: O_CONFIGS' tiles for o inside the one launch. --long N: the same ways at a long
 context (quantized formats): a prompt of N − 128 tokens into a session of N slots (N >= LONG_CONTEXT: the
-long-cache attention), 128 tokens. Writes OUT_DIR/attn_o.json after each model.
+long-cache attention), 128 tokens. --profile: per kernel of the replayed graph, both ways (tools.bench.quant_roles.step_profile).
+Writes OUT_DIR/attn_o.json after each model.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES, run_record
 from tools.bench.gpu import decode_rate
 from tools.bench.quant_pdl import rate_within
+from tools.bench.quant_roles import _print_profile, step_profile
 from tools.bench.timing import require_cuda
 
 # (name, chained_launch's value, the decode attention's options)
@@ -72,7 +75,7 @@ def long_rate(cfg, weights, chained: bool, slots: int, new_tokens: int = 128) ->
     return rate, tokens
 
 
-def compare(model: str, specs: list[str], o_configs: bool, long: int) -> list[dict]:
+def compare(model: str, specs: list[str], o_configs: bool, long: int, profile: bool) -> list[dict]:
     cfg = PRESETS[NAMES[model]]
     bf16_weights = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
     rows, base = [], None
@@ -96,6 +99,14 @@ def compare(model: str, specs: list[str], o_configs: bool, long: int) -> list[di
                          "tokens_equal_two_launches": tokens == first})
             print(f"{model} {spec:8} {name:<44} {rate:8.1f} tok/s  x bf16 {rate / base:.3f}  same tokens "
                   f"{tokens == first}", flush=True)
+        for chained in (False, True) if profile else ():
+            with _within(chained):
+                eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
+                prof = step_profile(eng)
+            del eng
+            way = "one launch" if chained else "two launches"
+            rows.append({"model": model, "quant": spec, "way": way, "profile": prof})
+            _print_profile(f"{model} {spec} {way}", prof)
         if long and spec != "bf16":  # bf16 chains only where forced: its long caches are not asked about
             got = {}
             for chained in (False, True):
@@ -120,7 +131,7 @@ def main(argv: list[str]) -> None:
     assert specs[0] == "bf16", "bf16 first: the x bf16 column's base"
     res = run_record(rows=[])
     for m in models:
-        res["rows"] += compare(m, specs, "--o-configs" in argv, int(opts.get("long", 0)))
+        res["rows"] += compare(m, specs, "--o-configs" in argv, int(opts.get("long", 0)), "--profile" in argv)
         if out_dir:
             with open(f"{out_dir}/attn_o.json", "w") as f:
                 json.dump(res, f, indent=1)
