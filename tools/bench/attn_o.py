@@ -2,12 +2,12 @@
 the engine, one process, the same weights (tools/bench/NOTES.md, "attention + o in one launch").
 
 `python3 -m tools.bench.attn_o [OUT_DIR] [--models=1b,3b] [--specs=bf16,int8,int4:64] [--long=8192] [--o-configs]
-[--profile]`:
+[--profile=int8]`:
 per model and format, greedy decode tok/s (tools.bench.quant_pdl.rate_within: 32-token prompt, 256 tokens, median
 of 3) for each WAYS row, × the bf16 two-launch rate of the same process, the first 16 greedy tokens beside the
 two launches'. --o-configs: O_CONFIGS' tiles for o inside the one launch. --long N: the same ways at a long
 context (quantized formats): a prompt of N − 128 tokens into a session of N slots (N >= LONG_CONTEXT: the
-long-cache attention), 128 tokens. --profile: per kernel of the replayed graph, both ways (tools.bench.quant_roles.step_profile).
+long-cache attention), 128 tokens. --profile=SPECS: per kernel of the replayed graph, both ways, for those formats (tools.bench.quant_roles.step_profile).
 Writes OUT_DIR/attn_o.json after each model.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def long_rate(cfg, weights, chained: bool, slots: int, new_tokens: int = 128) ->
     return rate, tokens
 
 
-def compare(model: str, specs: list[str], o_configs: bool, long: int, profile: bool) -> list[dict]:
+def compare(model: str, specs: list[str], o_configs: bool, long: int, profile: list[str]) -> list[dict]:
     cfg = PRESETS[NAMES[model]]
     bf16_weights = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
     rows, base = [], None
@@ -99,7 +99,7 @@ def compare(model: str, specs: list[str], o_configs: bool, long: int, profile: b
                          "tokens_equal_two_launches": tokens == first})
             print(f"{model} {spec:8} {name:<44} {rate:8.1f} tok/s  x bf16 {rate / base:.3f}  same tokens "
                   f"{tokens == first}", flush=True)
-        for chained in (False, True) if profile else ():
+        for chained in (False, True) if spec in profile else ():
             with _within(chained):
                 eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
                 prof = step_profile(eng)
@@ -131,7 +131,8 @@ def main(argv: list[str]) -> None:
     assert specs[0] == "bf16", "bf16 first: the x bf16 column's base"
     res = run_record(rows=[])
     for m in models:
-        res["rows"] += compare(m, specs, "--o-configs" in argv, int(opts.get("long", 0)), "--profile" in argv)
+        res["rows"] += compare(m, specs, "--o-configs" in argv, int(opts.get("long", 0)),
+                               opts.get("profile", "").split(","))
         if out_dir:
             with open(f"{out_dir}/attn_o.json", "w") as f:
                 json.dump(res, f, indent=1)
