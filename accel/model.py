@@ -8,7 +8,7 @@ with the fused ops of accel.ops (contract: accel/ops/fused_interface.py):
       the cache, its context length a device tensor so that one CUDA graph serves every position;
     * decode reads cos/sin rows from tables precomputed for the whole cache and indexes them on the device;
     * decode's projections are GEMVs with the RMSNorm, SwiGLU and residual add folded in, and the qkv GEMV
-      carrying RoPE and the cache write, the attention and o one launch where faster: 4-5 launches a layer, not 11.
+      carrying RoPE and the cache write: 5 launches a layer instead of 11.
 Nothing here yields, syncs with the host, or allocates a size that depends on the position: `decode_step` is
 what the engine captures in a CUDA graph.
 """
@@ -132,7 +132,7 @@ def decode_step(w: Weights, cfg: LlamaConfig, token, position, tables: RopeTable
 
 
 def decode_layer(lw, cfg: LlamaConfig, x, position, cos, sin, cache_k, cache_v, tuning: Tuning = DEFAULT):
-    """One self-attention layer of the decode step, updating x [1, D] in place (4 or 5 launches)."""
+    """One self-attention layer of the decode step, updating x [1, D] in place (5 launches)."""
     eps = cfg.rms_norm_eps
     q_rot = ops.qkv_rope(x, lw.attn_norm, lw.qkv, eps, cos, sin, position, cache_k, cache_v, tuning)  # [1, H, E]
     ops.attention_o_add(q_rot, cache_k, cache_v, position, lw.o, x, tuning)  # x += o(attention over 0..pos)

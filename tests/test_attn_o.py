@@ -73,16 +73,18 @@ def test_one_launch_equals_the_two_bit_for_bit_and_refimpl(H, K, E, weight):
 
 @interpreter
 @pytest.mark.parametrize("weight", ["int4:32", "dense"])
-def test_the_op_chains_by_default_where_chosen_and_falls_back_to_the_two_ops(weight):
-    """ops.attention_o_add: the one launch, the two launches and the torch ops agree; the switch picks."""
+def test_the_op_runs_either_way_and_falls_back_to_the_two_ops(weight):
+    """ops.attention_o_add: the one launch, the two launches and the torch ops agree; the switch picks (default:
+    the two launches)."""
     rng = np.random.default_rng(7)
     H, K, E, S, D = 4, 2, 16, 48, 21
     q, ck, cv, w, x = (torch.from_numpy(a) for a in _inputs(rng, H, K, E, S, D))
     wt = torch.from_numpy(w.numpy()) if weight == "dense" else from_quantized_linear(
         QuantSpec.parse(weight).quantize(w.numpy()), "cpu")
     pos, tuning = torch.tensor([30]), Tuning(decode_attention={"split_len": 16})
-    assert attn_o.chained(weight != "dense", S) == (weight != "dense")
-    assert not attn_o.chained(True, LONG_CONTEXT)
+    assert not attn_o.chained()
+    with chained_launch(True):
+        assert attn_o.chained()
     results = {}
     for on in (True, False):
         with chained_launch(on):

@@ -39,7 +39,7 @@ import triton.language as tl
 from . import chain, tuning
 from .common import (gdc_launch_dependents, gdc_wait, per_row_scales, row_tile, setting, sm_count, split_k_epilogue,
                      split_scratch)
-from .decode_attn import LONG_CONTEXT, self_config, split_launch, split_program
+from .decode_attn import self_config, split_launch, split_program
 from .gemv import _dot_tile
 from .qgemv import PDL_DEFAULT, PdlMode, _fast, _launch_checks, _pdl_kwargs, _pdl_start, _qdot, qgemv_config
 from .tuning import QGemvConfig
@@ -131,15 +131,15 @@ _CHAINED = contextvars.ContextVar("accel_kernels_attn_o_chained", default=None)
 
 def chained_launch(on: bool | None):
     """Within this block, the decode step's attention + o (accel.ops.attention_o_add) runs as this one launch
-    (True), as the two launches (False), or as `chained` decides (None). For benchmarks and tests comparing them."""
+    (True) or as the two launches (False, None: the default). For benchmarks and tests comparing them."""
     return setting(_CHAINED, on)
 
 
-def chained(quantized: bool, max_len: int) -> bool:
-    """Whether attention + o over a cache of max_len slots runs as one launch here: chained_launch's choice, else
-    the default — quantized o below LONG_CONTEXT slots (tools/bench/NOTES.md, "attention + o in one launch")."""
-    on = _CHAINED.get()
-    return on if on is not None else quantized and max_len < LONG_CONTEXT
+def chained() -> bool:
+    """Whether the decode step runs attention + o as this one launch here: only inside chained_launch(True). It
+    was slower than the two launches for bf16, int8 and int4:64 at 1B and 3B, short and 8192-slot caches
+    (tools/bench/NOTES.md, "attention + o in one launch"): a measured option, not a default."""
+    return bool(_CHAINED.get())
 
 
 def attention_o_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor,

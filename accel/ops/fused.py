@@ -66,8 +66,7 @@ def decode_attention(q, cache_k, cache_v, position, tuning: Tuning = DEFAULT):
 
 
 def attention_o_add(q, cache_k, cache_v, position, weight, residual, tuning: Tuning = DEFAULT):
-    max_len = tuning.decode_attention.get("max_len") or cache_k.shape[1]
-    if uses_triton(q) and chained(is_quantized(weight), max_len):
+    if uses_triton(q) and chained():
         opts = {"pdl": True, **tuning.decode_attention}  # pdl: as decode_attention's
         if is_quantized(weight):
             return quant.quant_attention_o_add(rows(q), cache_k, cache_v, position, weight, residual, opts)

@@ -24,8 +24,9 @@ Decode (one token, the residual stream x [1, D] updated in place):
     qkv_rope           attn norm + qkv GEMV + RoPE + cache write: one launch.
     decode_attention   split-K attention over the cache, the length read from `position`.
     linear_add         o GEMV + residual add (a cross layer's: times its tanh gate first).
-    attention_o_add    decode_attention then linear_add, as one launch where that is faster (the o programs fetch
-                       their weights while the attention runs: accel/kernels/attn_o.py), else the two.
+    attention_o_add    decode_attention then linear_add; inside attn_o.chained_launch(True) one launch whose o
+                       programs fetch their weights while the attention runs (accel/kernels/attn_o.py: slower
+                       so far, not the default).
     norm_linear        mlp norm + gate_up GEMV (also final norm + lm_head, a cross layer's norm + q).
     swiglu_linear_add  SwiGLU + down GEMV + residual add (gated, as linear_add).
     norm_mlp_add       the whole MLP block in two launches, the SwiGLU wherever it costs least: in down's
