@@ -7,7 +7,8 @@ per model and format, greedy decode tok/s (tools.bench.quant_pdl.rate_within: 32
 of 3) for each WAYS row, × the bf16 two-launch rate of the same process, the first 16 greedy tokens beside the
 two launches'. --o-configs: O_CONFIGS' tiles for o inside the one launch. --long N: the same ways at a long
 context (quantized formats): a prompt of N − 128 tokens into a session of N slots (N >= LONG_CONTEXT: the
-long-cache attention), 128 tokens. --profile=SPECS: per kernel of the replayed graph, both ways, for those formats (tools.bench.quant_roles.step_profile).
+long-cache attention), 128 tokens. --profile=SPECS: per kernel of the replayed graph, both ways, for those
+formats (tools.bench.quant_roles.step_profile).
 Writes OUT_DIR/attn_o.json after each model.
 """
 from __future__ import annotations
