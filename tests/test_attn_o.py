@@ -138,3 +138,13 @@ def test_one_launch_in_a_cuda_graph_at_llama_shapes(model, weight, S):
         assert err <= 2 ** -6 * o_want.abs().max().item() + 2 ** -6 * x0.float().abs().max().item(), (p, err)
         assert torch.isfinite(x).all()
     assert not attn_o.chain_counters(torch.device("cuda"), K).any()
+
+
+def test_bench_o_tiles_replace_the_config_and_restore_it():
+    """tools.bench.attn_o.o_tiles: o's tiles inside the one launch replaced for a variant, the rule back after."""
+    from tools.bench.attn_o import o_tiles
+    rule = attn_o.attn_o_config
+    with o_tiles((4, 64, 1, 2, 1)):
+        assert tuple(attn_o.attn_o_config(2048, 2048, 8, 2048, 132)) == (4, 64, 1, 2, 1, 0)
+    assert attn_o.attn_o_config is rule
+    assert attn_o.attn_o_config(2048, 2048, 8, 2048, 132).programs == 0
