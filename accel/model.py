@@ -148,8 +148,6 @@ def decode_step(w: Weights, cfg: LlamaConfig, token, position, tables: RopeTable
 def decode_layer(lw, cfg: LlamaConfig, x, position, cos, sin, cache_k, cache_v, tuning: Tuning = DEFAULT):
     """One self-attention layer of the decode step, updating x [1, D] in place (5 launches)."""
     eps = cfg.rms_norm_eps
-    H, E = cfg.num_attention_heads, cfg.head_dim
     q_rot = ops.qkv_rope(x, lw.attn_norm, lw.qkv, eps, cos, sin, position, cache_k, cache_v, tuning)  # [1, H, E]
-    a = ops.decode_attention(q_rot, cache_k, cache_v, position, tuning)  # [1, H, E] over 0..position
-    ops.linear_add(a.reshape(1, H * E), lw.o, x, tuning)  # x += o(a): resid_mid
+    ops.attention_o_add(q_rot, cache_k, cache_v, position, lw.o, x, tuning)  # x += o(attention over 0..pos)
     ops.norm_mlp_add(x, lw.mlp_norm, lw.gate_up, lw.down, eps, tuning)  # x += down(silu(gate)·up): resid_post

@@ -235,6 +235,15 @@ def quant_linear_add(a, w: QuantTensor, residual):
     return torch_linear_add(a, w.dequantize(a.dtype), residual)
 
 
+def quant_attention_o_add(q, cache_k, cache_v, position, w: QuantTensor, residual, attention_options: dict):
+    """ops.attention_o_add's one launch for a quantized o (accel.kernels.attn_o), with the attention's options
+    and o's launch mode as the GEMV's (decode_pdl)."""
+    from .kernels.attn_o import attention_o_qfwd
+    mode = {"o_pdl": _DECODE_PDL.get()[0]} if _DECODE_PDL.get() else {}
+    return attention_o_qfwd(q, cache_k, cache_v, position, w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K,
+                            residual, **attention_options, **mode)
+
+
 def quant_swiglu_linear_add(gate_up, w: QuantTensor, residual):
     if ops.uses_triton(gate_up):
         return qgemv(w, gate_up, swiglu=True, residual=residual, out=residual)

@@ -112,15 +112,28 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
                          BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          CROSS: tl.constexpr, QNORM: tl.constexpr, PDL: tl.constexpr = False,
                          PREFETCH: tl.constexpr = 0, LATE_Q: tl.constexpr = False):
-    """CROSS: the query over all n_keys keys (no position), key n seen where VIS[n] != 0, and with QNORM the
+    """Program (kv head, split): `split_program`."""
+    split_program(tl.program_id(0), tl.program_id(1), Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h,
+                  sk_k, sk_s, sv_k, sv_s, so_h, E, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G, BLOCK_N,
+                  BLOCK_E, BLOCK_S, FUSED, BLOCK_HG, USE_DESC, DOT_PRECISION, CROSS, QNORM, PDL, PREFETCH, LATE_Q)
+
+
+@triton.jit
+def split_program(kh, split, Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
+                  E: tl.constexpr, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
+                  BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr, CROSS: tl.constexpr,
+                  QNORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                  LATE_Q: tl.constexpr):
+    """Split `split` of kv head kh -> whether this program combined the kv head's splits (FUSED: it drew the last
+    ticket; its head group's output is stored, then). Also the body of accel/kernels/attn_o.py's attention phase.
+    CROSS: the query over all n_keys keys (no position), key n seen where VIS[n] != 0, and with QNORM the
     query RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS.
     PDL: launched as a programmatic dependent; only the position read and the L2 prefetch of the split's first
     PREFETCH slots come before the wait for the previous kernel (module docstring).
     LATE_Q (not with QNORM): q is loaded in the first loop iteration, after the pipeline has issued its first
     K/V load, so their round trips overlap (loaded before the loop, q is stored to shared memory in its dot
     layout before that first load is issued, which then waits for q)."""
-    kh = tl.program_id(0)
-    split = tl.program_id(1)
     if PDL:
         gdc_launch_dependents()  # a PDL-launched successor waits for our completion itself
     if CROSS:
@@ -174,6 +187,7 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
     tl.store(M + row, m_i, mask=g_ok)
     tl.store(L + row, l_i, mask=g_ok)
     tl.store(ACC + row[:, None] * E + offs_e[None, :], acc, mask=g_ok[:, None] & e_ok[None, :])
+    combined = False
     if FUSED:
         # The CTA barrier orders every thread's partial stores before the one release-add below (done by one
         # thread: a scalar atomic), so the program that draws the last ticket has acquired all the partials; its
@@ -181,9 +195,11 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
         # program serialize in L2.)
         tl.debug_barrier()
         ticket = tl.atomic_add(CNT + kh, 1, sem="acq_rel", scope="gpu")
-        if ticket == n_splits - 1:
+        combined = ticket == n_splits - 1
+        if combined:
             _combine_heads(ACC, M, L, O, kh * G, G, so_h, E, n_splits, BLOCK_HG, BLOCK_S, BLOCK_E)
             tl.store(CNT + kh, 0)  # every other program of this kv head is done: ready for the next launch
+    return combined
 
 
 @triton.jit
@@ -251,19 +267,25 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     default `default_split_len(max_len)`); the actual length pos + 1 is read on the device. `config` overrides
     BLOCK_N, num_warps, num_stages, FUSED (combine in the split kernel), USE_DESC (K/V through TMA
     descriptors where the cache allows them), PREFETCH (slots a split prefetches into L2 before the PDL wait, a
-    power of 2), LATE_Q (q loaded in the first loop iteration): for tuning sweeps. `pdl`: launch as a programmatic dependent of the previous kernel on sm_90+,
-    for caches of LONG_CONTEXT slots or more (config PDL=True forces it); the caller promises that kernel does
+    power of 2), LATE_Q (q loaded in the first loop iteration): for tuning sweeps. `pdl`: launch as a
+    programmatic dependent of the previous kernel on sm_90+, for caches of LONG_CONTEXT slots or more (config PDL=True forces it); the caller promises that kernel does
     not write `position` (module docstring).
     """
     assert position.numel() == 1
+    max_len, split_len, cfg = self_config(q, cache_k, max_len, split_len, config, pdl)
+    return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
+
+
+def self_config(q, cache_k, max_len: int | None, split_len: int | None, config: dict | None,
+                pdl: bool) -> tuple[int, int, dict]:
+    """decode_attention_fwd's options resolved -> (max_len, split_len, the split kernel's config)."""
     max_len = cache_k.shape[1] if max_len is None else max_len
     cfg = {**_config(q.is_cuda, split_len, q.dtype, q.shape[-1], max_len), **(config or {})}
     if split_len is None:
         long = q.is_cuda and max_len >= LONG_CONTEXT  # whole blocks a split: 8k -> 32 × 256, 32k -> 32 × 1024
         split_len = default_split_len(max_len, cfg["BLOCK_N"] if long else 64 if q.is_cuda else 16)
         cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
-    cfg = {"PDL": pdl and max_len >= LONG_CONTEXT, **cfg}  # shorter caches lost with it (NOTES.md)
-    return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
+    return max_len, split_len, {"PDL": pdl and max_len >= LONG_CONTEXT, **cfg}  # shorter caches lost with PDL
 
 
 # Many query heads a kv head (the vision encoder's padding rows: 28 rows × a head's queries): on the GPU the fused
@@ -299,9 +321,24 @@ def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torc
 
 def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, split_len, out, cfg):
     """The split kernel (+ the combine kernel unless FUSED) over max_len keys; visible None: causal by position."""
+    cnt = _counters(q.device, cache_k.shape[0]) if cfg["FUSED"] else None
+    grid, args, kw, (acc, m, l, out) = split_launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len,
+                                                    split_len, out, cfg, cnt)
+    _decode_split_kernel[grid](*args, **kw)
+    if cnt is None:
+        _decode_reduce_kernel[(q.shape[-2],)](acc, m, l, out, out.stride(-2), q.shape[-1], grid[1],
+                                              BLOCK_S=kw["BLOCK_S"], BLOCK_E=kw["BLOCK_E"], num_warps=4)
+    return out
+
+
+def split_launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, split_len, out, cfg, cnt):
+    """The split kernel's launch over max_len keys (visible None: causal by position; cnt: the fused combine's
+    per-kv-head counters, None: no fused combine) -> grid (K, splits), its positional arguments, its constexprs
+    with the launch options, and (partials acc, m, l, out). accel/kernels/attn_o.py launches the same programs."""
     H, E = q.shape[-2:]
     NK = cache_k.shape[0]
     assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
+    cfg = dict(cfg)
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], split_len)
     assert split_len % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16, "split_len must be a multiple of 16"
     n_splits = triton.cdiv(max_len, split_len)
@@ -310,7 +347,6 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     m = torch.empty((H, n_splits), dtype=torch.float32, device=q.device)
     l = torch.empty((H, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    cnt = _counters(q.device, NK) if cfg["FUSED"] else None
     block_e = max(16, triton.next_power_of_2(E))
     block_s = triton.next_power_of_2(n_splits)
     use_desc = cfg.pop("USE_DESC", False)
@@ -322,18 +358,14 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
     dk, dv = descs if descs else (cache_k, cache_v)  # unused placeholders on the pointer path
     cross = visible is not None
-    _decode_split_kernel[(NK, n_splits)](
-        q, cache_k, cache_v, dk, dv, position if not cross else visible, visible if cross else q,
-        q if norm_weight is None else norm_weight, acc, m, l, out, m if cnt is None else cnt, q.stride(-2),
-        cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G, split_len,
-        n_splits,
-        LOG2E / math.sqrt(E), max_len, float(eps), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e,
-        BLOCK_S=block_s, BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None,
-        DOT_PRECISION=dot_precision(q.dtype), CROSS=cross, QNORM=norm_weight is not None, PDL=pdl,
-        PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
-        LATE_Q=late_q,
-        **{**cfg, "FUSED": cnt is not None}, **({"launch_pdl": True} if pdl else {}))
-    if cnt is None:
-        _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,
-                                    num_warps=4)
-    return out
+    args = (q, cache_k, cache_v, dk, dv, position if not cross else visible, visible if cross else q,
+            q if norm_weight is None else norm_weight, acc, m, l, out, m if cnt is None else cnt, q.stride(-2),
+            cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), out.stride(-2), E, G,
+            split_len, n_splits, LOG2E / math.sqrt(E), max_len, float(eps))
+    kw = dict(BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_E=block_e, BLOCK_S=block_s,
+              BLOCK_HG=triton.next_power_of_2(G), USE_DESC=descs is not None, DOT_PRECISION=dot_precision(q.dtype),
+              CROSS=cross, QNORM=norm_weight is not None, PDL=pdl,
+              PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
+              LATE_Q=late_q,
+              **{**cfg, "FUSED": cnt is not None}, **({"launch_pdl": True} if pdl else {}))
+    return (NK, n_splits), args, kw, (acc, m, l, out)

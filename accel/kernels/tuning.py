@@ -4,6 +4,7 @@ GEMV      (N, K) of the weight -> GemvConfig (accel/kernels/gemv.py); shapes not
 QKV_ROPE  (N, K) of the fused qkv weight -> QkvConfig (accel/kernels/qkv_rope.py); else `qkv_rope.qkv_config`'s rule.
 QGEMV     (N, K, bits, group[, "rope"]) of a quantized weight -> QGemvConfig (accel/kernels/qgemv.py); else its rule.
 QMLP      (N, K, bits, group) of a quantized gate_up -> QMlpConfig, the MLP as one launch (accel/kernels/qmlp.py).
+ATTN_O    (N, K, bits, group) of o inside the chained attention + o launch (accel/kernels/attn_o.py); else its rule.
 A `Tuning` bundles one table of each plus the decode attention's launch options; the engine runs `DEFAULT`.
 Benchmarks that try other configs build their own `Tuning` and pass it in (tools/bench/decode_variants.py): nothing
 here is rewritten at run time. The measurements behind every row (on 132 SMs) are in tools/bench/NOTES.md.
@@ -99,6 +100,11 @@ QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
     (128256, 3072, 8, 3072): QGemvConfig(16, 512, 1, 1, 4),  # 3B lm_head
     (128256, 3072, 4, 64): QGemvConfig(8, 4096, 2, 1, 3, 764),
 })
+
+# o's tiles inside the chained attention + o launch (accel/kernels/attn_o.py), per (N, K, bits, group) as QGEMV
+# (bits 16, group 0: the dense weight); the warps field is unused (the attention's). Shapes not listed take
+# `attn_o.attn_o_config`'s rule (o's own GEMV row without persistence).
+ATTN_O: Mapping[tuple, QGemvConfig] = MappingProxyType({})
 
 
 class QMlpConfig(NamedTuple):
