@@ -268,8 +268,8 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     BLOCK_N, num_warps, num_stages, FUSED (combine in the split kernel), USE_DESC (K/V through TMA
     descriptors where the cache allows them), PREFETCH (slots a split prefetches into L2 before the PDL wait, a
     power of 2), LATE_Q (q loaded in the first loop iteration): for tuning sweeps. `pdl`: launch as a
-    programmatic dependent of the previous kernel on sm_90+, for caches of LONG_CONTEXT slots or more (config PDL=True forces it); the caller promises that kernel does
-    not write `position` (module docstring).
+    programmatic dependent of the previous kernel on sm_90+, for caches of LONG_CONTEXT slots or more (config
+    PDL=True forces it); the caller promises that kernel does not write `position` (module docstring).
     """
     assert position.numel() == 1
     max_len, split_len, cfg = self_config(q, cache_k, max_len, split_len, config, pdl)
