@@ -239,9 +239,8 @@ def quant_attention_o_add(q, cache_k, cache_v, position, w: QuantTensor, residua
     """ops.attention_o_add's one launch for a quantized o (accel.kernels.attn_o), with the attention's options
     and o's launch mode as the GEMV's (decode_pdl)."""
     from .kernels.attn_o import attention_o_qfwd
-    mode = {"o_pdl": _DECODE_PDL.get()[0]} if _DECODE_PDL.get() else {}
     return attention_o_qfwd(q, cache_k, cache_v, position, w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K,
-                            residual, **attention_options, **mode)
+                            residual, **attention_options, o_pdl=_DECODE_PDL.get())
 
 
 def quant_swiglu_linear_add(gate_up, w: QuantTensor, residual):
