@@ -132,7 +132,8 @@ def decode_step(w: Weights, cfg: LlamaConfig, token, position, tables: RopeTable
                 tuning: Tuning = DEFAULT):
     """token [1] int, position [1] int (both on the device) -> logits [1, V]. Capturable in a CUDA graph.
 
-    Same values as `_layers` (the same roundings in the same order), with the GEMVs carrying the neighbours:
+    The roundings of `_layers` run with PrefillOptions(residual_in_gemm=False) (the default prefill rounds each
+    residual sum once, inside cuBLAS), with the GEMVs carrying the neighbours:
     attn norm + RoPE + cache write around the qkv GEMV, mlp norm in gate_up's prologue, SwiGLU in down's
     prologue (quantized: in gate_up's epilogue), the residual adds in o/down's epilogue, the final norm in the
     lm_head's prologue.

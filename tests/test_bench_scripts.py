@@ -216,7 +216,8 @@ def test_quant_roles_times_each_variant_inside_its_own_context(monkeypatch):
 
 
 @pytest.mark.parametrize("script, flag", [("quant_swiglu", "--specs"), ("quant_roles", "--specs"),
-                                          ("qgemv_probe", "--quant"), ("quant_mlp", "--specs")])
+                                          ("qgemv_probe", "--quant"), ("quant_mlp", "--specs"),
+                                          ("attn_o", "--specs")])
 def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, flag, capsys, monkeypatch, tmp_path):
     """--help works without a GPU; bad names are argparse errors (exit 2); no CUDA is one error line, no traceback."""
     import importlib

@@ -70,10 +70,20 @@ def test_chained_mlp_equals_the_two_kernels_and_the_oracle(spec, F, split):
         np.testing.assert_allclose(got.numpy(), oracle, rtol=1e-5, atol=1e-4)
 
 
+def _count_chained_calls(monkeypatch) -> list:
+    """Calls of the chained kernel's launcher from here on (a spy around accel.kernels.qmlp.norm_mlp_qfwd)."""
+    from accel.kernels import qmlp
+    calls, real = [], qmlp.norm_mlp_qfwd
+    monkeypatch.setattr(qmlp, "norm_mlp_qfwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 @interpreter
 @pytest.mark.parametrize("spec", ["int8", "int4:64"])
-def test_norm_mlp_add_chained_or_not_is_the_same(spec):
-    """The op the engine calls, with the switch on and off: the same bits (the default tiles of both paths)."""
+def test_norm_mlp_add_chained_or_not_is_the_same(spec, monkeypatch):
+    """The op the engine calls, with the switch on and off: the same bits (the default tiles of both paths), and
+    the chained kernel ran only with it on."""
+    calls = _count_chained_calls(monkeypatch)
     F, D = 38, 64
     gu = from_quantized_linear(record(spec, 2 * F, D, seed=9), "cpu")
     down = from_quantized_linear(record(spec, D, F, seed=10), "cpu")
@@ -84,12 +94,13 @@ def test_norm_mlp_add_chained_or_not_is_the_same(spec):
     for on in (True, False):
         with mlp_chained(on):
             outs.append(ops.norm_mlp_add(x0.clone(), nw, gu, down, EPS))
+        assert len(calls) == 1, (on, calls)
     assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
     assert counters("cpu") == 0
 
 
 @interpreter
-def test_quantized_engine_steps_equal_chained_or_not(tmp_path):
+def test_quantized_engine_steps_equal_chained_or_not(tmp_path, monkeypatch):
     """A toy int4:32 model's decode step on the accel engine (CPU, fp32): the same logits, bit for bit, with its
     MLPs chained and as two kernels."""
     from accel.engine import AccelEngine
@@ -98,12 +109,14 @@ def test_quantized_engine_steps_equal_chained_or_not(tmp_path):
     cfg = tiny_config(tied=True)
     dense = Checkpoint(tmp_path, cfg, random_params(cfg, seed=10, std=0.15))
     logits = []
+    calls = _count_chained_calls(monkeypatch)
     for on in (True, False):
         with mlp_chained(on):
             eng = AccelEngine.from_checkpoint(dense, device="cpu", dtype="fp32", quant=QuantSpec.parse("int4:32"))
             sess = eng.session(8)
             eng.prefill([3, 17, 42, 5], sess)  # more than one row: the MLP's two kernels either way
             logits.append(sess.decoder.step(torch.tensor([7]), 4))
+    assert len(calls) == cfg.num_hidden_layers, calls  # the chained kernel ran in every layer of the step with it on
     assert torch.equal(logits[0].view(torch.int32), logits[1].view(torch.int32))
 
 

@@ -124,6 +124,7 @@ def attn_o_config(N: int, K: int, bits: int, group: int, sms: int,
 
 def chain_counters(device: torch.device, kv_heads: int) -> torch.Tensor:
     """This launch's counters (module doc): a view of chain.chain_counters from COUNTER_BASE."""
+    assert kv_heads <= 32, "kv heads past 32 would reach accel/kernels/qmlp.py's counters"
     return chain.chain_counters(device, COUNTER_BASE + 96 + kv_heads)[COUNTER_BASE:]
 
 

@@ -1,10 +1,10 @@
 """The decode step's attention + o projection as one launch (accel/kernels/attn_o.py) against the two launches, in
 the engine, one process, the same weights (tools/bench/NOTES.md, "attention + o in one launch").
 
-`python3 -m tools.bench.attn_o [OUT_DIR] [--models=1b,3b] [--specs=bf16,int8,int4:64] [--long=8192] [--o-configs]
+`python3 -m tools.bench.attn_o [OUT_DIR] [--models=1b,3b] [--specs=int8,int4:64] [--long=8192] [--o-configs]
 [--profile=int8]`:
-per model and format, greedy decode tok/s (tools.bench.quant_pdl.rate_within: 32-token prompt, 256 tokens, median
-of 3) for each WAYS row, × the bf16 two-launch rate of the same process, the first 16 greedy tokens beside the
+per model, bf16 and then each format, greedy decode tok/s (tools.bench.quant_roles.rate_within: 32-token prompt,
+256 tokens, median of 3) for each WAYS row, × the bf16 two-launch rate of the same process, the first 16 greedy tokens beside the
 two launches'. --o-configs: O_CONFIGS' tiles for o inside the one launch. --long N: the same ways at a long
 context (quantized formats): a prompt of N − 128 tokens into a session of N slots (N >= LONG_CONTEXT: the
 long-cache attention), 128 tokens. --profile=SPECS: per kernel of the replayed graph, both ways, for those
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 
 import torch
@@ -28,11 +27,9 @@ from accel.quant_layers import quantize_weights
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
-from tools.bench.decode_variants import NAMES, run_record
+from tools.bench.decode_variants import NAMES
 from tools.bench.gpu import decode_rate
-from tools.bench.quant_pdl import rate_within
-from tools.bench.quant_roles import _print_profile, step_profile
-from tools.bench.timing import require_cuda
+from tools.bench.quant_roles import bench_args, bench_parser, profile_within, rate_within
 
 # (name, chained_launch's value, the decode attention's options)
 WAYS = [("two launches", False, {}), ("one launch", True, {}),
@@ -101,13 +98,9 @@ def compare(model: str, specs: list[str], o_configs: bool, long: int, profile: l
             print(f"{model} {spec:8} {name:<44} {rate:8.1f} tok/s  x bf16 {rate / base:.3f}  same tokens "
                   f"{tokens == first}", flush=True)
         for chained in (False, True) if spec in profile else ():
-            with _within(chained):
-                eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
-                prof = step_profile(eng)
-            del eng
             way = "one launch" if chained else "two launches"
+            prof = profile_within(cfg, weights, _within(chained), f"{model} {spec} {way}")
             rows.append({"model": model, "quant": spec, "way": way, "profile": prof})
-            _print_profile(f"{model} {spec} {way}", prof)
         if long and spec != "bf16":  # bf16 chains only where forced: its long caches are not asked about
             got = {}
             for chained in (False, True):
@@ -123,22 +116,18 @@ def compare(model: str, specs: list[str], o_configs: bool, long: int, profile: l
     return rows
 
 
-def main(argv: list[str]) -> None:
-    require_cuda("tools.bench.attn_o")
-    opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
-    out_dir = next((a for a in argv if not a.startswith("--")), None)
-    models = opts.get("models", "1b,3b").split(",")
-    specs = opts.get("specs", "bf16,int8,int4:64").split(",")
-    assert specs[0] == "bf16", "bf16 first: the x bf16 column's base"
-    res = run_record(rows=[])
+def main(argv: list[str] | None = None) -> None:
+    ap = bench_parser("tools.bench.attn_o", __doc__)
+    ap.add_argument("--long", type=int, default=0, help="also decode at a context of this many slots")
+    ap.add_argument("--o-configs", action="store_true", help="also o's tiles of O_CONFIGS in the one launch")
+    ap.add_argument("--profile", default="", help="formats whose replayed graph is profiled both ways")
+    args, models, specs, res = bench_args(ap, argv)
     for m in models:
-        res["rows"] += compare(m, specs, "--o-configs" in argv, int(opts.get("long", 0)),
-                               opts.get("profile", "").split(","))
-        if out_dir:
-            with open(f"{out_dir}/attn_o.json", "w") as f:
-                json.dump(res, f, indent=1)
+        res["rows"] += compare(m, ["bf16"] + specs, args.o_configs, args.long, args.profile.split(","))
+        with open(f"{args.out_dir}/attn_o.json", "w") as f:
+            json.dump(res, f, indent=1)
     print(f"done {time.strftime('%H:%M:%S')}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -25,7 +25,7 @@ from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
-from tools.bench.quant_roles import bench_args, bench_parser, profile_within, rate_within
+from tools.bench.quant_roles import bench_args, bench_parser, bf16_rate, profile_within, rate_within
 
 # (name, chained (None: the default), the chained launch's QMlpConfig (None: tuning.QMLP's, else gate_up's warps
 #  and down's own tiles), the quantized kernels' launch mode ("default": PDL_DEFAULT's)); the first row is the
@@ -55,9 +55,8 @@ def variant_context(chained, launch, mode):
 
 def compare(model: str, specs: list[str], profile: bool) -> list[dict]:
     cfg = PRESETS[NAMES[model]]
-    bf16, _ = rate_within(cfg, random_weights(cfg, "cuda", torch.bfloat16, seed=0), contextlib.nullcontext())
-    rows = [{"model": model, "quant": "bf16", "variant": "plain", "decode_tok_s": bf16}]
-    print(f"{model} bf16 {bf16:8.1f} tok/s", flush=True)
+    rows = [bf16_rate(cfg, model)]
+    bf16 = rows[0]["decode_tok_s"]
     for spec in specs:
         weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
         variants = VARIANTS[QuantSpec.parse(spec).format]
@@ -91,6 +90,8 @@ def main(argv=None):
     ap = bench_parser("tools.bench.quant_mlp", __doc__)
     ap.add_argument("--profile", action="store_true", help="per kernel of the graph replays (torch.profiler)")
     args, models, specs, res = bench_args(ap, argv)
+    if any(QuantSpec.parse(s).format not in VARIANTS for s in specs):
+        ap.error(f"--specs {args.specs}: expected int8 or int4[:G] formats (the chained MLP's)")
     t0 = time.time()
     for m in models:
         res["rows"] += compare(m, specs, args.profile)
