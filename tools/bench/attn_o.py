@@ -3,12 +3,12 @@ the engine, one process, the same weights (tools/bench/NOTES.md, "attention + o 
 
 `python3 -m tools.bench.attn_o [OUT_DIR] [--models=1b,3b] [--specs=int8,int4:64] [--long=8192] [--o-configs]
 [--profile=int8]`:
-per model, bf16 and then each format, greedy decode tok/s (tools.bench.quant_roles.rate_within: 32-token prompt,
-256 tokens, median of 3) for each WAYS row, × the bf16 two-launch rate of the same process, the first 16 greedy
-tokens beside the two launches'. --o-configs: O_CONFIGS' tiles for o inside the one launch. --long N: the same ways at a long
-context (quantized formats): a prompt of N − 128 tokens into a session of N slots (N >= LONG_CONTEXT: the
-long-cache attention), 128 tokens. --profile=SPECS: per kernel of the replayed graph, both ways, for those
-formats (tools.bench.quant_roles.step_profile).
+per model, bf16 and then each format, greedy decode tok/s (tools.bench.quant_roles.rate_within: 32-token prompt, 256
+tokens, median of 3) for each WAYS row, × the bf16 two-launch rate of the same process, the first 16 greedy tokens
+beside the two launches'. --o-configs: O_CONFIGS' tiles for o inside the one launch. --long N: the same ways at a
+long context (quantized formats): a prompt of N − 128 tokens into a session of N slots (N >= LONG_CONTEXT: the long-
+cache attention), 128 tokens. --profile=SPECS: per kernel of the replayed graph, both ways, for those formats
+(tools.bench.quant_roles.step_profile).
 Writes OUT_DIR/attn_o.json after each model.
 """
 from __future__ import annotations
