@@ -6,11 +6,13 @@ Work is handed out by ticket, not by program id: a program takes the next ticket
 tickets 0..A-1 are A's work. So a program that waits for A's work only exists once every A ticket has been taken
 by a started, resident program — the launch cannot deadlock on A programs still waiting for an SM, whatever order
 the hardware starts programs in. A's programs count themselves done (`count_done`, after their stores); B's wait
-for the count (`wait_count`) and then read A's output bypassing L1 (`cache_modifier=".cg"`).
+for the count (`wait_count`, which ends in an acquire), then read A's output (`.cg` loads bypass L1 where a
+program may have read the same lines before the wait).
 
-The counters live in one buffer a device (`chain_counters`), zeros between launches: the program that counts the
-launch's last work done returns every counter it used to 0 (`reset`), so the next launch (or graph replay) finds
-them zeroed. Launches that share counters must not run concurrently (one stream: the decode step).
+The counters live in one buffer a device (`chain_counters`, each launch its own region), zeros between launches: a
+program that knows no other program of the launch will touch a counter again returns it to 0 (`reset`) — the one
+counting the launch's last work done, or for the ticket counter the one drawing the last ticket — so the next launch
+(or graph replay) finds them zeroed. Launches that share counters must not run concurrently (one stream: the decode step).
 Under TRITON_INTERPRET=1 programs run one after another in program-id order: tickets equal program ids, and every
 wait is already satisfied when it is reached.
 """
