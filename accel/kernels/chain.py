@@ -12,7 +12,8 @@ program may have read the same lines before the wait).
 The counters live in one buffer a device (`chain_counters`, each launch its own region), zeros between launches: a
 program that knows no other program of the launch will touch a counter again returns it to 0 (`reset`) — the one
 counting the launch's last work done, or for the ticket counter the one drawing the last ticket — so the next launch
-(or graph replay) finds them zeroed. Launches that share counters must not run concurrently (one stream: the decode step).
+(or graph replay) finds them zeroed. Launches that share counters must not run concurrently (one stream: the
+decode step).
 Under TRITON_INTERPRET=1 programs run one after another in program-id order: tickets equal program ids, and every
 wait is already satisfied when it is reached.
 """
