@@ -30,8 +30,6 @@ chain.chain_counters: a neighbour taking tickets from other counters may overlap
 from __future__ import annotations
 
 import contextvars
-from typing import Mapping
-
 import torch
 import triton
 import triton.language as tl
@@ -41,7 +39,8 @@ from .common import (gdc_launch_dependents, gdc_wait, per_row_scales, row_tile, 
                      split_scratch)
 from .decode_attn import self_config, split_launch, split_program
 from .gemv import _dot_tile
-from .qgemv import PDL_DEFAULT, PdlMode, _fast, _launch_checks, _pdl_kwargs, _pdl_start, _qdot, qgemv_config
+from .qgemv import (PDL_DEFAULT, PdlMode, _fast, _launch_checks, _pdl_kwargs, _pdl_start, _qdot, k_slices,
+                    qgemv_config)
 from .tuning import QGemvConfig
 
 # chain counters from COUNTER_BASE, each on its own 128-byte line (the o programs' spin on one must not slow the
@@ -105,21 +104,19 @@ def _attn_o_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h, sk
             chain.reset(CHAIN + 64, 1)
 
 
-def attn_o_config(N: int, K: int, bits: int, group: int, sms: int,
-                  table: Mapping[tuple, QGemvConfig] = tuning.ATTN_O) -> QGemvConfig:
-    """o's tiles inside the chained launch (its warps are the attention's: `warps` is not used): `table`'s row for
+def attn_o_config(N: int, K: int, bits: int, group: int, sms: int) -> QGemvConfig:
+    """o's tiles inside the chained launch (its warps are the attention's: `warps` is not used): tuning.ATTN_O's row for
     (N, K, bits, group) on a GPU (bits 16: the dense weight, group 0), else o's own GEMV row (qgemv.qgemv_config)
     with a persistent row's tiles one program a row block; dense: one tile a program of the widest of 2048, 1024,
     512 columns that divides K, 8 rows, split-K over the tiles (on CPU: one tile of up to 1024 columns, 32 rows)."""
-    if sms and (N, K, bits, group) in table:
-        return table[(N, K, bits, group)]
+    if sms and (N, K, bits, group) in tuning.ATTN_O:
+        return tuning.ATTN_O[(N, K, bits, group)]
     if bits == 16:
         if not sms:
             return QGemvConfig(min(32, triton.next_power_of_2(N)), min(1024, triton.next_power_of_2(K)), 4, 1, 1)
         bk = next((c for c in (2048, 1024, 512) if K % c == 0), min(2048, triton.next_power_of_2(K)))
         return QGemvConfig(8, bk, 4, triton.cdiv(K, bk), 1)
-    cfg = qgemv_config(N, K, bits, group, sms)
-    return cfg._replace(programs=0) if cfg.programs else cfg
+    return qgemv_config(N, K, bits, group, sms)._replace(programs=0)
 
 
 def chain_counters(device: torch.device, kv_heads: int) -> torch.Tensor:
@@ -146,14 +143,13 @@ def chained() -> bool:
 
 def attention_o_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor,
                     weight: torch.Tensor, residual: torch.Tensor, *, max_len: int | None = None,
-                    split_len: int | None = None, config: dict | None = None, pdl: bool = False,
-                    o_config: QGemvConfig | tuple | None = None) -> torch.Tensor:
+                    split_len: int | None = None, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """residual += weight @ decode_attention(q, cache_k, cache_v, position) in one launch, weight [D, H·E] dense
     (rows contiguous), residual [1, D] -> residual. q, the cache, position, max_len, split_len, config and pdl as
-    decode_attn.decode_attention_fwd's; o_config: o's tiles (else `attn_o_config`'s)."""
+    decode_attn.decode_attention_fwd's; o's tiles are `attn_o_config`'s."""
     N, K = weight.shape
     assert weight.stride(1) == 1, "weight rows must be contiguous"
-    cfg = QGemvConfig(*o_config) if o_config is not None else attn_o_config(N, K, 16, 0, sm_count(weight.device))
+    cfg = attn_o_config(N, K, 16, 0, sm_count(weight.device))
     weights = (weight, weight, weight, K, weight.stride(0), 0, 0, cfg.block_k)  # W, SC, MN, KB, strides, groups, slice
     o = dict(DENSE=True, BITS=16, OFFSET=0, GROUP=0, HAS_MIN=False, PER_ROW=False, FAST=False,
              EVEN_K=K % cfg.block_k == 0, TRIGGER=0, PF_LINES=0)
@@ -165,7 +161,6 @@ def attention_o_qfwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
                      codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
                      group: int, K: int, residual: torch.Tensor, *, max_len: int | None = None,
                      split_len: int | None = None, config: dict | None = None, pdl: bool = False,
-                     o_config: QGemvConfig | tuple | None = None,
                      o_pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """attention_o_fwd for the quantized o [D, K = H·E] (qgemv.py's layout: codes, scale, low, bits, offset,
     group). o_pdl (a qgemv.PdlMode, None or "default": PDL_DEFAULT's) sets when the next kernel may launch; every
@@ -173,10 +168,10 @@ def attention_o_qfwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     N = codes.shape[0]
     assert codes.stride(1) == 1 and scale.stride(1) == 1 and (low is None or low.stride() == scale.stride())
     per_row = per_row_scales(group, K, low)
-    cfg = QGemvConfig(*o_config) if o_config is not None else attn_o_config(N, K, bits, group, sm_count(codes.device))
+    cfg = attn_o_config(N, K, bits, group, sm_count(codes.device))
     _launch_checks(cfg, bits, group, per_row, K)
     pack = 8 // bits
-    k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    k_split, split = k_slices(cfg, K)
     mode = PDL_DEFAULT.get(bits) if o_pdl == "default" else o_pdl
     trigger = "wait" if mode is None or mode.trigger == "none" else mode.trigger
     pk = _pdl_kwargs(PdlMode(trigger, k_split), codes, cfg, bits, k_split // pack, rope=False)  # {} off the GPU
@@ -185,8 +180,8 @@ def attention_o_qfwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     o = dict(DENSE=False, BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row,
              FAST=_fast(codes, bits, K), EVEN_K=True, PF_LINES=pk.get("PF_LINES", 0),
              TRIGGER=pk.get("TRIGGER", 0) if mode is not None and mode.trigger != "none" else 0)
-    return _launch(q, cache_k, cache_v, position, residual, N, K, cfg, triton.cdiv(K, k_split), weights, o, max_len,
-                   split_len, config, pdl)
+    return _launch(q, cache_k, cache_v, position, residual, N, K, cfg, split, weights, o, max_len, split_len, config,
+                   pdl)
 
 
 def _launch(q, cache_k, cache_v, position, residual, N, K, cfg, split, weights, o, max_len, split_len, config, pdl):

@@ -57,6 +57,10 @@ def reset(CNT, n: tl.constexpr):
     tl.store(CNT + tl.arange(0, n), tl.zeros([n], tl.int32))
 
 
+class CaptureBeforeCounters(RuntimeError):
+    """chain_counters was first asked for inside a CUDA graph capture."""
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # an outgrown buffer stays allocated: a captured graph may still point at it
 
@@ -68,7 +72,7 @@ def chain_counters(device: torch.device, n: int) -> torch.Tensor:
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("chain counters must be allocated before a CUDA graph capture (warm up first)")
+            raise CaptureBeforeCounters("chain counters must be allocated before a CUDA graph capture (warm up first)")
         if buf is not None:
             _RETIRED.append(buf)
         buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)

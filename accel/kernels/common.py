@@ -100,7 +100,7 @@ def prologue_fx(X, NW, k0, cols, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.con
     """f(x)[k0 : k0 + BLOCK_K] in fp32 (zeros past K)."""
     offs = k0 + cols
     inside = offs < K
-    if PROLOGUE == 3:
+    if PROLOGUE == 3:  # PROLOGUE_CHAINED: x written in this launch, read past L1
         x = tl.load(X + offs, mask=inside, other=0.0, cache_modifier=".cg")
     elif EVEN_K:
         x = tl.load(X + offs)

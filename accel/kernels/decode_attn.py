@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import gdc_launch_dependents, gdc_wait, pdl_available, prefetch_l2
+from . import chain
+from .common import gdc_launch_dependents, gdc_wait, pdl_available, pdl_kw, prefetch_l2
 from .flash_attn import LOG2E, dot_precision, finite_max, kv_descriptors, load_kv, rms_norm_rows
 
 
@@ -193,8 +194,7 @@ def split_program(kh, split, Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT
         # thread: a scalar atomic), so the program that draws the last ticket has acquired all the partials; its
         # reads bypass L1. (A per-thread add on a [threads] tensor was slower: 128 adds on one address per
         # program serialize in L2.)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(CNT + kh, 1, sem="acq_rel", scope="gpu")
+        ticket = chain.count_done(CNT + kh)
         combined = ticket == n_splits - 1
         if combined:
             _combine_heads(ACC, M, L, O, kh * G, G, so_h, E, n_splits, BLOCK_HG, BLOCK_S, BLOCK_E)
@@ -207,20 +207,15 @@ def _decode_reduce_kernel(ACC, M, L, O, so_h, E, n_splits, BLOCK_S: tl.constexpr
     _combine_head(ACC, M, L, O, tl.program_id(0), so_h, E, n_splits, BLOCK_S, BLOCK_E)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def _counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The fused path's per-kv-head arrival counters (zeros between launches), one buffer per device. None while
-    a CUDA graph is being captured and none exists yet: a zero-fill captured into a graph would not run before
-    the graph's first replay (the engine warms up before capturing, so this is only a guard)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+    """The fused path's per-kv-head arrival counters: chain.chain_counters' first n (accel/kernels/attn_o.py's and
+    qmlp.py's regions start at 128). None while a CUDA graph is being captured and they do not exist yet (then the
+    combine runs as its own kernel): the engine warms up before capturing, so this is only a guard."""
+    assert n <= 128, "kv heads past 128 would reach attn_o's counters"
+    try:
+        return chain.chain_counters(device, n)[:n]
+    except chain.CaptureBeforeCounters:
+        return None
 
 
 PREFETCH_SLOTS = 64  # slots a split prefetches into L2 before the PDL wait (PREFETCH; tools.bench.attn_sweep --pdl)
@@ -367,5 +362,5 @@ def split_launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_l
               CROSS=cross, QNORM=norm_weight is not None, PDL=pdl,
               PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
               LATE_Q=late_q,
-              **{**cfg, "FUSED": cnt is not None}, **({"launch_pdl": True} if pdl else {}))
+              **{**cfg, "FUSED": cnt is not None}, **pdl_kw(pdl))
     return (NK, n_splits), args, kw, (acc, m, l, out)

@@ -6,7 +6,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _embedding_kernel(IDS, TABLE, OUT, stride_table, stride_out, D, BLOCK: tl.constexpr):
     t = tl.program_id(0)
