@@ -125,12 +125,12 @@ def chain_counters(device: torch.device, kv_heads: int) -> torch.Tensor:
     return chain.chain_counters(device, COUNTER_BASE + 96 + kv_heads)[COUNTER_BASE:]
 
 
-_CHAINED = contextvars.ContextVar("accel_kernels_attn_o_chained", default=None)
+_CHAINED = contextvars.ContextVar("accel_kernels_attn_o_chained", default=False)
 
 
-def chained_launch(on: bool | None):
+def chained_launch(on: bool):
     """Within this block, the decode step's attention + o (accel.ops.attention_o_add) runs as this one launch
-    (True) or as the two launches (False, None: the default). For benchmarks and tests comparing them."""
+    (True) or as the two launches (False: the default). For benchmarks and tests comparing them."""
     return setting(_CHAINED, on)
 
 
@@ -138,7 +138,7 @@ def chained() -> bool:
     """Whether the decode step runs attention + o as this one launch here: only inside chained_launch(True). It
     was slower than the two launches for bf16, int8 and int4:64 at 1B and 3B, short and 8192-slot caches
     (tools/bench/NOTES.md, "attention + o in one launch"): a measured option, not a default."""
-    return bool(_CHAINED.get())
+    return _CHAINED.get()
 
 
 def attention_o_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor,

@@ -38,8 +38,8 @@ def embedding_rms_norm(ids, table, weight, eps):
 
 
 def rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions):
-    positions = positions.to(k.device)
-    if uses_triton(k):
+    positions = positions.to(q.device)
+    if uses_triton(q):
         return rope_kv_write_fwd(rows(q), rows(k), rows(v), rows(cos), rows(sin), cache_k, cache_v, positions)
     return torch_rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)
 

@@ -31,6 +31,7 @@ from accel.kernels.qgemv import qgemv_config, qgemv_fwd
 from accel.kernels.qgemv_fused import gate_up_swiglu_qfwd, qkv_rope_qfwd
 from accel.kernels.tuning import QGemvConfig
 from refimpl.model.config import PRESETS
+from tools.bench.decode_variants import run_record
 from tools.bench.gemv_sweep import graph_us
 from tools.bench.qgemv_sweep import NAMES, Case, shapes, table_source, timed_entry
 from tools.bench.quant_roles import bench_args, bench_parser
@@ -160,7 +161,7 @@ def probe(models: list[str], spec: str, budget: float, path: str | None = None, 
     """probes False: only the table's config and the persistent candidates (no no-scales / stream probes)."""
     deadline = time.time() + budget
     sms = sm_count(torch.device("cuda"))
-    result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "quant": spec, "rows": []}
+    result = run_record(triton=triton.__version__, quant=spec, rows=[])
 
     def save():  # after every row: a run cut short keeps what it measured
         if path:
