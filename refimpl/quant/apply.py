@@ -14,6 +14,13 @@ from refimpl.quant.formats import MATRIX_KEYS, QuantError, QuantizedLinear, Quan
 LINEAR_KEYS = tuple(f"{k}.weight" for k in MATRIX_KEYS if k != "lm_head")  # a block's, as the checkpoint names them
 LM_HEAD = "lm_head.weight"
 
+# The activation (refimpl.model.names, inside layer i) each group of linear layers multiplies.
+SHARED_INPUT = {"attn_norm": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                "attn.out": ("self_attn.o_proj.weight",),
+                "mlp_norm": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                "mlp.act": ("mlp.down_proj.weight",)}
+NORMS = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}  # whose weight
+
 
 def quantized_names(cfg: LlamaConfig, lm_head: bool) -> list[str]:
     names = [f"model.layers.{i}.{k}" for i in range(cfg.num_hidden_layers) for k in LINEAR_KEYS]

@@ -24,7 +24,7 @@ from refimpl.model.config import LlamaConfig
 from refimpl.model.llama import KVCache, attention_block, drive, layer_params, mlp_block
 from refimpl.progress import Progress
 from refimpl.quant import awq
-from refimpl.quant.apply import LM_HEAD, quantize_params, refuse_quantized, source_weight
+from refimpl.quant.apply import LM_HEAD, NORMS, SHARED_INPUT, quantize_params, refuse_quantized, source_weight
 from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
 from refimpl.quant.gptq import gptq_quantize
 from refimpl.quant.search import importance_of, quantize_search
@@ -32,12 +32,6 @@ from refimpl.quant.search import importance_of, quantize_search
 METHODS = ("rtn", "search", "gptq", "awq", "awq-gptq")
 SEQ_LEN = 512  # calibration tokens a sequence (the first is BOS)
 
-# The activation (refimpl.model.names, inside layer i) each group of linear layers multiplies.
-SHARED_INPUT = {"attn_norm": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-                "attn.out": ("self_attn.o_proj.weight",),
-                "mlp_norm": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                "mlp.act": ("mlp.down_proj.weight",)}
-NORMS = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}  # whose weight
 FOLDED = tuple(NORMS.values())  # AWQ changes them (v, up: quantized)
 
 

@@ -34,8 +34,7 @@ import numpy as np
 from refimpl.formats.params import expected_shapes
 from refimpl.model.config import LlamaConfig
 from refimpl.progress import Progress
-from refimpl.quant.apply import LM_HEAD, source_weight
-from refimpl.quant.calibrate import NORMS, SHARED_INPUT
+from refimpl.quant.apply import LM_HEAD, NORMS, SHARED_INPUT, source_weight
 from refimpl.quant.formats import F32, QuantError
 
 ROTATION_SEED = 0  # `llama32 quantize --rotate`'s
