@@ -23,13 +23,11 @@ from accel.engine import AccelEngine
 from accel.kernels import attn_o
 from accel.kernels.attn_o import chained_launch
 from accel.kernels.tuning import QGemvConfig, Tuning
-from accel.quant_layers import quantize_weights
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
-from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
 from tools.bench.gpu import decode_rate
-from tools.bench.quant_roles import bench_args, bench_parser, profile_within, rate_within
+from tools.bench.quant_roles import bench_args, bench_parser, profile_within, quant_random_weights, rate_within
 
 # (name, chained_launch's value, the decode attention's options)
 WAYS = [("two launches", False, {}), ("one launch", True, {}),
@@ -78,8 +76,7 @@ def compare(model: str, specs: list[str], o_configs: bool, long: int, profile: l
     bf16_weights = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
     rows, base = [], None
     for spec in specs:
-        weights = bf16_weights if spec == "bf16" else quantize_weights(
-            random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
+        weights = bf16_weights if spec == "bf16" else quant_random_weights(cfg, spec)
         first = None
         ways = [(n, c, a, None) for n, c, a in WAYS]
         ways += [(f"one launch, o tiles {oc}", True, {}, oc) for oc in O_CONFIGS.get((model, spec), [])

@@ -19,13 +19,12 @@ import torch
 
 from accel.kernels.qgemv import PdlMode
 from accel.kernels.tuning import QMlpConfig
-from accel.quant_layers import quantize_weights
 from accel.quant_ops import decode_pdl, mlp_chained
-from accel.weights import random_weights
 from refimpl.model.config import PRESETS
 from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
-from tools.bench.quant_roles import bench_args, bench_parser, bf16_rate, profile_within, rate_within
+from tools.bench.quant_roles import (bench_args, bench_parser, bf16_rate, profile_within, quant_random_weights,
+                                     rate_within)
 
 # (name, chained (None: the default), the chained launch's QMlpConfig (None: tuning.QMLP's, else gate_up's warps
 #  and down's own tiles), the quantized kernels' launch mode ("default": PDL_DEFAULT's)); the first row is the
@@ -58,7 +57,7 @@ def compare(model: str, specs: list[str], profile: bool) -> list[dict]:
     rows = [bf16_rate(cfg, model)]
     bf16 = rows[0]["decode_tok_s"]
     for spec in specs:
-        weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
+        weights = quant_random_weights(cfg, spec)
         variants = VARIANTS[QuantSpec.parse(spec).format]
         rates: dict[str, list[float]] = {}
         tokens = {}

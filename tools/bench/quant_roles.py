@@ -162,6 +162,11 @@ def per_role(cfg, model: str, modes: Mapping, configs: Mapping, gate_up_swiglu: 
             setattr(quant_ops, name, f)
 
 
+def quant_random_weights(cfg, spec: str):
+    """The benchmarks' weights: random bf16 weights at cfg's shapes (seed 0), quantized on the GPU to `spec`."""
+    return quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
+
+
 def rate_within(cfg, weights, context, tuning: Tuning | None = None, warm: bool = False) -> tuple[float, list[int]]:
     """The bf16 engine over `weights` built and timed inside `context` (the capture records the launches chosen
     there): greedy decode tok/s (32-token prompt, 256 tokens, median of 3; warm: 4 tokens once) and the tokens."""
@@ -289,7 +294,7 @@ def compare(model: str, specs: list[str], variants: list[Variant] = VARIANTS, pr
     cfg = PRESETS[NAMES[model]]
     rows = [bf16_rate(cfg, model, warm, profile)]
     for spec in specs:
-        weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
+        weights = quant_random_weights(cfg, spec)
         runs = Runs(cfg, model, spec, weights, rows[0]["decode_tok_s"], gate_up_swiglu, warm)
         for v in variants + (variants[::-1] if reverse and not warm else []):
             if runs.measure(v) and profile and v.name in PROFILED:
@@ -307,7 +312,7 @@ def search(model: str, spec: str = "int8") -> tuple[list[dict], dict]:
     FINAL_MODES launch mode. -> (rows, {role: config})."""
     cfg = PRESETS[NAMES[model]]
     bf16 = bf16_rate(cfg, model)
-    weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
+    weights = quant_random_weights(cfg, spec)
     runs = Runs(cfg, model, spec, weights, bf16["decode_tok_s"])
     base = runs.measure(Variant("table", {}))
     winners = {}

@@ -12,20 +12,17 @@ import json
 
 import torch
 
-from accel.quant_layers import quantize_weights
 from accel.quant_ops import swiglu_in_gate_up
-from accel.weights import random_weights
 from refimpl.model.config import PRESETS
-from refimpl.quant.formats import QuantSpec
 from tools.bench.decode_variants import NAMES
-from tools.bench.quant_roles import bench_args, bench_parser, rate_within
+from tools.bench.quant_roles import bench_args, bench_parser, quant_random_weights, rate_within
 
 
 def compare(model: str, specs: list[str]) -> list[dict]:
     cfg = PRESETS[NAMES[model]]
     rows = []
     for spec in specs:
-        weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=0), QuantSpec.parse(spec))
+        weights = quant_random_weights(cfg, spec)
         runs = {True: [], False: []}
         tokens = {}
         for on in (True, False, False, True):
