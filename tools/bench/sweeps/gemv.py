@@ -1,6 +1,9 @@
-"""Decode GEMV shapes: the Triton GEMV variants (accel/kernels/gemv.py) against cuBLAS, as the decode step runs them.
+"""Decode GEMV launch configs (accel/kernels/gemv.py) against cuBLAS, as the decode step runs them: the sweep that
+regenerates accel/kernels/tuning.py's GEMV table.
 
-`python3 -m tools.bench.gemv_sweep OUT_DIR` on a CUDA GPU. For each Llama 3.2 shape it times, per call:
+    python3 -m tools.bench.sweeps.gemv OUT_DIR [--models 1b,3b] [--budget S] [--decode]
+
+For each Llama 3.2 shape it times, per call:
     cublas        F.linear alone;
     unfused       the sequence the fused GEMV replaces (rms_norm + F.linear; F.linear + add; swiglu + F.linear
                   + add), all cuBLAS/Triton launches;
@@ -8,20 +11,19 @@
                   each checked first against a float64 product of the same f(x) (bf16 tolerance) and for
                   bitwise-equal repeats; a config that fails either check (or to compile) is not timed.
 Writes OUT_DIR/gemv_sweep.json (the winner per shape). With --decode, `decode_compare` then times the engine's
-greedy decode (1B, 3B) with the built-in table (accel/kernels/tuning.py) and with the sweep's winners merged into
-it, passed to the engine as a `Tuning`, in one process on the same weights, and writes the faster table per model
-as OUT_DIR/gemv_choice.json: copy its rows into accel/kernels/tuning.py's GEMV by hand, with the numbers in
-NOTES.md. --budget=S: past S seconds only the built-in configs are timed.
-Timing: one CUDA graph holding one call per weight copy, >= 256 MB of copies (> the 50 MB L2, as a decode step's
-layers are), replayed 10 times; median per call in µs (the graph's inter-kernel gap included, as in decode).
+greedy decode with the built-in table and with the sweep's winners merged into it, passed to the engine as a
+`Tuning`, in one process on the same weights, and writes the faster table per model as OUT_DIR/gemv_choice.json:
+copy its rows into accel/kernels/tuning.py's GEMV by hand, with the numbers in docs/performance.md. --budget S:
+past S seconds only the built-in configs are timed.
+Timing: common.graph_us, one CUDA graph holding one call per weight copy, >= 256 MB of copies (> the L2, as a
+decode step's layers are), replayed 10 times; median per call in µs.
 """
 from __future__ import annotations
 
 import json
-import statistics
-import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +34,16 @@ from accel.kernels.gemv import gemv_config, gemv_fwd
 from accel.kernels.rms_norm import rms_norm_fwd
 from accel.kernels.swiglu import swiglu_gate_up_fwd
 from accel.kernels.tuning import GemvConfig, Tuning
+from tools.bench.common import (decode_gemv_shapes, decode_rate, graph_us, model_config, parser, record,
+                                require_cuda, write_record)
 
-SHAPES = {"1b": {"qkv": (3072, 2048, "norm"), "o": (2048, 2048, "residual"), "gate_up": (16384, 2048, "norm"),
-                 "down": (2048, 8192, "swiglu")},
-          "3b": {"qkv": (5120, 3072, "norm"), "o": (3072, 3072, "residual"), "gate_up": (16384, 3072, "norm"),
-                 "down": (3072, 8192, "swiglu")}}
+
+def shapes(model: str) -> dict:
+    """The decode GEMVs of a model but the lm_head, qkv as the plain norm GEMV (name -> (N, K, fusion))."""
+    return {what: (N, K, "norm" if fusion == "rope" else fusion)
+            for what, (N, K, fusion) in decode_gemv_shapes(model_config(model)).items() if what != "lm_head"}
+
+
 # (BLOCK_N, BLOCK_K, warps) of the split kernel: 8-64 KB tiles (one a program, all loads at once), 2-8 warps;
 # compiled for sm_90 first: 48-168 registers, no spills, 16-byte loads
 SPLIT_TILES = [(8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (8, 2048, 8), (16, 2048, 8), (32, 2048, 8),
@@ -44,30 +51,6 @@ SPLIT_TILES = [(8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (8, 2048, 8), (16, 20
 # (BLOCK_N, BLOCK_K, warps, programs an SM, stages) of the streaming kernel: the winners so far (NOTES.md)
 STREAM_TILES = [(8, 512, 4, 3, 4), (8, 512, 4, 4, 4), (16, 512, 4, 2, 3)]
 DEADLINE = float("inf")  # time.time() past which only the built-in table's configs are timed (main's budget)
-
-
-def graph_us(calls, reps: int = 10) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up: compilation outside the capture
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def candidates(N: int, K: int, sms: int) -> list[GemvConfig]:
@@ -153,8 +136,7 @@ def write_choice(rows, path):
     out = [{"N": r["N"], "K": r["K"], "model": r["model"], "proj": r["proj"], "best_config": r["best_config"],
             "best_us": r["best_us"], "unfused_us": r["unfused_us"], "unfused_faster": r["unfused_faster"]}
            for r in rows]
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": out}, f, indent=1)
+    write_record(path, record(rows=out))
 
 
 def swept_tuning(rows) -> Tuning:
@@ -165,15 +147,11 @@ def swept_tuning(rows) -> Tuning:
 def decode_compare(tunings: dict[str, Tuning], models=("1b", "3b"), new_tokens: int = 128) -> list[dict]:
     """Greedy decode tok/s of the engine per launch table, same weights and process. Also: how many greedy
     tokens agree with the first table's, and the first step's logits' relative error."""
-    from refimpl.model.config import PRESETS
-
     from accel.engine import AccelEngine
     from accel.weights import random_weights
-    from tools.bench.gpu import decode_rate
-    names = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
     rows = []
     for m in models:
-        cfg = PRESETS[names[m]]
+        cfg = model_config(m)
         w = random_weights(cfg, "cuda", torch.bfloat16, seed=0)
         ref_tokens = ref_logits = None
         for tag, tun in tunings.items():
@@ -207,19 +185,24 @@ def write_final(rows, res, path) -> dict:
         cfg = tuning.GEMV.get((r["N"], r["K"])) if tag == "builtin" else GemvConfig(*r["best_config"])
         out.append({"N": r["N"], "K": r["K"], "model": r["model"], "proj": r["proj"], "table": tag,
                     "best_config": list(cfg) if cfg else None, "best_us": r["best_us"], "unfused_us": r["unfused_us"]})
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "pick": pick, "rows": out}, f, indent=1)
+    write_record(path, record(pick=pick, rows=out))
     return pick
 
 
-def main(argv):
-    out_dir = argv[1] if len(argv) > 1 and not argv[1].startswith("--") else "."
+def main(argv: list[str] | None = None) -> None:
+    ap = parser("tools.bench.sweeps.gemv", __doc__, models="1b,3b", json_out=False)
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--budget", type=float, default=float("inf"), help="seconds; past them only the table's configs")
+    ap.add_argument("--decode", action="store_true", help="then time the engine's decode with each table")
+    args = ap.parse_args(argv)
+    require_cuda("python3 -m tools.bench.sweeps.gemv")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     t0, rows = time.time(), []
     global DEADLINE
-    DEADLINE = t0 + float(next((a.split("=")[1] for a in argv if a.startswith("--budget=")), "inf"))
+    DEADLINE = t0 + args.budget
     print(f"{'shape':<14}{'MB':>6}{'cuBLAS':>8}{'unfused':>9}{'table':>8}{'best':>8}{'TB/s':>6}  best cfg")
-    for model, shapes in SHAPES.items():
-        for name, (N, K, fusion) in shapes.items():
+    for model in args.models:
+        for name, (N, K, fusion) in shapes(model).items():
             try:
                 r = sweep_shape(N, K, fusion)
             except Exception:
@@ -238,17 +221,15 @@ def main(argv):
                 print(f"      {v:7.2f}  {k}")
             for k, v in list(r["failed"].items())[:3]:
                 print(f"      FAILED {k}: {v}")
-    with open(f"{out_dir}/gemv_sweep_all.json", "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    write_choice(rows, f"{out_dir}/gemv_sweep.json")
+    write_record(args.out_dir / "gemv_sweep_all.json", record(rows=rows))
+    write_choice(rows, args.out_dir / "gemv_sweep.json")
     print(f"sweep {time.time() - t0:.0f} s", flush=True)
-    if "--decode" in argv:
-        res = decode_compare({"builtin": tuning.DEFAULT, "best": swept_tuning(rows)})
-        with open(f"{out_dir}/decode_compare.json", "w") as f:
-            json.dump(res, f, indent=1)
-        print("chosen table per model:", write_final(rows, res, f"{out_dir}/gemv_choice.json"), flush=True)
+    if args.decode:
+        res = decode_compare({"builtin": tuning.DEFAULT, "best": swept_tuning(rows)}, args.models)
+        write_record(args.out_dir / "decode_compare.json", record(rows=res))
+        print("chosen table per model:", write_final(rows, res, args.out_dir / "gemv_choice.json"), flush=True)
         print(f"sweep + decode {time.time() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main()
