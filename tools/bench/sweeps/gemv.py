@@ -48,7 +48,7 @@ def shapes(model: str) -> dict:
 # compiled for sm_90 first: 48-168 registers, no spills, 16-byte loads
 SPLIT_TILES = [(8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (8, 2048, 8), (16, 2048, 8), (32, 2048, 8),
                (16, 512, 4), (32, 512, 4), (64, 512, 4), (32, 1024, 8)]
-# (BLOCK_N, BLOCK_K, warps, programs an SM, stages) of the streaming kernel: the winners so far (NOTES.md)
+# (BLOCK_N, BLOCK_K, warps, programs an SM, stages) of the streaming kernel: the winners so far
 STREAM_TILES = [(8, 512, 4, 3, 4), (8, 512, 4, 4, 4), (16, 512, 4, 2, 3)]
 DEADLINE = float("inf")  # time.time() past which only the built-in table's configs are timed (main's budget)
 
