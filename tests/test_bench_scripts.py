@@ -135,6 +135,33 @@ def test_llama32_bench_refuses_without_cuda_and_unknown_models(monkeypatch):
                                                      "11b-vision, 90b-vision)")
 
 
+def test_llama32_bench_writes_the_common_record(monkeypatch, tmp_path):
+    """The table and the JSON record of `llama32 bench` (the measurements replaced: they need a GPU): the command as
+    typed, the device, the date and versions, then the rows the measurements returned."""
+    from tools.bench import gpu
+    from tools.cli import main
+    row = {"model": "llama-3.2-1b", "decode_tok_s": 900.0, "roofline_tok_s": 1000.0, "roofline_pct": 90.0,
+           "decode_tok_s_torch_ops": 300.0, "prefill_ms": 9.0, "prefill_gpu_ms": 6.0, "prefill_tflop_s": 400.0,
+           "peak_gpu_mem_gb": 2.7, "prefill_tokens": 2048}
+    calls = []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(common, "device_name", lambda device="cuda": "Test GPU")
+    monkeypatch.setattr(common, "copy_bandwidth", lambda device: 3.0)
+    monkeypatch.setattr(common, "gemm_tflops", lambda device: 700.0)
+    monkeypatch.setattr(gpu, "model_bench", lambda name, cfg, *a, **k: calls.append((name, cfg.hidden_size)) or row)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--models", "1b", "--skip-hf", "--skip-attention", "--json-out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/llama32", "--debug", *argv])
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 0, r.output
+    assert calls == [("llama-3.2-1b", 2048)]
+    assert "\nllama32 bench — Test GPU — " in "\n" + r.output and "llama-3.2-1b" in r.output
+    rec = json.loads(out.read_text())
+    assert rec["command"] == f"llama32 bench --models 1b --skip-hf --skip-attention --json-out {out}"
+    assert (rec["device"], rec["copy_tb_s"], rec["gemm_tflop_s"], rec["models"]) == ("Test GPU", 3.0, 700.0, [row])
+    assert rec["date"].endswith(" UTC") and rec["torch"]
+
+
 def test_llama32_bench_without_the_benchmarks_says_to_run_from_a_checkout(monkeypatch):
     """As installed from a wheel (tools.bench excluded): one error line, exit 2."""
     from tools.cli import main

@@ -20,6 +20,11 @@ from tools.cli.params import Count, UserPath
 VISION_MODELS = ("11b-vision", "90b-vision")  # 11b: measured; 90b: its memory need against this GPU
 
 
+def _bench_args(argv: list[str]) -> list[str]:
+    """The arguments after `bench` in this process's command line (global options such as --debug come before)."""
+    return argv[argv.index("bench") + 1:] if "bench" in argv else argv[1:]
+
+
 def _benchmarks():
     """tools.bench.common, or one error line where the package was installed without the benchmarks."""
     try:
@@ -118,7 +123,7 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
         raise GenerationError("llama32 bench needs a CUDA GPU (torch.cuda.is_available() is False here)")
     from tools.bench import gpu as b
     with_hf = not skip_hf and importlib.util.find_spec("transformers") is not None
-    result = common.record(device, command=shlex.join(["llama32", "bench", *sys.argv[2:]]),
+    result = common.record(device, command=shlex.join(["llama32", "bench", *_bench_args(sys.argv)]),
                            copy_tb_s=common.copy_bandwidth(device), gemm_tflop_s=common.gemm_tflops(device),
                            models=[])
     if train:
