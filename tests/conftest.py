@@ -32,7 +32,8 @@ _NEEDS_CUDA = re.compile(r"^needs (a )?CUDA")  # the reason every CUDA-only skip
 
 
 def needs_cuda(item) -> bool:
-    """A test that runs only with CUDA: it lives in a *_gpu.py file, or a skipif says it needs CUDA."""
+    """A test that runs only with CUDA: it lives in a *_gpu.py file, or a skipif says it needs CUDA. (A test that
+    skips itself in its body for lack of CUDA carries an explicit @pytest.mark.gpu.)"""
     return item.path.name.endswith("_gpu.py") or any(
         _NEEDS_CUDA.match(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif"))
 
