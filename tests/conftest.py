@@ -28,7 +28,7 @@ if not _cuda:
 
 # ---- the gpu marker ----
 
-_NEEDS_CUDA = re.compile(r"^needs (a )?CUDA")  # the reason every CUDA-only skipif gives ("needs CUDA", "needs a CUDA GPU")
+_NEEDS_CUDA = re.compile(r"^needs (a )?CUDA")  # every CUDA-only skipif's reason: "needs CUDA", "needs a CUDA GPU"
 
 
 def needs_cuda(item) -> bool:

@@ -226,9 +226,10 @@ def test_lora_merge(R_):
 GEMV_SHAPES = [(37, 53), (67, 200)]  # (N, K): neither a multiple of any block
 # default; persistent (3 programs over 10 or 17 row blocks) with K and N tails; one program a block, one K chunk;
 # split-K over 2 or 4 (K 53: 2 with a tail) and 7 slices with the last-ticket reduce; split with one slice;
-# streaming (K 200 only: streaming needs K a multiple of block_k; 25 chunks of 8) over 3 programs (N tail), 2 or 4 stages
+# streaming (K 200 only: it needs K a multiple of block_k; 25 chunks of 8) over 3 programs (N tail), 2 or 4 stages
 GEMV_CONFIGS = [None, ("persist", 4, 32, 4, 3), ("persist", 16, 64, 4, None), ("split", 16, 32, 4),
-                ("split", 8, 32, 4, None), ("split", 64, 256, 4), ("stream", 8, 8, 4, 3, 2), ("stream", 16, 8, 4, None, 4)]
+                ("split", 8, 32, 4, None), ("split", 64, 256, 4), ("stream", 8, 8, 4, 3, 2),
+                ("stream", 16, 8, 4, None, 4)]
 
 
 @pytest.mark.parametrize("N,K,config", [(N, K, c) for N, K in GEMV_SHAPES for c in GEMV_CONFIGS
