@@ -46,8 +46,9 @@ def pytest_collection_modifyitems(config, items):
 
 # ---- GPU memory under pytest-xdist ----
 
-# The most one GPU test holds at once (the real-shape vision tests: fp32 weights of a 4096-wide model plus fp32 scores
-# of 16 heads over 4 · 1608 encoder tokens). A worker is never capped below it.
+# Above the most one GPU test holds at once, as read from the code (not measured): trace mode's vision encoder
+# attention at the real shape, fp32 scores of 16 heads over 4 · 1608 tokens (~8 GiB at its peak), beside the
+# 4096-wide test model's weights. A worker is never capped below it.
 GPU_TEST_PEAK_GIB = 12
 CONTEXT_GIB = 1  # each process's CUDA context, cuBLAS workspace and Triton's modules: outside the allocator's cap
 
