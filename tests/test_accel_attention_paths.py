@@ -16,8 +16,7 @@ from refimpl.model import ops as R
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU-interpreter coverage; the GPU's is in test_accel_ops_gpu.py")
 
-decode_attn = pytest.importorskip("accel.kernels.decode_attn")
-flash_attn = pytest.importorskip("accel.kernels.flash_attn")
+from accel.kernels import decode_attn, flash_attn  # noqa: E402
 
 
 def filled_caches(rng, K, S, E, n):

@@ -18,7 +18,7 @@ import torch
 from refimpl.model import ops as R
 from refimpl.model.config import RopeScaling
 
-A = pytest.importorskip("accel.ops")
+from accel import ops as A  # noqa: E402
 from accel.kernels.tuning import Tuning  # noqa: E402
 
 ATOL = RTOL = 1e-5
@@ -223,18 +223,20 @@ def test_lora_merge(R_):
 
 # ---- the decode GEMV (accel/kernels/gemv.py) with each fusion, against a torch composition of the unfused ops ----
 
-@pytest.mark.parametrize("N,K", [(37, 53), (67, 200)])  # neither a multiple of any block
+GEMV_SHAPES = [(37, 53), (67, 200)]  # (N, K): neither a multiple of any block
 # default; persistent (3 programs over 10 or 17 row blocks) with K and N tails; one program a block, one K chunk;
 # split-K over 2 or 4 (K 53: 2 with a tail) and 7 slices with the last-ticket reduce; split with one slice;
-# streaming (K 200 only: 25 chunks of 8) over 3 programs (N tail), 2 or 4 stages
-@pytest.mark.parametrize("config", [None, ("persist", 4, 32, 4, 3), ("persist", 16, 64, 4, None),
-                                    ("split", 16, 32, 4), ("split", 8, 32, 4, None), ("split", 64, 256, 4),
-                                    ("stream", 8, 8, 4, 3, 2), ("stream", 16, 8, 4, None, 4)])
+# streaming (K 200 only: it needs K a multiple of block_k; 25 chunks of 8) over 3 programs (N tail), 2 or 4 stages
+GEMV_CONFIGS = [None, ("persist", 4, 32, 4, 3), ("persist", 16, 64, 4, None), ("split", 16, 32, 4),
+                ("split", 8, 32, 4, None), ("split", 64, 256, 4), ("stream", 8, 8, 4, 3, 2),
+                ("stream", 16, 8, 4, None, 4)]
+
+
+@pytest.mark.parametrize("N,K,config", [(N, K, c) for N, K in GEMV_SHAPES for c in GEMV_CONFIGS
+                                        if not (c and c[0] == "stream" and K % c[2])])
 def test_gemv_fusions_match_the_unfused_ops(N, K, config):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors reach the kernel only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
-    if config and config[0] == "stream" and K % config[2]:
-        pytest.skip("stream: K must be a multiple of block_k")
     import torch.nn.functional as F
 
     from accel.kernels.gemv import gemv_fwd
@@ -258,20 +260,22 @@ def test_gemv_fusions_match_the_unfused_ops(N, K, config):
     close(resid, (r + g * F.linear(x, w)).numpy(), "gemv gated residual", **tol)
 
 
-@pytest.mark.parametrize("H,K,E,D", [(4, 2, 16, 40), (3, 1, 24, 53), (8, 8, 32, 64), (8, 2, 64, 37)])
-# one program a head (CPU default), or 4-column slices of each half; streaming: 8-wide K chunks, 3 programs
-@pytest.mark.parametrize("config", [None, (4, 4), (4, 4, 2, 8, 3)])
-@pytest.mark.parametrize("fused", [True, False])
-def test_decode_qkv_rope_matches_refimpl(H, K, E, D, config, fused):
+QKV_ROPE_SHAPES = [(4, 2, 16, 40), (3, 1, 24, 53), (8, 8, 32, 64), (8, 2, 64, 37)]  # (H, K, E, D)
+# the torch version; the fused kernel: one program a head (CPU default), or 4-column slices of each half (E/2 >= 4
+# here), or streaming in 8-wide K chunks over 3 programs (D a multiple of 8 only)
+QKV_ROPE_PATHS = [(False, None), (True, None), (True, (4, 4)), (True, (4, 4, 2, 8, 3))]  # (fused, config)
+
+
+@pytest.mark.parametrize("H,K,E,D,fused,config", [(*shape, fused, c) for shape in QKV_ROPE_SHAPES
+                                                  for fused, c in QKV_ROPE_PATHS
+                                                  if not (c and len(c) > 2 and shape[3] % c[3])])
+def test_decode_qkv_rope_matches_refimpl(H, K, E, D, fused, config):
     """The decode step's norm -> qkv -> RoPE -> cache write (accel/kernels/qkv_rope.py, or its torch version) for one
     token at a position in the middle of the cache, against refimpl's rms_norm, linear and rope; every other cache
     slot stays as it was. GQA 2/3/1/4, head dims whose half is not a power of 2, D not a power of 2."""
     if fused and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors reach the kernel only under TRITON_INTERPRET=1 (CUDA: test_accel_ops_gpu.py)")
-    if config and (not fused or config[0] > E // 2):
-        pytest.skip("config: the fused kernel's")
-    if config and len(config) > 2 and D % config[3]:
-        pytest.skip("streaming: D must be a multiple of block_k")
+    assert config is None or config[0] <= E // 2  # a slice within each half
     from accel.kernels.qkv_rope import qkv_rope_fwd
     rng = rng_for("qkv_rope", H, K, E, D)
     S, pos = 11, 6

@@ -101,6 +101,7 @@ def test_accel_device_name_nonsense(model):
     assert_clean_error(run_cli(generate_args(model, "--backend", "accel", "--device", "gpu-please")), "gpu-please")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _accel_importable(), reason="accel backend (torch + triton) not importable")
 def test_accel_cache_larger_than_gpu_memory(tmp_path):
     import torch

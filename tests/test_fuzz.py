@@ -115,16 +115,16 @@ def test_gguf_mutations(tmp_path, blob):
 
 
 def _llama_gguf(path):
-    """A complete tiny Llama GGUF, written by the GGUF loader's own test helper (skip while it is absent)."""
-    helpers = pytest.importorskip("test_gguf", reason="tests/test_gguf.py (GGUF writer helper) not present")
+    """A complete tiny Llama GGUF, written by the GGUF loader's own test helper."""
     from refimpl.formats.params import random_params
-    cfg = helpers.tiny_config()
-    return helpers.write_gguf(path, cfg, random_params(cfg, seed=0))
+    from test_gguf import tiny_config, write_gguf
+    cfg = tiny_config()
+    return write_gguf(path, cfg, random_params(cfg, seed=0))
 
 
 def test_gguf_mutations_through_the_loader(tmp_path):
     """Mutations of a real tiny Llama GGUF through refimpl's GGUF loader: only Llama32Error may come out."""
-    loader = pytest.importorskip("refimpl.formats.gguf_loader", reason="refimpl/formats/gguf_loader.py not written yet")
+    from refimpl.formats import gguf_loader as loader
     original = _llama_gguf(tmp_path / "llama.gguf").read_bytes()
     loader.load_gguf(tmp_path / "llama.gguf", with_tokenizer=True)  # the unmutated file loads
     header = original.find(b"blk.0.attn_q.weight") + 256  # mutate metadata and tensor infos, not weight bytes

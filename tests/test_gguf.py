@@ -4,7 +4,8 @@ Unit tests write tiny GGUF files with gguf.GGUFWriter from random weights, laid 
 convert_hf_to_gguf.py lays them out (names, reversed dims, q/k rows permuted for interleaved RoPE), and check
 that loading them gives back the HF-layout weights and the refimpl logits of the same weights saved as safetensors.
 The real-model tests load SmolLM2-135M-Instruct's Q4_1 GGUF with HF transformers (which dequantizes it to fp32)
-and require identical tokens, greedy continuations and logits; they skip only when the model cannot be fetched.
+and require identical tokens, greedy continuations and logits; they skip only when the model cannot be fetched, and
+fail then in CI (tests/conftest.py: default_model).
 """
 from __future__ import annotations
 
@@ -297,11 +298,8 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="session")
-def smollm2_path():
-    try:
-        return fetch.default_model_path(fetch_if_missing=True)
-    except fetch.FetchError as e:
-        pytest.skip(f"SmolLM2-135M-Instruct GGUF could not be fetched: {e}")
+def smollm2_path(default_model):
+    return default_model  # conftest: fetched if missing; without it these tests skip, and fail in CI
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """refimpl.quant.gguf_blocks.dequantize_ggml (the GGUF loader's path) against the gguf library's dequantize (the
 oracle), bit for bit, on random blocks of every type it speeds up, with odd block counts that straddle a chunk boundary;
-and the header walk against GGUFReader on a real file when one is cached."""
+and the header walk against GGUFReader on the default model (a real file)."""
 from pathlib import Path
 
 import numpy as np
@@ -37,13 +37,8 @@ def test_other_types_are_left_to_gguf():
     assert dequantize_ggml(np.zeros(210, np.uint8), gguf.GGMLQuantizationType.Q6_K) is None
 
 
-def test_header_walk_matches_gguf_reader_on_the_default_model():
-    from tools.default_model import default_model_path
-    from refimpl.errors import Llama32Error
-    try:
-        path = default_model_path(fetch_if_missing=False)
-    except Llama32Error:
-        pytest.skip("the default model is not cached here")
+def test_header_walk_matches_gguf_reader_on_the_default_model(default_model):
+    path = default_model  # conftest: fetched if missing; skipped without it, failed in CI
     header, reader = validate_gguf(path), gguf.GGUFReader(path)
     assert list(header.fields) == [k for k in reader.fields if not k.startswith("GGUF.")]  # GGUF.*: the reader's
     for key, (types, value) in header.fields.items():

@@ -17,6 +17,7 @@ from refimpl.quant.apply import quantize_params  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
 from test_gguf import tiny_config  # noqa: E402
 from test_quant_accel import bits, gguf_record, gpu, oracle_product  # noqa: E402
+from tests._logits import NOISE, near_tie, rms  # noqa: E402
 
 
 @gpu
@@ -144,4 +145,11 @@ def test_quantized_bf16_engine_on_gpu_tracks_the_refimpl(tmp_path, spec):
     got = acc.to_numpy(acc.prefill(prompt, sess))[0]
     assert compare("logits", got, want, TOLERANCES["bf16"]).ok
     s = Sampling(max_new_tokens=6)
-    assert list(acc.generate(prompt, s))[:2] == list(ref.generate(prompt, s))[:2]  # graph replays, bf16
+    want_ids, got_ids = list(ref.generate(prompt, s)), list(acc.generate(prompt, s))  # accel: graph replays, bf16
+    assert len(got_ids) == len(want_ids) == 6
+    n = next((i for i, (g, w) in enumerate(zip(got_ids, want_ids)) if g != w), 6)
+    if n < 6:  # the first token that differs must be a near-tie of the oracle's (after it the contexts differ)
+        ctx = prompt + want_ids[:n]
+        want = ref.logits(ctx, np.arange(len(ctx)), ref.new_cache(len(ctx)))
+        got = acc.to_numpy(acc.prefill(ctx, acc.session(16)))[0]
+        assert near_tie(want, got_ids[n], NOISE * rms(got, want)), (n, got_ids, want_ids)
