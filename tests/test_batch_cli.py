@@ -236,3 +236,58 @@ def test_max_tokens_lowered_to_fit_the_context(model_dir, tmp_path):
     assert f"max_tokens 500 lowered to {128 - n_prompt}" in r.stderr
     rec = read_out(tmp_path / "out.jsonl")[0]
     assert rec["usage"]["prompt_tokens"] + rec["usage"]["completion_tokens"] <= 128
+
+
+def test_adapters_by_name_equal_generate_lora(model_dir, tmp_path):
+    """Requests naming two adapters and none, interleaved: each gets `llama32 generate --lora DIR`'s ids."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    dirs = {}
+    for seed, (name, targets) in enumerate({"math": ["q_proj", "v_proj"], "ocr": ["o_proj", "down_proj"]}.items()):
+        base = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                          lora_dropout=0.0))
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:
+                    p.normal_(0.0, 2.0)  # PEFT starts B at zero: without this the adapter changes nothing
+        dirs[name] = tmp_path / name
+        model.save_pretrained(dirs[name])
+    lines = [{"id": "m1", "prompt": "the cat sat on", "adapter": "math", "max_tokens": 8},
+             {"id": "b1", "prompt": "the cat sat on", "max_tokens": 8},
+             {"id": "o1", "prompt": "the cat sat on", "adapter": "ocr", "max_tokens": 8},
+             {"id": "m2", "prompt": "and then", "adapter": "math", "max_tokens": 8}]
+    inp = write_lines(tmp_path / "in.jsonl", *lines)
+    out = tmp_path / "out.jsonl"
+    r = batch(model_dir, inp, out, "--lora", f"math={dirs['math']}", "--lora", f"ocr={dirs['ocr']}")
+    assert r.exit_code == 0, r.output
+    records = read_out(out)
+    assert [rec["id"] for rec in records] == [line["id"] for line in lines]
+    got = {rec["id"]: rec["generated_ids"] for rec in records}
+    for line in lines:
+        extra = ["--lora", dirs[line["adapter"]]] if "adapter" in line else []
+        want = generate_json(model_dir, line["prompt"], line["max_tokens"], "--no-chat", *extra)
+        assert got[line["id"]] == want["generated_ids"], line["id"]
+    assert len({tuple(got["m1"]), tuple(got["b1"]), tuple(got["o1"])}) == 3, got  # the adapters change the tokens
+
+
+def test_default_model_batch_equals_generate(tmp_path):
+    """The real default model (SmolLM2-135M-Instruct GGUF) on CPU, where it has been fetched."""
+    from tools.default_model import default_model_path
+    from refimpl.errors import Llama32Error
+    try:
+        model = default_model_path(fetch_if_missing=False)
+    except Llama32Error:
+        pytest.skip("the default model is not fetched (llama32 fetch)")
+    lines = [{"id": "chat", "messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 6},
+             {"id": "raw", "prompt": "The capital of France is", "max_tokens": 6}]
+    inp = write_lines(tmp_path / "in.jsonl", *lines)
+    out = tmp_path / "out.jsonl"
+    r = batch(model, inp, out)
+    assert r.exit_code == 0, r.output
+    records = read_out(out)
+    chat = generate_json(model, "What is 2 + 3?", 6, "--chat")
+    raw = generate_json(model, "The capital of France is", 6, "--no-chat")
+    assert [rec["generated_ids"] for rec in records] == [chat["generated_ids"], raw["generated_ids"]]

@@ -106,3 +106,7 @@ def test_eval_summary_printed(tmp_path):
                  "--backend", "refimpl", "--eval"])
     assert r.exit_code == 0, r.output
     assert "eval: 1 requests, exact match 0.0%, edit distance" in r.stdout and "perplexity" in r.stdout
+
+
+def test_final_answer_skips_an_empty_mark():
+    assert final_answer("The answer is 7. Check: the answer is:") == "7. Check: the answer is:"

@@ -53,9 +53,9 @@ def final_answer(text: str) -> str:
         return boxed
     if "####" in text:
         return text.rsplit("####", 1)[1]
-    marks = list(_ANSWER_IS.finditer(text))
-    if marks:
-        return text[marks[-1].end():]
+    for mark in reversed(list(_ANSWER_IS.finditer(text))):  # "the answer is:" with nothing after it: not this one
+        if normalise(text[mark.end():]):
+            return text[mark.end():]
     return text
 
 
