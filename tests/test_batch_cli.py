@@ -206,7 +206,8 @@ def test_resume_skips_done_ids_and_drops_a_cut_line(model_dir, tmp_path):
     assert json.loads(r.stdout)["completed"] == 0 and read_out(out) == got
 
 
-def test_stop_strings_cut_the_text(model_dir, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stop_strings_cut_the_text(model_dir, tmp_path, backend):
     prompt = "it is the end of the world and we"
     inp = write_lines(tmp_path / "in.jsonl", {"id": "free", "prompt": prompt, "max_tokens": 12})
     assert batch(model_dir, inp, tmp_path / "free.jsonl").exit_code == 0
@@ -217,7 +218,7 @@ def test_stop_strings_cut_the_text(model_dir, tmp_path):
     cut = text.find(stop)
     inp = write_lines(tmp_path / "in2.jsonl", {"id": "cut", "prompt": prompt, "max_tokens": 12,
                                                "stop": ["NEVER", stop]})
-    assert batch(model_dir, inp, tmp_path / "cut.jsonl").exit_code == 0
+    assert batch(model_dir, inp, tmp_path / "cut.jsonl", backend=backend).exit_code == 0
     rec = read_out(tmp_path / "cut.jsonl")[0]
     assert rec["finish_reason"] == "stop" and rec["text"] == text[:cut]
     # generation stopped at the token that completed the stop string
@@ -238,7 +239,8 @@ def test_max_tokens_lowered_to_fit_the_context(model_dir, tmp_path):
     assert rec["usage"]["prompt_tokens"] + rec["usage"]["completion_tokens"] <= 128
 
 
-def test_adapters_by_name_equal_generate_lora(model_dir, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adapters_by_name_equal_generate_lora(model_dir, tmp_path, backend):
     """Requests naming two adapters and none, interleaved: each gets `llama32 generate --lora DIR`'s ids."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -261,7 +263,7 @@ def test_adapters_by_name_equal_generate_lora(model_dir, tmp_path):
              {"id": "m2", "prompt": "and then", "adapter": "math", "max_tokens": 8}]
     inp = write_lines(tmp_path / "in.jsonl", *lines)
     out = tmp_path / "out.jsonl"
-    r = batch(model_dir, inp, out, "--lora", f"math={dirs['math']}", "--lora", f"ocr={dirs['ocr']}")
+    r = batch(model_dir, inp, out, "--lora", f"math={dirs['math']}", "--lora", f"ocr={dirs['ocr']}", backend=backend)
     assert r.exit_code == 0, r.output
     records = read_out(out)
     assert [rec["id"] for rec in records] == [line["id"] for line in lines]
@@ -274,7 +276,8 @@ def test_adapters_by_name_equal_generate_lora(model_dir, tmp_path):
 
 
 def test_default_model_batch_equals_generate(tmp_path):
-    """The real default model (SmolLM2-135M-Instruct GGUF) on CPU, where it has been fetched."""
+    """The real default model (SmolLM2-135M-Instruct GGUF) on CPU, where it has been fetched, with the backend a
+    newcomer gets (auto: the batch engine where torch is installed), against `generate --json` on the refimpl."""
     from tools.default_model import default_model_path
     from refimpl.errors import Llama32Error
     try:
@@ -285,7 +288,7 @@ def test_default_model_batch_equals_generate(tmp_path):
              {"id": "raw", "prompt": "The capital of France is", "max_tokens": 6}]
     inp = write_lines(tmp_path / "in.jsonl", *lines)
     out = tmp_path / "out.jsonl"
-    r = batch(model, inp, out)
+    r = batch(model, inp, out, backend="auto")
     assert r.exit_code == 0, r.output
     records = read_out(out)
     chat = generate_json(model, "What is 2 + 3?", 6, "--chat")
