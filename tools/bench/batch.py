@@ -148,20 +148,22 @@ def hf_config(new_tokens: int):
 def hf_batch_seconds(model, prompts, new_tokens: int) -> tuple[float, int]:
     """generate_batch of the prompts, new_tokens each: (seconds, tokens generated)."""
     import torch
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate_batch(prompts, generation_config=hf_config(new_tokens))
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0, sum(len(o.generated_tokens) for o in out.values())
 
 
-def hf_decode_rate(model, prompts, steps: int) -> float:
-    """Decode tok/s of generate_batch: (1 + steps tokens each) minus (1 token each, the prefill), after a warm-up."""
+def hf_decode_rate(model, prompts, steps: int) -> float | None:
+    """Decode tok/s of generate_batch: (1 + steps tokens each) minus (1 token each: the prefill, and the manager's
+    set-up and CUDA-graph warm-up, which every call repeats), after a warm-up call. None if the difference drowns in
+    noise."""
     hf_batch_seconds(model, prompts[:2], 2)
     short, _ = hf_batch_seconds(model, prompts, 1)
     full, tokens = hf_batch_seconds(model, prompts, 1 + steps)
-    return (tokens - len(prompts)) / (full - short)
+    return (tokens - len(prompts)) / (full - short) if full > short else None
 
 
 def hf_workload(model, requests) -> dict:
@@ -170,7 +172,7 @@ def hf_workload(model, requests) -> dict:
     manager = model.init_continuous_batching(generation_config=hf_config(max(n for _, n in requests)))
     manager.start()
     try:
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for i, (p, n) in enumerate(requests):
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
@@ -182,7 +184,7 @@ def hf_workload(model, requests) -> dict:
             if result.is_finished():
                 done += 1
                 tokens += len(result.generated_tokens)
-        torch.cuda.synchronize()
+        sync()
         elapsed = time.perf_counter() - t0
     finally:
         manager.stop(block=True)
@@ -221,7 +223,7 @@ def model_rows(key: str, args, copy_tb_s: float) -> dict:
         for row in rows:
             prompts = decode_prompts(cfg, row["batch"], args.context, args.seed)
             row["hf_tok_s"] = hf_decode_rate(model, prompts, args.decode_steps)
-            row["speedup_vs_hf"] = row["decode_tok_s"] / row["hf_tok_s"]
+            row["speedup_vs_hf"] = row["decode_tok_s"] / row["hf_tok_s"] if row["hf_tok_s"] else None
         if jobs:
             hf = hf_workload(model, jobs)
             result["workload"]["hf"] = hf
