@@ -1,5 +1,6 @@
 """Many LoRA adapters in one batch, unmerged (accel/kernels/lora_sgmv.py or its torch version, picked by
-accel/ops/dispatch.py): y [T, Dout] += scale[a_t] · (x[t] @ A[a_t]ᵀ) @ B[a_t]ᵀ for each row t with adapter a_t >= 0.
+accel/ops/dispatch.py): y [T, Dout] += scale[a_t] · (x[t] @ A[a_t]ᵀ) @ B[a_t]ᵀ for each row t with an adapter
+(a_t >= 0).
 
 `tiles` ([NT, 3] int32, lora_sgmv.segment_tiles -> tiles_tensor) say which rows take which adapter; a step builds
 them once on the host, where the scheduler knows each row's request, and every layer's products reuse them."""

@@ -98,9 +98,8 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
         raise GenerationError(f"{model_path}: no tokenizer found beside the weights")
     requests = read_requests(input_path, ckpt.tokenizer, ckpt.config.max_position_embeddings, max_tokens,
                              adapters=tuple(lora_dirs), vision=False, need_answer=evaluate)
-    used = {r.adapter for r in requests} - {None}
     from refimpl.formats.lora import load_lora
-    adapters = {name: load_lora(lora_dirs[name], ckpt.config) for name in lora_dirs if name in used}
+    adapters = {name: load_lora(path, ckpt.config) for name, path in lora_dirs.items()}  # all checked up front
     done = read_done(output_path, {r.id for r in requests})
     for note in (n for r in requests if r.id not in done for n in r.notes):
         click.echo(f"note: {note}", err=True)
