@@ -19,7 +19,8 @@ from refimpl.model.config import PRESETS
 from tools.bench.timing import median_ms, require_cuda
 
 
-def decode_tok_s(cfg, weights, B: int, context: int, steps: int, graphs: bool, block_size: int = 16) -> float:
+def decode_tok_s(cfg, weights, B: int, context: int, steps: int, graphs: bool, block_size: int = 16):
+    """-> (tok/s of engine.step() calls, device ms of one decode step's graph replay or None)."""
     eng = BatchEngine(cfg, weights, torch.device("cuda"), "bf16", max_num_seqs=max(B, 1),
                       max_num_batched_tokens=16384, num_blocks=B * (-(-(context + steps + 8) // block_size)) + 8,
                       block_size=block_size, cuda_graphs=graphs)
@@ -36,7 +37,22 @@ def decode_tok_s(cfg, weights, B: int, context: int, steps: int, graphs: bool, b
     for _ in range(steps):
         eng.step()
     torch.cuda.synchronize()  # step() reads tokens back each step: the loop is already synchronous
-    return B * steps / (time.perf_counter() - t)
+    tok_s = B * steps / (time.perf_counter() - t)
+    graph = next(iter(eng.runner.graphs.graphs.values())).graph if graphs else None
+    return tok_s, (median_ms(graph.replay, reps=20) if graph else None)  # the last step's inputs again: harmless
+
+
+def copy_gb_s() -> float:
+    """Device memory bandwidth as a copy of 1 GiB sees it (read + write)."""
+    a = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.nbytes / median_ms(lambda: b.copy_(a), reps=10) / 1e6
+
+
+def step_bytes(cfg, weights, B: int, context: int) -> int:
+    """What a decode step must read: every weight once, and each sequence's K/V of all layers."""
+    kv = B * context * 2 * cfg.num_hidden_layers * cfg.kv_size * 2
+    return weights.nbytes() + kv
 
 
 def kernel_us(block_size: int, B: int, context: int, H=32, K=8, E=64) -> float:
@@ -45,7 +61,12 @@ def kernel_us(block_size: int, B: int, context: int, H=32, K=8, E=64) -> float:
     pool = torch.randn(K, B * width * block_size, E, device="cuda", dtype=torch.bfloat16)
     tables = torch.randperm(B * width, device="cuda").view(B, width).to(torch.int32)
     lens = torch.full((B,), context, device="cuda", dtype=torch.int32)
-    return 1e3 * median_ms(lambda: paged_decode_attention_fwd(q, pool, pool, tables, lens, block_size), reps=20)
+    for _ in range(2):
+        paged_decode_attention_fwd(q, pool, pool, tables, lens, block_size)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the kernels' own time, not the host's launches
+        paged_decode_attention_fwd(q, pool, pool, tables, lens, block_size)
+    return 1e3 * median_ms(graph.replay, reps=20)
 
 
 def main():
@@ -58,12 +79,21 @@ def main():
     require_cuda("tools.bench.batch_decode")
     cfg = PRESETS["llama-3.2-1b"]
     weights = random_weights(cfg, torch.device("cuda"), torch.bfloat16)
-    rows = []
+    bw = copy_gb_s()
+    print(f"copy bandwidth {bw:.0f} GB/s")
+    rows = [{"what": "copy_gb_s", "value": bw}]
     for B in [int(x) for x in args.sizes.split(",")]:
         for graphs in (True, False):
-            tps = decode_tok_s(cfg, weights, B, args.context, args.steps, graphs)
-            rows.append({"what": "decode", "B": B, "context": args.context, "graphs": graphs, "tok_s": round(tps, 1)})
-            print(f"decode B={B:4d} ctx={args.context} graphs={graphs!s:5}  {tps:10.1f} tok/s", flush=True)
+            tps, replay_ms = decode_tok_s(cfg, weights, B, args.context, args.steps, graphs)
+            row = {"what": "decode", "B": B, "context": args.context, "graphs": graphs, "tok_s": round(tps, 1)}
+            line = f"decode B={B:4d} ctx={args.context} graphs={graphs!s:5}  {tps:10.1f} tok/s (engine.step)"
+            if replay_ms is not None:
+                roofline_ms = step_bytes(cfg, weights, B, args.context) / bw / 1e6
+                row.update(replay_ms=replay_ms, replay_tok_s=B / replay_ms * 1e3, roofline_ms=roofline_ms)
+                line += (f"  replay {replay_ms:.3f} ms = {B / replay_ms * 1e3:9.1f} tok/s, "
+                         f"{roofline_ms / replay_ms:5.1%} of roofline")
+            rows.append(row)
+            print(line, flush=True)
     for block_size in (16, 64, 256):
         for B, context in ((1, 4096), (64, 512), (64, 2048), (256, 512)):
             us = kernel_us(block_size, B, context)
