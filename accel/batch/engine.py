@@ -40,7 +40,7 @@ def kv_pool_blocks(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, b
     in all (weights already loaded, a working reserve for a step of max_num_batched_tokens, and the pool), or a
     number of BYTES (> 1) for the pool itself; on CPU a fraction means CPU_KV_BYTES. Never more blocks than
     max_num_seqs sequences of the model's whole context could use."""
-    per_block = ModelRunner.kv_bytes_per_block(cfg, block_size, dtype)
+    per_block = ModelRunner.kv_bytes_per_block(cfg, block_size, dtype)  # the pool holds one spare block more
     if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float)) or not gpu_memory > 0:
         raise GenerationError(f"gpu_memory must be a fraction in (0, 1] or a number of bytes, got {gpu_memory!r}")
     if gpu_memory > 1:
@@ -52,7 +52,7 @@ def kv_pool_blocks(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, b
     else:
         budget = CPU_KV_BYTES
     most = max_num_seqs * -(-cfg.max_position_embeddings // block_size)
-    blocks = min(budget // per_block, most)
+    blocks = min(budget // per_block - 1, most)
     if blocks < 1:
         raise GenerationError(f"gpu_memory={gpu_memory!r} leaves no room for the KV cache on {device} (one block of "
                               f"{block_size} tokens needs {per_block} bytes); raise it")
@@ -70,9 +70,11 @@ def working_bytes(cfg: LlamaConfig, tokens: int, seqs: int, element_size: int) -
 class BatchEngine:
     def __init__(self, config: LlamaConfig, weights: Weights, device: torch.device, dtype: str, stop_ids=(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
-                 block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None):
+                 block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None,
+                 cuda_graphs: bool | None = None):
         """num_blocks: the pool's size, overriding gpu_memory (tests force a tiny pool); use_triton: the Triton
-        kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter)."""
+        kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter); cuda_graphs:
+        decode-only steps replay CUDA graphs (default: on CUDA)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value!r}")
@@ -90,12 +92,17 @@ class BatchEngine:
         triton = device.type == "cuda" if use_triton is None else use_triton
         if triton and not ops.triton_available(device):
             raise GenerationError(f"use_triton: Triton kernels cannot run on {device} here")
-        self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton)
+        graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if graphs and device.type != "cuda":
+            raise GenerationError(f"cuda_graphs: CUDA graphs need a CUDA device, not {device}")
+        self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton, graphs)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._aborted: list[Sequence] = []
         self._prompt_tokens = self._generation_tokens = 0
+        self.record_logits = False  # True: each step leaves its sampled rows' logits in last_logits
+        self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [V] logits its last token was drawn from
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, device: str | None = None, dtype: str | None = None,
@@ -103,7 +110,7 @@ class BatchEngine:
                         block_size: int | None = None, batch_invariant: bool = False, quant=None,
                         **options) -> "BatchEngine":
         """ckpt: a refimpl Checkpoint (refimpl.formats.checkpoint.load_checkpoint). Dense weights only, text models
-        only. options: BatchEngine's num_blocks, use_triton."""
+        only. options: BatchEngine's num_blocks, use_triton, cuda_graphs."""
         from refimpl.model.mllama_config import is_mllama
         from refimpl.quant.apply import is_quantized
         if quant is not None or is_quantized(ckpt.params):
@@ -189,6 +196,8 @@ class BatchEngine:
         inp = self.runner.prepare(batch)
         logits = self.runner.run(inp)
         tokens = sample(logits, [s.seq for s in inp.sampled]).tolist() if inp.sampled else []
+        if self.record_logits:
+            self.last_logits = {s.seq.request_id: logits[r] for r, s in enumerate(inp.sampled)}
         for s in batch:
             s.seq.num_computed += s.num_tokens
             self.blocks.commit(s.seq)
@@ -228,4 +237,4 @@ class BatchEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_used": self.blocks.num_used, "blocks_free": self.blocks.num_free,
                 "num_preemptions": self.scheduler.num_preemptions, "prompt_tokens": self._prompt_tokens,
-                "generation_tokens": self._generation_tokens}
+                "generation_tokens": self._generation_tokens, "prefix_cached_tokens": self.scheduler.prefix_cached_tokens}

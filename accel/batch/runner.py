@@ -12,6 +12,10 @@ last token).
 
 The gather for prefill chunks copies a sequence's K/V once per layer and chunk (n·K·E elements, small beside the
 chunk's GEMMs), and reuses the tested flash attention as it is.
+
+A step of decode rows only (every sequence fed its one next token) replays a CUDA graph instead (graphs.py): its
+inputs padded to a batch-size bucket and a table width, the padding rows writing their k/v to a slot of a spare block
+past the pool (`pad_slot`) and attending to nothing.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from .. import ops
 from ..ops.paged import paged_decode_attention
 from ..weights import Weights
 from .block_manager import BlockManager
+from .graphs import DecodeGraphs
 from .scheduler import Scheduled
 
 
@@ -41,22 +46,26 @@ class StepInputs:
     prefills: list[tuple[int, int, torch.Tensor]]  # (first row, rows, slots of positions 0..last) per chunk
     sample_rows: torch.Tensor  # [R] int64: rows whose logits give a token
     sampled: list[Scheduled]  # the sequences of those rows, in order
+    graph_key: tuple[int, int] | None = None  # (rows, table width) of the CUDA graph that runs it, padded to those
 
 
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, weights: Weights, device: torch.device, dtype: torch.dtype,
-                 blocks: BlockManager, use_triton: bool):
+                 blocks: BlockManager, use_triton: bool, cuda_graphs: bool):
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.use_triton = use_triton
-        slots = len(blocks.blocks) * self.block_size
+        self.pad_slot = len(blocks.blocks) * self.block_size  # the first slot of a spare block, past the pool's
+        slots = self.pad_slot + self.block_size
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, slots, cfg.head_dim)  # [L, K, S, E]
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         cos, sin = np_ops.rope_tables(np.arange(cfg.max_position_embeddings), cfg.head_dim, cfg.rope_theta,
                                       cfg.rope_scaling)  # [P, E/2] fp32 each
         self.cos, self.sin = torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
+        self.max_width = -(-cfg.max_position_embeddings // self.block_size)  # blocks of the longest sequence
+        self.graphs = DecodeGraphs(self) if cuda_graphs else None
 
     @staticmethod
     def kv_bytes_per_block(cfg: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -80,20 +89,36 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(s)
         width = max((len(s.seq.block_table) for s in decode), default=1)
+        lens = [s.seq.num_computed + 1 for s in decode]
+        key = self.graphs.key(len(decode), width) if self.graphs and not prefill and len(sampled) == len(decode) \
+            else None
+        rows = len(decode)
+        if key is not None:  # padding rows: token 0 at position 0 into the spare slot, length 0
+            rows, width = key
+            pad = rows - len(decode)
+            ids, positions, slots, lens = ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, \
+                lens + [0] * pad
         tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decode]
-        dev = self.device
+        tables += [[0] * width] * (rows - len(decode))
+        dev = self.device if key is None else "cpu"  # graph inputs are copied into the graph's own buffers
 
         def t(x, dtype=torch.int64):
             return torch.tensor(x, dtype=dtype, device=dev)
-        return StepInputs(t(ids), t(positions), t(slots), len(decode),
-                          t(tables, torch.int32).reshape(len(decode), width),
-                          t([s.seq.num_computed + 1 for s in decode], torch.int32),
-                          [(first, n, t(sl)) for first, n, sl in chunks], t(sample_rows), sampled)
+        return StepInputs(t(ids), t(positions), t(slots), rows, t(tables, torch.int32).reshape(rows, width),
+                          t(lens, torch.int32), [(first, n, t(sl)) for first, n, sl in chunks], t(sample_rows),
+                          sampled, key)
 
     # ---- the forward ----
     def run(self, inp: StepInputs) -> torch.Tensor:
         """-> logits [R, V] of inp.sample_rows (model dtype)."""
+        if inp.graph_key is not None:
+            return self.graphs.run(inp)[:len(inp.sampled)]
         with torch.inference_mode(), ops.torch_only(not self.use_triton):
+            return self._forward(inp)
+
+    def forward(self, inp: StepInputs) -> torch.Tensor:
+        """The eager forward as the graphs capture it."""
+        with ops.torch_only(not self.use_triton):
             return self._forward(inp)
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:

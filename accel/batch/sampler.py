@@ -63,7 +63,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     z = _top_k(z, [p.top_k for p in params])
     p = torch.softmax(z, dim=-1)
     p = _top_p(p, [p_.top_p for p_ in params])
-    e = -torch.log(uniform_noise([seqs[r].seed for r in drawn], [len(seqs[r].output_ids) for r in drawn], V, dev))
+    e = -torch.log(uniform_noise([seqs[r].seed for r in drawn], [seqs[r].num_generated for r in drawn], V, dev))
     tokens[rows] = torch.argmax(p / e, dim=-1)  # argmax(p / e), e ~ Exp(1): a draw from p
     return tokens
 

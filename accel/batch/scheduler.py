@@ -36,6 +36,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
+        self.prefix_cached_tokens = 0  # prompt tokens admitted with their K/V already cached (prefix sharing)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,14 +65,14 @@ class Scheduler:
             i += 1
         while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            if not seq.block_table:
-                self.blocks.match_prefix(seq)
+            matched = self.blocks.match_prefix(seq) if not seq.block_table else 0
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.can_append(seq, n):
                 self.blocks.free(seq)  # give back the prefix it matched; it tries again next step
                 break
             self.blocks.may_append(seq, n)
             self.waiting.popleft()
+            self.prefix_cached_tokens += matched
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.append(Scheduled(seq, n))

@@ -86,6 +86,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
@@ -94,13 +98,12 @@ class Sequence:
         self.token_ids.append(token)
         if token in self.stop_ids:
             self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.params.max_tokens:
+        elif self.num_generated >= self.params.max_tokens:
             self.finish_reason = "length"
 
     def output(self) -> RequestOutput:
         """What step() returns for this request: the tokens since the last output."""
-        out = self.output_ids
-        new = out[self.num_emitted:]
-        self.num_emitted = len(out)
-        return RequestOutput(self.request_id, new, list(out), self.finish_reason is not None, self.finish_reason,
-                             self.num_prompt_tokens)
+        new = self.token_ids[self.num_prompt_tokens + self.num_emitted:]
+        self.num_emitted += len(new)
+        return RequestOutput(self.request_id, new, self.output_ids, self.finish_reason is not None,
+                             self.finish_reason, self.num_prompt_tokens)
