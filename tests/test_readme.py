@@ -3,6 +3,7 @@ they show (every word, integer and layout character exactly, every printed float
 picks different kernels on different CPUs, so the last printed digit is not portable); every `llama32` command and
 benchmark they cite exists with the options they give it; every docs/ link resolves; the README stays the way in."""
 import contextlib
+import fnmatch
 import importlib
 import importlib.util
 import io
@@ -184,6 +185,17 @@ def test_cited_files_exist():
         for path in re.findall(r"`((?:refimpl|accel|tools|tests|golden|docs)/[\w./-]*\w)`", text):
             if "*" not in path and "<" not in path:
                 assert (ROOT / path).exists(), f"{page}: {path} does not exist"
+
+
+def test_results_kept_are_the_ones_the_docs_cite():
+    """tools/bench/results/ holds the records the pages cite, and only those."""
+    results = ROOT / "tools" / "bench" / "results"
+    cited = {name for text in PAGES.values()
+             for name in re.findall(r"\b(?:h100|h200|cpu2core|cpu)-20\d\d-[\w.*-]+\.json", text)}
+    kept = {p.name for p in results.glob("*.json")}
+    matched = {name: {k for k in kept if fnmatch.fnmatch(k, name)} for name in cited}
+    assert all(matched.values()), [name for name, files in matched.items() if not files]
+    assert kept == set().union(*matched.values())
 
 
 def test_no_session_wording_anywhere():
