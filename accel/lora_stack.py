@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from accel.ops.lora_batch import lora_sgmv
 from refimpl.errors import GenerationError
 from refimpl.model.config import LlamaConfig
 
@@ -44,6 +45,15 @@ class LoraStack:
     def index(self, name: str | None) -> int:
         """A request's adapter name -> its index in the stack (-1: the base model)."""
         return -1 if name is None else self.names.index(name)
+
+    def add(self, layer: int, weight: str, y: torch.Tensor, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+        """y = x @ W.T of fused weight `weight` in `layer` ([T, Dout], updated in place) plus each row's adapter
+        update (tiles: accel.kernels.lora_sgmv.tiles_tensor of the rows' adapter indices); y as it was where no
+        adapter adapts this weight."""
+        pair = self.layers[layer].get(weight)
+        if pair is None or tiles.shape[0] == 0:
+            return y
+        return lora_sgmv(y, x, pair[0], pair[1], self.scales, tiles)
 
 
 def _by_weight(adapter, cfg: LlamaConfig, name: str) -> dict:

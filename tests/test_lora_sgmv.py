@@ -152,11 +152,27 @@ def test_stacked_adapters_equal_merged_weights(tmp_path):
         for weight in ("qkv", "o", "gate_up", "down"):
             W = getattr(w_base.layers[layer], weight)  # [Dout, Din]
             x = torch.from_numpy(rng.standard_normal((len(idx), W.shape[1])).astype(np.float32))
-            y = x @ W.T
-            if weight in stack.layers[layer]:
-                A, B = stack.layers[layer][weight]
-                y = lora_sgmv_rows(y, x, A, B, stack.scales, idx)
+            y = stack.add(layer, weight, x @ W.T, x, tiles_tensor(segment_tiles(idx), "cpu"))
             for t, a in enumerate(idx):
                 W_t = W if a < 0 else getattr(merged[stack.names[a]].layers[layer], weight)
                 assert_close(y[t].numpy(), (x[t] @ W_t.T).numpy(), name=f"layer {layer} {weight} row {t}")
     assert stack.index("mlp") == 1 and stack.index(None) == -1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_kernel_matches_per_row_reference(dtype):
+    """The compiled kernel on the GPU: fp32 (IEEE products) and bf16, against float64 NumPy, and the torch version
+    on the same device within the same tolerance."""
+    idx = IDX["interleaved"] * 5  # 135 rows, many tiles
+    y, x, A, B, scales = random_case(len(idx), 2048, 3072, ranks=(16, 64, 8), seed=7)
+    want = per_row_reference(y, x, A, B, scales, idx)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    t = {k: torch.from_numpy(v).to("cuda", dt) for k, v in dict(y=y, x=x, A=A, B=B).items()}
+    s = torch.from_numpy(scales).cuda()
+    got = lora_sgmv_rows(t["y"].clone(), t["x"], t["A"], t["B"], s, idx)
+    with torch_only():
+        got_torch = lora_sgmv_rows(t["y"].clone(), t["x"], t["A"], t["B"], s, idx)
+    assert_close(got.float().cpu().numpy(), want, dtype, "kernel")
+    assert_close(got_torch.float().cpu().numpy(), want, dtype, "torch")
