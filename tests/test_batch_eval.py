@@ -60,7 +60,9 @@ def test_summary_weights_loss_by_tokens():
     assert s["loss"] == pytest.approx(13 / 4) and s["perplexity"] == pytest.approx(math.exp(13 / 4))
 
 
-def test_eval_loss_matches_hf_cross_entropy(tmp_path):
+@pytest.mark.parametrize("backend", ["refimpl", "accel"])
+def test_eval_loss_matches_hf_cross_entropy(tmp_path, backend):
+    """The answer loss by the refimpl's forward, and by accel's (fp32 on CPU), against HF's own loss."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     model_dir = write_toy_checkpoint(TOYS[0], tmp_path)
@@ -70,8 +72,10 @@ def test_eval_loss_matches_hf_cross_entropy(tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "out.jsonl"
-    r = run_cli(["batch", "--model", model_dir, "--input", inp, "--output", out, "--backend", "refimpl", "--eval",
-                 "--json"])
+    if backend == "accel":
+        pytest.importorskip("accel.batch")
+    r = run_cli(["batch", "--model", model_dir, "--input", inp, "--output", out, "--backend", backend, "--eval",
+                 "--json", *(["--dtype", "fp32"] if backend == "accel" else [])])
     assert r.exit_code == 0, r.output
     records = [json.loads(x) for x in out.read_text().splitlines()]
     hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
