@@ -59,7 +59,7 @@ def result_record(req, ids: list[int], text: str, reason: str) -> dict:
 
 
 class _Live:
-    """One request in flight: its generated ids, and for stop strings the text so far."""
+    """One request in flight and the ids it has generated so far."""
 
     def __init__(self, req):
         self.req, self.ids = req, []
