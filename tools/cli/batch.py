@@ -29,7 +29,7 @@ def parse_loras(values) -> dict:
 
 
 def parse_gpu_memory(value: str | None):
-    """--gpu-memory: a fraction of the free device memory in (0, 1], or a byte count."""
+    """--gpu-memory: a fraction in (0, 1] of the GPU memory the engine may hold, or the KV pool in bytes."""
     if value is None:
         return None
     try:
@@ -70,7 +70,7 @@ def resolve_batch_backend(name: str) -> str:
 @click.option("--max-num-batched-tokens", default=8192, show_default=True, type=Count(1),
               help="Tokens (prefill chunks + decodes) in one step.")
 @click.option("--gpu-memory", default=None, metavar="FRACTION|BYTES",
-              help="Device memory for weights + KV cache (default 0.9 of the free memory).")
+              help="The GPU memory the engine may hold in all, a fraction (default 0.9), or the KV pool in bytes.")
 @click.option("--batch-invariant", is_flag=True,
               help="Each request's tokens bit-identical whatever else shares its batch (slower).")
 @click.option("--eval", "evaluate", is_flag=True,
