@@ -67,6 +67,16 @@ def test_sgmv_matches_per_row_reference(case, shape):
     assert np.array_equal(got_kernel[untouched], y[untouched])  # rows without an adapter: not one bit changed
 
 
+def test_empty_tiles_pad_a_fixed_grid():
+    """Tiles with start == end change nothing: a captured step can launch a fixed number of tiles, padded."""
+    idx = [0, 0, 1, -1, 1]
+    y, x, A, B, scales = random_case(len(idx), 32, 20, ranks=(4, 2))
+    tiles = segment_tiles(idx) + [(5, 5, 0), (0, 0, 1)]
+    t = {k: torch.from_numpy(v) for k, v in dict(y=y, x=x, A=A, B=B, s=scales).items()}
+    got = lora_sgmv_fwd(t["y"].clone(), t["x"], t["A"], t["B"], t["s"], tiles_tensor(tiles, "cpu")).numpy()
+    assert_close(got, per_row_reference(y, x, A, B, scales, idx))
+
+
 def test_segment_tiles():
     assert segment_tiles([0, 0, 0, -1, 1, 0], block_m=2) == [(0, 2, 0), (2, 3, 0), (4, 5, 1), (5, 6, 0)]
     assert segment_tiles([-1, -1]) == [] and segment_tiles([]) == []
