@@ -20,10 +20,10 @@ from tools.bench.sweeps import gemv as gemv_sweep, qgemv as qgemv_sweep  # noqa:
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench"
-LIVE = ["agreement", "cpu", "gpu", "load", "quant_gpu", "quant_quality", "startup", "train", "vision"]
+LIVE = ["agreement", "batch", "cpu", "gpu", "load", "quant_gpu", "quant_quality", "startup", "train", "vision"]
 SWEEPS = ["sweeps.gemv", "sweeps.qgemv"]
-SCRIPTS = ["agreement", "cpu", "load", "quant_quality", "startup", "vision", *SWEEPS]  # those with a main()
-GPU_ONLY = ["vision", "sweeps.gemv", "sweeps.qgemv"]
+SCRIPTS = ["agreement", "batch", "cpu", "load", "quant_quality", "startup", "vision", *SWEEPS]  # those with a main()
+GPU_ONLY = ["batch", "vision", "sweeps.gemv", "sweeps.qgemv"]
 
 
 def bench_imports(module: str) -> set[str]:

@@ -182,7 +182,8 @@ def test_hub_id_resolves_from_the_hf_cache(tmp_path, variable, sub):
 # each command that opens a model, with the other arguments it requires
 MODEL_COMMANDS = {"generate": ["x"], "chat": [], "diff": ["x"], "step": ["x", "--commands", "q"],
                   "quantize": ["--quant", "int8", "--out", "{tmp}/q"],
-                  "finetune": ["--data", "{tmp}/d.jsonl", "--out", "{tmp}/a"]}
+                  "finetune": ["--data", "{tmp}/d.jsonl", "--out", "{tmp}/a"],
+                  "batch": ["--input", "{tmp}/in.jsonl", "--output", "{tmp}/out.jsonl"]}
 
 
 @pytest.mark.parametrize("command", MODEL_COMMANDS)

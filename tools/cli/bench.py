@@ -94,6 +94,16 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _batch_bench(models: list[str], device: str, skip_hf: bool, json_out) -> None:
+    """tools.bench.batch with its defaults for the chosen text models."""
+    import argparse
+
+    from tools.bench import batch
+    args = argparse.Namespace(models=models, batch_sizes=list(batch.BATCH_SIZES), context=512, decode_steps=64,
+                              requests=1000, seed=0, skip_hf=skip_hf, device=device, json_out=json_out)
+    batch.run(args, command=shlex.join(["llama32", "bench", *_bench_args(sys.argv)]))
+
+
 @click.command()
 @click.option("--models", default="1b,3b", show_default=True,
               help="Comma-separated: 1b, 3b, 11b-vision, 90b-vision (empty: none).")
@@ -106,10 +116,13 @@ def render(result: dict) -> str:
 @click.option("--train", "train", is_flag=True, help="Only the LoRA training benchmark (ours vs HF + PEFT).")
 @click.option("--quant", "quant", default=None,
               help="Comma-separated --quant formats (e.g. int8,int4): rows beside bf16, measured in the same run.")
+@click.option("--batch", "batch", is_flag=True,
+              help="Only the batched-decoding benchmark (tools/bench/batch.py): B = 1..256 at 512-token contexts and "
+                   "a 1000-request workload, against the roofline and HF generate_batch.")
 @click.option("--json-out", "json_out", default=None, type=UserPath(output=True),
               help="Also write the results as JSON here.")
 def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out, train=False,
-          quant=None):
+          quant=None, batch=False):
     """Benchmark the accel engine on a CUDA GPU (random weights at the real Llama 3.2 shapes)."""
     common = _benchmarks()
     MODELS = common.MODELS
@@ -121,6 +134,9 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
     import torch
     if not torch.cuda.is_available():
         raise GenerationError("llama32 bench needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    if batch:
+        _batch_bench([m for m in chosen if m in MODELS], device, skip_hf, json_out)
+        return
     from tools.bench import gpu as b
     with_hf = not skip_hf and importlib.util.find_spec("transformers") is not None
     result = common.record(device, command=shlex.join(["llama32", "bench", *_bench_args(sys.argv)]),

@@ -1,0 +1,13 @@
+"""The batched engine: a paged KV cache, continuous batching and a batched step (layout after nano-vllm's engine/).
+
+    sequence.py       a request's state, SamplingParams, RequestOutput
+    block_manager.py  the pool of KV blocks: tables, reference counts, prefix sharing
+    scheduler.py      waiting/running queues: FCFS, chunked prefill, preemption by recompute
+    runner.py         one step's flat token batch through the model over the paged cache
+    sampler.py        per-request sampling on the device, seeded draws independent of the batch
+    engine.py         BatchEngine, the API
+"""
+from .engine import BatchEngine
+from .sequence import RequestOutput, SamplingParams
+
+__all__ = ["BatchEngine", "RequestOutput", "SamplingParams"]

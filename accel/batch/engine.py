@@ -1,0 +1,240 @@
+"""BatchEngine: many requests at once over one paged KV cache (continuous batching), the API the CLI and server share.
+
+    eng = BatchEngine.from_checkpoint(ckpt)
+    rid = eng.add_request(prompt_ids, SamplingParams(max_tokens=64))
+    while eng.has_unfinished():
+        for out in eng.step(): ...   # incremental tokens per request
+
+Each step: the scheduler picks the sequences and their token counts (scheduler.py), the runner runs them through the
+model as one flat batch (runner.py), the sampler draws each sampled row's token with its request's parameters
+(sampler.py), and finished requests give their blocks back. Token ids only: text, stop strings, chat templates and
+images are handled above the engine. The checkpoint's eos ids stop every request unless it asks `ignore_eos`.
+"""
+from __future__ import annotations
+
+import itertools
+import secrets
+
+import torch
+
+from refimpl.errors import GenerationError
+from refimpl.formats.params import Checkpoint
+from refimpl.model.config import LlamaConfig
+
+from .. import ops
+from ..engine import resolve_device, resolve_dtype
+from ..weights import DTYPES, Weights, load_weights
+from .block_manager import BlockManager
+from .runner import ModelRunner
+from .sampler import sample
+from .scheduler import Scheduler
+from .sequence import RequestOutput, SamplingParams, Sequence
+
+DEFAULT_BLOCK_SIZE = 16
+CPU_KV_BYTES = 1 << 30  # the KV pool's budget on CPU, where free memory says little about what is wise to take
+
+
+def kv_pool_blocks(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, block_size: int, gpu_memory,
+                   max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """How many blocks the pool gets. gpu_memory: a FRACTION (0, 1] of the GPU's total memory the engine may hold
+    in all (weights already loaded, a working reserve for a step of max_num_batched_tokens, and the pool), or a
+    number of BYTES (> 1) for the pool itself; on CPU a fraction means CPU_KV_BYTES. Never more blocks than
+    max_num_seqs sequences of the model's whole context could use."""
+    per_block = ModelRunner.kv_bytes_per_block(cfg, block_size, dtype)  # the pool holds one spare block more
+    if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float)) or not gpu_memory > 0:
+        raise GenerationError(f"gpu_memory must be a fraction in (0, 1] or a number of bytes, got {gpu_memory!r}")
+    if gpu_memory > 1:
+        budget = int(gpu_memory)
+    elif device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        budget = int(gpu_memory * total) - torch.cuda.memory_allocated(device) - working_bytes(
+            cfg, max_num_batched_tokens, max_num_seqs, dtype.itemsize)
+    else:
+        budget = CPU_KV_BYTES
+    most = max_num_seqs * -(-cfg.max_position_embeddings // block_size)
+    blocks = min(budget // per_block - 1, most)
+    if blocks < 1:
+        raise GenerationError(f"gpu_memory={gpu_memory!r} leaves no room for the KV cache on {device} (one block of "
+                              f"{block_size} tokens needs {per_block} bytes); raise it")
+    return blocks
+
+
+def working_bytes(cfg: LlamaConfig, tokens: int, seqs: int, element_size: int) -> int:
+    """A generous bound on a step's live activations: a few [T, D], the [T, (H+2K)E] and [T, 2F] GEMM outputs, the
+    [T, F] activation, one prefill chunk's gathered K/V, and fp32 logits and sampling buffers of [seqs, V]."""
+    per_token = 6 * cfg.hidden_size + 2 * (cfg.q_size + 2 * cfg.kv_size) + 4 * cfg.intermediate_size
+    gathered = 2 * cfg.kv_size * cfg.max_position_embeddings
+    return (tokens * per_token + gathered) * element_size + 8 * seqs * cfg.vocab_size * 4
+
+
+class BatchEngine:
+    def __init__(self, config: LlamaConfig, weights: Weights, device: torch.device, dtype: str, stop_ids=(),
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
+                 block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None,
+                 cuda_graphs: bool | None = None):
+        """num_blocks: the pool's size, overriding gpu_memory (tests force a tiny pool); use_triton: the Triton
+        kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter); cuda_graphs:
+        decode-only steps replay CUDA graphs (default: on CUDA)."""
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise GenerationError(f"{name} must be a positive integer, got {value!r}")
+        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        if not isinstance(block_size, int) or block_size < 1:
+            raise GenerationError(f"block_size must be a positive integer, got {block_size!r}")
+        self.config, self.device, self.dtype_name = config, device, dtype
+        self.dtype = DTYPES[dtype]
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        if num_blocks is None:
+            num_blocks = kv_pool_blocks(config, device, self.dtype, block_size, gpu_memory, max_num_seqs,
+                                        max_num_batched_tokens)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        triton = device.type == "cuda" if use_triton is None else use_triton
+        if triton and not ops.triton_available(device):
+            raise GenerationError(f"use_triton: Triton kernels cannot run on {device} here")
+        graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if graphs and device.type != "cuda":
+            raise GenerationError(f"cuda_graphs: CUDA graphs need a CUDA device, not {device}")
+        self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton, graphs)
+        self.seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self._aborted: list[Sequence] = []
+        self._prompt_tokens = self._generation_tokens = 0
+        self.record_logits = False  # True: each step leaves its sampled rows' logits in last_logits
+        self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [V] logits its last token was drawn from
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, device: str | None = None, dtype: str | None = None,
+                        max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
+                        block_size: int | None = None, batch_invariant: bool = False, quant=None,
+                        **options) -> "BatchEngine":
+        """ckpt: a refimpl Checkpoint (refimpl.formats.checkpoint.load_checkpoint). Dense weights only, text models
+        only. options: BatchEngine's num_blocks, use_triton, cuda_graphs."""
+        from refimpl.model.mllama_config import is_mllama
+        from refimpl.quant.apply import is_quantized
+        if quant is not None or is_quantized(ckpt.params):
+            raise GenerationError(f"{ckpt.path}: the batch engine runs dense bf16/fp32 weights only; drop --quant "
+                                  f"(or use an unquantized checkpoint)")
+        if is_mllama(ckpt.config):
+            raise GenerationError(f"{ckpt.path}: the batch engine runs text models only for now (this is a Llama "
+                                  f"3.2 Vision checkpoint)")
+        if batch_invariant:
+            raise GenerationError("batch_invariant: the batch-invariant mode is not implemented yet")
+        dev = resolve_device(device)
+        dtype = resolve_dtype(dtype, dev)
+        weights = load_weights(ckpt.params, ckpt.config, dev, DTYPES[dtype])
+        return cls(ckpt.config, weights, dev, dtype, ckpt.stop_ids, max_num_seqs, max_num_batched_tokens, gpu_memory,
+                   block_size, **options)
+
+    # ---- requests ----
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = SamplingParams() if params is None else params
+        rid = self._fresh_id() if request_id is None else str(request_id)
+        if rid in self.seqs:
+            raise GenerationError(f"request {rid!r}: a request with this id is already in the engine")
+        prompt = self._check_prompt(rid, prompt_ids, params)
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids)
+        seed = secrets.randbits(63) if params.seed is None else params.seed
+        seq = Sequence(rid, prompt, params, seed, stop, next(self._arrivals))
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        self._prompt_tokens += len(prompt)
+        return rid
+
+    def _fresh_id(self) -> str:
+        """"0", "1", ... in order, skipping ids the caller gave to requests still in the engine."""
+        while True:
+            rid = str(next(self._ids))
+            if rid not in self.seqs:
+                return rid
+
+    def _check_prompt(self, rid: str, prompt_ids, params: SamplingParams) -> list[int]:
+        cfg = self.config
+        try:
+            prompt = [int(t) for t in prompt_ids]
+        except (TypeError, ValueError):
+            raise GenerationError(f"request {rid!r}: prompt_ids must be a list of token ids") from None
+        if not prompt:
+            raise GenerationError(f"request {rid!r}: the prompt is empty")
+        bad = next((t for t in prompt if not 0 <= t < cfg.vocab_size), None)
+        if bad is not None:
+            raise GenerationError(f"request {rid!r}: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+        need = len(prompt) + params.max_tokens - 1  # the last token is sampled, never run through the model
+        if need > cfg.max_position_embeddings:
+            raise GenerationError(f"request {rid!r}: {len(prompt)} prompt tokens + max_tokens {params.max_tokens} "
+                                  f"exceed the model's context of {cfg.max_position_embeddings}")
+        if self.blocks.blocks_for(need) > len(self.blocks.blocks):
+            raise GenerationError(f"request {rid!r}: {need} tokens need {self.blocks.blocks_for(need)} KV blocks but "
+                                  f"the pool holds {len(self.blocks.blocks)}; lower max_tokens or raise gpu_memory")
+        return prompt
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.finish_reason is not None:
+            return
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        self._aborted.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ----
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step -> an output for every request it ran (its new tokens; none for a prefill chunk that
+        did not reach the prompt's end) and every request aborted since the last step."""
+        outputs = [self._finish_output(seq) for seq in self._aborted]
+        self._aborted = []
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests waiting (a bug: add_request checks "
+                                   "that each request fits the pool alone)")
+            return outputs
+        inp = self.runner.prepare(batch)
+        logits = self.runner.run(inp)
+        tokens = sample(logits, [s.seq for s in inp.sampled]).tolist() if inp.sampled else []
+        if self.record_logits:
+            self.last_logits = {s.seq.request_id: logits[r] for r, s in enumerate(inp.sampled)}
+        for s in batch:
+            s.seq.num_computed += s.num_tokens
+            self.blocks.commit(s.seq)
+        for s, token in zip(inp.sampled, tokens):
+            s.seq.append(token)
+            self._generation_tokens += 1
+        for s in batch:
+            if s.seq.finish_reason is not None:
+                self.scheduler.finish(s.seq)
+                outputs.append(self._finish_output(s.seq))
+            else:
+                outputs.append(s.seq.output())
+        return outputs
+
+    def _finish_output(self, seq: Sequence) -> RequestOutput:
+        out = seq.output()
+        del self.seqs[seq.request_id]
+        return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run the prompts to completion (with whatever else is in the engine) -> their final outputs, in input
+        order; each output's new_token_ids holds all its generated tokens."""
+        params = [params] * len(prompts) if not isinstance(params, list) else params
+        if len(params) != len(prompts):
+            raise GenerationError(f"generate: {len(prompts)} prompts but {len(params)} sampling parameters")
+        ids = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids) and self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [RequestOutput(r, done[r].token_ids, done[r].token_ids, True, done[r].finish_reason,
+                              done[r].num_prompt_tokens) for r in ids]
+
+    def stats(self) -> dict:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "blocks_used": self.blocks.num_used, "blocks_free": self.blocks.num_free,
+                "num_preemptions": self.scheduler.num_preemptions, "prompt_tokens": self._prompt_tokens,
+                "generation_tokens": self._generation_tokens, "prefix_cached_tokens": self.scheduler.prefix_cached_tokens}

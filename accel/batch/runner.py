@@ -1,0 +1,156 @@
+"""The model runner: one step's flat token batch through the model over the paged KV cache.
+
+A step's tokens are laid out flat, [T] rows: first the decode rows (sequences fed one token this step), then each
+prefill chunk (a new prompt, or the next chunk of a long one, possibly after a cached prefix) in turn. Every layer:
+    qkv GEMM over all T rows -> RoPE at each row's position, k/v written to each row's slot (slot mapping);
+    attention: the decode rows at once with the paged decode kernel (accel/ops/paged.py) over the block tables;
+      each prefill chunk with the causal flash attention over its sequence's K/V gathered from the pool into a
+      contiguous [K, n, E] (positions 0..n-1 in order: the chunk's earlier prefix included);
+    o, gate_up, down GEMMs over all T rows (one read of the weights for the whole batch), residual adds in the norms.
+The lm_head runs only on the rows whose logits give a token (each sequence's last row, when its chunk reaches its
+last token).
+
+The gather for prefill chunks copies a sequence's K/V once per layer and chunk (n·K·E elements, small beside the
+chunk's GEMMs), and reuses the tested flash attention as it is.
+
+A step of decode rows only (every sequence fed its one next token) replays a CUDA graph instead (graphs.py): its
+inputs padded to a batch-size bucket and a table width, the padding rows writing their k/v to a slot of a spare block
+past the pool (`pad_slot`) and attending to nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from refimpl.model import ops as np_ops
+from refimpl.model.config import LlamaConfig
+
+from .. import ops
+from ..ops.paged import paged_decode_attention
+from ..weights import Weights
+from .block_manager import BlockManager
+from .graphs import DecodeGraphs
+from .scheduler import Scheduled
+
+
+@dataclass
+class StepInputs:
+    ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64: where each row's k/v go in the pool
+    num_decode: int  # rows 0..num_decode-1 are decode rows
+    tables: torch.Tensor  # [num_decode, W] int32 block tables of the decode rows
+    lens: torch.Tensor  # [num_decode] int32: their lengths after this step
+    prefills: list[tuple[int, int, torch.Tensor]]  # (first row, rows, slots of positions 0..last) per chunk
+    sample_rows: torch.Tensor  # [R] int64: rows whose logits give a token
+    sampled: list[Scheduled]  # the sequences of those rows, in order
+    graph_key: tuple[int, int] | None = None  # (rows, table width) of the CUDA graph that runs it, padded to those
+
+
+class ModelRunner:
+    def __init__(self, cfg: LlamaConfig, weights: Weights, device: torch.device, dtype: torch.dtype,
+                 blocks: BlockManager, use_triton: bool, cuda_graphs: bool):
+        self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.use_triton = use_triton
+        self.pad_slot = len(blocks.blocks) * self.block_size  # the first slot of a spare block, past the pool's
+        slots = self.pad_slot + self.block_size
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, slots, cfg.head_dim)  # [L, K, S, E]
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        cos, sin = np_ops.rope_tables(np.arange(cfg.max_position_embeddings), cfg.head_dim, cfg.rope_theta,
+                                      cfg.rope_scaling)  # [P, E/2] fp32 each
+        self.cos, self.sin = torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
+        self.max_width = -(-cfg.max_position_embeddings // self.block_size)  # blocks of the longest sequence
+        self.graphs = DecodeGraphs(self) if cuda_graphs else None
+
+    @staticmethod
+    def kv_bytes_per_block(cfg: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * block_size * cfg.head_dim * dtype.itemsize
+
+    # ---- inputs ----
+    def prepare(self, batch: list[Scheduled]) -> StepInputs:
+        decode = [s for s in batch if s.num_tokens == 1]
+        prefill = [s for s in batch if s.num_tokens > 1]
+        ids, positions, slots, sample_rows, sampled, chunks = [], [], [], [], [], []
+        for s in decode + prefill:
+            seq, start = s.seq, s.seq.num_computed
+            first = len(ids)
+            span = range(start, start + s.num_tokens)
+            ids += seq.token_ids[start:start + s.num_tokens]
+            positions += span
+            slots += [self.blocks.slot(seq, p) for p in span]
+            if s.num_tokens > 1:
+                chunks.append((first, s.num_tokens, [self.blocks.slot(seq, p) for p in range(span.stop)]))
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+                sampled.append(s)
+        width = max((len(s.seq.block_table) for s in decode), default=1)
+        lens = [s.seq.num_computed + 1 for s in decode]
+        key = self.graphs.key(len(decode), width) if self.graphs and not prefill and len(sampled) == len(decode) \
+            else None
+        rows = len(decode)
+        if key is not None:  # padding rows: token 0 at position 0 into the spare slot, length 0
+            rows, width = key
+            pad = rows - len(decode)
+            ids, positions, slots, lens = ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, \
+                lens + [0] * pad
+        tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decode]
+        tables += [[0] * width] * (rows - len(decode))
+        dev = self.device if key is None else "cpu"  # graph inputs are copied into the graph's own buffers
+
+        def t(x, dtype=torch.int64):
+            return torch.tensor(x, dtype=dtype, device=dev)
+        return StepInputs(t(ids), t(positions), t(slots), rows, t(tables, torch.int32).reshape(rows, width),
+                          t(lens, torch.int32), [(first, n, t(sl)) for first, n, sl in chunks], t(sample_rows),
+                          sampled, key)
+
+    # ---- the forward ----
+    def run(self, inp: StepInputs) -> torch.Tensor:
+        """-> logits [R, V] of inp.sample_rows (model dtype)."""
+        if inp.graph_key is not None:
+            return self.graphs.run(inp)[:len(inp.sampled)]
+        with torch.inference_mode(), ops.torch_only(not self.use_triton):
+            return self._forward(inp)
+
+    def forward(self, inp: StepInputs) -> torch.Tensor:
+        """The eager forward as the graphs capture it."""
+        with ops.torch_only(not self.use_triton):
+            return self._forward(inp)
+
+    def _forward(self, inp: StepInputs) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        eps = cfg.rms_norm_eps
+        x, h = ops.embedding_rms_norm(inp.ids, w.embed, w.layers[0].attn_norm, eps)  # [T, D] each
+        cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [T, E/2] fp32
+        last = len(w.layers) - 1
+        for i, lw in enumerate(w.layers):
+            a = self._attention(lw, h, cos, sin, i, inp)  # [T, H·E]
+            x, h = ops.add_rms_norm(ops.linear(a, lw.o), x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
+            act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
+            next_norm = w.layers[i + 1].attn_norm if i < last else w.norm
+            x, h = ops.add_rms_norm(ops.linear(act, lw.down), x, next_norm, eps)  # resid_post, next norm
+        return ops.linear(h[inp.sample_rows], w.lm_head)  # [R, D] -> [R, V]
+
+    def _attention(self, lw, h, cos, sin, layer: int, inp: StepInputs) -> torch.Tensor:
+        cfg = self.cfg
+        T = h.shape[0]
+        H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        cache_k, cache_v = self.k_cache[layer], self.v_cache[layer]  # [K, S, E]
+        qkv = ops.linear(h, lw.qkv)  # [T, D] -> [T, (H+2K)·E]
+        q = qkv[:, : H * E].view(T, H, E)
+        k = qkv[:, H * E: (H + K) * E].view(T, K, E)
+        v = qkv[:, (H + K) * E:].view(T, K, E)
+        q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, inp.slots)  # k_rot, v -> their slots
+        a = torch.empty_like(q_rot)  # [T, H, E]
+        D = inp.num_decode
+        if D:
+            a[:D] = paged_decode_attention(q_rot[:D], cache_k, cache_v, inp.tables, inp.lens, self.block_size)
+        for first, n, slots in inp.prefills:
+            k_seq, v_seq = cache_k[:, slots], cache_v[:, slots]  # [K, S, E] -> [K, ctx, E]: positions 0..ctx-1
+            a[first:first + n] = ops.causal_attention(q_rot[first:first + n], k_seq, v_seq,
+                                                      inp.positions[first:first + n])
+        return a.reshape(T, H * E)

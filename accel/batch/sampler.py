@@ -1,0 +1,92 @@
+"""Per-request sampling on the device for a batch of logits rows, with accel.sampling's rules row by row:
+
+    repetition penalty   on the logits of the request's tokens so far (prompt and output; HF's rule), before the rest
+    temperature 0        greedy (argmax, the first of equal maxima)
+    else                 top-k, then top-p over logits / temperature, then one draw: argmax(p / e), e ~ Exp(1)
+
+The draw's noise is a counter-based hash of (the request's seed, how many tokens it has generated, the vocabulary
+index), not a stateful generator: a request's draws depend on nothing else in the batch, and a preempted request
+recomputed later draws the same numbers again. Same seed -> same tokens, whatever shares the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sequence import Sequence
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values in [0, 2^32): xorshift-multiply rounds whose odd
+    multipliers are below 2^31, so no product leaves int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: list[int], steps: list[int], vocab: int, device) -> torch.Tensor:
+    """[R, V] float32 in (0, 1): row r a function of (seeds[r], steps[r]) and the column only."""
+    seed = torch.tensor(seeds, dtype=torch.int64, device=device)  # [R]
+    step = torch.tensor(steps, dtype=torch.int64, device=device)
+    key = _mix((seed & _M32) ^ _mix(((seed >> 32) & _M32) ^ _mix(step & _M32)))  # [R]
+    col = torch.arange(vocab, dtype=torch.int64, device=device)  # [V]
+    bits = _mix(_mix((key[:, None] + col[None, :] * 0x9E3779B1) & _M32) ^ key[:, None])  # [R, V]
+    return ((bits.double() + 0.5) / 2.0**32).float()
+
+
+def penalize_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [R, V] fp32 -> the same with each row's repetition penalty applied to its request's seen tokens."""
+    for r, seq in enumerate(seqs):
+        penalty = seq.params.repetition_penalty
+        if penalty != 1:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
+            vals = logits[r, seen]
+            logits[r, seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [R, V] (row r: the next token of seqs[r]) -> token ids [R] int64 on the device."""
+    logits = penalize_rows(logits.float().clone(), seqs)
+    tokens = torch.argmax(logits, dim=-1)  # [R]: the greedy rows' answer
+    drawn = [r for r, s in enumerate(seqs) if s.params.temperature > 0]
+    if not drawn:
+        return tokens
+    rows = torch.tensor(drawn, dtype=torch.int64, device=logits.device)
+    params = [seqs[r].params for r in drawn]
+    dev, V = logits.device, logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    z = logits[rows] / temperature[:, None]  # [Rs, V]
+    z = _top_k(z, [p.top_k for p in params])
+    p = torch.softmax(z, dim=-1)
+    p = _top_p(p, [p_.top_p for p_ in params])
+    e = -torch.log(uniform_noise([seqs[r].seed for r in drawn], [seqs[r].num_generated for r in drawn], V, dev))
+    tokens[rows] = torch.argmax(p / e, dim=-1)  # argmax(p / e), e ~ Exp(1): a draw from p
+    return tokens
+
+
+def _top_k(z: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """Keep each row's k largest values (ties at the k-th kept); k = 0 or >= V: the whole row."""
+    V = z.shape[1]
+    k = torch.tensor([k if 0 < k < V else V for k in ks], dtype=torch.int64, device=z.device)  # [Rs]
+    if bool((k == V).all()):
+        return z
+    top = torch.topk(z, int(k.max()), dim=-1).values  # [Rs, kmax], largest first
+    kth = top.gather(1, (k.clamp_max(top.shape[1]) - 1)[:, None])  # [Rs, 1]
+    return z.masked_fill(z < kth, float("-inf"))
+
+
+def _top_p(p: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Keep each row's smallest most-likely-first prefix whose mass reaches its top_p; renormalize."""
+    if all(x >= 1 for x in ps):
+        return p
+    top_p = torch.tensor(ps, dtype=torch.float32, device=p.device)[:, None]  # [Rs, 1]
+    sorted_p, order = torch.sort(p, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    keep_sorted = (mass_before < top_p) | (top_p >= 1)
+    keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+    p = torch.where(keep, p, torch.zeros_like(p))
+    return p / p.sum(dim=-1, keepdim=True)

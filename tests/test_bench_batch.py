@@ -1,0 +1,107 @@
+"""The batched-decoding benchmark (tools/bench/batch.py) without a GPU: its arguments, its workload and roofline
+arithmetic, its measuring loops on a toy model through accel.batch on CPU, and `llama32 bench --batch`'s clean
+refusal. (--help and the one-line refusal of the script itself: tests/test_bench_scripts.py.)"""
+import argparse
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from click.testing import CliRunner  # noqa: E402
+
+from tools.bench import batch  # noqa: E402
+
+
+def test_batch_sizes_argument(capsys):
+    assert batch.batch_sizes("1,8, 32") == [1, 8, 32]
+    for bad in ("", "0,8", "a,b", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            batch.batch_sizes(bad)
+    with pytest.raises(SystemExit) as e:
+        batch.main(["--batch-sizes", "8,x"])
+    assert e.value.code == 2 and "--batch-sizes 8,x: expected positive integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        batch.main(["--decode-steps", "0"])
+    assert e.value.code == 2 and "--decode-steps must be >= 1" in capsys.readouterr().err
+
+
+def test_workload_is_fixed_by_its_seed_and_in_range():
+    a, b, c = batch.workload(1000, seed=0), batch.workload(1000, seed=0), batch.workload(1000, seed=1)
+    assert a == b and a != c and len(a) == 1000
+    prompts = [len(p) for p, _ in a]
+    outputs = [n for _, n in a]
+    assert min(prompts) >= 32 and max(prompts) <= 1024 and min(outputs) >= 32 and max(outputs) <= 512
+    assert 500 < sum(prompts) / 1000 < 560 and 250 < sum(outputs) / 1000 < 295  # uniform: means near 528 and 272
+    assert all(0 <= t < 128000 for p, _ in a[:10] for t in p)
+
+
+def test_roofline_counts_weights_once_and_kv_per_sequence():
+    from tools.bench.common import model_config
+    cfg = model_config("1b")  # 16 layers, 8 KV heads of 64
+    assert batch.kv_bytes(cfg, 512) == 2 * 16 * 8 * 64 * 512 * 2  # 16 MiB of bf16 K and V
+    weights = 2_471_000_000
+    one = batch.roofline_tok_s(weights, cfg, 1, 512, copy_tb_s=3.0)
+    assert one == pytest.approx(3e12 / (weights + 16 * 2**20))
+    many = batch.roofline_tok_s(weights, cfg, 64, 512, copy_tb_s=3.0)
+    assert many == pytest.approx(64 * 3e12 / (weights + 64 * 16 * 2**20))
+
+
+@pytest.fixture(scope="module")
+def toy_engine():
+    pytest.importorskip("accel.batch")
+    from accel.batch import BatchEngine
+    from refimpl.formats.checkpoint import load_checkpoint
+    from tools.toy import TOYS, write_toy_checkpoint
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = load_checkpoint(write_toy_checkpoint(TOYS[0], d))
+    return BatchEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32", max_num_seqs=8)
+
+
+def test_measuring_loops_on_a_toy_model(toy_engine):
+    """decode_rate times exactly B tokens a step once every prompt is in; the workload makes every request's full
+    count (eos ignored); the engine is left empty for the next measurement."""
+    cfg = toy_engine.config
+    prompts = batch.decode_prompts(cfg, 5, 12, seed=3)
+    assert prompts == batch.decode_prompts(cfg, 5, 12, seed=3) and all(len(p) == 12 for p in prompts)
+    rate, made = batch.decode_rate(toy_engine, prompts, steps=4)
+    assert made == 5 * 4 and rate > 0
+    assert not toy_engine.has_unfinished() and toy_engine.stats()["blocks_used"] == 0
+    jobs = batch.workload(6, seed=2, vocab=cfg.vocab_size, prompt=(3, 40), output=(2, 20))
+    result = batch.workload_run(toy_engine, jobs)
+    assert result["output_tokens"] == sum(n for _, n in jobs) and result["output_tok_s"] > 0
+    assert not toy_engine.has_unfinished()
+
+
+def test_render_table():
+    rec = {"device": "Test GPU", "date": "2026-11-26 18:00 UTC", "copy_tb_s": 3.0, "models": [{
+        "model": "llama-3.2-1b", "context": 512, "decode_steps": 64,
+        "decode": [{"batch": 64, "decode_tok_s": 20000.0, "roofline_tok_s": 25000.0, "roofline_pct": 80.0,
+                    "hf_tok_s": 2000.0, "speedup_vs_hf": 10.0},
+                   {"batch": 1, "decode_tok_s": 900.0, "roofline_tok_s": 1100.0, "roofline_pct": 81.8}],
+        "workload": {"requests": 1000, "prompt_tokens": 528000, "ours": {"seconds": 20.0, "output_tok_s": 13600.0},
+                     "hf": {"seconds": 230.0, "output_tok_s": 1180.0}, "speedup_vs_hf": 11.5}}]}
+    text = batch.render(rec)
+    assert "batched decode — Test GPU — 2026-11-26 18:00 UTC" in text
+    assert "   64      20000      25000    80.0       2000   10.0" in text
+    assert "    1        900       1100    81.8          -      -" in text
+    assert "HF 230.0 s, 1180 output tok/s (x11.5)" in text
+
+
+def test_llama32_bench_batch_refuses_without_cuda_and_calls_the_benchmark(monkeypatch, tmp_path):
+    from tools.cli import main
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    r = CliRunner().invoke(main, ["bench", "--batch"])
+    assert r.exit_code == 2 and r.output.strip() == ("error: llama32 bench needs a CUDA GPU "
+                                                     "(torch.cuda.is_available() is False here)")
+    calls = []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(batch, "run", lambda args, command=None: calls.append((args, command)))
+    argv = ["bench", "--batch", "--models", "3b", "--skip-hf", "--json-out", str(tmp_path / "b.json")]
+    monkeypatch.setattr(sys, "argv", ["llama32", *argv])
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 0, r.output
+    (args, command), = calls
+    assert args.models == ["3b"] and args.skip_hf and args.batch_sizes == [1, 8, 32, 64, 128, 256]
+    assert (args.context, args.requests, str(args.json_out)) == (512, 1000, str(tmp_path / "b.json"))
+    assert command == f"llama32 bench --batch --models 3b --skip-hf --json-out {tmp_path / 'b.json'}"

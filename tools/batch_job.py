@@ -1,0 +1,217 @@
+"""`llama32 batch`'s work: requests through a batch engine, results written in input order as they complete.
+
+The request loop (`run_group`) takes any engine with accel.batch.BatchEngine's API (tools.batch_engines), so
+the same loop drives the paged continuous-batching engine and the NumPy reference one request at a time.
+Stop strings are found in the decoded text: the text is cut before the earliest one, the request aborted, and
+its finish reason is "stop", as for a stop token.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from refimpl.progress import Progress
+
+
+class OrderedWriter:
+    """Writes records in `order` (ids), each as soon as it and every record before it are complete; a file cut
+    short therefore holds a prefix of the run."""
+
+    def __init__(self, f, order: list[str]):
+        self.f, self.order, self.next, self.held = f, list(order), 0, {}
+
+    def put(self, rid: str, record: dict) -> None:
+        self.held[rid] = record
+        while self.next < len(self.order) and self.order[self.next] in self.held:
+            self.f.write(json.dumps(self.held.pop(self.order[self.next]), ensure_ascii=False) + "\n")
+            self.f.flush()
+            self.next += 1
+
+    @property
+    def complete(self) -> bool:
+        return self.next == len(self.order)
+
+
+def find_stop(text: str, stops) -> int | None:
+    """Where the earliest stop string starts in `text`, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+@dataclass
+class Tally:
+    """What the progress bar and the summary report."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def tokens_per_s(self) -> float:
+        elapsed = time.perf_counter() - self.start
+        return self.completion_tokens / elapsed if elapsed > 0 else 0.0
+
+
+def result_record(req, ids: list[int], text: str, reason: str) -> dict:
+    return {"id": req.id, "text": text, "generated_ids": ids, "finish_reason": reason,
+            "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(ids)}}
+
+
+class _Live:
+    """One request in flight and the ids it has generated so far."""
+
+    def __init__(self, req):
+        self.req, self.ids = req, []
+
+
+def _finish(live, tokenizer, reason: str, cut: int | None = None) -> dict:
+    text = tokenizer.decode(live.ids)
+    return result_record(live.req, live.ids, text if cut is None else text[:cut], reason)
+
+
+def run_group(kit, requests, tokenizer, stop_ids, on_done, tally: Tally, progress: Progress | None = None) -> None:
+    """Every request through kit.engine until all are finished; on_done(request, record) as each ends."""
+    engine, live = kit.engine, {}
+    for req in requests:
+        params = kit.params_type(stop_token_ids=tuple(stop_ids), **req.sampling)
+        live[engine.add_request(req.prompt_ids, params, request_id=req.id)] = _Live(req)
+    while engine.has_unfinished():
+        for out in engine.step():
+            r = live.get(out.request_id)
+            if r is None:  # already finished here by a stop string
+                continue
+            r.ids.extend(out.new_token_ids)
+            tally.completion_tokens += len(out.new_token_ids)
+            record = None
+            if r.req.stop and not out.finished:
+                cut = find_stop(tokenizer.decode(r.ids), r.req.stop)
+                if cut is not None:
+                    engine.abort(out.request_id)
+                    record = _finish(r, tokenizer, "stop", cut)
+            elif out.finished:
+                text = tokenizer.decode(r.ids)
+                cut = find_stop(text, r.req.stop) if r.req.stop else None
+                record = _finish(r, tokenizer, "stop" if cut is not None else out.finish_reason, cut)
+            if record is not None:
+                del live[out.request_id]
+                tally.requests += 1
+                tally.prompt_tokens += len(r.req.prompt_ids)
+                on_done(r.req, record)
+                if progress is not None:
+                    progress.advance(1, f"{tally.tokens_per_s():.1f} tok/s")
+        if progress is not None:
+            progress.advance(0, f"{tally.tokens_per_s():.1f} tok/s")
+
+
+def answer_losses(engine, requests, tokenizer) -> dict[str, tuple[float, int]]:
+    """{id: (mean loss of its answer's tokens, answer tokens)} for every request with an answer, teacher-forced by
+    one forward of a single-sequence engine (refimpl's or accel's `steps`) over prompt + answer."""
+    import numpy as np
+
+    from refimpl.model.llama import run_steps
+    from tools.batch_eval import answer_loss
+    out = {}
+    for req in requests:
+        if req.answer is None:
+            continue
+        answer_ids = tokenizer.encode(req.answer, add_special_tokens=False)
+        ids = (req.prompt_ids + answer_ids)[:engine.config.max_position_embeddings]
+        scored = answer_ids[:len(ids) - len(req.prompt_ids)]
+        if not scored:
+            out[req.id] = (None, 0)
+            continue
+        cache = engine.new_cache(len(ids))
+        logits = engine.to_numpy(run_steps(engine.steps(ids, np.arange(len(ids)), cache)))  # [T, V]
+        out[req.id] = (answer_loss(logits[:len(req.prompt_ids) + len(scored)], scored), len(scored))
+    return out
+
+
+@dataclass
+class Job:
+    """One `llama32 batch` run: where requests come from and go, and how the engines are built."""
+
+    requests: list  # tools.batch_requests.Request, in input order
+    done: dict  # id -> record already in the output file
+    output: object  # Path
+    ckpt: object  # refimpl Checkpoint, base weights
+    adapters: dict  # NAME -> load_lora's list
+    backend: str
+    device: str | None = None
+    dtype: str | None = None
+    engine_options: dict = field(default_factory=dict)
+    evaluate: bool = False
+
+
+def _groups(requests) -> dict:
+    """Requests by adapter name (None: the base model), in order of first appearance."""
+    groups = {}
+    for req in requests:
+        groups.setdefault(req.adapter, []).append(req)
+    return groups
+
+
+def _eval_record(req, record: dict, losses: dict) -> dict:
+    from tools.batch_eval import text_metrics
+    loss, tokens = losses.get(req.id, (None, 0))
+    return {**text_metrics(record["text"], req.answer), "loss": loss, "answer_tokens": tokens}
+
+
+def _free(device) -> None:
+    """Give a dropped engine's GPU memory back before the next one is built."""
+    import gc
+    gc.collect()
+    if device is None or str(device).startswith("cuda"):
+        try:
+            import torch
+        except ImportError:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_job(job: Job, progress_stream=None) -> dict:
+    """Runs every request not yet in the output; returns the run's summary (eval metrics over every request of
+    the input, resumed ones included, with `evaluate`)."""
+    from tools.batch_engines import batch_engine, with_adapter
+    from tools.engines import engine_for
+    pending = [r for r in job.requests if r.id not in job.done]
+    tok, tally, metrics = job.ckpt.tokenizer, Tally(), {}
+    with open(job.output, "a", encoding="utf-8") as f, \
+            Progress("batch", len(pending), stream=progress_stream, delay_s=0.5) as progress:
+        writer = OrderedWriter(f, [r.id for r in pending])
+        for name, group in _groups(job.requests).items():
+            todo = [r for r in group if r.id not in job.done]
+            if not todo and not job.evaluate:
+                continue
+            ckpt = with_adapter(job.ckpt, job.adapters.get(name))
+            losses = {}
+            if job.evaluate:  # before the batch engine takes its share of the device's memory
+                single = engine_for(ckpt, job.backend, job.device, job.dtype)
+                losses = answer_losses(single, group, tok)
+                del single
+                _free(job.device)
+                for req in group:
+                    if req.id in job.done:
+                        metrics[req.id] = job.done[req.id].get("eval") or _eval_record(req, job.done[req.id], losses)
+            if not todo:
+                continue
+
+            def on_done(req, record, losses=losses):
+                if job.evaluate:
+                    record["eval"] = metrics[req.id] = _eval_record(req, record, losses)
+                writer.put(req.id, record)
+
+            kit = batch_engine(ckpt, job.backend, job.device, job.dtype, **job.engine_options)
+            run_group(kit, todo, tok, job.ckpt.stop_ids, on_done, tally, progress)
+            del kit
+            _free(job.device)
+    elapsed = time.perf_counter() - tally.start
+    summary = {"output": str(job.output), "requests": len(job.requests), "resumed": len(job.done),
+               "completed": tally.requests, "prompt_tokens": tally.prompt_tokens,
+               "completion_tokens": tally.completion_tokens, "elapsed_s": elapsed,
+               "output_tokens_per_s": tally.completion_tokens / elapsed if elapsed > 0 else None}
+    if job.evaluate:
+        from tools.batch_eval import summarize
+        summary["eval"] = summarize([metrics[r.id] for r in job.requests if r.id in metrics])
+    return summary

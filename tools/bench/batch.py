@@ -1,0 +1,296 @@
+"""Batched decoding: accel.batch.BatchEngine at the Llama 3.2 1B/3B shapes on random bf16 weights, against the
+roofline and against HF transformers' continuous batching (`generate_batch`, paged SDPA) on the same requests.
+
+    decode    B = 1, 8, 32, 64, 128, 256 sequences with --context-token prompts, all prefilled first; then
+              --decode-steps steps each decoding one token of every sequence: B·steps / time. Roofline: the bytes
+              a step must read (the weights once, and each sequence's K/V at its length) over the measured copy
+              bandwidth. HF: generate_batch of the same prompts for 1 and for 1 + steps new tokens, the difference.
+    workload  --requests requests from a fixed seed, prompt lengths uniform in [32, 1024] and outputs in
+              [32, 512] (eos ignored: every request makes its full count): total time and output tok/s, ours and HF's
+              (its ContinuousBatchingManager, each request its own max_new_tokens).
+Method and timing: tools.bench.common (records: command, device, date, versions).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+
+from tools.bench import common
+
+BATCH_SIZES = (1, 8, 32, 64, 128, 256)
+
+
+def batch_sizes(text: str) -> list[int]:
+    """'1,8,32' -> [1, 8, 32]; anything else is an argparse error (one line, exit 2)."""
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"--batch-sizes {text}: expected positive integers separated by commas")
+    return sizes
+
+
+def workload(n: int, seed: int = 0, vocab: int = 128000, prompt=(32, 1024), output=(32, 512)):
+    """n requests: (prompt ids, output tokens), lengths uniform in the closed ranges, the same for a seed."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = rng.randint(*prompt)
+        out.append(([rng.randrange(vocab) for _ in range(p)], rng.randint(*output)))
+    return out
+
+
+def decode_prompts(cfg, batch: int, context: int, seed: int = 0) -> list[list[int]]:
+    """`batch` random prompts of `context` tokens, the same for (batch, seed): ours and HF's decode the same."""
+    rng = random.Random(seed * 1000 + batch)
+    return [[rng.randrange(cfg.vocab_size) for _ in range(context)] for _ in range(batch)]
+
+
+def kv_bytes(cfg, tokens: int, element_size: int = 2) -> int:
+    """K and V of `tokens` positions over every layer."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * tokens * element_size
+
+
+def roofline_tok_s(weight_bytes: int, cfg, batch: int, context: float, copy_tb_s: float) -> float:
+    """Tokens a second if a decode step of `batch` sequences of mean length `context` took only the time to read
+    its bytes (the weights once, every sequence's K/V) at the copy bandwidth."""
+    step_bytes = weight_bytes + batch * kv_bytes(cfg, int(context))
+    return batch * copy_tb_s * 1e12 / step_bytes
+
+
+# ---- ours ----
+
+def sync() -> None:
+    """Wait for the GPU (nothing to wait for on CPU, where the tests run these functions on a toy model)."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def new_engine(cfg, weights, device, max_num_seqs: int, **options):
+    import torch
+
+    from accel.batch import BatchEngine
+    return BatchEngine(cfg, weights, torch.device(device), "bf16", max_num_seqs=max_num_seqs, **options)
+
+
+def run_until_done(engine, ids: list[str]) -> int:
+    """Steps until every request in `ids` finished -> the tokens they generated."""
+    left, tokens = set(ids), 0
+    while left and engine.has_unfinished():
+        for out in engine.step():
+            tokens += len(out.new_token_ids) if out.request_id in left else 0
+            if out.finished:
+                left.discard(out.request_id)
+    return tokens
+
+
+def decode_rate(engine, prompts: list[list[int]], steps: int) -> tuple[float, int]:
+    """All prompts prefilled (each has its first token), then `steps` timed steps decoding every sequence ->
+    (tok/s, tokens made in the timed steps); the requests are aborted after. max_tokens leaves room for the
+    tokens early requests make while later ones still prefill."""
+    from accel.batch import SamplingParams
+    params = SamplingParams(max_tokens=len(prompts[0]) + steps, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    started = set()
+    while len(started) < len(ids):
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    sync()
+    t0 = time.perf_counter()
+    made = 0
+    for _ in range(steps):
+        made += sum(len(o.new_token_ids) for o in engine.step())
+    sync()
+    elapsed = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()  # the aborted requests' outputs
+    return made / elapsed, made
+
+
+def workload_run(engine, requests) -> dict:
+    from accel.batch import SamplingParams
+    sync()
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in requests]
+    tokens = run_until_done(engine, ids)
+    sync()
+    elapsed = time.perf_counter() - t0
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+
+
+# ---- HF transformers ----
+
+def hf_model(cfg, weights, device):
+    """transformers' Llama on the same weights, with a paged attention continuous batching runs (sdpa_paged where
+    this version has it, else sdpa, which its manager pages itself)."""
+    model = common.hf_llama(cfg, weights, device)
+    for impl in ("sdpa_paged", "sdpa"):
+        try:
+            model.set_attn_implementation(impl)
+            return model, impl
+        except (ValueError, KeyError, AttributeError):
+            continue
+    return model, model.config._attn_implementation
+
+
+def hf_config(new_tokens: int):
+    import transformers
+    return transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                         pad_token_id=0)
+
+
+def hf_batch_seconds(model, prompts, new_tokens: int) -> tuple[float, int]:
+    """generate_batch of the prompts, new_tokens each: (seconds, tokens generated)."""
+    import torch
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate_batch(prompts, generation_config=hf_config(new_tokens))
+    sync()
+    return time.perf_counter() - t0, sum(len(o.generated_tokens) for o in out.values())
+
+
+def hf_decode_rate(model, prompts, steps: int) -> float | None:
+    """Decode tok/s of generate_batch: (1 + steps tokens each) minus (1 token each: the prefill, and the manager's
+    set-up and CUDA-graph warm-up, which every call repeats), after a warm-up call. None if the difference drowns in
+    noise."""
+    hf_batch_seconds(model, prompts[:2], 2)
+    short, _ = hf_batch_seconds(model, prompts, 1)
+    full, tokens = hf_batch_seconds(model, prompts, 1 + steps)
+    return (tokens - len(prompts)) / (full - short) if full > short else None
+
+
+def hf_workload(model, requests) -> dict:
+    """The workload through HF's ContinuousBatchingManager, each request with its own max_new_tokens."""
+    import torch
+    manager = model.init_continuous_batching(generation_config=hf_config(max(n for _, n in requests)))
+    manager.start()
+    try:
+        sync()
+        t0 = time.perf_counter()
+        for i, (p, n) in enumerate(requests):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        tokens, done = 0, 0
+        while done < len(requests):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError(f"HF's manager stopped after {done} of {len(requests)} requests")
+            if result.is_finished():
+                done += 1
+                tokens += len(result.generated_tokens)
+        sync()
+        elapsed = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+
+
+# ---- one model ----
+
+def model_rows(key: str, args, copy_tb_s: float) -> dict:
+    import torch
+
+    from accel.weights import random_weights
+    cfg = common.model_config(key)
+    device = args.device
+    weights = random_weights(cfg, device, torch.bfloat16, seed=0)
+    weight_bytes = weights.nbytes_per_token()
+    rows = []
+    engine = new_engine(cfg, weights, device, max(args.batch_sizes))
+    for b in args.batch_sizes:
+        prompts = decode_prompts(cfg, b, args.context, args.seed)
+        rate, _ = decode_rate(engine, prompts, args.decode_steps)
+        roof = roofline_tok_s(weight_bytes, cfg, b, args.context + args.decode_steps / 2, copy_tb_s)
+        rows.append({"batch": b, "decode_tok_s": rate, "roofline_tok_s": roof, "roofline_pct": 100 * rate / roof})
+    result = {"model": common.MODELS[key], "weights_gb": weights.nbytes() / 1e9, "context": args.context,
+              "decode_steps": args.decode_steps, "decode": rows}
+    jobs = workload(args.requests, args.seed, cfg.vocab_size) if args.requests else []
+    if jobs:
+        result["workload"] = {"requests": len(jobs), "prompt_tokens": sum(len(p) for p, _ in jobs),
+                              "ours": workload_run(engine, jobs)}
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_hf:
+        model, impl = hf_model(cfg, weights, device)
+        result["hf_attn_implementation"] = impl
+        for row in rows:
+            prompts = decode_prompts(cfg, row["batch"], args.context, args.seed)
+            row["hf_tok_s"] = hf_decode_rate(model, prompts, args.decode_steps)
+            row["speedup_vs_hf"] = row["decode_tok_s"] / row["hf_tok_s"] if row["hf_tok_s"] else None
+        if jobs:
+            hf = hf_workload(model, jobs)
+            result["workload"]["hf"] = hf
+            result["workload"]["speedup_vs_hf"] = result["workload"]["ours"]["output_tok_s"] / hf["output_tok_s"]
+        del model
+    del weights
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def _fmt(x, spec=".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render(rec: dict) -> str:
+    f = _fmt
+    lines = [f"batched decode — {rec['device']} — {rec['date']}", f"copy bandwidth {rec['copy_tb_s']:.2f} TB/s", ""]
+    for m in rec["models"]:
+        lines.append(f"{m['model']}: {m['context']}-token contexts, {m['decode_steps']} decode steps timed")
+        lines.append(f"{'B':>5}{'tok/s':>11}{'roofline':>11}{'% roof':>8}{'HF tok/s':>11}{'x HF':>7}")
+        for r in m["decode"]:
+            lines.append(f"{r['batch']:>5}{r['decode_tok_s']:>11.0f}{r['roofline_tok_s']:>11.0f}"
+                         f"{r['roofline_pct']:>8.1f}{f(r.get('hf_tok_s'), '.0f'):>11}{f(r.get('speedup_vs_hf')):>7}")
+        w = m.get("workload")
+        if w:
+            hf = w.get("hf")
+            lines.append(f"workload: {w['requests']} requests, {w['prompt_tokens']} prompt tokens; ours "
+                         f"{w['ours']['seconds']:.1f} s, {w['ours']['output_tok_s']:.0f} output tok/s"
+                         + (f"; HF {hf['seconds']:.1f} s, {hf['output_tok_s']:.0f} output tok/s "
+                            f"(x{w['speedup_vs_hf']:.1f})" if hf else ""))
+        lines.append("")
+    lines.append("(roofline: the weights once + every sequence's K/V a step, over the copy bandwidth; HF: "
+                 "generate_batch's time for 1 + steps tokens minus for 1 token)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = common.parser("tools.bench.batch", __doc__, models="1b,3b")
+    ap.add_argument("--batch-sizes", type=batch_sizes, default=list(BATCH_SIZES),
+                    help="comma-separated (default 1,8,32,64,128,256)")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding sequence")
+    ap.add_argument("--decode-steps", type=int, default=64, help="decode steps timed at each batch size")
+    ap.add_argument("--requests", type=int, default=1000, help="the offline workload's requests (0: skip it)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true", help="skip HF transformers' continuous batching")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    for name in ("context", "decode_steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.requests < 0:
+        ap.error("--requests must be >= 0")
+    common.require_cuda("python3 -m tools.bench.batch")
+    return run(args)
+
+
+def run(args, command: str | None = None) -> dict:
+    copy = common.copy_bandwidth(args.device)
+    rec = common.record(args.device, command=command, copy_tb_s=copy, models=[])
+    for key in args.models:
+        print(f"benchmarking batched decode, {common.MODELS[key]} ...", flush=True)
+        rec["models"].append(model_rows(key, args, copy))
+    print(render(rec), flush=True)
+    common.write_record(args.json_out, rec)
+    return rec
+
+
+if __name__ == "__main__":
+    main()
