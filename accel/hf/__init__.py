@@ -5,15 +5,19 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="llama32")
     # or, on a loaded model: model.set_attn_implementation("llama32") / model.config._attn_implementation = "llama32"
 
-attention.py: the attention function (FlashAttention forward + backward, GQA-native, masks, fallbacks to SDPA).
+    accel.hf.apply(model)  # optional: RMSNorm and SwiGLU MLP forwards -> Triton forward + backward
+
+attention.py: the attention function (FlashAttention forward + backward, GQA-native, masks, fallbacks to SDPA);
+patch.py: the module patch, a table by model_type.
 """
 from __future__ import annotations
 
 from accel.hf.attention import attention_forward, fallback_counts, reset_fallbacks
+from accel.hf.patch import apply
 
 NAME = "llama32"
 
-__all__ = ["NAME", "register", "attention_forward", "fallback_counts", "reset_fallbacks"]
+__all__ = ["NAME", "register", "apply", "attention_forward", "fallback_counts", "reset_fallbacks"]
 
 
 def register() -> str:

@@ -1,6 +1,7 @@
 """Differentiable fused ops of the training forward, each a torch.autograd.Function over Triton kernels:
 RMSNorm (accel/kernels/rms_norm.py forward, rms_norm_bwd.py backward), RoPE of q and k in one launch (the backward
-is the inverse rotation: the same kernel with −sin), SwiGLU over the fused gate_up output (swiglu.py, swiglu_bwd.py).
+is the inverse rotation: the same kernel with −sin), SwiGLU over the fused gate_up output (swiglu.py, swiglu_bwd.py)
+or over separate gate and up outputs (HF's MLP: two linears, either of which PEFT may wrap).
 
 Each saves only its inputs and recomputes the rest in the backward. The frozen tensors (norm weights, cos/sin) get no
 gradient. Inputs may carry any leading dims ([B, T, ..]); rows are flattened for the kernels.
@@ -12,7 +13,7 @@ import torch
 from accel.kernels.rms_norm import rms_norm_fwd
 from accel.kernels.rms_norm_bwd import rms_norm_bwd
 from accel.kernels.rope import rope_fwd
-from accel.kernels.swiglu import swiglu_gate_up_fwd
+from accel.kernels.swiglu import swiglu_fwd, swiglu_gate_up_fwd
 from accel.kernels.swiglu_bwd import swiglu_gate_up_bwd
 
 
@@ -74,6 +75,22 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_gate_up_bwd(gu2, _rows(dy)).view(*dy.shape[:-1], gu2.shape[-1])
 
 
+class _SwiGLUPair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        g2, u2 = _rows(gate), _rows(up)
+        ctx.save_for_backward(g2, u2)
+        return swiglu_fwd(g2, u2).view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g2, u2 = ctx.saved_tensors
+        F = g2.shape[-1]
+        # the backward kernel reads and writes the fused [N, 2F] layout: one copy in, two strided views out
+        dgu = swiglu_gate_up_bwd(torch.cat([g2, u2], dim=-1), _rows(dy))
+        return dgu[:, :F].view(dy.shape), dgu[:, F:].view(dy.shape)
+
+
 @torch.compiler.disable  # opaque to torch.compile: the kernels are already fused
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [.., D], weight [D] (frozen) -> [.., D] in x's dtype, HF's casting order."""
@@ -91,3 +108,9 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [.., 2F] (gate = first F columns) -> silu(gate) · up [.., F]."""
     return _SwiGLU.apply(gate_up)
+
+
+@torch.compiler.disable  # opaque to torch.compile: the kernels are already fused
+def swiglu_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [.., F] (same dtype) -> silu(gate) · up [.., F], HF's rounding order; gradients for both."""
+    return _SwiGLUPair.apply(gate, up)

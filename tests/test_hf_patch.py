@@ -1,0 +1,104 @@
+"""accel.hf.apply: a loaded HF Llama / Mllama model with its RMSNorm and SwiGLU MLP forwards swapped for the Triton
+ones, against the same model unpatched (the oracle: HF's own forwards).
+
+CPU, under TRITON_INTERPRET=1, fp32: logits and gradients of a PEFT LoRA model (frozen norms: the kernels' case) and
+of full fine-tuning (trainable norms: HF's forward keeps the weight gradient), the tiny Mllama with an image, the
+table by model_type, idempotence. A spy checks that the kernels ran.
+"""
+import copy
+
+import pytest
+import torch
+
+import accel.hf
+from accel.hf import patch
+from tests._mllama_hf import IMAGE
+from tests._hf_tiny import assert_close, left_padded, llama, mllama_inputs
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = {"rms_norm": 0, "swiglu_pair": 0}
+    for name in calls:
+        real = getattr(patch.fused, name)
+
+        def spy(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(patch.fused, name, spy)
+    return calls
+
+
+def lora(model):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                                       target_modules=["q_proj", "v_proj", "gate_proj", "up_proj",
+                                                                       "down_proj"]))
+    return model
+
+
+def forward_backward(model, inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_patch_keeps_the_run(model, inputs, rows=None):
+    patched = copy.deepcopy(model)
+    counts = accel.hf.apply(patched)
+    want_logits, want_grads = forward_backward(model, inputs)
+    got_logits, got_grads = forward_backward(patched, inputs)
+    rows = rows if rows is not None else torch.ones(got_logits.shape[:2], dtype=torch.bool)
+    assert_close("logits", got_logits[rows], want_logits[rows])
+    assert got_grads.keys() == want_grads.keys() and want_grads
+    for name in want_grads:
+        assert_close(name, got_grads[name], want_grads[name])
+    return counts
+
+
+def test_lora_llama_logits_and_grads_equal_unpatched(kernel_calls):
+    model = lora(llama(kv_heads=2, layers=2)).train()
+    ids, mask = left_padded([9, 6], 9, seed=3)
+    counts = assert_patch_keeps_the_run(model, dict(input_ids=ids, attention_mask=mask,
+                                                    labels=ids.masked_fill(mask == 0, -100)), mask.bool())
+    assert counts == {"rms_norm": 5, "swiglu": 2}  # 2 per layer + the final norm; 1 MLP per layer
+    assert kernel_calls == {"rms_norm": 5, "swiglu_pair": 2}
+
+
+def test_full_finetuning_keeps_the_norm_weight_gradient(kernel_calls):
+    model = llama(kv_heads=1, layers=2, seed=2).train()
+    ids = torch.randint(3, 64, (1, 8), generator=torch.Generator().manual_seed(4))
+    assert_patch_keeps_the_run(model, dict(input_ids=ids, labels=ids))
+    assert kernel_calls == {"rms_norm": 0, "swiglu_pair": 2}  # trainable norms run HF's forward
+    with torch.no_grad():  # without gradients the norm kernel applies again
+        model_p = copy.deepcopy(model)
+        accel.hf.apply(model_p)
+        assert_close("no-grad logits", model_p(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert kernel_calls["rms_norm"] == 5
+
+
+def test_lora_mllama_with_an_image_equals_unpatched(kernel_calls):
+    model, kw = mllama_inputs()
+    model = lora(model).train()
+    counts = assert_patch_keeps_the_run(model, dict(kw, labels=kw["input_ids"].masked_fill(
+        kw["input_ids"] == IMAGE, -100)))
+    # 4 text layers (2 self, 2 cross): 2 norms each, + the final norm, + 2 (q, k) head norms per cross layer
+    assert counts == {"rms_norm": 4 * 2 + 1 + 2 * 2, "swiglu": 4}
+    assert kernel_calls["rms_norm"] > 0 and kernel_calls["swiglu_pair"] == 4
+
+
+def test_apply_is_idempotent_takes_flags_and_refuses_unknown_models():
+    model = llama()
+    assert accel.hf.apply(model, swiglu=False) == {"rms_norm": 5}
+    assert accel.hf.apply(model) == {"rms_norm": 0, "swiglu": 2}
+    assert accel.hf.apply(model) == {"rms_norm": 0, "swiglu": 0}
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        accel.hf.apply(_gpt2())
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
