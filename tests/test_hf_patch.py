@@ -95,6 +95,9 @@ def test_apply_is_idempotent_takes_flags_and_refuses_unknown_models():
     assert accel.hf.apply(model, swiglu=False) == {"rms_norm": 5}
     assert accel.hf.apply(model) == {"rms_norm": 0, "swiglu": 2}
     assert accel.hf.apply(model) == {"rms_norm": 0, "swiglu": 0}
+    assert accel.hf.revert(model) == 7 and accel.hf.revert(model) == 0
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert accel.hf.apply(model) == {"rms_norm": 5, "swiglu": 2}
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         accel.hf.apply(_gpt2())
 

@@ -5,7 +5,7 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="llama32")
     # or, on a loaded model: model.set_attn_implementation("llama32") / model.config._attn_implementation = "llama32"
 
-    accel.hf.apply(model)  # optional: RMSNorm and SwiGLU MLP forwards -> Triton forward + backward
+    accel.hf.apply(model)  # optional: RMSNorm and SwiGLU MLP forwards -> Triton forward + backward (revert undoes)
 
 attention.py: the attention function (FlashAttention forward + backward, GQA-native, masks, fallbacks to SDPA);
 patch.py: the module patch, a table by model_type.
@@ -13,11 +13,11 @@ patch.py: the module patch, a table by model_type.
 from __future__ import annotations
 
 from accel.hf.attention import attention_forward, fallback_counts, reset_fallbacks
-from accel.hf.patch import apply
+from accel.hf.patch import apply, revert
 
 NAME = "llama32"
 
-__all__ = ["NAME", "register", "apply", "attention_forward", "fallback_counts", "reset_fallbacks"]
+__all__ = ["NAME", "register", "apply", "revert", "attention_forward", "fallback_counts", "reset_fallbacks"]
 
 
 def register() -> str:

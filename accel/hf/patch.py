@@ -68,3 +68,13 @@ def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True) ->
                 module.llama32_patched = True
                 counts[flag] += 1
     return counts
+
+
+def revert(model: torch.nn.Module) -> int:
+    """Undo apply(): every patched module runs its class's forward again -> how many were patched."""
+    n = 0
+    for module in model.modules():
+        if getattr(module, "llama32_patched", False):
+            del module.forward, module.llama32_patched
+            n += 1
+    return n
