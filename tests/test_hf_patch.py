@@ -16,9 +16,17 @@ from tests._mllama_hf import IMAGE
 from tests._hf_tiny import assert_close, left_padded, llama, mllama_inputs
 
 
+@pytest.fixture(autouse=True)
+def hf_rope():
+    """RoPE is patched in the modeling files, process-wide: every test leaves HF's own behind."""
+    yield
+    for module_name in {t["rope"] for t in patch.PATCHES.values()}:
+        patch.unpatch_rope(module_name)
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    calls = {"rms_norm": 0, "swiglu_pair": 0}
+    calls = {"rms_norm": 0, "swiglu_pair": 0, "rope_qk": 0}
     for name in calls:
         real = getattr(patch.fused, name)
 
@@ -48,8 +56,8 @@ def forward_backward(model, inputs):
 
 def assert_patch_keeps_the_run(model, inputs, rows=None):
     patched = copy.deepcopy(model)
+    want_logits, want_grads = forward_backward(model, inputs)  # first: apply() replaces RoPE for both
     counts = accel.hf.apply(patched)
-    want_logits, want_grads = forward_backward(model, inputs)
     got_logits, got_grads = forward_backward(patched, inputs)
     rows = rows if rows is not None else torch.ones(got_logits.shape[:2], dtype=torch.bool)
     assert_close("logits", got_logits[rows], want_logits[rows])
@@ -64,19 +72,20 @@ def test_lora_llama_logits_and_grads_equal_unpatched(kernel_calls):
     ids, mask = left_padded([9, 6], 9, seed=3)
     counts = assert_patch_keeps_the_run(model, dict(input_ids=ids, attention_mask=mask,
                                                     labels=ids.masked_fill(mask == 0, -100)), mask.bool())
-    assert counts == {"rms_norm": 5, "swiglu": 2}  # 2 per layer + the final norm; 1 MLP per layer
-    assert kernel_calls == {"rms_norm": 5, "swiglu_pair": 2}
+    assert counts == {"rms_norm": 5, "swiglu": 2, "rope": 1}  # 2 norms a layer + the final one; 1 MLP a layer
+    assert kernel_calls == {"rms_norm": 5, "swiglu_pair": 2, "rope_qk": 2}
 
 
 def test_full_finetuning_keeps_the_norm_weight_gradient(kernel_calls):
     model = llama(kv_heads=1, layers=2, seed=2).train()
     ids = torch.randint(3, 64, (1, 8), generator=torch.Generator().manual_seed(4))
     assert_patch_keeps_the_run(model, dict(input_ids=ids, labels=ids))
-    assert kernel_calls == {"rms_norm": 0, "swiglu_pair": 2}  # trainable norms run HF's forward
+    assert kernel_calls == {"rms_norm": 0, "swiglu_pair": 2, "rope_qk": 2}  # trainable norms run HF's forward
     with torch.no_grad():  # without gradients the norm kernel applies again
+        want = model(input_ids=ids).logits
         model_p = copy.deepcopy(model)
         accel.hf.apply(model_p)
-        assert_close("no-grad logits", model_p(input_ids=ids).logits, model(input_ids=ids).logits)
+        assert_close("no-grad logits", model_p(input_ids=ids).logits, want)
     assert kernel_calls["rms_norm"] == 5
 
 
@@ -86,18 +95,23 @@ def test_lora_mllama_with_an_image_equals_unpatched(kernel_calls):
     counts = assert_patch_keeps_the_run(model, dict(kw, labels=kw["input_ids"].masked_fill(
         kw["input_ids"] == IMAGE, -100)))
     # 4 text layers (2 self, 2 cross): 2 norms each, + the final norm, + 2 (q, k) head norms per cross layer
-    assert counts == {"rms_norm": 4 * 2 + 1 + 2 * 2, "swiglu": 4}
-    assert kernel_calls["rms_norm"] > 0 and kernel_calls["swiglu_pair"] == 4
+    assert counts == {"rms_norm": 4 * 2 + 1 + 2 * 2, "swiglu": 4, "rope": 1}
+    assert kernel_calls["rms_norm"] > 0 and kernel_calls["swiglu_pair"] == 4 and kernel_calls["rope_qk"] == 2
 
 
 def test_apply_is_idempotent_takes_flags_and_refuses_unknown_models():
     model = llama()
-    assert accel.hf.apply(model, swiglu=False) == {"rms_norm": 5}
-    assert accel.hf.apply(model) == {"rms_norm": 0, "swiglu": 2}
-    assert accel.hf.apply(model) == {"rms_norm": 0, "swiglu": 0}
-    assert accel.hf.revert(model) == 7 and accel.hf.revert(model) == 0
+    from transformers.models.llama import modeling_llama
+    hf_rope = modeling_llama.apply_rotary_pos_emb
+    assert accel.hf.apply(model, swiglu=False, rope=False) == {"rms_norm": 5}
+    assert modeling_llama.apply_rotary_pos_emb is hf_rope
+    assert accel.hf.apply(model) == {"rms_norm": 0, "swiglu": 2, "rope": 1}
+    assert accel.hf.apply(model) == {"rms_norm": 0, "swiglu": 0, "rope": 0}
+    assert modeling_llama.apply_rotary_pos_emb.llama32_original is hf_rope
+    assert accel.hf.revert(model) == 8 and accel.hf.revert(model) == 0
     assert all("forward" not in vars(m) for m in model.modules())
-    assert accel.hf.apply(model) == {"rms_norm": 5, "swiglu": 2}
+    assert modeling_llama.apply_rotary_pos_emb is hf_rope
+    assert accel.hf.apply(model) == {"rms_norm": 5, "swiglu": 2, "rope": 1}
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         accel.hf.apply(_gpt2())
 
@@ -105,3 +119,17 @@ def test_apply_is_idempotent_takes_flags_and_refuses_unknown_models():
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+
+
+def test_patched_generate_with_left_padding_gives_the_same_greedy_ids(kernel_calls):
+    """generate's position ids differ per sequence under left padding: RoPE tables [B, T, E], one row each."""
+    model = llama(kv_heads=1, seed=5).eval()
+    ids, mask = left_padded([8, 5], 8, seed=6)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None,
+              pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(**kw)
+        accel.hf.apply(model)
+        got = model.generate(**kw)
+    assert got.tolist() == want.tolist() and len(set(want[:, 8:].flatten().tolist())) > 2
+    assert kernel_calls["rope_qk"] == 2 * 5  # every step, prefill included, through the kernel

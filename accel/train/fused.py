@@ -39,7 +39,10 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rope_rows(cos, sin, B: int):
-    """cos/sin [T, E/2] -> [B·T, E/2] each: the tables for B sequences flattened into rows."""
+    """cos/sin [T, E/2] (shared by the B sequences) or [B, T, E/2] (positions per sequence) -> [B·T, E/2] each:
+    the tables for B sequences flattened into rows."""
+    if cos.dim() == 3:
+        return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
     return (cos.repeat(B, 1), sin.repeat(B, 1)) if B > 1 else (cos, sin)
 
 
@@ -100,7 +103,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @torch.compiler.disable  # opaque to torch.compile: the kernels are already fused
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [B, T, H, E], k [B, T, K, E] (head rows contiguous; strided slices of a fused output are fine),
-    cos/sin [T, E/2] fp32 -> (rotated q, rotated k), new tensors in q's dtype."""
+    cos/sin [T, E/2] or [B, T, E/2] fp32 -> (rotated q, rotated k), new tensors in q's dtype."""
     return _RopeQK.apply(q, k, cos, sin)
 
 
