@@ -15,8 +15,8 @@ def assert_close(name, got, ref, tol=FP32):
                   f"{c.problem}")
 
 
-def llama(heads=4, kv_heads=2, head_dim=None, hidden=48, layers=2, seed=0, **kw):
-    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+def llama(heads=4, kv_heads=2, head_dim=None, hidden=48, layers=2, seed=0, intermediate=64, **kw):
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                       max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                       initializer_range=0.2, **kw)

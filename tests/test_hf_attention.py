@@ -267,7 +267,7 @@ def test_what_the_kernel_cannot_take_falls_back_to_sdpa(what, kernel_calls):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the GPU kernels, not the interpreter")
 def test_gpu_bf16_logits_and_grads_at_a_1b_like_shape(kernel_calls):
     """Llama 3.2 1B's attention shape (32 heads, 8 kv heads, head 64; 2 layers), 2 x 1024 tokens, one padded."""
-    model = llama(heads=32, kv_heads=8, hidden=2048, layers=2).to("cuda", torch.bfloat16).train()
+    model = llama(heads=32, kv_heads=8, hidden=2048, layers=2, intermediate=8192).to("cuda", torch.bfloat16).train()
     ids, mask = left_padded([1024, 700], 1024, seed=1)
     ids, mask = ids.cuda(), mask.cuda()
     labels = ids.masked_fill(mask == 0, -100)

@@ -133,3 +133,23 @@ def test_patched_generate_with_left_padding_gives_the_same_greedy_ids(kernel_cal
         got = model.generate(**kw)
     assert got.tolist() == want.tolist() and len(set(want[:, 8:].flatten().tolist())) > 2
     assert kernel_calls["rope_qk"] == 2 * 5  # every step, prefill included, through the kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_patched_lora_llama_equals_unpatched(kernel_calls):
+    """A 1B-like shape (hidden 2048, MLP 8192, 32/8 heads of 64; 2 layers), 2 x 512 tokens, bf16, LoRA."""
+    from refimpl.compare import TOLERANCES
+    model = lora(llama(heads=32, kv_heads=8, hidden=2048, layers=2, intermediate=8192).to(torch.bfloat16))
+    model = model.cuda().train()
+    ids, mask = left_padded([512, 300], 512, seed=1)
+    ids, mask = ids.cuda(), mask.cuda()
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    want_logits, want_grads = forward_backward(model, inputs)
+    accel.hf.apply(model)
+    got_logits, got_grads = forward_backward(model, inputs)
+    rows = mask.bool()
+    assert_close("logits", got_logits[rows], want_logits[rows], TOLERANCES["bf16"])
+    for name in want_grads:
+        assert_close(name, got_grads[name], want_grads[name], TOLERANCES["bf16"])
+    assert kernel_calls["rms_norm"] and kernel_calls["swiglu_pair"] and kernel_calls["rope_qk"]

@@ -113,7 +113,7 @@ def build(name: str, layers: int | None, device: str = "cuda"):
             spec["num_hidden_layers"] = layers
         config, cls = LlamaConfig(**spec), LlamaForCausalLM
     with torch.device(device):
-        model = cls._from_config(config, torch_dtype=torch.bfloat16)
+        model = cls._from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "gate" in pname and p.numel() == 1:
