@@ -12,6 +12,8 @@ something else:
     than the activations (HF's product would then promote).
   * MLP: only silu gating; gate and up outputs of one dtype.
   * RoPE: only HF's half-split layout with cos/sin [B or 1, T, E] whose halves repeat (every Llama RoPE type).
+  * lm_head + cross-entropy (off by default): only a training forward with labels, a frozen bias-free nn.Linear
+    lm_head, all logits (logits_to_keep 0); the output then carries the loss and no logits (as Liger's).
   * Both: only where the Triton kernels run (CUDA tensors, or the interpreter: TRITON_INTERPRET=1).
 """
 from __future__ import annotations
@@ -23,14 +25,17 @@ import types
 import torch
 
 from accel.train import fused
+from accel.train.loss import linear_cross_entropy
 
 # model_type -> {kernel flag: class names of the modules whose forward it replaces; "rope": the modeling file}
 PATCHES = {
     "llama": {"rms_norm": ("LlamaRMSNorm",), "swiglu": ("LlamaMLP",),
-              "rope": "transformers.models.llama.modeling_llama"},
+              "fused_linear_cross_entropy": ("LlamaForCausalLM",), "rope": "transformers.models.llama.modeling_llama"},
     "mllama": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
+               "fused_linear_cross_entropy": ("MllamaForConditionalGeneration",),
                "rope": "transformers.models.mllama.modeling_mllama"},
     "mllama_text_model": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
+                          "fused_linear_cross_entropy": ("MllamaForCausalLM",),
                           "rope": "transformers.models.mllama.modeling_mllama"},
 }
 SILU = ("silu", "swish")
@@ -91,7 +96,32 @@ def unpatch_rope(module_name: str) -> int:
     return 1
 
 
-FORWARDS = {"rms_norm": rms_norm_forward, "swiglu": swiglu_mlp_forward}
+def fused_loss_forward(self, *args, labels=None, **kwargs):
+    """The causal LM's forward with the lm_head and HF's causal-LM loss (labels shifted left, mean over the label
+    tokens or sum / num_items_in_batch) fused: the [T, V] logits never exist at once."""
+    head = self.lm_head
+    if (args or labels is None or not torch.is_grad_enabled() or type(head) is not torch.nn.Linear
+            or head.bias is not None or head.weight.requires_grad or kwargs.get("logits_to_keep", 0) != 0
+            or kwargs.get("return_dict") is False or not kernels_run_on(head.weight)):
+        return type(self).forward(self, *args, labels=labels, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    kwargs.pop("return_dict", None)
+    shift = kwargs.pop("shift_labels", None)
+    n_items = kwargs.pop("num_items_in_batch", None)
+    kwargs.pop("logits_to_keep", None)
+    out = self.model(**kwargs)
+    h = out.last_hidden_state  # [B, T, D]
+    if shift is None:  # token t predicts token t + 1
+        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    shift = shift.reshape(-1).to(h.device)
+    total = linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, shift, use_triton=True)
+    loss = total / (n_items if n_items is not None else (shift != -100).sum())
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
+                                  attentions=getattr(out, "attentions", None))
+
+
+FORWARDS = {"rms_norm": rms_norm_forward, "swiglu": swiglu_mlp_forward,
+            "fused_linear_cross_entropy": fused_loss_forward}
 
 
 def model_type_of(model: torch.nn.Module) -> str:
@@ -101,12 +131,14 @@ def model_type_of(model: torch.nn.Module) -> str:
     return model_type
 
 
-def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True) -> dict[str, int]:
+def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
+          fused_linear_cross_entropy: bool = False) -> dict[str, int]:
     """Patch `model` (a transformers model, or a PEFT model around one) in place -> {flag: modules patched now}
     ("rope": 1 where its modeling file's function was replaced now). Idempotent: what was patched before is not
     counted again. Raises ValueError for a model_type not in PATCHES."""
     table = PATCHES[model_type_of(model)]
-    wanted = {flag: table[flag] for flag, on in (("rms_norm", rms_norm), ("swiglu", swiglu)) if on}
+    flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy))
+    wanted = {flag: table[flag] for flag, on in flags if on}
     counts = dict.fromkeys(wanted, 0)
     if rope:
         counts["rope"] = patch_rope(table["rope"])

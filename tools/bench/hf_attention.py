@@ -4,7 +4,8 @@ flash_attn is importable), on the GPU.
     python -m tools.bench.hf_attention [--models 1b,3b,11b-vision] [--json-out F] [--steps 5] [--layers N]
 
 Random bf16 weights at the Llama 3.2 1B / 3B / 11B-Vision shapes (configs built here; nothing is downloaded). For
-each model, attention implementation and module patch (off, or accel.hf.apply: RMSNorm, SwiGLU MLP, RoPE in Triton):
+each model, attention implementation and module patch (off, or accel.hf.apply: RMSNorm, SwiGLU MLP, RoPE in Triton,
+and the fused lm_head + cross-entropy):
   train    HF + PEFT LoRA (r 16 on every linear of the text decoder), gradient checkpointing, one sequence of
            --tokens (2048) tokens (11B-Vision: with one 4-tile image): tokens/s and peak memory (GiB)
   prefill  generate(max_new_tokens=1) over --prefill-tokens (8192) tokens: ms
@@ -149,7 +150,7 @@ def switch(model, impl: str, patched: bool) -> None:
     model.set_attn_implementation(impl)
     accel.hf.revert(model)
     if patched:
-        accel.hf.apply(model)
+        accel.hf.apply(model, fused_linear_cross_entropy=True)
     accel.hf.reset_fallbacks()
 
 
