@@ -240,7 +240,7 @@ def test_float_masks_of_zeros_and_min_run_the_kernel_with_scaling(kernel_calls):
     assert len(kernel_calls) == 4 and accel.hf.fallback_counts() == {}
 
 
-@pytest.mark.parametrize("what", ["bias", "empty_row", "dropout", "per_head"])
+@pytest.mark.parametrize("what", ["bias", "empty_row", "dropout", "per_head", "fp16"])
 def test_what_the_kernel_cannot_take_falls_back_to_sdpa(what, kernel_calls):
     q, k, v = qkv(seed=2)
     mask, kw = None, {}
@@ -251,6 +251,8 @@ def test_what_the_kernel_cannot_take_falls_back_to_sdpa(what, kernel_calls):
         mask[1, 0, 2] = torch.finfo(torch.float32).min
     elif what == "dropout":
         kw = dict(dropout=0.1)
+    elif what == "fp16":
+        q, k, v = (x.half() for x in (q, k, v))
     else:
         mask = torch.ones(2, 4, 5, 7, dtype=torch.bool)
     with pytest.warns(UserWarning, match="llama32 attention"):

@@ -16,8 +16,8 @@ How the masks arrive (the mask interface registered for "llama32" is transformer
   * float [B, 1, T, S]: Llama 3.2 Vision's encoder mask (pad x pad) and its cross-attention mask; converted to
     bool (0 = visible), once per mask tensor.
 Whatever the kernel cannot take runs transformers' SDPA function instead, with one warning per reason (the counts
-are in `fallback_counts()`): head size past 128, key and value head sizes that differ, dtypes other than fp16 / bf16
-/ fp32, dropout, per-head masks, float masks that are not a 0 / -inf pattern or that hide every key of a row (SDPA
+are in `fallback_counts()`): head size past 128, key and value head sizes that differ, dtypes other than bf16 / fp32
+(the kernels' tested ones), dropout, per-head masks, float masks that are not a 0 / -inf pattern or that hide every key of a row (SDPA
 averages such a row; the kernel would give 0), position biases, sinks, soft-capping.
 """
 from __future__ import annotations
@@ -33,11 +33,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from accel.train.attention import flash_attention
 
 MAX_HEAD_DIM = 128
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float32)
 UNSUPPORTED_KWARGS = ("position_bias", "s_aux", "softcap")  # attention extras the kernel has no term for
 
 _fallbacks: Counter = Counter()
-_derived: dict[int, tuple] = {}  # id(mask) -> (weakref to it, its version, (bool [B, T, S], causal) or reason)
+_derived: dict[int, tuple] = {}  # id(mask) -> (weakref to it, (version, B, T, S), (bool [B, T, S], causal) or reason)
 _DERIVED_KEEP = 8
 
 
@@ -98,13 +98,14 @@ def kernel_mask(attention_mask: torch.Tensor, B: int, T: int, S: int):
     """A 4D transformers mask [B or 1, 1, T or 1, S] -> (bool [B, T, S] (a view, expanded where it broadcasts),
     causal: whether it already hides every key past the query's index, so the kernel may skip those blocks),
     or a str: why the kernel cannot take it. Cached per mask tensor: models pass one mask to every layer."""
+    key = (attention_mask._version, B, T, S)
     hit = _derived.get(id(attention_mask))
-    if hit is not None and hit[0]() is attention_mask and hit[1] == attention_mask._version:
+    if hit is not None and hit[0]() is attention_mask and hit[1] == key:
         return hit[2]
     plan = _derive(attention_mask, B, T, S)
     if len(_derived) >= _DERIVED_KEEP:
         _derived.pop(next(iter(_derived)))
-    _derived[id(attention_mask)] = (weakref.ref(attention_mask), attention_mask._version, plan)
+    _derived[id(attention_mask)] = (weakref.ref(attention_mask), key, plan)
     return plan
 
 
