@@ -155,10 +155,8 @@ def test_gpu_bf16_patched_lora_llama_equals_unpatched(kernel_calls):
     assert kernel_calls["rms_norm"] and kernel_calls["swiglu_pair"] and kernel_calls["rope_qk"]
 
 
-def test_fused_linear_cross_entropy_gives_hf_loss_and_grads_without_logits(kernel_calls):
-    model = lora(llama(kv_heads=2, seed=6)).train()
-    ids, mask = left_padded([9, 5], 9, seed=8)
-    inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+def fused_loss_run(model, inputs):
+    """(HF's loss and gradients, then the fused ones) of `model`, patched with only the fused loss in between."""
     want = model(**inputs)
     want.loss.backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -169,10 +167,24 @@ def test_fused_linear_cross_entropy_gives_hf_loss_and_grads_without_logits(kerne
     assert got.logits is None  # the point: the [T, V] logits never exist
     got.loss.backward()
     assert_close("loss", got.loss, want.loss)
+    assert want_grads
     for name, grad in want_grads.items():
         assert_close(name, dict(model.named_parameters())[name].grad, grad)
+    return want
+
+
+def test_fused_linear_cross_entropy_gives_hf_loss_and_grads_without_logits():
+    model = lora(llama(kv_heads=2, seed=6)).train()
+    ids, mask = left_padded([9, 5], 9, seed=8)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    want = fused_loss_run(model, inputs)
     n = int((inputs["labels"][:, 1:] != -100).sum())
     summed = model(**inputs, num_items_in_batch=torch.tensor(2 * n)).loss  # HF's sum / num_items_in_batch
     assert_close("num_items_in_batch", summed, want.loss / 2)
     with torch.no_grad():  # no gradients: HF's forward, logits included
         assert model(**inputs).logits.shape == (2, 9, 64)
+
+
+def test_fused_linear_cross_entropy_on_mllama_with_an_image():
+    model, kw = mllama_inputs()
+    fused_loss_run(lora(model).train(), dict(kw, labels=kw["input_ids"].masked_fill(kw["input_ids"] == IMAGE, -100)))

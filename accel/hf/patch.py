@@ -14,7 +14,7 @@ something else:
   * RoPE: only HF's half-split layout with cos/sin [B or 1, T, E] whose halves repeat (every Llama RoPE type).
   * lm_head + cross-entropy (off by default): only a training forward with labels, a frozen bias-free nn.Linear
     lm_head, all logits (logits_to_keep 0); the output then carries the loss and no logits (as Liger's).
-  * Both: only where the Triton kernels run (CUDA tensors, or the interpreter: TRITON_INTERPRET=1).
+  * All: only where the Triton kernels run (CUDA tensors, or the interpreter: TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
