@@ -1,6 +1,7 @@
 """Differentiable fused ops of the training forward, each a torch.autograd.Function over Triton kernels:
 RMSNorm (accel/kernels/rms_norm.py forward, rms_norm_bwd.py backward), RoPE of q and k in one launch (the backward
-is the inverse rotation: the same kernel with −sin), SwiGLU over the fused gate_up output (swiglu.py, swiglu_bwd.py).
+is the inverse rotation: the same kernel with −sin), SwiGLU over the fused gate_up output (swiglu.py, swiglu_bwd.py)
+or over separate gate and up outputs (HF's MLP: two linears, either of which PEFT may wrap).
 
 Each saves only its inputs and recomputes the rest in the backward. The frozen tensors (norm weights, cos/sin) get no
 gradient. Inputs may carry any leading dims ([B, T, ..]); rows are flattened for the kernels.
@@ -12,7 +13,7 @@ import torch
 from accel.kernels.rms_norm import rms_norm_fwd
 from accel.kernels.rms_norm_bwd import rms_norm_bwd
 from accel.kernels.rope import rope_fwd
-from accel.kernels.swiglu import swiglu_gate_up_fwd
+from accel.kernels.swiglu import swiglu_fwd, swiglu_gate_up_fwd
 from accel.kernels.swiglu_bwd import swiglu_gate_up_bwd
 
 
@@ -38,7 +39,10 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rope_rows(cos, sin, B: int):
-    """cos/sin [T, E/2] -> [B·T, E/2] each: the tables for B sequences flattened into rows."""
+    """cos/sin [T, E/2] (shared by the B sequences) or [B, T, E/2] (positions per sequence) -> [B·T, E/2] each:
+    the tables for B sequences flattened into rows."""
+    if cos.dim() == 3:
+        return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
     return (cos.repeat(B, 1), sin.repeat(B, 1)) if B > 1 else (cos, sin)
 
 
@@ -74,6 +78,22 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_gate_up_bwd(gu2, _rows(dy)).view(*dy.shape[:-1], gu2.shape[-1])
 
 
+class _SwiGLUPair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        g2, u2 = _rows(gate), _rows(up)
+        ctx.save_for_backward(g2, u2)
+        return swiglu_fwd(g2, u2).view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g2, u2 = ctx.saved_tensors
+        F = g2.shape[-1]
+        # the backward kernel reads and writes the fused [N, 2F] layout: one copy in, two strided views out
+        dgu = swiglu_gate_up_bwd(torch.cat([g2, u2], dim=-1), _rows(dy))
+        return dgu[:, :F].view(dy.shape), dgu[:, F:].view(dy.shape)
+
+
 @torch.compiler.disable  # opaque to torch.compile: the kernels are already fused
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [.., D], weight [D] (frozen) -> [.., D] in x's dtype, HF's casting order."""
@@ -83,7 +103,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @torch.compiler.disable  # opaque to torch.compile: the kernels are already fused
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [B, T, H, E], k [B, T, K, E] (head rows contiguous; strided slices of a fused output are fine),
-    cos/sin [T, E/2] fp32 -> (rotated q, rotated k), new tensors in q's dtype."""
+    cos/sin [T, E/2] or [B, T, E/2] fp32 -> (rotated q, rotated k), new tensors in q's dtype."""
     return _RopeQK.apply(q, k, cos, sin)
 
 
@@ -91,3 +111,9 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [.., 2F] (gate = first F columns) -> silu(gate) · up [.., F]."""
     return _SwiGLU.apply(gate_up)
+
+
+@torch.compiler.disable  # opaque to torch.compile: the kernels are already fused
+def swiglu_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [.., F] (same dtype) -> silu(gate) · up [.., F], HF's rounding order; gradients for both."""
+    return _SwiGLUPair.apply(gate, up)

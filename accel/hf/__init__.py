@@ -1,0 +1,32 @@
+"""llama32's Triton kernels inside Hugging Face transformers.
+
+    import accel.hf
+    accel.hf.register()  # once; idempotent
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="llama32")
+    # or, on a loaded model: model.set_attn_implementation("llama32") / model.config._attn_implementation = "llama32"
+
+    accel.hf.apply(model)  # optional: RMSNorm and SwiGLU MLP forwards -> Triton forward + backward (revert undoes)
+
+attention.py: the attention function (FlashAttention forward + backward, GQA-native, masks, fallbacks to SDPA);
+patch.py: the module patch, a table by model_type.
+"""
+from __future__ import annotations
+
+from accel.hf.attention import attention_forward, fallback_counts, reset_fallbacks
+from accel.hf.patch import apply, revert
+
+NAME = "llama32"
+
+__all__ = ["NAME", "register", "apply", "revert", "attention_forward", "fallback_counts", "reset_fallbacks"]
+
+
+def register() -> str:
+    """Register "llama32" with transformers' AttentionInterface (the attention function) and AttentionMaskInterface
+    (the masks are SDPA's: without a mask function registered, transformers would build no mask at all, padding
+    included). Idempotent. -> the name to pass as attn_implementation."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME

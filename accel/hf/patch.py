@@ -1,0 +1,162 @@
+"""Swap a loaded HF Llama / Llama 3.2 Vision model's RMSNorm, SwiGLU MLP and RoPE for llama32's Triton forward +
+backward (accel/train/fused.py), as Liger-Kernel's apply_liger_kernel_to_llama does: one flag per kernel, one table
+by model_type. The modules stay where they are (their weights, PEFT's LoRA wrappers on the MLP's linears, hooks):
+only their forward changes, per instance. RoPE is no module: the attention calls its modeling file's
+`apply_rotary_pos_emb`, so that function is replaced in the modeling file, for every model of that type in the
+process (it gives the same answers; revert() puts the original back).
+
+Each patched forward runs HF's own forward where the kernel does not apply, so a patched model never computes
+something else:
+  * RMSNorm: the kernel gives no weight gradient (norms are frozen under LoRA): a norm whose weight requires a
+    gradient (full fine-tuning) runs HF's forward while gradients are recorded; so does a weight of another dtype
+    than the activations (HF's product would then promote).
+  * MLP: only silu gating; gate and up outputs of one dtype.
+  * RoPE: only HF's half-split layout with cos/sin [B or 1, T, E] whose halves repeat (every Llama RoPE type).
+  * lm_head + cross-entropy (off by default): only a training forward with labels, a frozen bias-free nn.Linear
+    lm_head, all logits (logits_to_keep 0); the output then carries the loss and no logits (as Liger's).
+  * All: only where the Triton kernels run (CUDA tensors, or the interpreter: TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import types
+
+import torch
+
+from accel.train import fused
+from accel.train.loss import linear_cross_entropy
+
+# model_type -> {kernel flag: class names of the modules whose forward it replaces; "rope": the modeling file}
+PATCHES = {
+    "llama": {"rms_norm": ("LlamaRMSNorm",), "swiglu": ("LlamaMLP",),
+              "fused_linear_cross_entropy": ("LlamaForCausalLM",), "rope": "transformers.models.llama.modeling_llama"},
+    "mllama": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
+               "fused_linear_cross_entropy": ("MllamaForConditionalGeneration",),
+               "rope": "transformers.models.mllama.modeling_mllama"},
+    "mllama_text_model": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
+                          "fused_linear_cross_entropy": ("MllamaForCausalLM",),
+                          "rope": "transformers.models.mllama.modeling_mllama"},
+}
+SILU = ("silu", "swish")
+
+
+def kernels_run_on(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    w = self.weight
+    if ((w.requires_grad and torch.is_grad_enabled()) or w.dtype != hidden_states.dtype
+            or not kernels_run_on(hidden_states)):
+        return type(self).forward(self, hidden_states)
+    return fused.rms_norm(hidden_states, w, self.variance_epsilon)
+
+
+def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if self.config.hidden_act not in SILU or not kernels_run_on(x):
+        return type(self).forward(self, x)
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if gate.dtype != up.dtype:
+        return self.down_proj(self.act_fn(gate) * up)
+    return self.down_proj(fused.swiglu_pair(gate, up))
+
+
+def rope_function(original):
+    """HF's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) over the Triton RoPE, `original` where it does
+    not apply. q [B, H, T, E], k [B, K, T, E], cos/sin [B or 1, T, E] (the halves repeat)."""
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        B, _, T, E = q.shape
+        if (args or kwargs.get("unsqueeze_dim", 1) != 1 or set(kwargs) - {"unsqueeze_dim"} or cos.dim() != 3
+                or cos.shape[1:] != (T, E) or k.shape[2] != T or k.dtype != q.dtype or not kernels_run_on(q)):
+            return original(q, k, cos, sin, *args, **kwargs)
+        half = E // 2
+        c, s = (x[..., :half].float().expand(B, T, half) for x in (cos, sin))  # [B, T, E/2]
+        qr, kr = fused.rope_qk(q.transpose(1, 2), k.transpose(1, 2), c, s)  # [B, T, heads, E]
+        return qr.transpose(1, 2), kr.transpose(1, 2)
+    apply_rotary_pos_emb.llama32_original = original
+    return apply_rotary_pos_emb
+
+
+def patch_rope(module_name: str) -> int:
+    """Replace the modeling file's apply_rotary_pos_emb -> 1, or 0 where it already was."""
+    modeling = importlib.import_module(module_name)
+    if hasattr(modeling.apply_rotary_pos_emb, "llama32_original"):
+        return 0
+    modeling.apply_rotary_pos_emb = rope_function(modeling.apply_rotary_pos_emb)
+    return 1
+
+
+def unpatch_rope(module_name: str) -> int:
+    modeling = importlib.import_module(module_name)
+    original = getattr(modeling.apply_rotary_pos_emb, "llama32_original", None)
+    if original is None:
+        return 0
+    modeling.apply_rotary_pos_emb = original
+    return 1
+
+
+def fused_loss_forward(self, *args, labels=None, **kwargs):
+    """The causal LM's forward with the lm_head and HF's causal-LM loss (labels shifted left, mean over the label
+    tokens or sum / num_items_in_batch) fused: the [T, V] logits never exist at once."""
+    head = self.lm_head
+    if (args or labels is None or not torch.is_grad_enabled() or type(head) is not torch.nn.Linear
+            or head.bias is not None or head.weight.requires_grad or kwargs.get("logits_to_keep", 0) != 0
+            or kwargs.get("return_dict") is False or not kernels_run_on(head.weight)):
+        return type(self).forward(self, *args, labels=labels, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    kwargs.pop("return_dict", None)
+    shift = kwargs.pop("shift_labels", None)
+    n_items = kwargs.pop("num_items_in_batch", None)
+    kwargs.pop("logits_to_keep", None)
+    out = self.model(**kwargs)
+    h = out.last_hidden_state  # [B, T, D]
+    if shift is None:  # token t predicts token t + 1
+        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    shift = shift.reshape(-1).to(h.device)
+    total = linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, shift, use_triton=True)
+    loss = total / (n_items if n_items is not None else (shift != -100).sum())
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
+                                  attentions=getattr(out, "attentions", None))
+
+
+FORWARDS = {"rms_norm": rms_norm_forward, "swiglu": swiglu_mlp_forward,
+            "fused_linear_cross_entropy": fused_loss_forward}
+
+
+def model_type_of(model: torch.nn.Module) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in PATCHES:
+        raise ValueError(f"accel.hf: model_type {model_type!r} is not one of {sorted(PATCHES)}")
+    return model_type
+
+
+def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
+          fused_linear_cross_entropy: bool = False) -> dict[str, int]:
+    """Patch `model` (a transformers model, or a PEFT model around one) in place -> {flag: modules patched now}
+    ("rope": 1 where its modeling file's function was replaced now). Idempotent: what was patched before is not
+    counted again. Raises ValueError for a model_type not in PATCHES."""
+    table = PATCHES[model_type_of(model)]
+    flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy))
+    wanted = {flag: table[flag] for flag, on in flags if on}
+    counts = dict.fromkeys(wanted, 0)
+    if rope:
+        counts["rope"] = patch_rope(table["rope"])
+    for module in model.modules():
+        for flag, class_names in wanted.items():
+            if type(module).__name__ in class_names and not getattr(module, "llama32_patched", False):
+                module.forward = types.MethodType(FORWARDS[flag], module)
+                module.llama32_patched = True
+                counts[flag] += 1
+    return counts
+
+
+def revert(model: torch.nn.Module) -> int:
+    """Undo apply(): every patched module runs its class's forward again, the modeling file's RoPE is HF's again
+    (for every model of that type) -> how many modules (and RoPE functions) were patched."""
+    n = unpatch_rope(PATCHES[model_type_of(model)]["rope"])
+    for module in model.modules():
+        if getattr(module, "llama32_patched", False):
+            del module.forward, module.llama32_patched
+            n += 1
+    return n

@@ -1,0 +1,67 @@
+"""tools/bench/hf_attention.py on a machine without CUDA: its arguments are checked, it refuses with one error line
+(exit 2) instead of a traceback, its model shapes are Llama 3.2's (parameter counts on the meta device), and its
+ratio column compares each row with the unpatched sdpa row of the same model and kind."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools.bench import hf_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(*args):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "tools.bench.hf_attention", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without CUDA sees")
+def test_refuses_without_cuda_in_one_line():
+    out = run_script("--models", "1b", "--kinds", "prefill")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "error: tools.bench.hf_attention needs a CUDA GPU (torch.cuda.is_available() is False here)"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--models", "1b,7b"], "error: --models: 7b not one of 1b, 3b, 11b-vision"),
+    (["--kinds", "train,decode"], "error: --kinds: expected some of train, prefill, image, got train,decode"),
+    (["--impls", "llama32"], "error: --impls: sdpa must be among them"),
+    (["--tokens", "0"], "error: --tokens: expected a positive integer, got 0"),
+])
+def test_bad_arguments_are_one_line_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        hf_attention.parse_args(args)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().startswith(message)
+
+
+def test_defaults():
+    args = hf_attention.parse_args([])
+    assert args.models == ["1b", "3b", "11b-vision"] and args.tokens == 2048 and args.prefill_tokens == 8192
+    assert args.impls == ["sdpa", "llama32", "flash_attention_2"] and args.kinds == ["train", "prefill", "image"]
+
+
+@pytest.mark.parametrize("name, billions", [("1b", 1.236), ("3b", 3.213), ("11b-vision", 10.67)])
+def test_model_shapes_are_llama_3_2s(name, billions):
+    model = hf_attention.build(name, None, device="meta")
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n / 1e9 - billions) < 0.01, n
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_ratios_are_against_the_unpatched_sdpa_row():
+    rows = [dict(model="1b", kind="train", attention="sdpa", patch=False, ms=10.0, peak_gib=4.0),
+            dict(model="1b", kind="train", attention="llama32", patch=True, ms=8.0, peak_gib=3.0),
+            dict(model="1b", kind="prefill", attention="llama32", patch=False, ms=1.0, peak_gib=1.0),
+            dict(model="1b", kind="train", attention="flash_attention_2", patch=False, error="ImportError: x")]
+    hf_attention.add_ratios(rows)
+    assert rows[0]["vs_sdpa"] == 1.0 and rows[1]["vs_sdpa"] == 1.25 and rows[1]["mem_vs_sdpa"] == 0.75
+    assert "vs_sdpa" not in rows[2] and "vs_sdpa" not in rows[3]  # no sdpa prefill row; an error row
+    assert "error: ImportError" in hf_attention.format_row(rows[3])
+    assert "1.25x" in hf_attention.format_row(rows[1])

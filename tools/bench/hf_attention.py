@@ -1,0 +1,283 @@
+"""HF transformers with attn_implementation="llama32" (accel.hf) against "sdpa" (and "flash_attention_2" where
+flash_attn is importable), on the GPU.
+
+    python -m tools.bench.hf_attention [--models 1b,3b,11b-vision] [--json-out F] [--steps 5] [--layers N]
+
+Random bf16 weights at the Llama 3.2 1B / 3B / 11B-Vision shapes (configs built here; nothing is downloaded). For
+each model, attention implementation and module patch (off, or accel.hf.apply: RMSNorm, SwiGLU MLP, RoPE in Triton,
+and the fused lm_head + cross-entropy):
+  train    HF + PEFT LoRA (r 16 on every linear of the text decoder), gradient checkpointing, one sequence of
+           --tokens (2048) tokens (11B-Vision: with one 4-tile image): tokens/s and peak memory (GiB)
+  prefill  generate(max_new_tokens=1) over --prefill-tokens (8192) tokens: ms
+  image    11B-Vision only: one no-grad forward over 512 text tokens and a 4-tile image: ms
+Each row's `vs_sdpa` is its speed over the unpatched sdpa row of the same model and kind (the issue's targets on 3B
+and 11B-Vision: the attention alone >= 1.05, with the patch >= 1.3 at <= 0.7x sdpa's peak memory), `fallbacks`
+what the llama32 attention handed to SDPA (accel.hf.fallback_counts(): should be empty). --layers N cuts every
+model to N decoder layers (11B-Vision keeps a cross-attention layer among them) for a quick run.
+Prints a table; writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+LORA_TARGETS = r".*(language_model|model\.layers).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+ROPE_32 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+TEXT = {  # Llama 3.2 text models (config.json of the Hub checkpoints, weights random)
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+}
+VISION_11B = dict(
+    text_config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                     cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38],
+                     rope_parameters=dict(ROPE_32, factor=8.0)),
+    vision_config=dict(image_size=560, patch_size=14, max_num_tiles=4, hidden_size=1280, intermediate_size=5120,
+                       num_hidden_layers=32, num_global_layers=8, attention_heads=16, vision_output_dim=7680,
+                       intermediate_layers_indices=[3, 7, 15, 23, 30]),
+)
+MODELS = ("1b", "3b", "11b-vision")
+IMAGE_TEXT_TOKENS = 512
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--impls", default="sdpa,llama32,flash_attention_2",
+                    help="attention implementations (flash_attention_2 is skipped where flash_attn is missing)")
+    ap.add_argument("--tokens", type=int, default=2048, help="training sequence length")
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=5, help="timed training steps (after 2 warm-up steps)")
+    ap.add_argument("--layers", type=int, default=None, help="cut every model to this many decoder layers")
+    ap.add_argument("--kinds", default="train,prefill,image")
+    ap.add_argument("--json-out", default="hf_attention.json")
+    args = ap.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in args.models if m not in MODELS]
+    if bad:
+        fail(f"--models: {', '.join(bad)} not one of {', '.join(MODELS)}")
+    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if set(args.kinds) - {"train", "prefill", "image"}:
+        fail(f"--kinds: expected some of train, prefill, image, got {','.join(args.kinds)}")
+    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    if "sdpa" not in args.impls:
+        fail("--impls: sdpa must be among them (every row is compared with it)")
+    for name, value in (("--tokens", args.tokens), ("--prefill-tokens", args.prefill_tokens),
+                        ("--steps", args.steps), ("--layers", args.layers or 1)):
+        if value < 1:
+            fail(f"{name}: expected a positive integer, got {value}")
+    return args
+
+
+def cuda_ms(fn, reps: int, warmup: int = 2) -> float:
+    """Median device time of fn (CUDA events) over `reps` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def build(name: str, layers: int | None, device: str = "cuda"):
+    """A random bf16 model of `name`'s shape on `device` (every Mllama gate nonzero, so the image matters)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MllamaConfig, MllamaForConditionalGeneration
+    if name == "11b-vision":
+        spec = json.loads(json.dumps(VISION_11B))
+        if layers:  # keep the first cross-attention layer among the first `layers`
+            spec["text_config"]["num_hidden_layers"] = layers
+            spec["text_config"]["cross_attention_layers"] = [min(3, layers - 1)]
+        config, cls = MllamaConfig(**spec), MllamaForConditionalGeneration
+    else:
+        spec = dict(TEXT[name], vocab_size=128256, max_position_embeddings=131072, rope_parameters=ROPE_32,
+                    rms_norm_eps=1e-5)
+        if layers:
+            spec["num_hidden_layers"] = layers
+        config, cls = LlamaConfig(**spec), LlamaForCausalLM
+    with torch.device(device):
+        model = cls._from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "gate" in pname and p.numel() == 1:
+                p.fill_(0.5)
+    return model.eval()
+
+
+def image_inputs(model, text_tokens: int) -> dict:
+    """One 4-tile image (aspect 2x2) after an <|image|> token at the start of `text_tokens` tokens."""
+    vc = model.config.vision_config
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(10, 128000, (1, text_tokens), device="cuda", generator=g)
+    ids[0, 0] = model.config.image_token_index
+    pixels = torch.randn(1, 1, 4, 3, vc.image_size, vc.image_size, device="cuda", generator=g, dtype=torch.bfloat16)
+    xmask = torch.ones(1, text_tokens, 1, 4, dtype=torch.long, device="cuda")
+    return dict(input_ids=ids, pixel_values=pixels, cross_attention_mask=xmask,
+                aspect_ratio_ids=torch.tensor([[6]], device="cuda"),  # (2, 2) in MllamaImageProcessor's list
+                aspect_ratio_mask=torch.ones(1, 1, 4, dtype=torch.long, device="cuda"))
+
+
+def text_inputs(tokens: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return dict(input_ids=torch.randint(10, 128000, (1, tokens), device="cuda", generator=g))
+
+
+def configurations(impls):
+    """(attention implementation, patched) pairs: every implementation unpatched, then patched."""
+    return [(impl, False) for impl in impls] + [(impl, True) for impl in impls]
+
+
+def switch(model, impl: str, patched: bool) -> None:
+    import accel.hf
+    model.set_attn_implementation(impl)
+    accel.hf.revert(model)
+    if patched:
+        accel.hf.apply(model, fused_linear_cross_entropy=True)
+    accel.hf.reset_fallbacks()
+
+
+def measure(rows: list, model_name: str, kind: str, impl: str, patched: bool, model, make_fn) -> None:
+    """Switch `model` to (impl, patched), run make_fn()() -> dict of measurements into one row; an exception
+    (an implementation the model refuses, out of memory) becomes the row's error."""
+    import accel.hf
+    row = dict(model=model_name, kind=kind, attention=impl, patch=patched)
+    try:
+        switch(model, impl, patched)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        row.update(make_fn()())
+    except Exception as e:  # noqa: BLE001 - a row that cannot run says why, the rest still run
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    if impl == "llama32":
+        row["fallbacks"] = accel.hf.fallback_counts()
+    rows.append(row)
+    print(format_row(row), flush=True)
+
+
+def train_fn(model, inputs: dict, steps: int, tokens: int):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+
+    def step():
+        loss = model(**inputs, labels=inputs["input_ids"]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def run():
+        model.train()
+        ms = cuda_ms(step, steps)
+        return dict(ms=ms, tokens_per_s=tokens / ms * 1e3,
+                    peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    return run
+
+
+def prefill_fn(model, tokens: int):
+    inputs = text_inputs(tokens)
+
+    def run():
+        with torch.no_grad():
+            ms = cuda_ms(lambda: model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False,
+                                                pad_token_id=0), 3, warmup=1)
+        return dict(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    return run
+
+
+def image_fn(model):
+    inputs = image_inputs(model, IMAGE_TEXT_TOKENS)
+
+    def run():
+        with torch.no_grad():
+            ms = cuda_ms(lambda: model(**inputs, logits_to_keep=1), 5)
+        return dict(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    return run
+
+
+def bench_model(name: str, args, impls, rows: list) -> None:
+    import peft
+    model = build(name, args.layers)
+    vision = name == "11b-vision"
+    for kind in ("prefill", "image"):
+        if kind not in args.kinds or (kind == "image" and not vision):
+            continue
+        for impl, patched in configurations(impls):
+            make = ((lambda: prefill_fn(model, args.prefill_tokens)) if kind == "prefill" else
+                    (lambda: image_fn(model)))
+            measure(rows, name, kind, impl, patched, model, make)
+    if "train" in args.kinds:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lora = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                          target_modules=LORA_TARGETS))
+        inputs = (image_inputs(model, args.tokens) if vision else text_inputs(args.tokens))
+        for impl, patched in configurations(impls):
+            measure(rows, name, "train", impl, patched, model,
+                    lambda: train_fn(lora, inputs, args.steps, args.tokens))
+    del model
+    torch.cuda.empty_cache()
+
+
+def add_ratios(rows: list) -> None:
+    """vs_sdpa (speed over the unpatched sdpa row of the same model and kind) and mem_vs_sdpa."""
+    base = {(r["model"], r["kind"]): r for r in rows if r["attention"] == "sdpa" and not r["patch"] and "ms" in r}
+    for r in rows:
+        b = base.get((r["model"], r["kind"]))
+        if b and "ms" in r:
+            r["vs_sdpa"] = b["ms"] / r["ms"]
+            r["mem_vs_sdpa"] = r["peak_gib"] / b["peak_gib"]
+
+
+def format_row(r: dict) -> str:
+    head = f"{r['model']:<11} {r['kind']:<8} {r['attention']:<18} {'patch' if r['patch'] else '-':<6}"
+    if "error" in r:
+        return f"{head} error: {r['error']}"
+    tps = f"{r['tokens_per_s']:>9.0f}" if "tokens_per_s" in r else f"{'':>9}"
+    ratio = f"{r['vs_sdpa']:>6.2f}x {r['mem_vs_sdpa']:>5.2f}x" if "vs_sdpa" in r else ""
+    fb = f" fallbacks {r['fallbacks']}" if r.get("fallbacks") else ""
+    return f"{head} {r['ms']:>10.2f} {tps} {r['peak_gib']:>7.2f} {ratio}{fb}"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        fail("tools.bench.hf_attention needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    import accel.hf
+    accel.hf.register()
+    impls = [i for i in args.impls if i != "flash_attention_2" or importlib.util.find_spec("flash_attn")]
+    print(f"{'model':<11} {'kind':<8} {'attention':<18} {'patch':<6} {'ms':>10} {'tokens/s':>9} {'peak GiB':>7}"
+          f" {'vs sdpa (speed, memory)'}")
+    rows: list = []
+    for name in args.models:
+        bench_model(name, args, impls, rows)
+    add_ratios(rows)
+    print("\nwith ratios:")
+    for r in rows:
+        print(format_row(r))
+    record = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+              "args": {k: v for k, v in vars(args).items()}, "rows": rows}
+    with open(args.json_out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {args.json_out}")
+
+
+if __name__ == "__main__":
+    main()
