@@ -20,10 +20,11 @@ from tools.bench.sweeps import gemv as gemv_sweep, qgemv as qgemv_sweep  # noqa:
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench"
-LIVE = ["agreement", "batch", "cpu", "gpu", "load", "quant_gpu", "quant_quality", "startup", "train", "vision"]
+LIVE = ["agreement", "batch", "cpu", "gpu", "hf_attention", "load", "quant_gpu", "quant_quality", "startup", "train",
+        "vision"]
 SWEEPS = ["sweeps.gemv", "sweeps.qgemv"]
-SCRIPTS = ["agreement", "batch", "cpu", "load", "quant_quality", "startup", "vision", *SWEEPS]  # those with a main()
-GPU_ONLY = ["batch", "vision", "sweeps.gemv", "sweeps.qgemv"]
+SCRIPTS = ["agreement", "batch", "cpu", "hf_attention", "load", "quant_quality", "startup", "vision", *SWEEPS]  # those with a main()
+GPU_ONLY = ["batch", "hf_attention", "vision", "sweeps.gemv", "sweeps.qgemv"]
 
 
 def bench_imports(module: str) -> set[str]:
@@ -107,8 +108,8 @@ def test_gpu_benchmarks_refuse_bad_names_and_a_missing_gpu_in_one_line(script, c
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
         main(out)
-    assert e.value.code == (f"error: python3 -m tools.bench.{script} needs a CUDA GPU "
-                            "(torch.cuda.is_available() is False here)")
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == (
+        f"error: python3 -m tools.bench.{script} needs a CUDA GPU (torch.cuda.is_available() is False here)")
     assert list(tmp_path.iterdir()) == []
 
 

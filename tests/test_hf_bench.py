@@ -25,7 +25,7 @@ def test_refuses_without_cuda_in_one_line():
     out = run_script("--models", "1b", "--kinds", "prefill")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [
-        "error: tools.bench.hf_attention needs a CUDA GPU (torch.cuda.is_available() is False here)"]
+        "error: python3 -m tools.bench.hf_attention needs a CUDA GPU (torch.cuda.is_available() is False here)"]
 
 
 @pytest.mark.parametrize("args, message", [

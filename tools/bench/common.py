@@ -100,7 +100,8 @@ def require_cuda(script: str) -> None:
     """One error line, not a traceback, where a GPU-only benchmark starts without CUDA."""
     import torch
     if not torch.cuda.is_available():
-        raise SystemExit(f"error: {script} needs a CUDA GPU (torch.cuda.is_available() is False here)")
+        print(f"error: {script} needs a CUDA GPU (torch.cuda.is_available() is False here)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 # ---- timing ----

@@ -21,21 +21,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
-import time
 
 import torch
+
+from tools.bench.common import median_ms, model_config, parser, record, require_cuda, write_record
 
 LORA_TARGETS = r".*(language_model|model\.layers).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 ROPE_32 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-TEXT = {  # Llama 3.2 text models (config.json of the Hub checkpoints, weights random)
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
-    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-               num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-}
 VISION_11B = dict(
     text_config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
@@ -55,7 +49,7 @@ def fail(message: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser("tools.bench.hf_attention", __doc__)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--impls", default="sdpa,llama32,flash_attention_2",
                     help="attention implementations (flash_attention_2 is skipped where flash_attn is missing)")
@@ -64,7 +58,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5, help="timed training steps (after 2 warm-up steps)")
     ap.add_argument("--layers", type=int, default=None, help="cut every model to this many decoder layers")
     ap.add_argument("--kinds", default="train,prefill,image")
-    ap.add_argument("--json-out", default="hf_attention.json")
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in args.models if m not in MODELS]
@@ -83,21 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def cuda_ms(fn, reps: int, warmup: int = 2) -> float:
-    """Median device time of fn (CUDA events) over `reps` calls after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def build(name: str, layers: int | None, device: str = "cuda"):
     """A random bf16 model of `name`'s shape on `device` (every Mllama gate nonzero, so the image matters)."""
     from transformers import LlamaConfig, LlamaForCausalLM, MllamaConfig, MllamaForConditionalGeneration
@@ -108,8 +86,7 @@ def build(name: str, layers: int | None, device: str = "cuda"):
             spec["text_config"]["cross_attention_layers"] = [min(3, layers - 1)]
         config, cls = MllamaConfig(**spec), MllamaForConditionalGeneration
     else:
-        spec = dict(TEXT[name], vocab_size=128256, max_position_embeddings=131072, rope_parameters=ROPE_32,
-                    rms_norm_eps=1e-5)
+        spec = {k: v for k, v in model_config(name).to_hf().items() if k not in ("architectures", "model_type")}
         if layers:
             spec["num_hidden_layers"] = layers
         config, cls = LlamaConfig(**spec), LlamaForCausalLM
@@ -185,7 +162,7 @@ def train_fn(model, inputs: dict, steps: int, tokens: int):
 
     def run():
         model.train()
-        ms = cuda_ms(step, steps)
+        ms = median_ms(step, steps)
         return dict(ms=ms, tokens_per_s=tokens / ms * 1e3,
                     peak_gib=torch.cuda.max_memory_allocated() / 2**30)
     return run
@@ -196,7 +173,7 @@ def prefill_fn(model, tokens: int):
 
     def run():
         with torch.no_grad():
-            ms = cuda_ms(lambda: model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False,
+            ms = median_ms(lambda: model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False,
                                                 pad_token_id=0), 3, warmup=1)
         return dict(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
     return run
@@ -207,7 +184,7 @@ def image_fn(model):
 
     def run():
         with torch.no_grad():
-            ms = cuda_ms(lambda: model(**inputs, logits_to_keep=1), 5)
+            ms = median_ms(lambda: model(**inputs, logits_to_keep=1), 5)
         return dict(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
     return run
 
@@ -257,8 +234,7 @@ def format_row(r: dict) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        fail("tools.bench.hf_attention needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    require_cuda("python3 -m tools.bench.hf_attention")
     import accel.hf
     accel.hf.register()
     impls = [i for i in args.impls if i != "flash_attention_2" or importlib.util.find_spec("flash_attn")]
@@ -271,12 +247,7 @@ def main(argv=None) -> None:
     print("\nwith ratios:")
     for r in rows:
         print(format_row(r))
-    record = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-              "args": {k: v for k, v in vars(args).items()}, "rows": rows}
-    with open(args.json_out, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {args.json_out}")
+    write_record(args.json_out, record(transformers=__import__("transformers").__version__, rows=rows))
 
 
 if __name__ == "__main__":
