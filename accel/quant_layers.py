@@ -12,7 +12,7 @@ import torch
 from refimpl.quant.formats import QuantizedLinear, QuantSpec
 
 from . import ops
-from .quant_ops import QuantTensor, cat_rows, chosen_prefill_path, from_quantized_linear, quantize
+from .quant_ops import QuantTensor, cat_rows, from_quantized_linear, quantize
 from .weights import LayerWeights
 
 # ---------------------------------------------------------------- the prefill: one dequantize launch a layer
@@ -97,9 +97,9 @@ def prefill_weights(lw: LayerWeights, x: torch.Tensor) -> LayerWeights:
     """The layer as the prefill over x [T, D] multiplies by it: for a packed layer (pack_layer) and T > 1 on the
     Triton path, a LayerWeights whose quantized matrices are views of one scratch, filled by one dequantize launch
     a format (one scratch for every layer of one layout: stream order keeps the reuse safe); otherwise lw itself
-    (one row takes the GEMVs; prefill_path() chooses the per-matrix paths, for benchmarks)."""
+    (one row takes the GEMVs)."""
     plan = getattr(lw, "plan", None)
-    if plan is None or x.shape[0] == 1 or chosen_prefill_path() is not None or not ops.uses_triton(x):
+    if plan is None or x.shape[0] == 1 or not ops.uses_triton(x):
         return lw
     from .kernels.qdequant import dequantize_layer_fwd
     key = (plan.layout, x.dtype, x.device)

@@ -286,20 +286,19 @@ def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
     del acc_cache
 
 
-def test_launch_mode_none_prefetches_only_in_norm_kernels(monkeypatch):
-    """PdlMode("none", n): plain launches (no PDL attribute, no wait, no trigger but the qkv + RoPE kernel's own);
-    only kernels with the RMSNorm prologue prefetch, n tiles of a program's rows (capped at the program's bytes).
-    The PDL modes keep their constexprs."""
+def test_launch_modes_constexprs(monkeypatch):
+    """On sm_90 (faked: the interpreter compiles PDL out), a PdlMode sets the PDL launch, where the trigger sits
+    (1 after the wait, 2 after the main loop) and the prefetched lines (n tiles of a program's row bytes, capped at
+    them); None: plain launches, the qkv + RoPE kernel still triggering at its start."""
     from accel.kernels import qgemv
     from accel.kernels.qgemv import PdlMode, _pdl_kwargs
     from accel.kernels.tuning import QGemvConfig
-    monkeypatch.setattr(qgemv, "pdl_available", lambda t: True)  # as on sm_90 (the interpreter compiles PDL out)
+    monkeypatch.setattr(qgemv, "pdl_available", lambda t: True)
     cfg, q = QGemvConfig(16, 512, 2, 1, 3), torch.zeros(1)
-    assert _pdl_kwargs(PdlMode("none", 2), q, cfg, 8, 2048, rope=False) == dict(PF_LINES=8)
-    assert _pdl_kwargs(PdlMode("none", 8), q, cfg, 8, 2048, rope=False) == dict(PF_LINES=16)  # the whole row
-    assert _pdl_kwargs(PdlMode("none", 2), q, cfg, 8, 2048, rope=True) == dict(TRIGGER=1, PF_LINES=8)
-    assert _pdl_kwargs(PdlMode("none", 2), q, cfg, 8, 2048, rope=False, norm=False) == {}
-    assert _pdl_kwargs(PdlMode("none", 0), q, cfg, 8, 2048, rope=True) == dict(TRIGGER=1)
     assert _pdl_kwargs(None, q, cfg, 8, 2048, rope=False) == {}
-    assert _pdl_kwargs(PdlMode("late", 1), q, cfg, 8, 2048, rope=False, norm=False) == dict(
+    assert _pdl_kwargs(None, q, cfg, 8, 2048, rope=True) == dict(TRIGGER=1)
+    assert _pdl_kwargs(PdlMode("late", 1), q, cfg, 8, 2048, rope=False) == dict(
         PDL=True, TRIGGER=2, PF_LINES=4, launch_pdl=True)
+    assert _pdl_kwargs(PdlMode("wait", 1), q, cfg, 4, 2048, rope=True) == dict(
+        PDL=True, TRIGGER=1, PF_LINES=2, launch_pdl=True)
+    assert _pdl_kwargs(PdlMode("wait", 8), q, cfg, 8, 2048, rope=False)["PF_LINES"] == 16  # the whole row

@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import chain
-from .common import gdc_launch_dependents, gdc_wait, pdl_available, pdl_kw, prefetch_l2
+from .common import (CaptureBeforeCounters, arrival_counters, count_done, gdc_launch_dependents, gdc_wait,
+                     pdl_available, pdl_kw, prefetch_l2)
 from .flash_attn import LOG2E, dot_precision, finite_max, kv_descriptors, load_kv, rms_norm_rows
 
 
@@ -113,21 +113,8 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
                          BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          CROSS: tl.constexpr, QNORM: tl.constexpr, PDL: tl.constexpr = False,
                          PREFETCH: tl.constexpr = 0, LATE_Q: tl.constexpr = False):
-    """Program (kv head, split): `split_program`."""
-    split_program(tl.program_id(0), tl.program_id(1), Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h,
-                  sk_k, sk_s, sv_k, sv_s, so_h, E, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G, BLOCK_N,
-                  BLOCK_E, BLOCK_S, FUSED, BLOCK_HG, USE_DESC, DOT_PRECISION, CROSS, QNORM, PDL, PREFETCH, LATE_Q)
-
-
-@triton.jit
-def split_program(kh, split, Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
-                  E: tl.constexpr, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
-                  BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr, CROSS: tl.constexpr,
-                  QNORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                  LATE_Q: tl.constexpr):
-    """Split `split` of kv head kh -> whether this program combined the kv head's splits (FUSED: it drew the last
-    ticket; its head group's output is stored, then). Also the body of accel/kernels/attn_o.py's attention phase.
+    """Program (kv head kh, split): the split's partials; FUSED: the program drawing the kv head's last ticket
+    combines its splits.
     CROSS: the query over all n_keys keys (no position), key n seen where VIS[n] != 0, and with QNORM the
     query RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS.
     PDL: launched as a programmatic dependent; only the position read and the L2 prefetch of the split's first
@@ -135,6 +122,8 @@ def split_program(kh, split, Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT
     LATE_Q (not with QNORM): q is loaded in the first loop iteration, after the pipeline has issued its first
     K/V load, so their round trips overlap (loaded before the loop, q is stored to shared memory in its dot
     layout before that first load is issued, which then waits for q)."""
+    kh = tl.program_id(0)
+    split = tl.program_id(1)
     if PDL:
         gdc_launch_dependents()  # a PDL-launched successor waits for our completion itself
     if CROSS:
@@ -188,18 +177,14 @@ def split_program(kh, split, Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT
     tl.store(M + row, m_i, mask=g_ok)
     tl.store(L + row, l_i, mask=g_ok)
     tl.store(ACC + row[:, None] * E + offs_e[None, :], acc, mask=g_ok[:, None] & e_ok[None, :])
-    combined = False
     if FUSED:
-        # The CTA barrier orders every thread's partial stores before the one release-add below (done by one
-        # thread: a scalar atomic), so the program that draws the last ticket has acquired all the partials; its
-        # reads bypass L1. (A per-thread add on a [threads] tensor was slower: 128 adds on one address per
-        # program serialize in L2.)
-        ticket = chain.count_done(CNT + kh)
-        combined = ticket == n_splits - 1
-        if combined:
+        # The CTA barrier in count_done orders every thread's partial stores before its one release-add (a scalar
+        # atomic: one thread), so the program that draws the last ticket has acquired all the partials; its reads
+        # bypass L1. (A per-thread add on a [threads] tensor was slower: 128 adds on one address per program
+        # serialize in L2.)
+        if count_done(CNT + kh) == n_splits - 1:
             _combine_heads(ACC, M, L, O, kh * G, G, so_h, E, n_splits, BLOCK_HG, BLOCK_S, BLOCK_E)
             tl.store(CNT + kh, 0)  # every other program of this kv head is done: ready for the next launch
-    return combined
 
 
 @triton.jit
@@ -208,13 +193,12 @@ def _decode_reduce_kernel(ACC, M, L, O, so_h, E, n_splits, BLOCK_S: tl.constexpr
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The fused path's per-kv-head arrival counters: chain.chain_counters' first n (accel/kernels/attn_o.py's and
-    qmlp.py's regions start at 128). None while a CUDA graph is being captured and they do not exist yet (then the
-    combine runs as its own kernel): the engine warms up before capturing, so this is only a guard."""
-    assert n <= 128, "kv heads past 128 would reach attn_o's counters"
+    """The fused path's per-kv-head arrival counters: common.arrival_counters' first n. None while a CUDA graph
+    is being captured and they do not exist yet (then the combine runs as its own kernel): the engine warms up
+    before capturing, so this is only a guard."""
     try:
-        return chain.chain_counters(device, n)[:n]
-    except chain.CaptureBeforeCounters:
+        return arrival_counters(device, n)[:n]
+    except CaptureBeforeCounters:
         return None
 
 
@@ -267,20 +251,14 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     PDL=True forces it); the caller promises that kernel does not write `position` (module docstring).
     """
     assert position.numel() == 1
-    max_len, split_len, cfg = self_config(q, cache_k, max_len, split_len, config, pdl)
-    return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
-
-
-def self_config(q, cache_k, max_len: int | None, split_len: int | None, config: dict | None,
-                pdl: bool) -> tuple[int, int, dict]:
-    """decode_attention_fwd's options resolved -> (max_len, split_len, the split kernel's config)."""
     max_len = cache_k.shape[1] if max_len is None else max_len
     cfg = {**_config(q.is_cuda, split_len, q.dtype, q.shape[-1], max_len), **(config or {})}
     if split_len is None:
         long = q.is_cuda and max_len >= LONG_CONTEXT  # whole blocks a split: 8k -> 32 × 256, 32k -> 32 × 1024
         split_len = default_split_len(max_len, cfg["BLOCK_N"] if long else 64 if q.is_cuda else 16)
         cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
-    return max_len, split_len, {"PDL": pdl and max_len >= LONG_CONTEXT, **cfg}  # shorter caches lost with PDL
+    cfg = {"PDL": pdl and max_len >= LONG_CONTEXT, **cfg}  # shorter caches lost with PDL
+    return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
 
 
 # Many query heads a kv head (the vision encoder's padding rows: 28 rows × a head's queries): on the GPU the fused
@@ -316,26 +294,13 @@ def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torc
 
 def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, split_len, out, cfg):
     """The split kernel (+ the combine kernel unless FUSED) over max_len keys; visible None: causal by position."""
-    cnt = _counters(q.device, cache_k.shape[0]) if cfg["FUSED"] else None
-    grid, args, kw, (acc, m, l, out) = split_launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len,
-                                                    split_len, out, cfg, cnt)
-    _decode_split_kernel[grid](*args, **kw)
-    if cnt is None:
-        _decode_reduce_kernel[(q.shape[-2],)](acc, m, l, out, out.stride(-2), q.shape[-1], grid[1],
-                                              BLOCK_S=kw["BLOCK_S"], BLOCK_E=kw["BLOCK_E"], num_warps=4)
-    return out
-
-
-def split_launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, split_len, out, cfg, cnt):
-    """The split kernel's launch over max_len keys (visible None: causal by position; cnt: the fused combine's
-    per-kv-head counters, None: no fused combine) -> grid (K, splits), its positional arguments, its constexprs
-    with the launch options, and (partials acc, m, l, out). accel/kernels/attn_o.py launches the same programs."""
     H, E = q.shape[-2:]
     NK = cache_k.shape[0]
     assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     cfg = dict(cfg)
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], split_len)
     assert split_len % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16, "split_len must be a multiple of 16"
+    cnt = _counters(q.device, NK) if cfg["FUSED"] else None
     n_splits = triton.cdiv(max_len, split_len)
     G = H // NK
     acc = torch.empty((H, n_splits, E), dtype=torch.float32, device=q.device)
@@ -363,4 +328,8 @@ def split_launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_l
               PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
               LATE_Q=late_q,
               **{**cfg, "FUSED": cnt is not None}, **pdl_kw(pdl))
-    return (NK, n_splits), args, kw, (acc, m, l, out)
+    _decode_split_kernel[(NK, n_splits)](*args, **kw)
+    if cnt is None:
+        _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,
+                                    num_warps=4)
+    return out

@@ -46,7 +46,6 @@ from . import tuning
 from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, gdc_launch_dependents, gdc_wait,
                      pdl_available, pdl_kw, per_row_scales, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd,
                      sm_count, split_k_epilogue, split_scratch)
-from .chain import wait_count
 from .qdot import chunk_dots, fixed_point, group_param
 from .tuning import QGemvConfig
 
@@ -144,13 +143,10 @@ def _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, e
               OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
               PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr,
               STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
-              PF_LINES: tl.constexpr, DONE=None, n_done=0, CHAINED: tl.constexpr = False):
-    """A kernel's body up to its epilogue: `_pdl_start`, (CHAINED: the wait until DONE has counted n_done, the
-    work that writes X in the same launch: accel/kernels/chain.py) `_qdot` over bytes kb_lo .. kb_hi of rows_c,
-    and with TRIGGER 2 the next kernel's launch after the main loop -> [BLOCK_N] fp32."""
+              PF_LINES: tl.constexpr):
+    """A kernel's body up to its epilogue: `_pdl_start`, `_qdot` over bytes kb_lo .. kb_hi of rows_c, and with
+    TRIGGER 2 the next kernel's launch after the main loop -> [BLOCK_N] fp32."""
     _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
-    if CHAINED:
-        wait_count(DONE, n_done)
     acc = _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
                 HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
     if TRIGGER == 2:
@@ -229,16 +225,14 @@ def _slice_block(Q, S, M, X, NW, R, Y, P, CNT, b, sp, N, K, KB, stride_q, stride
                  BITS: tl.constexpr, OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
                  PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
-                 FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr, DONE=None,
-                 n_done=0, CHAINED: tl.constexpr = False):
-    """Row block b over K slice sp (bytes sp·kb_split ..), then the (split-K) epilogue; DONE, n_done, CHAINED:
-    `_rows_dot`'s wait (accel/kernels/qmlp.py's down)."""
+                 FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr):
+    """Row block b over K slice sp (bytes sp·kb_split ..), then the (split-K) epilogue."""
     rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
     kb_lo = sp * kb_split
     acc = _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
                     n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST,
-                    PDL, TRIGGER, PF_LINES, DONE, n_done, CHAINED)
+                    PDL, TRIGGER, PF_LINES)
     split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
 
 
@@ -276,37 +270,31 @@ def _fast(q: torch.Tensor, bits: int, K: int) -> bool:
 
 class PdlMode(NamedTuple):
     """How the kernels launch on sm_90+ (module doc, PDL). trigger: "wait" (the next kernel may launch once our
-    wait has returned), "late" (once our main loop is done) or "none" (plain launches: only the prefetch, and only
-    in the kernels with the RMSNorm prologue, whose first weight loads otherwise wait for x's loads and the rstd
-    reduction); prefetch: tiles of a program's weights prefetched into L2 first (0: none; more than a program has:
-    all of them). "none" is a benchmark variant, not a default: in its one measurement (int8, tools/bench/NOTES.md,
-    "int8 decode speed") it was slower than plain launches at 1B and about tied at 3B."""
+    wait has returned) or "late" (once our main loop is done); prefetch: tiles of a program's weights prefetched
+    into L2 first (0: none; more than a program has: all of them)."""
     trigger: str = "wait"
     prefetch: int = 1
 
 
-# The mode by code width, as measured in the engine (tools.bench.quant_roles): the int4 step gains with
-# the trigger after the wait; int8's GEMVs, closer to the bandwidth, ran slower beside an early-launched successor
-# than the overlap saved, and gain only with the trigger after the main loop and the 1-tile prefetch.
+# The mode by code width, as measured in the engine: the int4 step gains with the trigger after the wait; int8's
+# GEMVs, closer to the bandwidth, ran slower beside an early-launched successor than the overlap saved, and gain
+# only with the trigger after the main loop and the 1-tile prefetch.
 PDL_DEFAULT: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: PdlMode("late", 1)})
 
 
 def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
-                rope: bool, norm: bool = True) -> dict:
-    """The PDL constexprs and launch option for `mode` ("default": PDL_DEFAULT's; none off sm_90 or under the
-    interpreter) for a kernel with (norm) or without the RMSNorm prologue. Without PDL the qkv + RoPE kernel still
-    lets its dependents launch at its start: the decode attention, PDL-launched over long caches."""
+                rope: bool) -> dict:
+    """The PDL constexprs and launch option for `mode` ("default": PDL_DEFAULT's; None: plain launches; none off
+    sm_90 or under the interpreter). Launched plainly, the qkv + RoPE kernel still lets its dependents launch at
+    its start: the decode attention, PDL-launched over long caches."""
     if not pdl_available(q):
         return {}
     mode = PDL_DEFAULT.get(bits) if mode == "default" else mode
-    plain = dict(TRIGGER=1) if rope else {}
     if mode is None:
-        return plain
-    assert mode.trigger in ("wait", "late", "none") and mode.prefetch >= 0, mode
+        return dict(TRIGGER=1) if rope else {}
+    assert mode.trigger in ("wait", "late") and mode.prefetch >= 0, mode
     nbytes = min(mode.prefetch * cfg.block_k * bits // 8, program_bytes)
     lines = triton.next_power_of_2(triton.cdiv(nbytes, 128)) if nbytes else 0
-    if mode.trigger == "none":
-        return dict(plain, PF_LINES=lines) if norm and lines else plain
     return dict(PDL=True, TRIGGER=1 if mode.trigger == "wait" else 2, PF_LINES=lines, **pdl_kw(True))
 
 
@@ -373,5 +361,5 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
         FAST=_fast(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages, **persist,
-        **_pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False, norm=prologue == PROLOGUE_NORM))
+        **_pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False))
     return out

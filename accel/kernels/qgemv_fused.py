@@ -82,16 +82,16 @@ def _gate_up_swiglu_kernel(Q, S, M, X, NW, Y, F, K, KB, stride_q, stride_s, eps,
         if TRIGGER == 2:
             gdc_launch_dependents()
     else:
-        gate_up_block(Q, S, M, X, NW, Y, b, F, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
+        _gate_up_block(Q, S, M, X, NW, Y, b, F, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
                       HAS_MIN, PER_ROW, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL, TRIGGER, PF_LINES)
 
 
 @triton.jit
-def gate_up_block(Q, S, M, X, NW, Y, b, F, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
+def _gate_up_block(Q, S, M, X, NW, Y, b, F, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
                   OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, STAGES: tl.constexpr,
                   FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr):
-    """One program's work of the unpersisted kernel (also accel/kernels/qmlp.py's first phase): row-pair block b
+    """One program's work of the unpersisted kernel: row-pair block b
     (`_pair_rows`) over whole rows with the norm prologue, silu(gate)·up stored to Y."""
     HN: tl.constexpr = BLOCK_N // 2
     acc = _rows_dot(Q, S, M, X, NW, _pair_rows(b, tl.arange(0, BLOCK_N), F, HN), 0, KB, K, KB, stride_q, stride_s,

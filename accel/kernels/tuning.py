@@ -3,8 +3,6 @@
 GEMV      (N, K) of the weight -> GemvConfig (accel/kernels/gemv.py); shapes not listed use `gemv.gemv_config`'s rule.
 QKV_ROPE  (N, K) of the fused qkv weight -> QkvConfig (accel/kernels/qkv_rope.py); else `qkv_rope.qkv_config`'s rule.
 QGEMV     (N, K, bits, group[, "rope"]) of a quantized weight -> QGemvConfig (accel/kernels/qgemv.py); else its rule.
-QMLP      (N, K, bits, group) of a quantized gate_up -> QMlpConfig, the MLP as one launch (accel/kernels/qmlp.py).
-ATTN_O    (N, K, bits, group) of o inside the chained attention + o launch (accel/kernels/attn_o.py); else its rule.
 A `Tuning` bundles one table of each plus the decode attention's launch options; the engine runs `DEFAULT`.
 Benchmarks that try other configs build their own `Tuning` and pass it in (tools/bench/decode_variants.py): nothing
 here is rewritten at run time. The measurements behind every row (on 132 SMs) are in tools/bench/NOTES.md.
@@ -100,27 +98,6 @@ QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
     (128256, 3072, 8, 3072): QGemvConfig(16, 512, 1, 1, 4),  # 3B lm_head
     (128256, 3072, 4, 64): QGemvConfig(8, 4096, 2, 1, 3, 764),
 })
-
-# o's tiles inside the chained attention + o launch (accel/kernels/attn_o.py), per (N, K, bits, group) as QGEMV
-# (bits 16, group 0: the dense weight); the warps field is unused (the attention's). Shapes not listed take
-# `attn_o.attn_o_config`'s rule (o's own GEMV row without persistence).
-ATTN_O: Mapping[tuple, QGemvConfig] = MappingProxyType({})
-
-
-class QMlpConfig(NamedTuple):
-    """The quantized decode MLP as one launch (accel/kernels/qmlp.py): its num_warps, down's tiles (None: down's own
-    QGEMV row or rule; gate_up's are always its own) and whether down's programs prefetch their K slice into L2
-    while they wait for h."""
-    warps: int
-    down: QGemvConfig | None = None
-    prefetch: bool = True
-
-
-# The chained MLP per (N, K, bits, group) of gate_up. Where a key is listed the decode step runs its MLP as one
-# launch; elsewhere as two kernels (accel.quant_ops.quant_norm_mlp_add). Empty: at the Llama 3.2 1B / 3B shapes,
-# int8 and int4:64, every chained config tried was slower than the two kernels (tools.bench.quant_mlp).
-QMLP: Mapping[tuple, QMlpConfig] = MappingProxyType({})
-
 
 class Tuning(NamedTuple):
     """The launch tables the decode step's fused ops read (accel.ops.fused): GEMV, QKV_ROPE and the decode

@@ -7,7 +7,7 @@ plain torch version (accel/ops/torch_ops.py), picked per call by accel/ops/dispa
 `from accel import ops` gives all of them: `ops.rms_norm(...)`, `ops.qkv_rope(...)`.
 """
 from .dispatch import INTERPRET, torch_only, triton_available, uses_triton
-from .fused import (add_rms_norm, argmax_row, attention_o_add, causal_attention, decode_attention,
+from .fused import (add_rms_norm, argmax_row, causal_attention, decode_attention,
                     embedding_rms_norm, greedy_next, linear_add, norm_cross_attention, norm_linear, norm_mlp_add,
                     qkv_rope, rope_kv_write, swiglu_gate_up, swiglu_linear_add)
 from .fused_interface import FUSED_OP_NAMES, FusedOps
@@ -15,7 +15,7 @@ from .interface import (attention, cross_attention, embedding, encoder_attention
                         lora_linear, lora_merge, rms_norm, rope, rope_tables, swiglu)
 
 __all__ = ["INTERPRET", "torch_only", "triton_available", "uses_triton", "FUSED_OP_NAMES", "FusedOps",
-           "add_rms_norm", "argmax_row", "attention_o_add", "causal_attention", "decode_attention",
+           "add_rms_norm", "argmax_row", "causal_attention", "decode_attention",
            "embedding_rms_norm", "greedy_next",
            "linear_add", "norm_cross_attention", "norm_linear", "norm_mlp_add", "qkv_rope", "rope_kv_write",
            "swiglu_gate_up", "swiglu_linear_add",

@@ -6,7 +6,6 @@ import torch
 
 from .. import quant_ops as quant
 from ..kernels.argmax import argmax_fwd
-from ..kernels.attn_o import attention_o_fwd, chained
 from ..kernels.decode_attn import cross_decode_attention_fwd, decode_attention_fwd
 from ..kernels.flash_attn import cross_attention_fwd, flash_attention_fwd
 from ..kernels.gemv import gemv_fwd
@@ -61,16 +60,6 @@ def decode_attention(q, cache_k, cache_v, position, tuning: Tuning = DEFAULT):
         # pdl: the step's previous kernel (qkv_rope) writes q and the cache slot, never the position
         return decode_attention_fwd(rows(q), cache_k, cache_v, position, **{"pdl": True, **tuning.decode_attention})
     return torch_decode_attention(q, cache_k, cache_v, position)
-
-
-def attention_o_add(q, cache_k, cache_v, position, weight, residual, tuning: Tuning = DEFAULT):
-    if uses_triton(q) and chained():
-        opts = {"pdl": True, **tuning.decode_attention}  # pdl: as decode_attention's
-        if is_quantized(weight):
-            return quant.quant_attention_o_add(rows(q), cache_k, cache_v, position, weight, residual, opts)
-        return attention_o_fwd(rows(q), cache_k, cache_v, position, weight, residual, **opts)
-    a = decode_attention(q, cache_k, cache_v, position, tuning)  # [1, H, E]
-    return linear_add(a.reshape(1, -1), weight, residual, tuning)
 
 
 def qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v, tuning: Tuning = DEFAULT):
