@@ -81,9 +81,9 @@ def _project_add_norm(a, weight, x, norm_weight, eps, in_gemm: bool):
 
 def _layers(w: Weights, cfg: LlamaConfig, x, h, cos, sin, cache_k, cache_v, positions):
     """The decoder layers over the residual stream x [T, D] and h, its first attention norm; returns final_norm(x)
-    of the rows the logits need (the last one: the last layer runs past its k/v on the last token's row only). A packed quantized layer is
-    dequantized whole into a scratch first (accel.quant_layers.prefill_weights: one launch instead of one a
-    matrix)."""
+    of the rows the logits need (the last one: the last layer runs past its k/v on the last token's row only). A
+    packed quantized layer is dequantized whole into a scratch first (accel.quant_layers.prefill_weights: one
+    launch instead of one a matrix)."""
     last = len(w.layers) - 1
     for i, lw in enumerate(w.layers):
         next_norm = w.layers[i + 1].attn_norm if i < last else w.norm

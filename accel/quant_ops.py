@@ -1,7 +1,7 @@
 """Weight-only quantized weights on the device: the QuantTensor record, quantizing on the device (bit for bit
 refimpl.quant's oracle), converting refimpl's QuantizedLinear records, and the quantized versions of the decode
-step's fused GEMV ops (accel.ops.fused sends a QuantTensor weight here). Loading a model's quantized layers and
-packing them for the prefill: accel/quant_layers.py.
+step's fused GEMV ops as its methods (accel.ops.fused calls them on a QuantTensor weight). Packing a model's
+quantized layers for the prefill: accel/quant_layers.py; loading them: accel/weights.py.
 
 One device layout serves every format (accel/kernels/qgemv.py): codes, then a scale (and a minimum) per GROUP
 columns. int8 and int4 are refimpl.quant.formats' own layouts; GGUF blocks are rearranged once at load:
@@ -14,7 +14,7 @@ cuBLAS over dequantized copies: at load, quant_layers.pack_layer puts each layer
 flat buffers, so that quant_layers.prefill_weights dequantizes the whole layer (accel/kernels/qdequant.py) with one
 launch a format into one scratch, reused layer after layer (stream order keeps the reuse safe) — one launch a layer
 instead of four, which is what the host pays for. A matrix outside a packed layer (the lm_head) takes a launch and
-a scratch of its own (quant_linear).
+a scratch of its own (QuantTensor.linear).
 """
 from __future__ import annotations
 
@@ -27,8 +27,15 @@ import torch.nn.functional as F
 from refimpl.quant.formats import QuantizedLinear, QuantSpec, pack_nibbles
 from refimpl.quant.gguf_blocks import block_fields
 
-from . import ops
-from .ops.torch_ops import torch_linear_add, torch_norm_linear, torch_swiglu_linear_add, unfused_qkv_rope
+from .kernels.qdequant import dequantize_fwd
+from .kernels.qgemv import qgemv_fwd
+from .kernels.qgemv_fused import gate_up_swiglu_qfwd, qkv_rope_qfwd
+from .kernels.tuning import DEFAULT, Tuning
+from .ops.dispatch import uses_triton
+from .ops.torch_ops import (torch_linear_add, torch_norm_linear, torch_qkv_rope, torch_swiglu_gate_up,
+                            torch_swiglu_linear_add)
+
+_DEQUANT_SCRATCH: dict[tuple, torch.Tensor] = {}  # QuantTensor.linear's, one a shape, dtype and device
 
 
 @dataclass(eq=False)
@@ -65,8 +72,7 @@ class QuantTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=dtype, device=self.device) if out is None else out
-        if ops.uses_triton(self.q):
-            from .kernels.qdequant import dequantize_fwd
+        if uses_triton(self.q):
             return dequantize_fwd(self.q, self.scale, self.low, self.bits, self.offset, self.group, self.K, out)
         return out.copy_(torch_dequantize(self))
 
@@ -75,7 +81,67 @@ class QuantTensor:
         if func is not F.linear:
             return NotImplemented
         x, weight = args[0], args[1]
-        return quant_linear(x, weight)
+        return weight.linear(x)
+
+    # ---- the products: the weight's type chooses its kernels (accel.ops.fused calls these on a QuantTensor;
+    # accel.ops.dense.DenseMatrix has the same methods for a plain tensor). tuning: the QGEMV table and launch mode.
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """F.linear(x, self) for x [..., K]: the GEMV for one row, else a dequantized scratch copy and cuBLAS."""
+        N, K = self.shape
+        if x.numel() == K and uses_triton(x):
+            return self.gemv(x.reshape(1, K)).view(*x.shape[:-1], N)
+        key = (self.shape, x.dtype, x.device)
+        scratch = _DEQUANT_SCRATCH.get(key)
+        if scratch is None:
+            scratch = _DEQUANT_SCRATCH[key] = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        return F.linear(x, self.dequantize(x.dtype, out=scratch))
+
+    def gemv(self, x: torch.Tensor, tuning: Tuning = DEFAULT, **kw) -> torch.Tensor:
+        """The quantized GEMV of one row x [1, K] (accel.kernels.qgemv.qgemv_fwd, its prologue and epilogue
+        keywords `kw`) -> [1, N]."""
+        return qgemv_fwd(self.q, self.scale, self.low, self.bits, self.offset, self.group, self.K, x,
+                         table=tuning.qgemv, pdl=tuning.qgemv_pdl.get(self.bits), **kw)
+
+    def norm_linear(self, x, norm_weight, eps, tuning: Tuning = DEFAULT):
+        """accel.ops.norm_linear: the quantized GEMV with the same RMSNorm prologue."""
+        if uses_triton(x):
+            return self.gemv(x, tuning, norm_weight=norm_weight, eps=eps)
+        return torch_norm_linear(x, norm_weight, self.dequantize(x.dtype), eps)
+
+    def linear_add(self, a, residual, tuning: Tuning = DEFAULT, gate=None):
+        assert gate is None, "the quantized GEMV has no gated epilogue"
+        if uses_triton(a):
+            return self.gemv(a, tuning, residual=residual, out=residual)
+        return torch_linear_add(a, self.dequantize(a.dtype), residual)
+
+    def swiglu_linear_add(self, gate_up, residual, tuning: Tuning = DEFAULT, gate=None):
+        assert gate is None, "the quantized GEMV has no gated epilogue"
+        if uses_triton(gate_up):
+            return self.gemv(gate_up, tuning, swiglu=True, residual=residual, out=residual)
+        return torch_swiglu_linear_add(gate_up, self.dequantize(gate_up.dtype), residual)
+
+    def norm_swiglu(self, x, norm_weight, eps, tuning: Tuning = DEFAULT):
+        """swiglu_gate_up(norm_linear(x, norm_weight, self, eps)) for this gate_up [2F, D]: one kernel
+        (accel.kernels.qgemv_fused.gate_up_swiglu_qfwd) for one row -> [1, F]."""
+        if x.numel() == self.K and uses_triton(x):
+            return gate_up_swiglu_qfwd(self.q, self.scale, self.low, self.bits, self.offset, self.group, self.K, x,
+                                       norm_weight, eps, table=tuning.qgemv, pdl=tuning.qgemv_pdl.get(self.bits))
+        return torch_swiglu_gate_up(torch_norm_linear(x, norm_weight, self.dequantize(x.dtype), eps))
+
+    def norm_mlp_add(self, x, norm_weight, down, eps, tuning: Tuning = DEFAULT):
+        """accel.ops.norm_mlp_add with this gate_up: the SwiGLU in gate_up's epilogue, then `down`'s (a matrix of
+        either kind) plain GEMV with the residual add (down's SwiGLU prologue cost more instructions a code than
+        any other f(x))."""
+        return down.linear_add(self.norm_swiglu(x, norm_weight, eps, tuning), x, tuning)
+
+    def qkv_rope(self, x, norm_weight, eps, cos, sin, position, cache_k, cache_v, tuning: Tuning = DEFAULT):
+        """accel.ops.qkv_rope: one kernel (accel.kernels.qgemv_fused.qkv_rope_qfwd) for the one-token step."""
+        if x.numel() == self.K and uses_triton(x):
+            return qkv_rope_qfwd(self.q, self.scale, self.low, self.bits, self.offset, self.group, self.K, x,
+                                 norm_weight, eps, cos, sin, position, cache_k, cache_v, table=tuning.qgemv,
+                                 pdl=tuning.qgemv_pdl.get(self.bits))
+        return torch_qkv_rope(x, norm_weight, self.dequantize(x.dtype), eps, cos, sin, position, cache_k, cache_v)
 
 
 def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
@@ -144,70 +210,3 @@ def from_quantized_linear(w: QuantizedLinear, device) -> QuantTensor:
     low = None if w.format == "q4_0" else dev(m.reshape(N, -1)).half()  # [N, K/32]
     return QuantTensor(w.format, 4, 32, dev(pack_nibbles(codes.reshape(N, K))), dev(d).half(), low, K,
                        8 if w.format == "q4_0" else 0)
-
-
-# ---------------------------------------------------------------- the products
-
-_DEQUANT_SCRATCH: dict[tuple, torch.Tensor] = {}
-
-
-def quant_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    """F.linear(x, w) for x [..., K]: the GEMV for one row, else a dequantized scratch copy and cuBLAS."""
-    N, K = w.shape
-    if x.numel() == K and ops.uses_triton(x):
-        return qgemv(w, x.reshape(1, K)).view(*x.shape[:-1], N)
-    key = (w.shape, x.dtype, x.device)
-    scratch = _DEQUANT_SCRATCH.get(key)
-    if scratch is None:
-        scratch = _DEQUANT_SCRATCH[key] = torch.empty(w.shape, dtype=x.dtype, device=x.device)
-    return F.linear(x, w.dequantize(x.dtype, out=scratch))
-
-
-def qgemv(w: QuantTensor, x, **kw) -> torch.Tensor:
-    from .kernels.qgemv import qgemv_fwd
-    return qgemv_fwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, **kw)
-
-
-def quant_norm_linear(x, norm_weight, w: QuantTensor, eps):
-    """ops.norm_linear for a quantized weight: the quantized GEMV with the same RMSNorm prologue."""
-    if ops.uses_triton(x):
-        return qgemv(w, x, norm_weight=norm_weight, eps=eps)
-    return torch_norm_linear(x, norm_weight, w.dequantize(x.dtype), eps)
-
-
-def quant_linear_add(a, w: QuantTensor, residual):
-    if ops.uses_triton(a):
-        return qgemv(w, a, residual=residual, out=residual)
-    return torch_linear_add(a, w.dequantize(a.dtype), residual)
-
-
-def quant_swiglu_linear_add(gate_up, w: QuantTensor, residual):
-    if ops.uses_triton(gate_up):
-        return qgemv(w, gate_up, swiglu=True, residual=residual, out=residual)
-    return torch_swiglu_linear_add(gate_up, w.dequantize(gate_up.dtype), residual)
-
-
-def quant_norm_swiglu(x, norm_weight, w: QuantTensor, eps):
-    """swiglu_gate_up(norm_linear(x, norm_weight, w, eps)) for a quantized gate_up [2F, D]: one kernel
-    (accel.kernels.qgemv_fused.gate_up_swiglu_qfwd) for one row, else the two ops -> [1, F]."""
-    if x.numel() == w.K and ops.uses_triton(x):
-        from .kernels.qgemv_fused import gate_up_swiglu_qfwd
-        return gate_up_swiglu_qfwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, norm_weight, eps)
-    return ops.swiglu_gate_up(quant_norm_linear(x, norm_weight, w, eps))
-
-
-def quant_norm_mlp_add(x, norm_weight, gate_up: QuantTensor, down, eps):
-    """ops.norm_mlp_add for quantized weights: the SwiGLU in gate_up's epilogue, then down's plain GEMV with the
-    residual add (down's SwiGLU prologue cost more instructions a code than any other f(x): tools/bench/NOTES.md)."""
-    return ops.linear_add(quant_norm_swiglu(x, norm_weight, gate_up, eps), down, x)
-
-
-def quant_qkv_rope(x, norm_weight, w: QuantTensor, eps, cos, sin, position, cache_k, cache_v):
-    """ops.qkv_rope for a quantized weight: one kernel (accel.kernels.qgemv_fused.qkv_rope_qfwd) for the one-token
-    step, else the quantized GEMV with the norm prologue, then ops.rope_kv_write."""
-    if x.numel() == w.K and ops.uses_triton(x):
-        from .kernels.qgemv_fused import qkv_rope_qfwd
-        return qkv_rope_qfwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, norm_weight, eps, cos, sin,
-                             position, cache_k, cache_v)
-    return unfused_qkv_rope(quant_norm_linear, ops.rope_kv_write, x, norm_weight, w, eps, cos, sin, position,
-                            cache_k, cache_v)

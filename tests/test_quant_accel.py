@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 
 from accel.engine import AccelEngine  # noqa: E402
 from accel.kernels.qgemv import QGemvConfig  # noqa: E402
-from accel.quant_ops import from_quantized_linear, qgemv, quantize  # noqa: E402
+from accel.quant_ops import from_quantized_linear, quantize  # noqa: E402
 from refimpl.compare import TOLERANCES, compare  # noqa: E402
 from refimpl.formats.checkpoint import load_checkpoint  # noqa: E402
 from refimpl.formats.params import Checkpoint, random_params  # noqa: E402
@@ -103,7 +103,7 @@ def check_fp32(got, want, rec, x):
 def gemv_on(t, x, **kw) -> np.ndarray:
     """qgemv on DEV from NumPy inputs (tensor keyword arguments moved there too) -> [N] fp32."""
     kw = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    return qgemv(t, torch.from_numpy(x)[None].to(DEV), **kw)[0].cpu().numpy()
+    return t.gemv(torch.from_numpy(x)[None].to(DEV), **kw)[0].cpu().numpy()
 
 
 @pytest.mark.parametrize("name", list(RECORDS))
@@ -291,8 +291,8 @@ def test_launch_modes_constexprs(monkeypatch):
     (1 after the wait, 2 after the main loop) and the prefetched lines (n tiles of a program's row bytes, capped at
     them); None: plain launches, the qkv + RoPE kernel still triggering at its start."""
     from accel.kernels import qgemv
-    from accel.kernels.qgemv import PdlMode, _pdl_kwargs
-    from accel.kernels.tuning import QGemvConfig
+    from accel.kernels.qgemv import _pdl_kwargs
+    from accel.kernels.tuning import PdlMode, QGemvConfig
     monkeypatch.setattr(qgemv, "pdl_available", lambda t: True)
     cfg, q = QGemvConfig(16, 512, 2, 1, 3), torch.zeros(1)
     assert _pdl_kwargs(None, q, cfg, 8, 2048, rope=False) == {}

@@ -14,8 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from accel.engine import AccelEngine  # noqa: E402
-from accel.kernels.qgemv import PdlMode, QGemvConfig, qgemv_fwd  # noqa: E402
+from accel.kernels.qgemv import QGemvConfig, qgemv_fwd  # noqa: E402
 from accel.kernels.qgemv_fused import qkv_rope_qfwd  # noqa: E402
+from accel.kernels.tuning import QGEMV_PDL, Tuning  # noqa: E402
 from accel.quant_layers import quantize_weights  # noqa: E402
 from accel.quant_ops import quantize  # noqa: E402
 from accel.weights import random_weights  # noqa: E402
@@ -23,7 +24,7 @@ from refimpl.model.config import PRESETS  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-MODES = [PdlMode("wait", 1), PdlMode("late", 1)]  # the defaults (int4, int8: tuning's QGEMV_PDL)
+MODES = [QGEMV_PDL[4], QGEMV_PDL[8]]  # the launch modes the engine runs (by code width)
 H, NKV, E, D, F, V, S = 32, 8, 64, 2048, 8192, 128256, 64  # Llama 3.2 1B
 
 
@@ -102,26 +103,22 @@ def test_quantized_decode_kernels_read_their_inputs_after_the_wait(graph, spec, 
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4:64"])
-def test_quantized_engine_decode_with_pdl_equals_plain_launches(spec, monkeypatch):
+def test_quantized_engine_decode_with_pdl_equals_plain_launches(spec):
     """The engine's captured decode step (two layers at the 1B's shapes): greedy tokens and the logits of every
     step bit for bit the same with and without PDL."""
     cfg = dataclasses.replace(PRESETS["llama-3.2-1b"], num_hidden_layers=2)
     weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=4), QuantSpec.parse(spec))
     prompt = [128000, 791, 4062, 14198, 39935, 35308, 927, 279]
     results = []
-    from accel.kernels import qgemv
-    for plain in (True, False):
-        with monkeypatch.context() as m:
-            if plain:
-                m.setattr(qgemv, "PDL_DEFAULT", {4: None, 8: None})
-            eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
-            sess = eng.session(len(prompt) + 12)
-            logits = [eng.prefill(prompt, sess).float().clone()]
-            tok = int(logits[0].argmax())
-            for i in range(10):  # graph replays
-                logits.append(sess.decoder.step(torch.tensor([tok], device="cuda"), len(prompt) + i).float().clone())
-                tok = int(logits[-1].argmax())
-            results.append(torch.cat(logits))
-            del eng, sess
+    for tuning in (Tuning(qgemv_pdl={4: None, 8: None}), Tuning()):  # plain launches, then the default modes
+        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16", tuning=tuning)
+        sess = eng.session(len(prompt) + 12)
+        logits = [eng.prefill(prompt, sess).float().clone()]
+        tok = int(logits[0].argmax())
+        for i in range(10):  # graph replays
+            logits.append(sess.decoder.step(torch.tensor([tok], device="cuda"), len(prompt) + i).float().clone())
+            tok = int(logits[-1].argmax())
+        results.append(torch.cat(logits))
+        del eng, sess
     assert torch.isfinite(results[0]).all()
     assert torch.equal(results[0], results[1])

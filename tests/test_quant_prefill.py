@@ -1,6 +1,7 @@
 """The prefill's quantized kernels (accel/kernels/qdequant.py) against the oracle (refimpl.quant): dequantizing is
-bit for bit refimpl's dequantize(); a quantized product of more rows (a dequantized scratch, then cuBLAS) is "dequantize with the
-oracle, then multiply" up to fp32 summation error. Odd shapes: rows not a tile multiple, K not a power of two, a short last group, G > K.
+bit for bit refimpl's dequantize(); a quantized product of more rows (a dequantized scratch, then cuBLAS) is
+"dequantize with the oracle, then multiply" up to fp32 summation error. Odd shapes: rows not a tile multiple, K not a
+power of two, a short last group, G > K.
 
 On CPU the kernels run under the interpreter (fp32, exact tl.dot); the GPU tests (skipped without CUDA) repeat them
 on the device, in bf16 at the Llama 3.2 shapes.
@@ -14,7 +15,7 @@ pytest.importorskip("gguf")
 from accel.kernels.qdequant import dequantize_fwd  # noqa: E402
 from accel import quant_layers  # noqa: E402
 from accel.quant_layers import MATRICES, pack_layer, prefill_weights  # noqa: E402
-from accel.quant_ops import from_quantized_linear, qgemv, quant_linear, quantize, torch_dequantize  # noqa: E402
+from accel.quant_ops import from_quantized_linear, quantize, torch_dequantize  # noqa: E402
 from accel.weights import LayerWeights  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
 from test_quant_accel import RECORDS, bits, gguf_record, record  # noqa: E402
@@ -47,11 +48,11 @@ def test_dequantize_kernel_equals_the_oracle_bit_for_bit(name, block):
 
 
 @interpreter
-def test_quant_linear_of_several_rows_agrees_with_the_oracle():
+def test_linear_of_several_rows_agrees_with_the_oracle():
     rec = RECORDS["int4:64"]
     t = from_quantized_linear(rec, "cpu")
     x = np.random.default_rng(8).standard_normal((2, 5, rec.shape[1])).astype(np.float32)  # [B, T, K]
-    got = quant_linear(torch.from_numpy(x), t).numpy()
+    got = t.linear(torch.from_numpy(x)).numpy()
     assert got.shape == (2, 5, rec.shape[0])
     check_fp32(got.reshape(10, -1), x.reshape(10, -1), rec.dequantize())
 
@@ -107,7 +108,7 @@ def test_a_packed_layer_dequantizes_in_one_launch_a_format_to_the_oracle(formats
 @gpu
 @pytest.mark.parametrize("spec", ["int8", "int4:32", "int4:64", "int4:128"])
 @pytest.mark.parametrize("M, N, K", [(2048, 3072, 2048), (2048, 2048, 8192), (37, 5120, 3072), (300, 200, 200)])
-def test_quant_linear_gpu_bf16(spec, M, N, K):
+def test_linear_gpu_bf16(spec, M, N, K):
     g = torch.Generator(device="cuda").manual_seed(M + N)
     t = quantize(torch.randn(N, K, device="cuda", generator=g) * 0.02, QuantSpec.parse(spec))
     x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
@@ -115,7 +116,7 @@ def test_quant_linear_gpu_bf16(spec, M, N, K):
     np.testing.assert_array_equal(w.float().cpu().numpy(), dequantize(t).to(torch.bfloat16).float().cpu().numpy())
     want = x.double() @ w.double().T
     # bf16 output: one rounding of an fp32 sum, 2^-8 relative to the largest value
-    via_scratch = quant_linear(x, t).double()
+    via_scratch = t.linear(x).double()
     assert (via_scratch - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
 
 
@@ -134,7 +135,7 @@ def test_packed_layer_at_llama_shapes_gpu(spec, D, F, NQKV):
                       spec.for_matrix(f"model.layers.0.{keys[n]}.weight")) for n in MATRICES}
     want = {n: dequantize(t, torch.bfloat16) for n, t in ts.items()}
     x = torch.randn(1, D, device="cuda", generator=g).to(torch.bfloat16)
-    gemv = {n: qgemv(t, x) for n, t in ts.items() if n != "down"}
+    gemv = {n: t.gemv(x) for n, t in ts.items() if n != "down"}
     norm = torch.ones(D, device="cuda", dtype=torch.bfloat16)
     lw = pack_layer(LayerWeights(norm, ts["qkv"], ts["o"], norm, ts["gate_up"], ts["down"]))
     assert len(lw.plan.launches) == (2 if spec.int8_keys else 1)
@@ -143,7 +144,7 @@ def test_packed_layer_at_llama_shapes_gpu(spec, D, F, NQKV):
     for n in MATRICES:
         assert torch.equal(getattr(dense, n), want[n]), n
     for n, y in gemv.items():
-        assert torch.equal(qgemv(getattr(lw, n), x), y), n
+        assert torch.equal(getattr(lw, n).gemv(x), y), n
 
 
 @gpu

@@ -224,7 +224,7 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise CaptureBeforeCounters("arrival counters must be allocated before a CUDA graph capture (warm up first)")
+            raise CaptureBeforeCounters("arrival counters must exist before a CUDA graph capture (warm up first)")
         if buf is not None:
             _RETIRED.append(buf)
         buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)

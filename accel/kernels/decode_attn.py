@@ -38,6 +38,7 @@ import triton.language as tl
 from .common import (CaptureBeforeCounters, arrival_counters, count_done, gdc_launch_dependents, gdc_wait,
                      pdl_available, pdl_kw, prefetch_l2)
 from .flash_attn import LOG2E, dot_precision, finite_max, kv_descriptors, load_kv, rms_norm_rows
+from .tuning import DECODE_PREFETCH_SLOTS, LONG_CONTEXT, LONGER_CONTEXT, MANY_QUERY_ROWS, MANY_ROWS_SPLIT
 
 
 @triton.jit
@@ -202,11 +203,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | None:
         return None
 
 
-PREFETCH_SLOTS = 64  # slots a split prefetches into L2 before the PDL wait (PREFETCH; tools.bench.attn_sweep --pdl)
-LONG_CONTEXT = 8192  # caches from this many slots take the long-context launch (_config)
-LONGER_CONTEXT = 16384  # and from this many, at E <= 64, its double-buffered 128-slot blocks with q late (_config)
-
-
 def default_split_len(max_len: int, block_n: int = 64) -> int:
     """16 splits below LONG_CONTEXT slots, 32 from there on (8 kv heads: 128 or 256 programs, one or two per SM),
     whole blocks each, the fastest in tools.bench.attn_sweep (full caches, H=32 K=8 E=64; tools/bench/NOTES.md):
@@ -261,14 +257,6 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
 
 
-# Many query heads a kv head (the vision encoder's padding rows: 28 rows × a head's queries): on the GPU the fused
-# combine would hold [rows, splits, E] partials in one program's registers, so the separate combine kernel spreads
-# them over every query head, over splits of MANY_ROWS_SPLIT keys (tools.bench.encoder's sweep; NOTES.md). Not under
-# the CPU interpreter, where those programs cost more than the default.
-MANY_QUERY_ROWS = 16
-MANY_ROWS_SPLIT = 512
-
-
 def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                                norm_weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None,
                                split_len: int | None = None, config: dict | None = None) -> torch.Tensor:
@@ -277,7 +265,9 @@ def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torc
     visible[n] != 0 (bool or integers [N], at least one set) -> out shaped like q. GPU default: splits of 256 keys in
     64-key blocks, 2 stages, the fastest at 11B-Vision's 6404 image tokens, E = 128 (tools/bench/vision.py's
     variants; NOTES.md); with more than MANY_QUERY_ROWS query heads a kv head, splits of MANY_ROWS_SPLIT keys and
-    the separate combine kernel."""
+    the separate combine kernel (the vision encoder's padding rows, 28 a head: the fused combine would hold
+    [rows, splits, E] partials in one program's registers; not under the CPU interpreter, where those programs cost
+    more than the default)."""
     N = keys.shape[1]
     assert visible.numel() == N and visible.reshape(-1).stride(0) == 1
     assert norm_weight is None or norm_weight.shape == (q.shape[-1],)
@@ -312,7 +302,7 @@ def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, s
     use_desc = cfg.pop("USE_DESC", False)
     on_gpu = pdl_available(q)  # the PDL and prefetch parts are inline asm: GPU only
     pdl = bool(cfg.pop("PDL", False)) and on_gpu
-    prefetch = cfg.pop("PREFETCH", PREFETCH_SLOTS if pdl else 0)  # popped always: not a kernel argument
+    prefetch = cfg.pop("PREFETCH", DECODE_PREFETCH_SLOTS if pdl else 0)  # popped always: not a kernel argument
     prefetch = prefetch if on_gpu else 0
     late_q = bool(cfg.pop("LATE_Q", False)) and norm_weight is None
     descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)

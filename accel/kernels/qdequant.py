@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import per_row_scales
+from .tuning import DEQUANT_BLOCK
 
 
 @triton.jit
@@ -115,9 +116,6 @@ def _dequant_layer_kernel(Q, S, MN, Y, TABLE, N_MAT: tl.constexpr, BITS: tl.cons
              mask=(rows < N)[:, None] & (cols < K)[None, :])
 
 
-GPU_BLOCK = (16, 512, 4)  # (BLOCK_N, BLOCK_K, warps): 16 rows × 512 columns a program on the GPU
-
-
 def _block_k(want: int, group: int, K: int, per_row: bool) -> int:
     """A tile width holding whole groups, no wider than K needs."""
     bk = min(want, max(16, triton.next_power_of_2(K)))
@@ -133,7 +131,7 @@ def dequantize_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | Non
     assert q.stride(1) == 1 and out.stride(1) == 1 and (low is None or low.stride() == scale.stride())
     per_row = per_row_scales(group, K, low)
     if block is None:
-        block = GPU_BLOCK if q.is_cuda else (min(32, triton.next_power_of_2(N)), 256, 4)
+        block = DEQUANT_BLOCK if q.is_cuda else (min(32, triton.next_power_of_2(N)), 256, 4)
     bn, bk, warps = block
     bk = _block_k(bk, group, K, per_row)
     _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
@@ -157,7 +155,7 @@ class LayerDequant(NamedTuple):
 def layer_block(on_gpu: bool, group: int, per_row: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) of a dequantize_layer launch: dequantize_fwd's GPU tile; smaller under the
     interpreter. The tile holds whole groups."""
-    bn, bk, warps = GPU_BLOCK if on_gpu else (16, 128, 4)
+    bn, bk, warps = DEQUANT_BLOCK if on_gpu else (16, 128, 4)
     return bn, bk if per_row else max(bk, group), warps
 
 

@@ -20,7 +20,7 @@ small loads are outside the pipeline). The same sums in the same order: only whi
 The decode step's two fused epilogues (qkv + RoPE + cache write, gate_up + SwiGLU) reuse this body:
 accel/kernels/qgemv_fused.py. Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
 
-PDL (programmatic dependent launch, sm_90+; `PdlMode`, the default by code width: `PDL_DEFAULT`): each of
+PDL (programmatic dependent launch, sm_90+; a tuning.PdlMode, by code width: tuning.QGEMV_PDL): each of
 these kernels may then be launched while the kernel before it is still running. Before `gdc_wait` a program only
 prefetches its own weight tiles and scales into L2 (weights are not written after load; a prefetch is a hint,
 and L2 is where writes land, so a line fetched early is still current); x, the norm weight, the residual, `out`,
@@ -35,8 +35,7 @@ long caches.
 """
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import Mapping, NamedTuple
+from typing import Mapping
 
 import torch
 import triton
@@ -47,7 +46,7 @@ from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, gd
                      pdl_available, pdl_kw, per_row_scales, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd,
                      sm_count, split_k_epilogue, split_scratch)
 from .qdot import chunk_dots, fixed_point, group_param
-from .tuning import QGemvConfig
+from .tuning import PdlMode, QGemvConfig
 
 
 @triton.jit
@@ -268,28 +267,14 @@ def _fast(q: torch.Tensor, bits: int, K: int) -> bool:
     return q.is_cuda and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and triton.cdiv(K * bits, 8) % 4 == 0
 
 
-class PdlMode(NamedTuple):
-    """How the kernels launch on sm_90+ (module doc, PDL). trigger: "wait" (the next kernel may launch once our
-    wait has returned) or "late" (once our main loop is done); prefetch: tiles of a program's weights prefetched
-    into L2 first (0: none; more than a program has: all of them)."""
-    trigger: str = "wait"
-    prefetch: int = 1
-
-
-# The mode by code width, as measured in the engine: the int4 step gains with the trigger after the wait; int8's
-# GEMVs, closer to the bandwidth, ran slower beside an early-launched successor than the overlap saved, and gain
-# only with the trigger after the main loop and the 1-tile prefetch.
-PDL_DEFAULT: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: PdlMode("late", 1)})
-
-
 def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
                 rope: bool) -> dict:
-    """The PDL constexprs and launch option for `mode` ("default": PDL_DEFAULT's; None: plain launches; none off
+    """The PDL constexprs and launch option for `mode` ("default": tuning.QGEMV_PDL's; None: plain launches; none off
     sm_90 or under the interpreter). Launched plainly, the qkv + RoPE kernel still lets its dependents launch at
     its start: the decode attention, PDL-launched over long caches."""
     if not pdl_available(q):
         return {}
-    mode = PDL_DEFAULT.get(bits) if mode == "default" else mode
+    mode = tuning.QGEMV_PDL.get(bits) if mode == "default" else mode
     if mode is None:
         return dict(TRIGGER=1) if rope else {}
     assert mode.trigger in ("wait", "late") and mode.prefetch >= 0, mode
@@ -335,17 +320,20 @@ def _persist_kwargs(cfg: QGemvConfig, blocks: int, scale: torch.Tensor, per_row:
 def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int, group: int,
               K: int, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
               swiglu: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              config: QGemvConfig | tuple | None = None, pdl: PdlMode | None | str = "default") -> torch.Tensor:
+              config: QGemvConfig | tuple | None = None, table: Mapping[tuple, QGemvConfig] = tuning.QGEMV,
+              pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """y = [residual +] W @ f(x) for the quantized W [N, K] (module doc), x [K] or [1, K] ([2K] with swiglu)
-    -> [1, N] in x's dtype (or `out`); f and the epilogue as accel.kernels.gemv.gemv_fwd. pdl: a PdlMode, None
-    (plain launches) or "default" (PDL_DEFAULT's for the code width)."""
+    -> [1, N] in x's dtype (or `out`); f and the epilogue as accel.kernels.gemv.gemv_fwd. config: else `table`'s
+    row or the rule (qgemv_config). pdl: a PdlMode, None (plain launches) or "default" (tuning.QGEMV_PDL's for the
+    code width)."""
     N = q.shape[0]
     xv = x.reshape(-1)
     _operands(q, scale, low, xv, 2 * K if swiglu else K)
     assert not (swiglu and norm_weight is not None), "one prologue at a time"
     out = torch.empty((1, N), dtype=x.dtype, device=x.device) if out is None else out
     per_row = per_row_scales(group, K, low)
-    cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device))
+    cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device),
+                                                                       table=table)
     _launch_checks(cfg, bits, group, per_row, K)
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE
     blocks = triton.cdiv(N, cfg.block_n)

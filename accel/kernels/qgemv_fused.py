@@ -7,9 +7,11 @@ configs and the PDL modes are qgemv.py's (its module doc): its private helpers (
 `_block_sums`, `_pdl_start`, ...) are shared within this package on purpose, one body for all three kernels.
 gate_up + SwiGLU can also run persistent (a config with `programs` > 0, as qgemv.py's: P programs looping over
 row-pair blocks, f(x)'s fixed point built once a program); qkv + RoPE cannot (a program owns one head's pair).
-Configs come through `qgemv.qgemv_config`, so what replaces that (tools.bench.quant_roles) reaches these kernels too.
+Configs come through `qgemv.qgemv_config` (the table a Tuning carries, else the rule), as qgemv_fwd's.
 """
 from __future__ import annotations
+
+from typing import Mapping
 
 import torch
 import triton
@@ -17,10 +19,10 @@ import triton.language as tl
 
 from . import qgemv
 from .common import gdc_launch_dependents, per_row_scales, sm_count
-from .qgemv import (PdlMode, _block_sums, _fast, _launch_checks, _operands, _pdl_kwargs, _pdl_start, _persist_kwargs,
-                    _rows_dot, _whole_rows)
+from .qgemv import (_block_sums, _fast, _launch_checks, _operands, _pdl_kwargs, _pdl_start, _persist_kwargs, _rows_dot,
+                    _whole_rows)
 from .qkv_rope import rope_store
-from .tuning import QGemvConfig
+from .tuning import QGEMV, PdlMode, QGemvConfig
 
 
 @triton.jit
@@ -124,10 +126,11 @@ def half_block(cfg: QGemvConfig) -> int:
     return hn
 
 
-def gate_up_config(N: int, K: int, bits: int, group: int, sms: int) -> QGemvConfig:
+def gate_up_config(N: int, K: int, bits: int, group: int, sms: int,
+                   table: Mapping[tuple, QGemvConfig] = QGEMV) -> QGemvConfig:
     """gate_up + SwiGLU's launch config: the table's row for W [N, K] when it does not split K, else the rule's
     unsplit config (the SwiGLU needs both sums complete)."""
-    cfg = qgemv.qgemv_config(N, K, bits, group, sms)
+    cfg = qgemv.qgemv_config(N, K, bits, group, sms, table=table)
     return cfg if cfg.split_k == 1 else qgemv.qgemv_config(N, K, bits, group, sms, whole_rows=True, table={})
 
 
@@ -135,9 +138,10 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
                   group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor, position: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                   q_out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None,
-                  pdl: PdlMode | None | str = "default") -> torch.Tensor:
+                  table: Mapping[tuple, QGemvConfig] = QGEMV, pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """accel.kernels.qkv_rope.qkv_rope_fwd for the quantized W [(H+2K)·E, D] (module doc): one launch, the same
-    roundings -> q_rot [1, H, E]; rope(k) and v written to slot `position` of the caches. pdl: as qgemv_fwd."""
+    roundings -> q_rot [1, H, E]; rope(k) and v written to slot `position` of the caches. table, pdl: as
+    qgemv_fwd's."""
     NKV, S, E = cache_k.shape
     N = q.shape[0]
     H = N // E - 2 * NKV
@@ -149,7 +153,7 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
     assert q_out.is_contiguous() and q_out.numel() == H * E
     per_row = per_row_scales(group, K, low)
     cfg = (QGemvConfig(*config) if config is not None
-           else qgemv.qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True))
+           else qgemv.qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True, table=table))
     _launch_checks(cfg, bits, group, per_row, K)
     hn = half_block(cfg)
     assert not cfg.programs, "the qkv + RoPE kernel takes one program a head block"
@@ -166,18 +170,20 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
 def gate_up_swiglu_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
                         group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None,
+                        table: Mapping[tuple, QGemvConfig] = QGEMV,
                         pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """swiglu(gate, up) of linear(rms_norm(x), W) for the quantized W [2F, K] (rows gate, then up): one launch,
     the roundings of the unfused GEMV then accel.kernels.swiglu -> [1, F] in x's dtype. A program owns whole
     rows (the launch table's row for W when it does not split K, else the rule's unsplit config: the SwiGLU needs
-    both sums complete). pdl: as qgemv_fwd."""
+    both sums complete). table, pdl: as qgemv_fwd's."""
     N = q.shape[0]
     F = N // 2
     assert N == 2 * F, "weight rows must be 2F (gate, then up)"
     _operands(q, scale, low, x, K, norm_weight)
     out = torch.empty((1, F), dtype=x.dtype, device=x.device) if out is None else out
     per_row = per_row_scales(group, K, low)
-    cfg = QGemvConfig(*config) if config is not None else gate_up_config(N, K, bits, group, sm_count(q.device))
+    cfg = (QGemvConfig(*config) if config is not None
+           else gate_up_config(N, K, bits, group, sm_count(q.device), table))
     _launch_checks(cfg, bits, group, per_row, K)
     hn = half_block(cfg)
     grid, persist = _persist_kwargs(cfg, triton.cdiv(F, hn), scale, per_row)

@@ -3,6 +3,8 @@ plain torch version (accel/ops/torch_ops.py), picked per call by accel/ops/dispa
 
     interface.py        the op interface of refimpl.model.interface (trace mode runs forward_steps over these)
     fused.py            the fast path's fused ops (accel.model), contract in fused_interface.py
+    dense.py            a plain weight tensor's products (the fused ops call a weight matrix's own method; a
+                        quantized matrix, accel.quant_ops.QuantTensor, has the same methods with its kernels)
     torch_ops.py        the torch version of each
 `from accel import ops` gives all of them: `ops.rms_norm(...)`, `ops.qkv_rope(...)`.
 """

@@ -11,6 +11,8 @@ Dimension letters as in refimpl.model.interface (T S D F V H K E ...). Dtype rul
 model dtype, rms_norm's HF cast order, RoPE in fp32, attention scores and softmax in fp32, fp32 accumulation.
 `position` is a [1] int64 device tensor (the new token's slot): read on the device, never on the host.
 `tuning` (accel.kernels.tuning.Tuning) picks the kernels' launch configs; the torch versions ignore it.
+A `weight` matrix is a plain tensor or a quantized one (accel.quant_ops.QuantTensor): the op calls the matrix's own
+product of the same name (accel.ops.fused.matrix), so a quantized weight takes its quantized GEMV.
 
 Prefill (T tokens):
     embedding_rms_norm the embedding gather + the first layer's attention norm: one launch, at the start.
