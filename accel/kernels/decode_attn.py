@@ -11,7 +11,7 @@ launch and its gap. The counter is returned to 0 by that last program, so the ne
 it zeroed; launches that share a counter buffer must therefore not run concurrently (one stream: true here).
 
 PDL (programmatic dependent launch, the decode step's launch on the GPU for caches of LONG_CONTEXT slots or more;
-at shorter ones it made the step slower, tools/bench/NOTES.md): the kernel is launched so that its
+at shorter ones it made the step slower, docs/performance.md): the kernel is launched so that its
 programs may start while the previous kernel in the stream (the decode step's qkv_rope, which lets dependents
 launch early) is still running. Before `gdc_wait` — which returns once that kernel has finished and its writes are
 visible — a program only reads the position and prefetches the first PREFETCH slots of its split into L2 (a hint:
@@ -205,7 +205,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | None:
 
 def default_split_len(max_len: int, block_n: int = 64) -> int:
     """16 splits below LONG_CONTEXT slots, 32 from there on (8 kv heads: 128 or 256 programs, one or two per SM),
-    whole blocks each, the fastest in tools.bench.attn_sweep (full caches, H=32 K=8 E=64; tools/bench/NOTES.md):
+    whole blocks each, the fastest in tools.bench.attn_sweep (full caches, H=32 K=8 E=64; docs/performance.md):
     every program pays a fixed start (position, q, pipeline prologue) and the combine reads every split's
     partials, so more splits lost at every length below that."""
     per_split = triton.cdiv(max_len, 16 if max_len < LONG_CONTEXT else 32)
@@ -218,7 +218,7 @@ def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype, E: int, max
     256-slot blocks, 2 stages (E <= 64; 256 × 128 blocks would need 256 KB of shared memory: 128-slot, 3 stages).
     From LONGER_CONTEXT slots at E <= 64: 128-slot blocks, 3 stages (two buffers: a program loads the next block
     while it computes one; the 256-slot blocks' two stages are one buffer) and LATE_Q, the fastest as the decode
-    step runs it at 32k (tools/bench/NOTES.md, at); at 8k the 256-slot blocks stay faster.
+    step runs it at 32k (docs/performance.md, at); at 8k the 256-slot blocks stay faster.
     fp32 keeps 64-slot blocks: two 128×128 fp32 K/V stages need 272 KB of shared memory (> 227 KB, seen at E=128)."""
     if not on_gpu:
         return dict(BLOCK_N=16, num_warps=4, num_stages=3, FUSED=True)
@@ -263,11 +263,10 @@ def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torc
     """Mllama's decode-step cross-attention: q [1, H, E] (before q_norm; head rows contiguous) RMSNorm'd per head by
     norm_weight [E] (None: no norm), over all N keys/values [K, N, E] (any strides but the last), key n seen where
     visible[n] != 0 (bool or integers [N], at least one set) -> out shaped like q. GPU default: splits of 256 keys in
-    64-key blocks, 2 stages, the fastest at 11B-Vision's 6404 image tokens, E = 128 (tools/bench/vision.py's
-    variants; NOTES.md); with more than MANY_QUERY_ROWS query heads a kv head, splits of MANY_ROWS_SPLIT keys and
-    the separate combine kernel (the vision encoder's padding rows, 28 a head: the fused combine would hold
-    [rows, splits, E] partials in one program's registers; not under the CPU interpreter, where those programs cost
-    more than the default)."""
+    64-key blocks, 2 stages, the fastest at 11B-Vision's 6404 image tokens, E = 128 (docs/performance.md); with
+    more than MANY_QUERY_ROWS query heads a kv head, splits of MANY_ROWS_SPLIT keys and the separate combine kernel
+    (the vision encoder's padding rows, 28 a head: the fused combine would hold [rows, splits, E] partials in one
+    program's registers; not under the CPU interpreter, where those programs cost more than the default)."""
     N = keys.shape[1]
     assert visible.numel() == N and visible.reshape(-1).stride(0) == 1
     assert norm_weight is None or norm_weight.shape == (q.shape[-1],)

@@ -49,7 +49,7 @@ GEMV: Mapping[tuple[int, int], GemvConfig] = MappingProxyType({
     (128256, 2048): GemvConfig("split", 8, 2048, 8),  # 1B lm_head
     (128256, 3072): GemvConfig("split", 4, 4096, 8),  # 3B lm_head
     # Llama 3.2 11B-Vision's text decoder (its cross layers' q is the o shape); the rule's persistent kernel was
-    # slower at each, down by 1.8× (tools/bench/NOTES.md, vision decode)
+    # slower at each, down by 1.8× (docs/performance.md, vision decode)
     (4096, 4096): GemvConfig("stream", 8, 512, 4, 512, 4),  # 11B o, cross q
     (28672, 4096): GemvConfig("stream", 16, 512, 4, 264, 3),  # 11B gate_up
     (4096, 14336): GemvConfig("stream", 16, 512, 4, 256, 3),  # 11B down
