@@ -232,11 +232,11 @@ def test_qgemv_launch_table_rows_are_launchable():
     """Every row of the measured table (accel/kernels/tuning.py QGEMV) passes the launcher's checks: whole 16-byte
     chunks a tile, chunks inside groups, persistent rows one tile a row, the qkv + RoPE rows unsplit with a
     power-of-2 half block and not persistent."""
-    from accel.kernels.qgemv import _launch_checks
+    from accel.kernels.qgemv import launch_checks
     from accel.kernels.tuning import QGEMV
     for key, cfg in QGEMV.items():
         N, K, bits, group = key[:4]
-        _launch_checks(cfg, bits, group, per_row=bits == 8 and group >= K, K=K)
+        launch_checks(cfg, bits, group, per_row=bits == 8 and group >= K, K=K)
         if key[4:] == ("rope",):
             hn = cfg.block_n // 2
             assert cfg.split_k == 1 and hn & (hn - 1) == 0 and not cfg.programs, key
@@ -291,14 +291,14 @@ def test_launch_modes_constexprs(monkeypatch):
     (1 after the wait, 2 after the main loop) and the prefetched lines (n tiles of a program's row bytes, capped at
     them); None: plain launches, the qkv + RoPE kernel still triggering at its start."""
     from accel.kernels import qgemv
-    from accel.kernels.qgemv import _pdl_kwargs
+    from accel.kernels.qgemv import pdl_kwargs
     from accel.kernels.tuning import PdlMode, QGemvConfig
     monkeypatch.setattr(qgemv, "pdl_available", lambda t: True)
     cfg, q = QGemvConfig(16, 512, 2, 1, 3), torch.zeros(1)
-    assert _pdl_kwargs(None, q, cfg, 8, 2048, rope=False) == {}
-    assert _pdl_kwargs(None, q, cfg, 8, 2048, rope=True) == dict(TRIGGER=1)
-    assert _pdl_kwargs(PdlMode("late", 1), q, cfg, 8, 2048, rope=False) == dict(
+    assert pdl_kwargs(None, q, cfg, 8, 2048, rope=False) == {}
+    assert pdl_kwargs(None, q, cfg, 8, 2048, rope=True) == dict(TRIGGER=1)
+    assert pdl_kwargs(PdlMode("late", 1), q, cfg, 8, 2048, rope=False) == dict(
         PDL=True, TRIGGER=2, PF_LINES=4, launch_pdl=True)
-    assert _pdl_kwargs(PdlMode("wait", 1), q, cfg, 4, 2048, rope=True) == dict(
+    assert pdl_kwargs(PdlMode("wait", 1), q, cfg, 4, 2048, rope=True) == dict(
         PDL=True, TRIGGER=1, PF_LINES=2, launch_pdl=True)
-    assert _pdl_kwargs(PdlMode("wait", 8), q, cfg, 8, 2048, rope=False)["PF_LINES"] == 16  # the whole row
+    assert pdl_kwargs(PdlMode("wait", 8), q, cfg, 8, 2048, rope=False)["PF_LINES"] == 16  # the whole row

@@ -120,7 +120,7 @@ def _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, 
 
 
 @triton.jit
-def _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr,
+def pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr,
                HAS_MIN: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr):
     """A program's start (module doc, PDL): the first PF_LINES 128-byte lines of each of its rows' bytes
     kb_lo..kb_hi and the rows' first scale (and minimum) line into L2, then (PDL) the wait for the previous kernel.
@@ -138,14 +138,14 @@ def _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS: tl.const
 
 
 @triton.jit
-def _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
+def rows_dot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
               OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
               PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr,
               STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
               PF_LINES: tl.constexpr):
-    """A kernel's body up to its epilogue: `_pdl_start`, `_qdot` over bytes kb_lo .. kb_hi of rows_c, and with
+    """A kernel's body up to its epilogue: `pdl_start`, `_qdot` over bytes kb_lo .. kb_hi of rows_c, and with
     TRIGGER 2 the next kernel's launch after the main loop -> [BLOCK_N] fp32."""
-    _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
+    pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
     acc = _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
                 HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
     if TRIGGER == 2:
@@ -154,7 +154,7 @@ def _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, e
 
 
 @triton.jit
-def _whole_rows(X, NW, K, eps, BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr,
+def whole_row_fx(X, NW, K, eps, BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr,
                 PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr):
     """The persistent kernels' f(x) over the whole row (one tile), as its fixed point, once a program: F, 2^-s,
     Σ f(x) a chunk (`_fx_fixed`)."""
@@ -167,7 +167,7 @@ def _whole_rows(X, NW, K, eps, BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN
 
 
 @triton.jit
-def _block_sums(Q, S, M, rows_c, next_c, KB, stride_q, stride_s, n_groups, F, unit, xc, BITS: tl.constexpr,
+def block_sums(Q, S, M, rows_c, next_c, KB, stride_q, stride_s, n_groups, F, unit, xc, BITS: tl.constexpr,
                 OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr, SLINES: tl.constexpr):
     """A persistent program's row block rows_c over the whole row (one tile, f(x) given) -> [BLOCK_N] fp32,
@@ -197,17 +197,17 @@ def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, ep
                   PERSIST: tl.constexpr = False, SLINES: tl.constexpr = 0):
     """Program (row block b, K slice s): rows b·BN .. (b+1)·BN over bytes s·kb_split .. (s+1)·kb_split of Q.
     PERSIST (one K slice, one tile a row): program b takes row blocks b, b + programs, ... through a STAGES-deep
-    cp.async pipeline, f(x)'s fixed point built once; SLINES: `_block_sums`. PDL, TRIGGER, PF_LINES: `_pdl_start`."""
+    cp.async pipeline, f(x)'s fixed point built once; SLINES: `block_sums`. PDL, TRIGGER, PF_LINES: `pdl_start`."""
     b = tl.program_id(0)
     if PERSIST:
         step = tl.num_programs(0)
-        _pdl_start(Q, S, M, tl.minimum(b * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64), 0, KB, stride_q,
+        pdl_start(Q, S, M, tl.minimum(b * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64), 0, KB, stride_q,
                    stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
-        F, unit, xc = _whole_rows(X, NW, K, eps, BITS, OFFSET, HAS_MIN, PROLOGUE, BLOCK_K, K_POW2)
+        F, unit, xc = whole_row_fx(X, NW, K, eps, BITS, OFFSET, HAS_MIN, PROLOGUE, BLOCK_K, K_POW2)
         for blk in tl.range(b, tl.cdiv(N, BLOCK_N), step, num_stages=STAGES):
             rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-            acc = _block_sums(Q, S, M, rows_c, tl.minimum(rows + step * BLOCK_N, N - 1).to(tl.int64), KB, stride_q,
+            acc = block_sums(Q, S, M, rows_c, tl.minimum(rows + step * BLOCK_N, N - 1).to(tl.int64), KB, stride_q,
                               stride_s, n_groups, F, unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N,
                               BLOCK_K, FAST, SLINES)
             epilogue(acc, R, Y, rows, N, HAS_RESIDUAL)
@@ -229,7 +229,7 @@ def _slice_block(Q, S, M, X, NW, R, Y, P, CNT, b, sp, N, K, KB, stride_q, stride
     rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
     kb_lo = sp * kb_split
-    acc = _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
+    acc = rows_dot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
                     n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST,
                     PDL, TRIGGER, PF_LINES)
     split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
@@ -262,12 +262,12 @@ def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, whole_rows: bo
     return QGemvConfig(bn, bk, 4, tiles, 1)
 
 
-def _fast(q: torch.Tensor, bits: int, K: int) -> bool:
+def fast_path(q: torch.Tensor, bits: int, K: int) -> bool:
     """The PTX path (GPU) reads the codes as 32-bit words: rows 4-byte aligned and whole words."""
     return q.is_cuda and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and triton.cdiv(K * bits, 8) % 4 == 0
 
 
-def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
+def pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
                 rope: bool) -> dict:
     """The PDL constexprs and launch option for `mode` ("default": tuning.QGEMV_PDL's; None: plain launches; none off
     sm_90 or under the interpreter). Launched plainly, the qkv + RoPE kernel still lets its dependents launch at
@@ -289,7 +289,7 @@ def k_slices(cfg: QGemvConfig, K: int) -> tuple[int, int]:
     return k_split, triton.cdiv(K, k_split)
 
 
-def _operands(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, x: torch.Tensor | None = None,
+def check_operands(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, x: torch.Tensor | None = None,
               n: int = 0, norm_weight: torch.Tensor | None = None) -> None:
     """The launchers' checks on their operands: the weight's codes, scales (and minima) with contiguous rows; x
     (if given) contiguous with n elements; the norm weight (if given) contiguous [n]."""
@@ -300,14 +300,14 @@ def _operands(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, x:
         assert norm_weight.shape == (n,) and norm_weight.stride(0) == 1, f"the norm weight must be contiguous [{n}]"
 
 
-def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int) -> None:
+def launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int) -> None:
     chunk = 128 // bits
     assert cfg.block_k % chunk == 0, f"block_k {cfg.block_k}: whole {chunk}-column chunks (16 bytes)"
     assert per_row or group % chunk == 0, f"group {group}: whole {chunk}-column chunks"
     assert not cfg.programs or (cfg.split_k == 1 and cfg.block_k >= K), "persistent: one K slice, one tile a row"
 
 
-def _persist_kwargs(cfg: QGemvConfig, blocks: int, scale: torch.Tensor, per_row: bool) -> tuple[tuple, dict]:
+def persist_kwargs(cfg: QGemvConfig, blocks: int, scale: torch.Tensor, per_row: bool) -> tuple[tuple, dict]:
     """The grid and constexprs: one program a row block (and K slice), or cfg.programs persistent ones, which
     prefetch each next row block's scale lines (SLINES a row; on the GPU: the interpreter has no prefetch)."""
     if not cfg.programs:
@@ -328,19 +328,19 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
     code width)."""
     N = q.shape[0]
     xv = x.reshape(-1)
-    _operands(q, scale, low, xv, 2 * K if swiglu else K)
+    check_operands(q, scale, low, xv, 2 * K if swiglu else K)
     assert not (swiglu and norm_weight is not None), "one prologue at a time"
     out = torch.empty((1, N), dtype=x.dtype, device=x.device) if out is None else out
     per_row = per_row_scales(group, K, low)
     cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device),
                                                                        table=table)
-    _launch_checks(cfg, bits, group, per_row, K)
+    launch_checks(cfg, bits, group, per_row, K)
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE
     blocks = triton.cdiv(N, cfg.block_n)
     k_split, split = k_slices(cfg, K)
     pack = 8 // bits
     p, c = split_scratch(q.device, split * N, blocks) if split > 1 else (out, out)
-    grid, persist = _persist_kwargs(cfg, blocks, scale, per_row)
+    grid, persist = persist_kwargs(cfg, blocks, scale, per_row)
     _qgemv_kernel[grid + (split,)](
         q, scale, low if low is not None else scale, xv, norm_weight if norm_weight is not None else xv,
         residual if residual is not None else out, out, p, c, N, K, triton.cdiv(K, pack), q.stride(0),
@@ -348,6 +348,6 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         HAS_MIN=low is not None, PER_ROW=per_row, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
-        FAST=_fast(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages, **persist,
-        **_pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False))
+        FAST=fast_path(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages, **persist,
+        **pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False))
     return out

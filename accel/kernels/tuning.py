@@ -1,4 +1,4 @@
-"""Launch configurations of the decode-step kernels: plain data, measured on the GPU, read by the launchers.
+"""Launch configurations of the kernels: plain data, measured on the GPU, read by the launchers.
 
 GEMV      (N, K) of the weight -> GemvConfig (accel/kernels/gemv.py); shapes not listed use `gemv.gemv_config`'s rule.
 QKV_ROPE  (N, K) of the fused qkv weight -> QkvConfig (accel/kernels/qkv_rope.py); else `qkv_rope.qkv_config`'s rule.
@@ -101,6 +101,7 @@ QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
     (128256, 3072, 8, 3072): QGemvConfig(16, 512, 1, 1, 4),  # 3B lm_head
     (128256, 3072, 4, 64): QGemvConfig(8, 4096, 2, 1, 3, 764),
 })
+
 
 class PdlMode(NamedTuple):
     """How the quantized decode kernels launch on sm_90+ (accel/kernels/qgemv.py, PDL). trigger: "wait" (the next
