@@ -100,4 +100,5 @@ def test_gate_up_swiglu_at_llama_shapes_gpu(spec, F, D, config):
     block = ops.norm_mlp_add(resid, nw, t, down, EPS).double()  # the whole block: gate_up's SwiGLU, then down
     h = torch_swiglu_gate_up(gu)  # [1, F], the unfused path's rounding
     want_block = x.double() + (h.double() @ down.dequantize().double().T).to(torch.bfloat16).double()
-    assert (block - want_block).abs().max().item() <= 2 ** -7 * want_block.abs().max().item() + 1e-3
+    # h may sit one bf16 rounding from the fp64 path's (above), carried through down's sum, then the add's rounding
+    assert (block - want_block).abs().max().item() <= 2 ** -6 * want_block.abs().max().item() + 1e-3
