@@ -15,15 +15,14 @@ what the engine captures in a CUDA graph.
 """
 from __future__ import annotations
 
-import contextvars
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from refimpl.model.config import LlamaConfig
 
 from . import ops
-from .kernels.common import pdl_launches, setting
+from .kernels.common import pdl_launches
 from .kernels.tuning import DEFAULT, Tuning
 from .quant_layers import prefill_weights
 from .weights import Weights
@@ -39,32 +38,13 @@ class RopeTables:
         self.slots = torch.arange(self.cos.shape[0], device=self.cos.device)
 
 
-@dataclass(frozen=True)
-class PrefillOptions:
-    """How the prefill runs (`prefill_options` to compare; every choice gives the last token's logits and the
-    caches within rounding of the others)."""
-
-    pdl: bool = True  # the Triton kernels launched as programmatic dependents (accel.kernels.common.pdl_launches)
-    last_row: bool = True  # the last layer past its k/v (attention, o, MLP) on the last token's row only
-    # o and down add into the residual stream in cuBLAS's epilogue (beta = 1: the sum rounded once, not twice),
-    # so the norm after each reads one [T, D] and writes one instead of reading two and writing two
-    residual_in_gemm: bool = True
-
-
-_PREFILL_OPTIONS = contextvars.ContextVar("accel_prefill_options", default=PrefillOptions())
-
-
-def prefill_options(**changes):
-    """Within this block, prefills run with PrefillOptions' fields changed as given. For benchmarks and tests."""
-    return setting(_PREFILL_OPTIONS, replace(_PREFILL_OPTIONS.get(), **changes))
-
-
 def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v, positions, last_row=False):
     """One self-attention layer over the residual stream x [T, D] and its normed h -> (x, next_norm(x)).
 
     Causal attention over cache_k/cache_v [K, S, E], into which this chunk's k/v are written at `positions` first.
-    o and down add their products into the stream x (in place, in the GEMM's epilogue; or, with
-    PrefillOptions.residual_in_gemm off, in add_rms_norm's pass), then each block's input is normalized.
+    o and down add their products into the stream x (in place, in cuBLAS's epilogue, beta = 1: the sum rounded
+    once, and the norm after it reads one [T, D]; a quantized matrix's own product adds in add_rms_norm's pass),
+    then each block's input is normalized.
     last_row: every row's k/v, then only the last token's row onwards (x, h [1, D]): a prompt's last layer, whose
     other rows nothing reads.
     """
@@ -79,7 +59,7 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
         q_rot, x, positions = q_rot[-1:], x[-1:], positions[-1:]
     a = ops.causal_attention(q_rot, cache_k, cache_v, positions)  # [T, H, E]
     a = a.reshape(x.shape[0], H * E)
-    in_gemm = _PREFILL_OPTIONS.get().residual_in_gemm and _dense(lw.o, lw.down)
+    in_gemm = _dense(lw.o, lw.down)
     x, h = _project_add_norm(a, lw.o, x, lw.mlp_norm, eps, in_gemm)  # resid_mid, mlp_norm
     act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
     return _project_add_norm(act, lw.down, x, next_norm, eps, in_gemm)  # resid_post, next attn_norm
@@ -101,15 +81,14 @@ def _project_add_norm(a, weight, x, norm_weight, eps, in_gemm: bool):
 
 def _layers(w: Weights, cfg: LlamaConfig, x, h, cos, sin, cache_k, cache_v, positions):
     """The decoder layers over the residual stream x [T, D] and h, its first attention norm; returns final_norm(x)
-    of the rows the logits need (the last one, with PrefillOptions.last_row). A packed quantized layer is
-    dequantized whole into a scratch first (accel.quant_layers.prefill_weights: one launch instead of one a
-    matrix)."""
+    of the rows the logits need (the last one: the last layer runs past its k/v on the last token's row only). A
+    packed quantized layer is dequantized whole into a scratch first (accel.quant_layers.prefill_weights: one
+    launch instead of one a matrix)."""
     last = len(w.layers) - 1
-    last_row = _PREFILL_OPTIONS.get().last_row
     for i, lw in enumerate(w.layers):
         next_norm = w.layers[i + 1].attn_norm if i < last else w.norm
         x, h = self_layer(prefill_weights(lw, x), cfg, x, h, next_norm, cos, sin, cache_k[i], cache_v[i], positions,
-                          last_row and i == last)
+                          last_row=i == last)
     return h
 
 
@@ -122,7 +101,7 @@ def prefill(w: Weights, cfg: LlamaConfig, ids, tables: RopeTables, cache_k, cach
     T = ids.shape[0]
     positions = tables.slots[start:start + T]  # [T]
     cos, sin = tables.cos[start:start + T], tables.sin[start:start + T]  # [T, E/2]
-    with pdl_launches(_PREFILL_OPTIONS.get().pdl):
+    with pdl_launches():  # the Triton kernels launched as programmatic dependents (accel.kernels.common)
         x, h = ops.embedding_rms_norm(ids, w.embed, w.layers[0].attn_norm, cfg.rms_norm_eps)  # [T, D] each
         h = _layers(w, cfg, x, h, cos, sin, cache_k, cache_v, positions)
         return ops.linear(h[-1:], w.lm_head)  # [1, D] -> [1, V]: only the next token's logits
@@ -132,8 +111,8 @@ def decode_step(w: Weights, cfg: LlamaConfig, token, position, tables: RopeTable
                 tuning: Tuning = DEFAULT):
     """token [1] int, position [1] int (both on the device) -> logits [1, V]. Capturable in a CUDA graph.
 
-    The roundings of `_layers` run with PrefillOptions(residual_in_gemm=False) (the default prefill rounds each
-    residual sum once, inside cuBLAS), with the GEMVs carrying the neighbours:
+    The roundings of `_layers` with each residual add after its product's rounding (the prefill's dense layers
+    round each residual sum once, inside cuBLAS), with the GEMVs carrying the neighbours:
     attn norm + RoPE + cache write around the qkv GEMV, mlp norm in gate_up's prologue, SwiGLU in down's
     prologue (quantized: in gate_up's epilogue), the residual adds in o/down's epilogue, the final norm in the
     lm_head's prologue.
@@ -150,5 +129,6 @@ def decode_layer(lw, cfg: LlamaConfig, x, position, cos, sin, cache_k, cache_v, 
     """One self-attention layer of the decode step, updating x [1, D] in place (5 launches)."""
     eps = cfg.rms_norm_eps
     q_rot = ops.qkv_rope(x, lw.attn_norm, lw.qkv, eps, cos, sin, position, cache_k, cache_v, tuning)  # [1, H, E]
-    ops.attention_o_add(q_rot, cache_k, cache_v, position, lw.o, x, tuning)  # x += o(attention over 0..pos)
+    a = ops.decode_attention(q_rot, cache_k, cache_v, position, tuning)  # [1, H, E] over slots 0..pos
+    ops.linear_add(a.reshape(1, -1), lw.o, x, tuning)  # x += o(a): resid_mid
     ops.norm_mlp_add(x, lw.mlp_norm, lw.gate_up, lw.down, eps, tuning)  # x += down(silu(gate)·up): resid_post

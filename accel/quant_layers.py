@@ -1,19 +1,20 @@
-"""A model's quantized layers on the device: loading them (refimpl's QuantizedLinear records uploaded, or fp32 /
-dense weights quantized on the device by a QuantSpec) and packing each layer at load so that the prefill
-dequantizes it with one launch a format (pack_layer, prefill_weights; accel.quant_ops has the matrices and their
-products).
+"""A model's quantized layers on the device: packing each layer at load so that the prefill dequantizes it with one
+launch a format (pack_layer, prefill_weights), and quantizing dense device weights by a QuantSpec
+(quantize_weights). accel.quant_ops has the matrices and their products; accel.weights loads checkpoints.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from refimpl.quant.formats import QuantizedLinear, QuantSpec
+from refimpl.quant.formats import QuantSpec
 
-from . import ops
-from .quant_ops import QuantTensor, cat_rows, chosen_prefill_path, from_quantized_linear, quantize
-from .weights import LayerWeights
+from .kernels.common import per_row_scales
+from .kernels.qdequant import dequantize_layer_fwd, layer_launch
+from .ops.dispatch import uses_triton
+from .quant_ops import QuantTensor, quantize
 
 # ---------------------------------------------------------------- the prefill: one dequantize launch a layer
 
@@ -35,13 +36,6 @@ class LayerPlan:
         return sum(launch.table.nbytes for launch in self.launches)
 
 
-@dataclass(eq=False)
-class QuantLayerWeights(LayerWeights):
-    """LayerWeights whose quantized matrices share flat buffers (pack_layer), with their prefill LayerPlan."""
-
-    plan: LayerPlan | None = None
-
-
 def _at(n: int, align: int) -> int:
     return -(-n // align) * align
 
@@ -51,12 +45,10 @@ def _into(flat: torch.Tensor, at: int, t: torch.Tensor) -> torch.Tensor:
     return flat[at: at + t.numel()].view(t.shape).copy_(t)
 
 
-def pack_layer(lw: LayerWeights) -> LayerWeights:
+def pack_layer(lw):
     """Rearranged at load: the layer's quantized matrices of one format moved into one flat buffer each of codes,
     scales and minima (the QuantTensors become views of them: the decode GEMVs see the same matrices), so that the
     prefill dequantizes the whole layer with one launch a format (prefill_weights) instead of one a matrix."""
-    from .kernels.common import per_row_scales
-    from .kernels.qdequant import layer_launch
     quantized = [(n, getattr(lw, n)) for n in MATRICES if isinstance(getattr(lw, n), QuantTensor)]
     if not quantized:
         return lw
@@ -89,19 +81,17 @@ def pack_layer(lw: LayerWeights) -> LayerWeights:
                                     None if low is None else _into(low, sa, t.low), t.K, t.offset)
             rows.append((ca, sa, out_at[n], t.shape[0], t.K, t.q.shape[1], t.scale.shape[1]))
         launches.append(layer_launch(q, scale, low, rows, bits, offset, first.group, per_row))
-    fields = {f: packed.get(f, getattr(lw, f)) for f in ("attn_norm", "mlp_norm") + MATRICES}
-    return QuantLayerWeights(**fields, plan=LayerPlan(launches, tuple(layout), size))
+    return dataclasses.replace(lw, **packed, plan=LayerPlan(launches, tuple(layout), size))
 
 
-def prefill_weights(lw: LayerWeights, x: torch.Tensor) -> LayerWeights:
+def prefill_weights(lw, x: torch.Tensor):
     """The layer as the prefill over x [T, D] multiplies by it: for a packed layer (pack_layer) and T > 1 on the
     Triton path, a LayerWeights whose quantized matrices are views of one scratch, filled by one dequantize launch
     a format (one scratch for every layer of one layout: stream order keeps the reuse safe); otherwise lw itself
-    (one row takes the GEMVs; prefill_path() chooses the per-matrix paths, for benchmarks)."""
+    (one row takes the GEMVs)."""
     plan = getattr(lw, "plan", None)
-    if plan is None or x.shape[0] == 1 or chosen_prefill_path() is not None or not ops.uses_triton(x):
+    if plan is None or x.shape[0] == 1 or not uses_triton(x):
         return lw
-    from .kernels.qdequant import dequantize_layer_fwd
     key = (plan.layout, x.dtype, x.device)
     views = _LAYER_SCRATCH.get(key)
     if views is None:  # [the flat scratch] + one [N, K] view a matrix, in layout order
@@ -110,53 +100,7 @@ def prefill_weights(lw: LayerWeights, x: torch.Tensor) -> LayerWeights:
     for launch in plan.launches:
         dequantize_layer_fwd(launch, views[0])
     dense = {n: v for (n, *_), v in zip(plan.layout, views[1:])}
-    return LayerWeights(lw.attn_norm, dense.get("qkv", lw.qkv), dense.get("o", lw.o), lw.mlp_norm,
-                        dense.get("gate_up", lw.gate_up), dense.get("down", lw.down))
-
-
-# ---------------------------------------------------------------- loading
-
-def is_quantized(params: dict) -> bool:
-    return any(isinstance(v, QuantizedLinear) for v in params.values())
-
-
-def _matrix(parts: list, device, spec: QuantSpec | None, dtype: torch.dtype):
-    """Host matrices stacked by rows -> a QuantTensor (refimpl records converted, fp32 arrays quantized by
-    `spec`), or a dense device tensor in `dtype` (no spec, or GGUF parts of mixed or unsupported types)."""
-    from .weights import _host
-    if all(isinstance(p, QuantizedLinear) for p in parts) and len({p.format for p in parts}) == 1:
-        return cat_rows([from_quantized_linear(p, device) for p in parts])
-    dense = torch.cat([_host(p.dequantize() if isinstance(p, QuantizedLinear) else p).to(device) for p in parts])
-    if spec is None or spec.format == "gguf":
-        return dense.to(dtype)
-    return quantize(dense, spec)
-
-
-def load_quantized_weights(params: dict, cfg, device, dtype: torch.dtype, spec: QuantSpec | None):
-    """accel.weights.load_weights for a quantized run: the linear layers (and the lm_head unless
-    spec.lm_head is False) as QuantTensors, the embedding and norms dense in `dtype`."""
-    from .weights import Weights, _to_device
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        one = (lambda key: None if spec is None else spec.for_matrix(p + key))  # noqa: E731  a fused group's format
-        layers.append(pack_layer(LayerWeights(
-            attn_norm=_to_device(params[p + "input_layernorm.weight"], device, dtype),
-            qkv=_matrix([params[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], device, one("self_attn.q_proj"),
-                        dtype),
-            o=_matrix([params[p + "self_attn.o_proj.weight"]], device, one("self_attn.o_proj"), dtype),
-            mlp_norm=_to_device(params[p + "post_attention_layernorm.weight"], device, dtype),
-            gate_up=_matrix([params[p + "mlp.gate_proj.weight"], params[p + "mlp.up_proj.weight"]], device,
-                            one("mlp.gate_proj"), dtype),
-            down=_matrix([params[p + "mlp.down_proj.weight"]], device, one("mlp.down_proj"), dtype))))
-    embed = _to_device(params["model.embed_tokens.weight"], device, dtype)
-    head = params.get("lm_head.weight")
-    if isinstance(head, QuantizedLinear) or (spec is not None and spec.format != "gguf" and spec.lm_head):
-        lm_head = _matrix([head if head is not None else params["model.embed_tokens.weight"]], device,
-                          spec and spec.for_matrix("lm_head.weight"), dtype)
-    else:
-        lm_head = embed if head is None else _to_device(head, device, dtype)
-    return Weights(embed, layers, _to_device(params["model.norm.weight"], device, dtype), lm_head)
+    return dataclasses.replace(lw, **dense, plan=None)
 
 
 def quantize_weights(w, spec: QuantSpec):

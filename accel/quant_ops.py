@@ -1,7 +1,7 @@
 """Weight-only quantized weights on the device: the QuantTensor record, quantizing on the device (bit for bit
 refimpl.quant's oracle), converting refimpl's QuantizedLinear records, and the quantized versions of the decode
-step's fused GEMV ops (accel.ops.fused sends a QuantTensor weight here). Loading a model's quantized layers and
-packing them for the prefill: accel/quant_layers.py.
+step's fused GEMV ops as its methods (accel.ops.fused calls them on a QuantTensor weight). Packing a model's
+quantized layers for the prefill: accel/quant_layers.py; loading them: accel/weights.py.
 
 One device layout serves every format (accel/kernels/qgemv.py): codes, then a scale (and a minimum) per GROUP
 columns. int8 and int4 are refimpl.quant.formats' own layouts; GGUF blocks are rearranged once at load:
@@ -13,16 +13,12 @@ bits. A one-row product (the prefill's lm_head, trace mode's decode) takes the G
 cuBLAS over dequantized copies: at load, quant_layers.pack_layer puts each layer's matrices of one format into
 flat buffers, so that quant_layers.prefill_weights dequantizes the whole layer (accel/kernels/qdequant.py) with one
 launch a format into one scratch, reused layer after layer (stream order keeps the reuse safe) — one launch a layer
-instead of four, which is what the host pays for (tools/bench/NOTES.md). Measured alternatives, for benchmarks:
-`prefill_path("dequant")`, a launch and a scratch per matrix (quant_linear), and `prefill_path("gemm")`, qdequant's
-GEMM that dequantizes in registers (reading only the codes): slower at every row count of 16-2048 but one
-(NOTES.md, "quantized prefill").
+instead of four, which is what the host pays for. A matrix outside a packed layer (the lm_head) takes a launch and
+a scratch of its own (QuantTensor.linear).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import contextvars
 
 import numpy as np
 import torch
@@ -31,9 +27,15 @@ import torch.nn.functional as F
 from refimpl.quant.formats import QuantizedLinear, QuantSpec, pack_nibbles
 from refimpl.quant.gguf_blocks import block_fields
 
-from . import ops
-from .kernels.common import setting
-from .ops.torch_ops import torch_linear_add, torch_norm_linear, torch_swiglu_linear_add, unfused_qkv_rope
+from .kernels.qdequant import dequantize_fwd
+from .kernels.qgemv import qgemv_fwd
+from .kernels.qgemv_fused import gate_up_swiglu_qfwd, qkv_rope_qfwd
+from .kernels.tuning import DEFAULT, Tuning
+from .ops.dispatch import uses_triton
+from .ops.torch_ops import (torch_linear_add, torch_norm_linear, torch_qkv_rope, torch_swiglu_gate_up,
+                            torch_swiglu_linear_add)
+
+_DEQUANT_SCRATCH: dict[tuple, torch.Tensor] = {}  # QuantTensor.linear's, one a shape, dtype and device
 
 
 @dataclass(eq=False)
@@ -70,8 +72,7 @@ class QuantTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=dtype, device=self.device) if out is None else out
-        if ops.uses_triton(self.q):
-            from .kernels.qdequant import dequantize_fwd
+        if uses_triton(self.q):
             return dequantize_fwd(self.q, self.scale, self.low, self.bits, self.offset, self.group, self.K, out)
         return out.copy_(torch_dequantize(self))
 
@@ -80,7 +81,67 @@ class QuantTensor:
         if func is not F.linear:
             return NotImplemented
         x, weight = args[0], args[1]
-        return quant_linear(x, weight)
+        return weight.linear(x)
+
+    # ---- the products: the weight's type chooses its kernels (accel.ops.fused calls these on a QuantTensor;
+    # accel.ops.dense.DenseMatrix has the same methods for a plain tensor). tuning: the QGEMV table and launch mode.
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """F.linear(x, self) for x [..., K]: the GEMV for one row, else a dequantized scratch copy and cuBLAS."""
+        N, K = self.shape
+        if x.numel() == K and uses_triton(x):
+            return self.gemv(x.reshape(1, K)).view(*x.shape[:-1], N)
+        key = (self.shape, x.dtype, x.device)
+        scratch = _DEQUANT_SCRATCH.get(key)
+        if scratch is None:
+            scratch = _DEQUANT_SCRATCH[key] = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        return F.linear(x, self.dequantize(x.dtype, out=scratch))
+
+    def gemv(self, x: torch.Tensor, tuning: Tuning = DEFAULT, **kw) -> torch.Tensor:
+        """The quantized GEMV of one row x [1, K] (accel.kernels.qgemv.qgemv_fwd, its prologue and epilogue
+        keywords `kw`) -> [1, N]."""
+        return qgemv_fwd(self.q, self.scale, self.low, self.bits, self.offset, self.group, self.K, x,
+                         table=tuning.qgemv, pdl=tuning.qgemv_pdl.get(self.bits), **kw)
+
+    def norm_linear(self, x, norm_weight, eps, tuning: Tuning = DEFAULT):
+        """accel.ops.norm_linear: the quantized GEMV with the same RMSNorm prologue."""
+        if uses_triton(x):
+            return self.gemv(x, tuning, norm_weight=norm_weight, eps=eps)
+        return torch_norm_linear(x, norm_weight, self.dequantize(x.dtype), eps)
+
+    def linear_add(self, a, residual, tuning: Tuning = DEFAULT, gate=None):
+        assert gate is None, "the quantized GEMV has no gated epilogue"
+        if uses_triton(a):
+            return self.gemv(a, tuning, residual=residual, out=residual)
+        return torch_linear_add(a, self.dequantize(a.dtype), residual)
+
+    def swiglu_linear_add(self, gate_up, residual, tuning: Tuning = DEFAULT, gate=None):
+        assert gate is None, "the quantized GEMV has no gated epilogue"
+        if uses_triton(gate_up):
+            return self.gemv(gate_up, tuning, swiglu=True, residual=residual, out=residual)
+        return torch_swiglu_linear_add(gate_up, self.dequantize(gate_up.dtype), residual)
+
+    def norm_swiglu(self, x, norm_weight, eps, tuning: Tuning = DEFAULT):
+        """swiglu_gate_up(norm_linear(x, norm_weight, self, eps)) for this gate_up [2F, D]: one kernel
+        (accel.kernels.qgemv_fused.gate_up_swiglu_qfwd) for one row -> [1, F]."""
+        if x.numel() == self.K and uses_triton(x):
+            return gate_up_swiglu_qfwd(self.q, self.scale, self.low, self.bits, self.offset, self.group, self.K, x,
+                                       norm_weight, eps, table=tuning.qgemv, pdl=tuning.qgemv_pdl.get(self.bits))
+        return torch_swiglu_gate_up(torch_norm_linear(x, norm_weight, self.dequantize(x.dtype), eps))
+
+    def norm_mlp_add(self, x, norm_weight, down, eps, tuning: Tuning = DEFAULT):
+        """accel.ops.norm_mlp_add with this gate_up: the SwiGLU in gate_up's epilogue, then `down`'s (a matrix of
+        either kind) plain GEMV with the residual add (down's SwiGLU prologue cost more instructions a code than
+        any other f(x))."""
+        return down.linear_add(self.norm_swiglu(x, norm_weight, eps, tuning), x, tuning)
+
+    def qkv_rope(self, x, norm_weight, eps, cos, sin, position, cache_k, cache_v, tuning: Tuning = DEFAULT):
+        """accel.ops.qkv_rope: one kernel (accel.kernels.qgemv_fused.qkv_rope_qfwd) for the one-token step."""
+        if x.numel() == self.K and uses_triton(x):
+            return qkv_rope_qfwd(self.q, self.scale, self.low, self.bits, self.offset, self.group, self.K, x,
+                                 norm_weight, eps, cos, sin, position, cache_k, cache_v, table=tuning.qgemv,
+                                 pdl=tuning.qgemv_pdl.get(self.bits))
+        return torch_qkv_rope(x, norm_weight, self.dequantize(x.dtype), eps, cos, sin, position, cache_k, cache_v)
 
 
 def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
@@ -149,155 +210,3 @@ def from_quantized_linear(w: QuantizedLinear, device) -> QuantTensor:
     low = None if w.format == "q4_0" else dev(m.reshape(N, -1)).half()  # [N, K/32]
     return QuantTensor(w.format, 4, 32, dev(pack_nibbles(codes.reshape(N, K))), dev(d).half(), low, K,
                        8 if w.format == "q4_0" else 0)
-
-
-# ---------------------------------------------------------------- the products
-
-_DEQUANT_SCRATCH: dict[tuple, torch.Tensor] = {}
-_PREFILL_PATH = contextvars.ContextVar("accel_quant_prefill_path", default=None)
-_DECODE_PDL = contextvars.ContextVar("accel_quant_decode_pdl", default="default")  # the kernels' own default
-# the decode MLP's SwiGLU in gate_up's epilogue (True) or in down's prologue (False): quant_norm_mlp_add
-_SWIGLU_IN_GATE_UP = contextvars.ContextVar("accel_quant_swiglu_in_gate_up", default=True)
-
-
-# the one-token MLP as one chained launch (accel/kernels/qmlp.py): True / False, or None: where tuning.QMLP lists it
-_MLP_CHAINED = contextvars.ContextVar("accel_quant_mlp_chained", default=(None, None))
-
-
-def prefill_path(path: str | None):
-    """Within this block, products of more than one row take `path`: "gemm" (the fused GEMM) or "dequant" (a
-    scratch a matrix + cuBLAS) instead of a packed layer's one dequantize launch (None, the default:
-    accel.quant_layers.prefill_weights). For benchmarks comparing them."""
-    assert path in (None, "gemm", "dequant")
-    return setting(_PREFILL_PATH, path)
-
-
-def chosen_prefill_path() -> str | None:
-    """The path prefill_path() chose here, or None."""
-    return _PREFILL_PATH.get()
-
-
-def decode_pdl(mode):
-    """Within this block, the quantized GEMVs and qkv + RoPE launch with `mode`, an accel.kernels.qgemv.PdlMode, or
-    None for plain launches. For benchmarks and tests comparing them."""
-    return setting(_DECODE_PDL, mode)
-
-
-def swiglu_in_gate_up(on: bool):
-    """Within this block, the quantized decode MLP puts the SwiGLU in gate_up's epilogue (on) or in down's prologue
-    (off). For benchmarks and tests comparing the two."""
-    return setting(_SWIGLU_IN_GATE_UP, on)
-
-
-def mlp_chained(on: bool | None, launch=None):
-    """Within this block, the quantized one-token MLP (SwiGLU in gate_up's epilogue) runs as one chained launch
-    (on), as two kernels (off) or as tuning.QMLP says (None); launch: an accel.kernels.tuning.QMlpConfig for the
-    chained launch instead of the table's. For benchmarks and tests comparing them."""
-    return setting(_MLP_CHAINED, (on, launch))
-
-
-def _pdl_kw() -> dict:
-    return dict(pdl=_DECODE_PDL.get())
-
-
-def quant_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    """F.linear(x, w) for x [..., K]: the GEMV for one row, else a dequantized scratch copy and cuBLAS (or the
-    fused GEMM inside prefill_path("gemm"))."""
-    N, K = w.shape
-    if x.numel() == K and ops.uses_triton(x):
-        return qgemv(w, x.reshape(1, K)).view(*x.shape[:-1], N)
-    if _PREFILL_PATH.get() == "gemm" and ops.uses_triton(x):
-        from .kernels.qdequant import qgemm_fwd
-        y = qgemm_fwd(x.reshape(-1, K).contiguous(), w.q, w.scale, w.low, w.bits, w.offset, w.group, K)
-        return y.view(*x.shape[:-1], N)
-    key = (w.shape, x.dtype, x.device)
-    scratch = _DEQUANT_SCRATCH.get(key)
-    if scratch is None:
-        scratch = _DEQUANT_SCRATCH[key] = torch.empty(w.shape, dtype=x.dtype, device=x.device)
-    return F.linear(x, w.dequantize(x.dtype, out=scratch))
-
-
-def qgemv(w: QuantTensor, x, **kw) -> torch.Tensor:
-    from .kernels.qgemv import qgemv_fwd
-    return qgemv_fwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, **{**_pdl_kw(), **kw})
-
-
-def quant_norm_linear(x, norm_weight, w: QuantTensor, eps):
-    """ops.norm_linear for a quantized weight: the quantized GEMV with the same RMSNorm prologue."""
-    if ops.uses_triton(x):
-        return qgemv(w, x, norm_weight=norm_weight, eps=eps)
-    return torch_norm_linear(x, norm_weight, w.dequantize(x.dtype), eps)
-
-
-def quant_linear_add(a, w: QuantTensor, residual):
-    if ops.uses_triton(a):
-        return qgemv(w, a, residual=residual, out=residual)
-    return torch_linear_add(a, w.dequantize(a.dtype), residual)
-
-
-def quant_attention_o_add(q, cache_k, cache_v, position, w: QuantTensor, residual, attention_options: dict):
-    """ops.attention_o_add's one launch for a quantized o (accel.kernels.attn_o), with the attention's options
-    and o's launch mode as the GEMV's (decode_pdl)."""
-    from .kernels.attn_o import attention_o_qfwd
-    return attention_o_qfwd(q, cache_k, cache_v, position, w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K,
-                            residual, **attention_options, o_pdl=_DECODE_PDL.get())
-
-
-def quant_swiglu_linear_add(gate_up, w: QuantTensor, residual):
-    if ops.uses_triton(gate_up):
-        return qgemv(w, gate_up, swiglu=True, residual=residual, out=residual)
-    return torch_swiglu_linear_add(gate_up, w.dequantize(gate_up.dtype), residual)
-
-
-def quant_norm_swiglu(x, norm_weight, w: QuantTensor, eps):
-    """swiglu_gate_up(norm_linear(x, norm_weight, w, eps)) for a quantized gate_up [2F, D]: one kernel
-    (accel.kernels.qgemv_fused.gate_up_swiglu_qfwd) for one row, else the two ops -> [1, F]."""
-    if x.numel() == w.K and ops.uses_triton(x):
-        from .kernels.qgemv_fused import gate_up_swiglu_qfwd
-        return gate_up_swiglu_qfwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, norm_weight, eps,
-                                   **_pdl_kw())
-    return ops.swiglu_gate_up(quant_norm_linear(x, norm_weight, w, eps))
-
-
-def quant_norm_mlp_add(x, norm_weight, gate_up: QuantTensor, down, eps):
-    """ops.norm_mlp_add for quantized weights: the SwiGLU in gate_up's epilogue, then down's plain GEMV with the
-    residual add (down's SwiGLU prologue cost more instructions a code than any other f(x): tools/bench/NOTES.md),
-    for one token as two kernels or one chained launch (`_chained`); inside swiglu_in_gate_up(False), gate_up's norm
-    GEMV then down's SwiGLU prologue."""
-    if _SWIGLU_IN_GATE_UP.get():
-        if x.numel() == gate_up.K and ops.uses_triton(x) and _chained(gate_up, down):
-            return quant_norm_mlp_chained(x, norm_weight, gate_up, down, eps)
-        return ops.linear_add(quant_norm_swiglu(x, norm_weight, gate_up, eps), down, x)
-    return ops.swiglu_linear_add(quant_norm_linear(x, norm_weight, gate_up, eps), down, x)
-
-
-def _chained(gate_up: QuantTensor, down: QuantTensor) -> bool:
-    """Whether the one-token MLP runs chained (mlp_chained's switch, else tuning.QMLP lists gate_up's shape):
-    only with both matrices in one format (the launch has one set of code constexprs)."""
-    from .kernels.tuning import QMLP
-    if (gate_up.bits, gate_up.offset, gate_up.low is None) != (down.bits, down.offset, down.low is None):
-        return False
-    on = _MLP_CHAINED.get()[0]
-    return on if on is not None else (*gate_up.shape, gate_up.bits, gate_up.group) in QMLP
-
-
-def quant_norm_mlp_chained(x, norm_weight, gate_up: QuantTensor, down: QuantTensor, eps):
-    """quant_norm_mlp_add's one-token MLP as one launch (accel.kernels.qmlp.norm_mlp_qfwd) -> x, updated."""
-    from .kernels.common import sm_count
-    from .kernels.qmlp import mlp_configs, norm_mlp_qfwd
-    config = mlp_configs(*gate_up.shape, down.K, gate_up.bits, gate_up.group, down.group, sm_count(x.device),
-                         _MLP_CHAINED.get()[1])
-    return norm_mlp_qfwd((gate_up.q, gate_up.scale, gate_up.low, gate_up.group),
-                         (down.q, down.scale, down.low, down.group), gate_up.bits, gate_up.offset, x, norm_weight,
-                         eps, config, **_pdl_kw())
-
-
-def quant_qkv_rope(x, norm_weight, w: QuantTensor, eps, cos, sin, position, cache_k, cache_v):
-    """ops.qkv_rope for a quantized weight: one kernel (accel.kernels.qgemv_fused.qkv_rope_qfwd) for the one-token
-    step, else the quantized GEMV with the norm prologue, then ops.rope_kv_write."""
-    if x.numel() == w.K and ops.uses_triton(x):
-        from .kernels.qgemv_fused import qkv_rope_qfwd
-        return qkv_rope_qfwd(w.q, w.scale, w.low, w.bits, w.offset, w.group, w.K, x, norm_weight, eps, cos, sin,
-                             position, cache_k, cache_v, **_pdl_kw())
-    return unfused_qkv_rope(quant_norm_linear, ops.rope_kv_write, x, norm_weight, w, eps, cos, sin, position,
-                            cache_k, cache_v)

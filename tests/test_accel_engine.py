@@ -113,20 +113,15 @@ def test_prefill_past_the_session_is_an_error(pair):
         acc.prefill([1] * (sess.cache.capacity - 4), sess, start=5)
 
 
-@pytest.mark.parametrize("options", [  # each option both ways
-    dict(residual_in_gemm=False, last_row=False), dict(residual_in_gemm=True, last_row=True)])
-def test_fast_prefill_options_match_refimpl(pair, options):
-    """accel.model.prefill's options (the last layer on every row or the last one only; the residual add in the
-    o/down GEMMs' epilogue or in the norm's pass): a prompt, then a chunk continuing it in the same cache, each
-    chunk's last-token logits against refimpl's forward over the whole sequence so far; every cache slot written
-    as refimpl's."""
-    from accel.model import prefill_options
+def test_fast_prefill_chunks_match_refimpl(pair):
+    """accel.model.prefill (the last layer on the last row only; the residual add in the o/down GEMMs' epilogue):
+    a prompt, then a chunk continuing it in the same cache, each chunk's last-token logits against refimpl's
+    forward over the whole sequence so far; every cache slot written as refimpl's."""
     from refimpl.model import ops as np_ops
     ref, acc, ckpt = pair
     cfg, more = ckpt.config, [9, 2, 77, 30]
     sess = acc.session(16)
-    with prefill_options(**options):
-        got = [acc.to_numpy(acc.prefill(PROMPT, sess)), acc.to_numpy(acc.prefill(more, sess, start=len(PROMPT)))]
+    got = [acc.to_numpy(acc.prefill(PROMPT, sess)), acc.to_numpy(acc.prefill(more, sess, start=len(PROMPT)))]
     for ids, logits in ((PROMPT, got[0]), (PROMPT + more, got[1])):
         cache = ref.new_cache(16)
         _, want = collect(np_ops, ckpt.params, cfg, np.asarray(ids), np.arange(len(ids)), cache)

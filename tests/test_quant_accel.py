@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 
 from accel.engine import AccelEngine  # noqa: E402
 from accel.kernels.qgemv import QGemvConfig  # noqa: E402
-from accel.quant_ops import from_quantized_linear, qgemv, quantize  # noqa: E402
+from accel.quant_ops import from_quantized_linear, quantize  # noqa: E402
 from refimpl.compare import TOLERANCES, compare  # noqa: E402
 from refimpl.formats.checkpoint import load_checkpoint  # noqa: E402
 from refimpl.formats.params import Checkpoint, random_params  # noqa: E402
@@ -103,7 +103,7 @@ def check_fp32(got, want, rec, x):
 def gemv_on(t, x, **kw) -> np.ndarray:
     """qgemv on DEV from NumPy inputs (tensor keyword arguments moved there too) -> [N] fp32."""
     kw = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    return qgemv(t, torch.from_numpy(x)[None].to(DEV), **kw)[0].cpu().numpy()
+    return t.gemv(torch.from_numpy(x)[None].to(DEV), **kw)[0].cpu().numpy()
 
 
 @pytest.mark.parametrize("name", list(RECORDS))
@@ -232,11 +232,11 @@ def test_qgemv_launch_table_rows_are_launchable():
     """Every row of the measured table (accel/kernels/tuning.py QGEMV) passes the launcher's checks: whole 16-byte
     chunks a tile, chunks inside groups, persistent rows one tile a row, the qkv + RoPE rows unsplit with a
     power-of-2 half block and not persistent."""
-    from accel.kernels.qgemv import _launch_checks
+    from accel.kernels.qgemv import launch_checks
     from accel.kernels.tuning import QGEMV
     for key, cfg in QGEMV.items():
         N, K, bits, group = key[:4]
-        _launch_checks(cfg, bits, group, per_row=bits == 8 and group >= K, K=K)
+        launch_checks(cfg, bits, group, per_row=bits == 8 and group >= K, K=K)
         if key[4:] == ("rope",):
             hn = cfg.block_n // 2
             assert cfg.split_k == 1 and hn & (hn - 1) == 0 and not cfg.programs, key
@@ -286,20 +286,19 @@ def test_quantized_toy_model_greedy_tokens_refimpl_vs_accel(tmp_path, spec):
     del acc_cache
 
 
-def test_launch_mode_none_prefetches_only_in_norm_kernels(monkeypatch):
-    """PdlMode("none", n): plain launches (no PDL attribute, no wait, no trigger but the qkv + RoPE kernel's own);
-    only kernels with the RMSNorm prologue prefetch, n tiles of a program's rows (capped at the program's bytes).
-    The PDL modes keep their constexprs."""
+def test_launch_modes_constexprs(monkeypatch):
+    """On sm_90 (faked: the interpreter compiles PDL out), a PdlMode sets the PDL launch, where the trigger sits
+    (1 after the wait, 2 after the main loop) and the prefetched lines (n tiles of a program's row bytes, capped at
+    them); None: plain launches, the qkv + RoPE kernel still triggering at its start."""
     from accel.kernels import qgemv
-    from accel.kernels.qgemv import PdlMode, _pdl_kwargs
-    from accel.kernels.tuning import QGemvConfig
-    monkeypatch.setattr(qgemv, "pdl_available", lambda t: True)  # as on sm_90 (the interpreter compiles PDL out)
+    from accel.kernels.qgemv import pdl_kwargs
+    from accel.kernels.tuning import PdlMode, QGemvConfig
+    monkeypatch.setattr(qgemv, "pdl_available", lambda t: True)
     cfg, q = QGemvConfig(16, 512, 2, 1, 3), torch.zeros(1)
-    assert _pdl_kwargs(PdlMode("none", 2), q, cfg, 8, 2048, rope=False) == dict(PF_LINES=8)
-    assert _pdl_kwargs(PdlMode("none", 8), q, cfg, 8, 2048, rope=False) == dict(PF_LINES=16)  # the whole row
-    assert _pdl_kwargs(PdlMode("none", 2), q, cfg, 8, 2048, rope=True) == dict(TRIGGER=1, PF_LINES=8)
-    assert _pdl_kwargs(PdlMode("none", 2), q, cfg, 8, 2048, rope=False, norm=False) == {}
-    assert _pdl_kwargs(PdlMode("none", 0), q, cfg, 8, 2048, rope=True) == dict(TRIGGER=1)
-    assert _pdl_kwargs(None, q, cfg, 8, 2048, rope=False) == {}
-    assert _pdl_kwargs(PdlMode("late", 1), q, cfg, 8, 2048, rope=False, norm=False) == dict(
+    assert pdl_kwargs(None, q, cfg, 8, 2048, rope=False) == {}
+    assert pdl_kwargs(None, q, cfg, 8, 2048, rope=True) == dict(TRIGGER=1)
+    assert pdl_kwargs(PdlMode("late", 1), q, cfg, 8, 2048, rope=False) == dict(
         PDL=True, TRIGGER=2, PF_LINES=4, launch_pdl=True)
+    assert pdl_kwargs(PdlMode("wait", 1), q, cfg, 4, 2048, rope=True) == dict(
+        PDL=True, TRIGGER=1, PF_LINES=2, launch_pdl=True)
+    assert pdl_kwargs(PdlMode("wait", 8), q, cfg, 8, 2048, rope=False)["PF_LINES"] == 16  # the whole row

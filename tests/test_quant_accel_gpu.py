@@ -9,7 +9,7 @@ pytest.importorskip("gguf")
 
 from accel.engine import AccelEngine  # noqa: E402
 from accel.kernels.qgemv import QGemvConfig  # noqa: E402
-from accel.quant_ops import from_quantized_linear, qgemv, quantize  # noqa: E402
+from accel.quant_ops import from_quantized_linear, quantize  # noqa: E402
 from refimpl.compare import TOLERANCES, compare  # noqa: E402
 from refimpl.formats.params import Checkpoint, random_params  # noqa: E402
 from refimpl.generate import RefEngine, Sampling  # noqa: E402
@@ -41,7 +41,7 @@ def test_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion):
         kw, fx = dict(swiglu=True), torch_swiglu_gate_up(x)
     elif fusion == "residual":
         kw = dict(residual=r.clone())
-    got = qgemv(t, x, **kw).float()
+    got = t.gemv(x, **kw).float()
     want = fx.double() @ t.dequantize().double().T + (r.double() if fusion == "residual" else 0)
     # bf16 output: one rounding of the result (and of the residual sum), 2^-8 relative
     err = (got.double() - want).abs().max().item()
@@ -68,7 +68,7 @@ def test_persistent_quantized_gemv_at_llama_shapes_gpu(spec, N, K, fusion, bn, w
     kw, fx = (dict(norm_weight=nw, eps=1e-5), torch_rms_norm(x, nw, 1e-5)) if fusion == "norm" else \
         (dict(residual=r.clone()), x)
     cfg = QGemvConfig(bn, 1 << (K - 1).bit_length(), warps, 1, 3, programs)
-    got = qgemv(t, x, config=cfg, **kw).float()
+    got = t.gemv(x, config=cfg, **kw).float()
     want = fx.double() @ t.dequantize().double().T + (r.double() if fusion == "residual" else 0)
     err = (got.double() - want).abs().max().item()
     assert err <= 2 ** -7 * want.abs().max().item() + 1e-3, err
@@ -112,7 +112,7 @@ def test_gguf_gemv_at_a_llama_shape_gpu(fmt):
     rec = gguf_record(fmt, 3072, 2048, seed=6)
     t = from_quantized_linear(rec, "cuda")
     x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
-    got = qgemv(t, x).double().cpu().numpy()[0]
+    got = t.gemv(x).double().cpu().numpy()[0]
     want = oracle_product(rec, x.float().cpu().numpy()[0])
     assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max() + 1e-3
 

@@ -14,16 +14,17 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from accel.engine import AccelEngine  # noqa: E402
-from accel.kernels.qgemv import PdlMode, QGemvConfig, qgemv_fwd  # noqa: E402
+from accel.kernels.qgemv import QGemvConfig, qgemv_fwd  # noqa: E402
 from accel.kernels.qgemv_fused import qkv_rope_qfwd  # noqa: E402
+from accel.kernels.tuning import QGEMV_PDL, Tuning  # noqa: E402
 from accel.quant_layers import quantize_weights  # noqa: E402
-from accel.quant_ops import decode_pdl, quantize  # noqa: E402
+from accel.quant_ops import quantize  # noqa: E402
 from accel.weights import random_weights  # noqa: E402
 from refimpl.model.config import PRESETS  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-MODES = [PdlMode("wait", 1), PdlMode("wait", 64), PdlMode("late", 1), PdlMode("none", 2)]  # the benchmarks' variants
+MODES = [QGEMV_PDL[4], QGEMV_PDL[8]]  # the launch modes the engine runs (by code width)
 H, NKV, E, D, F, V, S = 32, 8, 64, 2048, 8192, 128256, 64  # Llama 3.2 1B
 
 
@@ -109,16 +110,15 @@ def test_quantized_engine_decode_with_pdl_equals_plain_launches(spec):
     weights = quantize_weights(random_weights(cfg, "cuda", torch.bfloat16, seed=4), QuantSpec.parse(spec))
     prompt = [128000, 791, 4062, 14198, 39935, 35308, 927, 279]
     results = []
-    for mode in [None, PdlMode("wait", 1)]:
-        with decode_pdl(mode):
-            eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16")
-            sess = eng.session(len(prompt) + 12)
-            logits = [eng.prefill(prompt, sess).float().clone()]
-            tok = int(logits[0].argmax())
-            for i in range(10):  # graph replays
-                logits.append(sess.decoder.step(torch.tensor([tok], device="cuda"), len(prompt) + i).float().clone())
-                tok = int(logits[-1].argmax())
-            results.append(torch.cat(logits))
-            del eng, sess
+    for tuning in (Tuning(qgemv_pdl={4: None, 8: None}), Tuning()):  # plain launches, then the default modes
+        eng = AccelEngine(cfg, weights, torch.device("cuda"), "bf16", tuning=tuning)
+        sess = eng.session(len(prompt) + 12)
+        logits = [eng.prefill(prompt, sess).float().clone()]
+        tok = int(logits[0].argmax())
+        for i in range(10):  # graph replays
+            logits.append(sess.decoder.step(torch.tensor([tok], device="cuda"), len(prompt) + i).float().clone())
+            tok = int(logits[-1].argmax())
+        results.append(torch.cat(logits))
+        del eng, sess
     assert torch.isfinite(results[0]).all()
     assert torch.equal(results[0], results[1])

@@ -1,6 +1,7 @@
 """The prefill's quantized kernels (accel/kernels/qdequant.py) against the oracle (refimpl.quant): dequantizing is
-bit for bit refimpl's dequantize(); the fused GEMM is "dequantize with the oracle, then multiply" up to fp32
-summation error. Odd shapes: rows not a tile multiple, K not a power of two, a short last group, G > K.
+bit for bit refimpl's dequantize(); a quantized product of more rows (a dequantized scratch, then cuBLAS) is
+"dequantize with the oracle, then multiply" up to fp32 summation error. Odd shapes: rows not a tile multiple, K not a
+power of two, a short last group, G > K.
 
 On CPU the kernels run under the interpreter (fp32, exact tl.dot); the GPU tests (skipped without CUDA) repeat them
 on the device, in bf16 at the Llama 3.2 shapes.
@@ -11,11 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
-from accel.kernels.qdequant import QGemmConfig, dequantize_fwd, qgemm_fwd  # noqa: E402
+from accel.kernels.qdequant import dequantize_fwd  # noqa: E402
 from accel import quant_layers  # noqa: E402
 from accel.quant_layers import MATRICES, pack_layer, prefill_weights  # noqa: E402
-from accel.quant_ops import (from_quantized_linear, prefill_path, qgemv, quant_linear, quantize,  # noqa: E402
-                             torch_dequantize)
+from accel.quant_ops import from_quantized_linear, quantize, torch_dequantize  # noqa: E402
 from accel.weights import LayerWeights  # noqa: E402
 from refimpl.quant.formats import QuantSpec  # noqa: E402
 from test_quant_accel import RECORDS, bits, gguf_record, record  # noqa: E402
@@ -28,10 +28,6 @@ interpreter = pytest.mark.skipif(CUDA, reason="CPU-interpreter coverage; the GPU
 def dequantize(t, dtype=torch.float32, block=None):
     out = torch.full(t.shape, float("nan"), dtype=dtype, device=t.device)  # every element must be written
     return dequantize_fwd(t.q, t.scale, t.low, t.bits, t.offset, t.group, t.K, out, block=block)
-
-
-def gemm(t, x, config=None):
-    return qgemm_fwd(x, t.q, t.scale, t.low, t.bits, t.offset, t.group, t.K, config=config)
 
 
 def check_fp32(got, x, w):
@@ -52,25 +48,11 @@ def test_dequantize_kernel_equals_the_oracle_bit_for_bit(name, block):
 
 
 @interpreter
-@pytest.mark.parametrize("name", list(RECORDS))
-@pytest.mark.parametrize("M, config", [(19, None), (1, None), (37, QGemmConfig(16, 16, 32, 4, 1, 2))],
-                         ids=["M19", "M1", "M37-small-tiles-partial-band"])
-def test_quantized_gemm_is_dequantize_then_multiply(name, M, config):
-    rec = RECORDS[name]
-    t = from_quantized_linear(rec, "cpu")
-    x = np.random.default_rng(7).standard_normal((M, rec.shape[1])).astype(np.float32)
-    got = gemm(t, torch.from_numpy(x), config).numpy()
-    check_fp32(got, x, rec.dequantize())
-
-
-@interpreter
-@pytest.mark.parametrize("path", ["gemm", "dequant"])
-def test_quant_linear_prefill_paths_agree_with_the_oracle(path):
+def test_linear_of_several_rows_agrees_with_the_oracle():
     rec = RECORDS["int4:64"]
     t = from_quantized_linear(rec, "cpu")
     x = np.random.default_rng(8).standard_normal((2, 5, rec.shape[1])).astype(np.float32)  # [B, T, K]
-    with prefill_path(path):
-        got = quant_linear(torch.from_numpy(x), t).numpy()
+    got = t.linear(torch.from_numpy(x)).numpy()
     assert got.shape == (2, 5, rec.shape[0])
     check_fp32(got.reshape(10, -1), x.reshape(10, -1), rec.dequantize())
 
@@ -121,25 +103,20 @@ def test_a_packed_layer_dequantizes_in_one_launch_a_format_to_the_oracle(formats
             assert isinstance(got, torch.Tensor) and got.shape == LAYER_SHAPES[n]
             np.testing.assert_array_equal(bits(got.numpy()), bits(recs[n].dequantize()))
     assert prefill_weights(packed[0], x[:1]) is packed[0]  # one row: the GEMVs
-    with prefill_path("dequant"):
-        assert prefill_weights(packed[0], x) is packed[0]  # the per-matrix path, for benchmarks
 
 
 @gpu
 @pytest.mark.parametrize("spec", ["int8", "int4:32", "int4:64", "int4:128"])
 @pytest.mark.parametrize("M, N, K", [(2048, 3072, 2048), (2048, 2048, 8192), (37, 5120, 3072), (300, 200, 200)])
-def test_quantized_gemm_gpu_bf16(spec, M, N, K):
+def test_linear_gpu_bf16(spec, M, N, K):
     g = torch.Generator(device="cuda").manual_seed(M + N)
     t = quantize(torch.randn(N, K, device="cuda", generator=g) * 0.02, QuantSpec.parse(spec))
     x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-    w = dequantize(t, torch.bfloat16)  # the values the fused GEMM rounds its tiles to
+    w = dequantize(t, torch.bfloat16)  # the values the scratch holds
     np.testing.assert_array_equal(w.float().cpu().numpy(), dequantize(t).to(torch.bfloat16).float().cpu().numpy())
     want = x.double() @ w.double().T
-    got = gemm(t, x).double()
     # bf16 output: one rounding of an fp32 sum, 2^-8 relative to the largest value
-    assert (got - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
-    with prefill_path("dequant"):
-        via_scratch = quant_linear(x, t).double()
+    via_scratch = t.linear(x).double()
     assert (via_scratch - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
 
 
@@ -158,7 +135,7 @@ def test_packed_layer_at_llama_shapes_gpu(spec, D, F, NQKV):
                       spec.for_matrix(f"model.layers.0.{keys[n]}.weight")) for n in MATRICES}
     want = {n: dequantize(t, torch.bfloat16) for n, t in ts.items()}
     x = torch.randn(1, D, device="cuda", generator=g).to(torch.bfloat16)
-    gemv = {n: qgemv(t, x) for n, t in ts.items() if n != "down"}
+    gemv = {n: t.gemv(x) for n, t in ts.items() if n != "down"}
     norm = torch.ones(D, device="cuda", dtype=torch.bfloat16)
     lw = pack_layer(LayerWeights(norm, ts["qkv"], ts["o"], norm, ts["gate_up"], ts["down"]))
     assert len(lw.plan.launches) == (2 if spec.int8_keys else 1)
@@ -167,15 +144,12 @@ def test_packed_layer_at_llama_shapes_gpu(spec, D, F, NQKV):
     for n in MATRICES:
         assert torch.equal(getattr(dense, n), want[n]), n
     for n, y in gemv.items():
-        assert torch.equal(qgemv(getattr(lw, n), x), y), n
+        assert torch.equal(getattr(lw, n).gemv(x), y), n
 
 
 @gpu
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
-def test_gguf_blocks_dequantize_and_gemm_gpu(fmt):
+def test_gguf_blocks_dequantize_gpu(fmt):
     rec = gguf_record(fmt, 3072, 2048, seed=6)
     t = from_quantized_linear(rec, "cuda")
     np.testing.assert_array_equal(bits(dequantize(t).cpu().numpy()), bits(rec.dequantize()))
-    x = np.random.default_rng(9).standard_normal((77, 2048)).astype(np.float32)
-    got = gemm(t, torch.from_numpy(x).cuda(), QGemmConfig(64, 128, 64, 4, 3)).cpu().numpy()  # fp32: IEEE dots
-    check_fp32(got, x, rec.dequantize())

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning import ARGMAX_BLOCK
+
 
 @triton.jit
 def _argmax_kernel(X, V, PV, PI, CNT, TOKEN, POS, HIST, STEP, BLOCK: tl.constexpr, P_POW2: tl.constexpr,
@@ -47,7 +49,6 @@ def _argmax_kernel(X, V, PV, PI, CNT, TOKEN, POS, HIST, STEP, BLOCK: tl.constexp
 
 _SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _RETIRED: list[tuple] = []  # outgrown scratch stays allocated: a captured graph may still point at it
-BLOCK = 1024  # 126 programs for V = 128256: about one an SM
 
 
 def _scratch(device: torch.device, programs: int):
@@ -74,9 +75,9 @@ def argmax_fwd(logits: torch.Tensor, token: torch.Tensor | None = None, position
     token = torch.empty(1, dtype=torch.int64, device=x.device) if token is None else token
     advance = position is not None
     assert not advance or (history is not None and step is not None)
-    programs = triton.cdiv(V, BLOCK)
+    programs = triton.cdiv(V, ARGMAX_BLOCK)
     pv, pi, cnt = _scratch(x.device, programs)
     _argmax_kernel[(programs,)](x, V, pv, pi, cnt, token, position if advance else token,
-                                history if advance else token, step if advance else token, BLOCK=BLOCK,
+                                history if advance else token, step if advance else token, BLOCK=ARGMAX_BLOCK,
                                 P_POW2=max(16, triton.next_power_of_2(programs)), ADVANCE=advance, num_warps=4)
     return token

@@ -1,6 +1,7 @@
 """Triton helpers shared by the decode-step kernels (gemv.py, qgemv.py, qkv_rope.py): the GEMV prologue f(x), the
-RMSNorm reciprocal, an unmasked-row weight tile, the residual epilogue, the split-K scratch, the SM count the
-launch rules size their grids by, and programmatic dependent launch (PDL) with an L2 prefetch hint."""
+RMSNorm reciprocal, an unmasked-row weight tile, the residual epilogue, the split-K scratch, the decode attention's
+arrival counters, the SM count the launch rules size their grids by, and programmatic dependent launch (PDL) with an
+L2 prefetch hint."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,6 @@ import triton
 import triton.language as tl
 
 PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU = 0, 1, 2
-PROLOGUE_CHAINED = 3  # x as it is, read past L1: written earlier in the same launch (accel/kernels/chain.py)
 
 
 def pdl_available(t: torch.Tensor) -> bool:
@@ -100,9 +100,7 @@ def prologue_fx(X, NW, k0, cols, K, rstd, PROLOGUE: tl.constexpr, EVEN_K: tl.con
     """f(x)[k0 : k0 + BLOCK_K] in fp32 (zeros past K)."""
     offs = k0 + cols
     inside = offs < K
-    if PROLOGUE == 3:  # PROLOGUE_CHAINED: x written in this launch, read past L1
-        x = tl.load(X + offs, mask=inside, other=0.0, cache_modifier=".cg")
-    elif EVEN_K:
+    if EVEN_K:
         x = tl.load(X + offs)
     else:
         x = tl.load(X + offs, mask=inside, other=0.0)
@@ -201,3 +199,34 @@ def split_k_epilogue(part, P, CNT, R, Y, rows, N, s, b, SPLIT_K: tl.constexpr, H
                 acc += tl.load(P + j * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
             epilogue(acc, R, Y, rows, N, HAS_RESIDUAL, GATE, HAS_GATE)
             tl.store(CNT + b, 0)
+
+
+@triton.jit
+def count_done(CNT):
+    """Count one unit of work done on CNT and return the count before it; the CTA barrier orders every thread's
+    stores before the one release-add (a scalar atomic: one thread)."""
+    tl.debug_barrier()
+    return tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
+
+
+class CaptureBeforeCounters(RuntimeError):
+    """arrival_counters was first asked for inside a CUDA graph capture."""
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 counters (zeros between launches: the program counting the last arrival returns its counter to 0),
+    one buffer a device, grown on demand (an outgrown buffer stays allocated: a captured graph may still point at
+    it). Must exist before a CUDA graph capture (a zero-fill captured into a graph would not run before its first
+    replay): the engine's warm-up steps create it. Launches sharing it must not run concurrently (one stream)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise CaptureBeforeCounters("arrival counters must exist before a CUDA graph capture (warm up first)")
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf

@@ -11,7 +11,7 @@ launch and its gap. The counter is returned to 0 by that last program, so the ne
 it zeroed; launches that share a counter buffer must therefore not run concurrently (one stream: true here).
 
 PDL (programmatic dependent launch, the decode step's launch on the GPU for caches of LONG_CONTEXT slots or more;
-at shorter ones it made the step slower, tools/bench/NOTES.md): the kernel is launched so that its
+at shorter ones it made the step slower, docs/performance.md): the kernel is launched so that its
 programs may start while the previous kernel in the stream (the decode step's qkv_rope, which lets dependents
 launch early) is still running. Before `gdc_wait` — which returns once that kernel has finished and its writes are
 visible — a program only reads the position and prefetches the first PREFETCH slots of its split into L2 (a hint:
@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import chain
-from .common import gdc_launch_dependents, gdc_wait, pdl_available, pdl_kw, prefetch_l2
+from .common import (CaptureBeforeCounters, arrival_counters, count_done, gdc_launch_dependents, gdc_wait,
+                     pdl_available, pdl_kw, prefetch_l2)
 from .flash_attn import LOG2E, dot_precision, finite_max, kv_descriptors, load_kv, rms_norm_rows
+from .tuning import DECODE_PREFETCH_SLOTS, LONG_CONTEXT, LONGER_CONTEXT, MANY_QUERY_ROWS, MANY_ROWS_SPLIT
 
 
 @triton.jit
@@ -113,21 +114,8 @@ def _decode_split_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq
                          BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          CROSS: tl.constexpr, QNORM: tl.constexpr, PDL: tl.constexpr = False,
                          PREFETCH: tl.constexpr = 0, LATE_Q: tl.constexpr = False):
-    """Program (kv head, split): `split_program`."""
-    split_program(tl.program_id(0), tl.program_id(1), Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h,
-                  sk_k, sk_s, sv_k, sv_s, so_h, E, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G, BLOCK_N,
-                  BLOCK_E, BLOCK_S, FUSED, BLOCK_HG, USE_DESC, DOT_PRECISION, CROSS, QNORM, PDL, PREFETCH, LATE_Q)
-
-
-@triton.jit
-def split_program(kh, split, Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT, sq_h, sk_k, sk_s, sv_k, sv_s, so_h,
-                  E: tl.constexpr, G, split_len, n_splits, qk_scale, n_keys, eps, BLOCK_G: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, FUSED: tl.constexpr,
-                  BLOCK_HG: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr, CROSS: tl.constexpr,
-                  QNORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                  LATE_Q: tl.constexpr):
-    """Split `split` of kv head kh -> whether this program combined the kv head's splits (FUSED: it drew the last
-    ticket; its head group's output is stored, then). Also the body of accel/kernels/attn_o.py's attention phase.
+    """Program (kv head kh, split): the split's partials; FUSED: the program drawing the kv head's last ticket
+    combines its splits.
     CROSS: the query over all n_keys keys (no position), key n seen where VIS[n] != 0, and with QNORM the
     query RMSNorm'd per head by QNW first (Mllama's q_norm); else over the cache slots 0..POS.
     PDL: launched as a programmatic dependent; only the position read and the L2 prefetch of the split's first
@@ -135,6 +123,8 @@ def split_program(kh, split, Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT
     LATE_Q (not with QNORM): q is loaded in the first loop iteration, after the pipeline has issued its first
     K/V load, so their round trips overlap (loaded before the loop, q is stored to shared memory in its dot
     layout before that first load is issued, which then waits for q)."""
+    kh = tl.program_id(0)
+    split = tl.program_id(1)
     if PDL:
         gdc_launch_dependents()  # a PDL-launched successor waits for our completion itself
     if CROSS:
@@ -188,18 +178,14 @@ def split_program(kh, split, Q, CK, CV, DK, DV, POS, VIS, QNW, ACC, M, L, O, CNT
     tl.store(M + row, m_i, mask=g_ok)
     tl.store(L + row, l_i, mask=g_ok)
     tl.store(ACC + row[:, None] * E + offs_e[None, :], acc, mask=g_ok[:, None] & e_ok[None, :])
-    combined = False
     if FUSED:
-        # The CTA barrier orders every thread's partial stores before the one release-add below (done by one
-        # thread: a scalar atomic), so the program that draws the last ticket has acquired all the partials; its
-        # reads bypass L1. (A per-thread add on a [threads] tensor was slower: 128 adds on one address per
-        # program serialize in L2.)
-        ticket = chain.count_done(CNT + kh)
-        combined = ticket == n_splits - 1
-        if combined:
+        # The CTA barrier in count_done orders every thread's partial stores before its one release-add (a scalar
+        # atomic: one thread), so the program that draws the last ticket has acquired all the partials; its reads
+        # bypass L1. (A per-thread add on a [threads] tensor was slower: 128 adds on one address per program
+        # serialize in L2.)
+        if count_done(CNT + kh) == n_splits - 1:
             _combine_heads(ACC, M, L, O, kh * G, G, so_h, E, n_splits, BLOCK_HG, BLOCK_S, BLOCK_E)
             tl.store(CNT + kh, 0)  # every other program of this kv head is done: ready for the next launch
-    return combined
 
 
 @triton.jit
@@ -208,24 +194,18 @@ def _decode_reduce_kernel(ACC, M, L, O, so_h, E, n_splits, BLOCK_S: tl.constexpr
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The fused path's per-kv-head arrival counters: chain.chain_counters' first n (accel/kernels/attn_o.py's and
-    qmlp.py's regions start at 128). None while a CUDA graph is being captured and they do not exist yet (then the
-    combine runs as its own kernel): the engine warms up before capturing, so this is only a guard."""
-    assert n <= 128, "kv heads past 128 would reach attn_o's counters"
+    """The fused path's per-kv-head arrival counters: common.arrival_counters' first n. None while a CUDA graph
+    is being captured and they do not exist yet (then the combine runs as its own kernel): the engine warms up
+    before capturing, so this is only a guard."""
     try:
-        return chain.chain_counters(device, n)[:n]
-    except chain.CaptureBeforeCounters:
+        return arrival_counters(device, n)[:n]
+    except CaptureBeforeCounters:
         return None
-
-
-PREFETCH_SLOTS = 64  # slots a split prefetches into L2 before the PDL wait (PREFETCH; tools.bench.attn_sweep --pdl)
-LONG_CONTEXT = 8192  # caches from this many slots take the long-context launch (_config)
-LONGER_CONTEXT = 16384  # and from this many, at E <= 64, its double-buffered 128-slot blocks with q late (_config)
 
 
 def default_split_len(max_len: int, block_n: int = 64) -> int:
     """16 splits below LONG_CONTEXT slots, 32 from there on (8 kv heads: 128 or 256 programs, one or two per SM),
-    whole blocks each, the fastest in tools.bench.attn_sweep (full caches, H=32 K=8 E=64; tools/bench/NOTES.md):
+    whole blocks each, the fastest in tools.bench.attn_sweep (full caches, H=32 K=8 E=64; docs/performance.md):
     every program pays a fixed start (position, q, pipeline prologue) and the combine reads every split's
     partials, so more splits lost at every length below that."""
     per_split = triton.cdiv(max_len, 16 if max_len < LONG_CONTEXT else 32)
@@ -238,7 +218,7 @@ def _config(on_gpu: bool, split_len: int | None, dtype: torch.dtype, E: int, max
     256-slot blocks, 2 stages (E <= 64; 256 × 128 blocks would need 256 KB of shared memory: 128-slot, 3 stages).
     From LONGER_CONTEXT slots at E <= 64: 128-slot blocks, 3 stages (two buffers: a program loads the next block
     while it computes one; the 256-slot blocks' two stages are one buffer) and LATE_Q, the fastest as the decode
-    step runs it at 32k (tools/bench/NOTES.md, at); at 8k the 256-slot blocks stay faster.
+    step runs it at 32k (docs/performance.md, at); at 8k the 256-slot blocks stay faster.
     fp32 keeps 64-slot blocks: two 128×128 fp32 K/V stages need 272 KB of shared memory (> 227 KB, seen at E=128)."""
     if not on_gpu:
         return dict(BLOCK_N=16, num_warps=4, num_stages=3, FUSED=True)
@@ -267,28 +247,14 @@ def decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     PDL=True forces it); the caller promises that kernel does not write `position` (module docstring).
     """
     assert position.numel() == 1
-    max_len, split_len, cfg = self_config(q, cache_k, max_len, split_len, config, pdl)
-    return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
-
-
-def self_config(q, cache_k, max_len: int | None, split_len: int | None, config: dict | None,
-                pdl: bool) -> tuple[int, int, dict]:
-    """decode_attention_fwd's options resolved -> (max_len, split_len, the split kernel's config)."""
     max_len = cache_k.shape[1] if max_len is None else max_len
     cfg = {**_config(q.is_cuda, split_len, q.dtype, q.shape[-1], max_len), **(config or {})}
     if split_len is None:
         long = q.is_cuda and max_len >= LONG_CONTEXT  # whole blocks a split: 8k -> 32 × 256, 32k -> 32 × 1024
         split_len = default_split_len(max_len, cfg["BLOCK_N"] if long else 64 if q.is_cuda else 16)
         cfg["BLOCK_N"] = cfg["BLOCK_N"] if split_len % cfg["BLOCK_N"] == 0 else 64
-    return max_len, split_len, {"PDL": pdl and max_len >= LONG_CONTEXT, **cfg}  # shorter caches lost with PDL
-
-
-# Many query heads a kv head (the vision encoder's padding rows: 28 rows × a head's queries): on the GPU the fused
-# combine would hold [rows, splits, E] partials in one program's registers, so the separate combine kernel spreads
-# them over every query head, over splits of MANY_ROWS_SPLIT keys (tools.bench.encoder's sweep; NOTES.md). Not under
-# the CPU interpreter, where those programs cost more than the default.
-MANY_QUERY_ROWS = 16
-MANY_ROWS_SPLIT = 512
+    cfg = {"PDL": pdl and max_len >= LONG_CONTEXT, **cfg}  # shorter caches lost with PDL
+    return _launch(q, cache_k, cache_v, position, None, None, 0.0, max_len, split_len, out, cfg)
 
 
 def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
@@ -297,9 +263,10 @@ def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torc
     """Mllama's decode-step cross-attention: q [1, H, E] (before q_norm; head rows contiguous) RMSNorm'd per head by
     norm_weight [E] (None: no norm), over all N keys/values [K, N, E] (any strides but the last), key n seen where
     visible[n] != 0 (bool or integers [N], at least one set) -> out shaped like q. GPU default: splits of 256 keys in
-    64-key blocks, 2 stages, the fastest at 11B-Vision's 6404 image tokens, E = 128 (tools/bench/vision.py's
-    variants; NOTES.md); with more than MANY_QUERY_ROWS query heads a kv head, splits of MANY_ROWS_SPLIT keys and
-    the separate combine kernel."""
+    64-key blocks, 2 stages, the fastest at 11B-Vision's 6404 image tokens, E = 128 (docs/performance.md); with
+    more than MANY_QUERY_ROWS query heads a kv head, splits of MANY_ROWS_SPLIT keys and the separate combine kernel
+    (the vision encoder's padding rows, 28 a head: the fused combine would hold [rows, splits, E] partials in one
+    program's registers; not under the CPU interpreter, where those programs cost more than the default)."""
     N = keys.shape[1]
     assert visible.numel() == N and visible.reshape(-1).stride(0) == 1
     assert norm_weight is None or norm_weight.shape == (q.shape[-1],)
@@ -316,26 +283,13 @@ def cross_decode_attention_fwd(q: torch.Tensor, keys: torch.Tensor, values: torc
 
 def _launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, split_len, out, cfg):
     """The split kernel (+ the combine kernel unless FUSED) over max_len keys; visible None: causal by position."""
-    cnt = _counters(q.device, cache_k.shape[0]) if cfg["FUSED"] else None
-    grid, args, kw, (acc, m, l, out) = split_launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len,
-                                                    split_len, out, cfg, cnt)
-    _decode_split_kernel[grid](*args, **kw)
-    if cnt is None:
-        _decode_reduce_kernel[(q.shape[-2],)](acc, m, l, out, out.stride(-2), q.shape[-1], grid[1],
-                                              BLOCK_S=kw["BLOCK_S"], BLOCK_E=kw["BLOCK_E"], num_warps=4)
-    return out
-
-
-def split_launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_len, split_len, out, cfg, cnt):
-    """The split kernel's launch over max_len keys (visible None: causal by position; cnt: the fused combine's
-    per-kv-head counters, None: no fused combine) -> grid (K, splits), its positional arguments, its constexprs
-    with the launch options, and (partials acc, m, l, out). accel/kernels/attn_o.py launches the same programs."""
     H, E = q.shape[-2:]
     NK = cache_k.shape[0]
     assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     cfg = dict(cfg)
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], split_len)
     assert split_len % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16, "split_len must be a multiple of 16"
+    cnt = _counters(q.device, NK) if cfg["FUSED"] else None
     n_splits = triton.cdiv(max_len, split_len)
     G = H // NK
     acc = torch.empty((H, n_splits, E), dtype=torch.float32, device=q.device)
@@ -347,7 +301,7 @@ def split_launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_l
     use_desc = cfg.pop("USE_DESC", False)
     on_gpu = pdl_available(q)  # the PDL and prefetch parts are inline asm: GPU only
     pdl = bool(cfg.pop("PDL", False)) and on_gpu
-    prefetch = cfg.pop("PREFETCH", PREFETCH_SLOTS if pdl else 0)  # popped always: not a kernel argument
+    prefetch = cfg.pop("PREFETCH", DECODE_PREFETCH_SLOTS if pdl else 0)  # popped always: not a kernel argument
     prefetch = prefetch if on_gpu else 0
     late_q = bool(cfg.pop("LATE_Q", False)) and norm_weight is None
     descs = kv_descriptors(cache_k, cache_v, cfg["BLOCK_N"], block_e, use_desc)
@@ -363,4 +317,8 @@ def split_launch(q, cache_k, cache_v, position, visible, norm_weight, eps, max_l
               PREFETCH=min(prefetch, 1 << (split_len.bit_length() - 1)),  # a power of 2 within the split
               LATE_Q=late_q,
               **{**cfg, "FUSED": cnt is not None}, **pdl_kw(pdl))
-    return (NK, n_splits), args, kw, (acc, m, l, out)
+    _decode_split_kernel[(NK, n_splits)](*args, **kw)
+    if cnt is None:
+        _decode_reduce_kernel[(H,)](acc, m, l, out, out.stride(-2), E, n_splits, BLOCK_S=block_s, BLOCK_E=block_e,
+                                    num_warps=4)
+    return out

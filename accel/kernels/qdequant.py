@@ -1,4 +1,4 @@
-"""Quantized weights for the prefill, in Triton: dequantize a whole matrix, or multiply by it dequantized in registers.
+"""Quantized weights for the prefill, in Triton: dequantize a whole matrix (or a layer's), for cuBLAS to multiply by.
 
 The quantized layout is accel/kernels/qgemv.py's (codes, a scale per GROUP columns, optional minimum, optional code
 offset): W[n, k] = (Q[n, k] − OFFSET) · S[n, k // GROUP] (+ M[n, k // GROUP]), computed in fp32. Every product
@@ -9,13 +9,7 @@ code · scale is exact in fp32, so a fused multiply-add gives the same bits as t
                  contiguously, and the scales (minima) are loaded once a group and broadcast over it.
     dequantize_layer  the same for several matrices of one format in one launch (a prefill layer's, laid out at
                  load by accel.quant_layers.pack_layer): a table on the device says where each matrix starts.
-    qgemm        Y [M, N] = X [M, K] @ W^T, W dequantized tile by tile in registers, rounded to X's dtype (the
-                 values the dequantized scratch would hold), then tl.dot with fp32 accumulation. The product is
-                 computed transposed, W_tile @ X_tile^T, so that the in-register operand is the dot's first one
-                 (Hopper's wgmma reads only its first operand from registers; the second comes from shared memory).
-The engine's prefill takes dequantize_layer + cuBLAS (accel.quant_ops): qgemm repeats the dequantization for every block
-of input rows, on the MMA's critical path, and measured slower at every row count but one shape (tools/bench/NOTES.md);
-it stays as the benchmark's alternative (`accel.quant_ops.prefill_path("gemm")`).
+The engine's prefill takes dequantize_layer + cuBLAS (accel.quant_layers.prefill_weights).
 """
 from __future__ import annotations
 
@@ -26,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import per_row_scales
-from .flash_attn import dot_precision
+from .tuning import DEQUANT_BLOCK
 
 
 @triton.jit
@@ -122,51 +116,6 @@ def _dequant_layer_kernel(Q, S, MN, Y, TABLE, N_MAT: tl.constexpr, BITS: tl.cons
              mask=(rows < N)[:, None] & (cols < K)[None, :])
 
 
-@triton.jit
-def _qgemm_kernel(X, Q, S, MN, Y, M, N, K, KB, stride_x, stride_q, stride_s, stride_y, n_groups, BITS: tl.constexpr,
-                  OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIZZLE: tl.constexpr,
-                  STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Program p: output tile Y[m-block, n-block]. Consecutive programs take SWIZZLE n-blocks down one column of
-    m-blocks, so the weight tiles they dequantize are shared through L2."""
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
-    per_band = SWIZZLE * n_m
-    band = pid // per_band
-    first_n = band * SWIZZLE
-    width = tl.minimum(n_n - first_n, SWIZZLE)
-    pid_n = first_n + (pid % per_band) % width
-    pid_m = (pid % per_band) // width
-    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    wrows = tl.minimum(rows_n, N - 1).to(tl.int64)
-    xrows = tl.minimum(rows_m, M - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        w = _dequant_tile(Q, S, MN, wrows, k0, K, KB, stride_q, stride_s, n_groups, BITS, OFFSET, GROUP, HAS_MIN,
-                          PER_ROW, BLOCK_N, BLOCK_K).to(X.dtype.element_ty)  # [BN, BK]
-        x = tl.load(X + xrows[:, None] * stride_x + k0 + offs_k[None, :], mask=(k0 + offs_k)[None, :] < K,
-                    other=0.0)  # [BM, BK]; zeros past K cancel the junk columns of w
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # [BN, BK] @ [BK, BM]
-    out = tl.trans(acc).to(Y.dtype.element_ty)  # [BM, BN]
-    tl.store(Y + rows_m.to(tl.int64)[:, None] * stride_y + rows_n[None, :], out,
-             mask=(rows_m < M)[:, None] & (rows_n < N)[None, :])
-
-
-class QGemmConfig(NamedTuple):
-    block_m: int
-    block_n: int
-    block_k: int
-    warps: int
-    stages: int
-    swizzle: int = 8
-
-
-GPU_BLOCK = (16, 512, 4)  # (BLOCK_N, BLOCK_K, warps): 16 rows × 512 columns a program on the GPU
-
-
 def _block_k(want: int, group: int, K: int, per_row: bool) -> int:
     """A tile width holding whole groups, no wider than K needs."""
     bk = min(want, max(16, triton.next_power_of_2(K)))
@@ -182,43 +131,13 @@ def dequantize_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | Non
     assert q.stride(1) == 1 and out.stride(1) == 1 and (low is None or low.stride() == scale.stride())
     per_row = per_row_scales(group, K, low)
     if block is None:
-        block = GPU_BLOCK if q.is_cuda else (min(32, triton.next_power_of_2(N)), 256, 4)
+        block = DEQUANT_BLOCK if q.is_cuda else (min(32, triton.next_power_of_2(N)), 256, 4)
     bn, bk, warps = block
     bk = _block_k(bk, group, K, per_row)
     _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
         q, scale, low if low is not None else scale, out, N, K, q.shape[1], q.stride(0), scale.stride(0), out.stride(0),
         scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row,
         BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
-    return out
-
-
-def qgemm_config(M: int, on_gpu: bool) -> QGemmConfig:
-    """128 weight rows × 128 (64 for short inputs) activation rows × 64 columns a step, 8 warps, 3 stages on the
-    GPU; small tiles under the interpreter (its cost is per program and per op)."""
-    if not on_gpu:
-        return QGemmConfig(max(16, min(32, triton.next_power_of_2(M))), 32, 64, 4, 1, 4)
-    return QGemmConfig(128 if M > 64 else 64, 128, 64, 8, 3, 8)
-
-
-def qgemm_fwd(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int,
-              offset: int, group: int, K: int, out: torch.Tensor | None = None,
-              config: QGemmConfig | tuple | None = None) -> torch.Tensor:
-    """x [M, K] (rows contiguous) @ W^T for the quantized W [N, K] -> [M, N] in x's dtype (or `out`)."""
-    M = x.shape[0]
-    N = q.shape[0]
-    assert x.shape[1] == K and x.stride(1) == 1 and q.stride(1) == 1
-    assert low is None or low.stride() == scale.stride()
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-    assert out.shape == (M, N) and out.stride(1) == 1
-    per_row = per_row_scales(group, K, low)
-    cfg = QGemmConfig(*config) if config is not None else qgemm_config(M, x.is_cuda)
-    bk = _block_k(cfg.block_k, group, K, per_row)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    _qgemm_kernel[grid](
-        x, q, scale, low if low is not None else scale, out, M, N, K, q.shape[1], x.stride(0), q.stride(0),
-        scale.stride(0), out.stride(0), scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None,
-        PER_ROW=per_row, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SWIZZLE=cfg.swizzle,
-        STAGES=cfg.stages, DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
 
@@ -236,7 +155,7 @@ class LayerDequant(NamedTuple):
 def layer_block(on_gpu: bool, group: int, per_row: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) of a dequantize_layer launch: dequantize_fwd's GPU tile; smaller under the
     interpreter. The tile holds whole groups."""
-    bn, bk, warps = GPU_BLOCK if on_gpu else (16, 128, 4)
+    bn, bk, warps = DEQUANT_BLOCK if on_gpu else (16, 128, 4)
     return bn, bk if per_row else max(bk, group), warps
 
 

@@ -20,7 +20,7 @@ small loads are outside the pipeline). The same sums in the same order: only whi
 The decode step's two fused epilogues (qkv + RoPE + cache write, gate_up + SwiGLU) reuse this body:
 accel/kernels/qgemv_fused.py. Launch configs: accel/kernels/tuning.py's QGEMV, else `qgemv_config`'s rule.
 
-PDL (programmatic dependent launch, sm_90+; `PdlMode`, the default by code width: `PDL_DEFAULT`): each of
+PDL (programmatic dependent launch, sm_90+; a tuning.PdlMode, by code width: tuning.QGEMV_PDL): each of
 these kernels may then be launched while the kernel before it is still running. Before `gdc_wait` a program only
 prefetches its own weight tiles and scales into L2 (weights are not written after load; a prefetch is a hint,
 and L2 is where writes land, so a line fetched early is still current); x, the norm weight, the residual, `out`,
@@ -35,8 +35,7 @@ long caches.
 """
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import Mapping, NamedTuple
+from typing import Mapping
 
 import torch
 import triton
@@ -46,9 +45,8 @@ from . import tuning
 from .common import (PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SWIGLU, epilogue, gdc_launch_dependents, gdc_wait,
                      pdl_available, pdl_kw, per_row_scales, prefetch_l2, prefetch_rows_l2, prologue_fx, rms_rstd,
                      sm_count, split_k_epilogue, split_scratch)
-from .chain import wait_count
 from .qdot import chunk_dots, fixed_point, group_param
-from .tuning import QGemvConfig
+from .tuning import PdlMode, QGemvConfig
 
 
 @triton.jit
@@ -122,7 +120,7 @@ def _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, 
 
 
 @triton.jit
-def _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr,
+def pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr,
                HAS_MIN: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr):
     """A program's start (module doc, PDL): the first PF_LINES 128-byte lines of each of its rows' bytes
     kb_lo..kb_hi and the rows' first scale (and minimum) line into L2, then (PDL) the wait for the previous kernel.
@@ -140,17 +138,14 @@ def _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS: tl.const
 
 
 @triton.jit
-def _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
+def rows_dot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
               OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
               PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr,
               STAGES: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
-              PF_LINES: tl.constexpr, DONE=None, n_done=0, CHAINED: tl.constexpr = False):
-    """A kernel's body up to its epilogue: `_pdl_start`, (CHAINED: the wait until DONE has counted n_done, the
-    work that writes X in the same launch: accel/kernels/chain.py) `_qdot` over bytes kb_lo .. kb_hi of rows_c,
-    and with TRIGGER 2 the next kernel's launch after the main loop -> [BLOCK_N] fp32."""
-    _pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
-    if CHAINED:
-        wait_count(DONE, n_done)
+              PF_LINES: tl.constexpr):
+    """A kernel's body up to its epilogue: `pdl_start`, `_qdot` over bytes kb_lo .. kb_hi of rows_c, and with
+    TRIGGER 2 the next kernel's launch after the main loop -> [BLOCK_N] fp32."""
+    pdl_start(Q, S, M, rows_c, kb_lo, kb_hi, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
     acc = _qdot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
                 HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST)
     if TRIGGER == 2:
@@ -159,7 +154,7 @@ def _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, kb_hi, K, KB, stride_q, stride_s, e
 
 
 @triton.jit
-def _whole_rows(X, NW, K, eps, BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr,
+def whole_row_fx(X, NW, K, eps, BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr,
                 PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr):
     """The persistent kernels' f(x) over the whole row (one tile), as its fixed point, once a program: F, 2^-s,
     Σ f(x) a chunk (`_fx_fixed`)."""
@@ -172,7 +167,7 @@ def _whole_rows(X, NW, K, eps, BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN
 
 
 @triton.jit
-def _block_sums(Q, S, M, rows_c, next_c, KB, stride_q, stride_s, n_groups, F, unit, xc, BITS: tl.constexpr,
+def block_sums(Q, S, M, rows_c, next_c, KB, stride_q, stride_s, n_groups, F, unit, xc, BITS: tl.constexpr,
                 OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr, SLINES: tl.constexpr):
     """A persistent program's row block rows_c over the whole row (one tile, f(x) given) -> [BLOCK_N] fp32,
@@ -202,17 +197,17 @@ def _qgemv_kernel(Q, S, M, X, NW, R, Y, P, CNT, N, K, KB, stride_q, stride_s, ep
                   PERSIST: tl.constexpr = False, SLINES: tl.constexpr = 0):
     """Program (row block b, K slice s): rows b·BN .. (b+1)·BN over bytes s·kb_split .. (s+1)·kb_split of Q.
     PERSIST (one K slice, one tile a row): program b takes row blocks b, b + programs, ... through a STAGES-deep
-    cp.async pipeline, f(x)'s fixed point built once; SLINES: `_block_sums`. PDL, TRIGGER, PF_LINES: `_pdl_start`."""
+    cp.async pipeline, f(x)'s fixed point built once; SLINES: `block_sums`. PDL, TRIGGER, PF_LINES: `pdl_start`."""
     b = tl.program_id(0)
     if PERSIST:
         step = tl.num_programs(0)
-        _pdl_start(Q, S, M, tl.minimum(b * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64), 0, KB, stride_q,
+        pdl_start(Q, S, M, tl.minimum(b * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64), 0, KB, stride_q,
                    stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER, PF_LINES)
-        F, unit, xc = _whole_rows(X, NW, K, eps, BITS, OFFSET, HAS_MIN, PROLOGUE, BLOCK_K, K_POW2)
+        F, unit, xc = whole_row_fx(X, NW, K, eps, BITS, OFFSET, HAS_MIN, PROLOGUE, BLOCK_K, K_POW2)
         for blk in tl.range(b, tl.cdiv(N, BLOCK_N), step, num_stages=STAGES):
             rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             rows_c = tl.minimum(rows, N - 1).to(tl.int64)
-            acc = _block_sums(Q, S, M, rows_c, tl.minimum(rows + step * BLOCK_N, N - 1).to(tl.int64), KB, stride_q,
+            acc = block_sums(Q, S, M, rows_c, tl.minimum(rows + step * BLOCK_N, N - 1).to(tl.int64), KB, stride_q,
                               stride_s, n_groups, F, unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N,
                               BLOCK_K, FAST, SLINES)
             epilogue(acc, R, Y, rows, N, HAS_RESIDUAL)
@@ -229,16 +224,14 @@ def _slice_block(Q, S, M, X, NW, R, Y, P, CNT, b, sp, N, K, KB, stride_q, stride
                  BITS: tl.constexpr, OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr,
                  PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr,
-                 FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr, DONE=None,
-                 n_done=0, CHAINED: tl.constexpr = False):
-    """Row block b over K slice sp (bytes sp·kb_split ..), then the (split-K) epilogue; DONE, n_done, CHAINED:
-    `_rows_dot`'s wait (accel/kernels/qmlp.py's down)."""
+                 FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr):
+    """Row block b over K slice sp (bytes sp·kb_split ..), then the (split-K) epilogue."""
     rows = b * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read row N-1; the stores are masked
     kb_lo = sp * kb_split
-    acc = _rows_dot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
+    acc = rows_dot(Q, S, M, X, NW, rows_c, kb_lo, tl.minimum(kb_lo + kb_split, KB), K, KB, stride_q, stride_s, eps,
                     n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, PROLOGUE, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST,
-                    PDL, TRIGGER, PF_LINES, DONE, n_done, CHAINED)
+                    PDL, TRIGGER, PF_LINES)
     split_k_epilogue(acc, P, CNT, R, Y, rows, N, sp, b, SPLIT_K, HAS_RESIDUAL)
 
 
@@ -269,44 +262,24 @@ def qgemv_config(N: int, K: int, bits: int, group: int, sms: int, whole_rows: bo
     return QGemvConfig(bn, bk, 4, tiles, 1)
 
 
-def _fast(q: torch.Tensor, bits: int, K: int) -> bool:
+def fast_path(q: torch.Tensor, bits: int, K: int) -> bool:
     """The PTX path (GPU) reads the codes as 32-bit words: rows 4-byte aligned and whole words."""
     return q.is_cuda and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and triton.cdiv(K * bits, 8) % 4 == 0
 
 
-class PdlMode(NamedTuple):
-    """How the kernels launch on sm_90+ (module doc, PDL). trigger: "wait" (the next kernel may launch once our
-    wait has returned), "late" (once our main loop is done) or "none" (plain launches: only the prefetch, and only
-    in the kernels with the RMSNorm prologue, whose first weight loads otherwise wait for x's loads and the rstd
-    reduction); prefetch: tiles of a program's weights prefetched into L2 first (0: none; more than a program has:
-    all of them). "none" is a benchmark variant, not a default: in its one measurement (int8, tools/bench/NOTES.md,
-    "int8 decode speed") it was slower than plain launches at 1B and about tied at 3B."""
-    trigger: str = "wait"
-    prefetch: int = 1
-
-
-# The mode by code width, as measured in the engine (tools.bench.quant_roles): the int4 step gains with
-# the trigger after the wait; int8's GEMVs, closer to the bandwidth, ran slower beside an early-launched successor
-# than the overlap saved, and gain only with the trigger after the main loop and the 1-tile prefetch.
-PDL_DEFAULT: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: PdlMode("late", 1)})
-
-
-def _pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
-                rope: bool, norm: bool = True) -> dict:
-    """The PDL constexprs and launch option for `mode` ("default": PDL_DEFAULT's; none off sm_90 or under the
-    interpreter) for a kernel with (norm) or without the RMSNorm prologue. Without PDL the qkv + RoPE kernel still
-    lets its dependents launch at its start: the decode attention, PDL-launched over long caches."""
+def pdl_kwargs(mode: PdlMode | None | str, q: torch.Tensor, cfg: QGemvConfig, bits: int, program_bytes: int,
+                rope: bool) -> dict:
+    """The PDL constexprs and launch option for `mode` ("default": tuning.QGEMV_PDL's; None: plain launches; none off
+    sm_90 or under the interpreter). Launched plainly, the qkv + RoPE kernel still lets its dependents launch at
+    its start: the decode attention, PDL-launched over long caches."""
     if not pdl_available(q):
         return {}
-    mode = PDL_DEFAULT.get(bits) if mode == "default" else mode
-    plain = dict(TRIGGER=1) if rope else {}
+    mode = tuning.QGEMV_PDL.get(bits) if mode == "default" else mode
     if mode is None:
-        return plain
-    assert mode.trigger in ("wait", "late", "none") and mode.prefetch >= 0, mode
+        return dict(TRIGGER=1) if rope else {}
+    assert mode.trigger in ("wait", "late") and mode.prefetch >= 0, mode
     nbytes = min(mode.prefetch * cfg.block_k * bits // 8, program_bytes)
     lines = triton.next_power_of_2(triton.cdiv(nbytes, 128)) if nbytes else 0
-    if mode.trigger == "none":
-        return dict(plain, PF_LINES=lines) if norm and lines else plain
     return dict(PDL=True, TRIGGER=1 if mode.trigger == "wait" else 2, PF_LINES=lines, **pdl_kw(True))
 
 
@@ -316,7 +289,7 @@ def k_slices(cfg: QGemvConfig, K: int) -> tuple[int, int]:
     return k_split, triton.cdiv(K, k_split)
 
 
-def _operands(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, x: torch.Tensor | None = None,
+def check_operands(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, x: torch.Tensor | None = None,
               n: int = 0, norm_weight: torch.Tensor | None = None) -> None:
     """The launchers' checks on their operands: the weight's codes, scales (and minima) with contiguous rows; x
     (if given) contiguous with n elements; the norm weight (if given) contiguous [n]."""
@@ -327,14 +300,14 @@ def _operands(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, x:
         assert norm_weight.shape == (n,) and norm_weight.stride(0) == 1, f"the norm weight must be contiguous [{n}]"
 
 
-def _launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int) -> None:
+def launch_checks(cfg: QGemvConfig, bits: int, group: int, per_row: bool, K: int) -> None:
     chunk = 128 // bits
     assert cfg.block_k % chunk == 0, f"block_k {cfg.block_k}: whole {chunk}-column chunks (16 bytes)"
     assert per_row or group % chunk == 0, f"group {group}: whole {chunk}-column chunks"
     assert not cfg.programs or (cfg.split_k == 1 and cfg.block_k >= K), "persistent: one K slice, one tile a row"
 
 
-def _persist_kwargs(cfg: QGemvConfig, blocks: int, scale: torch.Tensor, per_row: bool) -> tuple[tuple, dict]:
+def persist_kwargs(cfg: QGemvConfig, blocks: int, scale: torch.Tensor, per_row: bool) -> tuple[tuple, dict]:
     """The grid and constexprs: one program a row block (and K slice), or cfg.programs persistent ones, which
     prefetch each next row block's scale lines (SLINES a row; on the GPU: the interpreter has no prefetch)."""
     if not cfg.programs:
@@ -347,24 +320,27 @@ def _persist_kwargs(cfg: QGemvConfig, blocks: int, scale: torch.Tensor, per_row:
 def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int, group: int,
               K: int, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
               swiglu: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              config: QGemvConfig | tuple | None = None, pdl: PdlMode | None | str = "default") -> torch.Tensor:
+              config: QGemvConfig | tuple | None = None, table: Mapping[tuple, QGemvConfig] = tuning.QGEMV,
+              pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """y = [residual +] W @ f(x) for the quantized W [N, K] (module doc), x [K] or [1, K] ([2K] with swiglu)
-    -> [1, N] in x's dtype (or `out`); f and the epilogue as accel.kernels.gemv.gemv_fwd. pdl: a PdlMode, None
-    (plain launches) or "default" (PDL_DEFAULT's for the code width)."""
+    -> [1, N] in x's dtype (or `out`); f and the epilogue as accel.kernels.gemv.gemv_fwd. config: else `table`'s
+    row or the rule (qgemv_config). pdl: a PdlMode, None (plain launches) or "default" (tuning.QGEMV_PDL's for the
+    code width)."""
     N = q.shape[0]
     xv = x.reshape(-1)
-    _operands(q, scale, low, xv, 2 * K if swiglu else K)
+    check_operands(q, scale, low, xv, 2 * K if swiglu else K)
     assert not (swiglu and norm_weight is not None), "one prologue at a time"
     out = torch.empty((1, N), dtype=x.dtype, device=x.device) if out is None else out
     per_row = per_row_scales(group, K, low)
-    cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device))
-    _launch_checks(cfg, bits, group, per_row, K)
+    cfg = QGemvConfig(*config) if config is not None else qgemv_config(N, K, bits, group, sm_count(q.device),
+                                                                       table=table)
+    launch_checks(cfg, bits, group, per_row, K)
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE
     blocks = triton.cdiv(N, cfg.block_n)
     k_split, split = k_slices(cfg, K)
     pack = 8 // bits
     p, c = split_scratch(q.device, split * N, blocks) if split > 1 else (out, out)
-    grid, persist = _persist_kwargs(cfg, blocks, scale, per_row)
+    grid, persist = persist_kwargs(cfg, blocks, scale, per_row)
     _qgemv_kernel[grid + (split,)](
         q, scale, low if low is not None else scale, xv, norm_weight if norm_weight is not None else xv,
         residual if residual is not None else out, out, p, c, N, K, triton.cdiv(K, pack), q.stride(0),
@@ -372,6 +348,6 @@ def qgemv_fwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bi
         HAS_MIN=low is not None, PER_ROW=per_row, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(K) if prologue == PROLOGUE_NORM else 1, SPLIT_K=split, STAGES=cfg.stages,
-        FAST=_fast(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages, **persist,
-        **_pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False, norm=prologue == PROLOGUE_NORM))
+        FAST=fast_path(q, bits, K), num_warps=cfg.warps, num_stages=cfg.stages, **persist,
+        **pdl_kwargs(pdl, q, cfg, bits, k_split // pack, rope=False))
     return out

@@ -3,13 +3,15 @@
 qkv + RoPE + KV-cache write (`qkv_rope_qfwd`: accel/kernels/qkv_rope.py's epilogue) and gate_up + SwiGLU
 (`gate_up_swiglu_qfwd`): a program owns whole rows in pairs — a head's two halves, or gate row i and up row F + i —
 so the epilogue has both sums of a pair; no rearranging of the weights. The body up to the epilogue, the launch
-configs and the PDL modes are qgemv.py's (its module doc): its private helpers (`_rows_dot`, `_whole_rows`,
-`_block_sums`, `_pdl_start`, ...) are shared within this package on purpose, one body for all three kernels.
+configs and the PDL modes are qgemv.py's (its module doc): its helpers (`rows_dot`, `whole_row_fx`, `block_sums`,
+`pdl_start`, ...) are one body for all three kernels.
 gate_up + SwiGLU can also run persistent (a config with `programs` > 0, as qgemv.py's: P programs looping over
 row-pair blocks, f(x)'s fixed point built once a program); qkv + RoPE cannot (a program owns one head's pair).
-Configs come through `qgemv.qgemv_config`, so what replaces that (tools.bench.quant_roles) reaches these kernels too.
+Configs come through `qgemv.qgemv_config` (the table a Tuning carries, else the rule), as qgemv_fwd's.
 """
 from __future__ import annotations
+
+from typing import Mapping
 
 import torch
 import triton
@@ -17,10 +19,10 @@ import triton.language as tl
 
 from . import qgemv
 from .common import gdc_launch_dependents, per_row_scales, sm_count
-from .qgemv import (PdlMode, _block_sums, _fast, _launch_checks, _operands, _pdl_kwargs, _pdl_start, _persist_kwargs,
-                    _rows_dot, _whole_rows)
+from .qgemv import (block_sums, check_operands, fast_path, launch_checks, pdl_kwargs, pdl_start, persist_kwargs,
+                    rows_dot, whole_row_fx)
 from .qkv_rope import rope_store
-from .tuning import QGemvConfig
+from .tuning import QGEMV, PdlMode, QGemvConfig
 
 
 @triton.jit
@@ -38,7 +40,7 @@ def _qkv_rope_kernel(Q, S, M, X, NW, COS, SIN, POS, QO, CK, CV, K, KB, stride_q,
                      PDL: tl.constexpr = False, TRIGGER: tl.constexpr = 0, PF_LINES: tl.constexpr = 0):
     """accel/kernels/qkv_rope.py's norm + qkv + RoPE + cache write for a quantized weight: a program's BLOCK_N
     rows are BLOCK_N/2 columns of the first half of one head and the matching BLOCK_N/2 of its second half.
-    PDL, TRIGGER, PF_LINES: `_pdl_start` (TRIGGER 1 without PDL: at once, for the decode attention after us)."""
+    PDL, TRIGGER, PF_LINES: `pdl_start` (TRIGGER 1 without PDL: at once, for the decode attention after us)."""
     half: tl.constexpr = E // 2
     HN: tl.constexpr = BLOCK_N // 2
     per_head: tl.constexpr = (half + HN - 1) // HN
@@ -47,7 +49,7 @@ def _qkv_rope_kernel(Q, S, M, X, NW, COS, SIN, POS, QO, CK, CV, K, KB, stride_q,
     i = tl.arange(0, BLOCK_N)
     c = (b % per_head) * HN + i % HN  # [BN] the column in the head's first half
     rows_c = (head * E + tl.minimum(c, half - 1) + (i // HN) * half).to(tl.int64)  # tail columns re-read a row
-    acc = _rows_dot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
+    acc = rows_dot(Q, S, M, X, NW, rows_c, 0, KB, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
                     HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL, TRIGGER, PF_LINES)
     a1, a2 = _halves(acc, HN)  # [HN] each: first-half and second-half rows
     cols = (b % per_head) * HN + tl.arange(0, HN)
@@ -65,36 +67,36 @@ def _gate_up_swiglu_kernel(Q, S, M, X, NW, Y, F, K, KB, stride_q, stride_s, eps,
                            PERSIST: tl.constexpr = False, SLINES: tl.constexpr = 0):
     """norm + gate_up GEMV + SwiGLU: a program's BLOCK_N rows are BLOCK_N/2 gate rows and the matching up rows
     (F further down: the qkv + RoPE kernel's pairing), so its epilogue writes silu(gate)·up straight to Y [F].
-    PERSIST, SLINES: as `_qgemv_kernel`'s. PDL, TRIGGER, PF_LINES: `_pdl_start`."""
+    PERSIST, SLINES: as `_qgemv_kernel`'s. PDL, TRIGGER, PF_LINES: `pdl_start`."""
     HN: tl.constexpr = BLOCK_N // 2
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK_N)
     if PERSIST:
         step = tl.num_programs(0)
-        _pdl_start(Q, S, M, _pair_rows(b, i, F, HN), 0, KB, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER,
+        pdl_start(Q, S, M, _pair_rows(b, i, F, HN), 0, KB, stride_q, stride_s, BITS, GROUP, HAS_MIN, PDL, TRIGGER,
                    PF_LINES)
-        Fx, unit, xc = _whole_rows(X, NW, K, eps, BITS, OFFSET, HAS_MIN, 1, BLOCK_K, K_POW2)
+        Fx, unit, xc = whole_row_fx(X, NW, K, eps, BITS, OFFSET, HAS_MIN, 1, BLOCK_K, K_POW2)
         for blk in tl.range(b, tl.cdiv(F, HN), step, num_stages=STAGES):
-            acc = _block_sums(Q, S, M, _pair_rows(blk, i, F, HN), _pair_rows(blk + step, i, F, HN), KB, stride_q,
+            acc = block_sums(Q, S, M, _pair_rows(blk, i, F, HN), _pair_rows(blk + step, i, F, HN), KB, stride_q,
                               stride_s, n_groups, Fx, unit, xc, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, BLOCK_N,
                               BLOCK_K, FAST, SLINES)
             _swiglu_store(acc, Y, blk, F, HN)
         if TRIGGER == 2:
             gdc_launch_dependents()
     else:
-        gate_up_block(Q, S, M, X, NW, Y, b, F, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
+        _gate_up_block(Q, S, M, X, NW, Y, b, F, K, KB, stride_q, stride_s, eps, n_groups, BITS, OFFSET, GROUP,
                       HAS_MIN, PER_ROW, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST, PDL, TRIGGER, PF_LINES)
 
 
 @triton.jit
-def gate_up_block(Q, S, M, X, NW, Y, b, F, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
+def _gate_up_block(Q, S, M, X, NW, Y, b, F, K, KB, stride_q, stride_s, eps, n_groups, BITS: tl.constexpr,
                   OFFSET: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, PER_ROW: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, STAGES: tl.constexpr,
                   FAST: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr, PF_LINES: tl.constexpr):
-    """One program's work of the unpersisted kernel (also accel/kernels/qmlp.py's first phase): row-pair block b
+    """One program's work of the unpersisted kernel: row-pair block b
     (`_pair_rows`) over whole rows with the norm prologue, silu(gate)·up stored to Y."""
     HN: tl.constexpr = BLOCK_N // 2
-    acc = _rows_dot(Q, S, M, X, NW, _pair_rows(b, tl.arange(0, BLOCK_N), F, HN), 0, KB, K, KB, stride_q, stride_s,
+    acc = rows_dot(Q, S, M, X, NW, _pair_rows(b, tl.arange(0, BLOCK_N), F, HN), 0, KB, K, KB, stride_q, stride_s,
                     eps, n_groups, BITS, OFFSET, GROUP, HAS_MIN, PER_ROW, 1, BLOCK_N, BLOCK_K, K_POW2, STAGES, FAST,
                     PDL, TRIGGER, PF_LINES)
     _swiglu_store(acc, Y, b, F, HN)
@@ -124,10 +126,11 @@ def half_block(cfg: QGemvConfig) -> int:
     return hn
 
 
-def gate_up_config(N: int, K: int, bits: int, group: int, sms: int) -> QGemvConfig:
+def gate_up_config(N: int, K: int, bits: int, group: int, sms: int,
+                   table: Mapping[tuple, QGemvConfig] = QGEMV) -> QGemvConfig:
     """gate_up + SwiGLU's launch config: the table's row for W [N, K] when it does not split K, else the rule's
     unsplit config (the SwiGLU needs both sums complete)."""
-    cfg = qgemv.qgemv_config(N, K, bits, group, sms)
+    cfg = qgemv.qgemv_config(N, K, bits, group, sms, table=table)
     return cfg if cfg.split_k == 1 else qgemv.qgemv_config(N, K, bits, group, sms, whole_rows=True, table={})
 
 
@@ -135,22 +138,23 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
                   group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor, position: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                   q_out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None,
-                  pdl: PdlMode | None | str = "default") -> torch.Tensor:
+                  table: Mapping[tuple, QGemvConfig] = QGEMV, pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """accel.kernels.qkv_rope.qkv_rope_fwd for the quantized W [(H+2K)·E, D] (module doc): one launch, the same
-    roundings -> q_rot [1, H, E]; rope(k) and v written to slot `position` of the caches. pdl: as qgemv_fwd."""
+    roundings -> q_rot [1, H, E]; rope(k) and v written to slot `position` of the caches. table, pdl: as
+    qgemv_fwd's."""
     NKV, S, E = cache_k.shape
     N = q.shape[0]
     H = N // E - 2 * NKV
     assert H > 0 and N == (H + 2 * NKV) * E and E % 2 == 0, "weight rows must be (H + 2K)·E"
-    _operands(q, scale, low, x, K, norm_weight)
+    check_operands(q, scale, low, x, K, norm_weight)
     assert cache_v.shape == cache_k.shape and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     assert cos.shape == (S, E // 2) and cos.stride(1) == 1 and sin.stride(1) == 1 and position.numel() == 1
     q_out = torch.empty((1, H, E), dtype=x.dtype, device=x.device) if q_out is None else q_out
     assert q_out.is_contiguous() and q_out.numel() == H * E
     per_row = per_row_scales(group, K, low)
     cfg = (QGemvConfig(*config) if config is not None
-           else qgemv.qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True))
-    _launch_checks(cfg, bits, group, per_row, K)
+           else qgemv.qgemv_config(N, K, bits, group, sm_count(q.device), whole_rows=True, table=table))
+    launch_checks(cfg, bits, group, per_row, K)
     hn = half_block(cfg)
     assert not cfg.programs, "the qkv + RoPE kernel takes one program a head block"
     _qkv_rope_kernel[((H + 2 * NKV) * triton.cdiv(E // 2, hn),)](
@@ -158,33 +162,35 @@ def qkv_rope_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
         triton.cdiv(K, 8 // bits), q.stride(0), scale.stride(0), float(eps), scale.shape[1], cos.stride(0),
         sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), H, NKV, E=E,
         BITS=bits, OFFSET=offset, GROUP=group, HAS_MIN=low is not None, PER_ROW=per_row, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=_fast(q, bits, K),
-        num_warps=cfg.warps, num_stages=cfg.stages, **_pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=True))
+        BLOCK_K=cfg.block_k, K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=fast_path(q, bits, K),
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=True))
     return q_out
 
 
 def gate_up_swiglu_qfwd(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, bits: int, offset: int,
                         group: int, K: int, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         out: torch.Tensor | None = None, config: QGemvConfig | tuple | None = None,
+                        table: Mapping[tuple, QGemvConfig] = QGEMV,
                         pdl: PdlMode | None | str = "default") -> torch.Tensor:
     """swiglu(gate, up) of linear(rms_norm(x), W) for the quantized W [2F, K] (rows gate, then up): one launch,
     the roundings of the unfused GEMV then accel.kernels.swiglu -> [1, F] in x's dtype. A program owns whole
     rows (the launch table's row for W when it does not split K, else the rule's unsplit config: the SwiGLU needs
-    both sums complete). pdl: as qgemv_fwd."""
+    both sums complete). table, pdl: as qgemv_fwd's."""
     N = q.shape[0]
     F = N // 2
     assert N == 2 * F, "weight rows must be 2F (gate, then up)"
-    _operands(q, scale, low, x, K, norm_weight)
+    check_operands(q, scale, low, x, K, norm_weight)
     out = torch.empty((1, F), dtype=x.dtype, device=x.device) if out is None else out
     per_row = per_row_scales(group, K, low)
-    cfg = QGemvConfig(*config) if config is not None else gate_up_config(N, K, bits, group, sm_count(q.device))
-    _launch_checks(cfg, bits, group, per_row, K)
+    cfg = (QGemvConfig(*config) if config is not None
+           else gate_up_config(N, K, bits, group, sm_count(q.device), table))
+    launch_checks(cfg, bits, group, per_row, K)
     hn = half_block(cfg)
-    grid, persist = _persist_kwargs(cfg, triton.cdiv(F, hn), scale, per_row)
+    grid, persist = persist_kwargs(cfg, triton.cdiv(F, hn), scale, per_row)
     _gate_up_swiglu_kernel[grid](
         q, scale, low if low is not None else scale, x, norm_weight, out, F, K, triton.cdiv(K, 8 // bits),
         q.stride(0), scale.stride(0), float(eps), scale.shape[1], BITS=bits, OFFSET=offset, GROUP=group,
         HAS_MIN=low is not None, PER_ROW=per_row, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=_fast(q, bits, K), num_warps=cfg.warps,
-        num_stages=cfg.stages, **persist, **_pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=False))
+        K_POW2=triton.next_power_of_2(K), STAGES=cfg.stages, FAST=fast_path(q, bits, K), num_warps=cfg.warps,
+        num_stages=cfg.stages, **persist, **pdl_kwargs(pdl, q, cfg, bits, q.shape[1], rope=False))
     return out

@@ -11,7 +11,7 @@ rows of the weight, [HALF_N, K] each, all loaded at once (no K loop; K = 3072 is
 three 1024-wide ones took half the registers but were slower).
 Rows are whole (one program does the full K), so the pair is complete in the program and no reduce is needed.
 The streaming variant (_qkv_rope_stream_kernel; QkvConfig.stages > 0) walks K in tiles through shared memory
-instead, like gemv's "stream" kind: faster at the 3B's shape (tools/bench/NOTES.md).
+instead, like gemv's "stream" kind: faster at the 3B's shape (docs/performance.md).
 
 Why: at batch 1 a separate rope/KV-write kernel and its launch gap cost a third of the qkv GEMV's time, and
 reading the position and cos/sin rows in the kernel also drops the decode step's two index_select launches.

@@ -9,7 +9,7 @@ Two launchers:
     `positions` (one launch instead of rope + two cache copies; the decode step is launch-bound, so launches count).
 One program handles all heads of one token's q, k or v as one [heads, E/2] tile: grid (T, 2) or (T, 3). One
 single-warp program per (token, head) was ~9x slower at T = 2048, and one program a token slower at T = 1
-(decode), hence the q/k/v split (three programs in parallel for one token; figures in tools/bench/NOTES.md).
+(decode), hence the q/k/v split (three programs in parallel for one token; figures in docs/performance.md).
 """
 from __future__ import annotations
 

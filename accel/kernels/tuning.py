@@ -1,13 +1,14 @@
-"""Launch configurations of the decode-step kernels: plain data, measured on the GPU, read by the launchers.
+"""Launch configurations of the kernels: plain data, measured on the GPU, read by the launchers.
 
 GEMV      (N, K) of the weight -> GemvConfig (accel/kernels/gemv.py); shapes not listed use `gemv.gemv_config`'s rule.
 QKV_ROPE  (N, K) of the fused qkv weight -> QkvConfig (accel/kernels/qkv_rope.py); else `qkv_rope.qkv_config`'s rule.
 QGEMV     (N, K, bits, group[, "rope"]) of a quantized weight -> QGemvConfig (accel/kernels/qgemv.py); else its rule.
-QMLP      (N, K, bits, group) of a quantized gate_up -> QMlpConfig, the MLP as one launch (accel/kernels/qmlp.py).
-ATTN_O    (N, K, bits, group) of o inside the chained attention + o launch (accel/kernels/attn_o.py); else its rule.
+QGEMV_PDL code width -> PdlMode: how the quantized decode kernels launch on sm_90+ (accel/kernels/qgemv.py, PDL).
 A `Tuning` bundles one table of each plus the decode attention's launch options; the engine runs `DEFAULT`.
-Benchmarks that try other configs build their own `Tuning` and pass it in (tools/bench/decode_variants.py): nothing
-here is rewritten at run time. The measurements behind every row (on 132 SMs) are in tools/bench/NOTES.md.
+Below them, the constants the other launchers read as they are (the decode attention's context thresholds and
+prefetch, the argmax's block, the prefill dequantize's tile): measured like the tables, not per run.
+Benchmarks that try other configs build their own `Tuning` and pass it in: nothing here is rewritten at run time.
+The measurements behind the rows (on 132 SMs): docs/performance.md.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ GEMV: Mapping[tuple[int, int], GemvConfig] = MappingProxyType({
     (128256, 2048): GemvConfig("split", 8, 2048, 8),  # 1B lm_head
     (128256, 3072): GemvConfig("split", 4, 4096, 8),  # 3B lm_head
     # Llama 3.2 11B-Vision's text decoder (its cross layers' q is the o shape); the rule's persistent kernel was
-    # slower at each, down by 1.8× (tools/bench/NOTES.md, vision decode)
+    # slower at each, down by 1.8× (docs/performance.md, vision decode)
     (4096, 4096): GemvConfig("stream", 8, 512, 4, 512, 4),  # 11B o, cross q
     (28672, 4096): GemvConfig("stream", 16, 512, 4, 264, 3),  # 11B gate_up
     (4096, 14336): GemvConfig("stream", 16, 512, 4, 256, 3),  # 11B down
@@ -101,35 +102,44 @@ QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
     (128256, 3072, 4, 64): QGemvConfig(8, 4096, 2, 1, 3, 764),
 })
 
-# o's tiles inside the chained attention + o launch (accel/kernels/attn_o.py), per (N, K, bits, group) as QGEMV
-# (bits 16, group 0: the dense weight); the warps field is unused (the attention's). Shapes not listed take
-# `attn_o.attn_o_config`'s rule (o's own GEMV row without persistence).
-ATTN_O: Mapping[tuple, QGemvConfig] = MappingProxyType({})
+
+class PdlMode(NamedTuple):
+    """How the quantized decode kernels launch on sm_90+ (accel/kernels/qgemv.py, PDL). trigger: "wait" (the next
+    kernel may launch once our wait has returned) or "late" (once our main loop is done); prefetch: tiles of a
+    program's weights prefetched into L2 before the wait (0: none; more than a program has: all of them)."""
+    trigger: str = "wait"
+    prefetch: int = 1
 
 
-class QMlpConfig(NamedTuple):
-    """The quantized decode MLP as one launch (accel/kernels/qmlp.py): its num_warps, down's tiles (None: down's own
-    QGEMV row or rule; gate_up's are always its own) and whether down's programs prefetch their K slice into L2
-    while they wait for h."""
-    warps: int
-    down: QGemvConfig | None = None
-    prefetch: bool = True
-
-
-# The chained MLP per (N, K, bits, group) of gate_up. Where a key is listed the decode step runs its MLP as one
-# launch; elsewhere as two kernels (accel.quant_ops.quant_norm_mlp_add). Empty: at the Llama 3.2 1B / 3B shapes,
-# int8 and int4:64, every chained config tried was slower than the two kernels (tools.bench.quant_mlp).
-QMLP: Mapping[tuple, QMlpConfig] = MappingProxyType({})
+# The mode by code width, as measured in the engine: the int4 step gains with the trigger after the wait; int8's
+# GEMVs, closer to the bandwidth, ran slower beside an early-launched successor than the overlap saved, and gain
+# only with the trigger after the main loop and the 1-tile prefetch. None (plain launches): what off sm_90 runs.
+QGEMV_PDL: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: PdlMode("late", 1)})
 
 
 class Tuning(NamedTuple):
-    """The launch tables the decode step's fused ops read (accel.ops.fused): GEMV, QKV_ROPE and the decode
-    attention's keyword options (accel.kernels.decode_attn.decode_attention_fwd: split_len, max_len, config;
-    cross_decode_attention_fwd: split_len, config)."""
+    """The launch tables the decode step's fused ops read (accel.ops.fused and the quantized matrices' products,
+    accel.quant_ops.QuantTensor): GEMV, QKV_ROPE, QGEMV, QGEMV_PDL and the decode attention's keyword options
+    (accel.kernels.decode_attn.decode_attention_fwd: split_len, max_len, config; cross_decode_attention_fwd:
+    split_len, config)."""
     gemv: Mapping[tuple[int, int], GemvConfig] = GEMV
     qkv_rope: Mapping[tuple[int, int], QkvConfig] = QKV_ROPE
+    qgemv: Mapping[tuple, QGemvConfig] = QGEMV
+    qgemv_pdl: Mapping[int, PdlMode | None] = QGEMV_PDL
     decode_attention: Mapping[str, object] = MappingProxyType({})
     cross_attention: Mapping[str, object] = MappingProxyType({})  # cross_decode_attention_fwd's (split_len, config)
 
 
 DEFAULT = Tuning()
+
+# The decode attention (accel/kernels/decode_attn.py), from its sweeps (full caches, H=32 K=8 E=64):
+DECODE_PREFETCH_SLOTS = 64  # slots a split prefetches into L2 before the PDL wait
+LONG_CONTEXT = 8192  # caches from this many slots take the long-context launch (TMA, 256-slot blocks, PDL)
+LONGER_CONTEXT = 16384  # and from this many, at E <= 64, its double-buffered 128-slot blocks with q late
+# Many query heads a kv head (the vision encoder's padding rows): the separate combine kernel over splits of
+# MANY_ROWS_SPLIT keys past MANY_QUERY_ROWS query heads a kv head
+MANY_QUERY_ROWS = 16
+MANY_ROWS_SPLIT = 512
+
+ARGMAX_BLOCK = 1024  # accel/kernels/argmax.py: 126 programs for V = 128256, about one an SM
+DEQUANT_BLOCK = (16, 512, 4)  # accel/kernels/qdequant.py (BLOCK_N, BLOCK_K, warps): 16 rows × 512 columns a program

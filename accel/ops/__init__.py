@@ -3,11 +3,13 @@ plain torch version (accel/ops/torch_ops.py), picked per call by accel/ops/dispa
 
     interface.py        the op interface of refimpl.model.interface (trace mode runs forward_steps over these)
     fused.py            the fast path's fused ops (accel.model), contract in fused_interface.py
+    dense.py            a plain weight tensor's products (the fused ops call a weight matrix's own method; a
+                        quantized matrix, accel.quant_ops.QuantTensor, has the same methods with its kernels)
     torch_ops.py        the torch version of each
 `from accel import ops` gives all of them: `ops.rms_norm(...)`, `ops.qkv_rope(...)`.
 """
 from .dispatch import INTERPRET, torch_only, triton_available, uses_triton
-from .fused import (add_rms_norm, argmax_row, attention_o_add, causal_attention, decode_attention,
+from .fused import (add_rms_norm, argmax_row, causal_attention, decode_attention,
                     embedding_rms_norm, greedy_next, linear_add, norm_cross_attention, norm_linear, norm_mlp_add,
                     qkv_rope, rope_kv_write, swiglu_gate_up, swiglu_linear_add)
 from .fused_interface import FUSED_OP_NAMES, FusedOps
@@ -15,7 +17,7 @@ from .interface import (attention, cross_attention, embedding, encoder_attention
                         lora_linear, lora_merge, rms_norm, rope, rope_tables, swiglu)
 
 __all__ = ["INTERPRET", "torch_only", "triton_available", "uses_triton", "FUSED_OP_NAMES", "FusedOps",
-           "add_rms_norm", "argmax_row", "attention_o_add", "causal_attention", "decode_attention",
+           "add_rms_norm", "argmax_row", "causal_attention", "decode_attention",
            "embedding_rms_norm", "greedy_next",
            "linear_add", "norm_cross_attention", "norm_linear", "norm_mlp_add", "qkv_rope", "rope_kv_write",
            "swiglu_gate_up", "swiglu_linear_add",

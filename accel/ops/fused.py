@@ -1,25 +1,22 @@
 """The fused ops (contract: accel.ops.fused_interface), each a Triton kernel or its torch version
-(accel.ops.dispatch)."""
+(accel.ops.dispatch). The ops multiplying by a weight matrix call the matrix's own method (`matrix`): a quantized
+matrix chooses its kernels itself (accel.quant_ops.QuantTensor), a plain tensor takes accel.ops.dense's."""
 from __future__ import annotations
 
 import torch
 
-from .. import quant_ops as quant
 from ..kernels.argmax import argmax_fwd
-from ..kernels.attn_o import attention_o_fwd, chained
 from ..kernels.decode_attn import cross_decode_attention_fwd, decode_attention_fwd
 from ..kernels.flash_attn import cross_attention_fwd, flash_attention_fwd
-from ..kernels.gemv import gemv_fwd
-from ..kernels.qkv_rope import qkv_rope_fwd
 from ..kernels.rms_norm import add_rms_norm_fwd, embedding_rms_norm_fwd
 from ..kernels.rope import rope_kv_write_fwd
 from ..kernels.swiglu import swiglu_gate_up_fwd
 from ..kernels.tuning import DEFAULT, Tuning
+from .dense import DenseMatrix
 from .dispatch import rows, uses_triton
 from .torch_ops import (torch_add_rms_norm, torch_argmax_row, torch_causal_attention, torch_decode_attention,
-                        torch_embedding_rms_norm, torch_greedy_next, torch_linear_add, torch_norm_cross_attention,
-                        torch_norm_linear, torch_qkv_rope, torch_rope_kv_write, torch_swiglu_gate_up,
-                        torch_swiglu_linear_add)
+                        torch_embedding_rms_norm, torch_greedy_next, torch_norm_cross_attention, torch_rope_kv_write,
+                        torch_swiglu_gate_up)
 
 
 def add_rms_norm(x, residual, weight, eps):
@@ -63,54 +60,30 @@ def decode_attention(q, cache_k, cache_v, position, tuning: Tuning = DEFAULT):
     return torch_decode_attention(q, cache_k, cache_v, position)
 
 
-def attention_o_add(q, cache_k, cache_v, position, weight, residual, tuning: Tuning = DEFAULT):
-    if uses_triton(q) and chained():
-        opts = {"pdl": True, **tuning.decode_attention}  # pdl: as decode_attention's
-        if is_quantized(weight):
-            return quant.quant_attention_o_add(rows(q), cache_k, cache_v, position, weight, residual, opts)
-        return attention_o_fwd(rows(q), cache_k, cache_v, position, weight, residual, **opts)
-    a = decode_attention(q, cache_k, cache_v, position, tuning)  # [1, H, E]
-    return linear_add(a.reshape(1, -1), weight, residual, tuning)
+def matrix(weight):
+    """weight with the decode step's products as methods: a quantized matrix (accel.quant_ops.QuantTensor) carries
+    its own kernels; a plain tensor takes accel.ops.dense.DenseMatrix's."""
+    return DenseMatrix(weight) if isinstance(weight, torch.Tensor) else weight
 
 
 def qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v, tuning: Tuning = DEFAULT):
-    if is_quantized(weight):
-        return quant.quant_qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v)
-    if uses_triton(x):
-        return qkv_rope_fwd(weight, x, norm_weight, eps, cos, sin, position, cache_k, cache_v, table=tuning.qkv_rope)
-    return torch_qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v)
+    return matrix(weight).qkv_rope(x, norm_weight, eps, cos, sin, position, cache_k, cache_v, tuning)
 
 
 def norm_linear(x, norm_weight, weight, eps, tuning: Tuning = DEFAULT):
-    if is_quantized(weight):
-        return quant.quant_norm_linear(x, norm_weight, weight, eps)
-    if uses_triton(x):
-        return gemv_fwd(weight, x, norm_weight=norm_weight, eps=eps, table=tuning.gemv)
-    return torch_norm_linear(x, norm_weight, weight, eps)
+    return matrix(weight).norm_linear(x, norm_weight, eps, tuning)
 
 
 def linear_add(a, weight, residual, tuning: Tuning = DEFAULT, gate=None):
-    if is_quantized(weight):
-        assert gate is None, "the quantized GEMV has no gated epilogue"
-        return quant.quant_linear_add(a, weight, residual)
-    if uses_triton(a):
-        return gemv_fwd(weight, a, residual=residual, gate=gate, out=residual, table=tuning.gemv)
-    return torch_linear_add(a, weight, residual, gate)
+    return matrix(weight).linear_add(a, residual, tuning, gate)
 
 
 def swiglu_linear_add(gate_up, weight, residual, tuning: Tuning = DEFAULT, gate=None):
-    if is_quantized(weight):
-        assert gate is None, "the quantized GEMV has no gated epilogue"
-        return quant.quant_swiglu_linear_add(gate_up, weight, residual)
-    if uses_triton(gate_up):
-        return gemv_fwd(weight, gate_up, swiglu=True, residual=residual, gate=gate, out=residual, table=tuning.gemv)
-    return torch_swiglu_linear_add(gate_up, weight, residual, gate)
+    return matrix(weight).swiglu_linear_add(gate_up, residual, tuning, gate)
 
 
 def norm_mlp_add(x, norm_weight, gate_up, down, eps, tuning: Tuning = DEFAULT):
-    if is_quantized(gate_up):
-        return quant.quant_norm_mlp_add(x, norm_weight, gate_up, down, eps)
-    return swiglu_linear_add(norm_linear(x, norm_weight, gate_up, eps, tuning), down, x, tuning)
+    return matrix(gate_up).norm_mlp_add(x, norm_weight, matrix(down), eps, tuning)
 
 
 def norm_cross_attention(q, norm_weight, eps, keys, values, visible, tuning: Tuning = DEFAULT):
@@ -120,11 +93,6 @@ def norm_cross_attention(q, norm_weight, eps, keys, values, visible, tuning: Tun
                                               **tuning.cross_attention)
         return cross_attention_fwd(rows(q), keys, values, rows(visible), norm_weight, eps)
     return torch_norm_cross_attention(q, norm_weight, eps, keys, values, visible)
-
-
-def is_quantized(weight) -> bool:
-    """A weight-only quantized matrix (accel.quant_ops.QuantTensor) takes the quantized GEMV of the same fused op."""
-    return not isinstance(weight, torch.Tensor)
 
 
 def argmax_row(logits):

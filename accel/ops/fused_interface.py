@@ -11,6 +11,8 @@ Dimension letters as in refimpl.model.interface (T S D F V H K E ...). Dtype rul
 model dtype, rms_norm's HF cast order, RoPE in fp32, attention scores and softmax in fp32, fp32 accumulation.
 `position` is a [1] int64 device tensor (the new token's slot): read on the device, never on the host.
 `tuning` (accel.kernels.tuning.Tuning) picks the kernels' launch configs; the torch versions ignore it.
+A `weight` matrix is a plain tensor or a quantized one (accel.quant_ops.QuantTensor): the op calls the matrix's own
+product of the same name (accel.ops.fused.matrix), so a quantized weight takes its quantized GEMV.
 
 Prefill (T tokens):
     embedding_rms_norm the embedding gather + the first layer's attention norm: one launch, at the start.
@@ -22,9 +24,6 @@ Decode (one token, the residual stream x [1, D] updated in place):
     qkv_rope           attn norm + qkv GEMV + RoPE + cache write: one launch.
     decode_attention   split-K attention over the cache, the length read from `position`.
     linear_add         o GEMV + residual add (a cross layer's: times its tanh gate first).
-    attention_o_add    decode_attention then linear_add; inside attn_o.chained_launch(True) one launch whose o
-                       programs fetch their weights while the attention runs (accel/kernels/attn_o.py: slower
-                       so far, not the default).
     norm_linear        mlp norm + gate_up GEMV (also final norm + lm_head, a cross layer's norm + q).
     swiglu_linear_add  SwiGLU + down GEMV + residual add (gated, as linear_add).
     norm_mlp_add       the whole MLP block in two launches, the SwiGLU wherever it costs least: in down's
@@ -89,12 +88,6 @@ class FusedOps(Protocol):
         rounded to the dtype before the add); returns residual. gate [1] (a device tensor, model dtype):
         residual += gate · linear(a, weight), the product rounded before the add."""
 
-    def attention_o_add(self, q: Tensor, cache_k: Tensor, cache_v: Tensor, position: Tensor, weight: Tensor,
-                        residual: Tensor, tuning: Tuning = DEFAULT) -> Tensor:
-        """q [1, H, E], cache_k/cache_v [K, S, E], position [1], weight [D, H·E], residual [1, D] -> residual +=
-        linear(decode_attention(q, cache_k, cache_v, position), weight) in place (= linear_add of it: the same
-        roundings); returns residual. PDL as decode_attention's: the previous kernel may write q and the cache."""
-
     def swiglu_linear_add(self, gate_up: Tensor, weight: Tensor, residual: Tensor,
                           tuning: Tuning = DEFAULT, gate: Tensor | None = None) -> Tensor:
         """gate_up [1, 2F], weight [D, F], residual [1, D] -> residual += linear(swiglu_gate_up(gate_up), weight)
@@ -124,6 +117,5 @@ class FusedOps(Protocol):
 
 FUSED_OP_NAMES: tuple[str, ...] = ("embedding_rms_norm", "add_rms_norm", "rope_kv_write", "swiglu_gate_up",
                                    "causal_attention", "decode_attention", "qkv_rope", "norm_linear", "linear_add",
-                                   "attention_o_add",
                                    "swiglu_linear_add", "norm_mlp_add", "norm_cross_attention", "argmax_row",
                                    "greedy_next")

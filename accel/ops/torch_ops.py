@@ -137,22 +137,17 @@ def torch_norm_cross_attention(q, norm_weight, eps, keys, values, visible):
     return out.view(K, G, T, E).permute(2, 0, 1, 3).reshape(T, H, E)
 
 
-def unfused_qkv_rope(norm_linear, rope_kv_write, x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v):
-    """norm -> qkv -> rope -> cache write as two ops (`norm_linear`, then `rope_kv_write` at the position's
-    cos/sin rows, gathered on the device): the torch path, and the quantized weights' path."""
+def torch_qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v):
+    """norm -> qkv -> rope -> cache write as torch_norm_linear, then torch_rope_kv_write at the position's cos/sin
+    rows (gathered on the device)."""
     K, _, E = cache_k.shape
     H = weight.shape[0] // E - 2 * K
-    qkv = norm_linear(x, norm_weight, weight, eps)  # [1, D] -> [1, (H+2K)·E]
+    qkv = torch_norm_linear(x, norm_weight, weight, eps)  # [1, D] -> [1, (H+2K)·E]
     q = qkv[:, : H * E].view(1, H, E)
     k = qkv[:, H * E: (H + K) * E].view(1, K, E)
     v = qkv[:, (H + K) * E:].view(1, K, E)
     cos1, sin1 = cos.index_select(0, position), sin.index_select(0, position)  # [S, E/2] -> [1, E/2]
-    return rope_kv_write(q, k, v, cos1, sin1, cache_k, cache_v, position)  # k_rot, v -> cache; q_rot
-
-
-def torch_qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v):
-    return unfused_qkv_rope(torch_norm_linear, torch_rope_kv_write, x, norm_weight, weight, eps, cos, sin, position,
-                            cache_k, cache_v)
+    return torch_rope_kv_write(q, k, v, cos1, sin1, cache_k, cache_v, position)  # k_rot, v -> cache; q_rot
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,7 +1,7 @@
 """Attention for training: `flash_attention(q, k, v, causal, mask)`, differentiable, GQA-native.
 
 On CUDA (and on CPU under TRITON_INTERPRET=1) forward and backward are the Triton kernels of
-accel/kernels/flash_attn_bwd.py: the forward saves only o and the log-sum-exp, the backward recomputes the
+accel/kernels/flash_attn_train.py: the forward saves only o and the log-sum-exp, the backward recomputes the
 probabilities blockwise. On CPU without the interpreter the same math runs in plain torch (fp32 softmax), and
 torch's autograd differentiates it.
 """
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from accel.kernels.flash_attn_bwd import flash_attn_bwd, flash_attn_train_fwd
+from accel.kernels.flash_attn_train import flash_attn_bwd, flash_attn_train_fwd
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,

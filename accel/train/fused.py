@@ -1,6 +1,6 @@
 """Differentiable fused ops of the training forward, each a torch.autograd.Function over Triton kernels:
-RMSNorm (accel/kernels/rms_norm.py forward, rms_norm_bwd.py backward), RoPE of q and k in one launch (the backward
-is the inverse rotation: the same kernel with −sin), SwiGLU over the fused gate_up output (swiglu.py, swiglu_bwd.py)
+RMSNorm (accel/kernels/rms_norm.py, forward and backward), RoPE of q and k in one launch (the backward
+is the inverse rotation: the same kernel with −sin), SwiGLU over the fused gate_up output (swiglu.py, both ways)
 or over separate gate and up outputs (HF's MLP: two linears, either of which PEFT may wrap).
 
 Each saves only its inputs and recomputes the rest in the backward. The frozen tensors (norm weights, cos/sin) get no
@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from accel.kernels.rms_norm import rms_norm_fwd
-from accel.kernels.rms_norm_bwd import rms_norm_bwd
+from accel.kernels.rms_norm import rms_norm_bwd, rms_norm_fwd
 from accel.kernels.rope import rope_fwd
-from accel.kernels.swiglu import swiglu_fwd, swiglu_gate_up_fwd
-from accel.kernels.swiglu_bwd import swiglu_gate_up_bwd
+from accel.kernels.swiglu import swiglu_fwd, swiglu_gate_up_bwd, swiglu_gate_up_fwd
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from accel.kernels.flash_attn_bwd import flash_attn_bwd, flash_attn_train_fwd
-from accel.kernels.rms_norm import rms_norm_fwd
-from accel.kernels.rms_norm_bwd import rms_norm_bwd
+from accel.kernels.flash_attn_train import flash_attn_bwd, flash_attn_train_fwd
+from accel.kernels.rms_norm import rms_norm_bwd, rms_norm_fwd
 from accel.kernels.rope import rope_fwd
-from accel.kernels.swiglu import swiglu_gate_up_fwd
-from accel.kernels.swiglu_bwd import swiglu_gate_up_bwd
+from accel.kernels.swiglu import swiglu_gate_up_bwd, swiglu_gate_up_fwd
 from accel.train.fused import rope_rows
 from accel.train.lora import lora_linear
 

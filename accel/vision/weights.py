@@ -18,7 +18,7 @@ import torch
 from refimpl.model.mllama import LM_HEAD, TEXT
 from refimpl.model.mllama_config import MllamaConfig
 
-from ..weights import Weights, _to_device, load_weights, params_view, random_weights
+from ..weights import Weights, load_weights, params_view, random_weights, to_device
 
 
 def fuse_rows(params: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
@@ -167,7 +167,7 @@ def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device
     out = {names[short]: t for short, t in params_view(text, sub).items()}
     for name, array in params.items():
         if name not in out:
-            out[name] = _to_device(array, device, dtype)
+            out[name] = to_device(array, device, dtype)
     return _with_cross_layers(_with_vision(MllamaWeights(text, self_layers, out), cfg), cfg)
 
 

@@ -1,4 +1,4 @@
-"""FlashAttention for training (accel/kernels/flash_attn_bwd.py via accel.train.attention.flash_attention).
+"""FlashAttention for training (accel/kernels/flash_attn_train.py via accel.train.attention.flash_attention).
 
 CPU, under TRITON_INTERPRET=1, fp32 (exact IEEE dots): the Triton forward and backward against the NumPy oracles
 (refimpl cross_attention forward, refimpl.train.grads.attention_backward) within 1e-5, on odd lengths, GQA ratios
@@ -14,7 +14,7 @@ import torch
 from refimpl.model import ops as R
 from refimpl.train import grads
 
-from accel.kernels.flash_attn_bwd import flash_attn_bwd, flash_attn_train_fwd
+from accel.kernels.flash_attn_train import flash_attn_bwd, flash_attn_train_fwd
 from accel.train.attention import attention_reference, flash_attention
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
