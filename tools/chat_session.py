@@ -30,10 +30,30 @@ def model_name(path: Path) -> str:
     return path.name
 
 
+def recorded_names(ckpt) -> list[str]:
+    """The names a checkpoint goes by, the ones it records first: config.json's `_name_or_path` (HF's; `quantize`
+    and `lora merge` write their source's name there), a GGUF file's general.name / basename / finetune, then the
+    name it was published under (model_name)."""
+    extra = getattr(ckpt.config, "extra", None) or {}
+    recorded = extra.get("_name_or_path")  # a Hub id or a path: its last part is the name
+    names = [recorded.rstrip("/").rsplit("/", 1)[-1] if isinstance(recorded, str) else None]
+    names += list(extra.get("names") or [])
+    return [n for n in names if isinstance(n, str) and n] + [model_name(ckpt.path)]
+
+
+def source_name(ckpt) -> str:
+    """The name a derived checkpoint (quantized, merged) records for its source: one that says instruct if any
+    does, so the copy chats by default as its source did, whatever its directory is called."""
+    names = recorded_names(ckpt)
+    return next((n for n in names if _INSTRUCT_NAME.search(n)), names[0])
+
+
 def wants_chat(ckpt) -> bool:
-    """Chat mode by default for a checkpoint that has a chat template and an instruct-style name."""
+    """Chat mode by default for a checkpoint that has a chat template and an instruct-style name among the names
+    it records (recorded_names)."""
     tok = ckpt.tokenizer
-    return tok is not None and tok.chat_template is not None and bool(_INSTRUCT_NAME.search(model_name(ckpt.path)))
+    return (tok is not None and tok.chat_template is not None
+            and any(_INSTRUCT_NAME.search(n) for n in recorded_names(ckpt)))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -51,6 +51,7 @@ def quantize(model, quant, method, rotate, calib, out):
     from refimpl.quant.apply import refuse_quantized
     from refimpl.quant.calibrate import calibration_sequences, quantize_model
     from refimpl.quant.rotate import ROTATION_SEED, record, rotate_model
+    from tools.chat_session import source_name
     from tools.engines import parse_quant, resolve_model
 
     spec = parse_quant(quant)
@@ -76,7 +77,7 @@ def quantize(model, quant, method, rotate, calib, out):
     save_quantized_weights(out, params, dtype)
     note = None if seqs is None else f"{(calib or CALIBRATION).name}, {sum(len(s) for s in seqs)} tokens"
     qcfg = quantization_config(spec, method, note, rotation)
-    write_side_files(ckpt, out, cfg.to_hf() | {"quantization_config": qcfg})
+    write_side_files(ckpt, out, cfg.to_hf() | {"quantization_config": qcfg, "_name_or_path": source_name(ckpt)})
     size = sum(f.stat().st_size for f in out.iterdir())
     click.echo(f"wrote {out}: {spec} by {method}{', rotated' if rotate else ''}{' on ' + note if note else ''}, "
                f"{size / 1e6:.1f} MB", err=True)
