@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from refimpl.errors import GenerationError
+from tools.cli.outdir import check_out_dir
 
 DTYPE_TAGS = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
@@ -46,8 +47,7 @@ def merge(model, adapter, out, dtype, max_shard_size):
     from tools.chat_session import source_name
 
     shard_bytes = _size(max_shard_size)
-    if out.exists() and any(out.iterdir()):
-        raise GenerationError(f"--out {out}: exists and is not empty; choose a new directory")
+    check_out_dir(out)
     ckpt = load_checkpoint(model)
     merged = merge_lora(ckpt.params, ckpt.config, load_lora(adapter, ckpt.config))
     gguf = not Path(model).is_dir()

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from refimpl.errors import GenerationError
+from tools.cli.outdir import check_out_dir
 from tools.cli.params import MODEL_OPTION, QUANT_HELP, UserPath
 
 CALIBRATION = Path(__file__).resolve().parent.parent / "data" / "calibration-en.txt"
@@ -57,8 +58,7 @@ def quantize(model, quant, method, rotate, calib, out):
     spec = parse_quant(quant)
     if spec.format == "gguf":
         raise GenerationError("--quant gguf keeps a GGUF file's blocks at load time; `quantize` writes int8 or int4")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise GenerationError(f"--out {out}: exists and is not an empty directory; choose a new directory")
+    check_out_dir(out)
     if method == "rtn" and calib is not None:
         raise GenerationError("--calib is used by --method search or gptq; rtn needs no calibration")
     text = None if method == "rtn" else _calibration_text(calib or CALIBRATION)
