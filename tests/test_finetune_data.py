@@ -211,3 +211,82 @@ def test_bad_columns(base, tmp_path, spec, expected):
     data = write_jsonl(tmp_path / "d.jsonl", [SHIPPED[0][0]])
     assert_clean_error(run_cli(finetune_args(base[0], data, tmp_path / "out", "--columns", spec)), "--columns",
                        expected)
+
+
+# ---- --out, --device, progress, and what is checked before torch -----------------------------------------------
+
+def test_out_holding_an_adapter_or_a_model_is_refused_unless_overwrite_or_resume(base, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", CONVERSATIONS[:2])
+    out = tmp_path / "out"
+    assert run_cli(finetune_args(base[0], data, out, "--max-steps", 1)).exit_code == 0
+    first = (out / "adapter_model.safetensors").read_bytes()
+    assert_clean_error(run_cli(finetune_args(base[0], data, out, "--max-steps", 1)), f"--out {out}",
+                       "holds a PEFT adapter", "--overwrite")
+    assert (out / "adapter_model.safetensors").read_bytes() == first  # untouched
+    assert_clean_error(run_cli(finetune_args(base[0], data, base[0], "--max-steps", 1)), "holds a model checkpoint")
+    assert not (base[0] / "adapter_config.json").exists()
+    (tmp_path / "file").write_text("x")
+    assert_clean_error(run_cli(finetune_args(base[0], data, tmp_path / "file")), "is not a directory")
+    # continuing the adapter in place is explicit enough; so is --overwrite
+    assert run_cli(finetune_args(base[0], data, out, "--max-steps", 1, "--init-adapter", out)).exit_code == 0
+    assert (out / "adapter_model.safetensors").read_bytes() != first
+    r = run_cli(finetune_args(base[0], data, out, "--max-steps", 1, "--overwrite", "--seed", 3))
+    assert r.exit_code == 0, r.output
+    (tmp_path / "empty").mkdir()
+    assert run_cli(finetune_args(base[0], data, tmp_path / "empty", "--max-steps", 1)).exit_code == 0
+
+
+def test_progress_on_stderr_without_json(base, tmp_path):
+    """Off a terminal: a line for the first step and the last (step/total, loss, lr, tokens per s); --json keeps
+    stderr free of them (its records carry the same)."""
+    data = write_jsonl(tmp_path / "d.jsonl", CONVERSATIONS)
+    r = run_cli(finetune_args(base[0], data, tmp_path / "out", "--max-steps", 3))
+    assert r.exit_code == 0, r.output
+    lines = [line for line in r.stderr.splitlines() if line.startswith("finetune step: ")]
+    assert [line.split()[2] for line in lines] == ["1/3", "3/3"], r.stderr
+    assert all(" loss " in line and " lr " in line and "tok/s" in line for line in lines)
+    assert r.stderr.startswith("finetune: 4 samples, 3 steps on cpu")
+    r = run_cli(finetune_args(base[0], data, tmp_path / "out2", "--max-steps", 1, "--json"))
+    assert r.exit_code == 0 and "finetune" not in r.stderr, r.stderr
+
+
+def test_gptq_quantize_shows_per_layer_progress(tmp_path):
+    from tools.debug.golden import DEFAULT_DIR
+    r = run_cli(["quantize", "--model", DEFAULT_DIR / "toy-gqa", "--quant", "int8", "--method", "gptq", "--out",
+                 tmp_path / "q"])
+    assert r.exit_code == 0, r.output
+    lines = [line for line in r.stderr.splitlines() if line.startswith("quantizing to int8 (gptq")]
+    assert [line.split(": ")[1].split()[0] for line in lines] == ["1/4", "2/4", "3/4", "4/4"], r.stderr
+    assert [line.split()[-1] for line in lines] == ["0", "1", "2", "lm_head"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_device_without_cuda_is_one_error_line(base, tmp_path, device):
+    data = write_jsonl(tmp_path / "d.jsonl", CONVERSATIONS)
+    assert_clean_error(run_cli(finetune_args(base[0], data, tmp_path / "out") + ["--device", device]),
+                       f"--device {device}", "no CUDA device", "--device cpu")
+
+
+PROBE = """
+import sys
+from tools.cli import main
+try:
+    main(sys.argv[1:], standalone_mode=False)
+except SystemExit as e:
+    print("exit", e.code)
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("case", ["missing file", "bad record", "bad option"])
+def test_bad_data_is_reported_before_torch_is_imported(base, tmp_path, case):
+    import subprocess
+    import sys
+    data = {"missing file": tmp_path / "nope.jsonl",
+            "bad record": write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a"}])}.get(case, tmp_path / "d.jsonl")
+    extra = ["--rank", "0"] if case == "bad option" else []
+    r = subprocess.run([sys.executable, "-c", PROBE, "finetune", "--model", str(base[0]), "--data", str(data),
+                        "--out", str(tmp_path / "out"), *extra], capture_output=True, text=True, timeout=120)
+    assert "exit 2" in r.stdout and "torch imported: False" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
