@@ -1,14 +1,185 @@
-"""The GPU sweeps (tools/bench/) import on any machine, and their CPU-side logic passes configs explicitly: the
-runtime's launch tables (accel/kernels/tuning.py) are read-only data that no sweep rewrites."""
+"""The benchmarks (tools/bench/) on a machine without a GPU: each is a leaf over tools.bench.common, answers --help,
+refuses bad names and a missing GPU in one line, and writes its record as JSON; the sweeps' CPU-side logic passes
+configs explicitly (the runtime's launch tables in accel/kernels/tuning.py are read-only data no sweep rewrites);
+`llama32 bench` says in one line where it runs; the installed package leaves the benchmarks out."""
+import ast
+import importlib
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
+from click.testing import CliRunner  # noqa: E402
+
 from accel.kernels import tuning  # noqa: E402
 from accel.kernels.tuning import GemvConfig, QkvConfig  # noqa: E402
-from tools.bench import (attn_sweep, decode_variants, gemv_sweep, gpu, prefill_profile, qgemv_sweep,  # noqa: E402, F401
-                         quant_prefill)
+from tools.bench import common  # noqa: E402
+from tools.bench.sweeps import gemv as gemv_sweep, qgemv as qgemv_sweep  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "tools" / "bench"
+LIVE = ["agreement", "cpu", "gpu", "load", "quant_gpu", "quant_quality", "startup", "train", "vision"]
+SWEEPS = ["sweeps.gemv", "sweeps.qgemv"]
+SCRIPTS = ["agreement", "cpu", "load", "quant_quality", "startup", "vision", *SWEEPS]  # those with a main()
+GPU_ONLY = ["vision", "sweeps.gemv", "sweeps.qgemv"]
+
+
+def bench_imports(module: str) -> set[str]:
+    """The tools.bench modules a benchmark's source imports (anywhere in the file, lazily too)."""
+    tree = ast.parse((BENCH / (module.replace(".", "/") + ".py")).read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tools.bench"):
+            found |= ({f"{node.module}.{a.name}" for a in node.names} if node.module == "tools.bench"
+                      else {node.module})
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("tools.bench")}
+    return found
+
+
+def test_the_benchmarks_are_these_files():
+    """A new script is added to LIVE or SWEEPS (and so to these checks) on purpose."""
+    on_disk = {str(p.relative_to(BENCH).with_suffix("")).replace("/", ".") for p in BENCH.rglob("*.py")}
+    assert on_disk == {"__init__", "common", "sweeps.__init__", *LIVE, *SWEEPS}
+
+
+@pytest.mark.parametrize("module", LIVE)
+def test_live_benchmarks_are_leaves_over_common(module):
+    assert bench_imports(module) <= {"tools.bench.common"}, module
+
+
+@pytest.mark.parametrize("module", SWEEPS)
+def test_sweeps_import_only_common_and_the_live_case_they_time(module):
+    assert bench_imports(module) <= {"tools.bench.common", "tools.bench.quant_gpu"}, module
+
+
+def test_model_map_and_gemv_shapes():
+    assert common.MODELS == {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
+    cfg = common.model_config("1b")
+    assert (cfg.hidden_size, cfg.num_hidden_layers) == (2048, 16)
+    assert common.decode_gemv_shapes(cfg) == {"qkv": (3072, 2048, "rope"), "o": (2048, 2048, "residual"),
+                                              "gate_up": (16384, 2048, "norm"), "down": (2048, 8192, "swiglu"),
+                                              "lm_head": (128256, 2048, "norm")}
+    assert gemv_sweep.shapes("3b") == {"qkv": (5120, 3072, "norm"), "o": (3072, 3072, "residual"),
+                                       "gate_up": (16384, 3072, "norm"), "down": (3072, 8192, "swiglu")}
+
+
+def test_record_names_command_device_date_and_versions(tmp_path, monkeypatch):
+    import torch
+    monkeypatch.setattr(sys, "argv", ["tools/bench/load.py", "--preset", "llama-3.2-1b"])
+    rec = common.record("cpu", rows=[1, 2])
+    assert set(rec) == {"command", "device", "date", "torch", "triton", "rows"} and rec["rows"] == [1, 2]
+    assert rec["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert rec["command"].endswith("--preset llama-3.2-1b") and "CPU" in rec["device"]
+    assert len(rec["date"]) == len("2026-11-26 12:00 UTC") and rec["date"].endswith(" UTC")
+    assert common.record("cpu", command="llama32 bench --models 1b")["command"] == "llama32 bench --models 1b"
+    common.write_record(tmp_path / "r.json", rec)
+    assert json.loads((tmp_path / "r.json").read_text()) == rec
+    common.write_record(None, rec)  # no path: nothing written, no error
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmarks_answer_help(script, capsys):
+    main = importlib.import_module(f"tools.bench.{script}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and f"python3 -m tools.bench.{script}" in out
+    assert ("--json-out" in out) == (script not in SWEEPS)
+
+
+@pytest.mark.parametrize("script", GPU_ONLY)
+def test_gpu_benchmarks_refuse_bad_names_and_a_missing_gpu_in_one_line(script, capsys, monkeypatch, tmp_path):
+    """Bad model names are argparse errors (exit 2, one line naming the option); without CUDA one error line and
+    no file written."""
+    main = importlib.import_module(f"tools.bench.{script}").main
+    out = [str(tmp_path)] if script in SWEEPS else ["--json-out", str(tmp_path / "r.json")]
+    if script in SWEEPS:
+        with pytest.raises(SystemExit) as e:
+            main([*out, "--models", "1b,8b"])
+        assert e.value.code == 2 and "--models 1b,8b: expected names of 1b, 3b" in capsys.readouterr().err
+    if script == "sweeps.qgemv":
+        with pytest.raises(SystemExit) as e:
+            main([*out, "--quant", "int5"])
+        assert e.value.code == 2 and "--quant int5:" in capsys.readouterr().err
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main(out)
+    assert e.value.code == (f"error: python3 -m tools.bench.{script} needs a CUDA GPU "
+                            "(torch.cuda.is_available() is False here)")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_agreement_writes_its_record(tmp_path, capsys):
+    """tools.bench.agreement on the tiny vision model, CPU, fp32: the table, and the record with the results."""
+    out = tmp_path / "agreement.json"
+    from tools.bench import agreement
+    agreement.main(["--vision", "--device", "cpu", "--dtype", "fp32", "--weights", "fp32", "--steps", "6",
+                    "--prompt-tokens", "8", "--json-out", str(out)])
+    rec = json.loads(out.read_text())
+    assert rec["command"] and "CPU" in rec["device"] and rec["model"] == "vision-tiny" and rec["steps"] == 6
+    assert rec["top1_agreement"] == 1.0  # both fp32: only summation order differs
+    assert "vision-tiny" in capsys.readouterr().out
+
+
+def test_llama32_bench_refuses_without_cuda_and_unknown_models(monkeypatch):
+    from tools.cli import main
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    r = CliRunner().invoke(main, ["bench", "--models", "1b"])
+    assert r.exit_code == 2 and r.output.strip() == ("error: llama32 bench needs a CUDA GPU "
+                                                     "(torch.cuda.is_available() is False here)")
+    r = CliRunner().invoke(main, ["bench", "--models", "1b,8b"])
+    assert r.exit_code == 2 and r.output.strip() == ("error: --models: unknown model '8b' (expected a list of 1b, 3b, "
+                                                     "11b-vision, 90b-vision)")
+
+
+def test_llama32_bench_writes_the_common_record(monkeypatch, tmp_path):
+    """The table and the JSON record of `llama32 bench` (the measurements replaced: they need a GPU): the command as
+    typed, the device, the date and versions, then the rows the measurements returned."""
+    from tools.bench import gpu
+    from tools.cli import main
+    row = {"model": "llama-3.2-1b", "decode_tok_s": 900.0, "roofline_tok_s": 1000.0, "roofline_pct": 90.0,
+           "decode_tok_s_torch_ops": 300.0, "prefill_ms": 9.0, "prefill_gpu_ms": 6.0, "prefill_tflop_s": 400.0,
+           "peak_gpu_mem_gb": 2.7, "prefill_tokens": 2048}
+    calls = []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(common, "device_name", lambda device="cuda": "Test GPU")
+    monkeypatch.setattr(common, "copy_bandwidth", lambda device: 3.0)
+    monkeypatch.setattr(common, "gemm_tflops", lambda device: 700.0)
+    monkeypatch.setattr(gpu, "model_bench", lambda name, cfg, *a, **k: calls.append((name, cfg.hidden_size)) or row)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--models", "1b", "--skip-hf", "--skip-attention", "--json-out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/llama32", "--debug", *argv])
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 0, r.output
+    assert calls == [("llama-3.2-1b", 2048)]
+    assert "\nllama32 bench — Test GPU — " in "\n" + r.output and "llama-3.2-1b" in r.output
+    rec = json.loads(out.read_text())
+    assert rec["command"] == f"llama32 bench --models 1b --skip-hf --skip-attention --json-out {out}"
+    assert (rec["device"], rec["copy_tb_s"], rec["gemm_tflop_s"], rec["models"]) == ("Test GPU", 3.0, 700.0, [row])
+    assert rec["date"].endswith(" UTC") and rec["torch"]
+
+
+def test_llama32_bench_without_the_benchmarks_says_to_run_from_a_checkout(monkeypatch):
+    """As installed from a wheel (tools.bench excluded): one error line, exit 2."""
+    from tools.cli import main
+    for name in [m for m in sys.modules if m == "tools.bench" or m.startswith("tools.bench.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tools.bench", None)  # import of tools.bench fails as if it were absent
+    r = CliRunner().invoke(main, ["bench"])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
+    assert r.output.startswith("error: llama32 bench runs from a checkout of the repository")
+
+
+def test_package_leaves_the_benchmarks_out():
+    import setuptools
+    tomllib = pytest.importorskip("tomllib")
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = setuptools.find_packages(str(ROOT), include=find["include"], exclude=find.get("exclude", ()))
+    assert {"tools", "tools.cli", "accel", "refimpl"} <= set(packages)
+    assert not [p for p in packages if p.startswith("tools.bench")]
 
 
 def test_launch_tables_are_read_only():
@@ -32,17 +203,6 @@ def test_swept_winners_become_a_tuning_not_a_table_edit():
     assert t.gemv[(2048, 2048)] == GemvConfig("split", 16, 1024, 4, None, 3)
     assert t.gemv[(16384, 2048)] == tuning.GEMV[(16384, 2048)] and t.qkv_rope is tuning.QKV_ROPE
     assert dict(tuning.GEMV) == before
-
-
-def test_winner_rules_keep_the_table_unless_one_percent_faster():
-    (N, K), row = next(iter(tuning.GEMV.items()))
-    json_key = json.dumps(list(row))
-    key = (N, K)
-    other = ["split", 32, 512, 4, None, 3]
-    slow = {"N": N, "K": K, "configs": {json_key: 10.0}, "best_config": other, "best_us": 9.95}
-    fast = dict(slow, best_us=9.8)
-    assert decode_variants.gemv_winner(slow) == {}
-    assert decode_variants.gemv_winner(fast) == {key: GemvConfig(*other)}
 
 
 def test_qgemv_candidates_include_the_table_row_and_the_rule():
@@ -75,209 +235,20 @@ def test_qgemv_table_source_is_the_table_with_winners_past_the_margin():
     assert table(row) == {**tuning.QGEMV, (N, K, bits, group): QGemvConfig(*other)}
 
 
-def test_qgemv_probe_persistent_candidates_are_launchable_and_deal_row_blocks_evenly():
-    """tools.bench.qgemv_probe's persistent configs: one tile a row (the launcher's check), no repeats, and a
-    program count that leaves fewer idle slots in the last round than one program's share."""
-    from accel.kernels.qgemv import _launch_checks
-    from tools.bench import qgemv_probe
-    for N, K, paired in [(16384, 2048, True), (2048, 8192, False), (128256, 3072, False), (3072, 3072, False)]:
-        cands = qgemv_probe.persistent_candidates(N, K, 4, 132, paired)
-        assert cands and len(cands) == len(set(cands))
-        for c in cands:
-            _launch_checks(c, 4, 64, False, K)
-            blocks = -(-N // c.block_n)  # paired: block_n / 2 rows of each half, the same count
-            rounds = -(-blocks // c.programs)
-            assert 0 < c.programs <= blocks and c.programs * rounds - blocks < rounds, (N, K, c)
-
-
-def _reporting_ops(monkeypatch):
-    """accel.quant_ops' ops of the decode step, each answering (the mode it would launch with, the MLP layout)."""
-    from accel import quant_ops
-    from tools.bench import quant_roles
-    for name in quant_roles.OPS:
-        monkeypatch.setattr(quant_ops, name, lambda *a: (quant_ops._DECODE_PDL.get(),
-                                                         quant_ops._SWIGLU_IN_GATE_UP.get()))
-
-
-def _step_calls(cfg, gate_up_swiglu: bool) -> dict:
-    """The accel.quant_ops call each role of a decode step makes (placeholders for tensors; weights by shape)."""
-    from types import SimpleNamespace
-    D, F, qkv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size
-    w = lambda N, K: SimpleNamespace(shape=(N, K))  # noqa: E731
-    return {"qkv": ("quant_qkv_rope", ("x", "nw", w(qkv, D), 1e-5)),
-            "o": ("quant_linear_add", ("a", w(D, cfg.q_size), "r")),
-            "gate_up": ("quant_norm_swiglu", ("x", "nw", w(2 * F, D), 1e-5)) if gate_up_swiglu
-            else ("quant_norm_linear", ("x", "nw", w(2 * F, D), 1e-5)),
-            "down": ("quant_linear_add", ("a", w(D, F), "r")) if gate_up_swiglu
-            else ("quant_swiglu_linear_add", ("gu", w(D, F), "r")),
-            "lm_head": ("quant_norm_linear", ("x", "nw", w(cfg.vocab_size, D), 1e-5))}
-
-
-@pytest.mark.parametrize("gate_up_swiglu", [True, False])
-def test_quant_roles_route_each_kernel_its_own_mode_and_config(monkeypatch, gate_up_swiglu):
-    """tools.bench.quant_roles.per_role: each op of the step (o and down told apart by K, gate_up's norm GEMV and
-    the lm_head by rows; with the SwiGLU in gate_up's epilogue or in down's prologue) launches with its role's mode
-    (a role left out: plain launches), the MLP layout is the one asked for, and the launch table gets the variant's
-    int8 rows; outside, the kernels' defaults."""
-    from types import SimpleNamespace
-
-    from accel import quant_ops
-    from accel.kernels import qgemv
-    from accel.kernels.qgemv import PdlMode
-    from accel.kernels.tuning import QGemvConfig
-    from tools.bench import quant_roles
-    _reporting_ops(monkeypatch)
-    cfg = SimpleNamespace(q_size=32, kv_size=8, hidden_size=32, intermediate_size=64, vocab_size=100)
-    calls = _step_calls(cfg, gate_up_swiglu)
-    seen = lambda: {r: getattr(quant_ops, n)(*a) for r, (n, a) in calls.items()}  # noqa: E731
-    modes = {"o": PdlMode("wait", 1), "down": PdlMode("late", 0)}
-    with quant_roles.per_role(cfg, "1b", modes, {("1b", "down"): (4, 64, 1, 2, 2), ("3b", "o"): (2, 32, 1, 1, 1)},
-                              gate_up_swiglu):
-        assert seen() == {r: (modes.get(r), gate_up_swiglu) for r in calls}
-        assert qgemv.qgemv_config(32, 64, 8, 64, 132) == QGemvConfig(4, 64, 1, 2, 2)  # down's row, this model's
-        assert qgemv.qgemv_config(32, 32, 8, 32, 132) == qgemv.qgemv_config(32, 32, 8, 32, 132, table={})
-    for only in quant_roles.ROLES:  # the one-role set's shape: the mode on one kernel, plain on the others
-        with quant_roles.per_role(cfg, "1b", {only: modes["o"]}, {}, gate_up_swiglu):
-            assert seen() == {r: (modes["o"] if r == only else None, gate_up_swiglu) for r in calls}
-    assert qgemv.qgemv_config(32, 64, 8, 64, 132) == qgemv.qgemv_config(32, 64, 8, 64, 132, table={})
-    assert seen() == {r: ("default", True) for r in calls}
-
-
-@pytest.mark.parametrize("gate_up_swiglu", [True, False])
-def test_quant_roles_reach_every_kernel_of_a_real_quantized_step(monkeypatch, gate_up_swiglu):
-    """Inside per_role, a tiny int8 engine's prefill and greedy decode (CPU, torch path): every quantized product
-    launches with the mode of the matrix it multiplies by (told by the matrix itself here, not by its shape), and
-    the MLP runs in the layout asked for."""
-    from accel import quant_ops
-    from accel.engine import AccelEngine
-    from accel.kernels.qgemv import PdlMode
-    from refimpl.formats.params import Checkpoint, random_params
-    from refimpl.quant.formats import QuantSpec
-    from test_gguf import tiny_config
-    from tools.bench import quant_roles
-    cfg = tiny_config(tied=False)
-    eng = AccelEngine.from_checkpoint(Checkpoint(None, cfg, random_params(cfg, seed=1, std=0.1)), device="cpu",
-                                      dtype="fp32", quant=QuantSpec.parse("int8"), use_triton=False)
-    role = {id(eng.weights.lm_head): "lm_head"}
-    role.update({id(getattr(lw, r)): r for lw in eng.weights.layers for r in ("qkv", "o", "gate_up", "down")})
-    seen = set()
-
-    def spy(name, f):
-        def op(*args):
-            w = next(a for a in args if id(a) in role)
-            seen.add((name, role[id(w)], quant_ops._DECODE_PDL.get(), quant_ops._SWIGLU_IN_GATE_UP.get()))
-            return f(*args)
-        return op
-    for name in quant_roles.OPS:
-        monkeypatch.setattr(quant_ops, name, spy(name, getattr(quant_ops, name)))
-    modes = {r: PdlMode("wait", i) for i, r in enumerate(quant_roles.ROLES)}
-    with quant_roles.per_role(cfg, "1b", modes, {}, gate_up_swiglu):
-        sess = eng.session(8)
-        eng.decode_greedy(sess, eng.prefill([1, 2, 3], sess), 3, 3)
-    assert {r for _, r, _, _ in seen} == set(quant_roles.ROLES)
-    assert all(mode == modes[r] and layout == gate_up_swiglu for _, r, mode, layout in seen), seen
-    down_op = "quant_linear_add" if gate_up_swiglu else "quant_swiglu_linear_add"
-    assert {n for n, r, _, _ in seen if r == "down"} == {down_op}
-
-
-def test_quant_roles_times_each_variant_inside_its_own_context(monkeypatch):
-    """tools.bench.quant_roles.compare: bf16 first, then per format every variant of the set (with reverse, the set
-    again backwards), each engine built and timed inside the variant's context — the ops of the step see its modes
-    and the MLP layout asked for, the engine gets its decode-attention options — and each row says whether its
-    greedy tokens equal the first variant's."""
-    from refimpl.model.config import PRESETS
-    from tools.bench import quant_roles
-    _reporting_ops(monkeypatch)
-    from accel import quant_ops
-    cfg = PRESETS["llama-3.2-1b"]
-    monkeypatch.setattr(quant_roles, "random_weights", lambda *a, **k: "bf16 weights")
-    monkeypatch.setattr(quant_roles, "quantize_weights", lambda w, spec: f"{spec.format} weights")
-    timed = []
-
-    def rate_within(cfg_, weights, context, tuning=None, warm=False):
-        assert cfg_ is cfg and not warm
-        with context:
-            layout = quant_ops._SWIGLU_IN_GATE_UP.get()
-            seen = {r: getattr(quant_ops, n)(*a)[0] for r, (n, a) in _step_calls(cfg, layout).items()}
-        timed.append((weights, layout, seen, dict(tuning.decode_attention) if tuning else {}))
-        return 100.0 * len(timed), [7, 7, len(timed) % 2]  # tokens: every other run differs from the first
-    monkeypatch.setattr(quant_roles, "rate_within", rate_within)
-    variants = quant_roles.MODES[:2] + quant_roles.MODES[-1:]
-    rows = quant_roles.compare("1b", ["int8", "int4:64"], variants, reverse=True, gate_up_swiglu=False)
-    order = [v.name for v in variants + variants[::-1]]
-    assert [(r["quant"], r["variant"]) for r in rows] == [("bf16", "plain")] + [
-        (q, n) for q in ("int8", "int4:64") for n in order]
-    assert timed[0][0] == "bf16 weights" and [t[0] for t in timed[1:]] == ["int8 weights"] * 6 + ["int4 weights"] * 6
-    for (weights, layout, seen, attention), row in zip(timed[1:], rows[1:]):
-        v = next(v for v in variants if v.name == row["variant"])
-        assert not layout and seen == {r: v.modes.get(r) for r in quant_roles.ROLES} and attention == v.attention
-    assert [r["tokens_equal_first"] for r in rows[1:7]] == [True, False, True, False, True, False]
-    assert rows[2]["x_bf16"] == 3.0 and rows[2]["modes"]["down"] == {"trigger": "wait", "prefetch": 0}
-
-
-@pytest.mark.parametrize("script, flag", [("quant_swiglu", "--specs"), ("quant_roles", "--specs"),
-                                          ("qgemv_probe", "--quant"), ("quant_mlp", "--specs"),
-                                          ("attn_o", "--specs")])
-def test_quant_decode_benchmarks_answer_help_and_refuse_without_cuda(script, flag, capsys, monkeypatch, tmp_path):
-    """--help works without a GPU; bad names are argparse errors (exit 2); no CUDA is one error line, no traceback."""
-    import importlib
-    main = importlib.import_module(f"tools.bench.{script}").main
-    with pytest.raises(SystemExit) as e:
-        main(["--help"])
-    assert e.value.code == 0 and f"python3 -m tools.bench.{script}" in capsys.readouterr().out
-    for bad, message in [("--models=1b,8b", "--models 1b,8b: expected names of 1b, 3b"), (f"{flag}=int5", f"{flag}:")]:
-        with pytest.raises(SystemExit) as e:
-            main([str(tmp_path), bad])
-        assert e.value.code == 2 and message in capsys.readouterr().err
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with pytest.raises(SystemExit) as e:
-        main([str(tmp_path), "--models=1b", f"{flag}=int8"])
-    assert e.value.code == (f"error: python3 -m tools.bench.{script} needs a CUDA GPU "
-                            "(torch.cuda.is_available() is False here)")
-    assert list(tmp_path.iterdir()) == []
-
-
+@pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_quant_gemv_table_times_the_steps_mlp_layout(monkeypatch):
     """`llama32 bench --quant`'s per-GEMV table: a quantized gate_up through the norm + gate_up + SwiGLU kernel
     the step runs (quant_ops.quant_norm_swiglu), down as a plain GEMV of F inputs with the residual."""
-    from refimpl.model.config import PRESETS
     from tools.bench import quant_gpu
-    cfg = PRESETS["llama-3.2-1b"]
-    shapes = qgemv_sweep.shapes(cfg)
+    cfg = common.model_config("1b")
+    shapes = common.decode_gemv_shapes(cfg)
     seen, fused = [], []
-    orig_time, orig_swiglu = qgemv_sweep.Case.time_us, quant_gpu.quant_norm_swiglu
-    monkeypatch.setattr(qgemv_sweep.Case, "time_us", lambda self, c: seen.append((self.fusion, self.x.shape[1]))
-                        or orig_time(self, c))
+    orig_time, orig_swiglu = quant_gpu.QuantGemvCase.time_us, quant_gpu.quant_norm_swiglu
+    monkeypatch.setattr(quant_gpu.QuantGemvCase, "time_us",
+                        lambda self, c: seen.append((self.fusion, self.x.shape[1])) or orig_time(self, c))
     monkeypatch.setattr(quant_gpu, "quant_norm_swiglu", lambda *a: fused.append(a[2].shape) or orig_swiglu(*a))
     us, nbytes = quant_gpu.quant_step_us("gate_up", *shapes["gate_up"], "int4:64", cfg)
     assert us > 0 and seen == [] and fused and set(fused) == {shapes["gate_up"][:2]}
     us, nbytes = quant_gpu.quant_step_us("down", *shapes["down"], "int4:64", cfg)
     assert us > 0 and seen == [("residual", cfg.intermediate_size)]
-
-
-@pytest.mark.parametrize("config", [(4, 128, 1, 1, 2), (4, 128, 1, 2, 1), (8, 256, 1, 1, 1, 2)])
-def test_qgemv_probe_stream_reads_each_scale_once(config):
-    """The stream probe's xor (codes words, then scales and minima as int16 bits) over a row of 2 tiles, of 2
-    split-K slices of one tile, and of one persistent tile: every group's scale and minimum read once, in place.
-    On the GPU where there is one, else in the interpreter."""
-    import numpy as np
-    import torch
-
-    from accel.kernels.tuning import QGemvConfig
-    from accel.quant_ops import quantize
-    from refimpl.quant.formats import QuantSpec
-    from tools.bench import qgemv_probe
-    cfg = QGemvConfig(*config)
-    N, K = 6, 256  # 4 groups of 64 a row; 6 rows: a ragged last row block
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    w = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
-    t = quantize(w.to(dev), QuantSpec.parse("int4:64"))
-    bits16 = lambda x: x.view(torch.int16).cpu().numpy().astype(np.int32)  # noqa: E731  sign-extended, as the kernel
-    want_codes = np.bitwise_xor.reduce(t.q.cpu().numpy().view(np.int32), axis=1)  # [N, K/8] words -> [N]
-    want = want_codes ^ np.bitwise_xor.reduce(bits16(t.scale) ^ bits16(t.low), axis=1)
-    for scales, expect in ((False, want_codes), (True, want)):
-        out = torch.zeros(16 * N, dtype=torch.int32, device=dev)
-        qgemv_probe.stream_call(t, cfg, scales, out)
-        got = np.bitwise_xor.reduce(out.cpu().numpy().reshape(16, N), axis=0)  # the split-K slices' rows
-        np.testing.assert_array_equal(got, expect)

@@ -265,7 +265,7 @@ def test_plot_without_matplotlib_fails_before_the_diff(monkeypatch):
 
 def test_readme_show_example_prints_eight_values():
     import re
-    example = re.search(r"e\.g\. `show (\S+) (\[[^\]]*\])`", (ROOT / "README.md").read_text())
+    example = re.search(r"e\.g\. `show (\S+) (\[[^\]]*\])`", (ROOT / "docs" / "debugging.md").read_text())
     r = run("step", "--model", GQA, "the cat sat", "--commands", f"c; show {example[1]} {example[2]}; q")
     assert r.exit_code == 0, r.output
     header = next(line for line in r.stdout.splitlines() if line.startswith(example[1] + "["))

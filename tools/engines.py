@@ -43,7 +43,7 @@ def cuda_available() -> bool:
 
 def resolve_backend(name: str) -> str:
     """'auto' means accel where CUDA is present, else the NumPy reference (on CPU it decoded faster than accel's
-    fp32 torch path in our runs, and starts without importing torch: tools/bench/NOTES.md, CPU engines)."""
+    fp32 torch path in our runs, and starts without importing torch: docs/performance.md)."""
     if name == "auto":
         return "accel" if cuda_available() else "refimpl"
     if name == "accel":

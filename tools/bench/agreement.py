@@ -22,11 +22,7 @@ Models:
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -38,6 +34,7 @@ from refimpl.model.mllama_config import MllamaConfig
 from refimpl.quant.formats import round_bf16
 from refimpl.vision.inputs import ImageInputs
 from refimpl.vision.prompt import cross_attention_mask
+from tools.bench.common import parser, record, write_record
 from tools.vision_toy import random_mllama_params
 
 VISION_TINY = {  # 6 text layers (2 cross), 4 tiles of 2×2 patches (5 tokens, padded to 8), 3 + 1 encoder layers
@@ -111,9 +108,7 @@ def run(model: str, ref, engine, prompt: list[int], steps: int, images: ImageInp
     shared = next((i for i, (a, b) in enumerate(zip(free, tokens)) if a != b), steps)
     flips = [gaps[i] for i, ok in enumerate(agree) if not ok]
     return {
-        "date": datetime.date.today().isoformat(), "model": model,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "accel_dtype": engine.dtype_name, "steps": steps, "prompt_tokens": P,
+        "model": model, "accel_dtype": engine.dtype_name, "steps": steps, "prompt_tokens": P,
         "top1_agreement": sum(agree) / len(agree), "disagreements": len(flips),
         "refimpl_gap_at_disagreements": flips, "refimpl_median_gap": float(np.median(gaps)),
         "free_running_shared_prefix": shared, "refimpl_seconds": ref_s,
@@ -157,7 +152,7 @@ def vision_agreement(steps: int, prompt_tokens: int, dtype: str, device: str, us
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser("tools.bench.agreement", __doc__)
     ap.add_argument("--preset", default="llama-3.2-1b", choices=sorted(PRESETS))
     ap.add_argument("--vision", action="store_true", help="the tiny random Llama 3.2 Vision model, with an image")
     ap.add_argument("--steps", type=int, default=None, help="default 256 (text), 128 (vision)")
@@ -166,7 +161,6 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp32"],
                     help="the checkpoint's stored precision (default bf16, as released checkpoints)")
-    ap.add_argument("--json-out", type=Path, default=Path("agreement.json"))
     args = ap.parse_args(argv)
 
     import torch
@@ -177,8 +171,9 @@ def main(argv=None):
     else:
         result = text_agreement(args.preset, args.steps or 256, args.prompt_tokens, args.dtype,
                                 torch.device(args.device), args.weights)
+    result = record(args.device, **result)
     print_table(result)
-    args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    write_record(args.json_out, result)
     return result
 
 

@@ -1,15 +1,15 @@
 """CPU decode benchmark: the NumPy refimpl against HF transformers (eager attention) on the same GGUF weights.
 
     python -m tools.bench.cpu                       # default model (SmolLM2-135M-Instruct Q4_1), 64 new tokens
-    python -m tools.bench.cpu --profile --json out.json
+    python -m tools.bench.cpu --profile --json-out out.json
     python -m tools.bench.cpu --random              # random fp32 weights at SmolLM2-135M's shapes
 
 The engines (refimpl, HF eager fp32, and accel's torch path on CPU in fp32 when torch is installed) run greedy from the
 same chat prompt for a fixed number of tokens (no stop ids), in one process, one after the other. The record names the
-machine's state: CPUs, 1-minute load average before and after, OpenBLAS's core type and threads, torch's threads; JSON
-is written only with --json. Decode speed is (tokens - 1) / (time of the last token - time of the first): the prefill
-and the first token are left out. `--profile` also times each op of the refimpl's one-token forward (summed over the
-decode), to show where a decode step goes. A benchmark, not a test: it asserts nothing.
+machine's state: CPUs, 1-minute load average before and after, OpenBLAS's core type and threads, torch's threads;
+JSON is written only with --json-out. Decode speed is (tokens - 1) / (time of the last token - time of the first): the
+prefill and the first token are left out. `--profile` also times each op of the refimpl's one-token forward (summed
+over the decode), to show where a decode step goes. A benchmark, not a test: it asserts nothing.
 """
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ import os
 # Same BLAS setting as the `llama32` CLI (tools/cli/__init__.py): one OpenBLAS thread, set before NumPy loads.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -32,6 +30,7 @@ from refimpl.model import ops  # noqa: E402
 from refimpl.formats.checkpoint import load_checkpoint  # noqa: E402
 from refimpl.generate import RefEngine, Sampling  # noqa: E402
 from refimpl.model.llama import KVCache, forward  # noqa: E402
+from tools.bench import common  # noqa: E402
 
 
 def decode_rate(stamps: list[float]) -> float:
@@ -165,7 +164,7 @@ def profile_decode(ckpt, prompt_ids: list[int], new_tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser("tools.bench.cpu", __doc__)
     ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: SmolLM2-135M-Instruct, fetched)")
     ap.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -176,7 +175,6 @@ def main(argv=None) -> int:
     ap.add_argument("--random", action="store_true",
                     help="random fp32 weights at SmolLM2-135M's shapes instead of the GGUF (32 random prompt ids)")
     ap.add_argument("--skip-accel", action="store_true", help="skip accel on CPU (fp32, torch kernels)")
-    ap.add_argument("--json", type=Path, default=None, help="also write the record here")
     args = ap.parse_args(argv)
 
     if args.random:
@@ -198,14 +196,14 @@ def main(argv=None) -> int:
         prompt_ids = np.random.default_rng(0).integers(0, ckpt.config.vocab_size, 32).tolist()
     else:
         prompt_ids = ckpt.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    record = {
+    record = common.record("cpu", **{
         "model": str(args.model), "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
         "machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine(),
                     "load_avg_1min": os.getloadavg()[0], "numpy": np.__version__,
                     "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "openblas_core": openblas_core(),
                     "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())},
         "refimpl": {"load_s": load_s, **bench_refimpl(ckpt, prompt_ids, args.new_tokens, args.runs)},
-    }
+    })
     if not args.skip_hf:
         import transformers
         hf = bench_hf(args.model, not args.random, prompt_ids, args.new_tokens, args.hf_threads, args.runs)
@@ -247,9 +245,7 @@ def main(argv=None) -> int:
         print(f"\nrefimpl decode step: {p['step_ms']:.1f} ms/token")
         for name, ms in p["ms_per_token"].items():
             print(f"  {name:<24}{ms:8.2f} ms  {100 * ms / p['step_ms']:5.1f} %")
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+    common.write_record(args.json_out, record)
     return 0
 
 

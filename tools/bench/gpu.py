@@ -1,82 +1,19 @@
-"""Measurements for `llama32 bench`: device ceilings, the engine's decode and prefill, HF's eager
-generate on the same weights, and the attention kernels against torch SDPA.
-
-Method (shared/BASELINES.md, device METHOD.md): CUDA events after warm-up, median of repeats, random data (never
-zeros), anything compared measured in the same run. Every function returns plain numbers (ms, tok/s, TB/s).
+"""Measurements for `llama32 bench`: the engine's decode and prefill, HF's eager generate on the same weights,
+and the attention kernels against torch SDPA. Method and timing: tools.bench.common. Every function returns plain
+numbers (ms, tok/s, TB/s).
 """
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 
 import torch
 
-from refimpl.model.config import LlamaConfig
-
 from accel.engine import AccelEngine
-from accel.kernels.tuning import DEFAULT, Tuning
-from tools.bench.timing import cuda_profile, device_ms, median_ms, profile_decode_steps
-from accel.weights import Weights, params_view, random_weights
-
-
-def copy_bandwidth(device, nbytes: int = 2**31) -> float:
-    """Device-to-device copy, bytes read + written per second (TB/s), on a 2 GiB random buffer (>> 60 MB L2)."""
-    src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), reps=20, warmup=3)
-    return 2 * nbytes / (ms * 1e-3) / 1e12
-
-
-def gemm_tflops(device, n: int = 8192) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ b, reps=20, warmup=3)
-    return 2 * n**3 / (ms * 1e-3) / 1e12
-
-
-def prompt_ids(cfg: LlamaConfig, n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
-
-
-def decode_rate(engine: AccelEngine, prompt_len: int = 32, new_tokens: int = 256, reps: int = 3):
-    """Batch-1 greedy decode: (steps per second, the tokens). The loop never syncs with the host; events time
-    the new_tokens - 1 graph replays (+ argmax each), after a 32-token prefill outside the timed region."""
-    prompt = prompt_ids(engine.config, prompt_len)
-    sess = engine.session(prompt_len + new_tokens)
-    ms, tokens = timed_greedy(engine, sess, lambda: engine.prefill(prompt, sess), prompt_len, new_tokens, reps)
-    return (new_tokens - 1) / (ms * 1e-3), prompt, tokens.tolist()
-
-
-def timed_greedy(engine, sess, prefill, start: int, new_tokens: int, reps: int = 3):
-    """(median ms of the new_tokens - 1 greedy graph replays after `prefill()`'s logits, the tokens); the first
-    of reps + 1 runs is the warm-up (graph capture)."""
-    times, tokens = [], None
-    for r in range(reps + 1):
-        logits = prefill()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        tokens = engine.decode_greedy(sess, logits, start, new_tokens)
-        end.record()
-        end.synchronize()
-        if r:
-            times.append(begin.elapsed_time(end))
-    return statistics.median(times), tokens
-
-
-def prefill_call(engine: AccelEngine, tokens: int = 2048, prompt: torch.Tensor | None = None):
-    """A no-argument call of the engine's prefill of a `tokens`-token prompt (built on the device once: no copy
-    in the timing) into a session of its own."""
-    if prompt is None:
-        prompt = torch.tensor(prompt_ids(engine.config, tokens, seed=1), device=engine.device)
-    sess = engine.session(tokens)
-    return lambda: engine.prefill(prompt, sess)
-
-
-def prefill_gpu_ms(fn) -> float:
-    """A prefill call's GPU time alone (timing.device_ms, a spin long enough to queue a 2048-token prefill)."""
-    return device_ms(fn, reps=3, sleep_cycles=100_000_000)
+from accel.weights import random_weights
+from refimpl.model.config import LlamaConfig
+from tools.bench.common import (cuda_profile, decode_rate, device_ms, hf_llama, median_ms, prefill_call,
+                                prefill_gpu_ms, profile_decode_steps, prompt_ids)
 
 
 def prefill_ms(engine: AccelEngine, tokens: int = 2048) -> tuple[float, float]:
@@ -87,39 +24,13 @@ def prefill_ms(engine: AccelEngine, tokens: int = 2048) -> tuple[float, float]:
 
 def prefill_flops(cfg: LlamaConfig, T: int) -> float:
     """Matrix FLOPs of a T-token prefill as the engine runs it: every layer's qkv GEMM on T rows; causal attention
-    (half of the T×T scores), o and the MLP on T rows but in the last layer, which runs them for the last row only
-    (accel.model.PrefillOptions.last_row); the lm_head on the last row."""
+    (half of the T×T scores), o and the MLP on T rows but in the last layer, which runs them for the last row only;
+    the lm_head on the last row."""
     D, F, E, H, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_hidden_layers
     qkv, rest = D * (cfg.q_size + 2 * cfg.kv_size), cfg.q_size * D + 3 * D * F
     attention = 4 * T * T * E * H / 2
     last = 2 * rest + 4 * T * E * H  # one query row over T keys
     return L * 2 * T * qkv + (L - 1) * (2 * T * rest + attention) + last + 2 * D * cfg.vocab_size
-
-
-def hf_model(cfg: LlamaConfig, weights: Weights, device):
-    """transformers' LlamaForCausalLM built on the device in bf16, holding copies of the same tensors."""
-    import transformers
-    views = params_view(weights, cfg)
-    if cfg.tie_word_embeddings:
-        views.setdefault("lm_head.weight", weights.lm_head)
-    return hf_bf16_model(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf())), device,
-                         views.__getitem__)
-
-
-def hf_bf16_model(build, device, param_of):
-    """build()'s HF model, made on the device in bf16 (the default dtype during the build), in eval mode, each
-    parameter a copy of param_of(its name)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = build().eval()
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(param_of(name))
-    return model
 
 
 def hf_generate_rate(model, prompt: list[int], new_tokens: int = 256):
@@ -169,7 +80,7 @@ def model_bench(name: str, cfg: LlamaConfig, device, with_hf: bool, new_tokens: 
         row["roofline_tok_s"] = copy_tb_s * 1e12 / bytes_per_token
         row["roofline_pct"] = 100 * rate / row["roofline_tok_s"]
     if with_hf:
-        model = hf_model(cfg, weights, device)
+        model = hf_llama(cfg, weights, device)
         hf_rate, hf_tokens = hf_generate_rate(model, prompt, new_tokens)
         del model
         agree = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), min(len(tokens),
@@ -220,10 +131,9 @@ def decode_attention_bench(device, contexts=(1024, 8192, 32768), H: int = 32, K:
 
     in_step_us is the kernel as the decode step runs it: launched with PDL behind the step's qkv_rope (which writes
     its q and the new slot), timed as the device time the pair takes minus qkv_rope's alone. alone_us is the
-    kernel by itself, without PDL, launched back to back (the earlier measure). Both on a hot cache: the same
-    one every call (at 1k/8k it sits in the L2; tools.bench.attn_sweep times cold caches too)."""
+    kernel by itself, without PDL, launched back to back. Both on a hot cache: the same one every call (at 1k/8k
+    it sits in the L2)."""
     from accel.kernels.decode_attn import decode_attention_fwd
-    from tools.bench.attn_sweep import qkv_producer
     rows = []
     for S in contexts:
         g = torch.Generator(device=device).manual_seed(S)
@@ -253,11 +163,24 @@ def decode_attention_bench(device, contexts=(1024, 8192, 32768), H: int = 32, K:
     return rows
 
 
-def profile_decode(cfg: LlamaConfig, device, steps: int = 10, rows: int = 25, tuning: Tuning = DEFAULT) -> str:
+def qkv_producer(S: int, H: int, K: int, E: int, device):
+    """The kernel before decode attention in the decode step: qkv_rope (1B's D = 2048 at E = 64, 3B's 3072 else),
+    writing q and the cache slot at `pos`. Returns f(q, cache_k, cache_v, pos)."""
+    from accel.kernels.qkv_rope import qkv_rope_fwd
+    D = 2048 if E == 64 else 3072
+    g = torch.Generator(device=device).manual_seed(D)
+    w = torch.randn((H + 2 * K) * E, D, device=device, generator=g).mul_(D ** -0.5).to(torch.bfloat16)
+    x = torch.randn(1, D, device=device, generator=g).to(torch.bfloat16)
+    nw = torch.randn(D, device=device, generator=g).to(torch.bfloat16)
+    cos, sin = torch.randn(2, S, E // 2, device=device, generator=g)
+    return lambda q, ck, cv, pos: qkv_rope_fwd(w, x, nw, 1e-5, cos, sin, pos, ck, cv, q_out=q)
+
+
+def profile_decode(cfg: LlamaConfig, device, steps: int = 10, rows: int = 25) -> str:
     """Per-kernel device time of `steps` eager decode steps (no graph, so the profiler sees every kernel):
     where a token's time goes. Totals divided by `steps` are per token."""
     engine = AccelEngine(cfg, random_weights(cfg, device, torch.bfloat16), torch.device(device), "bf16",
-                         use_graph=False, tuning=tuning)
+                         use_graph=False)
     sess = engine.session(32 + steps + 8)
     return profile_decode_steps(engine, sess, engine.prefill(prompt_ids(cfg, 32), sess), 32, steps, rows)
 
@@ -270,4 +193,4 @@ def profile_prefill(cfg: LlamaConfig, device, tokens: int = 2048, rows: int = 20
     sess = engine.session(tokens)
     engine.prefill(prompt, sess)
     torch.cuda.synchronize()
-    return cuda_profile(lambda: engine.prefill(prompt, sess), rows)[0]
+    return cuda_profile(lambda: engine.prefill(prompt, sess), rows)

@@ -8,11 +8,8 @@ refimpl computes in fp32). Prints a table and writes JSON.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import math
-import platform
 import struct
 import subprocess
 import sys
@@ -24,6 +21,7 @@ import numpy as np
 
 from refimpl.formats.params import expected_shapes
 from refimpl.model.config import PRESETS
+from tools.bench.common import parser, record, write_record
 
 CHILD = """
 import resource, sys, time
@@ -60,9 +58,8 @@ def write_bf16_checkpoint(model_dir: Path, preset: str) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser("tools.bench.load", __doc__)
     ap.add_argument("--preset", default="llama-3.2-1b", choices=sorted(PRESETS))
-    ap.add_argument("--json-out", default="bench_load.json")
     ap.add_argument("--keep", default=None, help="write the checkpoint here and keep it")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,14 +71,13 @@ def main(argv=None):
                              check=True, env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
         n_params, load_s, peak = out.stdout.split()
         file_gb = (model_dir / "model.safetensors").stat().st_size / 1e9
-    result = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "preset": args.preset,
-              "params": int(n_params), "file_gb": file_gb, "fp32_gb": int(n_params) * 4 / 1e9,
-              "peak_rss_gb": int(peak) / 1e9, "load_s": float(load_s), "target_peak_rss_gb": 6.5,
-              "write_s": write_s}
+    result = record("cpu", preset=args.preset, params=int(n_params), file_gb=file_gb,
+                    fp32_gb=int(n_params) * 4 / 1e9, peak_rss_gb=int(peak) / 1e9, load_s=float(load_s),
+                    target_peak_rss_gb=6.5, write_s=write_s)
     print(f"{'preset':<14}{'bf16 file GB':>13}{'fp32 params GB':>16}{'peak RSS GB':>13}{'load s':>8}{'target':>8}")
     print(f"{args.preset:<14}{file_gb:>13.2f}{result['fp32_gb']:>16.2f}{result['peak_rss_gb']:>13.2f}"
           f"{result['load_s']:>8.1f}{'< 6.5':>8}")
-    Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    write_record(args.json_out, result)
 
 
 if __name__ == "__main__":

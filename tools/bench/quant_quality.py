@@ -36,14 +36,12 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as the CLI: one OpenBLAS thread on a shared machine
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+from tools.bench.common import parser, record, write_record  # noqa: E402
 
 SPECS = ["int8", "int8:bf16-head", "int4:32", "int4:32:bf16-head", "int4:64", "int4:64:bf16-head", "int4:128",
          "int4:128:bf16-head", "int4:64:mixed", "int4:64:mixed:bf16-head"]
@@ -191,7 +189,7 @@ def random_1b_rows(specs: list[str], device: str) -> tuple[dict, list[dict]]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser("tools.bench.quant_quality", __doc__)
     ap.add_argument("--random-1b", action="store_true", help="random Llama-3.2-1B weights on --device (accel)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated --quant formats")
@@ -199,7 +197,6 @@ def main(argv=None):
                                                      "only)")
     ap.add_argument("--rotate", type=int, default=None, metavar="SEED", help="quantize the model rotated with "
                     "this seed (SmolLM2; refimpl.quant.rotate); the reference stays the original")
-    ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
     specs = [s for s in args.specs.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
@@ -208,15 +205,13 @@ def main(argv=None):
     if args.random_1b and args.rotate is not None:
         ap.error("--rotate is for SmolLM2 (the refimpl quantizers)")
     head, rows = random_1b_rows(specs, args.device) if args.random_1b else smollm2_rows(specs, methods, args.rotate)
-    result = {**head, "tokens": TOKENS, "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-        "%Y-%m-%d %H:%M UTC"), "rows": rows}
+    result = record(args.device if args.random_1b else "cpu", **head, tokens=TOKENS, rows=rows)
     print(f"\n{result['model']} — {result['engine']} — {result['date']}")
     print(f"{'quant':<26}{'method':<9}{'mean KL (nats)':>16}{'top-1 agree':>13}{'MB/token':>10}")
     for r in rows:
         mb = f"{r['matrix_mb_per_token']:>10.1f}" if "matrix_mb_per_token" in r else ""
         print(f"{r['quant']:<26}{r['method']:<9}{r['kl_mean']:>16.3e}{r['top1_agreement']:>13.4f}{mb}")
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    write_record(args.json_out, result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Start-up benchmark: seconds from launching `llama32 generate` to its first token on stdout.
 
-    python -m tools.bench.startup [--runs 5] [--json out.json] [-- extra generate args]
+    python -m tools.bench.startup [--runs 5] [--json-out out.json] [-- extra generate args]
 
 Each run is a fresh process (`python -m tools.cli generate --max-new-tokens 1 ...`, the default model unless
 --model is passed through), timed from just before the spawn to the first byte it writes to stdout; its CPU time
@@ -10,15 +10,14 @@ machine the wall time grows with the load while the CPU time does not. A benchma
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from tools.bench import common
 
 PROMPT = "What is the capital of France?"
 
@@ -39,20 +38,19 @@ def one_run(argv: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser("tools.bench.startup", __doc__)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--json", type=Path, default=None, help="also write the record here")
     ap.add_argument("extra", nargs="*", help="more `llama32 generate` arguments (after --)")
     args = ap.parse_args(argv)
     cmd = [sys.executable, "-m", "tools.cli", "generate", "--max-new-tokens", "1", *args.extra, PROMPT]
     one_run(cmd)  # warm the page cache
     load_before = os.getloadavg()[0]
     runs = [one_run(cmd) for _ in range(args.runs)]
-    record = {"command": cmd[1:], "cpus": len(os.sched_getaffinity(0)), "load_avg_1min_before": load_before,
-              "load_avg_1min_after": os.getloadavg()[0], "runs": runs,
+    record = common.record("cpu", generate=cmd[1:], cpus=len(os.sched_getaffinity(0)), **{
+              "load_avg_1min_before": load_before, "load_avg_1min_after": os.getloadavg()[0], "runs": runs,
               "median_first_token_s": statistics.median(r["first_token_s"] for r in runs),
               "min_first_token_s": min(r["first_token_s"] for r in runs),
-              "median_cpu_s": statistics.median(r["cpu_s"] for r in runs)}
+              "median_cpu_s": statistics.median(r["cpu_s"] for r in runs)})
     print(f"{' '.join(cmd[1:])}: {args.runs} warm starts on {record['cpus']} CPUs "
           f"(1-min load {load_before:.1f} -> {record['load_avg_1min_after']:.1f})")
     print(f"{'run':>4}{'first token s':>15}{'exit s':>9}{'cpu s':>8}")
@@ -60,9 +58,7 @@ def main(argv=None) -> int:
         print(f"{i:>4}{r['first_token_s']:>15.2f}{r['exit_s']:>9.2f}{r['cpu_s']:>8.2f}")
     print(f"median first token {record['median_first_token_s']:.2f} s (min {record['min_first_token_s']:.2f}), "
           f"median CPU {record['median_cpu_s']:.2f} s")
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    common.write_record(args.json_out, record)
     return 0
 
 

@@ -20,8 +20,7 @@ from accel.weights import random_weights
 from refimpl.formats.lora import LLAMA_LINEARS
 from refimpl.formats.params import expected_shapes
 from refimpl.model.config import LlamaConfig
-from tools.bench.gpu import hf_model
-from tools.bench.timing import median_ms
+from tools.bench.common import hf_llama, median_ms
 
 
 def _measure(step, tokens: int, device, reps: int) -> dict:
@@ -66,7 +65,7 @@ def ours(cfg: LlamaConfig, weights, device, seq: int, batch: int, rank: int, rep
 def hf_peft(cfg: LlamaConfig, held: list, device, seq: int, batch: int, rank: int, reps: int) -> dict:
     """`held` = [weights]: popped once HF has its own copy, so only HF's weights stay resident while it runs."""
     import peft
-    model = hf_model(cfg, held.pop(), device)
+    model = hf_llama(cfg, held.pop(), device)
     gc.collect()
     torch.cuda.empty_cache()
     model.config._attn_implementation = "sdpa"

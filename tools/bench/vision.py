@@ -2,11 +2,15 @@
 shapes on random bf16 weights (4 tiles of 560², a 512-token prompt with the image), HF transformers' eager
 generate on the same weights in the same run, the decode roofline, and what the 90B model would need.
 
-Method as tools.bench.gpu: CUDA events after warm-up, medians, random data, everything compared measured here.
+    python3 -m tools.bench.vision [--hf] [--profile] [--json-out F]
+
+Method and timing: tools.bench.common (CUDA events after warm-up, medians, random data, everything compared
+measured in the same run).
 """
 from __future__ import annotations
 
 import gc
+import json
 import time
 
 import numpy as np
@@ -17,8 +21,8 @@ from accel.vision.weights import random_mllama_weights
 from refimpl.formats.mllama_checkpoint import expected_mllama_shapes, hub_name
 from refimpl.model.mllama_config import MllamaConfig
 from refimpl.vision.inputs import ImageInputs
-from tools.bench.gpu import hf_bf16_model, timed_greedy
-from tools.bench.timing import median_ms, profile_decode_steps
+from tools.bench.common import (copy_bandwidth, gemm_tflops, hf_bf16_model, median_ms, parser, profile_decode_steps,
+                                record, require_cuda, timed_greedy, write_record)
 
 VISION_11B = {"image_size": 560}  # every other vision field: HF's defaults, the 11B/90B encoder
 CONFIGS = {
@@ -174,117 +178,26 @@ def profile_decode(engine: MllamaAccelEngine, ids: list[int], images: ImageInput
     return profile_decode_steps(eager, sess, eager.prefill(ids, sess), len(ids), steps, rows)
 
 
-CROSS_VARIANTS = [dict(), dict(split_len=448), dict(split_len=128, config=dict(BLOCK_N=64)),
-                  dict(split_len=192, config=dict(BLOCK_N=64)), dict(split_len=256, config=dict(BLOCK_N=64)),
-                  dict(split_len=320, config=dict(BLOCK_N=64)),
-                  dict(split_len=256, config=dict(BLOCK_N=64, num_stages=4)),
-                  dict(split_len=256, config=dict(BLOCK_N=64, num_warps=8)),
-                  dict(split_len=192, config=dict(BLOCK_N=32, num_stages=4)),
-                  dict(split_len=128, config=dict(BLOCK_N=32, num_stages=4)),
-                  dict(split_len=256, config=dict(BLOCK_N=64, num_stages=2))]
-
-
-def cross_attention_variants(cfg: MllamaConfig, device, variants=CROSS_VARIANTS) -> list[dict]:
-    """The decode step's cross-attention kernel alone at the model's shapes (N image tokens of max_num_tiles
-    tiles, the last tile hidden), per launch option, in a CUDA graph over copies of the image K/V (> L2)."""
-    from accel.kernels.decode_attn import cross_decode_attention_fwd
-    from tools.bench.gemv_sweep import graph_us
-    t = cfg.text
-    H, K, E, N = t.num_attention_heads, t.num_key_value_heads, t.head_dim, cfg.vision.max_num_tiles * \
-        cfg.vision.tokens_per_tile
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(1, H, E, device=device, generator=g, dtype=torch.bfloat16)
-    w = torch.ones(E, device=device, dtype=torch.bfloat16)
-    kvs = [(torch.randn(K, N, E, device=device, generator=g, dtype=torch.bfloat16),
-            torch.randn(K, N, E, device=device, generator=g, dtype=torch.bfloat16)) for _ in range(8)]
-    visible = torch.ones(N, dtype=torch.bool, device=device)
-    visible[-cfg.vision.tokens_per_tile:] = False
-    want = cross_decode_attention_fwd(q, *kvs[0], visible, w, 1e-5).float()
-    out = []
-    for opts in variants:
-        try:
-            got = cross_decode_attention_fwd(q, *kvs[0], visible, w, 1e-5, **opts).float()
-            err = float((got - want).abs().max() / want.abs().max())
-            us = graph_us([lambda k=k, v=v: cross_decode_attention_fwd(q, k, v, visible, w, 1e-5, **opts)
-                           for k, v in kvs])
-        except Exception as e:  # resources: reported, not timed
-            print(f"cross decode attention {opts}: {type(e).__name__}", flush=True)
-            continue
-        out.append({"options": opts, "us": us, "tb_s": 2 * K * N * E * 2 / (us * 1e-6) / 1e12, "rel_err": err})
-        print(f"cross decode attention {opts}: {us:.2f} us ({out[-1]['tb_s']:.2f} TB/s, vs default {err:.1e})",
-              flush=True)
-    return out
-
-
-def decode_variants(weights, cfg: MllamaConfig, device, tunings: dict, prompt_len: int = 512,
-                    new_tokens: int = 128) -> dict:
-    """Greedy decode tok/s with the image in context per Tuning, on the same weights in one process."""
-    ids, images = image_inputs(cfg, prompt_len, device)
-    out = {}
-    for name, tuning in tunings.items():
-        engine = MllamaAccelEngine(cfg, weights, torch.device(device), "bf16", tuning=tuning)
-        sess = engine.session(prompt_len + new_tokens, engine.image_tokens(images))
-        engine.encode_images(images, sess.cache)
-        prompt = torch.tensor(ids, device=device)
-        ms, _ = timed_greedy(engine, sess, lambda: engine.prefill(prompt, sess), prompt_len, new_tokens, reps=2)
-        out[name] = (new_tokens - 1) / (ms * 1e-3)
-        print(f"decode variant {name}: {out[name]:.1f} tok/s", flush=True)
-        engine = sess = None  # the next variant's graphs and caches replace these
-        gc.collect()
-        torch.cuda.empty_cache()
-    return out
-
-
 def main(argv=None):
-    """python -m tools.bench.vision OUT_DIR [--hf] [--profile]: the 11B-Vision row (+ the decode profile, the
-    cross-attention kernel's launch variants, the 11B qkv_rope sweep and the decode rate under each winner),
-    printed and written to OUT_DIR/vision.json."""
-    import argparse
-    import json
-    from pathlib import Path
-
-    from accel.kernels import tuning as tables
-    from accel.kernels.tuning import DEFAULT, QkvConfig
-    from tools.bench.decode_variants import QKV_CONFIGS, QKV_STREAM, qkv_sweep
-    from tools.bench.gpu import copy_bandwidth
-    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    ap.add_argument("out_dir", type=Path)
+    ap = parser("tools.bench.vision", __doc__)
     ap.add_argument("--hf", action="store_true", help="also HF eager generate on the same weights")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also the per-kernel profile of eager decode steps")
     args = ap.parse_args(argv)
+    require_cuda("python3 -m tools.bench.vision")
     device = "cuda"
-    cfg = config("11b-vision")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "copy_tb_s": copy_bandwidth(device)}
-
-    def save():
-        (args.out_dir / "vision.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    row = vision_bench("11b-vision", device, with_hf=args.hf, copy_tb_s=result["copy_tb_s"])
-    result["vision"] = row
-    print(json.dumps(row, indent=1), flush=True)
-    save()
+    result = record(copy_tb_s=copy_bandwidth(device), gemm_tflop_s=gemm_tflops(device))
+    result["vision"] = vision_bench("11b-vision", device, with_hf=args.hf, copy_tb_s=result["copy_tb_s"],
+                                    gemm_tflop_s=result["gemm_tflop_s"])
+    result["vision_memory"] = [fits_report(name, device) for name in CONFIGS]
+    print(json.dumps(result, indent=1), flush=True)
     if args.profile:
-        result["cross_attention_variants"] = cross_attention_variants(cfg, device)
-        save()
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        qkv = qkv_sweep(cfg.text, configs=QKV_CONFIGS + [(h, w, st, bk, p * sms) for h, w, st, bk, p in QKV_STREAM])
-        result["qkv_rope_sweep"] = qkv
-        save()
-        best_cross = min(result["cross_attention_variants"], key=lambda r: r["us"])["options"]
-        gemv_old = {k: v for k, v in tables.GEMV.items() if k[1] not in (4096, 14336)}
-        qkv_table = {**tables.QKV_ROPE, (qkv["N"], qkv["K"]): QkvConfig(*qkv["best"])}
+        cfg = config("11b-vision")
         weights = random_mllama_weights(cfg, device, torch.bfloat16, expected_mllama_shapes(cfg))
-        result["decode_variants"] = decode_variants(weights, cfg, device, {
-            "builtin": DEFAULT, "gemv-without-11b-rows": DEFAULT._replace(gemv=gemv_old),
-            "cross-best": DEFAULT._replace(cross_attention=best_cross),
-            "cross-best+qkv-best": DEFAULT._replace(cross_attention=best_cross, qkv_rope=qkv_table)})
-        result["decode_variants_choices"] = {"cross": best_cross, "qkv": qkv["best"]}
-        save()
         engine = MllamaAccelEngine(cfg, weights, torch.device(device), "bf16")
         ids, images = image_inputs(cfg, 512, device)
         result["decode_profile"] = profile_decode(engine, ids, images)
         print(result["decode_profile"], flush=True)
-        save()
+    write_record(args.json_out, result)
 
 
 if __name__ == "__main__":

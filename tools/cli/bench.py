@@ -1,14 +1,15 @@
 """`llama32 bench`: the accel engine at the real Llama 3.2 1B/3B shapes on random bf16 weights.
 
-Prints one table (device name and date on top) and writes the same numbers as JSON with --json-out.
-The measurements live in tools.bench.gpu; this module only picks the parts and formats them.
+Prints one table (device name and date on top) and writes the same numbers as JSON with --json-out (the record
+of tools.bench.common: command, device, date, versions). The measurements live in tools/bench/ (gpu, quant_gpu,
+vision, train), which is part of a checkout, not of the installed package; this module only picks the parts and
+formats them.
 """
 from __future__ import annotations
 
-import datetime
 import importlib.util
-import json
-from pathlib import Path
+import shlex
+import sys
 
 import click
 
@@ -16,8 +17,24 @@ from refimpl.errors import GenerationError
 
 from tools.cli.params import Count, UserPath
 
-MODELS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}
 VISION_MODELS = ("11b-vision", "90b-vision")  # 11b: measured; 90b: its memory need against this GPU
+
+
+def _bench_args(argv: list[str]) -> list[str]:
+    """The arguments after `bench` in this process's command line (global options such as --debug come before)."""
+    return argv[argv.index("bench") + 1:] if "bench" in argv else argv[1:]
+
+
+def _benchmarks():
+    """tools.bench.common, or one error line where the package was installed without the benchmarks."""
+    try:
+        from tools.bench import common
+    except ModuleNotFoundError as e:
+        if e.name not in ("tools.bench", "tools.bench.common"):
+            raise
+        raise GenerationError("llama32 bench runs from a checkout of the repository (tools/bench is not installed "
+                              "with the package): cd into a checkout, `pip install -e .`, and run it there") from None
+    return common
 
 
 def _fmt(x, spec=".1f"):
@@ -94,37 +111,30 @@ def render(result: dict) -> str:
 def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out, train=False,
           quant=None):
     """Benchmark the accel engine on a CUDA GPU (random weights at the real Llama 3.2 shapes)."""
-    import torch
-
-    from tools.bench import gpu as b
-    from refimpl.model.config import PRESETS
-    if not torch.cuda.is_available():
-        raise GenerationError("llama32 bench needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    common = _benchmarks()
+    MODELS = common.MODELS
     chosen = [m.strip() for m in models.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in MODELS and m not in VISION_MODELS]
     if unknown:
         raise GenerationError(f"--models: unknown model {unknown[0]!r} (expected a list of "
                               f"{', '.join([*MODELS, *VISION_MODELS])})")
+    import torch
+    if not torch.cuda.is_available():
+        raise GenerationError("llama32 bench needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    from tools.bench import gpu as b
     with_hf = not skip_hf and importlib.util.find_spec("transformers") is not None
-    result = {"device": torch.cuda.get_device_name(device),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "torch": torch.__version__, "copy_tb_s": b.copy_bandwidth(device), "gemm_tflop_s": b.gemm_tflops(device),
-              "models": []}
-    try:
-        import triton
-        result["triton"] = triton.__version__
-    except ImportError:
-        pass
+    result = common.record(device, command=shlex.join(["llama32", "bench", *_bench_args(sys.argv)]),
+                           copy_tb_s=common.copy_bandwidth(device), gemm_tflop_s=common.gemm_tflops(device),
+                           models=[])
     if train:
         from tools.bench.train import render as render_train, train_bench
         result["train"] = []
         for m in [m for m in chosen if m in MODELS]:
             click.echo(f"benchmarking LoRA training, {MODELS[m]} ...", err=True)
-            result["train"].append(train_bench(MODELS[m], PRESETS[MODELS[m]], device, with_hf,
+            result["train"].append(train_bench(MODELS[m], common.model_config(m), device, with_hf,
                                                seq=prefill_tokens))
         click.echo(render_train(result["train"]))
-        if json_out:
-            Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
+        common.write_record(json_out, result)
         return
     for m in [m for m in chosen if m in VISION_MODELS]:
         from tools.bench import vision
@@ -136,11 +146,11 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
     for m in [m for m in chosen if m in MODELS]:
         if profile:
             click.echo(f"per-kernel device time of 10 eager decode steps, {MODELS[m]}:\n"
-                       + b.profile_decode(PRESETS[MODELS[m]], device))
+                       + b.profile_decode(common.model_config(m), device))
             click.echo(f"per-kernel device time of one {prefill_tokens}-token prefill, {MODELS[m]}:\n"
-                       + b.profile_prefill(PRESETS[MODELS[m]], device, prefill_tokens))
+                       + b.profile_prefill(common.model_config(m), device, prefill_tokens))
         click.echo(f"benchmarking {MODELS[m]} ...", err=True)
-        result["models"].append(b.model_bench(MODELS[m], PRESETS[MODELS[m]], device, with_hf, new_tokens,
+        result["models"].append(b.model_bench(MODELS[m], common.model_config(m), device, with_hf, new_tokens,
                                               prefill_tokens=prefill_tokens, copy_tb_s=result["copy_tb_s"]))
     if quant:
         from tools.bench import quant_gpu
@@ -149,11 +159,11 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
         result["quant"], result["quant_gemv"] = [], {}
         for m in chosen:
             click.echo(f"benchmarking {MODELS[m]} quantized ({', '.join(specs)}) ...", err=True)
-            result["quant"] += quant_gpu.quant_bench(MODELS[m], PRESETS[MODELS[m]], device, specs, new_tokens,
+            result["quant"] += quant_gpu.quant_bench(MODELS[m], common.model_config(m), device, specs, new_tokens,
                                                      prefill_tokens, result["copy_tb_s"])
             one_format = [s for s in specs if ":mixed" not in s]  # a mixed spec's GEMVs are its formats' rows
             if one_format:
-                result["quant_gemv"][MODELS[m]] = quant_gpu.gemv_bench(PRESETS[MODELS[m]], device, one_format)
+                result["quant_gemv"][MODELS[m]] = quant_gpu.gemv_bench(common.model_config(m), device, one_format)
     if not skip_attention:
         click.echo("benchmarking attention ...", err=True)
         result["attention"] = b.attention_bench(device)
@@ -162,5 +172,4 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
     if quant:
         from tools.bench.quant_gpu import render as render_quant
         click.echo("\n" + render_quant(result))
-    if json_out:
-        Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
+    common.write_record(json_out, result)

@@ -106,7 +106,7 @@ def _device(torch, device: str | None) -> str:
               help="Base weight dtype (default bf16 on CUDA, fp32 on CPU).")
 @click.option("--compile/--no-compile", "compile_layers", default=False,
               help="torch.compile the decoder layer over plain-torch ops instead of the Triton kernels (default "
-                   "off: slower per step, see tools/bench/NOTES.md).")
+                   "off: slower per step, see docs/performance.md).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON record per step on stdout, then a final record.")
 def finetune(model, data, columns, out, overwrite, eval_data, rank, alpha, dropout, target, lr, optimizer,
              weight_decay, warmup_steps, epochs, max_steps, batch_size, grad_accum, max_length, seed, init_adapter,

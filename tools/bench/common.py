@@ -1,0 +1,306 @@
+"""What every benchmark shares: the model names and shapes, the argument parser, the results record, and timing.
+
+Benchmarks are leaves over this module: each imports it and the runtime, never another benchmark.
+Method (docs/performance.md): CUDA events after warm-up, medians of repeats, random data (never zeros or
+uninitialised memory), anything compared measured in the same run. torch is imported where a function needs it,
+so the CPU benchmarks (cpu, startup, load, quant_quality) can use the parser and the record without it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from refimpl.model.config import PRESETS, LlamaConfig
+
+MODELS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}  # the text models the GPU benchmarks run, by short name
+
+
+def model_config(key: str) -> LlamaConfig:
+    """'1b' -> the Llama 3.2 1B config (real shapes; the benchmarks fill them with random weights)."""
+    return PRESETS[MODELS[key]]
+
+
+def decode_gemv_shapes(cfg: LlamaConfig) -> dict:
+    """The decode step's GEMVs: name -> (N rows, K inputs, what the step fuses with it)."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": (cfg.q_size + 2 * cfg.kv_size, D, "rope"), "o": (D, cfg.q_size, "residual"),
+            "gate_up": (2 * F, D, "norm"), "down": (D, F, "swiglu"), "lm_head": (cfg.vocab_size, D, "norm")}
+
+
+# ---- the command line and the results record ----
+
+def model_keys(text: str) -> list[str]:
+    """'1b,3b' -> ['1b', '3b']; an unknown name is an argparse error (one line, exit 2)."""
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    if not keys or any(k not in MODELS for k in keys):
+        raise argparse.ArgumentTypeError(f"--models {text}: expected names of {', '.join(MODELS)}")
+    return keys
+
+
+def parser(script: str, doc: str, models: str | None = None, json_out: bool = True) -> argparse.ArgumentParser:
+    """The parser every benchmark starts from: `python3 -m <script>` in the usage, the module docstring as the
+    description, --json-out (the results record; sweeps write theirs into an output folder instead), and with
+    `models` a --models list defaulting to it."""
+    ap = argparse.ArgumentParser(prog=f"python3 -m {script}", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    if models is not None:
+        ap.add_argument("--models", type=model_keys, default=model_keys(models),
+                        help=f"comma-separated, of {', '.join(MODELS)} (default {models})")
+    if json_out:
+        ap.add_argument("--json-out", type=Path, default=None, help="also write the results record (JSON) here")
+    return ap
+
+
+def device_name(device: str = "cuda") -> str:
+    """The GPU's name for a CUDA device, else the CPU's (with its core count)."""
+    if str(device).startswith("cuda"):
+        import torch
+        return torch.cuda.get_device_name(device)
+    import os
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+def version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """How this process was started, as a user would type it again: `python3 -m tools.bench.gpu ...`."""
+    argv = sys.argv if argv is None else argv
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = f"python3 -m {spec.name.removesuffix('.__main__')}" if spec else Path(argv[0]).name
+    return " ".join([head, *argv[1:]])
+
+
+def record(device: str = "cuda", command: str | None = None, **results) -> dict:
+    """The results record every benchmark writes: the command that made it, the device, the date (UTC), the
+    versions of torch and triton, then the results."""
+    return {"command": command or command_line(), "device": device_name(device),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": version("torch"), "triton": version("triton"), **results}
+
+
+def write_record(path: Path | None, rec: dict) -> None:
+    """The record as indented JSON at `path` (nothing without one)."""
+    if path is not None:
+        Path(path).write_text(json.dumps(rec, indent=2, default=str) + "\n")
+
+
+def require_cuda(script: str) -> None:
+    """One error line, not a traceback, where a GPU-only benchmark starts without CUDA."""
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit(f"error: {script} needs a CUDA GPU (torch.cuda.is_available() is False here)")
+
+
+# ---- timing ----
+
+def median_ms(fn, reps: int = 10, warmup: int = 2) -> float:
+    """Median over `reps` of fn's time as called (CUDA events around each call), after `warmup` untimed calls."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def round_robin_ms(fns: dict, rounds: int = 9) -> dict:
+    """{label: fn} called in turn, `rounds` times round-robin after one warm-up round -> {label: (median ms as
+    called, CUDA events around one synced call; median ms the host took to queue it)}. Rows measured in turn share
+    any drift of the host's speed, which sequential medians do not (one prefill as called differed by 30% between
+    processes)."""
+    import torch
+    times = {label: ([], []) for label in fns}
+    for r in range(rounds + 1):
+        for label, fn in fns.items():
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t = time.perf_counter()
+            fn()
+            host = (time.perf_counter() - t) * 1e3
+            end.record()
+            end.synchronize()
+            if r:
+                times[label][0].append(start.elapsed_time(end))
+                times[label][1].append(host)
+    return {label: (statistics.median(c), statistics.median(h)) for label, (c, h) in times.items()}
+
+
+def device_ms(fn, reps: int = 20, sleep_cycles: int = 40_000_000) -> float:
+    """Device time of one fn() call, free of host launch cost: a ~20 ms spin kernel holds the stream while the
+    host queues all `reps` calls, so the events between them see only the GPU's work. Median of 3. (Events around
+    one eager call include the launch latency: 73 µs for a 3.4 µs decode-attention kernel.)"""
+    import torch
+    fn()  # outside the timing: cuBLAS handles, workspaces, Triton compilation
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(sleep_cycles)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return sorted(times)[1]
+
+
+def graph_us(calls, reps: int = 10) -> float:
+    """µs a call of `calls` captured in one CUDA graph (one call per weight copy: with >= 256 MB of copies the
+    weights leave the L2 as a decode step's layers do), replayed `reps` times; the median, the graph's gaps
+    between kernels included as in decode."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up: compilation outside the capture
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def cuda_profile(fn, rows: int):
+    """fn() once under torch.profiler (CUDA activity), synchronised -> the top `rows` kernels by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def profile_decode_steps(engine, sess, logits, pos: int, steps: int, rows: int) -> str:
+    """Per-kernel device time of `steps` greedy decode steps of an eager (uncaptured) engine after its prefill
+    (`logits` at `pos` tokens), after 4 warm-up steps (compilation): totals divided by `steps` are per token."""
+    import torch
+    engine.decode_greedy(sess, logits, pos, 4)
+    torch.cuda.synchronize()
+    return cuda_profile(lambda: engine.decode_greedy(sess, logits, pos, steps + 1), rows)
+
+
+# ---- the device's ceilings and the engine at work ----
+
+def copy_bandwidth(device, nbytes: int = 2**31) -> float:
+    """Device-to-device copy, bytes read + written per second (TB/s), on a 2 GiB random buffer (>> the L2)."""
+    import torch
+    src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), reps=20, warmup=3)
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def gemm_tflops(device, n: int = 8192) -> float:
+    """bf16 n×n×n matrix product rate (TFLOP/s)."""
+    import torch
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ b, reps=20, warmup=3)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def prompt_ids(cfg, n: int, seed: int = 0) -> list[int]:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+
+
+def timed_greedy(engine, sess, prefill, start: int, new_tokens: int, reps: int = 3):
+    """(median ms of the new_tokens - 1 greedy graph replays after `prefill()`'s logits, the tokens); the first
+    of reps + 1 runs is the warm-up (graph capture)."""
+    import torch
+    times, tokens = [], None
+    for r in range(reps + 1):
+        logits = prefill()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        tokens = engine.decode_greedy(sess, logits, start, new_tokens)
+        end.record()
+        end.synchronize()
+        if r:
+            times.append(begin.elapsed_time(end))
+    return statistics.median(times), tokens
+
+
+def decode_rate(engine, prompt_len: int = 32, new_tokens: int = 256, reps: int = 3):
+    """Batch-1 greedy decode: (steps per second, the prompt, the tokens). The loop never syncs with the host;
+    events time the new_tokens - 1 graph replays (+ argmax each), after a prefill outside the timed region."""
+    prompt = prompt_ids(engine.config, prompt_len)
+    sess = engine.session(prompt_len + new_tokens)
+    ms, tokens = timed_greedy(engine, sess, lambda: engine.prefill(prompt, sess), prompt_len, new_tokens, reps)
+    return (new_tokens - 1) / (ms * 1e-3), prompt, tokens.tolist()
+
+
+def prefill_call(engine, tokens: int = 2048):
+    """A no-argument call of the engine's prefill of a `tokens`-token prompt (built on the device once: no copy
+    in the timing) into a session of its own."""
+    import torch
+    prompt = torch.tensor(prompt_ids(engine.config, tokens, seed=1), device=engine.device)
+    sess = engine.session(tokens)
+    return lambda: engine.prefill(prompt, sess)
+
+
+def prefill_gpu_ms(fn) -> float:
+    """A prefill call's GPU time alone (device_ms with a spin long enough to queue a 2048-token prefill)."""
+    return device_ms(fn, reps=3, sleep_cycles=100_000_000)
+
+
+def hf_bf16_model(build, device, param_of):
+    """build()'s HF model, made on the device in bf16 (the default dtype during the build), in eval mode, each
+    parameter a copy of param_of(its name)."""
+    import torch
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = build().eval()
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(param_of(name))
+    return model
+
+
+def hf_llama(cfg: LlamaConfig, weights, device):
+    """transformers' LlamaForCausalLM built on the device in bf16, holding copies of accel Weights' tensors."""
+    import transformers
+
+    from accel.weights import params_view
+    views = params_view(weights, cfg)
+    if cfg.tie_word_embeddings:
+        views.setdefault("lm_head.weight", weights.lm_head)
+    return hf_bf16_model(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf())), device,
+                         views.__getitem__)
