@@ -178,3 +178,13 @@ def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, ckpt, model_dir):
     lines = r.stdout.split("\n")
     assert lines[0] == f"> {TURNS[0]}" and f"> {TURNS[1]}" in lines  # the echo starts on a line of its own
     assert len(calls) > 3  # and the second message was answered
+
+
+def test_the_notice_names_the_limit_that_stopped_the_answer(ckpt):
+    from tools.chat_session import stop_notice
+    tok, stops = ckpt.tokenizer, ckpt.stop_ids
+    cut = [5, 6, 7]  # three tokens, no stop id: cut at a limit of 3
+    assert "raise --max-new-tokens" in stop_notice(cut, stops, 3, tok, requested=3)
+    by_context = stop_notice(cut, stops, 3, tok, requested=6, context="the chat's context (48 positions, --context)")
+    assert "the chat's context (48 positions" in by_context and "raise --max-new-tokens" not in by_context
+    assert stop_notice(cut[:2] + [stops[0]], stops, 3, tok, requested=6) is None  # it ended its turn itself

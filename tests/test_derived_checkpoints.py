@@ -70,6 +70,18 @@ def test_a_derived_copy_of_a_base_model_completes(tmp_path, kind):
     assert not chats(derive(kind, GQA, tmp_path / "q8", tmp_path))
 
 
+@pytest.mark.parametrize("name, chat", [("Toy 1B Instruct", True), ("Toy 1B", False), (None, False)])
+def test_a_gguf_files_recorded_name_decides_and_its_quantized_copy_keeps_it(tmp_path, name, chat):
+    """A GGUF under a name that says nothing ('model.gguf'): its general.name decides, and so does the quantized
+    copy's recorded name, whatever the directory is called."""
+    from refimpl.formats.params import random_params
+    from tests.test_gguf import tiny_config, write_gguf
+    cfg = tiny_config()
+    path = write_gguf(tmp_path / "model.gguf", cfg, random_params(cfg, seed=0), name=name)
+    assert chats(path) == chat
+    assert chats(derive("quantize", path, tmp_path / "q", tmp_path)) == chat
+
+
 def test_default_model_quantized_answers(tmp_path):
     """The issue's steps with the real default model (SmolLM2-135M-Instruct GGUF): quantize, then ask."""
     try:
