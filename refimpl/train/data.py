@@ -1,6 +1,6 @@
 """Chat fine-tuning data: JSONL conversations -> (token ids, labels) through the checkpoint's own chat template.
 
-Each line is one sample, in one of the formats fine-tuning datasets ship in (`record_messages`; docs/finetuning-data.md):
+Each line is one sample, in one of the formats fine-tuning datasets ship in (`record_messages`; docs/finetuning.md):
 - `{"messages": [{"role", "content"}, ...]}` (system / user / assistant, multi-turn);
 - `{"query": ..., "response": ..., "system"?: ...}`;
 - alpaca: `{"instruction": ..., "input"?: ..., "output": ..., "system"?: ...}` (the input follows the instruction

@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 
 from refimpl.errors import GenerationError
-
 from refimpl.train.data import parse_columns, read_records, record_messages
+
 from tools.cli.outdir import check_out_dir
 from tools.cli.params import MODEL_OPTION
 from tools.engines import resolve_model
@@ -67,7 +67,7 @@ def _device(torch, device: str | None) -> str:
 @MODEL_OPTION
 @click.option("--data", required=True, type=click.Path(path_type=Path),
               help="Training JSONL: messages, query/response, alpaca (instruction/input/output), sharegpt "
-                   "(conversations) or math (input/output/answer) records (docs/finetuning-data.md); plus images "
+                   "(conversations) or math (input/output/answer) records (docs/finetuning.md); plus images "
                    "for a vision checkpoint.")
 @click.option("--columns", default=None, metavar="MAPPING",
               help='Read other field names as these: a JSON object or pairs, e.g. \'{"question": "query", '
