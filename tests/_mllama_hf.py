@@ -20,12 +20,12 @@ TILE = 28  # pixels: 2×2 patches of 14 + a class token = 5 tokens per tile, pad
 
 
 def hf_config(kv_heads: int = 2, rope_scaling: bool = True, cross_layers=(1, 3), text_layers: int = 4,
-              tile: int = TILE) -> dict:
+              tile: int = TILE, image_token: int = IMAGE) -> dict:
     rope = ({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
              "high_freq_factor": 4.0, "original_max_position_embeddings": 16} if rope_scaling
             else {"rope_type": "default", "rope_theta": 10000.0})
     return dict(
-        image_token_index=IMAGE,
+        image_token_index=image_token,
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=text_layers,
                          num_attention_heads=4, num_key_value_heads=kv_heads, rope_parameters=rope,
                          rms_norm_eps=1e-5, max_position_embeddings=512, cross_attention_layers=list(cross_layers),
@@ -76,9 +76,9 @@ def image_arrays(tiles_per_image: list[tuple[int, int]], seed: int = 0, max_tile
     return pixels, ids, mask
 
 
-def cross_mask(ids: list[int], tiles: list[int], max_tiles: int = 4) -> np.ndarray:
+def cross_mask(ids: list[int], tiles: list[int], max_tiles: int = 4, image_token: int = IMAGE) -> np.ndarray:
     """[T, I, A] from HF's own MllamaProcessor helpers (image token to the next one or the end)."""
-    spans = get_cross_attention_token_mask(ids, IMAGE)
+    spans = get_cross_attention_token_mask(ids, image_token)
     return convert_sparse_cross_attention_mask_to_dense([spans], [tiles], max_tiles, len(ids))[0]
 
 

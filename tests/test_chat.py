@@ -99,10 +99,35 @@ def test_reset_forgets_the_conversation(ckpt):
                                                                {"role": "user", "content": TURNS[0]}])
 
 
-def test_a_full_context_is_a_clear_error(ckpt):
+def test_a_message_that_alone_fills_the_context_is_a_clear_error(ckpt):
     session = ChatSession(RefEngine(ckpt), ckpt.tokenizer, ckpt.stop_ids, GREEDY, capacity=20)
-    with pytest.raises(Exception, match="more than the 20 this chat holds; /reset"):
+    with pytest.raises(Exception, match="more than the 20 this chat holds .--context.; send a shorter one"):
         list(session.ask("the sea " * 10))
+
+
+def test_a_full_context_drops_the_oldest_turns_and_keeps_the_system_message(ckpt):
+    """Turn after turn in a context that holds about two: each answer equals a from-scratch encoding of the
+    conversation as kept (system message, then the most recent turns), which fits the context."""
+    system = {"role": "system", "content": "be brief"}
+    session = ChatSession(RefEngine(ckpt), ckpt.tokenizer, ckpt.stop_ids, GREEDY, system="be brief", capacity=48)
+    dropped = 0
+    for turn in TURNS * 2:
+        got = list(session.ask(turn))
+        dropped += session.dropped
+        kept = session.messages[:-1]
+        assert kept[0] == system and kept[-1] == {"role": "user", "content": turn}
+        assert got == from_scratch(ckpt, kept)[:session.limit]
+        assert len(ckpt.tokenizer.encode_chat(kept)) + len(got) <= 48
+    assert dropped >= 3
+
+
+def test_chat_cli_goes_on_past_its_context(model_dir):
+    r = chat_cli(model_dir, "\n".join(TURNS * 2) + "\n" + "the sea " * 40 + "\n" + TURNS[0] + "\n",
+                 "--context", "48", "--system", "be brief")
+    assert r.stdout.count("> ") == 8 and r.stdout.endswith("\n")
+    assert "oldest turn(s), kept the system message)" in r.stderr
+    assert "error: the message needs" in r.stderr  # the one too long for any context; the chat went on
+    assert r.stderr.count("error:") == 1
 
 
 def chat_cli(model_dir, stdin, *args):
@@ -153,3 +178,13 @@ def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, ckpt, model_dir):
     lines = r.stdout.split("\n")
     assert lines[0] == f"> {TURNS[0]}" and f"> {TURNS[1]}" in lines  # the echo starts on a line of its own
     assert len(calls) > 3  # and the second message was answered
+
+
+def test_the_notice_names_the_limit_that_stopped_the_answer(ckpt):
+    from tools.chat_session import stop_notice
+    tok, stops = ckpt.tokenizer, ckpt.stop_ids
+    cut = [5, 6, 7]  # three tokens, no stop id: cut at a limit of 3
+    assert "raise --max-new-tokens" in stop_notice(cut, stops, 3, tok, requested=3)
+    by_context = stop_notice(cut, stops, 3, tok, requested=6, context="the chat's context (48 positions, --context)")
+    assert "the chat's context (48 positions" in by_context and "raise --max-new-tokens" not in by_context
+    assert stop_notice(cut[:2] + [stops[0]], stops, 3, tok, requested=6) is None  # it ended its turn itself

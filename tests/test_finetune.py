@@ -121,7 +121,7 @@ def finetune_args(base, data, out, *extra):
             *map(str, extra)]
 
 
-def sgd_step_errors(tmp_path, kv_heads, targets, hidden=32, device="cpu"):
+def sgd_step_errors(tmp_path, kv_heads, targets, hidden=32, device="cpu", dropout=("--dropout", 0)):
     """Run one SGD step through the CLI and through HF + PEFT; per LoRA matrix: (|got - want|, |step|, |want|)."""
     base = hf_chat_model(tmp_path / "base", kv_heads=kv_heads, hidden=hidden)
     model = init_adapter(base, tmp_path / "init", targets)
@@ -130,7 +130,7 @@ def sgd_step_errors(tmp_path, kv_heads, targets, hidden=32, device="cpu"):
     # 4 samples = batch 2 × 2 accumulated micro-batches: one step sees all of them, in whatever order
     result = run_cli(finetune_args(tmp_path / "base", data, tmp_path / "out", "--init-adapter", tmp_path / "init",
                                    "--optimizer", "sgd", "--max-steps", "1", "--lr", lr, "--batch-size", 2,
-                                   "--grad-accum", 2, "--dropout", 0, "--json", "--device", device))
+                                   "--grad-accum", 2, *dropout, "--json", "--device", device))
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in result.stdout.splitlines()]
 
@@ -155,6 +155,15 @@ def test_one_sgd_step_equals_hf_peft(tmp_path, kv_heads, targets):
     for key, (err, step, size) in sgd_step_errors(tmp_path, kv_heads, targets).items():
         assert step > 1e-3 * size, key  # the step really moves this matrix
         assert err <= 1e-4 * size and err <= 1e-3 * step, (key, err, step)
+
+
+def test_init_adapter_keeps_its_own_lora_dropout(tmp_path):
+    """No --dropout: the adapter's lora_dropout (0, as PEFT reads it from adapter_config.json) is what trains, so
+    the step is PEFT's; the adapter written records it too."""
+    for key, (err, step, size) in sgd_step_errors(tmp_path, 2, ["q_proj", "v_proj", "up_proj"], dropout=()).items():
+        assert step > 1e-3 * size, key
+        assert err <= 1e-4 * size and err <= 1e-3 * step, (key, err, step)
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["lora_dropout"] == 0
 
 
 def test_adamw_halves_loss_and_adapter_loads_in_peft_and_generate(tmp_path):

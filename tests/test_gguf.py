@@ -93,9 +93,12 @@ def llama3_rope_factors(cfg: LlamaConfig) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_gguf(path, cfg: LlamaConfig, params: dict, qtype=Q.F32, drop=(), rope_factors=None, extra_tensors=()):
+def write_gguf(path, cfg: LlamaConfig, params: dict, qtype=Q.F32, drop=(), rope_factors=None, extra_tensors=(),
+               name=None):
     tokens, types = tiny_vocab()
     w = gguf.GGUFWriter(str(path), "llama")
+    if name is not None:
+        w.add_name(name)  # general.name
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)

@@ -224,7 +224,7 @@ def test_quantize_cli_errors(tmp_path, quantized_dir):
     r = run_cli(["quantize", "--model", TOY, "--quant", "gguf", "--out", tmp_path / "x"])
     assert r.exit_code == 2 and "int8 or int4" in r.output
     r = run_cli(["quantize", "--model", TOY, "--quant", "int8", "--out", quantized_dir])
-    assert r.exit_code == 2 and "not an empty directory" in r.output
+    assert r.exit_code == 2 and "exists and holds a model checkpoint; choose a new directory" in r.output
     r = run_cli(["quantize", "--model", TOY, "--quant", "int8", "--method", "gptq", "--calib",
                  tmp_path / "none.txt", "--out", tmp_path / "y"])
     assert r.exit_code == 2 and "none.txt" in r.output

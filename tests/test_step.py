@@ -234,6 +234,18 @@ def test_command_errors_are_one_line_and_the_session_goes_on(ckpt):
     assert s.done == 1 and any(line.startswith("embed [refimpl] shape [1, 64]") for line in lines)
 
 
+@pytest.mark.parametrize("commands, first", [("top 3", "top 3"), ("b nothing.*; c", "b nothing.*"),
+                                             ("frob", "frob"), ("n; p nope; q", "p nope")])
+def test_a_script_whose_command_fails_exits_2(model_dir, commands, first):
+    """Scripted (--commands or stdin): every command runs and reports as before, then the exit status is 2."""
+    for args, stdin in ((["--commands", commands], None), ([], commands.replace("; ", "\n"))):
+        code, out = cli(model_dir, *args, input=stdin)
+        assert code == 2, out
+        assert out.rstrip().endswith(f"scripted command(s) failed, the first: {first!r}") and "Traceback" not in out
+    code, out = cli(model_dir, "--commands", "c; top 3; q")
+    assert code == 0, out
+
+
 def test_parse_index_is_safe_and_numpy_like():
     assert parse_index("[0, :8]") == (0, slice(None, 8))
     assert parse_index("[..., -1]") == (Ellipsis, -1)

@@ -74,9 +74,13 @@ def assert_same_fp32(got, want):
                                    msg=lambda m: f"tensor {i}: {m}")
 
 
-def run_layer(kernels, x, cos, sin, weights, adapters, shape):
-    return outputs_and_grads(lambda: grouped_layer(x, cos, sin, weights, layer_groups(adapters, shape, x.dtype),
-                                                   shape, 1e-5, 0.0, kernels), x, adapters)
+def run_layer(kernels, x, cos, sin, weights, adapters, shape, dropout=0.0, seed=None):
+    def forward():
+        if seed is not None:
+            torch.manual_seed(seed)  # the LoRA dropout masks
+        return grouped_layer(x, cos, sin, weights, layer_groups(adapters, shape, x.dtype), shape, 1e-5, dropout,
+                             kernels)
+    return outputs_and_grads(forward, x, adapters)
 
 
 @interpreted
@@ -89,9 +93,12 @@ def test_layer_with_kernels_equals_plain_torch():
     assert_same_fp32(got, want)
 
 
-def run_manual(x, cos, sin, weights, adapters, shape):
-    return outputs_and_grads(lambda: manual_layer(x, cos, sin, weights, layer_groups(adapters, shape, x.dtype),
-                                                  shape, 1e-5), x, adapters)
+def run_manual(x, cos, sin, weights, adapters, shape, dropout=0.0, seed=None):
+    def forward():
+        if seed is not None:
+            torch.manual_seed(seed)
+        return manual_layer(x, cos, sin, weights, layer_groups(adapters, shape, x.dtype), shape, 1e-5, dropout)
+    return outputs_and_grads(forward, x, adapters)
 
 
 @interpreted
@@ -103,6 +110,30 @@ def test_manual_layer_equals_autograd_layer():
     want = run_layer(False, *inputs, shape)
     got = run_manual(*inputs, shape)
     assert_same_fp32(got, want)
+
+
+@interpreted
+def test_manual_layer_with_lora_dropout_equals_autograd_layer():
+    """LoRA dropout inside the hand-written layer: with the same RNG seed both layers draw the same masks (one per
+    adapted module, on its lora_A input, as PEFT), and autograd over the masked torch forward is the oracle for
+    the hand-written backward (the masks are redrawn from the saved RNG state in its recompute)."""
+    shape = (4, 2, 16, 40)
+    inputs = layer_inputs(2, 5, 24, *shape, rank=3)
+    want = run_layer(False, *inputs, shape, dropout=0.4, seed=7)
+    got = run_manual(*inputs, shape, dropout=0.4, seed=7)
+    assert_same_fp32(got, want)
+    plain = run_manual(*inputs, shape)
+    for i in range(len(plain)):  # the masks change the output, dX and every dA / dB
+        assert not torch.allclose(got[i], plain[i], rtol=1e-3, atol=1e-5), i
+
+
+def test_dropout_masks_are_inverted_dropout():
+    """Each mask is 0 with probability p, else 1/(1-p): x · mask is F.dropout(x, p)'s value for that draw."""
+    from accel.train.lora import dropout_masks
+    x = torch.ones(4000)
+    m1, m2 = dropout_masks(x, 0.25, 2)
+    assert torch.equal(m1.unique(), torch.tensor([0.0, 1 / 0.75])) and not torch.equal(m1, m2)
+    assert abs(float((m1 == 0).float().mean()) - 0.25) < 0.03
 
 
 def run_cross_layer(kernels, x, states, visible, has_image, weights, adapters, shape):
@@ -161,5 +192,15 @@ def test_gpu_bf16_manual_layer_equals_autograd_layer():
     inputs = layer_inputs(1, 512, 2048, *shape, rank=16, device="cuda", dtype=torch.bfloat16)
     want = run_layer(False, *inputs, shape)
     got = run_manual(*inputs, shape)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert rel_l2(g, w) < 2e-2, (i, rel_l2(g, w))
+
+
+@cuda
+def test_gpu_bf16_manual_layer_with_dropout_equals_autograd_layer():
+    shape = (32, 8, 64, 8192)
+    inputs = layer_inputs(1, 512, 2048, *shape, rank=16, device="cuda", dtype=torch.bfloat16)
+    want = run_layer(False, *inputs, shape, dropout=0.05, seed=3)
+    got = run_manual(*inputs, shape, dropout=0.05, seed=3)
     for i, (g, w) in enumerate(zip(got, want)):
         assert rel_l2(g, w) < 2e-2, (i, rel_l2(g, w))

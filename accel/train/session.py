@@ -6,7 +6,7 @@ adapted and under which PEFT names, how a data line becomes a sample, the weight
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -24,16 +24,20 @@ from refimpl.model.mllama_config import is_mllama
 from refimpl.train.data import load_samples
 
 
+DEFAULT_DROPOUT = 0.05  # a fresh adapter's LoRA dropout
+
+
 @dataclass(frozen=True)
 class SessionSettings:
     rank: int = 8
     alpha: float = 32.0
-    dropout: float = 0.05
+    dropout: float | None = None  # None: the init adapter's lora_dropout, else DEFAULT_DROPOUT
     targets: tuple[str, ...] = ("q_proj", "v_proj")
     max_length: int = 2048
     seed: int = 0
     init_adapter: Path | None = None
     compile: bool = False
+    columns: dict | None = None  # the data's field names -> refimpl.train.data's (--columns)
 
 
 class TextTraining:
@@ -92,14 +96,17 @@ class Session:
             family = TextTraining(ckpt, Path(model_path))
 
         def load(path):
-            return load_samples(path, ckpt.tokenizer, s.max_length, warn, family.record_encoder(Path(path)))
+            return load_samples(path, ckpt.tokenizer, s.max_length, warn, family.record_encoder(Path(path)),
+                                s.columns)
 
         samples = load(data)
         eval_samples = load(eval_data) if eval_data else []
-        if s.init_adapter is not None:
+        if s.init_adapter is not None:  # its own lora_dropout (PEFT reads it too) unless one is given
             lora, config = _from_init_adapter(s.init_adapter, family, str(model_path))
+            s = replace(s, dropout=config["lora_dropout"] if s.dropout is None else s.dropout)
             config["lora_dropout"] = s.dropout
         else:
+            s = replace(s, dropout=DEFAULT_DROPOUT if s.dropout is None else s.dropout)
             lora = init_lora(*family.fresh_targets(s.targets), s.rank, s.alpha / s.rank, s.seed, family.module_of)
             config = adapter_config(str(model_path), s.rank, s.alpha, s.dropout, list(s.targets))
         config["target_modules"] = family.target_modules({m.name for m in lora.values()}, config["target_modules"])

@@ -7,6 +7,7 @@ Tensors come back as float32 NumPy arrays keyed by the checkpoint's names; shape
 from __future__ import annotations
 
 import json
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -161,11 +162,22 @@ def save_sharded(model_dir: str | Path, params: dict[str, np.ndarray], dtype: st
     return files
 
 
+# the files beside a directory checkpoint's weights that a derived copy (quantized, merged) carries as they are
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja", "preprocessor_config.json")
+
+
 def write_side_files(ckpt: Checkpoint, out: Path, config: dict) -> None:
-    """config.json (the given dict), generation_config.json and, with a tokenizer, tokenizer.json and
-    tokenizer_config.json, as transformers reads them: the files beside a checkpoint's weights."""
-    cfg, tok = ckpt.config, ckpt.tokenizer
+    """config.json (the given dict) and the rest of what transformers reads beside the weights: a directory
+    checkpoint's own SIDE_FILES copied as they are; for a GGUF file, generation_config.json and, with a tokenizer,
+    tokenizer.json and tokenizer_config.json (chat template included) written from what the file holds."""
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if Path(ckpt.path).is_dir():
+        for name in SIDE_FILES:
+            if (Path(ckpt.path) / name).is_file():
+                shutil.copyfile(Path(ckpt.path) / name, out / name)
+        return
+    cfg, tok = ckpt.config, ckpt.tokenizer
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": cfg.bos_token_id,
                                                             "eos_token_id": list(ckpt.stop_ids)}, indent=2) + "\n")
     if tok is not None:

@@ -156,8 +156,22 @@ def config_from_gguf(meta: Metadata, shapes: dict[str, tuple[int, ...]], rope_fr
         rms_norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", "float"),
         tie_word_embeddings="output.weight" not in shapes, bos_token_id=bos, eos_token_ids=stop,
         max_position_embeddings=_positive(meta, "llama.context_length"),
-        extra={"gguf_file_type": meta.get("general.file_type", "int", None)},
+        extra={"gguf_file_type": meta.get("general.file_type", "int", None),
+               "names": recorded_names(meta)},
     )
+
+
+def recorded_names(meta: Metadata) -> list[str]:
+    """The names the file records for its model (general.name, .basename, .finetune): metadata, so one of another
+    type is skipped rather than refused."""
+    names = []
+    for key in ("general.name", "general.basename", "general.finetune"):
+        try:
+            name = meta.get(key, "str", None)
+        except ConfigError:
+            continue
+        names += [name] if name else []
+    return names
 
 
 def stop_ids_from(meta: Metadata) -> tuple[int, ...]:

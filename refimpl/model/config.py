@@ -163,7 +163,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=bos, eos_token_ids=eos_ids,
             max_position_embeddings=num("max_position_embeddings", default=131072),
-            extra={k: v for k, v in d.items() if k in ("torch_dtype", "dtype", "architectures")},
+            extra={k: v for k, v in d.items() if k in ("torch_dtype", "dtype", "architectures", "_name_or_path")},
         )
         try:
             return cls(**fields)

@@ -16,7 +16,8 @@ from refimpl.model.config_fields import MLLAMA_FIELDS, MLLAMA_TEXT_FIELDS, MLLAM
 from refimpl.formats.jsonfile import read_config_json
 from refimpl.model.config import LlamaConfig
 
-EXTRA_EMBEDDING_ROWS = 8  # embed_tokens has vocab_size + 8 rows: <|image|> (= vocab_size) and 7 reserved ids
+EXTRA_EMBEDDING_ROWS = 8  # embed_tokens has vocab_size + 8 rows: <|image|> (vocab_size in the released checkpoints)
+# and 7 reserved ids
 
 _TEXT_DEFAULTS = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=40, num_attention_heads=32,
                       num_key_value_heads=8, intermediate_size=14336, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -167,9 +168,12 @@ class MllamaConfig:
         if not isinstance(image_token, int) or isinstance(image_token, bool) or image_token < 0:
             raise ConfigError(f"{source}: image_token_index must be a non-negative integer, got {image_token!r}")
         cfg = cls(_text_from_hf(text, source), _vision_from_hf(vision, source), image_token)
-        if not cfg.text.vocab_size <= image_token < cfg.text.embedding_rows:
-            raise ConfigError(f"{source}: image_token_index {image_token} must be one of the 8 extra embedding rows "
-                              f"[{cfg.text.vocab_size}, {cfg.text.embedding_rows})")
+        # as HF's MllamaForConditionalGeneration: the image token is a row of embed_tokens like any other (the
+        # released checkpoints use the first extra row, vocab_size; a config may name an id of the vocabulary)
+        if not image_token < cfg.text.embedding_rows:
+            raise ConfigError(f"{source}: image_token_index {image_token} must be a row of the text embedding "
+                              f"[0, {cfg.text.embedding_rows}) (vocab_size {cfg.text.vocab_size} + "
+                              f"{EXTRA_EMBEDDING_ROWS} extra rows)")
         return cfg
 
     @classmethod

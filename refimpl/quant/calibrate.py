@@ -129,7 +129,7 @@ def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
                for ids in sequences]
     wanted = {f"layers.{i}.{a}" for i in range(cfg.num_hidden_layers) for a in SHARED_INPUT}
     with Progress(f"quantizing to {spec} ({method}, {sum(len(s) for s in sequences)} calibration tokens)",
-                  cfg.num_hidden_layers + spec.lm_head) as bar:
+                  cfg.num_hidden_layers + spec.lm_head, lines_s=0.0) as bar:
         for i in range(cfg.num_hidden_layers):
             grams: dict[str, np.ndarray] = {}
             p = layer_params(params, i)
@@ -150,7 +150,7 @@ def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
                 out[f"model.layers.{i}.{key}"] = p[key]
             for s in streams:  # the stream through the quantized layer feeds the next one
                 _, s.x = drive(_layer(layer_params(out, i), s, cfg, i), lambda name: False)
-            bar.advance()
+            bar.advance(1, f"layer {i}")
         if spec.lm_head:
             head, norm = source_weight(params, LM_HEAD), params["model.norm.weight"]
             h = sum(_gram(ops.rms_norm(s.x, norm, cfg.rms_norm_eps)) for s in streams)
@@ -159,5 +159,5 @@ def quantize_model(params: dict, cfg: LlamaConfig, spec: QuantSpec, method: str,
                 sc = awq.search_scales(head, h, one.quantize)
                 head, h, out["model.norm.weight"] = head * sc, awq.scaled_hessian(h, sc), norm / sc
             out[LM_HEAD] = quantize_matrix(head, h, one, base)
-            bar.advance()
+            bar.advance(1, "lm_head")
     return out

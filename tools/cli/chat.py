@@ -10,10 +10,11 @@ import sys
 
 import click
 
+from refimpl.errors import GenerationError
 from refimpl.generate import Sampling
 
 from tools.chat_session import ChatSession, stop_notice
-from tools.cli.generate import TextStream
+from tools.cli.generate import TextStream, greedy_notice
 from tools.cli.params import ENGINE_OPTIONS, MODEL_OPTION, sampling_options
 from tools.engines import load_engine, resolve_backend, resolve_model
 
@@ -46,7 +47,16 @@ def answer(session: ChatSession, text: str) -> None:
     """Stream one answer; Ctrl-C stops it, not the chat."""
     stream = TextStream(session.tok, sys.stdout)
     try:
-        for token in session.ask(text):
+        tokens = session.ask(text)
+    except GenerationError as e:  # this message alone fills the context: say so, and the chat goes on
+        click.echo(f"error: {e}", err=True)
+        return
+    if session.dropped:
+        click.echo(f"(the conversation outgrew the {session.capacity} positions this chat holds: dropped its "
+                   f"{session.dropped} oldest turn(s){', kept the system message' if session.system else ''})",
+                   err=True)
+    try:
+        for token in tokens:
             stream.push(token)
     except KeyboardInterrupt:
         sys.stdout.write("\n")
@@ -54,7 +64,8 @@ def answer(session: ChatSession, text: str) -> None:
         return
     sys.stdout.write("\n")
     sys.stdout.flush()
-    notice = stop_notice(stream.ids, session.stop_ids, session.limit, session.tok)
+    notice = stop_notice(stream.ids, session.stop_ids, session.limit, session.tok, session.sampling.max_new_tokens,
+                         f"the chat's context ({session.capacity} positions, --context)")
     if notice:
         click.echo(f"note: {notice}", err=True)
 
@@ -71,6 +82,9 @@ def chat(model, system, max_new_tokens, context, temperature, top_p, top_k, repe
          device, dtype):
     """Chat with a model, turn after turn."""
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
+    greedy = greedy_notice(temperature, top_k, top_p, seed)
+    if greedy:
+        click.echo(f"note: {greedy}", err=True)
     backend = resolve_backend(backend)
     engine, ckpt, _ = load_engine(resolve_model(model), backend, device, dtype)
     capacity = max(1, min(context, ckpt.config.max_position_embeddings))

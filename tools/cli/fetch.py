@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import click
 
-from tools.default_model import cache_dir, default_model_path, fetch as fetch_model
+from tools.default_model import cache_dir, default_model_path, fetch as fetch_model, size_text
 
 
-@click.command()
+@click.command(help=f"Download the default model (SmolLM2-135M-Instruct, a {size_text()} GGUF) into $LLAMA32_CACHE "
+                    f"(default ~/.cache/llama32) and print its path.")
 @click.option("--force", is_flag=True, help="Download again even if the model is already cached.")
 def fetch(force):
-    """Download the default model into $LLAMA32_CACHE (default ~/.cache/llama32) and print its path."""
     path = fetch_model(cache_dir()) if force else default_model_path(fetch_if_missing=True)
     click.echo(str(path))

@@ -53,6 +53,16 @@ def fit_to_context(n_prompt: int, max_new_tokens: int, context: int) -> tuple[in
     return max_new_tokens, None
 
 
+def greedy_notice(temperature: float, top_k: int, top_p: float, seed: int | None) -> str | None:
+    """The sampling options given that greedy decoding (--temperature 0) does not use, said rather than ignored."""
+    unused = [name for name, given in (("--top-k", top_k != 0), ("--top-p", top_p != 1.0),
+                                       ("--seed", seed is not None)) if given]
+    if temperature != 0 or not unused:
+        return None
+    return (f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} ignored with --temperature 0 (greedy "
+            f"decoding picks the most likely token); give a temperature > 0 to sample")
+
+
 @click.command()
 @click.argument("prompt")
 @MODEL_OPTION
@@ -82,6 +92,11 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
                                        lora_mode=lora_mode, quant=quant)
     tok = ckpt.tokenizer
     notes = []  # on stderr as they come, or in the --json record (stdout stays one JSON line)
+    greedy = greedy_notice(temperature, top_k, top_p, seed)
+    if greedy:
+        notes.append(f"note: {greedy}")
+        if not as_json:
+            click.echo(notes[-1], err=True)
     if chat is None:
         chat = wants_chat(ckpt)
         if chat:
@@ -119,7 +134,7 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
             sys.stdout.write("\n")  # end the half-printed line, so the shell prompt and the notice start clean
             sys.stdout.flush()
         raise
-    notice = stop_notice(stream.ids, ckpt.stop_ids, settings.max_new_tokens, tok)
+    notice = stop_notice(stream.ids, ckpt.stop_ids, settings.max_new_tokens, tok, max_new_tokens)
     notes += [f"note: {notice}"] if notice else []
     prefill_s = times[0] - t0
     decode_s = times[-1] - times[0]

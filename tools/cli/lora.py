@@ -5,15 +5,13 @@ bf16), sharded with an index as HF does; config, tokenizer and generation files 
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import click
 
 from refimpl.errors import GenerationError
+from tools.cli.outdir import check_out_dir
 
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-          "special_tokens_map.json", "chat_template.jinja", "preprocessor_config.json")
 DTYPE_TAGS = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
 
@@ -44,21 +42,20 @@ def lora():
 def merge(model, adapter, out, dtype, max_shard_size):
     """Merge ADAPTER into MODEL and write a Hugging Face checkpoint to OUT."""
     from refimpl.formats.checkpoint import load_checkpoint, save_sharded, weight_dtype, write_side_files
+    from refimpl.formats.jsonfile import read_config_json
     from refimpl.formats.lora import load_lora, merge_lora
+    from tools.chat_session import source_name
 
     shard_bytes = _size(max_shard_size)
-    if out.exists() and any(out.iterdir()):
-        raise GenerationError(f"--out {out}: exists and is not empty; choose a new directory")
+    check_out_dir(out)
     ckpt = load_checkpoint(model)
     merged = merge_lora(ckpt.params, ckpt.config, load_lora(adapter, ckpt.config))
     gguf = not Path(model).is_dir()
     tag = DTYPE_TAGS[dtype] if dtype else ("F32" if gguf else weight_dtype(Path(model)))
     out.mkdir(parents=True, exist_ok=True)
     files = save_sharded(out, merged, tag, shard_bytes)
-    if gguf:  # a GGUF holds its config and tokenizer inside: written out as the HF files transformers reads
-        write_side_files(ckpt, out, ckpt.config.to_hf())
-    else:
-        for name in COPIED:
-            if (Path(model) / name).is_file():
-                shutil.copyfile(Path(model) / name, out / name)
+    # a GGUF holds its config and tokenizer inside: written out as the HF files transformers reads; a directory's
+    # config.json is kept as it is, with the source's name recorded (tools.chat_session.source_name)
+    config = ckpt.config.to_hf() if gguf else read_config_json(Path(model) / "config.json")
+    write_side_files(ckpt, out, config | {"_name_or_path": source_name(ckpt)})
     click.echo(f"wrote {out}: {len(files)} safetensors file(s) in {tag}", err=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from refimpl.errors import GenerationError
+from tools.cli.outdir import check_out_dir
 from tools.cli.params import MODEL_OPTION, QUANT_HELP, UserPath
 
 CALIBRATION = Path(__file__).resolve().parent.parent / "data" / "calibration-en.txt"
@@ -51,13 +52,13 @@ def quantize(model, quant, method, rotate, calib, out):
     from refimpl.quant.apply import refuse_quantized
     from refimpl.quant.calibrate import calibration_sequences, quantize_model
     from refimpl.quant.rotate import ROTATION_SEED, record, rotate_model
+    from tools.chat_session import source_name
     from tools.engines import parse_quant, resolve_model
 
     spec = parse_quant(quant)
     if spec.format == "gguf":
         raise GenerationError("--quant gguf keeps a GGUF file's blocks at load time; `quantize` writes int8 or int4")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise GenerationError(f"--out {out}: exists and is not an empty directory; choose a new directory")
+    check_out_dir(out)
     if method == "rtn" and calib is not None:
         raise GenerationError("--calib is used by --method search or gptq; rtn needs no calibration")
     text = None if method == "rtn" else _calibration_text(calib or CALIBRATION)
@@ -76,7 +77,7 @@ def quantize(model, quant, method, rotate, calib, out):
     save_quantized_weights(out, params, dtype)
     note = None if seqs is None else f"{(calib or CALIBRATION).name}, {sum(len(s) for s in seqs)} tokens"
     qcfg = quantization_config(spec, method, note, rotation)
-    write_side_files(ckpt, out, cfg.to_hf() | {"quantization_config": qcfg})
+    write_side_files(ckpt, out, cfg.to_hf() | {"quantization_config": qcfg, "_name_or_path": source_name(ckpt)})
     size = sum(f.stat().st_size for f in out.iterdir())
     click.echo(f"wrote {out}: {spec} by {method}{', rotated' if rotate else ''}{' on ' + note if note else ''}, "
                f"{size / 1e6:.1f} MB", err=True)

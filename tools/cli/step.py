@@ -84,9 +84,9 @@ def step(prompt, model, position, backend, device, quant, dtype, commands, inher
                       len(ids) - 1 if position is None else position, ckpt.tokenizer,
                       lockstep=not inherited, inject=fault, out=click.echo, inputs=inputs)
     session.say(*session.banner())
-    if commands is not None:
-        run_script(session, split_commands(commands))
-    elif not sys.stdin.isatty():
-        run_script(session, split_commands(sys.stdin.read()))
-    else:
+    if commands is None and sys.stdin.isatty():
         interactive(session)
+        return
+    run_script(session, split_commands(sys.stdin.read() if commands is None else commands))
+    if session.failed:  # the errors are in the transcript; the exit status tells a script
+        raise GenerationError(f"{len(session.failed)} scripted command(s) failed, the first: {session.failed[0]!r}")

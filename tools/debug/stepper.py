@@ -83,6 +83,7 @@ class Session:
         # so re-encodes the image: the encoder and the cross-attention layers can be stepped through
         self.inputs = inputs or {}
         self.names = forward_names(cfg, self.inputs)
+        self.failed: list[str] = []  # the command lines that reported an error, for a script's exit status
         if not prompt_ids:
             raise GenerationError("the prompt is empty: give some text to step through")
         bad = [t for t in prompt_ids if not 0 <= t < token_rows(cfg)]
@@ -213,6 +214,7 @@ class Session:
             return handler(self, args, line.strip()[len(cmd):].strip()) is not False
         except (CommandError, Llama32Error) as e:  # the session reports it and goes on
             self.say(f"error: {one_line(str(e))}")
+            self.failed.append(line.strip())
             return True
 
     def need_running(self) -> None:
@@ -391,7 +393,8 @@ def split_commands(text: str) -> list[str]:
 
 
 def run_script(session: Session, commands: Iterable[str], echo: bool = True) -> None:
-    """Scripted mode: echo each command after the prompt (a transcript reads like the terminal) and run it."""
+    """Scripted mode: echo each command after the prompt (a transcript reads like the terminal) and run it
+    (the ones that reported an error are in session.failed)."""
     for cmd in commands:
         if echo:
             session.out(f"(llama32) {cmd}")
