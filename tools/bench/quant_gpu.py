@@ -20,7 +20,7 @@ from accel.kernels.qkv_rope import qkv_rope_fwd
 from accel.kernels.rope import rope_kv_write_fwd
 from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
 from accel.quant_layers import quantize_weights
-from accel.quant_ops import QuantTensor, quant_norm_swiglu, quantize
+from accel.quant_ops import QuantTensor, quantize
 from accel.weights import random_weights
 from refimpl.model.config import LlamaConfig
 from refimpl.quant.formats import QuantSpec
@@ -163,10 +163,10 @@ def quant_step_us(what: str, N: int, K: int, fusion: str, spec: str, cfg: LlamaC
         case = QuantGemvCase(what, N, K, fusion, spec, cfg)
         return case.time_us(None), case.t.nbytes
     case = QuantGemvCase(what, N, K, "norm", spec, cfg)
-    err = case.gate_up_swiglu_error(quant_norm_swiglu(case.x, case.nw, case.t, 1e-5))
+    err = case.gate_up_swiglu_error(case.t.norm_swiglu(case.x, case.nw, 1e-5))
     if not err <= MAX_REL_ERR:  # as the sweep's check
         raise AssertionError(f"{what} {spec}: norm + gate_up + SwiGLU off by {err:.2e} (relative max)")
-    return graph_us([lambda t=t: quant_norm_swiglu(case.x, case.nw, t, 1e-5) for t in case.copies]), case.t.nbytes
+    return graph_us([lambda t=t: t.norm_swiglu(case.x, case.nw, 1e-5) for t in case.copies]), case.t.nbytes
 
 
 def gemv_bench(cfg: LlamaConfig, device, specs: list[str]) -> list[dict]:
