@@ -153,6 +153,37 @@ class SafetensorsFile:
             return raw.astype(np.float32)
         return raw
 
+    def load_slice(self, name: str, dim: int, start: int, stop: int, chunk_bytes: int = 16 << 20) -> np.ndarray:
+        """Indices start..stop-1 along `dim` (0: rows, 1: columns) of a 2-D float weight, as float32, reading only
+        those bytes: one read for rows; for columns, blocks of whole rows of at most `chunk_bytes`, each cut to the
+        columns (tensor-parallel loading: no rank holds more than its slice and one block)."""
+        info = self.tensors[name]
+        if info.dtype not in FLOAT_DTYPES or len(info.shape) != 2 or not 0 <= start <= stop <= info.shape[dim]:
+            raise self._error(f"tensor {quote(name)} ({info.dtype} {list(info.shape)}): cannot take [{start}, "
+                              f"{stop}) along dim {dim}")
+        rows, cols = info.shape
+        size = _DTYPES[info.dtype][1]
+        if dim == 0:
+            return self._read_rows(name, start, stop)
+        out = np.empty((rows, stop - start), np.float32)
+        step = max(1, chunk_bytes // max(1, cols * size))
+        for r in range(0, rows, step):
+            out[r:r + step] = self._read_rows(name, r, min(r + step, rows))[:, start:stop]
+        return out
+
+    def _read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop-1 of a 2-D float tensor, read (not mapped) and widened to float32."""
+        info = self.tensors[name]
+        storage, size = _DTYPES[info.dtype]
+        cols = info.shape[1]
+        with open_regular(self.path) as f:
+            f.seek(info.begin + start * cols * size)
+            raw = np.fromfile(f, storage, count=(stop - start) * cols)
+        if raw.size != (stop - start) * cols:
+            raise self._error(f"tensor {quote(name)}: file ended early (truncated download?)")
+        raw = raw.reshape(stop - start, cols)
+        return bf16_to_f32(raw) if info.dtype == "BF16" else raw.astype(np.float32, copy=False)
+
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """bf16 is the top half of an fp32: widen by shifting the 16 bits into place (exact)."""

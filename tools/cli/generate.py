@@ -14,6 +14,7 @@ from refimpl.generate import Sampling
 
 from tools.chat_session import stop_notice, wants_chat
 from tools.engines import load_engine, resolve_backend, resolve_model
+from tools.tp import TP_OPTION, load_tp
 from tools.vision_inputs import prompt_inputs
 from tools.cli.params import ENGINE_OPTIONS, MODEL_OPTION, QUANT_HELP, UserPath, sampling_options
 
@@ -82,14 +83,21 @@ def greedy_notice(temperature: float, top_k: int, top_p: float, seed: int | None
               help="unmerged: keep the base weights and add scale·(x·Aᵀ)·Bᵀ at run time (refimpl backend).")
 @click.option("--quant", default=None, metavar="FORMAT",
               help=QUANT_HELP)
+@TP_OPTION
 def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed,
-             backend, device, dtype, as_json, lora=None, images=(), lora_mode="merged", quant=None):
+             backend, device, dtype, as_json, lora=None, images=(), lora_mode="merged", quant=None, tp=1):
     """Generate text from PROMPT ('-' reads it from stdin)."""
-    prompt = read_prompt(prompt)
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
-    backend = resolve_backend(backend)
-    engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora,
-                                       lora_mode=lora_mode, quant=quant)
+    if tp > 1:  # stdin read after the load: under torchrun only rank 0 comes back from it
+        backend = "accel" if backend == "auto" else backend
+        engine, ckpt, load_s = load_tp(resolve_model(model), tp, backend, device, dtype, **{
+            "--lora": lora, "--quant": quant, "--image": images})
+        prompt = read_prompt(prompt)
+    else:
+        prompt = read_prompt(prompt)
+        backend = resolve_backend(backend)
+        engine, ckpt, load_s = load_engine(resolve_model(model), backend, device, dtype, lora=lora,
+                                           lora_mode=lora_mode, quant=quant)
     tok = ckpt.tokenizer
     notes = []  # on stderr as they come, or in the --json record (stdout stays one JSON line)
     greedy = greedy_notice(temperature, top_k, top_p, seed)

@@ -1,0 +1,9 @@
+"""Tensor parallelism over torch.distributed (Megatron-LM's split of a Llama decoder over N ranks).
+
+    group.py    the process group: spawned from the CLI or joined under torchrun; gloo on CPU, nccl on CUDA
+    shard.py    which slice of each checkpoint tensor a rank keeps (heads, KV heads, hidden units, vocabulary)
+    load.py     reading one rank's slices from safetensors, never the whole model
+    model.py    one rank's forward with its all-reduces and the gathered logits
+    engine.py   rank 0 drives generation, the other ranks follow its broadcasts
+    launch.py   `tp_engine`: what a CLI command opens
+"""

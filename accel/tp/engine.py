@@ -1,0 +1,150 @@
+"""TPEngine: generation over a tensor-parallel group, rank 0 driving, the other ranks following.
+
+Rank 0 holds the engine contract's `generate` (refimpl.generate.RefEngine's): it broadcasts each request (the
+prompt ids and the cache size), every rank runs the same forward over its shard (accel.tp.model), and rank 0
+alone samples from the gathered logits and broadcasts the token with whether to go on. So greedy and sampled
+decoding are the same on every rank by construction, whatever their generators. The other ranks sit in `serve`
+until rank 0's `close`.
+
+Messages (int64, broadcast from rank 0): a request [op, prompt length, cache capacity] (op GENERATE or STOP), the
+prompt ids, then per token [token, go on].
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from refimpl.errors import GenerationError
+from refimpl.generate import Sampling, check_prompt, text_only
+from refimpl.model import ops as np_ops
+from refimpl.model.config import LlamaConfig
+
+from .. import ops
+from ..sampling import make_generator, penalize, sample
+from ..weights import DTYPES, Weights
+from .group import TPGroup, all_ok
+from .load import load_shard
+from .model import ShardCache, forward
+from .shard import ShardPlan
+
+STOP, GENERATE = 0, 1
+
+
+class TPEngine:
+    backend = "accel"
+
+    def __init__(self, group: TPGroup, cfg: LlamaConfig, weights: Weights, dtype: str):
+        self.group, self.dtype_name, self.dtype = group, dtype, DTYPES[dtype]
+        self.plan = ShardPlan(cfg, group.rank, group.world)
+        self.config, self.local, self.weights = cfg, self.plan.local, weights
+        self.device = group.device
+        self.triton = group.device.type == "cuda"  # on the CPU, the ops' torch versions (not the interpreter)
+
+    @classmethod
+    def load(cls, group: TPGroup, model_dir: Path, cfg: LlamaConfig, dtype: str | None) -> "TPEngine":
+        """Every rank loads its shard; one that fails prints why and every rank stops (GenerationError)."""
+        dtype = dtype or ("bf16" if group.device.type == "cuda" else "fp32")
+        weights, error = None, None
+        try:
+            if dtype not in DTYPES:
+                raise GenerationError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+            weights = load_shard(model_dir, ShardPlan(cfg, group.rank, group.world), group.device, DTYPES[dtype])
+        except Exception as e:  # noqa: BLE001  told to every rank before anyone raises
+            error = e
+        if not all_ok(error is None, group):
+            if error is not None:
+                raise error
+            raise GenerationError(f"another rank of --tp {group.world} failed to load {model_dir} (its error is "
+                                  f"printed above)")
+        return cls(group, cfg, weights, dtype)
+
+    # ---- every rank ----
+    def new_cache(self, capacity: int) -> ShardCache:
+        c = self.local
+        shape = (c.num_hidden_layers, c.num_key_value_heads, capacity, c.head_dim)  # [L, K/N, S, E]
+        cos, sin = np_ops.rope_tables(np.arange(capacity), c.head_dim, c.rope_theta, c.rope_scaling)
+        return ShardCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                          torch.zeros(shape, dtype=self.dtype, device=self.device),
+                          torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device),
+                          torch.arange(capacity, device=self.device))
+
+    def forward(self, ids: torch.Tensor, start: int, cache: ShardCache) -> torch.Tensor:
+        first_id, _ = self.plan.vocab_range()
+        with ops.torch_only(not self.triton):
+            return forward(self.weights, self.local, self.config.vocab_size, first_id, self.group.world, ids, start,
+                           cache)
+
+    def _broadcast(self, values: list[int] | None, n: int) -> torch.Tensor:
+        t = torch.zeros(n, dtype=torch.int64, device=self.device)
+        if values is not None:
+            t.copy_(torch.as_tensor(values, dtype=torch.int64))
+        dist.broadcast(t, src=0)
+        return t
+
+    def _follow(self, ids: torch.Tensor, capacity: int) -> None:
+        """A worker's request: prefill ids, then decode each token rank 0 broadcasts while it says go on."""
+        cache, pos = self.new_cache(capacity), 0
+        while True:
+            self.forward(ids, pos, cache)
+            pos += ids.shape[0]
+            token, go = self._broadcast(None, 2).tolist()
+            if not go:
+                return
+            ids = torch.tensor([token], dtype=torch.int64, device=self.device)
+
+    # ---- ranks 1..N-1 ----
+    def serve(self) -> None:
+        """Follow rank 0's requests until it sends STOP."""
+        while True:
+            op, n, capacity = self._broadcast(None, 3).tolist()
+            if op == STOP:
+                return
+            self._follow(self._broadcast(None, n), capacity)
+
+    # ---- rank 0 ----
+    def close(self) -> None:
+        """Release the other ranks from `serve`."""
+        self._broadcast([STOP, 0, 0], 3)
+
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), **inputs) -> Iterator[int]:
+        """New tokens after the prompt, as refimpl.generate.RefEngine.generate (no cache carried across calls)."""
+        text_only(inputs)
+        cfg = self.config
+        check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, cfg.max_position_embeddings)
+        capacity = len(prompt_ids) + s.max_new_tokens
+        self._broadcast([GENERATE, len(prompt_ids), capacity], 3)
+        ids = self._broadcast(prompt_ids, len(prompt_ids))
+        yield from self._lead(ids, capacity, s, set(stop_ids))
+
+    def _lead(self, ids: torch.Tensor, capacity: int, s: Sampling, stop_ids: set) -> Iterator[int]:
+        """Rank 0's side of `_follow`: sample each token, yield it, then tell the others whether to go on. A
+        consumer that stops early (the generator closed at its yield) still releases them."""
+        gen = make_generator(self.device, s.seed)
+        seen = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.device)  # [V]
+        seen[ids] = True
+        cache, pos, told = self.new_cache(capacity), 0, True
+        try:
+            for n in range(s.max_new_tokens):
+                logits = self.forward(ids, pos, cache)  # [1, V], gathered
+                pos += ids.shape[0]
+                told = False
+                if s.repetition_penalty != 1:
+                    logits = penalize(logits, seen, s.repetition_penalty)
+                if not bool(torch.isfinite(logits).all()):
+                    raise GenerationError(f"NaN or Inf in the logits at position {pos - 1}; generation stopped")
+                token = int(sample(logits, s, gen)[0])
+                seen[token] = True
+                yield token
+                go = token not in stop_ids and n + 1 < s.max_new_tokens
+                self._broadcast([token, int(go)], 2)
+                told = True
+                if not go:
+                    return
+                ids = torch.tensor([token], dtype=torch.int64, device=self.device)
+        finally:
+            if not told:
+                self._broadcast([0, 0], 2)

@@ -1,0 +1,59 @@
+"""Starting a tensor-parallel engine from the CLI: the checks, the group, every rank's shard, the serving ranks.
+
+`tp_engine` is what a command uses: rank 0 (the CLI process) gets the engine and the checkpoint's tokenizer and
+stop ids; ranks 1..N-1 (spawned here, or started by torchrun) serve until rank 0 leaves the block.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import torch.distributed as dist
+
+from refimpl.errors import Llama32Error
+from refimpl.formats.params import Checkpoint
+
+from .engine import TPEngine
+from .group import TPGroup, from_env, spawn, under_torchrun
+from .load import open_text_checkpoint
+from .shard import check_divisible
+
+
+def _serve(group: TPGroup, model_dir: Path, dtype: str | None) -> None:
+    """A spawned rank's life: load its shard, serve rank 0's requests. Its own input errors print as one line
+    (rank 0 says that a rank failed); another rank's failure is rank 0's to report."""
+    try:
+        cfg = open_text_checkpoint(model_dir, with_tokenizer=False).config
+        TPEngine.load(group, model_dir, cfg, dtype).serve()
+    except Llama32Error as e:
+        if "another rank" not in str(e):
+            print(f"error: rank {group.rank}: {e}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def tp_engine(model_dir: Path, world: int, device: str | None, dtype: str | None
+              ) -> Iterator[tuple[TPEngine, Checkpoint]]:
+    """(rank 0's engine, the checkpoint without weights) for the block; the other ranks are released and the group
+    ended after it. Under torchrun, a rank other than 0 serves and then exits the process (SystemExit 0)."""
+    ckpt = open_text_checkpoint(model_dir)
+    check_divisible(ckpt.config, world)  # before any process starts
+    procs = []
+    if under_torchrun():
+        group = from_env(world, device)
+    else:
+        group, procs = spawn(world, device, _serve, (Path(model_dir), dtype))
+    try:
+        engine = TPEngine.load(group, Path(model_dir), ckpt.config, dtype)
+        if not group.is_root:
+            engine.serve()
+            raise SystemExit(0)
+        try:
+            yield engine, ckpt
+        finally:
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+        for p in procs:
+            p.join(timeout=60)

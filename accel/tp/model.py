@@ -1,0 +1,86 @@
+"""One rank's forward over its shard (accel.tp.shard), with the collectives Megatron's split needs.
+
+Per layer, on the residual stream x [T, D] (whole on every rank):
+    h = rms_norm(x)                                   replicated
+    qkv = h · qkv_rᵀ                                  [T, (H+2K)/N·E]: this rank's heads (column-parallel)
+    a = attention(rope(q), cache_r)                   [T, H/N, E] over this rank's KV heads' cache
+    x += all_reduce(a · o_rᵀ)                         row-parallel: each rank's product is a partial sum
+    x += all_reduce(swiglu(h · gate_up_rᵀ) · down_rᵀ) the same for the MLP
+The embedding is vocab-parallel: a rank looks up the ids its rows hold (zero for the others) and the rows are
+all-reduced; the logits [1, ceil(V/N)] of every rank are all-gathered into [1, V].
+
+The eager path: accel.ops (Triton kernels on CUDA, their torch versions elsewhere), one forward for the prompt
+and for each decoded token (T = 1). The fused decode kernels and CUDA graphs of accel.model are not used per
+shard yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from refimpl.model.config import LlamaConfig
+
+from .. import ops
+from ..weights import Weights
+
+
+@dataclass
+class ShardCache:
+    k: torch.Tensor  # [L, K/N, S, E]
+    v: torch.Tensor  # [L, K/N, S, E]
+    cos: torch.Tensor  # [S, E/2] fp32
+    sin: torch.Tensor  # [S, E/2] fp32
+    slots: torch.Tensor  # [S] int64, 0..S-1
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x)  # sum over the ranks, in place
+    return x
+
+
+def embed(w: Weights, ids: torch.Tensor, first_id: int) -> torch.Tensor:
+    """ids [T] -> x [T, D]: each rank's rows (token ids first_id..) looked up, the others zero, summed over ranks."""
+    local = ids - first_id  # [T]
+    mine = (local >= 0) & (local < w.embed.shape[0])  # [T]
+    x = w.embed[local.clamp(0, w.embed.shape[0] - 1)]  # [Vr, D][T] -> [T, D]
+    return all_reduce(x * mine[:, None].to(x.dtype))
+
+
+def layer(lw, cfg: LlamaConfig, x, cache_k, cache_v, cos, sin, positions):
+    """One decoder layer of this rank's shard (cfg: the rank's local config) -> the new residual stream x [T, D]."""
+    T, eps = x.shape[0], cfg.rms_norm_eps
+    H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    h = ops.rms_norm(x, lw.attn_norm, eps)  # [T, D]
+    qkv = ops.linear(h, lw.qkv)  # [T, D] -> [T, (H+2K)·E]
+    q = qkv[:, : H * E].view(T, H, E)
+    k = qkv[:, H * E: (H + K) * E].view(T, K, E)
+    v = qkv[:, (H + K) * E:].view(T, K, E)
+    q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
+    a = ops.causal_attention(q_rot, cache_k, cache_v, positions).reshape(T, H * E)  # [T, H, E] -> [T, H·E]
+    x = x + all_reduce(ops.linear(a, lw.o))  # [T, H·E] -> [T, D] partial, summed over ranks
+    h = ops.rms_norm(x, lw.mlp_norm, eps)
+    act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
+    return x + all_reduce(ops.linear(act, lw.down))  # [T, F] -> [T, D] partial, summed over ranks
+
+
+def forward(w: Weights, cfg: LlamaConfig, vocab_size: int, first_id: int, world: int, ids: torch.Tensor,
+            start: int, cache: ShardCache) -> torch.Tensor:
+    """ids [T] at positions start..start+T-1 (written into the cache) -> the last token's logits [1, V], the same
+    on every rank. cfg: the rank's local config; first_id: the first token id of its embedding rows."""
+    T = ids.shape[0]
+    positions = cache.slots[start:start + T]  # [T]
+    cos, sin = cache.cos[start:start + T], cache.sin[start:start + T]  # [T, E/2]
+    x = embed(w, ids, first_id)
+    for i, lw in enumerate(w.layers):
+        x = layer(lw, cfg, x, cache.k[i], cache.v[i], cos, sin, positions)
+    h = ops.rms_norm(x[-1:], w.norm, cfg.rms_norm_eps)  # [1, D]
+    local = ops.linear(h, w.lm_head)  # [1, D] -> [1, ceil(V/N)]
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    return torch.cat(parts, dim=1)[:, :vocab_size]  # [1, N·ceil(V/N)] -> [1, V]
