@@ -18,7 +18,6 @@ from refimpl.formats.params import Checkpoint
 from .engine import TPEngine
 from .group import TPGroup, from_env, spawn, under_torchrun
 from .load import open_text_checkpoint
-from .shard import check_divisible
 
 
 def _serve(group: TPGroup, model_dir: Path, dtype: str | None) -> None:
@@ -37,8 +36,7 @@ def tp_engine(model_dir: Path, world: int, device: str | None, dtype: str | None
               ) -> Iterator[tuple[TPEngine, Checkpoint]]:
     """(rank 0's engine, the checkpoint without weights) for the block; the other ranks are released and the group
     ended after it. Under torchrun, a rank other than 0 serves and then exits the process (SystemExit 0)."""
-    ckpt = open_text_checkpoint(model_dir)
-    check_divisible(ckpt.config, world)  # before any process starts
+    ckpt = open_text_checkpoint(model_dir, world=world)  # the split checked before any process starts
     procs = []
     if under_torchrun():
         group = from_env(world, device)

@@ -22,12 +22,13 @@ from refimpl.formats.shards import read_headers
 from refimpl.model.config import LlamaConfig
 
 from ..weights import LayerWeights, Weights, host_tensor
-from .shard import ShardPlan
+from .shard import ShardPlan, check_divisible
 
 
-def open_text_checkpoint(path: Path, with_tokenizer: bool = True) -> Checkpoint:
+def open_text_checkpoint(path: Path, with_tokenizer: bool = True, world: int = 1) -> Checkpoint:
     """A text checkpoint directory's config, tokenizer and stop ids, with no weights read (params empty): what the
-    rank owning the CLI needs besides its shard. A GGUF file, a quantized or a vision checkpoint is refused."""
+    rank owning the CLI needs besides its shard. A GGUF file, a quantized or a vision checkpoint is refused, and a
+    model `world` ranks cannot split (accel.tp.shard.check_divisible) before the tokenizer is read."""
     path = Path(path)
     st = stat_path(path, "expected a model directory")
     if st is None or not path.is_dir():
@@ -39,6 +40,7 @@ def open_text_checkpoint(path: Path, with_tokenizer: bool = True) -> Checkpoint:
     if config.get("model_type") == "mllama":
         raise CheckpointError(f"{path}: --tp > 1 runs text models only for now; this is a Llama 3.2 Vision model")
     cfg = LlamaConfig.from_hf(config, source=str(path / "config.json"))
+    check_divisible(cfg, world)
     return assemble(path, cfg, {}, with_tokenizer)
 
 
@@ -69,7 +71,14 @@ def load_shard(model_dir: Path, plan: ShardPlan, device, dtype: torch.dtype) -> 
         return host_tensor(reader.read(name, plan)).to(device=device, dtype=dtype)
 
     def rows(names: list[str]) -> torch.Tensor:
-        return torch.cat([tensor(n) for n in names])  # one slice on the host at a time
+        """The slices stacked by rows, each copied into its place as it is read (one on the host at a time)."""
+        spans = [plan.slice_of(n) for n in names]
+        out = torch.empty(sum(s.stop - s.start for s in spans), cfg.hidden_size, device=device, dtype=dtype)
+        row = 0
+        for n, s in zip(names, spans):
+            out.narrow(0, row, s.stop - s.start).copy_(host_tensor(reader.read(n, plan)))
+            row += s.stop - s.start
+        return out
 
     layers = []
     for i in range(cfg.num_hidden_layers):

@@ -1,0 +1,134 @@
+"""Runs tensor-parallel jobs in N spawned CPU processes over gloo, for tests/test_tp.py: one group serves every
+case of a job (starting processes costs seconds). Each rank writes what it saw to <out>/rank<r>.json."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from accel.tp.engine import TPEngine
+from accel.tp.group import init
+from accel.tp.load import open_text_checkpoint
+from refimpl.formats.safetensors_io import SafetensorsFile
+from refimpl.generate import Sampling
+
+
+class Recorder(TPEngine):
+    """A following rank that keeps every [token, go on] message rank 0 broadcasts."""
+
+    followed: list
+
+    def _broadcast(self, values, n):
+        t = super()._broadcast(values, n)
+        if n == 2:
+            self.followed.append(t.tolist())
+        return t
+
+
+def _shapes(engine: TPEngine) -> dict:
+    w, lw = engine.weights, engine.weights.layers[0]
+    return {"embed": list(w.embed.shape), "lm_head": list(w.lm_head.shape), "tied": w.lm_head is w.embed,
+            "qkv": list(lw.qkv.shape), "o": list(lw.o.shape), "gate_up": list(lw.gate_up.shape),
+            "down": list(lw.down.shape)}
+
+
+def _case(group, case: dict) -> dict:
+    whole = []  # tensors read whole (SafetensorsFile.load), not as a slice
+    original = SafetensorsFile.load
+    SafetensorsFile.load = lambda self, name: whole.append(name) or original(self, name)
+    try:
+        cfg = open_text_checkpoint(Path(case["dir"]), with_tokenizer=False).config
+        engine = Recorder.load(group, Path(case["dir"]), cfg, "fp32")
+    finally:
+        SafetensorsFile.load = original
+    engine.followed = []
+    out = {"shapes": _shapes(engine), "whole": whole, "logits": [], "tokens": []}
+    for step in case.get("steps", []):  # golden-style: every rank runs the same forward in lockstep
+        if step["start"] == 0:
+            cache = engine.new_cache(case["capacity"])
+        logits = engine.forward(torch.tensor(step["ids"]), step["start"], cache)
+        out["logits"].append(logits[0].tolist())
+    if group.rank == 0:
+        for r in case.get("requests", []):
+            s = Sampling(max_new_tokens=r["max_new"], temperature=r.get("temperature", 0.0), seed=r.get("seed"),
+                         top_k=r.get("top_k", 0))
+            out["tokens"].append(list(engine.generate(r["prompt"], s, stop_ids=r.get("stop", ()))))
+        engine.close()
+    else:
+        engine.serve()
+    out["followed"] = engine.followed
+    return out
+
+
+def _status_kib(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (its high-water mark) of this process, in KiB. Not ru_maxrss: a spawned
+    child's counts the parent's memory at the fork."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _peak(group, case: dict) -> dict:
+    """Host memory of loading one shard: resident before, the high-water mark after, in KiB."""
+    cfg = open_text_checkpoint(Path(case["dir"]), with_tokenizer=False).config
+    before = _status_kib("VmRSS")
+    engine = TPEngine.load(group, Path(case["dir"]), cfg, "fp32")
+    peak = _status_kib("VmHWM")
+    shard = sum(t.nbytes for t in {id(t): t for t in _tensors(engine.weights)}.values())
+    return {"before_kib": before, "peak_kib": peak, "shard_bytes": shard}
+
+
+def _tensors(w):
+    yield from (w.embed, w.lm_head, w.norm)
+    for lw in w.layers:
+        yield from (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down)
+
+
+def _rank(rank: int, world: int, port: int, job: dict, out: str) -> None:
+    torch.set_num_threads(1)
+    try:
+        group = init(rank, world, torch.device("cpu"), "127.0.0.1", port)
+        if job["kind"] == "peak":
+            result = _peak(group, job["case"])
+        else:
+            result = {name: _case(group, case) for name, case in job["cases"].items()}
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001  reported to the test
+        result = {"error": traceback.format_exc()}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_job(job: dict, out: Path, world: int = 2, timeout: float = 600) -> list[dict]:
+    """Run `job` on `world` spawned ranks -> each rank's result (a rank's exception fails here, with its trace)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    env = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        procs = [ctx.Process(target=_rank, args=(r, world, port, job, str(out))) for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
+    for p in procs:
+        p.join(timeout)
+    if any(p.is_alive() for p in procs):
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"the ranks of a {job['kind']} job did not finish in {timeout} s")
+    missing = [r for r in range(world) if not Path(out, f"rank{r}.json").exists()]
+    assert not missing, f"rank {missing[0]} wrote no result (exit code {procs[missing[0]].exitcode})"
+    results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    return results
