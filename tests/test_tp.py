@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
 
 from accel.engine import AccelEngine
+from accel.tp.group import free_port
 from accel.tp.shard import check_divisible
 from refimpl.compare import TOLERANCES, compare
 from refimpl.errors import ConfigError
@@ -127,21 +128,25 @@ def test_golden_logits_at_tp2(ranks):
         assert got0 == got1  # the gathered logits are the same on both ranks
 
 
-def cli(*args) -> subprocess.CompletedProcess:
+def cli(*args, launcher=(sys.executable, "-m")) -> dict:
+    """`llama32 ARGS --json` in a fresh process -> its record (rank 0 alone writes stdout: one JSON line)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=ROOT)
+    done = subprocess.run([*launcher, "tools.cli", *args], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 def test_cli_tp2_greedy_equals_tp1_on_golden():
+    """Started by llama32 itself, and under torchrun (every rank runs the command; rank 0 answers)."""
     common = ["generate", "Write one line about the sea, its tides and the moon.", "--model", str(GOLDEN),
               "--device", "cpu", "--max-new-tokens", "10", "--json"]
-    tp2, tp1 = cli(*common, "--tp", "2"), cli(*common, "--backend", "accel")
-    assert tp2.returncode == 0, tp2.stderr
-    assert tp1.returncode == 0, tp1.stderr
-    rec2, rec1 = json.loads(tp2.stdout), json.loads(tp1.stdout)  # rank 0 alone writes stdout: one JSON line
-    assert rec2["prompt_ids"] == rec1["prompt_ids"]
-    assert rec2["generated_ids"] == rec1["generated_ids"] and len(rec1["generated_ids"]) > 0
+    tp1 = cli(*common, "--backend", "accel")
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                "127.0.0.1", "--master-port", str(free_port()), "-m")
+    for tp2 in (cli(*common, "--tp", "2"), cli(*common, "--tp", "2", launcher=torchrun)):
+        assert tp2["prompt_ids"] == tp1["prompt_ids"]
+        assert tp2["generated_ids"] == tp1["generated_ids"] and len(tp1["generated_ids"]) == 10
 
 
 def test_kv_heads_neither_split_nor_replicated_is_refused(tmp_path):
@@ -182,3 +187,14 @@ def test_a_rank_loads_its_shard_without_the_whole_model(tmp_path):
         rise = (rank["peak_kib"] - rank["before_kib"]) * 1024
         assert rank["shard_bytes"] < 0.51 * model_bytes
         assert rank["shard_bytes"] <= rise < 0.75 * model_bytes, (rise / 2**20, model_bytes / 2**20)
+
+
+@pytest.mark.parametrize("command", [["chat"], ["batch", "--input", "in.jsonl", "--output", "out.jsonl"], ["bench"],
+                                     ["diff", "hi"]])
+def test_other_commands_refuse_tp(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = [] if command == ["bench"] else ["--model", str(GOLDEN)]
+    r = CliRunner().invoke(main, [*command, *model, "--tp", "2"], input="")
+    assert r.exit_code == 2
+    assert r.output == (f"error: --tp 2: llama32 {command[0]} runs on one device for now; tensor parallel runs "
+                        f"`llama32 generate` only (docs/tp.md)\n")

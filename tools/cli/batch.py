@@ -9,6 +9,7 @@ import click
 from refimpl.errors import GenerationError, quote
 
 from tools.cli.params import MODEL_OPTION, Count, UserPath
+from tools.tp import TP_OPTION, refuse_tp
 
 BATCH_BACKENDS = ("auto", "accel", "refimpl")
 
@@ -76,9 +77,11 @@ def resolve_batch_backend(name: str) -> str:
 @click.option("--eval", "evaluate", is_flag=True,
               help="Score each text against its request's \"answer\" (exact match, edit distance, answer loss).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run's summary as one JSON record.")
+@TP_OPTION
 def batch(model, loras, input_path, output_path, backend, device, dtype, max_tokens, max_num_seqs,
-          max_num_batched_tokens, gpu_memory, batch_invariant, evaluate, as_json):
+          max_num_batched_tokens, gpu_memory, batch_invariant, evaluate, as_json, tp=1):
     """Run every request of a JSONL file through the model; results to a JSONL file (docs/batch.md)."""
+    refuse_tp(tp, "batch")
     from refimpl.formats.checkpoint import load_checkpoint
     from refimpl.model.mllama_config import is_mllama
     from tools.batch_job import Job, run_job

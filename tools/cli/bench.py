@@ -16,6 +16,7 @@ import click
 from refimpl.errors import GenerationError
 
 from tools.cli.params import Count, UserPath
+from tools.tp import TP_OPTION, refuse_tp
 
 VISION_MODELS = ("11b-vision", "90b-vision")  # 11b: measured; 90b: its memory need against this GPU
 
@@ -121,9 +122,11 @@ def _batch_bench(models: list[str], device: str, skip_hf: bool, json_out) -> Non
                    "a 1000-request workload, against the roofline and HF generate_batch.")
 @click.option("--json-out", "json_out", default=None, type=UserPath(output=True),
               help="Also write the results as JSON here.")
+@TP_OPTION
 def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out, train=False,
-          quant=None, batch=False):
+          quant=None, batch=False, tp=1):
     """Benchmark the accel engine on a CUDA GPU (random weights at the real Llama 3.2 shapes)."""
+    refuse_tp(tp, "bench")
     common = _benchmarks()
     MODELS = common.MODELS
     chosen = [m.strip() for m in models.split(",") if m.strip()]

@@ -17,6 +17,7 @@ from tools.chat_session import ChatSession, stop_notice
 from tools.cli.generate import TextStream, greedy_notice
 from tools.cli.params import ENGINE_OPTIONS, MODEL_OPTION, sampling_options
 from tools.engines import load_engine, resolve_backend, resolve_model
+from tools.tp import TP_OPTION, refuse_tp
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (new system message, new conversation), /exit"
 
@@ -78,9 +79,11 @@ def answer(session: ChatSession, text: str) -> None:
               help="Positions the conversation may fill (at most the model's).")
 @sampling_options("HF's, over the tokens of the current turn; 1 disables it.")
 @ENGINE_OPTIONS
+@TP_OPTION
 def chat(model, system, max_new_tokens, context, temperature, top_p, top_k, repetition_penalty, seed, backend,
-         device, dtype):
+         device, dtype, tp=1):
     """Chat with a model, turn after turn."""
+    refuse_tp(tp, "chat")
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
     greedy = greedy_notice(temperature, top_k, top_p, seed)
     if greedy:

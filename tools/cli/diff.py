@@ -20,6 +20,7 @@ from tools.debug.diff import diff_engines
 from tools.debug.lockstep import first_divergence, report
 from tools.cli.golden import key_filter
 from tools.cli.params import MODEL_OPTION, QUANT_HELP, Count, UserPath
+from tools.tp import TP_OPTION, refuse_tp
 
 
 @click.command()
@@ -46,9 +47,11 @@ from tools.cli.params import MODEL_OPTION, QUANT_HELP, Count, UserPath
 @click.option("--verbose", "-v", is_flag=True, help="Print every row, not just the per-layer summary.")
 @click.option("--image", "images", multiple=True, type=UserPath(),
               help="An image for a Llama 3.2 Vision checkpoint (repeatable), as in generate.")
+@TP_OPTION
 def diff(prompt, model, a_backend, b_backend, dtype, device, quant, decode_steps, chat, filters, isolate, dump, plot,
-         verbose, images=()):
+         verbose, images=(), tp=1):
     """Compare backends --a and --b activation by activation on PROMPT; exit 1 if they diverge."""
+    refuse_tp(tp, "diff")
     if plot:
         from tools.debug.plot import require_matplotlib
         require_matplotlib()
