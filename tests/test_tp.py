@@ -21,7 +21,7 @@ from refimpl.errors import ConfigError
 from refimpl.formats.checkpoint import load_checkpoint, save_checkpoint
 from refimpl.formats.params import expected_shapes, random_params
 from refimpl.formats.safetensors_io import SafetensorsFile
-from refimpl.generate import Sampling
+from refimpl.generate import RefEngine, Sampling
 from refimpl.model.config import LlamaConfig
 from tests._tp_harness import run_job
 from tools.cli import main
@@ -72,12 +72,23 @@ def hf(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ranks(hf, tmp_path_factory):
+def gguf_model(tmp_path_factory):
+    """A Q8_0 GGUF file (q/k rows permuted as llama.cpp writes them, untied lm_head) and the refimpl's greedy ids."""
+    from tests.test_gguf import Q, tiny_config, write_gguf
+    cfg = tiny_config(tied=False)
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", cfg, random_params(cfg, seed=3, std=0.2),
+                      qtype=Q.Q8_0)
+    return path, list(RefEngine(load_checkpoint(path)).generate(PROMPT, Sampling(max_new_tokens=NEW)))
+
+
+@pytest.fixture(scope="module")
+def ranks(hf, gguf_model, tmp_path_factory):
     """Both ranks' results for every case, from one spawned group."""
     cases = {name: {"dir": str(path), "requests": [{"prompt": PROMPT, "max_new": NEW},
                                                     {"prompt": PROMPT, "max_new": NEW, "temperature": 1.3,
                                                      "top_k": 20, "seed": 5}]}
              for name, (path, _) in hf.items()}
+    cases["gguf"] = {"dir": str(gguf_model[0]), "requests": [{"prompt": PROMPT, "max_new": NEW}]}
     steps, capacity = golden_steps()
     cases["golden"] = {"dir": str(GOLDEN), "steps": steps, "capacity": capacity}
     return run_job({"kind": "cases", "cases": cases}, tmp_path_factory.mktemp("tp"))
@@ -86,6 +97,12 @@ def ranks(hf, tmp_path_factory):
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_ids_equal_hf(ranks, hf, name):
     assert ranks[0][name]["tokens"][0] == hf[name][1]
+
+
+def test_greedy_ids_from_gguf_equal_the_refimpl(ranks, gguf_model):
+    """Each rank dequantizes tensor by tensor, puts q/k rows back in HF's order and keeps its slice."""
+    assert ranks[0]["gguf"]["tokens"][0] == gguf_model[1]
+    assert ranks[0]["gguf"]["shapes"]["qkv"] == [(2 + 2 * 1) * 16, 64]  # 4 heads, 2 KV heads of 16, split in 2
 
 
 @pytest.mark.parametrize("name", MODELS)

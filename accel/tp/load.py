@@ -1,10 +1,11 @@
-"""Loading one rank's shard of a checkpoint directory, slice by slice.
+"""Loading one rank's shard of a checkpoint, slice by slice.
 
-Each tensor's slice (accel.tp.shard.ShardPlan.slice_of) is read from the safetensors file on its own
-(refimpl.formats.safetensors_io.SafetensorsFile.load_slice: the slice's bytes only, never the whole tensor, never a
-memory map), widened to float32, copied to the device in the run's dtype and dropped; so a rank's host memory peaks
-near its own shard (on CPU, where the shard lives) plus one slice. Then fused as accel.weights fuses the whole
-model: qkv = [q; k; v] and gate_up = [gate; up] of this rank's rows.
+Each tensor's slice (accel.tp.shard.ShardPlan.slice_of) is read on its own, widened to float32, copied to the
+device in the run's dtype and dropped; so a rank's host memory peaks near its own shard (on CPU, where the shard
+lives) plus one slice. From safetensors, only the slice's bytes are read
+(refimpl.formats.safetensors_io.SafetensorsFile.load_slice: never the whole tensor, never a memory map); from a
+GGUF file, each tensor is dequantized whole (its blocks span the rows) and only the slice kept. Then fused as
+accel.weights fuses the whole model: qkv = [q; k; v] and gate_up = [gate; up] of this rank's rows.
 """
 from __future__ import annotations
 
@@ -17,23 +18,27 @@ from refimpl.errors import CheckpointError
 from refimpl.formats.checkpoint import assemble
 from refimpl.formats.jsonfile import read_config_json
 from refimpl.formats.params import Checkpoint, check_params
-from refimpl.formats.safe_open import stat_path
+from refimpl.formats.gguf_check import validate_gguf
+from refimpl.formats.gguf_loader import (ROPE_FREQS, Metadata, build_tokenizer, config_from_gguf, dequantize,
+                                         file_tensors, hf_name, numpy_shape, stop_ids_from, unpermute_rows)
+from refimpl.formats.safe_open import open_regular, stat_path
 from refimpl.formats.shards import read_headers
 from refimpl.model.config import LlamaConfig
 
 from ..weights import LayerWeights, Weights, host_tensor
-from .shard import ShardPlan, check_divisible
+from .shard import ShardPlan, Slice, check_divisible
 
 
 def open_text_checkpoint(path: Path, with_tokenizer: bool = True, world: int = 1) -> Checkpoint:
-    """A text checkpoint directory's config, tokenizer and stop ids, with no weights read (params empty): what the
-    rank owning the CLI needs besides its shard. A GGUF file, a quantized or a vision checkpoint is refused, and a
-    model `world` ranks cannot split (accel.tp.shard.check_divisible) before the tokenizer is read."""
+    """A text checkpoint's config, tokenizer and stop ids, with no weights read (params empty): what the rank
+    owning the CLI needs besides its shard. A quantized or a vision checkpoint is refused, and a model `world`
+    ranks cannot split (accel.tp.shard.check_divisible) before the tokenizer is read."""
     path = Path(path)
-    st = stat_path(path, "expected a model directory")
-    if st is None or not path.is_dir():
-        raise CheckpointError(f"{path}: --tp > 1 loads a model directory (config.json + safetensors) shard by "
-                              f"shard; GGUF files are not sharded yet")
+    st = stat_path(path, "expected a model directory or a .gguf file")
+    if st is None:
+        raise CheckpointError(f"{path}: no such file or directory (expected a model directory or a .gguf file)")
+    if is_gguf(path):
+        return GGUFSlices(path).checkpoint(with_tokenizer, world)
     config = read_config_json(path / "config.json")
     if "quantization_config" in config:
         raise CheckpointError(f"{path}: --tp > 1 runs float checkpoints only for now; this one is quantized")
@@ -44,31 +49,78 @@ def open_text_checkpoint(path: Path, with_tokenizer: bool = True, world: int = 1
     return assemble(path, cfg, {}, with_tokenizer)
 
 
-class SliceReader:
-    """The checkpoint's tensors by name, read one slice at a time; the headers are checked against the config."""
+def is_gguf(path: Path) -> bool:
+    if path.is_dir():
+        return False
+    with open_regular(path, "expected a model directory or a .gguf file") as f:
+        return path.suffix == ".gguf" or f.read(4) == b"GGUF"
+
+
+class SafetensorsSlices:
+    """A directory's tensors by name, read one slice at a time; the headers are checked against the config."""
 
     def __init__(self, model_dir: Path, cfg: LlamaConfig):
         self.holder, shapes = read_headers(model_dir)
         check_params(shapes, cfg, str(model_dir))
 
-    def read(self, name: str, plan: ShardPlan) -> np.ndarray:
-        """This rank's part of `name` as float32 (vocab slices padded with zero rows to plan.vocab_rows)."""
-        s = plan.slice_of(name)
-        f = self.holder[name]
-        if s is None:
-            return f.load_weight(name)
-        part = f.load_slice(name, s.dim, s.start, s.stop)
-        if s.rows and part.shape[0] < s.rows:
-            part = np.concatenate([part, np.zeros((s.rows - part.shape[0], part.shape[1]), np.float32)])
-        return part
+    def whole(self, name: str) -> np.ndarray:
+        return self.holder[name].load_weight(name)
+
+    def part(self, name: str, s: Slice) -> np.ndarray:
+        return self.holder[name].load_slice(name, s.dim, s.start, s.stop)
+
+
+class GGUFSlices:
+    """A GGUF file's tensors by HF name: each dequantized whole, q/k rows put back in HF's order
+    (refimpl.formats.gguf_loader), and only the slice kept."""
+
+    def __init__(self, path: Path):
+        self.path, self.source = path, str(path)
+        header = validate_gguf(path)
+        self.meta = Metadata(header.fields, self.source)
+        self.tensors = file_tensors(path, header)
+        self.by_name = {hf_name(t.name): t for t in self.tensors if hf_name(t.name) is not None}
+        tokens = header.fields.get("tokenizer.ggml.tokens")
+        rope = next((dequantize(t, self.source) for t in self.tensors if t.name == ROPE_FREQS), None)
+        self.stop = stop_ids_from(self.meta)
+        self.cfg = config_from_gguf(self.meta, {t.name: numpy_shape(t) for t in self.tensors}, rope,
+                                    len(tokens[1]) if tokens is not None else None, self.stop)
+        check_params({n: numpy_shape(t) for n, t in self.by_name.items()}, self.cfg, self.source)
+
+    def checkpoint(self, with_tokenizer: bool, world: int) -> Checkpoint:
+        check_divisible(self.cfg, world)
+        tokenizer = build_tokenizer(self.meta, self.source) if with_tokenizer else None
+        return Checkpoint(self.path, self.cfg, {}, tokenizer, self.stop)
+
+    def whole(self, name: str) -> np.ndarray:
+        w = dequantize(self.by_name[name], self.source)
+        heads = {"self_attn.q_proj.weight": self.cfg.num_attention_heads,
+                 "self_attn.k_proj.weight": self.cfg.num_key_value_heads}.get(name.split(".", 3)[-1])
+        return unpermute_rows(w, heads) if heads else w
+
+    def part(self, name: str, s: Slice) -> np.ndarray:
+        w = self.whole(name)
+        return np.array(w[s.start:s.stop] if s.dim == 0 else w[:, s.start:s.stop])  # a copy: w is dropped
+
+
+def read(source, name: str, plan: ShardPlan) -> np.ndarray:
+    """This rank's part of `name` as float32 (vocab slices padded with zero rows to plan.vocab_rows)."""
+    s = plan.slice_of(name)
+    if s is None:
+        return source.whole(name)
+    part = source.part(name, s)
+    if s.rows and part.shape[0] < s.rows:
+        part = np.concatenate([part, np.zeros((s.rows - part.shape[0], part.shape[1]), np.float32)])
+    return part
 
 
 def load_shard(model_dir: Path, plan: ShardPlan, device, dtype: torch.dtype) -> Weights:
     """This rank's fused weights: accel.weights.Weights over plan.local's shapes, embed/lm_head [ceil(V/N), D]."""
-    reader, cfg = SliceReader(Path(model_dir), plan.cfg), plan.cfg
+    path, cfg = Path(model_dir), plan.cfg
+    source = GGUFSlices(path) if is_gguf(path) else SafetensorsSlices(path, cfg)
 
     def tensor(name: str) -> torch.Tensor:
-        return host_tensor(reader.read(name, plan)).to(device=device, dtype=dtype)
+        return host_tensor(read(source, name, plan)).to(device=device, dtype=dtype)
 
     def rows(names: list[str]) -> torch.Tensor:
         """The slices stacked by rows, each copied into its place as it is read (one on the host at a time)."""
@@ -76,7 +128,7 @@ def load_shard(model_dir: Path, plan: ShardPlan, device, dtype: torch.dtype) -> 
         out = torch.empty(sum(s.stop - s.start for s in spans), cfg.hidden_size, device=device, dtype=dtype)
         row = 0
         for n, s in zip(names, spans):
-            out.narrow(0, row, s.stop - s.start).copy_(host_tensor(reader.read(n, plan)))
+            out.narrow(0, row, s.stop - s.start).copy_(host_tensor(read(source, n, plan)))
             row += s.stop - s.start
         return out
 
