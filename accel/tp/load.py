@@ -4,11 +4,13 @@ Each tensor's slice (accel.tp.shard.ShardPlan.slice_of) is read on its own, wide
 device in the run's dtype and dropped; so a rank's host memory peaks near its own shard (on CPU, where the shard
 lives) plus one slice. From safetensors, only the slice's bytes are read
 (refimpl.formats.safetensors_io.SafetensorsFile.load_slice: never the whole tensor, never a memory map); from a
-GGUF file, each tensor is dequantized whole (its blocks span the rows) and only the slice kept. Then fused as
-accel.weights fuses the whole model: qkv = [q; k; v] and gate_up = [gate; up] of this rank's rows.
+GGUF file, a row slice's blocks alone are dequantized (a row is whole blocks), a column slice's tensor whole, and only
+the slice kept. Then fused as accel.weights fuses the whole model: qkv = [q; k; v] and gate_up = [gate; up] of this
+rank's rows.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -71,8 +73,8 @@ class SafetensorsSlices:
 
 
 class GGUFSlices:
-    """A GGUF file's tensors by HF name: each dequantized whole, q/k rows put back in HF's order
-    (refimpl.formats.gguf_loader), and only the slice kept."""
+    """A GGUF file's tensors by HF name, dequantized as refimpl.formats.gguf_loader does (q/k rows put back in HF's
+    order): a row slice from its own blocks, a column slice from the whole tensor, of which only the slice is kept."""
 
     def __init__(self, path: Path):
         self.path, self.source = path, str(path)
@@ -92,15 +94,24 @@ class GGUFSlices:
         tokenizer = build_tokenizer(self.meta, self.source) if with_tokenizer else None
         return Checkpoint(self.path, self.cfg, {}, tokenizer, self.stop)
 
+    def _hf_rows(self, name: str, tensor) -> np.ndarray:
+        """A tensor (or rows of one: whole heads for q/k) dequantized, q/k rows unpermuted head by head."""
+        w = dequantize(tensor, self.source)
+        if name.split(".", 3)[-1] in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            w = unpermute_rows(w, w.shape[0] // self.cfg.head_dim)
+        return w
+
     def whole(self, name: str) -> np.ndarray:
-        w = dequantize(self.by_name[name], self.source)
-        heads = {"self_attn.q_proj.weight": self.cfg.num_attention_heads,
-                 "self_attn.k_proj.weight": self.cfg.num_key_value_heads}.get(name.split(".", 3)[-1])
-        return unpermute_rows(w, heads) if heads else w
+        return self._hf_rows(name, self.by_name[name])
 
     def part(self, name: str, s: Slice) -> np.ndarray:
-        w = self.whole(name)
-        return np.array(w[s.start:s.stop] if s.dim == 0 else w[:, s.start:s.stop])  # a copy: w is dropped
+        t = self.by_name[name]
+        if s.dim == 1:
+            return np.array(self.whole(name)[:, s.start:s.stop])  # a copy: the whole tensor is dropped
+        rows, cols = numpy_shape(t)
+        per_row = t.data.shape[0] // rows  # bytes of one row's blocks
+        part = dataclasses.replace(t, data=t.data[s.start * per_row:s.stop * per_row], dims=(cols, s.stop - s.start))
+        return self._hf_rows(name, part)
 
 
 def read(source, name: str, plan: ShardPlan) -> np.ndarray:
