@@ -14,7 +14,6 @@ import torch.multiprocessing as mp
 
 from accel.tp.engine import TPEngine
 from accel.tp.group import init
-from accel.tp.load import open_text_checkpoint
 from refimpl.formats.safetensors_io import SafetensorsFile
 from refimpl.generate import Sampling
 
@@ -43,8 +42,7 @@ def _case(group, case: dict) -> dict:
     original = SafetensorsFile.load
     SafetensorsFile.load = lambda self, name: whole.append(name) or original(self, name)
     try:
-        cfg = open_text_checkpoint(Path(case["dir"]), with_tokenizer=False).config
-        engine = Recorder.load(group, Path(case["dir"]), cfg, "fp32")
+        engine = Recorder.load(group, Path(case["dir"]), "fp32")
     finally:
         SafetensorsFile.load = original
     engine.followed = []
@@ -75,9 +73,8 @@ def _status_kib(field: str) -> int:
 
 def _peak(group, case: dict) -> dict:
     """Host memory of loading one shard: resident before, the high-water mark after, in KiB."""
-    cfg = open_text_checkpoint(Path(case["dir"]), with_tokenizer=False).config
     before = _status_kib("VmRSS")
-    engine = TPEngine.load(group, Path(case["dir"]), cfg, "fp32")
+    engine = TPEngine.load(group, Path(case["dir"]), "fp32")
     peak = _status_kib("VmHWM")
     shard = sum(t.nbytes for t in {id(t): t for t in _tensors(engine.weights)}.values())
     return {"before_kib": before, "peak_kib": peak, "shard_bytes": shard}
@@ -89,12 +86,28 @@ def _tensors(w):
         yield from (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down)
 
 
+def _fail(group, case: dict) -> dict:
+    """Rank case["rank"] fails to load its shard: what each rank raises (none may hang)."""
+    import accel.tp.engine as engine_module
+    from refimpl.errors import CheckpointError
+
+    def broken(*args):
+        raise CheckpointError("a broken shard")
+    if group.rank == case["rank"]:
+        engine_module.load_shard = broken
+    try:
+        TPEngine.load(group, Path(case["dir"]), "fp32")
+    except Exception as e:  # noqa: BLE001  what each rank raised is the result
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None}
+
+
 def _rank(rank: int, world: int, port: int, job: dict, out: str) -> None:
     torch.set_num_threads(1)
     try:
         group = init(rank, world, torch.device("cpu"), "127.0.0.1", port)
-        if job["kind"] == "peak":
-            result = _peak(group, job["case"])
+        if job["kind"] in ("peak", "fail"):
+            result = {"peak": _peak, "fail": _fail}[job["kind"]](group, job["case"])
         else:
             result = {name: _case(group, case) for name, case in job["cases"].items()}
         dist.destroy_process_group()

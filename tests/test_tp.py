@@ -190,6 +190,12 @@ def test_generate_tp_refuses_what_it_does_not_run(args, says):
     assert len(r.output.strip().splitlines()) == 1
 
 
+def test_a_rank_that_fails_to_load_stops_every_rank(tmp_path):
+    rank0, rank1 = run_job({"kind": "fail", "case": {"dir": str(GOLDEN), "rank": 1}}, tmp_path, timeout=120)
+    assert rank1 == {"raised": "CheckpointError", "message": "a broken shard"}
+    assert rank0["raised"] == "RankFailed" and rank0["message"].startswith("rank 1 of --tp 2 failed to load")
+
+
 def test_a_rank_loads_its_shard_without_the_whole_model(tmp_path):
     """Host memory: each rank's high-water mark rises by its half of the model and one slice, well under the
     whole model (~148 MiB fp32 here; measured: ~82 MiB a rank, docs/performance.md)."""

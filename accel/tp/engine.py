@@ -26,12 +26,16 @@ from refimpl.model.config import LlamaConfig
 from .. import ops
 from ..sampling import make_generator, penalize, sample
 from ..weights import DTYPES, Weights
-from .group import TPGroup, all_ok
-from .load import load_shard
+from .group import TPGroup, failed_ranks
+from .load import load_shard, open_text_checkpoint
 from .model import ShardCache, forward
 from .shard import ShardPlan
 
 STOP, GENERATE = 0, 1
+
+
+class RankFailed(GenerationError):
+    """Another rank failed; its own error is printed where it happened."""
 
 
 class TPEngine:
@@ -45,21 +49,24 @@ class TPEngine:
         self.triton = group.device.type == "cuda"  # on the CPU, the ops' torch versions (not the interpreter)
 
     @classmethod
-    def load(cls, group: TPGroup, model_dir: Path, cfg: LlamaConfig, dtype: str | None) -> "TPEngine":
-        """Every rank loads its shard; one that fails prints why and every rank stops (GenerationError)."""
+    def load(cls, group: TPGroup, model_dir: Path, dtype: str | None) -> "TPEngine":
+        """Every rank loads its shard. If any fails, every rank raises: rank 0 its own error, or that rank r failed
+        (RankFailed: the failing rank prints its own error, unless rank 0 failed too and says it)."""
         dtype = dtype or ("bf16" if group.device.type == "cuda" else "fp32")
-        weights, error = None, None
+        cfg, weights, error = None, None, None
         try:
+            cfg = open_text_checkpoint(model_dir, with_tokenizer=False, world=group.world).config
             if dtype not in DTYPES:
                 raise GenerationError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
             weights = load_shard(model_dir, ShardPlan(cfg, group.rank, group.world), group.device, DTYPES[dtype])
         except Exception as e:  # noqa: BLE001  told to every rank before anyone raises
             error = e
-        if not all_ok(error is None, group):
-            if error is not None:
+        failed = failed_ranks(error is None, group)
+        if failed:
+            if error is not None and (group.is_root or 0 not in failed):
                 raise error
-            raise GenerationError(f"another rank of --tp {group.world} failed to load {model_dir} (its error is "
-                                  f"printed above)")
+            raise RankFailed(f"rank {failed[0]} of --tp {group.world} failed to load {model_dir} (its error is "
+                             f"printed above)")
         return cls(group, cfg, weights, dtype)
 
     # ---- every rank ----

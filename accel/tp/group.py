@@ -109,8 +109,8 @@ def spawn(world: int, device: str | None, target, args: tuple) -> tuple[TPGroup,
     return init(0, world, root_device, "127.0.0.1", port), procs
 
 
-def all_ok(ok: bool, group: TPGroup) -> bool:
-    """True on every rank when every rank passes ok=True (a rank that failed to load tells the others)."""
-    flag = torch.tensor([int(ok)], dtype=torch.int64, device=group.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def failed_ranks(ok: bool, group: TPGroup) -> list[int]:
+    """The ranks that passed ok=False, known to every rank (a rank that failed to load tells the others)."""
+    flags = [torch.zeros(1, dtype=torch.int64, device=group.device) for _ in range(group.world)]
+    dist.all_gather(flags, torch.tensor([int(ok)], dtype=torch.int64, device=group.device))
+    return [r for r, f in enumerate(flags) if not f.item()]

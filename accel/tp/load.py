@@ -48,6 +48,7 @@ def open_text_checkpoint(path: Path, with_tokenizer: bool = True, world: int = 1
         raise CheckpointError(f"{path}: --tp > 1 runs text models only for now; this is a Llama 3.2 Vision model")
     cfg = LlamaConfig.from_hf(config, source=str(path / "config.json"))
     check_divisible(cfg, world)
+    SafetensorsSlices(path, cfg)  # every tensor's name and shape, from the headers
     return assemble(path, cfg, {}, with_tokenizer)
 
 
