@@ -12,6 +12,9 @@ import json
 import time
 from importlib import resources
 
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
 from tools.serve.async_engine import AsyncEngine
 from tools.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 from tools.serve.requests import (ServedModel, adapter_for, chat_prompt, completion_prompts, sampling_params)
@@ -22,29 +25,17 @@ MAX_BODY_BYTES = 32 * 2 ** 20
 
 def build_app(engine: AsyncEngine, model: ServedModel, make_params, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES):
-    from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
-
     app = FastAPI(title="llama32", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 
     def error(e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error(APIError("Incorrect API key provided", status=401, type="authentication_error",
-                                      code="invalid_api_key"))
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return error(APIError(f"the request body is over {max_body_bytes} bytes", status=413))
-        try:
-            return await call_next(request)
-        except Exception as e:  # a bug: the request fails, the server stays up
-            return error(APIError(f"internal error: {type(e).__name__}", status=500, type="server_error"))
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, e: Exception):  # a bug: the request fails (500), the server stays up
+        return error(APIError(f"internal error: {type(e).__name__}", status=500, type="server_error"))
 
     async def body_of(request: Request):
         data = bytearray()
@@ -161,6 +152,30 @@ def build_app(engine: AsyncEngine, model: ServedModel, make_params, api_key: str
             engine.metrics.finished(outcome, prompt_tokens, choices, arrived)
 
     return app
+
+
+class Guard:
+    """ASGI middleware before every route: the API key on /v1 routes (constant-time comparison) and the body's
+    declared size. Plain ASGI, so a client's disconnect still reaches the routes."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            refusal = None
+            if self.expected is not None and scope["path"].startswith("/v1/") and not hmac.compare_digest(
+                    headers.get(b"authorization", b""), self.expected):
+                refusal = APIError("Incorrect API key provided", status=401, type="authentication_error",
+                                   code="invalid_api_key")
+            length = headers.get(b"content-length")
+            if refusal is None and length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+                refusal = APIError(f"the request body is over {self.max_body_bytes} bytes", status=413)
+            if refusal is not None:
+                return await JSONResponse(refusal.body(), status_code=refusal.status)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def sse(payload: dict) -> str:

@@ -73,7 +73,7 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # vLLM's extension; 0 (or -1) is off
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, list[str], None] = Field(None, validate_default=True)
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)

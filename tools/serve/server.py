@@ -61,5 +61,8 @@ def run_server(app, engine: AsyncEngine, name: str, host: str, port: int) -> Non
           file=sys.stderr, flush=True)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it caught, after draining: the stop asked for
+        pass
     finally:
         engine.shutdown()
+    print("llama32 serve: stopped", file=sys.stderr, flush=True)
