@@ -43,7 +43,7 @@ class LiveServer:
 
     def client(self, **kw):
         from openai import OpenAI
-        return OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=120, **kw)
+        return OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, timeout=120, **kw)
 
     def metrics(self) -> dict[str, float]:
         import httpx
