@@ -180,7 +180,7 @@ def main(argv=None):
         ap.error(f"--rates {args.rates}: expected numbers or inf, comma-separated")
     if args.requests < 1:
         ap.error("--requests must be >= 1")
-    require_cuda("tools.bench.serve")
+    require_cuda("python3 -m tools.bench.serve")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="llama32-serve-bench-"))
     results = []
     for key in args.models:
