@@ -237,4 +237,5 @@ class BatchEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_used": self.blocks.num_used, "blocks_free": self.blocks.num_free,
                 "num_preemptions": self.scheduler.num_preemptions, "prompt_tokens": self._prompt_tokens,
-                "generation_tokens": self._generation_tokens, "prefix_cached_tokens": self.scheduler.prefix_cached_tokens}
+                "generation_tokens": self._generation_tokens,
+                "prefix_cached_tokens": self.scheduler.prefix_cached_tokens}

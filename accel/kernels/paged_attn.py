@@ -107,7 +107,8 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
     assert tables.shape[0] == B and lens.shape == (B,) and tables.stride(1) == 1
     on_gpu = q.is_cuda
     split_len = default_split_len(on_gpu) if split_len is None else split_len
-    cfg = {"BLOCK_N": 64 if on_gpu else 16, "num_warps": 4, "num_stages": 2, **(config or {})}
+    # GPU: 64-key tiles, 2 warps, 2 stages: the fastest of tools.bench.batch_decode's sweep (1B shape, B 64-256)
+    cfg = {"BLOCK_N": 64 if on_gpu else 16, "num_warps": 2 if on_gpu else 4, "num_stages": 2, **(config or {})}
     block_n = min(cfg.pop("BLOCK_N"), split_len)
     assert split_len % block_n == 0 and block_n >= 16, "split_len must be a multiple of 16"
     n_splits = max(1, triton.cdiv(tables.shape[1] * block_size, split_len))

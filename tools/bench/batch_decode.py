@@ -111,8 +111,9 @@ def main():
             us = kernel_us(block_size, B, context)
             rows.append({"what": "paged_attn", "block_size": block_size, "B": B, "context": context, "us": us})
             print(f"paged_attn block={block_size:3d} B={B:3d} ctx={context:5d}  {us:8.1f} us", flush=True)
-    for config in ({"BLOCK_N": 32}, {"BLOCK_N": 64, "num_stages": 3}, {"BLOCK_N": 128}, {"BLOCK_N": 128, "num_stages": 3},
-                   {"BLOCK_N": 64, "num_warps": 2}, {"BLOCK_N": 128, "num_warps": 8}):
+    sweep = ({"BLOCK_N": 32}, {"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 64, "num_stages": 3}, {"BLOCK_N": 128},
+             {"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 2}, {"BLOCK_N": 128, "num_warps": 8})
+    for config in sweep:
         for B, context in ((64, 512), (256, 512), (64, 2048)):
             us = kernel_us(16, B, context, config=config)
             rows.append({"what": "paged_attn_config", **config, "B": B, "context": context, "us": us})
