@@ -128,16 +128,24 @@ class BatchEngine:
                    block_size, **options)
 
     # ---- requests ----
+    def add_adapter(self, name: str, adapter: list) -> None:
+        """A LoRA adapter requests can name (add_request's `adapter`), applied unmerged: adapter is
+        refimpl.formats.lora.load_lora's list of (param name, A [R, Din], B [Dout, R], scale)."""
+        self.runner.lora.add(str(name), adapter)
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, adapter: str | None = None) -> str:
+        """adapter: the name of a LoRA adapter given to add_adapter, None: the base model."""
         params = SamplingParams() if params is None else params
         rid = self._fresh_id() if request_id is None else str(request_id)
         if rid in self.seqs:
             raise GenerationError(f"request {rid!r}: a request with this id is already in the engine")
+        if adapter is not None and adapter not in self.runner.lora:
+            raise GenerationError(f"request {rid!r}: no adapter named {adapter!r} is loaded (add_adapter first)")
         prompt = self._check_prompt(rid, prompt_ids, params)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids)
         seed = secrets.randbits(63) if params.seed is None else params.seed
-        seq = Sequence(rid, prompt, params, seed, stop, next(self._arrivals))
+        seq = Sequence(rid, prompt, params, seed, stop, next(self._arrivals), adapter)
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         self._prompt_tokens += len(prompt)
@@ -217,14 +225,16 @@ class BatchEngine:
         del self.seqs[seq.request_id]
         return out
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 adapters: list[str | None] | None = None) -> list[RequestOutput]:
         """Run the prompts to completion (with whatever else is in the engine) -> their final outputs, in input
-        order; each output's new_token_ids holds all its generated tokens."""
+        order; each output's new_token_ids holds all its generated tokens. adapters: one per prompt (or None)."""
         params = [params] * len(prompts) if not isinstance(params, list) else params
-        if len(params) != len(prompts):
-            raise GenerationError(f"generate: {len(prompts)} prompts but {len(params)} sampling parameters")
-        ids = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        adapters = [None] * len(prompts) if adapters is None else adapters
+        if len(params) != len(prompts) or len(adapters) != len(prompts):
+            raise GenerationError(f"generate: {len(prompts)} prompts but {len(params)} sampling parameters and "
+                                  f"{len(adapters)} adapters")
+        ids = [self.add_request(p, s, adapter=a) for p, s, a in zip(prompts, params, adapters)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids) and self.has_unfinished():
             for out in self.step():

@@ -32,6 +32,7 @@ from ..ops.paged import paged_decode_attention
 from ..weights import Weights
 from .block_manager import BlockManager
 from .graphs import DecodeGraphs
+from .lora import AdapterSet
 from .scheduler import Scheduled
 
 
@@ -47,6 +48,7 @@ class StepInputs:
     sample_rows: torch.Tensor  # [R] int64: rows whose logits give a token
     sampled: list[Scheduled]  # the sequences of those rows, in order
     graph_key: tuple[int, int] | None = None  # (rows, table width) of the CUDA graph that runs it, padded to those
+    adapters: list[tuple[str, torch.Tensor]] = ()  # (LoRA adapter, its rows [n] int64), rows of no adapter left out
 
 
 class ModelRunner:
@@ -66,6 +68,7 @@ class ModelRunner:
         self.cos, self.sin = torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
         self.max_width = -(-cfg.max_position_embeddings // self.block_size)  # blocks of the longest sequence
         self.graphs = DecodeGraphs(self) if cuda_graphs else None
+        self.lora = AdapterSet(cfg, device)
 
     @staticmethod
     def kv_bytes_per_block(cfg: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -78,8 +81,9 @@ class ModelRunner:
         prefill = [s for s in batch if s.num_tokens > 1]
         sampled = [s for s in decode if s.samples]
         width = max((len(s.seq.block_table) for s in decode), default=1)
+        lora = any(s.seq.adapter is not None for s in batch)  # eager: the graphs hold no adapter
         key = self.graphs.key(len(decode), width) if self.graphs and not prefill and len(sampled) == len(decode) \
-            else None
+            and not lora else None
         rows, width = key if key is not None else (len(decode), width)
         T = rows + sum(s.num_tokens for s in prefill)
         ids = np.zeros(T, np.int64)  # padding rows: token 0 at position 0 into the spare slot, length 0
@@ -95,6 +99,10 @@ class ModelRunner:
             slots[i] = table[p // self.block_size] * self.block_size + p % self.block_size
             tables[i, :len(table)] = table
         chunks, first = [], rows
+        adapter_rows: dict[str, list[int]] = {}
+        for i, s in enumerate(decode):
+            if s.seq.adapter is not None:
+                adapter_rows.setdefault(s.seq.adapter, []).append(i)
         for s in prefill:
             seq, start, n = s.seq, s.seq.num_computed, s.num_tokens
             seq_slots = self._slots(seq.block_table, start + n)  # positions 0..start+n-1
@@ -102,6 +110,8 @@ class ModelRunner:
             positions[first:first + n] = np.arange(start, start + n)
             slots[first:first + n] = seq_slots[start:]
             chunks.append((first, n, seq_slots))
+            if seq.adapter is not None:
+                adapter_rows.setdefault(seq.adapter, []).extend(range(first, first + n))
             if s.samples:
                 sample_rows.append(first + n - 1)
                 sampled.append(s)
@@ -111,7 +121,8 @@ class ModelRunner:
         def t(x):
             return torch.from_numpy(np.asarray(x)).to(dev)
         return StepInputs(t(ids), t(positions), t(slots), rows, t(tables), t(lens),
-                          [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key)
+                          [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
+                          [(name, t(np.asarray(r, np.int64))) for name, r in adapter_rows.items()])
 
     def _slots(self, table: list[int], n: int) -> np.ndarray:
         """Slots of positions 0..n-1 of a sequence with this block table -> [n] int64."""
@@ -139,18 +150,23 @@ class ModelRunner:
         last = len(w.layers) - 1
         for i, lw in enumerate(w.layers):
             a = self._attention(lw, h, cos, sin, i, inp)  # [T, H·E]
-            x, h = ops.add_rms_norm(ops.linear(a, lw.o), x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
-            act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
+            x, h = ops.add_rms_norm(self._linear(a, lw.o, i, "o", inp), x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
+            act = ops.swiglu_gate_up(self._linear(h, lw.gate_up, i, "gate_up", inp))  # [T, D] -> [T, 2F] -> [T, F]
             next_norm = w.layers[i + 1].attn_norm if i < last else w.norm
-            x, h = ops.add_rms_norm(ops.linear(act, lw.down), x, next_norm, eps)  # resid_post, next norm
+            x, h = ops.add_rms_norm(self._linear(act, lw.down, i, "down", inp), x, next_norm, eps)  # resid_post
         return ops.linear(h[inp.sample_rows], w.lm_head)  # [R, D] -> [R, V]
+
+    def _linear(self, x, weight, layer: int, fused: str, inp: StepInputs) -> torch.Tensor:
+        """x [T, Din]·Wᵀ over the whole batch, plus each LoRA adapter's delta on its own rows."""
+        y = ops.linear(x, weight)
+        return self.lora.apply(y, x, layer, fused, inp.adapters) if inp.adapters else y
 
     def _attention(self, lw, h, cos, sin, layer: int, inp: StepInputs) -> torch.Tensor:
         cfg = self.cfg
         T = h.shape[0]
         H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cache_k, cache_v = self.k_cache[layer], self.v_cache[layer]  # [K, S, E]
-        qkv = ops.linear(h, lw.qkv)  # [T, D] -> [T, (H+2K)·E]
+        qkv = self._linear(h, lw.qkv, layer, "qkv", inp)  # [T, D] -> [T, (H+2K)·E]
         q = qkv[:, : H * E].view(T, H, E)
         k = qkv[:, H * E: (H + K) * E].view(T, K, E)
         v = qkv[:, (H + K) * E:].view(T, K, E)
