@@ -230,3 +230,16 @@ def test_bad_options_are_refused(pair):
         BatchEngine.from_checkpoint(ckpt, device="cpu", gpu_memory=-1)
     with pytest.raises(GenerationError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_nonfinite_logits_name_the_request(pair):
+    _, ckpt = pair
+    eng = engine(ckpt)
+    eng.add_request([5, 6, 7], GREEDY, request_id="fine")
+    eng.add_request([8, 9], GREEDY, request_id="broken")
+    eng.step()
+    layer = eng.runner.w.layers[0]
+    layer.attn_norm = layer.attn_norm.clone()  # fp32 on CPU: the weights are views of the read-only checkpoint map
+    layer.attn_norm[0] = float("nan")  # every row's next step turns NaN: the first is named
+    with pytest.raises(GenerationError, match=r"request 'fine': the logits of generated token 1 hold NaN or Inf"):
+        eng.step()

@@ -46,7 +46,8 @@ def random_adapter(seed, projections, rank=4, scale=2.0):
     return out
 
 
-ADAPTERS = {"all": random_adapter(1, ["q", "k", "v", "o", "gate", "up", "down"]), "vd": random_adapter(2, ["v", "down"])}
+ADAPTERS = {"all": random_adapter(1, ["q", "k", "v", "o", "gate", "up", "down"]),
+            "vd": random_adapter(2, ["v", "down"])}
 
 
 @pytest.fixture(scope="module")

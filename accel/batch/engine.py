@@ -203,7 +203,7 @@ class BatchEngine:
             return outputs
         inp = self.runner.prepare(batch)
         logits = self.runner.run(inp)
-        tokens = sample(logits, [s.seq for s in inp.sampled]).tolist() if inp.sampled else []
+        tokens = self._sample(logits, inp.sampled) if inp.sampled else []
         if self.record_logits:
             self.last_logits = {s.seq.request_id: logits[r] for r, s in enumerate(inp.sampled)}
         for s in batch:
@@ -219,6 +219,18 @@ class BatchEngine:
             else:
                 outputs.append(s.seq.output())
         return outputs
+
+    def _sample(self, logits: torch.Tensor, sampled) -> list[int]:
+        """The sampled rows' tokens, read back in one copy with a finite-logits flag per row; a row of NaN or Inf
+        logits is an error naming its request (bf16 overflow stays in its own row: rows never mix)."""
+        tokens = sample(logits, [s.seq for s in sampled])  # [R]
+        finite = torch.isfinite(logits).all(dim=-1).to(torch.int64)  # [R]
+        tokens, finite = torch.stack([tokens, finite]).tolist()
+        bad = next((s.seq for s, ok in zip(sampled, finite) if not ok), None)
+        if bad is not None:
+            raise GenerationError(f"request {bad.request_id!r}: the logits of generated token {bad.num_generated} "
+                                  f"hold NaN or Inf (the weights overflow in {self.dtype_name}?)")
+        return tokens
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         out = seq.output()
