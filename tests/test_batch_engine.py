@@ -222,8 +222,6 @@ def test_bad_requests_are_refused(pair, prompt, params, message):
 
 def test_bad_options_are_refused(pair):
     _, ckpt = pair
-    with pytest.raises(GenerationError, match="not implemented"):
-        BatchEngine.from_checkpoint(ckpt, device="cpu", batch_invariant=True)
     with pytest.raises(GenerationError, match="dense bf16/fp32 weights only"):
         BatchEngine.from_checkpoint(ckpt, device="cpu", quant="int8")
     with pytest.raises(GenerationError, match="gpu_memory"):

@@ -71,10 +71,11 @@ class BatchEngine:
     def __init__(self, config: LlamaConfig, weights: Weights, device: torch.device, dtype: str, stop_ids=(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
                  block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, batch_invariant: bool = False):
         """num_blocks: the pool's size, overriding gpu_memory (tests force a tiny pool); use_triton: the Triton
         kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter); cuda_graphs:
-        decode-only steps replay CUDA graphs (default: on CUDA)."""
+        decode-only steps replay CUDA graphs (default: on CUDA); batch_invariant: each request's tokens and logits
+        the same bits whatever else shares its steps (accel/batch/runner.py; slower)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value!r}")
@@ -92,10 +93,10 @@ class BatchEngine:
         triton = device.type == "cuda" if use_triton is None else use_triton
         if triton and not ops.triton_available(device):
             raise GenerationError(f"use_triton: Triton kernels cannot run on {device} here")
-        graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        graphs = device.type == "cuda" and (triton or not batch_invariant) if cuda_graphs is None else cuda_graphs
         if graphs and device.type != "cuda":
             raise GenerationError(f"cuda_graphs: CUDA graphs need a CUDA device, not {device}")
-        self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton, graphs)
+        self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton, graphs, batch_invariant)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -119,13 +120,11 @@ class BatchEngine:
         if is_mllama(ckpt.config):
             raise GenerationError(f"{ckpt.path}: the batch engine runs text models only for now (this is a Llama "
                                   f"3.2 Vision checkpoint)")
-        if batch_invariant:
-            raise GenerationError("batch_invariant: the batch-invariant mode is not implemented yet")
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
         weights = load_weights(ckpt.params, ckpt.config, dev, DTYPES[dtype])
         return cls(ckpt.config, weights, dev, dtype, ckpt.stop_ids, max_num_seqs, max_num_batched_tokens, gpu_memory,
-                   block_size, **options)
+                   block_size, batch_invariant=batch_invariant, **options)
 
     # ---- requests ----
     def add_adapter(self, name: str, adapter: list) -> None:

@@ -1,11 +1,11 @@
 """LoRA adapters applied unmerged, per request, in the batched step: several adapters (and the base) in one batch.
 
 An adapter (refimpl.formats.lora.load_lora's list of (param name, A [R, Din], B [Dout, R], scale)) is kept beside
-the untouched base weights, keyed by the fused projection its matrix feeds (accel.weights): q/k/v_proj -> rows of qkv,
-gate/up_proj -> rows of gate_up, o_proj -> o, down_proj -> down. After each projection y = x·Wᵀ over the whole flat
-batch, every adapter's rows get their delta: y[rows, part] += scale · (x[rows]·Aᵀ)·Bᵀ, the LoRA branch in fp32 (as
-accel.ops.add_lora) and rounded once into y. This is the plain torch version, one product pair per adapter and matrix;
-a segmented kernel (SGMV: one launch for every adapter's rows) takes the same inputs.
+the untouched base weights, keyed by the fused projection its matrix feeds (accel.weights): q/k/v_proj -> rows of
+qkv, gate/up_proj -> rows of gate_up, o_proj -> o, down_proj -> down. After each projection y = x·Wᵀ over the whole
+flat batch, every adapter's rows get their delta: y[rows, part] += scale · (x[rows]·Aᵀ)·Bᵀ, the LoRA branch in fp32
+(as accel.ops.add_lora) and rounded once into y. This is the plain torch version, one product pair per adapter and
+matrix; a segmented kernel (SGMV: one launch for every adapter's rows) takes the same inputs.
 """
 from __future__ import annotations
 

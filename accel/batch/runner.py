@@ -13,6 +13,11 @@ last token).
 The gather for prefill chunks copies a sequence's K/V once per layer and chunk (n·K·E elements, small beside the
 chunk's GEMMs), and reuses the tested flash attention as it is.
 
+The batch-invariant mode gives each row the same bits whatever shares its step: the linear layers run one tiling for
+every row count (accel/kernels/matmul.py), and every row, prefill rows too, attends through the paged kernel with its
+own table and length, its splits combined in order (no path or reduction order that depends on the batch, the
+chunking or the tables' width); the norms, RoPE and SwiGLU are per-row already.
+
 A step of decode rows only (every sequence fed its one next token) replays a CUDA graph instead (graphs.py): its
 inputs padded to a batch-size bucket and a table width, the padding rows writing their k/v to a slot of a spare block
 past the pool (`pad_slot`) and attending to nothing.
@@ -28,7 +33,7 @@ from refimpl.model import ops as np_ops
 from refimpl.model.config import LlamaConfig
 
 from .. import ops
-from ..ops.paged import paged_decode_attention
+from ..ops.paged import invariant_linear, paged_decode_attention
 from ..weights import Weights
 from .block_manager import BlockManager
 from .graphs import DecodeGraphs
@@ -53,11 +58,13 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, weights: Weights, device: torch.device, dtype: torch.dtype,
-                 blocks: BlockManager, use_triton: bool, cuda_graphs: bool):
+                 blocks: BlockManager, use_triton: bool, cuda_graphs: bool, invariant: bool = False):
+        """invariant: the batch-invariant mode (module docstring)."""
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.use_triton = use_triton
+        self.invariant = invariant
         self.pad_slot = len(blocks.blocks) * self.block_size  # the first slot of a spare block, past the pool's
         slots = self.pad_slot + self.block_size
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, slots, cfg.head_dim)  # [L, K, S, E]
@@ -116,13 +123,33 @@ class ModelRunner:
                 sample_rows.append(first + n - 1)
                 sampled.append(s)
             first += n
+        num_paged = rows
+        if self.invariant and prefill:  # every row through the paged kernel, each with its own table and length
+            tables, lens = self._rows_tables(tables, lens, prefill, T)
+            num_paged, chunks = T, []
         dev = self.device if key is None else "cpu"  # graph inputs are copied into the graph's own buffers
 
         def t(x):
             return torch.from_numpy(np.asarray(x)).to(dev)
-        return StepInputs(t(ids), t(positions), t(slots), rows, t(tables), t(lens),
+        return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
                           [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
                           [(name, t(np.asarray(r, np.int64))) for name, r in adapter_rows.items()])
+
+    def _rows_tables(self, tables, lens, prefill: list[Scheduled], T: int):
+        """The decode rows' tables and lengths extended by one row per prefill token (its sequence's table, its
+        position + 1) -> tables [T, W], lens [T]."""
+        width = max([tables.shape[1]] + [len(s.seq.block_table) for s in prefill])
+        all_tables = np.zeros((T, width), np.int32)
+        all_tables[:tables.shape[0], :tables.shape[1]] = tables
+        all_lens = np.zeros(T, np.int32)
+        all_lens[:len(lens)] = lens
+        first = tables.shape[0]
+        for s in prefill:
+            start, n, table = s.seq.num_computed, s.num_tokens, s.seq.block_table
+            all_tables[first:first + n, :len(table)] = table
+            all_lens[first:first + n] = np.arange(start + 1, start + n + 1)
+            first += n
+        return all_tables, all_lens
 
     def _slots(self, table: list[int], n: int) -> np.ndarray:
         """Slots of positions 0..n-1 of a sequence with this block table -> [n] int64."""
@@ -154,11 +181,14 @@ class ModelRunner:
             act = ops.swiglu_gate_up(self._linear(h, lw.gate_up, i, "gate_up", inp))  # [T, D] -> [T, 2F] -> [T, F]
             next_norm = w.layers[i + 1].attn_norm if i < last else w.norm
             x, h = ops.add_rms_norm(self._linear(act, lw.down, i, "down", inp), x, next_norm, eps)  # resid_post
-        return ops.linear(h[inp.sample_rows], w.lm_head)  # [R, D] -> [R, V]
+        return self._dense(h[inp.sample_rows], w.lm_head)  # [R, D] -> [R, V]
+
+    def _dense(self, x, weight) -> torch.Tensor:
+        return invariant_linear(x, weight) if self.invariant else ops.linear(x, weight)  # [T, Din] -> [T, Dout]
 
     def _linear(self, x, weight, layer: int, fused: str, inp: StepInputs) -> torch.Tensor:
         """x [T, Din]·Wᵀ over the whole batch, plus each LoRA adapter's delta on its own rows."""
-        y = ops.linear(x, weight)
+        y = self._dense(x, weight)
         return self.lora.apply(y, x, layer, fused, inp.adapters) if inp.adapters else y
 
     def _attention(self, lw, h, cos, sin, layer: int, inp: StepInputs) -> torch.Tensor:
@@ -174,7 +204,8 @@ class ModelRunner:
         a = torch.empty_like(q_rot)  # [T, H, E]
         D = inp.num_decode
         if D:
-            a[:D] = paged_decode_attention(q_rot[:D], cache_k, cache_v, inp.tables, inp.lens, self.block_size)
+            a[:D] = paged_decode_attention(q_rot[:D], cache_k, cache_v, inp.tables, inp.lens, self.block_size,
+                                           self.invariant)
         for first, n, slots in inp.prefills:
             k_seq, v_seq = cache_k[:, slots], cache_v[:, slots]  # [K, S, E] -> [K, ctx, E]: positions 0..ctx-1
             a[first:first + n] = ops.causal_attention(q_rot[first:first + n], k_seq, v_seq,

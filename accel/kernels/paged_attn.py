@@ -70,7 +70,10 @@ def _paged_split_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, sq_b, sq_h, sk_k, sk
 
 
 @triton.jit
-def _paged_combine_kernel(ACC, M, L, O, so_b, so_h, H, E, n_splits, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+def _paged_combine_kernel(ACC, M, L, O, so_b, so_h, H, E, n_splits, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+                          SEQUENTIAL: tl.constexpr):
+    """SEQUENTIAL: the splits summed one after another (the same bits whatever the grid's width: splits past a
+    sequence's length add exact zeros at the end), instead of tl.sum's tree, whose shape follows the split count."""
     bh = tl.program_id(0)  # b·H + h
     b = bh // H
     h = bh % H
@@ -82,11 +85,21 @@ def _paged_combine_kernel(ACC, M, L, O, so_b, so_h, H, E, n_splits, BLOCK_S: tl.
     l = tl.load(L + bh * n_splits + offs_s, mask=s_ok, other=0.0)
     acc = tl.load(ACC + (bh * n_splits + offs_s)[:, None] * E + offs_e[None, :], mask=s_ok[:, None] & e_ok[None, :],
                   other=0.0)  # [splits, E]
-    m_max = tl.max(m, axis=0)
+    m_max = tl.max(m, axis=0)  # exact in any order
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a length-0 row: every weight 0, not NaN
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l, axis=0)
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    if SEQUENTIAL:
+        denom = tl.zeros([1], tl.float32)
+        num = tl.zeros([1, BLOCK_E], tl.float32)
+        for s in range(0, n_splits):
+            w_s = tl.exp2(tl.load(M + bh * n_splits + s + tl.zeros([1], tl.int32)) - m_max)  # [1]
+            denom += w_s * tl.load(L + bh * n_splits + s + tl.zeros([1], tl.int32))
+            num += w_s[:, None] * tl.load(ACC + (bh * n_splits + s) * E + offs_e[None, :], mask=e_ok[None, :],
+                                          other=0.0)
+        out = tl.sum(num, axis=0) / tl.sum(tl.where(denom == 0.0, 1.0, denom), axis=0)  # sums of one element
+    else:
+        w = tl.exp2(m - m_max)
+        denom = tl.sum(w * l, axis=0)
+        out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(O + b * so_b + h * so_h + offs_e, out.to(O.dtype.element_ty), mask=e_ok)
 
 
@@ -97,10 +110,12 @@ def default_split_len(on_gpu: bool) -> int:
 
 def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, tables: torch.Tensor,
                                lens: torch.Tensor, block_size: int, split_len: int | None = None,
-                               out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, config: dict | None = None,
+                               invariant: bool = False) -> torch.Tensor:
     """q [B, H, E] (rotated; head rows contiguous), cache_k/cache_v [K, S, E], tables [B, W] int32 (physical block
     ids; entries past a sequence's length are never read), lens [B] int32 -> out [B, H, E] in q's dtype.
-    config overrides BLOCK_N, num_warps, num_stages (tuning sweeps: tools.bench.batch_decode)."""
+    config overrides BLOCK_N, num_warps, num_stages (tuning sweeps: tools.bench.batch_decode). invariant: the
+    splits combined in order (the batch-invariant mode: the same bits whatever the tables' width)."""
     B, H, E = q.shape
     NK = cache_k.shape[0]
     assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
@@ -124,5 +139,6 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_E=block_e,
         DOT_PRECISION=dot_precision(q.dtype), **cfg)
     _paged_combine_kernel[(B * H,)](acc, m, l, out, out.stride(0), out.stride(1), H, E, n_splits,
-                                    BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_E=block_e, num_warps=4)
+                                    BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_E=block_e, SEQUENTIAL=invariant,
+                                    num_warps=4)
     return out
