@@ -241,3 +241,26 @@ def test_nonfinite_logits_name_the_request(pair):
     layer.attn_norm[0] = float("nan")  # every row's next step turns NaN: the first is named
     with pytest.raises(GenerationError, match=r"request 'fine': the logits of generated token 1 hold NaN or Inf"):
         eng.step()
+
+
+def test_graph_padded_decode_inputs_give_the_same_logits(pair):
+    """The inputs a CUDA graph replays (rows padded to a bucket, tables to a width, padding rows writing to the spare
+    slot and attending to nothing), run eagerly on CPU, give the unpadded step's logits."""
+    from accel.batch.graphs import DecodeGraphs
+    _, ckpt = pair
+    eng = engine(ckpt)
+    for p in prompts_mixed()[:3]:
+        eng.add_request(p, GREEDY)
+    eng.step()  # the prefills
+    batch = eng.scheduler.schedule()  # three decode rows
+    plain = eng.runner.prepare(batch)
+    eng.runner.graphs = DecodeGraphs(eng.runner)
+    padded = eng.runner.prepare(batch)
+    assert plain.graph_key is None and padded.graph_key == (4, 64) and padded.tables.shape == (4, 64)
+    assert padded.slots[3] == eng.runner.pad_slot and padded.lens[3] == 0
+    padded.sample_rows = torch.arange(4)  # as the graph is captured: every row's logits
+    with torch.inference_mode():
+        want = eng.runner.forward(plain)
+        got = eng.runner.forward(padded)
+    assert got.shape[0] == 4 and not torch.isnan(got).any()
+    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)

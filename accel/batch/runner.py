@@ -86,43 +86,21 @@ class ModelRunner:
         """The step's inputs, built in NumPy (torch.tensor over nested lists costs about a microsecond an element)."""
         decode = [s for s in batch if s.num_tokens == 1]
         prefill = [s for s in batch if s.num_tokens > 1]
-        sampled = [s for s in decode if s.samples]
         width = max((len(s.seq.block_table) for s in decode), default=1)
-        lora = any(s.seq.adapter is not None for s in batch)  # eager: the graphs hold no adapter
-        key = self.graphs.key(len(decode), width) if self.graphs and not prefill and len(sampled) == len(decode) \
-            and not lora else None
+        graphable = self.graphs and not prefill and all(s.samples for s in decode) \
+            and all(s.seq.adapter is None for s in decode)  # the graphs hold no adapter
+        key = self.graphs.key(len(decode), width) if graphable else None
         rows, width = key if key is not None else (len(decode), width)
         T = rows + sum(s.num_tokens for s in prefill)
         ids = np.zeros(T, np.int64)  # padding rows: token 0 at position 0 into the spare slot, length 0
         positions = np.zeros(T, np.int64)
         slots = np.full(T, self.pad_slot, np.int64)
-        tables = np.zeros((rows, width), np.int32)
-        lens = np.zeros(rows, np.int32)
-        sample_rows = [i for i, s in enumerate(decode) if s.samples]
-        for i, s in enumerate(decode):
-            seq, p = s.seq, s.seq.num_computed
-            table = seq.block_table
-            ids[i], positions[i], lens[i] = seq.token_ids[p], p, p + 1
-            slots[i] = table[p // self.block_size] * self.block_size + p % self.block_size
-            tables[i, :len(table)] = table
-        chunks, first = [], rows
-        adapter_rows: dict[str, list[int]] = {}
-        for i, s in enumerate(decode):
-            if s.seq.adapter is not None:
-                adapter_rows.setdefault(s.seq.adapter, []).append(i)
-        for s in prefill:
-            seq, start, n = s.seq, s.seq.num_computed, s.num_tokens
-            seq_slots = self._slots(seq.block_table, start + n)  # positions 0..start+n-1
-            ids[first:first + n] = seq.token_ids[start:start + n]
-            positions[first:first + n] = np.arange(start, start + n)
-            slots[first:first + n] = seq_slots[start:]
-            chunks.append((first, n, seq_slots))
-            if seq.adapter is not None:
-                adapter_rows.setdefault(seq.adapter, []).extend(range(first, first + n))
-            if s.samples:
-                sample_rows.append(first + n - 1)
-                sampled.append(s)
-            first += n
+        tables, lens = self._decode_rows(decode, rows, width, ids, positions, slots)
+        chunks = self._prefill_rows(prefill, rows, ids, positions, slots)
+        sampled = [s for s in decode if s.samples] + [s for s in prefill if s.samples]
+        sample_rows = [i for i, s in enumerate(decode) if s.samples] + [f + n - 1 for (f, n, _), s in
+                                                                       zip(chunks, prefill) if s.samples]
+        adapters = self._adapter_rows(decode, prefill, chunks)
         num_paged = rows
         if self.invariant and prefill:  # every row through the paged kernel, each with its own table and length
             tables, lens = self._rows_tables(tables, lens, prefill, T)
@@ -133,7 +111,45 @@ class ModelRunner:
             return torch.from_numpy(np.asarray(x)).to(dev)
         return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
                           [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
-                          [(name, t(np.asarray(r, np.int64))) for name, r in adapter_rows.items()])
+                          [(name, t(np.asarray(r, np.int64))) for name, r in adapters.items()])
+
+    def _decode_rows(self, decode: list[Scheduled], rows: int, width: int, ids, positions, slots):
+        """Rows 0.. of the decode sequences: their token, position and slot -> (tables [rows, width], lens [rows])."""
+        tables = np.zeros((rows, width), np.int32)
+        lens = np.zeros(rows, np.int32)
+        bs = self.block_size
+        for i, s in enumerate(decode):
+            seq, p = s.seq, s.seq.num_computed
+            table = seq.block_table
+            ids[i], positions[i], lens[i] = seq.token_ids[p], p, p + 1
+            slots[i] = table[p // bs] * bs + p % bs
+            tables[i, :len(table)] = table
+        return tables, lens
+
+    def _prefill_rows(self, prefill: list[Scheduled], first: int, ids, positions, slots) -> list:
+        """The prefill chunks' rows from `first` on -> [(first row, rows, slots of positions 0..last)] per chunk."""
+        chunks = []
+        for s in prefill:
+            seq, start, n = s.seq, s.seq.num_computed, s.num_tokens
+            seq_slots = self._slots(seq.block_table, start + n)  # positions 0..start+n-1
+            ids[first:first + n] = seq.token_ids[start:start + n]
+            positions[first:first + n] = np.arange(start, start + n)
+            slots[first:first + n] = seq_slots[start:]
+            chunks.append((first, n, seq_slots))
+            first += n
+        return chunks
+
+    @staticmethod
+    def _adapter_rows(decode: list[Scheduled], prefill: list[Scheduled], chunks) -> dict[str, list[int]]:
+        """LoRA adapter -> the rows of its sequences (rows of the base model left out)."""
+        out: dict[str, list[int]] = {}
+        for i, s in enumerate(decode):
+            if s.seq.adapter is not None:
+                out.setdefault(s.seq.adapter, []).append(i)
+        for (first, n, _), s in zip(chunks, prefill):
+            if s.seq.adapter is not None:
+                out.setdefault(s.seq.adapter, []).extend(range(first, first + n))
+        return out
 
     def _rows_tables(self, tables, lens, prefill: list[Scheduled], T: int):
         """The decode rows' tables and lengths extended by one row per prefill token (its sequence's table, its
