@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.generate import RefEngine, Sampling, penalize
 from tools.cli import main
-from tools.debug.golden import DEFAULT_DIR
+from tools.debug.golden_record import DEFAULT_DIR
 
 GQA = DEFAULT_DIR / "toy-gqa"
 ROOT = Path(__file__).resolve().parents[1]

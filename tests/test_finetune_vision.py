@@ -317,7 +317,7 @@ def test_bad_image_data_is_one_clear_error(base, tmp_path, case):
 
 
 def test_images_for_a_text_only_checkpoint(base, tmp_path):
-    from tools.debug.golden import DEFAULT_DIR
+    from tools.debug.golden_record import DEFAULT_DIR
     _, data_dir = base
     data = write_jsonl(data_dir / "text-only.jsonl", records_for(data_dir)[:1])
     result = run_cli(finetune_args(DEFAULT_DIR / "toy-gqa", data, tmp_path / "out"))

@@ -19,7 +19,8 @@ from refimpl.model import ops
 from refimpl.model.llama import KVCache, forward
 from refimpl.quant.apply import quantized_names
 from refimpl.quant.calibrate import calibration_sequences, quantize_model
-from refimpl.quant.formats import MIXED_INT8, QuantError, QuantizedLinear, QuantSpec
+from refimpl.errors import QuantError
+from refimpl.quant.formats import MIXED_INT8, QuantizedLinear, QuantSpec
 
 TOY = Path(__file__).resolve().parent.parent / "golden" / "toy-gqa"
 CALIB = ("Call me Ishmael. Some years ago, having little or no money in my purse, and nothing particular to interest "

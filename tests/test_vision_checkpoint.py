@@ -8,8 +8,8 @@ import pytest
 
 from refimpl.errors import CheckpointError, ConfigError
 from refimpl.formats import safetensors_io
-from refimpl.formats.checkpoint import load_checkpoint
-from refimpl.formats.mllama_checkpoint import check_mllama_dir, expected_mllama_shapes, save_mllama_checkpoint
+from refimpl.formats.checkpoint import load_checkpoint, save_checkpoint
+from refimpl.formats.mllama_checkpoint import check_mllama_dir, expected_mllama_shapes
 from refimpl.formats.safetensors_io import save_safetensors
 from refimpl.model.mllama_config import MllamaConfig
 
@@ -109,7 +109,7 @@ def test_load_checkpoint_dispatches_and_names_a_wrong_tensor(tmp_path):
     cfg = MllamaConfig.from_hf(tiny_config())
     rng = np.random.default_rng(0)
     params = {n: rng.standard_normal(s).astype(np.float32) for n, s in expected_mllama_shapes(cfg).items()}
-    save_mllama_checkpoint(tmp_path, cfg, params)
+    save_checkpoint(tmp_path, cfg, params)
     ckpt = load_checkpoint(tmp_path, with_tokenizer=False)
     assert ckpt.config == cfg and all(np.array_equal(ckpt.params[n], params[n]) for n in params)
     params["multi_modal_projector.bias"] = np.zeros(15, np.float32)

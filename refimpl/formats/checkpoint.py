@@ -17,10 +17,12 @@ import numpy as np
 from refimpl.model.config import LlamaConfig
 from refimpl.model.mllama_config import is_mllama_config
 from refimpl.errors import CheckpointError, ConfigError
-from refimpl.formats.jsonfile import read_config_json, read_json_object
+from refimpl.formats.jsonfile import read_config_json
 from refimpl.progress import Progress
 from refimpl.quant.apply import quantize_params
 from refimpl.formats.gguf_loader import load_gguf
+from refimpl.formats.hf_dir import assemble
+from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
 from refimpl.formats.params import Checkpoint, check_params, expected_shapes
 from refimpl.formats.quant_checkpoint import is_quantized_config, load_quantized_params
 from refimpl.formats.safe_open import check_path, open_regular, stat_path
@@ -68,7 +70,6 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
         if text_only:
             raise ConfigError(f"{path / 'config.json'}: model_type is 'mllama' (Llama 3.2 Vision); expected a text "
                               "Llama model")
-        from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
         return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer, config=config)
     if is_quantized_config(config):
         cfg, params, _ = load_quantized_params(path, config, str(path / "config.json"))
@@ -85,34 +86,9 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
     return assemble(path, cfg, params, with_tokenizer)
 
 
-def assemble(path: Path, cfg, params: dict, with_tokenizer: bool) -> Checkpoint:
-    """A directory's Checkpoint from its config (a LlamaConfig or MllamaConfig) and loaded parameters: the
-    tokenizer (with_tokenizer) and the stop ids read beside them."""
-    tokenizer = None
-    if with_tokenizer:
-        from refimpl.text.tokenizer import TextTokenizer
-        tokenizer = TextTokenizer.from_dir(path, cfg)
-    return Checkpoint(path, cfg, params, tokenizer, stop_ids(path, cfg, tokenizer))
-
-
 def _is_gguf(path: Path) -> bool:
     with open_regular(path) as f:
         return f.read(4) == b"GGUF"
-
-
-def stop_ids(model_dir: Path, cfg: LlamaConfig, tokenizer=None) -> tuple[int, ...]:
-    """Every eos id: generation_config.json's list (e.g. <|eot_id|>, <|eom_id|>), config.json's, the tokenizer's."""
-    ids = list(cfg.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if stat_path(gen) is not None:
-        eos = read_json_object(gen, "generation settings").get("eos_token_id")
-        extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if not all(isinstance(e, int) and not isinstance(e, bool) for e in extra):
-            raise CheckpointError(f"{gen}: eos_token_id must be an integer or a list of integers, got {eos!r}")
-        ids += extra
-    if tokenizer is not None and tokenizer.eos_id is not None:
-        ids.append(tokenizer.eos_id)
-    return tuple(dict.fromkeys(ids))
 
 
 def save_checkpoint(model_dir: str | Path, cfg: LlamaConfig, params: dict[str, np.ndarray],

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.errors import CheckpointError
-from refimpl.formats.checkpoint import assemble, save_checkpoint
+from refimpl.formats.hf_dir import assemble
 from refimpl.formats.shards import read_headers
 from refimpl.formats.params import Checkpoint, check_shapes, decoder_layer_shapes
 from refimpl.model.mllama_config import MllamaConfig
@@ -138,8 +138,3 @@ def load_mllama_checkpoint(model_dir: str | Path, with_tokenizer: bool = True,
             bar.advance()
     return assemble(model_dir, cfg, params, with_tokenizer)
 
-
-def save_mllama_checkpoint(model_dir: str | Path, cfg: MllamaConfig, params: dict[str, np.ndarray],
-                           dtype: str = "F32") -> Path:
-    """Write config.json + model.safetensors with the Hub's names (golden files, tests)."""
-    return save_checkpoint(model_dir, cfg, {hub_name(n): a for n, a in params.items()}, dtype)

@@ -25,7 +25,8 @@ from refimpl.model.llama import KVCache, attention_block, drive, layer_params, m
 from refimpl.progress import Progress
 from refimpl.quant import awq
 from refimpl.quant.apply import LM_HEAD, NORMS, SHARED_INPUT, quantize_params, refuse_quantized, source_weight
-from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
+from refimpl.errors import QuantError
+from refimpl.quant.formats import QuantizedLinear, QuantSpec
 from refimpl.quant.gptq import gptq_quantize
 from refimpl.quant.search import importance_of, quantize_search
 

@@ -29,17 +29,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refimpl.errors import Llama32Error
+from refimpl.errors import Llama32Error, QuantError
 from refimpl.formats.safetensors_io import round_bf16
+from refimpl.quant.gguf_blocks import dequantize_blocks
 
 F32 = np.float32
 INT_FORMATS = ("int8", "int4")
 GGUF_FORMATS = ("q8_0", "q4_0", "q4_1")
 INT4_GROUPS = (32, 64, 128)
-
-
-class QuantError(Llama32Error):
-    """A quantization request or a quantized tensor that cannot be used."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,7 +63,6 @@ class QuantizedLinear:
             return dequantize_int8(self.data, self.scales)
         if self.format == "int4":
             return dequantize_int4(self.data, self.scales, self.mins, self.group)
-        from refimpl.quant.gguf_blocks import dequantize_blocks
         return dequantize_blocks(self.format, self.data, self.shape)
 
     @functools.cached_property

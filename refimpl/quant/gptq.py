@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from refimpl.quant.formats import F32, QuantError, QuantizedLinear, int4_codes, int8_codes, pack_nibbles
+from refimpl.errors import QuantError
+from refimpl.quant.formats import F32, QuantizedLinear, int4_codes, int8_codes, pack_nibbles
 from refimpl.quant.search import importance_of, quantize_search, row_errors
 
 BLOCK = 128

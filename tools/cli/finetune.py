@@ -3,7 +3,7 @@
 Base weights stay frozen in the model dtype; LoRA matrices and optimiser state are fp32. Samples are right-padded
 per micro-batch (not packed): causal attention needs no mask then, and each sample's loss is exactly what it
 would be alone, which keeps the one-step check against HF + PEFT exact. A Llama 3.2 Vision checkpoint also takes
-image samples; its LoRA goes on the text decoder, the vision encoder stays frozen (accel.train.mllama_session).
+image samples; its LoRA goes on the text decoder, the vision encoder stays frozen (accel.train.vision_training).
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def finetune(model, data, out, eval_data, rank, alpha, dropout, target, lr, opti
         import torch
     except ImportError:
         raise GenerationError("llama32 finetune needs torch: pip install 'llama32[accel]'") from None
-    from accel.train.session import Session, SessionSettings
+    from accel.train.session import TrainSession, TrainSessionSettings
     from accel.train.loop import TrainSettings
     from refimpl.progress import Progress
 
@@ -100,7 +100,7 @@ def finetune(model, data, out, eval_data, rank, alpha, dropout, target, lr, opti
         raise GenerationError(f"--device {device!r} is not a torch device (e.g. cuda, cuda:1, cpu)") from None
     dtype = dtype or ("bf16" if torch.device(device).type == "cuda" else "fp32")
     warn = lambda msg: click.echo(f"warning: {msg}", err=True)  # noqa: E731
-    session = Session.open(resolve_model(model), data, eval_data, device, dtype, warn, SessionSettings(
+    session = TrainSession.open(resolve_model(model), data, eval_data, device, dtype, warn, TrainSessionSettings(
         rank, alpha, dropout, targets, max_length, seed, init_adapter, compile_layers))
     settings = TrainSettings(lr, optimizer, weight_decay, warmup_steps, epochs, max_steps, batch_size, grad_accum,
                              seed, save_every)

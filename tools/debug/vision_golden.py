@@ -19,8 +19,8 @@ from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
 from refimpl.model.mllama_config import MllamaConfig
 from refimpl.model.names import mllama_activation_names
 
-from tools.debug.golden import (ACTIVATIONS, DECODE_STEPS, FORMAT, FORMAT_VERSION, MANIFEST, GoldenError,
-                                GoldenRecord, _steps, logits_check, record, regenerate_hint, tool_version)
+from tools.debug.golden_record import (ACTIVATIONS, DECODE_STEPS, FORMAT, FORMAT_VERSION, MANIFEST, GoldenError,
+                                       GoldenRecord, logits_check, parse_steps, record, regenerate_hint, tool_version)
 from tools.debug.lockstep import Row, compare_rows, engine_dtype
 
 KIND = "vision"
@@ -108,7 +108,7 @@ def load_vision_golden(model_dir: Path) -> GoldenRecord:
             and all(isinstance(n, str) and "/" not in n and "\\" not in n for n in manifest["images"])):
         raise GoldenError(f"{path}: a vision record needs 'prompt' (text) and 'images' (file names beside it); "
                           f"{hint}")
-    steps = _steps(manifest, str(path))
+    steps = parse_steps(manifest, str(path))
     tensors = SafetensorsFile(model_dir / ACTIVATIONS)
     for key in [f"inputs/{k}" for k in INPUTS] + [f"{s.name}/{n}" for s in steps for n in step_names(cfg, s.name)]:
         if key not in tensors.tensors:

@@ -1,5 +1,5 @@
-"""What a fine-tuning run on a Llama 3.2 Vision checkpoint changes (accel.train.session.Session.open runs it): image
-samples, LoRA on the text decoder, the vision tower frozen.
+"""What a fine-tuning run on a Llama 3.2 Vision checkpoint changes (accel.train.session.TrainSession.open runs
+it): image samples, LoRA on the text decoder, the vision tower frozen.
 
 Default targets: every linear of the text decoder (self- and cross-attention layers and all MLPs). PEFT's own
 "all-linear" would also adapt the vision tower and the projector, so adapter_config.json names the modules with a
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from accel.train.mllama_model import MllamaTrainModel, trainer_key
-from accel.train.session import TextTraining
+from accel.train.text_training import TextTraining
 from accel.vision.weights import load_mllama_weights
 from accel.weights import DTYPES
 from refimpl.errors import CheckpointError
@@ -28,7 +28,7 @@ def target_modules(cfg, modules: set[str]) -> str | list[str]:
     return text_target_regex(shorts) if by_regex == modules else sorted(modules)
 
 
-class MllamaTraining(TextTraining):
+class VisionTraining(TextTraining):
     """The text decoder's linears of a vision checkpoint (Hub weight names, transformers 5's module names), image
     conversations through the checkpoint's processor, MllamaTrainModel."""
 
@@ -59,6 +59,6 @@ class MllamaTraining(TextTraining):
     def load_weights(self, params: dict, device, dtype: str):
         return load_mllama_weights(params, self.cfg, device, DTYPES[dtype])
 
-    def model(self, weights, lora: dict, s) -> MllamaTrainModel:
+    def model(self, weights, lora: dict, dropout: float, compile: bool) -> MllamaTrainModel:
         return MllamaTrainModel(weights, self.cfg, {trainer_key(self.cfg, name): m for name, m in lora.items()},
-                                self.vision_data, s.dropout, compile=s.compile)
+                                self.vision_data, dropout, compile=compile)
