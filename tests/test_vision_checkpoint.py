@@ -160,14 +160,14 @@ def test_loading_a_vision_directory_reads_config_json_once(monkeypatch):
     """load_checkpoint tells a Vision directory by its config.json and hands that one read to the Vision loader."""
     from pathlib import Path
 
-    from refimpl.formats import checkpoint, jsonfile
+    from refimpl.formats import hf_dir, jsonfile
     reads = []
     read = jsonfile.read_json_object
 
     def counting(path, *args, **kwargs):
         reads.append(Path(path).name)
         return read(path, *args, **kwargs)
-    for module in (jsonfile, checkpoint):
+    for module in (jsonfile, hf_dir):
         monkeypatch.setattr(module, "read_json_object", counting)
     ckpt = load_checkpoint(Path(__file__).resolve().parent.parent / "golden" / "toy-vision", with_tokenizer=False)
     assert isinstance(ckpt.config, MllamaConfig) and ckpt.params
