@@ -208,7 +208,7 @@ class AccelEngine:
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, device: str | None = None, dtype: str | None = None,
                         quant=None, **options) -> "AccelEngine":
-        """quant: a refimpl.quant.formats.QuantSpec (int8/int4: quantized on the device, bit for bit the refimpl's
+        """quant: a refimpl.quant.schemes.QuantSpec (int8/int4: quantized on the device, bit for bit the refimpl's
         quantization); a checkpoint already holding quantized records (refimpl.quant) runs them as they are."""
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)

@@ -17,7 +17,7 @@ from accel.kernels.qgemv import qgemv_fwd  # noqa: E402
 from accel.kernels.tuning import Tuning  # noqa: E402
 from accel.quant_ops import from_quantized_linear  # noqa: E402
 from refimpl.model import ops as R  # noqa: E402
-from refimpl.quant.formats import QuantSpec  # noqa: E402
+from refimpl.quant.schemes import QuantSpec  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 interpreter = pytest.mark.skipif(CUDA or not ops.INTERPRET, reason="CPU-interpreter coverage; the GPU's is below")

@@ -152,7 +152,7 @@ def test_quant_roles_reach_every_kernel_of_a_real_quantized_step(monkeypatch, ga
     from accel.engine import AccelEngine
     from accel.kernels.qgemv import PdlMode
     from refimpl.formats.params import Checkpoint, random_params
-    from refimpl.quant.formats import QuantSpec
+    from refimpl.quant.schemes import QuantSpec
     from test_gguf import tiny_config
     from tools.bench import quant_roles
     cfg = tiny_config(tied=False)
@@ -266,7 +266,7 @@ def test_qgemv_probe_stream_reads_each_scale_once(config):
 
     from accel.kernels.tuning import QGemvConfig
     from accel.quant_ops import quantize
-    from refimpl.quant.formats import QuantSpec
+    from refimpl.quant.schemes import QuantSpec
     from tools.bench import qgemv_probe
     cfg = QGemvConfig(*config)
     N, K = 6, 256  # 4 groups of 64 a row; 6 rows: a ragged last row block

@@ -197,7 +197,7 @@ def test_missing_hub_id_is_a_clear_error(tmp_path, command):
 def test_commands_that_open_a_model_share_one_model_option():
     """One --model: the same help and the same resolution (a path, a .gguf, a Hub id in the local cache, or the
     default model) in every command that opens a model (lora merge names its base: no default)."""
-    from tools.cli.params import MODEL_OPTION
+    from tools.cli.options import MODEL_OPTION
 
     @MODEL_OPTION
     def probe(model):

@@ -20,7 +20,7 @@ from refimpl.model.llama import KVCache, forward
 from refimpl.quant.apply import quantized_names
 from refimpl.quant.calibrate import calibration_sequences, quantize_model
 from refimpl.errors import QuantError
-from refimpl.quant.formats import MIXED_INT8, QuantizedLinear, QuantSpec
+from refimpl.quant.schemes import MIXED_INT8, QuantizedLinear, QuantSpec
 
 TOY = Path(__file__).resolve().parent.parent / "golden" / "toy-gqa"
 CALIB = ("Call me Ishmael. Some years ago, having little or no money in my purse, and nothing particular to interest "

@@ -21,7 +21,7 @@ from accel.kernels.qmlp import _CNT_AT, _CNT_N, mlp_configs, norm_mlp_qfwd  # no
 from accel.kernels.tuning import QMlpConfig  # noqa: E402
 from accel.quant_ops import QuantTensor, from_quantized_linear, mlp_chained, quantize  # noqa: E402
 from refimpl.model import ops as np_ops  # noqa: E402
-from refimpl.quant.formats import QuantSpec  # noqa: E402
+from refimpl.quant.schemes import QuantSpec  # noqa: E402
 from test_quant_accel import gpu, interpreter, record  # noqa: E402
 
 EPS = 1e-5

@@ -20,7 +20,7 @@ from accel.quant_layers import quantize_weights  # noqa: E402
 from accel.quant_ops import decode_pdl, quantize  # noqa: E402
 from accel.weights import random_weights  # noqa: E402
 from refimpl.model.config import PRESETS  # noqa: E402
-from refimpl.quant.formats import QuantSpec  # noqa: E402
+from refimpl.quant.schemes import QuantSpec  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MODES = [PdlMode("wait", 1), PdlMode("wait", 64), PdlMode("late", 1), PdlMode("none", 2)]  # the benchmarks' variants

@@ -106,7 +106,7 @@ def test_manual_layer_equals_autograd_layer():
 
 
 def run_cross_layer(kernels, x, states, visible, has_image, weights, adapters, shape):
-    from accel.train.mllama_model import cross_layer
+    from accel.train.vision_model import cross_layer
     H, K, E, Fi = shape
     aq, ak, av, ao, ag, au, ad = adapters
     groups = (*(lora_group((a,), (None,), x.dtype) for a in (aq, ak, av, ao)),

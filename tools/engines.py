@@ -9,7 +9,7 @@ from pathlib import Path
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 from refimpl.formats.safe_open import check_path
-from refimpl.model.mllama_config import is_mllama
+from refimpl.model.vision_config import is_mllama
 from refimpl.quant.apply import is_quantized, refuse_requantizing
 
 BACKENDS = ("auto", "refimpl", "accel")
@@ -68,10 +68,10 @@ def resolve_model(model: str | None) -> Path:
 
 
 def parse_quant(quant: str | None):
-    """`--quant` text -> refimpl.quant.formats.QuantSpec, or None."""
+    """`--quant` text -> refimpl.quant.schemes.QuantSpec, or None."""
     if quant is None:
         return None
-    from refimpl.quant.formats import QuantSpec
+    from refimpl.quant.schemes import QuantSpec
     return QuantSpec.parse(quant)
 
 
@@ -126,18 +126,18 @@ def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None 
         if device not in (None, "cpu"):
             raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")
         if is_mllama(ckpt.config):
-            from refimpl.generate_mllama import MllamaEngine
-            return MllamaEngine(ckpt)
+            from refimpl.generate_vision import VisionEngine
+            return VisionEngine(ckpt)
         from refimpl.generate import RefEngine
         return RefEngine(ckpt)
     try:
         from accel.engine import AccelEngine
-        from accel.vision.engine import MllamaAccelEngine
+        from accel.vision.engine import VisionAccelEngine
     except ImportError as e:
         raise GenerationError(f"--backend accel is not available here ({e}); it needs torch and triton: "
                               f"{ACCEL_HINT}") from None
     if is_mllama(ckpt.config):
         if quant is not None:
             raise GenerationError("--quant runs on text models only for now; drop it for a Llama 3.2 Vision checkpoint")
-        return MllamaAccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
+        return VisionAccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
     return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, quant=quant)

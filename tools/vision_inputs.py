@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refimpl.errors import GenerationError
-from refimpl.model.mllama_config import is_mllama
+from refimpl.model.vision_config import is_mllama
 
 
 @dataclass
@@ -39,11 +39,11 @@ def prompt_inputs(ckpt, prompt: str, image_paths: tuple[Path, ...] | list[Path],
 
 def forward_names(cfg, inputs: dict | None = None) -> list[str]:
     """The activation names of one forward: a vision engine's call given `inputs` (its images, or None)."""
-    from refimpl.model.names import activation_names, mllama_activation_names
+    from refimpl.model.names import activation_names, vision_activation_names
     if not is_mllama(cfg):
         return activation_names(cfg.num_hidden_layers)
     has_images = bool(inputs) and inputs.get("images") is not None
-    return mllama_activation_names(cfg, encode_images=has_images, image_in_cache=has_images)
+    return vision_activation_names(cfg, encode_images=has_images, image_in_cache=has_images)
 
 
 def token_rows(cfg) -> int:

@@ -21,7 +21,7 @@ from refimpl.errors import CheckpointError
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.formats.lora import load_lora
-from refimpl.model.mllama_config import is_mllama
+from refimpl.model.vision_config import is_mllama
 from refimpl.train.data import load_samples
 
 

@@ -15,14 +15,14 @@ from typing import Iterator
 import numpy as np
 
 from refimpl.model.config import LlamaConfig
-from refimpl.model.mllama_config import is_mllama_config
+from refimpl.model.vision_config import is_mllama_config
 from refimpl.errors import CheckpointError, ConfigError
 from refimpl.formats.jsonfile import read_config_json
 from refimpl.progress import Progress
 from refimpl.quant.apply import quantize_params
 from refimpl.formats.gguf_loader import load_gguf
 from refimpl.formats.hf_dir import assemble
-from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
+from refimpl.formats.vision_checkpoint import load_vision_checkpoint
 from refimpl.formats.params import Checkpoint, check_params, expected_shapes
 from refimpl.formats.quant_checkpoint import is_quantized_config, load_quantized_params
 from refimpl.formats.safe_open import check_path, open_regular, stat_path
@@ -43,7 +43,7 @@ def iter_safetensors(model_dir: Path, cfg: LlamaConfig) -> Iterator[tuple[str, n
 def load_checkpoint(path: str | Path, with_tokenizer: bool = True, quant=None, text_only: bool = False) -> Checkpoint:
     """Load a model directory or a .gguf file into float32 NumPy parameters (plus tokenizer and stop ids).
 
-    quant (a refimpl.quant.formats.QuantSpec, `--quant`): int8/int4 quantize the linear layers after loading;
+    quant (a refimpl.quant.schemes.QuantSpec, `--quant`): int8/int4 quantize the linear layers after loading;
     gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are stored. text_only: a Llama 3.2 Vision directory is
     refused from its config.json, before any weight is read."""
     ckpt = _load(Path(path), with_tokenizer, quant is not None and quant.format == "gguf",
@@ -70,7 +70,7 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
         if text_only:
             raise ConfigError(f"{path / 'config.json'}: model_type is 'mllama' (Llama 3.2 Vision); expected a text "
                               "Llama model")
-        return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer, config=config)
+        return load_vision_checkpoint(path, with_tokenizer=with_tokenizer, config=config)
     if is_quantized_config(config):
         cfg, params, _ = load_quantized_params(path, config, str(path / "config.json"))
         return assemble(path, cfg, params, with_tokenizer)

@@ -7,7 +7,7 @@ and `alpha_pattern` override r and alpha per module, matched as PEFT matches the
 pattern p, in file order, for which `(.*\\.)?(p)$` matches the module name).
 
 A Llama 3.2 Vision base (MllamaConfig) takes adapters on any of its linears (text decoder, vision tower,
-projector, lm_head), named as refimpl.formats.lora_mllama describes; parameters come back in the Hub's names.
+projector, lm_head), named as refimpl.formats.lora_vision describes; parameters come back in the Hub's names.
 
 Only what merges into plain Llama linears is accepted; every other PEFT feature is refused by name rather than
 silently merged wrong (DoRA rescales columns, lora_bias adds a bias Llama lacks, fan_in_fan_out transposes).
@@ -28,10 +28,10 @@ from refimpl.model.config import LlamaConfig
 from refimpl.model.llama import LoraWeight
 from refimpl.errors import CheckpointError, quote
 from refimpl.formats.jsonfile import read_json_object
-from refimpl.formats.lora_mllama import ALL_LINEAR_LEAVES, linear_params, mllama_modules, module_of, param_of
+from refimpl.formats.lora_vision import ALL_LINEAR_LEAVES, linear_params, vision_modules, module_of, param_of
 from refimpl.formats.lora_targets import LLAMA_LINEARS, BoundedMatcher, targeted_modules
-from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
-from refimpl.model.mllama_config import MllamaConfig, is_mllama
+from refimpl.formats.vision_checkpoint import expected_vision_shapes
+from refimpl.model.vision_config import MllamaConfig, is_mllama
 from refimpl.formats.safe_open import check_path, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -104,13 +104,13 @@ def module_scale(d: dict, module: str, path: Path, matcher: BoundedMatcher | Non
 
 
 def _shapes(cfg) -> dict:
-    return expected_mllama_shapes(cfg) if is_mllama(cfg) else expected_shapes(cfg)
+    return expected_vision_shapes(cfg) if is_mllama(cfg) else expected_shapes(cfg)
 
 
 def _mllama_param_name(module: str, how: str, cfg: MllamaConfig, path: Path) -> str:
     name = param_of(module)
     if name not in linear_params(cfg):
-        known = module_of(name) in mllama_modules(cfg)
+        known = module_of(name) in vision_modules(cfg)
         raise CheckpointError(f"{path}: {how} module {quote(module)}, " + (
             "which is not a linear layer; only the linears of the text decoder, vision tower, projector and "
             "lm_head are supported" if known else
@@ -178,7 +178,7 @@ def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
         _param_name(module, "a tensor adapts", cfg, weights)
     matcher = BoundedMatcher(cfg_path)  # one matching budget for the whole adapter
     if is_mllama(cfg):
-        targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher, modules=mllama_modules(cfg),
+        targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher, modules=vision_modules(cfg),
                                     all_linear=ALL_LINEAR_LEAVES)
     else:
         targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher)

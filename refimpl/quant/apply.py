@@ -10,7 +10,7 @@ import numpy as np
 from refimpl.model.config import LlamaConfig
 from refimpl.progress import Progress
 from refimpl.errors import QuantError
-from refimpl.quant.formats import MATRIX_KEYS, QuantizedLinear, QuantSpec
+from refimpl.quant.schemes import MATRIX_KEYS, QuantizedLinear, QuantSpec
 
 LINEAR_KEYS = tuple(f"{k}.weight" for k in MATRIX_KEYS if k != "lm_head")  # a block's, as the checkpoint names them
 LM_HEAD = "lm_head.weight"

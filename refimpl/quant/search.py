@@ -1,5 +1,5 @@
 """Error-minimizing scales (and minima) for the int8 / int4 formats: the same codes and layout as
-refimpl.quant.formats, only better (scale, minimum) pairs than the min/max range.
+refimpl.quant.schemes, only better (scale, minimum) pairs than the min/max range.
 
 Min/max spends the code range on the extreme values; one outlier stretches the step for the whole row or group.
 Here each row (int8) or group (int4) tries a few candidate ranges and keeps the one with the smallest weighted
@@ -13,13 +13,13 @@ nearest codes (the format's own `int8_codes` / `int4_codes`), so the error minim
 
 a [K] is the importance of each input column: 1 without calibration, or E[x_k²] over calibration activations
 (llama.cpp's importance matrix, the diagonal of the layer's Hessian X^T X / T): an error in a column the inputs
-rarely excite costs little. [N, K] = [Dout, Din], G the group size, as in refimpl.quant.formats.
+rarely excite costs little. [N, K] = [Dout, Din], G the group size, as in refimpl.quant.schemes.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from refimpl.quant.formats import (F32, QuantizedLinear, _groups, int4_codes, int4_linear, int8_codes,
+from refimpl.quant.schemes import (F32, QuantizedLinear, _groups, int4_codes, int4_linear, int8_codes,
                                    round_bf16)
 
 RATIOS_INT8 = np.linspace(0.5, 1.0, 51)  # step 0.01: past 1/2 of max|w| clipping costs more than it saves

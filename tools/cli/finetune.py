@@ -15,7 +15,7 @@ import click
 
 from refimpl.errors import GenerationError
 
-from tools.cli.params import MODEL_OPTION
+from tools.cli.options import MODEL_OPTION
 from tools.engines import resolve_model
 
 

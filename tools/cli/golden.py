@@ -9,7 +9,7 @@ from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.model.names import matches
 
 from tools.engines import engine_for
-from tools.cli.params import UserPath
+from tools.cli.options import UserPath
 from tools.debug.golden import check_golden, load_golden, make_golden
 from tools.debug.golden_record import DEFAULT_DIR, GoldenError, find_golden_dirs
 from tools.debug.lockstep import first_divergence, report

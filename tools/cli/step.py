@@ -12,7 +12,7 @@ import click
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 
-from tools.cli.params import MODEL_OPTION, QUANT_HELP, UserPath
+from tools.cli.options import MODEL_OPTION, QUANT_HELP, UserPath
 from tools.engines import engine_for, parse_quant, resolve_model
 from tools.vision_inputs import forward_names, prompt_inputs
 from tools.debug.step_values import parse_inject

@@ -7,8 +7,8 @@ pair that merges as W + scale · B @ A: the text decoder's, the vision tower's, 
 """
 from __future__ import annotations
 
-from refimpl.formats.mllama_checkpoint import expected_mllama_shapes, hub_name, transformers_name
-from refimpl.model.mllama_config import MllamaConfig
+from refimpl.formats.vision_checkpoint import expected_vision_shapes, hub_name, transformers_name
+from refimpl.model.vision_config import MllamaConfig
 
 TEXT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # the leaf names PEFT's "all-linear" expands to on Mllama (every nn.Linear but the output layer lm_head)
@@ -28,16 +28,16 @@ def module_of(param: str) -> str:
 
 def linear_params(cfg: MllamaConfig) -> dict[str, tuple[int, int]]:
     """Hub name -> [Dout, Din] of every weight a LoRA pair may adapt (the model's nn.Linear layers)."""
-    return {name: shape for name, shape in expected_mllama_shapes(cfg).items()
+    return {name: shape for name, shape in expected_vision_shapes(cfg).items()
             if name.endswith(".weight") and len(shape) == 2
             and name.removesuffix(".weight").rsplit(".", 1)[-1] in ALL_LINEAR_LEAVES + ("lm_head",)}
 
 
-def mllama_modules(cfg: MllamaConfig) -> list[str]:
+def vision_modules(cfg: MllamaConfig) -> list[str]:
     """Module names of MllamaForConditionalGeneration in transformers 5's scheme: every module holding a
     parameter and every container above one (what PEFT's target matching walks)."""
     names: dict[str, None] = {}
-    for param in expected_mllama_shapes(cfg):
+    for param in expected_vision_shapes(cfg):
         parts = transformers_name(param).split(".")[:-1]
         for n in range(1, len(parts) + 1):
             names[".".join(parts[:n])] = None
