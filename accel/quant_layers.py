@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refimpl.quant.formats import QuantizedLinear, QuantSpec
+from refimpl.quant.schemes import QuantizedLinear, QuantSpec
 
 from . import ops
 from .quant_ops import QuantTensor, cat_rows, chosen_prefill_path, from_quantized_linear, quantize

@@ -87,7 +87,7 @@ def load_weights(params: dict[str, np.ndarray], cfg: LlamaConfig, device, dtype:
                  quant=None) -> Weights:
     """float32 NumPy params keyed by HF names -> fused device tensors in `dtype`.
 
-    quant (a refimpl.quant.formats.QuantSpec), or params holding refimpl QuantizedLinear records: the linear
+    quant (a refimpl.quant.schemes.QuantSpec), or params holding refimpl QuantizedLinear records: the linear
     layers become accel.quant_ops.QuantTensors instead (accel.quant_layers)."""
     from . import quant_layers
     if quant is not None or quant_layers.is_quantized(params):

@@ -29,9 +29,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from accel.kernels.flash_attn_bwd import flash_attn_train_fwd
 from accel.kernels.decode_attn import MANY_ROWS_SPLIT, cross_decode_attention_fwd
 from accel.vision.encoder import FEW_ROWS, PaddingRows, self_attention
-from accel.vision.engine import MllamaAccelEngine
-from accel.vision.weights import random_mllama_weights
-from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
+from accel.vision.engine import VisionAccelEngine
+from accel.vision.weights import random_vision_weights
+from refimpl.formats.vision_checkpoint import expected_vision_shapes
 from refimpl.vision.encoder import padding_tokens
 from tools.bench.gpu import gemm_tflops
 from tools.bench.timing import cuda_profile, device_ms, median_ms
@@ -92,8 +92,8 @@ def attention_rows(tiles=(1, 1, 1, 1)) -> list[dict]:
 
 def encode_row(name: str, gemm: float, profile: int, cudnn_too: bool) -> dict:
     cfg = config(name)
-    weights = random_mllama_weights(cfg, "cuda", torch.bfloat16, expected_mllama_shapes(cfg))
-    engine = MllamaAccelEngine(cfg, weights, torch.device("cuda"), "bf16")
+    weights = random_vision_weights(cfg, "cuda", torch.bfloat16, expected_vision_shapes(cfg))
+    engine = VisionAccelEngine(cfg, weights, torch.device("cuda"), "bf16")
     _, images = image_inputs(cfg, 16, "cuda")
     sess = engine.session(16, engine.image_tokens(images))
     ms = median_ms(lambda: engine.encode_images(images, sess.cache), reps=7, warmup=2)

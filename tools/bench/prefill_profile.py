@@ -34,7 +34,7 @@ from accel.quant_layers import quantize_weights
 from accel.quant_ops import prefill_path
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
-from refimpl.quant.formats import QuantSpec
+from refimpl.quant.schemes import QuantSpec
 from tools.bench.gpu import profile_prefill, prompt_ids
 from tools.bench.timing import device_ms, median_ms, round_robin_ms
 

@@ -30,7 +30,7 @@ from accel.kernels.tuning import QGEMV, QGemvConfig
 from accel.ops.torch_ops import torch_rms_norm, torch_swiglu_gate_up
 from accel.quant_ops import QuantTensor, quantize
 from refimpl.model.config import PRESETS
-from refimpl.quant.formats import QuantSpec
+from refimpl.quant.schemes import QuantSpec
 from tools.bench.gemv_sweep import graph_us
 
 NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}

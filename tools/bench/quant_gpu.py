@@ -19,7 +19,7 @@ from accel.quant_layers import quantize_weights
 from accel.quant_ops import quant_norm_swiglu
 from accel.weights import random_weights
 from refimpl.model.config import LlamaConfig
-from refimpl.quant.formats import QuantSpec
+from refimpl.quant.schemes import QuantSpec
 from tools.bench.gemv_sweep import graph_us
 from tools.bench.gpu import decode_rate, prefill_call, prefill_gpu_ms
 from tools.bench.qgemv_sweep import MAX_REL_ERR, Case, shapes

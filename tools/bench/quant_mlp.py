@@ -21,7 +21,7 @@ from accel.kernels.qgemv import PdlMode
 from accel.kernels.tuning import QMlpConfig
 from accel.quant_ops import decode_pdl, mlp_chained
 from refimpl.model.config import PRESETS
-from refimpl.quant.formats import QuantSpec
+from refimpl.quant.schemes import QuantSpec
 from tools.bench.decode_variants import NAMES
 from tools.bench.quant_roles import (bench_args, bench_parser, bf16_rate, profile_within, quant_random_weights,
                                      rate_within)

@@ -33,7 +33,7 @@ from accel.quant_layers import quantize_weights
 from accel.quant_ops import prefill_path, quantize
 from accel.weights import random_weights
 from refimpl.model.config import PRESETS
-from refimpl.quant.formats import QuantSpec
+from refimpl.quant.schemes import QuantSpec
 from tools.bench.gpu import prefill_call, prefill_gpu_ms, prompt_ids
 from tools.bench.timing import device_ms, round_robin_ms
 

@@ -42,7 +42,7 @@ from accel.quant_ops import decode_pdl, swiglu_in_gate_up
 from accel.weights import random_weights
 from refimpl.errors import Llama32Error
 from refimpl.model.config import PRESETS
-from refimpl.quant.formats import QuantSpec
+from refimpl.quant.schemes import QuantSpec
 from tools.bench.decode_variants import NAMES, run_record
 from tools.bench.gpu import decode_rate, prompt_ids
 from tools.bench.qgemv_sweep import shapes
