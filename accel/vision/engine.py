@@ -25,7 +25,7 @@ from refimpl.vision.inputs import ImageInputs
 
 from .. import model as text_fast
 from .. import ops
-from ..engine import AccelEngine, Decoder, Session, check_fits, resolve_device, resolve_dtype
+from ..engine import AccelEngine, Decoder, DecodeSession, check_fits, resolve_device, resolve_dtype
 from ..kernels.tuning import DEFAULT, Tuning
 from ..weights import DTYPES
 from . import encoder
@@ -37,14 +37,12 @@ from .weights import VisionWeights, load_vision_weights
 class VisionAccelEngine(AccelEngine):
     def __init__(self, config: MllamaConfig, weights: VisionWeights, device: torch.device, dtype: str,
                  use_graph: bool | None = None, use_triton: bool | None = None, tuning: Tuning = DEFAULT):
-        self.config, self.weights, self.device, self.dtype_name = config, weights, device, dtype
-        self.dtype = DTYPES[dtype]
-        self.use_graph = device.type == "cuda" if use_graph is None else use_graph
-        self.triton = ops.triton_available(device) if use_triton is None else use_triton
-        self.tuning = tuning
-        self.params = weights.params
-        self._session: Session | None = None
+        super().__init__(config, weights, device, dtype, use_graph, use_triton, tuning)
         self._session_images = 0  # N of the session's image buffers (0: none)
+
+    def trace_params(self) -> dict:
+        """Trace mode's parameters: the checkpoint's names (VisionWeights keeps them)."""
+        return self.weights.params
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, device: str | None = None, dtype: str | None = None,
@@ -109,7 +107,7 @@ class VisionAccelEngine(AccelEngine):
         return 0 if images is None else images.num_images * self.config.vision.max_num_tiles * \
             self.config.vision.tokens_per_tile
 
-    def session(self, capacity: int, image_tokens: int = 0) -> Session:
+    def session(self, capacity: int, image_tokens: int = 0) -> DecodeSession:
         """A cache of at least `capacity` slots with exactly `image_tokens` image slots, and its decoder."""
         s = self._session
         if s is None or s.capacity < capacity or self._session_images != image_tokens:
@@ -122,7 +120,7 @@ class VisionAccelEngine(AccelEngine):
 
             def step_fn(token, position):
                 return vision_fast.decode_step(w, cfg, token, position, cache, tuning)
-            self._session = Session(cache, Decoder(self, cache, self.use_graph, step_fn))
+            self._session = DecodeSession(cache, Decoder(self, cache, self.use_graph, step_fn))
             self._session_images = image_tokens
         return self._session
 
@@ -136,7 +134,7 @@ class VisionAccelEngine(AccelEngine):
             vision_fast.write_image_kv(self.weights, self.config, encoder.project(self.params, features), cache)
         cache.cross_mask = images.cross_attention_mask
 
-    def prefill(self, prompt_ids, sess: Session, images: ImageInputs | None = None) -> torch.Tensor:
+    def prefill(self, prompt_ids, sess: DecodeSession, images: ImageInputs | None = None) -> torch.Tensor:
         """Encode the images (if any), then the prompt at positions 0..T-1 -> next-token logits [1, V]."""
         ids = torch.as_tensor(prompt_ids, dtype=torch.int64, device=self.device)
         cache = sess.cache
