@@ -24,7 +24,7 @@ from refimpl.formats.gguf_loader import load_gguf
 from refimpl.formats.hf_dir import assemble
 from refimpl.formats.vision_checkpoint import load_vision_checkpoint
 from refimpl.formats.params import Checkpoint, check_params, expected_shapes
-from refimpl.formats.quant_checkpoint import is_quantized_config, load_quantized_params
+from refimpl.formats.quant_checkpoint import declares_quantization, load_quantized_params
 from refimpl.formats.safe_open import check_path, open_regular, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
 from refimpl.formats.shards import read_headers, weight_files
@@ -71,7 +71,7 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
             raise ConfigError(f"{path / 'config.json'}: model_type is 'mllama' (Llama 3.2 Vision); expected a text "
                               "Llama model")
         return load_vision_checkpoint(path, with_tokenizer=with_tokenizer, config=config)
-    if is_quantized_config(config):
+    if declares_quantization(config):
         cfg, params, _ = load_quantized_params(path, config, str(path / "config.json"))
         return assemble(path, cfg, params, with_tokenizer)
     cfg = LlamaConfig.from_hf(config, source=str(path / "config.json"))

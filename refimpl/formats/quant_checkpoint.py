@@ -72,7 +72,8 @@ def save_quantized_weights(out_dir: str | Path, params: dict, dtype: str = "F32"
     return out
 
 
-def is_quantized_config(d: dict) -> bool:
+def declares_quantization(d: dict) -> bool:
+    """config.json's dict carries a quantization_config (a checkpoint `llama32 quantize` wrote, or another tool's)."""
     return d.get("quantization_config") is not None
 
 

@@ -49,14 +49,15 @@ def source_weight(params: dict, name: str) -> np.ndarray:
     return params[name] if name in params else params["model.embed_tokens.weight"]
 
 
-def is_quantized(params: dict) -> bool:
+def holds_quantized(params: dict) -> bool:
+    """Some parameter is a QuantizedLinear record (quantized at load, or a quantized checkpoint's)."""
     return any(isinstance(v, QuantizedLinear) for v in params.values())
 
 
 def refuse_quantized(params: dict, source, advice: str) -> None:
     """A checkpoint `llama32 quantize` wrote runs as stored: quantizing (or rotating) its dequantized values again
     would only add error."""
-    if is_quantized(params):
+    if holds_quantized(params):
         raise QuantError(f"{source}: already quantized (by `llama32 quantize`); {advice}")
 
 
