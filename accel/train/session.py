@@ -21,8 +21,12 @@ from refimpl.errors import CheckpointError
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.formats.lora import load_lora
-from refimpl.model.vision_config import is_mllama
+from refimpl.family import TEXT, VISION, family_of
 from refimpl.train.data import load_samples
+
+# what a run adapts and runs, per model family (refimpl.family): Llama 3.2 Vision's has image samples and LoRA on
+# the text decoder
+TRAINING = {TEXT.name: TextTraining, VISION.name: VisionTraining}
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,7 @@ class TrainSession:
         ckpt = load_checkpoint(model_path)
         if ckpt.tokenizer is None:
             raise CheckpointError(f"{model_path}: has no tokenizer; training data cannot be rendered")
-        if is_mllama(ckpt.config):  # Llama 3.2 Vision: image samples, LoRA on the text decoder
-            family = VisionTraining(ckpt, Path(model_path))
-        else:
-            family = TextTraining(ckpt, Path(model_path))
+        family = TRAINING[family_of(ckpt.config).name](ckpt, Path(model_path))
 
         def load(path):
             return load_samples(path, ckpt.tokenizer, s.max_length, warn, family.record_encoder(Path(path)))

@@ -46,7 +46,9 @@ class VisionAccelEngine(AccelEngine):
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, device: str | None = None, dtype: str | None = None,
-                        **options) -> "VisionAccelEngine":
+                        quant=None, **options) -> "VisionAccelEngine":
+        if quant is not None:
+            raise GenerationError("--quant runs on text models only for now; drop it for a Llama 3.2 Vision checkpoint")
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
         size = sum(a.size for a in ckpt.params.values()) * DTYPES[dtype].itemsize

@@ -20,7 +20,7 @@ from tools.engines import resolve_model
 
 
 def _targets(spec: str) -> tuple[str, ...]:
-    from refimpl.formats.lora import LLAMA_LINEARS
+    from refimpl.formats.lora_targets import LLAMA_LINEARS
     if spec == "all-linear":
         return LLAMA_LINEARS
     names = tuple(t.strip() for t in spec.split(",") if t.strip())
