@@ -10,7 +10,7 @@ from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 from refimpl.formats.safe_open import check_path
 from refimpl.family import family_of
-from refimpl.quant.apply import holds_quantized, refuse_requantizing
+from refimpl.quant.apply import is_quantized, refuse_requantizing
 
 BACKENDS = ("auto", "refimpl", "accel")
 
@@ -94,7 +94,7 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
         raise GenerationError("--quant needs a merged adapter: drop --lora-mode unmerged")
     ckpt = load_checkpoint(model_path, quant=spec if keep_blocks else None)
     refuse_requantizing(ckpt.params, spec, model_path)
-    if lora is not None and holds_quantized(ckpt.params):
+    if lora is not None and is_quantized(ckpt.params):
         raise GenerationError(f"{model_path}: --lora cannot be merged into quantized weights; quantize the merged "
                               f"model instead")
     if lora is not None:

@@ -49,7 +49,7 @@ def source_weight(params: dict, name: str) -> np.ndarray:
     return params[name] if name in params else params["model.embed_tokens.weight"]
 
 
-def holds_quantized(params: dict) -> bool:
+def is_quantized(params: dict) -> bool:
     """Some parameter is a QuantizedLinear record (quantized at load, or a quantized checkpoint's)."""
     return any(isinstance(v, QuantizedLinear) for v in params.values())
 
@@ -57,7 +57,7 @@ def holds_quantized(params: dict) -> bool:
 def refuse_quantized(params: dict, source, advice: str) -> None:
     """A checkpoint `llama32 quantize` wrote runs as stored: quantizing (or rotating) its dequantized values again
     would only add error."""
-    if holds_quantized(params):
+    if is_quantized(params):
         raise QuantError(f"{source}: already quantized (by `llama32 quantize`); {advice}")
 
 
