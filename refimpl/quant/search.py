@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refimpl.quant.schemes import (F32, QuantizedLinear, _groups, int4_codes, int4_linear, int8_codes,
-                                   round_bf16)
+from refimpl.quant.schemes import F32, QuantizedLinear, int4_codes, int4_groups, int4_linear, int8_codes, round_bf16
 
 RATIOS_INT8 = np.linspace(0.5, 1.0, 51)  # step 0.01: past 1/2 of max|w| clipping costs more than it saves
 DELTAS_INT4 = np.linspace(-1.0, 1.0, 21)  # llama.cpp's rmin = -1, rdelta = 0.1, nstep = 20
@@ -107,8 +106,8 @@ def search_int4_params(g: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.nda
 def quantize_int4_search(w: np.ndarray, group: int, a: np.ndarray | None = None) -> QuantizedLinear:
     w = np.asarray(w, F32)  # [N, K]
     N, K = w.shape
-    g = _groups(w, group)  # [N, ceil(K/G), G]
-    a_groups = _groups(_importance(a, K)[None, :], group)  # [1, ceil(K/G), G]; edge padding repeats the last
+    g = int4_groups(w, group)  # [N, ceil(K/G), G]
+    a_groups = int4_groups(_importance(a, K)[None, :], group)  # [1, ceil(K/G), G]; edge padding repeats the last
     pad = -K % group
     if pad:  # padded columns are copies: they must not count twice
         a_groups = a_groups.copy()
