@@ -222,11 +222,45 @@ def test_bad_requests_are_refused(pair, prompt, params, message):
 
 def test_bad_options_are_refused(pair):
     _, ckpt = pair
-    with pytest.raises(GenerationError, match="not implemented"):
-        BatchEngine.from_checkpoint(ckpt, device="cpu", batch_invariant=True)
     with pytest.raises(GenerationError, match="dense bf16/fp32 weights only"):
         BatchEngine.from_checkpoint(ckpt, device="cpu", quant="int8")
     with pytest.raises(GenerationError, match="gpu_memory"):
         BatchEngine.from_checkpoint(ckpt, device="cpu", gpu_memory=-1)
     with pytest.raises(GenerationError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_nonfinite_logits_name_the_request(pair):
+    _, ckpt = pair
+    eng = engine(ckpt)
+    eng.add_request([5, 6, 7], GREEDY, request_id="fine")
+    eng.add_request([8, 9], GREEDY, request_id="broken")
+    eng.step()
+    layer = eng.runner.w.layers[0]
+    layer.attn_norm = layer.attn_norm.clone()  # fp32 on CPU: the weights are views of the read-only checkpoint map
+    layer.attn_norm[0] = float("nan")  # every row's next step turns NaN: the first is named
+    with pytest.raises(GenerationError, match=r"request 'fine': the logits of generated token 1 hold NaN or Inf"):
+        eng.step()
+
+
+def test_graph_padded_decode_inputs_give_the_same_logits(pair):
+    """The inputs a CUDA graph replays (rows padded to a bucket, tables to a width, padding rows writing to the spare
+    slot and attending to nothing), run eagerly on CPU, give the unpadded step's logits."""
+    from accel.batch.graphs import DecodeGraphs
+    _, ckpt = pair
+    eng = engine(ckpt)
+    for p in prompts_mixed()[:3]:
+        eng.add_request(p, GREEDY)
+    eng.step()  # the prefills
+    batch = eng.scheduler.schedule()  # three decode rows
+    plain = eng.runner.prepare(batch)
+    eng.runner.graphs = DecodeGraphs(eng.runner)
+    padded = eng.runner.prepare(batch)
+    assert plain.graph_key is None and padded.graph_key == (4, 64) and padded.tables.shape == (4, 64)
+    assert padded.slots[3] == eng.runner.pad_slot and padded.lens[3] == 0
+    padded.sample_rows = torch.arange(4)  # as the graph is captured: every row's logits
+    with torch.inference_mode():
+        want = eng.runner.forward(plain)
+        got = eng.runner.forward(padded)
+    assert got.shape[0] == 4 and not torch.isnan(got).any()
+    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)

@@ -83,3 +83,16 @@ def test_fp32_gpu_ids_match_the_cpu_engine(ckpt):
     gpu, _ = run(BatchEngine.from_checkpoint(ckpt, dtype="fp32", gpu_memory=1 << 28), prompts(), PARAMS)
     cpu, _ = run(BatchEngine.from_checkpoint(ckpt, device="cpu"), prompts(), PARAMS)
     assert gpu == cpu
+
+
+def test_bf16_batch_invariant_mode_is_bitwise(ckpt):
+    """Not yet run on a GPU when written (CPU: tests/test_batch_invariant.py, torch ops and the interpreter)."""
+    target = prompts()[3]
+
+    def logits(batch, index, **kw):
+        _, rows = run(BatchEngine.from_checkpoint(ckpt, dtype="bf16", gpu_memory=1 << 28, batch_invariant=True,
+                                                  **kw), batch, PARAMS)
+        return torch.stack(rows[index])
+    alone = logits([target], 0)
+    assert torch.equal(alone, logits(prompts(), 3))
+    assert torch.equal(alone, logits(prompts(), 3, max_num_batched_tokens=100))

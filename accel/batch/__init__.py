@@ -4,6 +4,8 @@
     block_manager.py  the pool of KV blocks: tables, reference counts, prefix sharing
     scheduler.py      waiting/running queues: FCFS, chunked prefill, preemption by recompute
     runner.py         one step's flat token batch through the model over the paged cache
+    graphs.py         the decode-only step as CUDA graphs, per batch-size bucket and table width
+    lora.py           LoRA adapters per request, unmerged
     sampler.py        per-request sampling on the device, seeded draws independent of the batch
     engine.py         BatchEngine, the API
 """

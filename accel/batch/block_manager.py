@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from .sequence import Sequence
 
 
-def block_hash(prev: int | None, tokens: list[int]) -> int:
-    """The key of a full block: its token ids chained with the previous block's key (None for the first)."""
-    return hash((-1 if prev is None else prev, *tokens))
+def block_hash(prev: int | None, tokens: list[int], adapter: str | None = None) -> int:
+    """The key of a full block: its token ids chained with the previous block's key; the first block's chain starts
+    at the sequence's adapter (K/V depend on it: a LoRA on k/v_proj, or on any earlier layer)."""
+    return hash((("root", adapter) if prev is None else prev, *tokens))
 
 
 @dataclass
@@ -72,7 +73,7 @@ class BlockManager:
         bs, prev = self.block_size, None
         for i in range((len(seq) - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(prev, tokens)
+            h = block_hash(prev, tokens, seq.adapter)
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
                 break
@@ -83,13 +84,17 @@ class BlockManager:
         seq.num_computed = len(seq.block_table) * bs
         return seq.num_computed
 
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """How many more blocks seq needs to hold num_computed + num_tokens tokens."""
+        return -(-(seq.num_computed + num_tokens) // self.block_size) - len(seq.block_table)
+
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the pool has the blocks for seq to hold num_computed + num_tokens tokens."""
-        return self.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table) <= self.num_free
+        return self.blocks_needed(seq, num_tokens) <= len(self.free_ids)
 
     def may_append(self, seq: Sequence, num_tokens: int) -> None:
         """Give seq the blocks it needs to hold num_computed + num_tokens tokens (can_append must hold)."""
-        need = self.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
+        need = self.blocks_needed(seq, num_tokens)
         assert need <= self.num_free, "may_append without can_append"
         for _ in range(need):
             seq.block_table.append(self._take_free())
@@ -97,9 +102,12 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """After a step computed seq's tokens up to num_computed: register the blocks that became full."""
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+        full = seq.num_computed // bs
+        if full <= len(seq.block_hashes):  # most steps: no block filled up
+            return
+        for i in range(len(seq.block_hashes), full):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens, seq.adapter)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:

@@ -71,10 +71,11 @@ class BatchEngine:
     def __init__(self, config: LlamaConfig, weights: Weights, device: torch.device, dtype: str, stop_ids=(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
                  block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, batch_invariant: bool = False):
         """num_blocks: the pool's size, overriding gpu_memory (tests force a tiny pool); use_triton: the Triton
         kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter); cuda_graphs:
-        decode-only steps replay CUDA graphs (default: on CUDA)."""
+        decode-only steps replay CUDA graphs (default: on CUDA); batch_invariant: each request's tokens and logits
+        the same bits whatever else shares its steps (accel/batch/runner.py; slower)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value!r}")
@@ -92,10 +93,10 @@ class BatchEngine:
         triton = device.type == "cuda" if use_triton is None else use_triton
         if triton and not ops.triton_available(device):
             raise GenerationError(f"use_triton: Triton kernels cannot run on {device} here")
-        graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        graphs = device.type == "cuda" and (triton or not batch_invariant) if cuda_graphs is None else cuda_graphs
         if graphs and device.type != "cuda":
             raise GenerationError(f"cuda_graphs: CUDA graphs need a CUDA device, not {device}")
-        self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton, graphs)
+        self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton, graphs, batch_invariant)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -111,33 +112,39 @@ class BatchEngine:
                         **options) -> "BatchEngine":
         """ckpt: a refimpl Checkpoint (refimpl.formats.checkpoint.load_checkpoint). Dense weights only, text models
         only. options: BatchEngine's num_blocks, use_triton, cuda_graphs."""
-        from refimpl.model.mllama_config import is_mllama
+        from refimpl.family import family_of
         from refimpl.quant.apply import is_quantized
         if quant is not None or is_quantized(ckpt.params):
             raise GenerationError(f"{ckpt.path}: the batch engine runs dense bf16/fp32 weights only; drop --quant "
                                   f"(or use an unquantized checkpoint)")
-        if is_mllama(ckpt.config):
+        if family_of(ckpt.config).takes_images:
             raise GenerationError(f"{ckpt.path}: the batch engine runs text models only for now (this is a Llama "
                                   f"3.2 Vision checkpoint)")
-        if batch_invariant:
-            raise GenerationError("batch_invariant: the batch-invariant mode is not implemented yet")
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
         weights = load_weights(ckpt.params, ckpt.config, dev, DTYPES[dtype])
         return cls(ckpt.config, weights, dev, dtype, ckpt.stop_ids, max_num_seqs, max_num_batched_tokens, gpu_memory,
-                   block_size, **options)
+                   block_size, batch_invariant=batch_invariant, **options)
 
     # ---- requests ----
+    def add_adapter(self, name: str, adapter: list) -> None:
+        """A LoRA adapter requests can name (add_request's `adapter`), applied unmerged: adapter is
+        refimpl.formats.lora.load_lora's list of (param name, A [R, Din], B [Dout, R], scale)."""
+        self.runner.lora.add(str(name), adapter)
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, adapter: str | None = None) -> str:
+        """adapter: the name of a LoRA adapter given to add_adapter, None: the base model."""
         params = SamplingParams() if params is None else params
         rid = self._fresh_id() if request_id is None else str(request_id)
         if rid in self.seqs:
             raise GenerationError(f"request {rid!r}: a request with this id is already in the engine")
+        if adapter is not None and adapter not in self.runner.lora:
+            raise GenerationError(f"request {rid!r}: no adapter named {adapter!r} is loaded (add_adapter first)")
         prompt = self._check_prompt(rid, prompt_ids, params)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids)
         seed = secrets.randbits(63) if params.seed is None else params.seed
-        seq = Sequence(rid, prompt, params, seed, stop, next(self._arrivals))
+        seq = Sequence(rid, prompt, params, seed, stop, next(self._arrivals), adapter)
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         self._prompt_tokens += len(prompt)
@@ -195,7 +202,7 @@ class BatchEngine:
             return outputs
         inp = self.runner.prepare(batch)
         logits = self.runner.run(inp)
-        tokens = sample(logits, [s.seq for s in inp.sampled]).tolist() if inp.sampled else []
+        tokens = self._sample(logits, inp.sampled) if inp.sampled else []
         if self.record_logits:
             self.last_logits = {s.seq.request_id: logits[r] for r, s in enumerate(inp.sampled)}
         for s in batch:
@@ -212,19 +219,33 @@ class BatchEngine:
                 outputs.append(s.seq.output())
         return outputs
 
+    def _sample(self, logits: torch.Tensor, sampled) -> list[int]:
+        """The sampled rows' tokens, read back in one copy with a finite-logits flag per row; a row of NaN or Inf
+        logits is an error naming its request (bf16 overflow stays in its own row: rows never mix)."""
+        tokens = sample(logits, [s.seq for s in sampled])  # [R]
+        finite = torch.isfinite(logits).all(dim=-1).to(torch.int64)  # [R]
+        tokens, finite = torch.stack([tokens, finite]).tolist()
+        bad = next((s.seq for s, ok in zip(sampled, finite) if not ok), None)
+        if bad is not None:
+            raise GenerationError(f"request {bad.request_id!r}: the logits of generated token {bad.num_generated} "
+                                  f"hold NaN or Inf (the weights overflow in {self.dtype_name}?)")
+        return tokens
+
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         out = seq.output()
         del self.seqs[seq.request_id]
         return out
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 adapters: list[str | None] | None = None) -> list[RequestOutput]:
         """Run the prompts to completion (with whatever else is in the engine) -> their final outputs, in input
-        order; each output's new_token_ids holds all its generated tokens."""
+        order; each output's new_token_ids holds all its generated tokens. adapters: one per prompt (or None)."""
         params = [params] * len(prompts) if not isinstance(params, list) else params
-        if len(params) != len(prompts):
-            raise GenerationError(f"generate: {len(prompts)} prompts but {len(params)} sampling parameters")
-        ids = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        adapters = [None] * len(prompts) if adapters is None else adapters
+        if len(params) != len(prompts) or len(adapters) != len(prompts):
+            raise GenerationError(f"generate: {len(prompts)} prompts but {len(params)} sampling parameters and "
+                                  f"{len(adapters)} adapters")
+        ids = [self.add_request(p, s, adapter=a) for p, s, a in zip(prompts, params, adapters)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids) and self.has_unfinished():
             for out in self.step():
@@ -237,4 +258,5 @@ class BatchEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_used": self.blocks.num_used, "blocks_free": self.blocks.num_free,
                 "num_preemptions": self.scheduler.num_preemptions, "prompt_tokens": self._prompt_tokens,
-                "generation_tokens": self._generation_tokens, "prefix_cached_tokens": self.scheduler.prefix_cached_tokens}
+                "generation_tokens": self._generation_tokens,
+                "prefix_cached_tokens": self.scheduler.prefix_cached_tokens}

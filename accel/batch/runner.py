@@ -13,6 +13,11 @@ last token).
 The gather for prefill chunks copies a sequence's K/V once per layer and chunk (n·K·E elements, small beside the
 chunk's GEMMs), and reuses the tested flash attention as it is.
 
+The batch-invariant mode gives each row the same bits whatever shares its step: the linear layers run one tiling for
+every row count (accel/kernels/matmul.py), and every row, prefill rows too, attends through the paged kernel with its
+own table and length, its splits combined in order (no path or reduction order that depends on the batch, the
+chunking or the tables' width); the norms, RoPE and SwiGLU are per-row already.
+
 A step of decode rows only (every sequence fed its one next token) replays a CUDA graph instead (graphs.py): its
 inputs padded to a batch-size bucket and a table width, the padding rows writing their k/v to a slot of a spare block
 past the pool (`pad_slot`) and attending to nothing.
@@ -28,10 +33,11 @@ from refimpl.model import ops as np_ops
 from refimpl.model.config import LlamaConfig
 
 from .. import ops
-from ..ops.paged import paged_decode_attention
+from ..ops.paged import invariant_linear, paged_decode_attention
 from ..weights import Weights
 from .block_manager import BlockManager
 from .graphs import DecodeGraphs
+from .lora import AdapterSet
 from .scheduler import Scheduled
 
 
@@ -47,15 +53,18 @@ class StepInputs:
     sample_rows: torch.Tensor  # [R] int64: rows whose logits give a token
     sampled: list[Scheduled]  # the sequences of those rows, in order
     graph_key: tuple[int, int] | None = None  # (rows, table width) of the CUDA graph that runs it, padded to those
+    adapters: list[tuple[str, torch.Tensor]] = ()  # (LoRA adapter, its rows [n] int64), rows of no adapter left out
 
 
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, weights: Weights, device: torch.device, dtype: torch.dtype,
-                 blocks: BlockManager, use_triton: bool, cuda_graphs: bool):
+                 blocks: BlockManager, use_triton: bool, cuda_graphs: bool, invariant: bool = False):
+        """invariant: the batch-invariant mode (module docstring)."""
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.use_triton = use_triton
+        self.invariant = invariant
         self.pad_slot = len(blocks.blocks) * self.block_size  # the first slot of a spare block, past the pool's
         slots = self.pad_slot + self.block_size
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, slots, cfg.head_dim)  # [L, K, S, E]
@@ -66,6 +75,7 @@ class ModelRunner:
         self.cos, self.sin = torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
         self.max_width = -(-cfg.max_position_embeddings // self.block_size)  # blocks of the longest sequence
         self.graphs = DecodeGraphs(self) if cuda_graphs else None
+        self.lora = AdapterSet(cfg, device)
 
     @staticmethod
     def kv_bytes_per_block(cfg: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -73,40 +83,94 @@ class ModelRunner:
 
     # ---- inputs ----
     def prepare(self, batch: list[Scheduled]) -> StepInputs:
+        """The step's inputs, built in NumPy (torch.tensor over nested lists costs about a microsecond an element)."""
         decode = [s for s in batch if s.num_tokens == 1]
         prefill = [s for s in batch if s.num_tokens > 1]
-        ids, positions, slots, sample_rows, sampled, chunks = [], [], [], [], [], []
-        for s in decode + prefill:
-            seq, start = s.seq, s.seq.num_computed
-            first = len(ids)
-            span = range(start, start + s.num_tokens)
-            ids += seq.token_ids[start:start + s.num_tokens]
-            positions += span
-            slots += [self.blocks.slot(seq, p) for p in span]
-            if s.num_tokens > 1:
-                chunks.append((first, s.num_tokens, [self.blocks.slot(seq, p) for p in range(span.stop)]))
-            if s.samples:
-                sample_rows.append(len(ids) - 1)
-                sampled.append(s)
         width = max((len(s.seq.block_table) for s in decode), default=1)
-        lens = [s.seq.num_computed + 1 for s in decode]
-        key = self.graphs.key(len(decode), width) if self.graphs and not prefill and len(sampled) == len(decode) \
-            else None
-        rows = len(decode)
-        if key is not None:  # padding rows: token 0 at position 0 into the spare slot, length 0
-            rows, width = key
-            pad = rows - len(decode)
-            ids, positions, slots, lens = ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, \
-                lens + [0] * pad
-        tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decode]
-        tables += [[0] * width] * (rows - len(decode))
+        graphable = self.graphs and not prefill and all(s.samples for s in decode) \
+            and all(s.seq.adapter is None for s in decode)  # the graphs hold no adapter
+        key = self.graphs.key(len(decode), width) if graphable else None
+        rows, width = key if key is not None else (len(decode), width)
+        T = rows + sum(s.num_tokens for s in prefill)
+        ids = np.zeros(T, np.int64)  # padding rows: token 0 at position 0 into the spare slot, length 0
+        positions = np.zeros(T, np.int64)
+        slots = np.full(T, self.pad_slot, np.int64)
+        tables, lens = self._decode_rows(decode, rows, width, ids, positions, slots)
+        chunks = self._prefill_rows(prefill, rows, ids, positions, slots)
+        sampled = [s for s in decode if s.samples] + [s for s in prefill if s.samples]
+        sample_rows = [i for i, s in enumerate(decode) if s.samples] + [f + n - 1 for (f, n, _), s in
+                                                                       zip(chunks, prefill) if s.samples]
+        adapters = self._adapter_rows(decode, prefill, chunks)
+        num_paged = rows
+        if self.invariant and prefill:  # every row through the paged kernel, each with its own table and length
+            tables, lens = self._rows_tables(tables, lens, prefill, T)
+            num_paged, chunks = T, []
         dev = self.device if key is None else "cpu"  # graph inputs are copied into the graph's own buffers
 
-        def t(x, dtype=torch.int64):
-            return torch.tensor(x, dtype=dtype, device=dev)
-        return StepInputs(t(ids), t(positions), t(slots), rows, t(tables, torch.int32).reshape(rows, width),
-                          t(lens, torch.int32), [(first, n, t(sl)) for first, n, sl in chunks], t(sample_rows),
-                          sampled, key)
+        def t(x):
+            return torch.from_numpy(np.asarray(x)).to(dev)
+        return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
+                          [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
+                          [(name, t(np.asarray(r, np.int64))) for name, r in adapters.items()])
+
+    def _decode_rows(self, decode: list[Scheduled], rows: int, width: int, ids, positions, slots):
+        """Rows 0.. of the decode sequences: their token, position and slot -> (tables [rows, width], lens [rows])."""
+        tables = np.zeros((rows, width), np.int32)
+        lens = np.zeros(rows, np.int32)
+        bs = self.block_size
+        for i, s in enumerate(decode):
+            seq, p = s.seq, s.seq.num_computed
+            table = seq.block_table
+            ids[i], positions[i], lens[i] = seq.token_ids[p], p, p + 1
+            slots[i] = table[p // bs] * bs + p % bs
+            tables[i, :len(table)] = table
+        return tables, lens
+
+    def _prefill_rows(self, prefill: list[Scheduled], first: int, ids, positions, slots) -> list:
+        """The prefill chunks' rows from `first` on -> [(first row, rows, slots of positions 0..last)] per chunk."""
+        chunks = []
+        for s in prefill:
+            seq, start, n = s.seq, s.seq.num_computed, s.num_tokens
+            seq_slots = self._slots(seq.block_table, start + n)  # positions 0..start+n-1
+            ids[first:first + n] = seq.token_ids[start:start + n]
+            positions[first:first + n] = np.arange(start, start + n)
+            slots[first:first + n] = seq_slots[start:]
+            chunks.append((first, n, seq_slots))
+            first += n
+        return chunks
+
+    @staticmethod
+    def _adapter_rows(decode: list[Scheduled], prefill: list[Scheduled], chunks) -> dict[str, list[int]]:
+        """LoRA adapter -> the rows of its sequences (rows of the base model left out)."""
+        out: dict[str, list[int]] = {}
+        for i, s in enumerate(decode):
+            if s.seq.adapter is not None:
+                out.setdefault(s.seq.adapter, []).append(i)
+        for (first, n, _), s in zip(chunks, prefill):
+            if s.seq.adapter is not None:
+                out.setdefault(s.seq.adapter, []).extend(range(first, first + n))
+        return out
+
+    def _rows_tables(self, tables, lens, prefill: list[Scheduled], T: int):
+        """The decode rows' tables and lengths extended by one row per prefill token (its sequence's table, its
+        position + 1) -> tables [T, W], lens [T]."""
+        width = max([tables.shape[1]] + [len(s.seq.block_table) for s in prefill])
+        all_tables = np.zeros((T, width), np.int32)
+        all_tables[:tables.shape[0], :tables.shape[1]] = tables
+        all_lens = np.zeros(T, np.int32)
+        all_lens[:len(lens)] = lens
+        first = tables.shape[0]
+        for s in prefill:
+            start, n, table = s.seq.num_computed, s.num_tokens, s.seq.block_table
+            all_tables[first:first + n, :len(table)] = table
+            all_lens[first:first + n] = np.arange(start + 1, start + n + 1)
+            first += n
+        return all_tables, all_lens
+
+    def _slots(self, table: list[int], n: int) -> np.ndarray:
+        """Slots of positions 0..n-1 of a sequence with this block table -> [n] int64."""
+        blocks = np.asarray(table, np.int64)[:, None] * self.block_size  # [W, 1]
+        return (blocks + np.arange(self.block_size)).reshape(-1)[:n]  # [W, bs] -> [n]
 
     # ---- the forward ----
     def run(self, inp: StepInputs) -> torch.Tensor:
@@ -129,18 +193,26 @@ class ModelRunner:
         last = len(w.layers) - 1
         for i, lw in enumerate(w.layers):
             a = self._attention(lw, h, cos, sin, i, inp)  # [T, H·E]
-            x, h = ops.add_rms_norm(ops.linear(a, lw.o), x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
-            act = ops.swiglu_gate_up(ops.linear(h, lw.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
+            x, h = ops.add_rms_norm(self._linear(a, lw.o, i, "o", inp), x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
+            act = ops.swiglu_gate_up(self._linear(h, lw.gate_up, i, "gate_up", inp))  # [T, D] -> [T, 2F] -> [T, F]
             next_norm = w.layers[i + 1].attn_norm if i < last else w.norm
-            x, h = ops.add_rms_norm(ops.linear(act, lw.down), x, next_norm, eps)  # resid_post, next norm
-        return ops.linear(h[inp.sample_rows], w.lm_head)  # [R, D] -> [R, V]
+            x, h = ops.add_rms_norm(self._linear(act, lw.down, i, "down", inp), x, next_norm, eps)  # resid_post
+        return self._dense(h[inp.sample_rows], w.lm_head)  # [R, D] -> [R, V]
+
+    def _dense(self, x, weight) -> torch.Tensor:
+        return invariant_linear(x, weight) if self.invariant else ops.linear(x, weight)  # [T, Din] -> [T, Dout]
+
+    def _linear(self, x, weight, layer: int, fused: str, inp: StepInputs) -> torch.Tensor:
+        """x [T, Din]·Wᵀ over the whole batch, plus each LoRA adapter's delta on its own rows."""
+        y = self._dense(x, weight)
+        return self.lora.apply(y, x, layer, fused, inp.adapters) if inp.adapters else y
 
     def _attention(self, lw, h, cos, sin, layer: int, inp: StepInputs) -> torch.Tensor:
         cfg = self.cfg
         T = h.shape[0]
         H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cache_k, cache_v = self.k_cache[layer], self.v_cache[layer]  # [K, S, E]
-        qkv = ops.linear(h, lw.qkv)  # [T, D] -> [T, (H+2K)·E]
+        qkv = self._linear(h, lw.qkv, layer, "qkv", inp)  # [T, D] -> [T, (H+2K)·E]
         q = qkv[:, : H * E].view(T, H, E)
         k = qkv[:, H * E: (H + K) * E].view(T, K, E)
         v = qkv[:, (H + K) * E:].view(T, K, E)
@@ -148,7 +220,8 @@ class ModelRunner:
         a = torch.empty_like(q_rot)  # [T, H, E]
         D = inp.num_decode
         if D:
-            a[:D] = paged_decode_attention(q_rot[:D], cache_k, cache_v, inp.tables, inp.lens, self.block_size)
+            a[:D] = paged_decode_attention(q_rot[:D], cache_k, cache_v, inp.tables, inp.lens, self.block_size,
+                                           self.invariant)
         for first, n, slots in inp.prefills:
             k_seq, v_seq = cache_k[:, slots], cache_v[:, slots]  # [K, S, E] -> [K, ctx, E]: positions 0..ctx-1
             a[first:first + n] = ops.causal_attention(q_rot[first:first + n], k_seq, v_seq,

@@ -52,6 +52,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
+            if self.blocks.blocks_needed(seq, n) <= 0:  # most decode steps: the last block has room
+                out.append(Scheduled(seq, n))
+                budget -= n
+                i += 1
+                continue
             while not self.blocks.can_append(seq, n) and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
                 preempted = True

@@ -5,7 +5,8 @@
                     chunk, or the one token of a decode step: the same thing at different lengths)
     block_table     logical block i -> physical block of the pool; position p lives at slot
                     `block_table[p // block_size] * block_size + p % block_size`
-    block_hashes    chained hash of each full block whose K/V are computed (prefix sharing, block_manager.py)
+    block_hashes    chained hash of each full block whose K/V are computed (prefix sharing, block_manager.py),
+                    rooted at the adapter's name: the same tokens under another adapter have other K/V
 Preemption by recompute keeps token_ids and drops the rest (num_computed 0, no blocks): the request is prefilled
 again over prompt + generated tokens and goes on where it stopped.
 """
@@ -63,7 +64,7 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
-                 stop_ids: frozenset[int], arrival: int):
+                 stop_ids: frozenset[int], arrival: int, adapter: str | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
@@ -71,6 +72,7 @@ class Sequence:
         self.seed = seed  # the sampler's key: draws depend on (seed, len(output_ids)) only
         self.stop_ids = stop_ids
         self.arrival = arrival  # FCFS order
+        self.adapter = adapter  # the LoRA adapter it runs with (accel.batch.lora), None: the base model
         self.status = Status.WAITING
         self.num_computed = 0
         self.block_table: list[int] = []

@@ -26,8 +26,8 @@ from .flash_attn import LOG2E, dot_precision
 
 @triton.jit
 def _paged_split_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, sq_b, sq_h, sk_k, sk_s, sv_k, sv_s, st_b, E, G, H,
-                        block_size, split_len, n_splits, qk_scale, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        split_len, n_splits, qk_scale, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,8 +50,8 @@ def _paged_split_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, sq_b, sq_h, sk_k, sk
     for n0 in range(start, end, BLOCK_N):  # empty past the sequence's length
         pos = n0 + offs_n
         ok = pos < end
-        block = tl.load(TABLES + b * st_b + pos // block_size, mask=ok, other=0)
-        slot = block.to(tl.int64) * block_size + pos % block_size  # [N]
+        block = tl.load(TABLES + b * st_b + pos // BLOCK_SIZE, mask=ok, other=0)  # constexpr: shifts, not divides
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
         kv_ok = ok[:, None] & e_ok[None, :]
         k = tl.load(CK + slot[:, None] * sk_s + offs_e[None, :], mask=kv_ok, other=0.0)  # [N, E]
         v = tl.load(CV + slot[:, None] * sv_s + offs_e[None, :], mask=kv_ok, other=0.0)
@@ -70,7 +70,10 @@ def _paged_split_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, sq_b, sq_h, sk_k, sk
 
 
 @triton.jit
-def _paged_combine_kernel(ACC, M, L, O, so_b, so_h, H, E, n_splits, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+def _paged_combine_kernel(ACC, M, L, O, so_b, so_h, H, E, n_splits, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+                          SEQUENTIAL: tl.constexpr):
+    """SEQUENTIAL: the splits summed one after another (the same bits whatever the grid's width: splits past a
+    sequence's length add exact zeros at the end), instead of tl.sum's tree, whose shape follows the split count."""
     bh = tl.program_id(0)  # b·H + h
     b = bh // H
     h = bh % H
@@ -82,11 +85,21 @@ def _paged_combine_kernel(ACC, M, L, O, so_b, so_h, H, E, n_splits, BLOCK_S: tl.
     l = tl.load(L + bh * n_splits + offs_s, mask=s_ok, other=0.0)
     acc = tl.load(ACC + (bh * n_splits + offs_s)[:, None] * E + offs_e[None, :], mask=s_ok[:, None] & e_ok[None, :],
                   other=0.0)  # [splits, E]
-    m_max = tl.max(m, axis=0)
+    m_max = tl.max(m, axis=0)  # exact in any order
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a length-0 row: every weight 0, not NaN
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l, axis=0)
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    if SEQUENTIAL:
+        denom = tl.zeros([1], tl.float32)
+        num = tl.zeros([1, BLOCK_E], tl.float32)
+        for s in range(0, n_splits):
+            w_s = tl.exp2(tl.load(M + bh * n_splits + s + tl.zeros([1], tl.int32)) - m_max)  # [1]
+            denom += w_s * tl.load(L + bh * n_splits + s + tl.zeros([1], tl.int32))
+            num += w_s[:, None] * tl.load(ACC + (bh * n_splits + s) * E + offs_e[None, :], mask=e_ok[None, :],
+                                          other=0.0)
+        out = tl.sum(num, axis=0) / tl.sum(tl.where(denom == 0.0, 1.0, denom), axis=0)  # sums of one element
+    else:
+        w = tl.exp2(m - m_max)
+        denom = tl.sum(w * l, axis=0)
+        out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(O + b * so_b + h * so_h + offs_e, out.to(O.dtype.element_ty), mask=e_ok)
 
 
@@ -97,16 +110,21 @@ def default_split_len(on_gpu: bool) -> int:
 
 def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, tables: torch.Tensor,
                                lens: torch.Tensor, block_size: int, split_len: int | None = None,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, config: dict | None = None,
+                               invariant: bool = False) -> torch.Tensor:
     """q [B, H, E] (rotated; head rows contiguous), cache_k/cache_v [K, S, E], tables [B, W] int32 (physical block
-    ids; entries past a sequence's length are never read), lens [B] int32 -> out [B, H, E] in q's dtype."""
+    ids; entries past a sequence's length are never read), lens [B] int32 -> out [B, H, E] in q's dtype.
+    config overrides BLOCK_N, num_warps, num_stages (tuning sweeps: tools.bench.batch_decode). invariant: the
+    splits combined in order (the batch-invariant mode: the same bits whatever the tables' width)."""
     B, H, E = q.shape
     NK = cache_k.shape[0]
     assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
     assert tables.shape[0] == B and lens.shape == (B,) and tables.stride(1) == 1
     on_gpu = q.is_cuda
     split_len = default_split_len(on_gpu) if split_len is None else split_len
-    block_n = min(64 if on_gpu else 16, split_len)
+    # GPU: 64-key tiles, 2 warps, 2 stages: the fastest of tools.bench.batch_decode's sweep (1B shape, B 64-256)
+    cfg = {"BLOCK_N": 64 if on_gpu else 16, "num_warps": 2 if on_gpu else 4, "num_stages": 2, **(config or {})}
+    block_n = min(cfg.pop("BLOCK_N"), split_len)
     assert split_len % block_n == 0 and block_n >= 16, "split_len must be a multiple of 16"
     n_splits = max(1, triton.cdiv(tables.shape[1] * block_size, split_len))
     G = H // NK
@@ -117,9 +135,10 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
     block_e = max(16, triton.next_power_of_2(E))
     _paged_split_kernel[(B, NK, n_splits)](
         q, cache_k, cache_v, tables, lens, acc, m, l, q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1),
-        cache_v.stride(0), cache_v.stride(1), tables.stride(0), E, G, H, block_size, split_len, n_splits,
-        LOG2E / math.sqrt(E), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_E=block_e,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2)
+        cache_v.stride(0), cache_v.stride(1), tables.stride(0), E, G, H, split_len, n_splits, LOG2E / math.sqrt(E),
+        BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_E=block_e,
+        DOT_PRECISION=dot_precision(q.dtype), **cfg)
     _paged_combine_kernel[(B * H,)](acc, m, l, out, out.stride(0), out.stride(1), H, E, n_splits,
-                                    BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_E=block_e, num_warps=4)
+                                    BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_E=block_e, SEQUENTIAL=invariant,
+                                    num_warps=4)
     return out

@@ -1,21 +1,37 @@
-"""The paged KV cache's ops (accel.batch): the Triton kernel of accel/kernels/paged_attn.py or its torch version,
-picked by accel/ops/dispatch.py."""
+"""The batch engine's ops (accel.batch), each a Triton kernel or its torch version, picked by accel/ops/dispatch.py:
+the paged decode attention (accel/kernels/paged_attn.py) and the batch-invariant linear (accel/kernels/matmul.py).
+With `invariant`, the torch versions run one row at a time: every row then takes the same path whatever the batch."""
 from __future__ import annotations
 
 import math
 
 import torch
 
+import torch.nn.functional as F
+
+from ..kernels.matmul import invariant_matmul_fwd
 from ..kernels.paged_attn import paged_decode_attention_fwd
 from .dispatch import rows, uses_triton
 
 
-def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int):
+def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int, invariant: bool = False):
     """q [B, H, E] (one new token per sequence), cache_k/cache_v [K, S, E] slot pools, tables [B, W] int32 block
     tables, lens [B] int32 (sequence b sees its positions 0..lens[b]-1) -> [B, H, E] in q's dtype."""
     if uses_triton(q):
-        return paged_decode_attention_fwd(rows(q), cache_k, cache_v, tables, lens, block_size)
+        return paged_decode_attention_fwd(rows(q), cache_k, cache_v, tables, lens, block_size, invariant=invariant)
+    if invariant:  # each row over exactly its own blocks (eager: the lengths come to the host)
+        return torch.cat([torch_paged_decode_attention(q[b:b + 1], cache_k, cache_v,
+                                                       tables[b:b + 1, :max(1, -(-int(n) // block_size))],
+                                                       lens[b:b + 1], block_size) for b, n in enumerate(lens.tolist())])
     return torch_paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size)
+
+
+def invariant_linear(x, weight):
+    """x [T, Din] @ weight [Dout, Din]ᵀ -> [T, Dout], each row's bits independent of T (one tiling for every T; the
+    torch version: one row at a time)."""
+    if uses_triton(x):
+        return invariant_matmul_fwd(rows(x), rows(weight))
+    return torch.cat([F.linear(x[t:t + 1], weight) for t in range(x.shape[0])] + [x.new_empty(0, weight.shape[0])])
 
 
 def torch_paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int):

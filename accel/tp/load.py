@@ -17,12 +17,14 @@ import numpy as np
 import torch
 
 from refimpl.errors import CheckpointError
-from refimpl.formats.checkpoint import assemble
-from refimpl.formats.jsonfile import read_config_json
-from refimpl.formats.params import Checkpoint, check_params
+from refimpl.family import family_of_config_json
 from refimpl.formats.gguf_check import validate_gguf
 from refimpl.formats.gguf_loader import (ROPE_FREQS, Metadata, build_tokenizer, config_from_gguf, dequantize,
                                          file_tensors, hf_name, numpy_shape, stop_ids_from, unpermute_rows)
+from refimpl.formats.hf_dir import assemble
+from refimpl.formats.jsonfile import read_config_json
+from refimpl.formats.params import Checkpoint, check_params
+from refimpl.formats.quant_checkpoint import declares_quantization
 from refimpl.formats.safe_open import open_regular, stat_path
 from refimpl.formats.shards import read_headers
 from refimpl.model.config import LlamaConfig
@@ -42,9 +44,9 @@ def open_text_checkpoint(path: Path, with_tokenizer: bool = True, world: int = 1
     if is_gguf(path):
         return GGUFSlices(path).checkpoint(with_tokenizer, world)
     config = read_config_json(path / "config.json")
-    if "quantization_config" in config:
+    if declares_quantization(config):
         raise CheckpointError(f"{path}: --tp > 1 runs float checkpoints only for now; this one is quantized")
-    if config.get("model_type") == "mllama":
+    if family_of_config_json(config).name != "text":
         raise CheckpointError(f"{path}: --tp > 1 runs text models only for now; this is a Llama 3.2 Vision model")
     cfg = LlamaConfig.from_hf(config, source=str(path / "config.json"))
     check_divisible(cfg, world)

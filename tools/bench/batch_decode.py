@@ -39,7 +39,19 @@ def decode_tok_s(cfg, weights, B: int, context: int, steps: int, graphs: bool, b
     torch.cuda.synchronize()  # step() reads tokens back each step: the loop is already synchronous
     tok_s = B * steps / (time.perf_counter() - t)
     graph = next(iter(eng.runner.graphs.graphs.values())).graph if graphs else None
+    if graph is not None and B == 64:
+        print_kernels(graph.replay)
     return tok_s, (median_ms(graph.replay, reps=20) if graph else None)  # the last step's inputs again: harmless
+
+
+def print_kernels(fn, reps: int = 5) -> None:
+    """The device time of fn's kernels by name (torch.profiler), most first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
 def copy_gb_s() -> float:
@@ -55,17 +67,17 @@ def step_bytes(cfg, weights, B: int, context: int) -> int:
     return weights.nbytes() + kv
 
 
-def kernel_us(block_size: int, B: int, context: int, H=32, K=8, E=64) -> float:
+def kernel_us(block_size: int, B: int, context: int, H=32, K=8, E=64, config=None) -> float:
     width = -(-context // block_size)
     q = torch.randn(B, H, E, device="cuda", dtype=torch.bfloat16)
     pool = torch.randn(K, B * width * block_size, E, device="cuda", dtype=torch.bfloat16)
     tables = torch.randperm(B * width, device="cuda").view(B, width).to(torch.int32)
     lens = torch.full((B,), context, device="cuda", dtype=torch.int32)
     for _ in range(2):
-        paged_decode_attention_fwd(q, pool, pool, tables, lens, block_size)  # compile outside the capture
+        paged_decode_attention_fwd(q, pool, pool, tables, lens, block_size, config=config)  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # the kernels' own time, not the host's launches
-        paged_decode_attention_fwd(q, pool, pool, tables, lens, block_size)
+        paged_decode_attention_fwd(q, pool, pool, tables, lens, block_size, config=config)
     return 1e3 * median_ms(graph.replay, reps=20)
 
 
@@ -99,6 +111,13 @@ def main():
             us = kernel_us(block_size, B, context)
             rows.append({"what": "paged_attn", "block_size": block_size, "B": B, "context": context, "us": us})
             print(f"paged_attn block={block_size:3d} B={B:3d} ctx={context:5d}  {us:8.1f} us", flush=True)
+    sweep = ({"BLOCK_N": 32}, {"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 64, "num_stages": 3}, {"BLOCK_N": 128},
+             {"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 2}, {"BLOCK_N": 128, "num_warps": 8})
+    for config in sweep:
+        for B, context in ((64, 512), (256, 512), (64, 2048)):
+            us = kernel_us(16, B, context, config=config)
+            rows.append({"what": "paged_attn_config", **config, "B": B, "context": context, "us": us})
+            print(f"paged_attn {config} B={B:3d} ctx={context:5d}  {us:8.1f} us", flush=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
 

@@ -49,7 +49,7 @@ def _describe(e: Exception) -> str:
 def _print_version(ctx, param, value):
     if not value or ctx.resilient_parsing:
         return
-    from tools.debug.golden import tool_version  # installed metadata, else the checkout's pyproject.toml
+    from tools.debug.golden_record import tool_version  # installed metadata, else the checkout's pyproject.toml
     click.echo(tool_version())
     ctx.exit()
 
@@ -66,7 +66,8 @@ def main(ctx, debug):
 
 # (module in tools/cli/, click command of the same name): each command keeps its heavy imports (torch, matplotlib)
 # inside itself, so `llama32 --help` and the refimpl paths start in well under a second.
-COMMANDS = ("generate", "chat", "fetch", "golden", "diff", "step", "bench", "finetune", "lora", "quantize", "batch")
+COMMANDS = ("generate", "chat", "batch", "serve", "fetch", "golden", "diff", "step", "bench", "finetune", "lora",
+            "quantize")
 
 
 def _register():

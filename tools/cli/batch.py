@@ -8,7 +8,7 @@ import click
 
 from refimpl.errors import GenerationError, quote
 
-from tools.cli.params import MODEL_OPTION, Count, UserPath
+from tools.cli.options import MODEL_OPTION, Count, UserPath
 from tools.tp import TP_OPTION, refuse_tp
 
 BATCH_BACKENDS = ("auto", "accel", "refimpl")
@@ -83,7 +83,7 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
     """Run every request of a JSONL file through the model; results to a JSONL file (docs/batch.md)."""
     refuse_tp(tp, "batch")
     from refimpl.formats.checkpoint import load_checkpoint
-    from refimpl.model.mllama_config import is_mllama
+    from refimpl.family import family_of
     from tools.batch_job import Job, run_job
     from tools.batch_requests import read_done, read_requests
     from tools.engines import resolve_model
@@ -94,7 +94,7 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
         raise GenerationError(f"--output {output_path} is the input file")
     model_path = resolve_model(model)
     ckpt = load_checkpoint(model_path)
-    if is_mllama(ckpt.config):
+    if family_of(ckpt.config).takes_images:
         raise GenerationError(f"{model_path}: llama32 batch runs text models for now (a Llama 3.2 Vision "
                               f"checkpoint's requests go through llama32 generate --image)")
     if ckpt.tokenizer is None:

@@ -16,7 +16,7 @@ from tools.chat_session import stop_notice, wants_chat
 from tools.engines import load_engine, resolve_backend, resolve_model
 from tools.tp import TP_OPTION, load_tp
 from tools.vision_inputs import prompt_inputs
-from tools.cli.params import ENGINE_OPTIONS, MODEL_OPTION, QUANT_HELP, UserPath, sampling_options
+from tools.cli.options import ENGINE_OPTIONS, MODEL_OPTION, QUANT_HELP, UserPath, sampling_options
 
 
 class TextStream:

@@ -1,0 +1,71 @@
+"""`llama32 serve`: an OpenAI-compatible HTTP server on the batched engine (needs the `serve` extra)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from refimpl.errors import GenerationError
+from tools.cli.options import MODEL_OPTION, Count, UserPath
+
+
+def parse_adapters(values) -> dict[str, Path]:
+    adapters = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise GenerationError(f"--lora {value!r}: expected NAME=DIR (the name clients pass as 'model')")
+        if name in adapters:
+            raise GenerationError(f"--lora: the adapter name {name!r} is given twice")
+        adapters[name] = Path(path).expanduser()
+    return adapters
+
+
+@click.command()
+@MODEL_OPTION
+@click.option("--lora", "loras", multiple=True, metavar="NAME=DIR",
+              help="A PEFT LoRA adapter served under NAME (repeatable): requests pick it with \"model\": NAME.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
+@click.option("--port", default=8000, show_default=True, type=Count(1, 65535))
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes (default: "
+                                             "$LLAMA32_API_KEY if set).")
+@click.option("--served-model-name", default=None, help="The base model's name in /v1/models (default: its file "
+                                                        "or directory name).")
+@click.option("--max-num-seqs", default=256, show_default=True, type=Count(1), help="Sequences in one batch.")
+@click.option("--max-num-batched-tokens", default=8192, show_default=True, type=Count(1),
+              help="Tokens (prefill chunks + decodes) in one step.")
+@click.option("--gpu-memory", default="0.9", show_default=True,
+              help="The KV pool's share of free GPU memory (a fraction), or bytes.")
+@click.option("--allowed-local-media", default=None, type=UserPath(),
+              help="A directory whose images requests may name as file:// URLs (default: none).")
+@click.option("--backend", type=click.Choice(["auto", "accel"]), default="auto", show_default=True,
+              help="The batched engine is accel's (torch + Triton; torch ops on CPU).")
+@click.option("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="Default bf16 on GPU, fp32 on CPU.")
+@click.option("--quant", default=None, metavar="FORMAT", help="Weight-only quantization (not served yet).")
+@click.option("--tp", default=1, show_default=True, type=Count(1), help="Tensor-parallel GPUs (1 for now).")
+def serve(model, loras, host, port, api_key, served_model_name, max_num_seqs, max_num_batched_tokens, gpu_memory,
+          allowed_local_media, backend, device, dtype, quant, tp):
+    """Serve the model over OpenAI's HTTP API (chat, completions, models) with a chat page at /."""
+    if tp != 1:
+        raise GenerationError(f"--tp {tp}: tensor parallelism is not available yet; serve on one device (--tp 1)")
+    if quant is not None:
+        raise GenerationError("--quant: the batched engine serves bf16/fp32 weights only for now; drop --quant")
+    try:
+        import uvicorn  # noqa: F401
+        import fastapi  # noqa: F401
+    except ImportError:
+        raise GenerationError("llama32 serve needs FastAPI and uvicorn: pip install -e '.[serve]'") from None
+    adapters = parse_adapters(loras)
+    media = None
+    if allowed_local_media is not None:
+        media = Path(allowed_local_media).expanduser().resolve()
+        if not media.is_dir():
+            raise GenerationError(f"--allowed-local-media {allowed_local_media}: not a directory")
+    api_key = api_key if api_key is not None else os.environ.get("LLAMA32_API_KEY") or None
+    from tools.serve.server import load_served, run_server
+    app, engine, name = load_served(model, adapters, served_model_name, device, dtype, max_num_seqs,
+                                    max_num_batched_tokens, gpu_memory, media, api_key)
+    run_server(app, engine, name, host, port)

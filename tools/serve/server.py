@@ -1,0 +1,68 @@
+"""Loading what `llama32 serve` serves, and running uvicorn around it until Ctrl-C (which drains: requests in
+flight finish, new connections are refused, then the engine thread stops)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from refimpl.errors import GenerationError
+from tools.chat_session import model_name
+from tools.engines import resolve_model
+from tools.serve.app import build_app
+from tools.serve.async_engine import AsyncEngine
+from tools.serve.requests import ServedModel, sampling_fields
+
+
+def parse_gpu_memory(text: str) -> float | int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise GenerationError(f"--gpu-memory {text!r}: expected a fraction in (0, 1] or a number of bytes") from None
+    if 0 < value <= 1:
+        return value
+    if value > 1 and value == int(value):
+        return int(value)
+    raise GenerationError(f"--gpu-memory {text!r}: expected a fraction in (0, 1] or a number of bytes")
+
+
+def load_served(model, adapters: dict[str, Path], served_name, device, dtype, max_num_seqs: int,
+                max_num_batched_tokens: int, gpu_memory: str, media: Path | None, api_key: str | None):
+    """-> (the FastAPI app, the AsyncEngine, the base model's served name)."""
+    from accel.batch import BatchEngine, SamplingParams
+    from refimpl.formats.checkpoint import load_checkpoint
+
+    path = resolve_model(model)
+    ckpt = load_checkpoint(path)
+    if ckpt.tokenizer is None:
+        raise GenerationError(f"{path}: no tokenizer in the checkpoint; the server needs one to read text")
+    engine = BatchEngine.from_checkpoint(ckpt, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                                         max_num_batched_tokens=max_num_batched_tokens,
+                                         gpu_memory=parse_gpu_memory(gpu_memory))
+    for name, adapter_dir in adapters.items():
+        if not hasattr(engine, "load_adapter"):
+            raise GenerationError("--lora: the batched engine does not serve adapters yet")
+        engine.load_adapter(name, adapter_dir)
+    cfg = ckpt.config
+    served = ServedModel(name=served_name or model_name(path), tokenizer=ckpt.tokenizer,
+                         stop_ids=tuple(ckpt.stop_ids), context=cfg.max_position_embeddings,
+                         vocab_rows=cfg.vocab_size, adapters=tuple(adapters), vision=False,
+                         allowed_media=media, sampling_fields=sampling_fields(SamplingParams))
+    runner = AsyncEngine(engine)
+    return build_app(runner, served, SamplingParams, api_key=api_key), runner, served.name
+
+
+def run_server(app, engine: AsyncEngine, name: str, host: str, port: int) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"llama32 serve: {name} at http://{shown}:{port}/ (OpenAI API at http://{shown}:{port}/v1; Ctrl-C stops)",
+          file=sys.stderr, flush=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it caught, after draining: the stop asked for
+        pass
+    finally:
+        engine.shutdown()
+    print("llama32 serve: stopped", file=sys.stderr, flush=True)
