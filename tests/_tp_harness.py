@@ -1,5 +1,6 @@
-"""Runs tensor-parallel jobs in N spawned CPU processes over gloo, for tests/test_tp.py: one group serves every
-case of a job (starting processes costs seconds). Each rank writes what it saw to <out>/rank<r>.json."""
+"""Runs tensor-parallel jobs in N spawned processes, for tests/test_tp.py (CPU, gloo) and tests/test_tp_gpu.py (one
+GPU a rank, NCCL): one group serves every case of a job (starting processes costs seconds). Each rank writes what it
+saw to <out>/rank<r>.json."""
 from __future__ import annotations
 
 import json
@@ -42,7 +43,7 @@ def _case(group, case: dict) -> dict:
     original = SafetensorsFile.load
     SafetensorsFile.load = lambda self, name: whole.append(name) or original(self, name)
     try:
-        engine = Recorder.load(group, Path(case["dir"]), "fp32")
+        engine = Recorder.load(group, Path(case["dir"]), case.get("dtype", "fp32"))
     finally:
         SafetensorsFile.load = original
     engine.followed = []
@@ -50,8 +51,8 @@ def _case(group, case: dict) -> dict:
     for step in case.get("steps", []):  # golden-style: every rank runs the same forward in lockstep
         if step["start"] == 0:
             cache = engine.new_cache(case["capacity"])
-        logits = engine.forward(torch.tensor(step["ids"]), step["start"], cache)
-        out["logits"].append(logits[0].tolist())
+        logits = engine.forward(torch.tensor(step["ids"], device=engine.device), step["start"], cache)
+        out["logits"].append(logits[0].float().tolist())
     if group.rank == 0:
         for r in case.get("requests", []):
             s = Sampling(max_new_tokens=r["max_new"], temperature=r.get("temperature", 0.0), seed=r.get("seed"),
@@ -105,7 +106,8 @@ def _fail(group, case: dict) -> dict:
 def _rank(rank: int, world: int, port: int, job: dict, out: str) -> None:
     torch.set_num_threads(1)
     try:
-        group = init(rank, world, torch.device("cpu"), "127.0.0.1", port)
+        device = torch.device("cuda", rank) if job.get("device") == "cuda" else torch.device("cpu")
+        group = init(rank, world, device, "127.0.0.1", port)
         if job["kind"] in ("peak", "fail"):
             result = {"peak": _peak, "fail": _fail}[job["kind"]](group, job["case"])
         else:
