@@ -50,10 +50,13 @@ def tp_engine(model_dir: Path, world: int, device: str | None, dtype: str | None
         ckpt = open_text_checkpoint(model_dir, world=world)  # the split and the headers checked before any start
         group, procs = spawn(world, device, _serve, (Path(model_dir), dtype))
     try:
-        engine = TPEngine.load(group, Path(model_dir), dtype)
-        if not group.is_root:
-            engine.serve()
+        if not group.is_root:  # under torchrun
+            try:
+                TPEngine.load(group, Path(model_dir), dtype).serve()
+            except RankFailed:  # rank 0 says which rank failed, the failing rank why
+                raise SystemExit(2) from None
             raise SystemExit(0)
+        engine = TPEngine.load(group, Path(model_dir), dtype)
         try:
             yield engine, ckpt
         finally:
