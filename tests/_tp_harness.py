@@ -50,7 +50,7 @@ def _case(group, case: dict) -> dict:
     out = {"shapes": _shapes(engine), "whole": whole, "logits": [], "tokens": []}
     for step in case.get("steps", []):  # golden-style: every rank runs the same forward in lockstep
         if step["start"] == 0:
-            cache = engine.new_cache(case["capacity"])
+            cache = engine.alloc_cache(case["capacity"])
         logits = engine.forward(torch.tensor(step["ids"], device=engine.device), step["start"], cache)
         out["logits"].append(logits[0].float().tolist())
     if group.rank == 0:

@@ -1,6 +1,7 @@
 """Tensor parallelism (accel.tp) on the CPU over gloo, 2 ranks: greedy ids against HF transformers' generate, sampled
 ids against the one-process engine, shard shapes and slice-only reads, golden logits, the CLI's --tp 2 against
 --tp 1, and the refusals. One spawned group runs every case (tests/_tp_harness.py)."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ from refimpl.generate import RefEngine, Sampling
 from refimpl.model.config import LlamaConfig
 from tests._tp_harness import run_job
 from tools.cli import main
+from tools.toy import TOYS, ToySpec, write_toy_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "golden" / "toy-gqa"
@@ -166,6 +168,24 @@ def test_cli_tp2_greedy_equals_tp1_on_golden():
         assert tp2["generated_ids"] == tp1["generated_ids"] and len(tp1["generated_ids"]) == 10
 
 
+def test_cli_chat_tp2_equals_tp1(tmp_path):
+    """Turns continue in the ranks' kept caches (only the new turn prefilled); /reset rewinds them."""
+    spec = ToySpec("toy-chat", dataclasses.replace(TOYS[0].config, tie_word_embeddings=False), seed=4)
+    model = write_toy_checkpoint(spec, tmp_path)
+    stdin = "the sea\nand the moon?\n/reset\nthe sea\ntides and the sun\n"
+
+    def chat(*extra):
+        done = subprocess.run([sys.executable, "-m", "tools.cli", "chat", "--model", str(model), "--device", "cpu",
+                               "--max-new-tokens", "8", *extra], input=stdin, capture_output=True, text=True,
+                              timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+    tp2, tp1 = chat("--tp", "2"), chat("--backend", "accel")
+    assert tp2 == tp1
+    answers = [a for a in tp1.split("> ")[1:] if not a.startswith("/")]
+    assert len(answers) == 4 and len(set(answers[1:])) == 3  # the toy answers each turn differently
+
+
 def test_kv_heads_neither_split_nor_replicated_is_refused(tmp_path):
     cfg = LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64)
@@ -212,7 +232,7 @@ def test_a_rank_loads_its_shard_without_the_whole_model(tmp_path):
         assert rank["shard_bytes"] <= rise < 0.75 * model_bytes, (rise / 2**20, model_bytes / 2**20)
 
 
-@pytest.mark.parametrize("command", [["chat"], ["batch", "--input", "in.jsonl", "--output", "out.jsonl"], ["bench"],
+@pytest.mark.parametrize("command", [["batch", "--input", "in.jsonl", "--output", "out.jsonl"], ["bench"],
                                      ["diff", "hi"]])
 def test_other_commands_refuse_tp(command, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -220,4 +240,4 @@ def test_other_commands_refuse_tp(command, tmp_path, monkeypatch):
     r = CliRunner().invoke(main, [*command, *model, "--tp", "2"], input="")
     assert r.exit_code == 2
     assert r.output == (f"error: --tp 2: llama32 {command[0]} runs on one device for now; tensor parallel runs "
-                        f"`llama32 generate` only (docs/tp.md)\n")
+                        f"`llama32 generate` and `llama32 chat` only (docs/tp.md)\n")

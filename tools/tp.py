@@ -1,4 +1,5 @@
-"""`--tp N`: the CLI side of tensor parallelism (accel.tp). generate runs it; the other commands refuse it for now."""
+"""`--tp N`: the CLI side of tensor parallelism (accel.tp). generate and chat run it; the other commands refuse it
+for now."""
 from __future__ import annotations
 
 import time
@@ -16,7 +17,7 @@ TP_OPTION = click.option("--tp", type=click.IntRange(min=1), default=1, show_def
 def refuse_tp(tp: int, command: str) -> None:
     if tp > 1:
         raise GenerationError(f"--tp {tp}: llama32 {command} runs on one device for now; tensor parallel runs "
-                              f"`llama32 generate` only (docs/tp.md)")
+                              f"`llama32 generate` and `llama32 chat` only (docs/tp.md)")
 
 
 def load_tp(model_path: Path, tp: int, backend: str, device: str | None, dtype: str | None, **unsupported):

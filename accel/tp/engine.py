@@ -6,8 +6,10 @@ alone samples from the gathered logits and broadcasts the token with whether to 
 decoding are the same on every rank by construction, whatever their generators. The other ranks sit in `serve`
 until rank 0's `close`.
 
-Messages (int64, broadcast from rank 0): a request [op, prompt length, cache capacity] (op GENERATE or STOP), the
-prompt ids, then per token [token, go on].
+Messages (int64, broadcast from rank 0): a request [op, prompt length, a number], then the prompt ids, then per
+token [token, go on]. op GENERATE: into a fresh cache of that capacity; KEEP: allocate the kept cache of that
+capacity (no prompt follows: `new_cache`, for a chat's turns); CONTINUE: into the kept cache from that position;
+STOP: leave `serve`.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from .load import load_shard, open_text_checkpoint
 from .model import ShardCache, forward
 from .shard import ShardPlan
 
-STOP, GENERATE = 0, 1
+STOP, GENERATE, KEEP, CONTINUE = 0, 1, 2, 3
 
 
 class RankFailed(GenerationError):
@@ -47,6 +49,7 @@ class TPEngine:
         self.config, self.local, self.weights = cfg, self.plan.local, weights
         self.device = group.device
         self.triton = group.device.type == "cuda"  # on the CPU, the ops' torch versions (not the interpreter)
+        self.kept: ShardCache | None = None  # the cache a chat's turns continue in (`new_cache`)
 
     @classmethod
     def load(cls, group: TPGroup, model_dir: Path, dtype: str | None) -> "TPEngine":
@@ -70,7 +73,8 @@ class TPEngine:
         return cls(group, cfg, weights, dtype)
 
     # ---- every rank ----
-    def new_cache(self, capacity: int) -> ShardCache:
+    def alloc_cache(self, capacity: int) -> ShardCache:
+        """This rank's cache of `capacity` slots (its KV heads), with the RoPE tables."""
         c = self.local
         shape = (c.num_hidden_layers, c.num_key_value_heads, capacity, c.head_dim)  # [L, K/N, S, E]
         cos, sin = np_ops.rope_tables(np.arange(capacity), c.head_dim, c.rope_theta, c.rope_scaling)
@@ -92,9 +96,8 @@ class TPEngine:
         dist.broadcast(t, src=0)
         return t
 
-    def _follow(self, ids: torch.Tensor, capacity: int) -> None:
-        """A worker's request: prefill ids, then decode each token rank 0 broadcasts while it says go on."""
-        cache, pos = self.new_cache(capacity), 0
+    def _follow(self, ids: torch.Tensor, cache: ShardCache, pos: int) -> None:
+        """A worker's request: prefill ids at pos, then decode each token rank 0 broadcasts while it says go on."""
         while True:
             self.forward(ids, pos, cache)
             pos += ids.shape[0]
@@ -107,33 +110,59 @@ class TPEngine:
     def serve(self) -> None:
         """Follow rank 0's requests until it sends STOP."""
         while True:
-            op, n, capacity = self._broadcast(None, 3).tolist()
+            op, n, number = self._broadcast(None, 3).tolist()
             if op == STOP:
                 return
-            self._follow(self._broadcast(None, n), capacity)
+            if op == KEEP:
+                self.kept = self.alloc_cache(number)
+            elif op == GENERATE:
+                self._follow(self._broadcast(None, n), self.alloc_cache(number), 0)
+            else:
+                self._follow(self._broadcast(None, n), self.kept, number)
 
     # ---- rank 0 ----
     def close(self) -> None:
         """Release the other ranks from `serve`."""
         self._broadcast([STOP, 0, 0], 3)
 
-    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), **inputs) -> Iterator[int]:
-        """New tokens after the prompt, as refimpl.generate.RefEngine.generate (no cache carried across calls)."""
+    def new_cache(self, capacity: int) -> ShardCache:
+        """The engine contract's cache (a chat's): every rank allocates its part, kept for `generate(cache=...)`."""
+        if not 0 < capacity <= self.config.max_position_embeddings:
+            raise GenerationError(f"cache capacity {capacity} is outside [1, {self.config.max_position_embeddings}] "
+                                  f"(the model's max_position_embeddings)")
+        self._broadcast([KEEP, 0, capacity], 3)
+        self.kept = self.alloc_cache(capacity)
+        return self.kept
+
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: ShardCache | None = None,
+                 start: int = 0, **inputs) -> Iterator[int]:
+        """refimpl.generate.RefEngine.generate's contract: with `cache` (from new_cache, the last one made), the
+        prompt goes at positions start.. after the earlier tokens already in it."""
         text_only(inputs)
         cfg = self.config
-        check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, cfg.max_position_embeddings)
-        capacity = len(prompt_ids) + s.max_new_tokens
-        self._broadcast([GENERATE, len(prompt_ids), capacity], 3)
+        if cache is not None and cache is not self.kept:
+            raise GenerationError("a tensor-parallel engine continues in the cache new_cache made last only")
+        context = cfg.max_position_embeddings if cache is None else cache.capacity
+        check_prompt(prompt_ids, cfg.vocab_size, s.max_new_tokens, context, start)
+        if s.max_new_tokens < 1:
+            return
+        if cache is None:
+            start = 0
+            capacity = len(prompt_ids) + s.max_new_tokens
+            self._broadcast([GENERATE, len(prompt_ids), capacity], 3)
+            cache = self.alloc_cache(capacity)
+        else:
+            self._broadcast([CONTINUE, len(prompt_ids), start], 3)
         ids = self._broadcast(prompt_ids, len(prompt_ids))
-        yield from self._lead(ids, capacity, s, set(stop_ids))
+        yield from self._lead(ids, cache, start, s, set(stop_ids))
 
-    def _lead(self, ids: torch.Tensor, capacity: int, s: Sampling, stop_ids: set) -> Iterator[int]:
+    def _lead(self, ids: torch.Tensor, cache: ShardCache, pos: int, s: Sampling, stop_ids: set) -> Iterator[int]:
         """Rank 0's side of `_follow`: sample each token, yield it, then tell the others whether to go on. A
         consumer that stops early (the generator closed at its yield) still releases them."""
         gen = make_generator(self.device, s.seed)
         seen = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.device)  # [V]
         seen[ids] = True
-        cache, pos, told = self.new_cache(capacity), 0, True
+        told = True
         try:
             for n in range(s.max_new_tokens):
                 logits = self.forward(ids, pos, cache)  # [1, V], gathered

@@ -17,7 +17,7 @@ from tools.chat_session import ChatSession, stop_notice
 from tools.cli.generate import TextStream, greedy_notice
 from tools.cli.options import ENGINE_OPTIONS, MODEL_OPTION, sampling_options
 from tools.engines import load_engine, resolve_backend, resolve_model
-from tools.tp import TP_OPTION, refuse_tp
+from tools.tp import TP_OPTION, load_tp
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (new system message, new conversation), /exit"
 
@@ -83,13 +83,16 @@ def answer(session: ChatSession, text: str) -> None:
 def chat(model, system, max_new_tokens, context, temperature, top_p, top_k, repetition_penalty, seed, backend,
          device, dtype, tp=1):
     """Chat with a model, turn after turn."""
-    refuse_tp(tp, "chat")
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
     greedy = greedy_notice(temperature, top_k, top_p, seed)
     if greedy:
         click.echo(f"note: {greedy}", err=True)
-    backend = resolve_backend(backend)
-    engine, ckpt, _ = load_engine(resolve_model(model), backend, device, dtype)
+    if tp > 1:
+        backend = "accel" if backend == "auto" else backend
+        engine, ckpt, _ = load_tp(resolve_model(model), tp, backend, device, dtype)
+    else:
+        backend = resolve_backend(backend)
+        engine, ckpt, _ = load_engine(resolve_model(model), backend, device, dtype)
     capacity = max(1, min(context, ckpt.config.max_position_embeddings))
     session = ChatSession(engine, ckpt.tokenizer, ckpt.stop_ids, settings, system, capacity)
     ckpt.tokenizer.render_chat([{"role": "user", "content": "hi"}])  # no template: fail now, not at the first turn
