@@ -28,7 +28,7 @@ from refimpl.model.config import LlamaConfig
 from .. import ops
 from ..sampling import make_generator, penalize, sample
 from ..weights import DTYPES, Weights
-from .group import TPGroup, failed_ranks
+from .group import TPGroup, failed_ranks, sigint_deferred
 from .load import load_shard, open_text_checkpoint
 from .model import ShardCache, forward
 from .shard import ShardPlan
@@ -157,30 +157,37 @@ class TPEngine:
         yield from self._lead(ids, cache, start, s, set(stop_ids))
 
     def _lead(self, ids: torch.Tensor, cache: ShardCache, pos: int, s: Sampling, stop_ids: set) -> Iterator[int]:
-        """Rank 0's side of `_follow`: sample each token, yield it, then tell the others whether to go on. A
-        consumer that stops early (the generator closed at its yield) still releases them."""
+        """Rank 0's side of `_follow`: sample a token and yield it; when asked for the next, tell the others whether
+        to go on, then step. A consumer that stops early (the generator closed at its yield) still releases them,
+        and Ctrl-C inside a step takes effect after it (accel.tp.group.sigint_deferred): the ranks stay in step."""
         gen = make_generator(self.device, s.seed)
         seen = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.device)  # [V]
         seen[ids] = True
-        told = True
+        told, token = True, None
         try:
             for n in range(s.max_new_tokens):
-                logits = self.forward(ids, pos, cache)  # [1, V], gathered
-                pos += ids.shape[0]
-                told = False
-                if s.repetition_penalty != 1:
-                    logits = penalize(logits, seen, s.repetition_penalty)
-                if not bool(torch.isfinite(logits).all()):
-                    raise GenerationError(f"NaN or Inf in the logits at position {pos - 1}; generation stopped")
-                token = int(sample(logits, s, gen)[0])
-                seen[token] = True
+                with sigint_deferred():
+                    if token is not None:
+                        go = token not in stop_ids
+                        self._broadcast([token, int(go)], 2)
+                        told = True
+                        if not go:
+                            return
+                        ids = torch.tensor([token], dtype=torch.int64, device=self.device)
+                    logits = self.forward(ids, pos, cache)  # [1, V], gathered
+                    pos += ids.shape[0]
+                    told = False
+                    token = self._next(logits, s, gen, seen, pos)
                 yield token
-                go = token not in stop_ids and n + 1 < s.max_new_tokens
-                self._broadcast([token, int(go)], 2)
-                told = True
-                if not go:
-                    return
-                ids = torch.tensor([token], dtype=torch.int64, device=self.device)
         finally:
             if not told:
-                self._broadcast([0, 0], 2)
+                self._broadcast([token or 0, 0], 2)
+
+    def _next(self, logits: torch.Tensor, s: Sampling, gen, seen: torch.Tensor, pos: int) -> int:
+        if s.repetition_penalty != 1:
+            logits = penalize(logits, seen, s.repetition_penalty)
+        if not bool(torch.isfinite(logits).all()):
+            raise GenerationError(f"NaN or Inf in the logits at position {pos - 1}; generation stopped")
+        token = int(sample(logits, s, gen)[0])
+        seen[token] = True
+        return token

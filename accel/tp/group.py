@@ -11,8 +11,11 @@ starts): it can take a shared host's GPUs out of service.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -87,6 +90,7 @@ def from_env(world: int, device: str | None) -> TPGroup:
 
 
 def _child(rank: int, world: int, device: str | None, port: int, target, args) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's (the terminal sends it to every rank)
     group = init(rank, world, rank_device(device, rank), "127.0.0.1", port)
     try:
         target(group, *args)
@@ -114,3 +118,20 @@ def failed_ranks(ok: bool, group: TPGroup) -> list[int]:
     flags = [torch.zeros(1, dtype=torch.int64, device=group.device) for _ in range(group.world)]
     dist.all_gather(flags, torch.tensor([int(ok)], dtype=torch.int64, device=group.device))
     return [r for r, f in enumerate(flags) if not f.item()]
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Ctrl-C inside the block raises KeyboardInterrupt after it, not halfway through its collectives (which would
+    leave the ranks out of step). Only in the main thread, where Python handles signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hit = []
+    previous = signal.signal(signal.SIGINT, lambda *args: hit.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if hit:
+        raise KeyboardInterrupt
