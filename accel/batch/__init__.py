@@ -5,9 +5,10 @@
     scheduler.py      waiting/running queues: FCFS, chunked prefill, preemption by recompute
     runner.py         one step's flat token batch through the model over the paged cache
     graphs.py         the decode-only step as CUDA graphs, per batch-size bucket and table width
-    lora.py           LoRA adapters per request, unmerged
     sampler.py        per-request sampling on the device, seeded draws independent of the batch
     engine.py         BatchEngine, the API
+LoRA adapters per request, unmerged, several in one step: accel/lora_stack.py (the adapters stacked) over the
+segmented product of accel/ops/lora_batch.py.
 """
 from .engine import BatchEngine
 from .sequence import RequestOutput, SamplingParams

@@ -128,9 +128,10 @@ class BatchEngine:
 
     # ---- requests ----
     def add_adapter(self, name: str, adapter: list) -> None:
-        """A LoRA adapter requests can name (add_request's `adapter`), applied unmerged: adapter is
-        refimpl.formats.lora.load_lora's list of (param name, A [R, Din], B [Dout, R], scale)."""
-        self.runner.lora.add(str(name), adapter)
+        """A LoRA adapter requests can name (add_request's `adapter`), applied unmerged, several in one step (the
+        stacked adapters and segmented product of accel/lora_stack.py): adapter is refimpl.formats.lora.load_lora's
+        list of (param name, A [R, Din], B [Dout, R], scale)."""
+        self.runner.add_adapter(str(name), adapter)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, adapter: str | None = None) -> str:
@@ -139,7 +140,7 @@ class BatchEngine:
         rid = self._fresh_id() if request_id is None else str(request_id)
         if rid in self.seqs:
             raise GenerationError(f"request {rid!r}: a request with this id is already in the engine")
-        if adapter is not None and adapter not in self.runner.lora:
+        if adapter is not None and adapter not in self.runner.adapters:
             raise GenerationError(f"request {rid!r}: no adapter named {adapter!r} is loaded (add_adapter first)")
         prompt = self._check_prompt(rid, prompt_ids, params)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids)

@@ -72,7 +72,7 @@ class Sequence:
         self.seed = seed  # the sampler's key: draws depend on (seed, len(output_ids)) only
         self.stop_ids = stop_ids
         self.arrival = arrival  # FCFS order
-        self.adapter = adapter  # the LoRA adapter it runs with (accel.batch.lora), None: the base model
+        self.adapter = adapter  # the LoRA adapter it runs with (BatchEngine.add_adapter's name), None: the base model
         self.status = Status.WAITING
         self.num_computed = 0
         self.block_table: list[int] = []
