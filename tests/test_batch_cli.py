@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from refimpl.batch_api import RequestOutput
 from refimpl.formats.checkpoint import load_checkpoint
 from tests._badinput import assert_clean_error, run_cli
-from tools.batch_engines import Output
 from tools.batch_job import OrderedWriter, run_group, Tally
 from tools.batch_requests import read_requests
 from tools.toy import TOYS, write_toy_checkpoint
@@ -128,11 +128,10 @@ class ReverseEngine:
     def step(self):
         rid, params = self.added.pop()
         token = 7 + len(self.added)
-        return [Output(rid, [token], [token], True, "length", 3)]
+        return [RequestOutput(rid, [token], [token], True, "length", 3)]
 
 
 def test_results_written_in_input_order(tmp_path, model_dir):
-    from tools.batch_engines import EngineKit, Params
     ckpt = load_checkpoint(model_dir)
     inp = write_lines(tmp_path / "in.jsonl", *({"id": f"r{i}", "prompt": "the cat"} for i in range(5)))
     reqs = read_requests(inp, ckpt.tokenizer, 128)
@@ -147,7 +146,7 @@ def test_results_written_in_input_order(tmp_path, model_dir):
             writer.put(req.id, record)
             # nothing is written before r0, which the engine finishes last
             assert (out.stat().st_size == 0) == (req.id != "r0")
-        run_group(EngineKit(engine, Params), reqs, ckpt.tokenizer, ckpt.stop_ids, on_done, Tally())
+        run_group(engine, reqs, ckpt.tokenizer, ckpt.stop_ids, on_done, Tally())
     assert seen == ["r4", "r3", "r2", "r1", "r0"] and writer.complete
     records = read_out(out)
     assert [r["id"] for r in records] == ["r0", "r1", "r2", "r3", "r4"]

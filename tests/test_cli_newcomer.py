@@ -169,7 +169,7 @@ def test_repetition_penalty_generation_matches_hf_on_both_engines():
 
 def test_bad_repetition_penalty_is_one_line():
     r = run("generate", "--model", GQA, "--repetition-penalty", "0", "x")
-    assert r.exit_code == 2 and r.output.startswith("error: --repetition-penalty must be > 0")
+    assert r.exit_code == 2 and r.output.startswith("error: --repetition-penalty must be a number > 0")
 
 
 # ---------------------------------------------------------------- Hub ids from the local HF cache

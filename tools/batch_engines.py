@@ -1,5 +1,4 @@
-"""The engines `llama32 batch` drives, all behind accel.batch.BatchEngine's request API:
-`add_request(prompt_ids, params, request_id) -> id`, `step() -> [RequestOutput]`, `abort(id)`, `has_unfinished()`.
+"""The engines `llama32 batch` drives, all behind the batch request API (refimpl.batch_api).
 
 - accel: accel.batch.BatchEngine, continuous batching over a paged KV cache (GPU, or torch ops on CPU).
 - refimpl: the NumPy reference engine behind the same API, one request at a time (`OneAtATime`): the oracle, and
@@ -14,40 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from refimpl.errors import GenerationError
+from refimpl.batch_api import RequestOutput, SamplingParams
 from refimpl.generate import Sampling
-
-
-@dataclass(frozen=True)
-class Params:
-    """accel.batch.SamplingParams' fields, for the engines that run without torch."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass
-class Output:
-    """accel.batch.RequestOutput's fields."""
-
-    request_id: str
-    new_token_ids: list[int]
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
 
 
 @dataclass
 class _Running:
     id: str
     prompt_ids: list[int]
-    params: Params
+    params: SamplingParams
     adapter: str | None = None
     tokens: list[int] = field(default_factory=list)
     stream: object = None
@@ -65,7 +39,7 @@ class OneAtATime:
         self.active: _Running | None = None
         self.counter = 0
 
-    def add_request(self, prompt_ids: list[int], params: Params, request_id: str | None = None,
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     adapter: str | None = None) -> str:
         rid = request_id if request_id is not None else str(self.counter)
         self.counter += 1
@@ -96,7 +70,7 @@ class OneAtATime:
         r.stream = self.engine.generate(r.prompt_ids, s, stop_ids=() if p.ignore_eos else p.stop_token_ids)
         return r
 
-    def step(self) -> list[Output]:
+    def step(self) -> list[RequestOutput]:
         if self.active is None:
             if not self.queue:
                 return []
@@ -108,19 +82,10 @@ class OneAtATime:
                   else "length" if len(r.tokens) >= r.params.max_tokens else None)
         if reason:
             self.active = None
-        return [Output(r.id, [token], list(r.tokens), reason is not None, reason, len(r.prompt_ids))]
+        return [RequestOutput(r.id, [token], list(r.tokens), reason is not None, reason, len(r.prompt_ids))]
 
 
-@dataclass
-class EngineKit:
-    """An engine and the SamplingParams type it takes."""
-
-    engine: object
-    params_type: type
-
-
-def batch_engine(ckpt, backend: str, device=None, dtype=None, adapters: dict | None = None,
-                 **options) -> EngineKit:
+def batch_engine(ckpt, backend: str, device=None, dtype=None, adapters: dict | None = None, **options):
     """The batch engine over `ckpt` (a refimpl Checkpoint, base weights) serving `adapters` ({NAME: load_lora's
     list}) to the requests that name them."""
     adapters = adapters or {}
@@ -129,15 +94,15 @@ def batch_engine(ckpt, backend: str, device=None, dtype=None, adapters: dict | N
 
         def adapter_engine(name):
             return engine_for(with_adapter(ckpt, adapters.get(name)), "refimpl", device, dtype)
-        return EngineKit(OneAtATime(adapter_engine), Params)
+        return OneAtATime(adapter_engine)
     try:
-        from accel.batch import BatchEngine, SamplingParams
+        from accel.batch import BatchEngine
     except ImportError as e:
         raise GenerationError(f"--backend accel: the batch engine is not available here ({e})") from None
     engine = BatchEngine.from_checkpoint(ckpt, device=device, dtype=dtype, **options)
     for name, adapter in adapters.items():
         engine.add_adapter(name, adapter)
-    return EngineKit(engine, SamplingParams)
+    return engine
 
 
 def with_adapter(ckpt, adapter):

@@ -1,6 +1,6 @@
 """`llama32 batch`'s work: requests through a batch engine, results written in input order as they complete.
 
-The request loop (`run_group`) takes any engine with accel.batch.BatchEngine's API (tools.batch_engines), so
+The request loop (`run_group`) takes any engine with the batch request API (refimpl.batch_api), so
 the same loop drives the paged continuous-batching engine and the NumPy reference one request at a time.
 Stop strings are found in the decoded text: the text is cut before the earliest one, the request aborted, and
 its finish reason is "stop", as for a stop token.
@@ -11,6 +11,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from refimpl.batch_api import SamplingParams
 from refimpl.progress import Progress
 
 
@@ -70,12 +71,12 @@ def _finish(live, tokenizer, reason: str, cut: int | None = None) -> dict:
     return result_record(live.req, live.ids, text if cut is None else text[:cut], reason)
 
 
-def run_group(kit, requests, tokenizer, stop_ids, on_done, tally: Tally, progress: Progress | None = None) -> None:
-    """Every request (each under its own adapter) through kit.engine until all are finished; on_done(request,
+def run_group(engine, requests, tokenizer, stop_ids, on_done, tally: Tally, progress: Progress | None = None) -> None:
+    """Every request (each under its own adapter) through the engine until all are finished; on_done(request,
     record) as each ends."""
-    engine, live = kit.engine, {}
+    live = {}
     for req in requests:
-        params = kit.params_type(stop_token_ids=tuple(stop_ids), **req.sampling)
+        params = SamplingParams(stop_token_ids=tuple(stop_ids), **req.sampling)
         live[engine.add_request(req.prompt_ids, params, request_id=req.id, adapter=req.adapter)] = _Live(req)
     while engine.has_unfinished():
         for out in engine.step():
@@ -208,9 +209,9 @@ def run_job(job: Job, progress_stream=None) -> dict:
         if pending:
             named = {r.adapter for r in pending}
             adapters = {n: a for n, a in job.adapters.items() if n in named}
-            kit = batch_engine(job.ckpt, job.backend, job.device, job.dtype, adapters, **job.engine_options)
-            run_group(kit, pending, job.ckpt.tokenizer, job.ckpt.stop_ids, on_done, tally, progress)
-            del kit
+            engine = batch_engine(job.ckpt, job.backend, job.device, job.dtype, adapters, **job.engine_options)
+            run_group(engine, pending, job.ckpt.tokenizer, job.ckpt.stop_ids, on_done, tally, progress)
+            del engine
             _free(job.device)
     elapsed = time.perf_counter() - tally.start
     summary = {"output": str(job.output), "requests": len(job.requests), "resumed": len(job.done),

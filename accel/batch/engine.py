@@ -17,6 +17,7 @@ import secrets
 
 import torch
 
+from refimpl.batch_api import RequestOutput, SamplingParams
 from refimpl.errors import GenerationError
 from refimpl.formats.params import Checkpoint
 from refimpl.model.config import LlamaConfig
@@ -28,7 +29,7 @@ from .block_manager import BlockManager
 from .runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler
-from .sequence import RequestOutput, SamplingParams, Sequence
+from .sequence import Sequence
 
 DEFAULT_BLOCK_SIZE = 16
 CPU_KV_BYTES = 1 << 30  # the KV pool's budget on CPU, where free memory says little about what is wise to take
