@@ -179,7 +179,7 @@ class Decoder:
 
 
 @dataclass
-class Session:
+class DecodeSession:
     """A cache and the decoder captured over it, kept for the next request that fits in it."""
 
     cache: StaticKVCache
@@ -202,13 +202,13 @@ class AccelEngine:
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         self.triton = ops.triton_available(device) if use_triton is None else use_triton
         self.tuning = tuning
-        self.params = params_view(weights, config)  # HF names for trace mode, views of the fused tensors
-        self._session: Session | None = None
+        self.params = self.trace_params()
+        self._session: DecodeSession | None = None
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, device: str | None = None, dtype: str | None = None,
                         quant=None, **options) -> "AccelEngine":
-        """quant: a refimpl.quant.formats.QuantSpec (int8/int4: quantized on the device, bit for bit the refimpl's
+        """quant: a refimpl.quant.schemes.QuantSpec (int8/int4: quantized on the device, bit for bit the refimpl's
         quantization); a checkpoint already holding quantized records (refimpl.quant) runs them as they are."""
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
@@ -216,6 +216,10 @@ class AccelEngine:
         size = sum(getattr(a, "size", 0) or a.nbytes for a in ckpt.params.values()) * DTYPES[dtype].itemsize
         check_fits(dev, size, f"the weights of {ckpt.path} in {dtype}")
         return cls(cfg, load_weights(ckpt.params, cfg, dev, DTYPES[dtype], quant), dev, dtype, **options)
+
+    def trace_params(self) -> dict:
+        """Trace mode's parameters: HF names, views of the fused tensors."""
+        return params_view(self.weights, self.config)
 
     # ---- the engine contract ----
     def new_cache(self, capacity: int) -> StaticKVCache:
@@ -249,17 +253,17 @@ class AccelEngine:
         return forward_steps(ops, self.params, self.config, ids, positions, cache, last_logits_only)
 
     # ---- the fast path ----
-    def session(self, capacity: int) -> Session:
+    def session(self, capacity: int) -> DecodeSession:
         """A cache of at least `capacity` slots with its captured decoder; reused while requests fit in it."""
         if self._session is None or self._session.capacity < capacity:
             self._session = None  # free the old cache and graph before allocating the new ones
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             cache = self.new_cache(capacity)
-            self._session = Session(cache, Decoder(self, cache, self.use_graph))
+            self._session = DecodeSession(cache, Decoder(self, cache, self.use_graph))
         return self._session
 
-    def prefill(self, prompt_ids, sess: Session, start: int = 0) -> torch.Tensor:
+    def prefill(self, prompt_ids, sess: DecodeSession, start: int = 0) -> torch.Tensor:
         """The prompt (a list, or an int64 tensor already on the device) at positions start..start+P-1 into the
         session's cache -> next-token logits [1, V] (eager)."""
         c = sess.cache
@@ -270,13 +274,13 @@ class AccelEngine:
         with ops.torch_only(not self.triton):
             return fast.prefill(self.weights, self.config, ids, c.tables, c.k_all, c.v_all, start)
 
-    def _session_over(self, cache: StaticKVCache) -> Session:
+    def _session_over(self, cache: StaticKVCache) -> DecodeSession:
         """The session whose cache is `cache` (a chat keeps one across turns), its decoder captured once."""
         if self._session is None or self._session.cache is not cache:
-            self._session = Session(cache, Decoder(self, cache, self.use_graph))
+            self._session = DecodeSession(cache, Decoder(self, cache, self.use_graph))
         return self._session
 
-    def decode_greedy(self, sess: Session, logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    def decode_greedy(self, sess: DecodeSession, logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
         """n greedy tokens after the prompt's logits (the prompt at positions 0..start-1), with no host sync
         (the benchmark's loop: one greedy-graph replay a token) -> [n] on the device."""
         dec = sess.decoder
@@ -302,7 +306,7 @@ class AccelEngine:
         sess = self.session(len(prompt_ids) + s.max_new_tokens) if cache is None else self._session_over(cache)
         yield from self._sample_loop(sess, self.prefill(prompt_ids, sess, start), prompt_ids, s, stop_ids, start)
 
-    def _sample_loop(self, sess: Session, logits: torch.Tensor, prompt_ids: list[int], s: Sampling,
+    def _sample_loop(self, sess: DecodeSession, logits: torch.Tensor, prompt_ids: list[int], s: Sampling,
                      stop_ids, start: int = 0) -> Iterator[int]:
         """Sample from the prompt's logits, then one decode step a token, until a stop id or max_new_tokens."""
         gen = make_generator(self.device, s.seed)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refimpl.quant.formats import QuantSpec
+from refimpl.quant.schemes import QuantSpec
 
 from .kernels.common import per_row_scales
 from .kernels.qdequant import dequantize_layer_fwd, layer_launch

@@ -4,7 +4,7 @@ step's fused GEMV ops as its methods (accel.ops.fused calls them on a QuantTenso
 quantized layers for the prefill: accel/quant_layers.py; loading them: accel/weights.py.
 
 One device layout serves every format (accel/kernels/qgemv.py): codes, then a scale (and a minimum) per GROUP
-columns. int8 and int4 are refimpl.quant.formats' own layouts; GGUF blocks are rearranged once at load:
+columns. int8 and int4 are refimpl.quant.schemes' own layouts; GGUF blocks are rearranged once at load:
     Q8_0  -> 8-bit codes, GROUP 32, scale d (fp16)
     Q4_0  -> 4-bit codes repacked low-nibble-first, offset 8, GROUP 32, scale d: (q − 8)·d, as the file defines it
     Q4_1  -> 4-bit codes repacked, GROUP 32, scale d, minimum m (fp16)
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from refimpl.quant.formats import QuantizedLinear, QuantSpec, pack_nibbles
+from refimpl.quant.schemes import QuantizedLinear, QuantSpec, pack_nibbles
 from refimpl.quant.gguf_blocks import block_fields
 
 from .kernels.qdequant import dequantize_fwd
@@ -157,7 +157,7 @@ def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
 
 def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantTensor:
     """w [N, K] (any float dtype; computed in fp32) -> int8 or int4 QuantTensor, the bits of
-    refimpl.quant.formats.quantize_int8 / quantize_int4 on the same fp32 values (same ops, same order)."""
+    refimpl.quant.schemes.quantize_int8 / quantize_int4 on the same fp32 values (same ops, same order)."""
     w = w.to(torch.float32)
     N, K = w.shape
     if spec.format == "int8":

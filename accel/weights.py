@@ -22,7 +22,7 @@ import torch
 
 from refimpl.model.config import LlamaConfig
 from refimpl.quant.apply import is_quantized
-from refimpl.quant.formats import QuantizedLinear, QuantSpec
+from refimpl.quant.schemes import QuantizedLinear, QuantSpec
 
 from .quant_layers import LayerPlan, pack_layer
 from .quant_ops import cat_rows, from_quantized_linear, quantize
@@ -95,7 +95,7 @@ def load_weights(params: dict[str, np.ndarray], cfg: LlamaConfig, device, dtype:
                  quant=None) -> Weights:
     """float32 NumPy params keyed by HF names -> fused device tensors in `dtype`.
 
-    quant (a refimpl.quant.formats.QuantSpec), or params holding refimpl QuantizedLinear records: the linear
+    quant (a refimpl.quant.schemes.QuantSpec), or params holding refimpl QuantizedLinear records: the linear
     layers become accel.quant_ops.QuantTensors instead (`load_quantized_weights`)."""
     if quant is not None or is_quantized(params):
         return load_quantized_weights(params, cfg, device, dtype, quant)

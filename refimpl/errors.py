@@ -78,5 +78,9 @@ class ImageError(Llama32Error):
     """An image file cannot be read (not an image, truncated, too many pixels, a mode with no RGB conversion)."""
 
 
+class QuantError(Llama32Error):
+    """A quantization request or a quantized tensor that cannot be used."""
+
+
 class DataError(Llama32Error):
     """A training or evaluation data file (JSONL) is malformed: the message names the file and line."""

@@ -12,7 +12,7 @@ from transformers import MllamaForConditionalGeneration
 from transformers.models.mllama.processing_mllama import (convert_sparse_cross_attention_mask_to_dense,
                                                            get_cross_attention_token_mask)
 
-from refimpl.formats.mllama_checkpoint import hub_name
+from refimpl.formats.vision_checkpoint import hub_name
 
 VOCAB = 120  # text vocab; the image token is VOCAB (the first of the 8 extra embedding rows)
 IMAGE = VOCAB

@@ -1,4 +1,4 @@
-"""Llama 3.2 Vision on accel against the NumPy oracle (refimpl.generate_mllama.MllamaEngine), CPU fp32, tiny random
+"""Llama 3.2 Vision on accel against the NumPy oracle (refimpl.generate_vision.VisionEngine), CPU fp32, tiny random
 models from tests/_mllama_hf.py (every gate nonzero): the fast path's prefill and decode logits, greedy ids, trace
 mode's names and values, and prompts without an image."""
 import numpy as np
@@ -6,14 +6,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from accel.vision.engine import MllamaAccelEngine  # noqa: E402
+from accel.vision.engine import VisionAccelEngine  # noqa: E402
 from accel import ops  # noqa: E402
 from refimpl.formats.params import Checkpoint  # noqa: E402
 from refimpl.generate import Sampling  # noqa: E402
-from refimpl.generate_mllama import MllamaEngine  # noqa: E402
+from refimpl.generate_vision import VisionEngine  # noqa: E402
 from refimpl.model import ops as R  # noqa: E402
-from refimpl.model.mllama_config import MllamaConfig  # noqa: E402
-from refimpl.model.names import mllama_activation_names  # noqa: E402
+from refimpl.model.vision_config import MllamaConfig  # noqa: E402
+from refimpl.model.names import vision_activation_names  # noqa: E402
 from refimpl.vision.inputs import ImageInputs  # noqa: E402
 from tests._mllama_hf import IMAGE, cross_mask, hf_config, image_arrays  # noqa: E402
 
@@ -26,7 +26,7 @@ def models(seed=0, use_triton=None, **kw):
     from tests._mllama_hf import hf_model, ref_params
     cfg = MllamaConfig.from_hf({"model_type": "mllama", **hf_config(**kw)})
     ckpt = Checkpoint(None, cfg, ref_params(hf_model(seed, **kw)))
-    return MllamaEngine(ckpt), MllamaAccelEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32",
+    return VisionEngine(ckpt), VisionAccelEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32",
                                                                  use_triton=use_triton)
 
 
@@ -101,14 +101,14 @@ def test_trace_mode_names_and_values_match_refimpl():
     rc, ac = ref.new_cache(len(ids) + 1), acc.new_cache(len(ids) + 1)
     want = list(ref.steps(ids, np.arange(len(ids)), rc, images=images))
     got = list(acc.steps(ids, np.arange(len(ids)), ac, images=images))
-    names = mllama_activation_names(ref.config, encode_images=True)
+    names = vision_activation_names(ref.config, encode_images=True)
     assert [n for n, _ in got] == [n for n, _ in want] == names
     for (name, w), (_, g) in zip(want, got):
         np.testing.assert_allclose(acc.to_numpy(g), w, rtol=1e-4, atol=1e-4, err_msg=name)
     # a decode step reads the image keys/values from the cache
     want = list(ref.steps([7], [len(ids)], rc))
     got = list(acc.steps([7], [len(ids)], ac))
-    assert [n for n, _ in got] == mllama_activation_names(ref.config, encode_images=False, image_in_cache=True)
+    assert [n for n, _ in got] == vision_activation_names(ref.config, encode_images=False, image_in_cache=True)
     np.testing.assert_allclose(acc.to_numpy(got[-1][1]), want[-1][1], atol=ATOL)
 
 
@@ -134,15 +134,15 @@ def test_norm_cross_attention_matches_refimpl(path, T, H, K, E, N):
 def test_bench_builds_random_weights_hf_can_hold():
     """The benchmark's random real-shape weights (here at a tiny config) cover every checkpoint tensor, and
     HF's model built from them computes what the engine computes (bf16 both, CPU)."""
-    from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
-    from accel.vision.weights import random_mllama_weights
+    from refimpl.formats.vision_checkpoint import expected_vision_shapes
+    from accel.vision.weights import random_vision_weights
     from tools.bench.vision import hf_model
     cfg = MllamaConfig.from_hf({"model_type": "mllama", **hf_config(kv_heads=2)})
-    shapes = expected_mllama_shapes(cfg)
-    w = random_mllama_weights(cfg, "cpu", torch.bfloat16, shapes, std=0.2)
+    shapes = expected_vision_shapes(cfg)
+    w = random_vision_weights(cfg, "cpu", torch.bfloat16, shapes, std=0.2)
     assert {k: tuple(v.shape) for k, v in w.params.items()} == shapes
     params = {k: v.float().numpy() for k, v in w.params.items()}  # the same values in fp32 on both sides
-    acc = MllamaAccelEngine.from_checkpoint(Checkpoint(None, cfg, params), device="cpu", dtype="fp32")
+    acc = VisionAccelEngine.from_checkpoint(Checkpoint(None, cfg, params), device="cpu", dtype="fp32")
     ids = [1, 5, IMAGE, 9, 11]
     images = images_for(cfg, ids, [(2, 2)])
     sess = acc.session(len(ids), acc.image_tokens(images))
@@ -157,4 +157,4 @@ def test_bench_builds_random_weights_hf_can_hold():
 def test_engine_for_picks_the_mllama_engine_for_accel():
     from tools.engines import engine_for
     ref, _ = models(kv_heads=2, use_triton=False)
-    assert isinstance(engine_for(ref.ckpt, "accel", "cpu", "fp32"), MllamaAccelEngine)
+    assert isinstance(engine_for(ref.ckpt, "accel", "cpu", "fp32"), VisionAccelEngine)

@@ -11,14 +11,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from accel.vision.engine import MllamaAccelEngine  # noqa: E402
+from accel.vision.engine import VisionAccelEngine  # noqa: E402
 from accel import ops  # noqa: E402
-from accel.vision.weights import random_mllama_weights  # noqa: E402
-from refimpl.formats.mllama_checkpoint import expected_mllama_shapes  # noqa: E402
+from accel.vision.weights import random_vision_weights  # noqa: E402
+from refimpl.formats.vision_checkpoint import expected_vision_shapes  # noqa: E402
 from refimpl.formats.params import Checkpoint  # noqa: E402
-from refimpl.generate_mllama import MllamaEngine  # noqa: E402
-from refimpl.model.mllama_config import MllamaConfig  # noqa: E402
-from refimpl.model.names import mllama_activation_names  # noqa: E402
+from refimpl.generate_vision import VisionEngine  # noqa: E402
+from refimpl.model.vision_config import MllamaConfig  # noqa: E402
+from refimpl.model.names import vision_activation_names  # noqa: E402
 from refimpl.vision.encoder import padding_mask  # noqa: E402
 from refimpl.vision.inputs import ImageInputs  # noqa: E402
 from refimpl.compare import TOLERANCES  # noqa: E402
@@ -36,7 +36,7 @@ REAL = {"model_type": "mllama", "image_token_index": IMAGE,
 @pytest.fixture(scope="module")
 def model():
     cfg = MllamaConfig.from_hf(REAL)
-    w = random_mllama_weights(cfg, "cuda", torch.float32, expected_mllama_shapes(cfg), std=0.03)
+    w = random_vision_weights(cfg, "cuda", torch.float32, expected_vision_shapes(cfg), std=0.03)
     params = {k: v.cpu().numpy() for k, v in w.params.items()}
     del w
     return cfg, Checkpoint(None, cfg, params)
@@ -74,8 +74,8 @@ def no_tf32():
 @pytest.mark.parametrize("tiles", [1, 4])
 def test_fast_path_matches_refimpl_at_real_shapes(model, no_tf32, dtype, tiles):
     cfg, ckpt = model
-    ref = MllamaEngine(ckpt)
-    acc = MllamaAccelEngine.from_checkpoint(ckpt, device="cuda", dtype=dtype)
+    ref = VisionEngine(ckpt)
+    acc = VisionAccelEngine.from_checkpoint(ckpt, device="cuda", dtype=dtype)
     ids = [1, 5, 7, IMAGE, 9, 11, 13, 17, 19, 23]
     images = images_for(cfg, ids, tiles)
     got, want = prefill_and_decode(ref, acc, ids, images, extra=[29, 31, 37])  # decode: the CUDA graph
@@ -89,12 +89,12 @@ def test_fast_path_matches_refimpl_at_real_shapes(model, no_tf32, dtype, tiles):
 
 def test_trace_mode_names_at_real_shapes_bf16(model):
     cfg, ckpt = model
-    acc = MllamaAccelEngine.from_checkpoint(ckpt, device="cuda", dtype="bf16")
-    ref = MllamaEngine(ckpt)
+    acc = VisionAccelEngine.from_checkpoint(ckpt, device="cuda", dtype="bf16")
+    ref = VisionEngine(ckpt)
     ids = [1, IMAGE, 9, 11]
     images = images_for(cfg, ids, 2)
     got = list(acc.steps(ids, np.arange(len(ids)), acc.new_cache(len(ids)), images=images))
-    assert [n for n, _ in got] == mllama_activation_names(cfg, encode_images=True)
+    assert [n for n, _ in got] == vision_activation_names(cfg, encode_images=True)
     want = ref.logits(ids, np.arange(len(ids)), ref.new_cache(len(ids)), images=images)
     assert rel(acc.to_numpy(got[-1][1])[-1], want) < TOLERANCES["bf16"].max_rel
 

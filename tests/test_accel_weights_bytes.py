@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from accel.engine import AccelEngine  # noqa: E402
 from refimpl.formats.params import Checkpoint, random_params  # noqa: E402
 from refimpl.quant.apply import quantize_params  # noqa: E402
-from refimpl.quant.formats import QuantSpec  # noqa: E402
+from refimpl.quant.schemes import QuantSpec  # noqa: E402
 from test_gguf import tiny_config  # noqa: E402
 
 

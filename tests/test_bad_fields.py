@@ -206,7 +206,7 @@ def test_mllama_tables_cover_every_hf_field():
 ])
 def test_mllama_refused_fields(section, name, value):
     from test_vision_checkpoint import tiny_config as mllama_tiny
-    from refimpl.model.mllama_config import MllamaConfig
+    from refimpl.model.vision_config import MllamaConfig
     d = mllama_tiny()
     MllamaConfig.from_hf(d)  # the unedited config is fine
     (d[section] if section else d)[name] = value

@@ -6,10 +6,10 @@ import pytest
 
 pytest.importorskip("torch")
 from refimpl.formats.params import Checkpoint  # noqa: E402
-from refimpl.generate_mllama import MllamaEngine  # noqa: E402
-from refimpl.model.mllama_config import MllamaConfig  # noqa: E402
+from refimpl.generate_vision import VisionEngine  # noqa: E402
+from refimpl.model.vision_config import MllamaConfig  # noqa: E402
 from tools.bench import agreement  # noqa: E402
-from tools.vision_toy import random_mllama_params, toy_vision_config  # noqa: E402
+from tools.vision_toy import random_vision_params, toy_vision_config  # noqa: E402
 
 
 def test_vision_agreement_fp32_is_total():
@@ -21,15 +21,15 @@ def test_vision_agreement_fp32_is_total():
 
 @pytest.mark.parametrize("model", ["vision-tiny", "toy-vision"])
 def test_random_vision_model_sees_its_image_and_every_gate_is_open(model):
-    """Both random vision models' draw (tools.vision_toy.random_mllama_params): each tanh gate, the cross layers'
+    """Both random vision models' draw (tools.vision_toy.random_vision_params): each tanh gate, the cross layers'
     too, open and unsaturated with both signs present, and another image changes the logits."""
     cfg = MllamaConfig.from_hf(agreement.VISION_TINY) if model == "vision-tiny" else toy_vision_config()
-    params = random_mllama_params(cfg)
+    params = random_vision_params(cfg)
     gates = [v.item() for k, v in params.items() if v.shape == (1,)]
     # the position embeddings' 3, each global layer's 2, each cross layer's 2
     assert len(gates) == 3 + 2 * cfg.vision.num_global_layers + 2 * len(cfg.text.cross_attention_layers)
     assert all(0.3 <= abs(g) <= 1.2 for g in gates) and min(gates) < 0 < max(gates)
-    ref = MllamaEngine(Checkpoint(None, cfg, params))
+    ref = VisionEngine(Checkpoint(None, cfg, params))
     ids, images = agreement.vision_inputs(cfg, 12)
     with_image = ref.logits(ids, np.arange(len(ids)), ref.new_cache(len(ids)), images=images)
     other = images.pixel_values.copy()

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.generate import RefEngine, Sampling, penalize
 from tools.cli import main
-from tools.debug.golden import DEFAULT_DIR
+from tools.debug.golden_record import DEFAULT_DIR
 
 GQA = DEFAULT_DIR / "toy-gqa"
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +214,7 @@ def test_missing_hub_id_is_a_clear_error(tmp_path, command):
 def test_commands_that_open_a_model_share_one_model_option():
     """One --model: the same help and the same resolution (a path, a .gguf, a Hub id in the local cache, or the
     default model) in every command that opens a model (lora merge names its base: no default)."""
-    from tools.cli.params import MODEL_OPTION
+    from tools.cli.options import MODEL_OPTION
 
     @MODEL_OPTION
     def probe(model):

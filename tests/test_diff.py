@@ -13,7 +13,7 @@ from refimpl.formats.safetensors_io import SafetensorsFile
 from tools.cli import diff as diff_cmd
 from tools.cli import main
 from tools.debug.diff import diff_engines
-from tools.debug.golden import DEFAULT_DIR
+from tools.debug.golden_record import DEFAULT_DIR
 from tools.debug.lockstep import first_divergence
 
 MODEL = DEFAULT_DIR / "toy-gqa"

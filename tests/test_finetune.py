@@ -209,11 +209,11 @@ def test_adamw_halves_loss_and_adapter_loads_in_peft_and_generate(tmp_path):
 
 def test_ctrl_c_saves_the_adapter_as_it_stands(tmp_path):
     from accel.train.loop import TrainSettings
-    from accel.train.session import Session, SessionSettings
+    from accel.train.session import TrainSession, TrainSessionSettings
     hf_chat_model(tmp_path / "base")
     data = write_jsonl(tmp_path / "train.jsonl", CONVERSATIONS)
-    session = Session.open(tmp_path / "base", data, None, "cpu", "fp32", print,
-                           SessionSettings(rank=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj")))
+    session = TrainSession.open(tmp_path / "base", data, None, "cpu", "fp32", print,
+                                TrainSessionSettings(rank=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj")))
     seen = []
 
     def on_step(record):

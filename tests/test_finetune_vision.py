@@ -131,11 +131,11 @@ def merged_logits(model_dir, adapter_dir, image):
     prompt "what is it" with one image."""
     from refimpl.formats.checkpoint import load_checkpoint
     from refimpl.formats.lora import load_lora, merge_lora
-    from refimpl.generate_mllama import MllamaEngine
+    from refimpl.generate_vision import VisionEngine
     from refimpl.vision.prepare import prepare
     ckpt = load_checkpoint(model_dir)
     ckpt.params = merge_lora(ckpt.params, ckpt.config, load_lora(adapter_dir, ckpt.config))
-    engine = MllamaEngine(ckpt)
+    engine = VisionEngine(ckpt)
     req = prepare(model_dir, ckpt.config, ckpt.tokenizer, "what is it", [image], chat=True)
     n = len(req.prompt_ids)
     return req.prompt_ids, np.ravel(engine.logits(req.prompt_ids, np.arange(n), engine.new_cache(n),
@@ -149,11 +149,11 @@ def finetune_args(model_dir, data, out, *extra):
 
 def test_samples_match_hf_processor(base):
     from refimpl.text.tokenizer import TextTokenizer
-    from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
+    from refimpl.formats.vision_checkpoint import load_vision_checkpoint
     from refimpl.train.data import load_samples
     from refimpl.train.image_data import VisionData, image_record_encoder
     model_dir, data_dir = base
-    ckpt = load_mllama_checkpoint(model_dir)
+    ckpt = load_vision_checkpoint(model_dir)
     tok = TextTokenizer.from_dir(model_dir, ckpt.config)
     vd = VisionData.for_checkpoint(model_dir, ckpt.config, tok)
     path = write_jsonl(data_dir / "d.jsonl", records_for(data_dir) + [PATH_PARTS])
@@ -317,7 +317,7 @@ def test_bad_image_data_is_one_clear_error(base, tmp_path, case):
 
 
 def test_images_for_a_text_only_checkpoint(base, tmp_path):
-    from tools.debug.golden import DEFAULT_DIR
+    from tools.debug.golden_record import DEFAULT_DIR
     _, data_dir = base
     data = write_jsonl(data_dir / "text-only.jsonl", records_for(data_dir)[:1])
     result = run_cli(finetune_args(DEFAULT_DIR / "toy-gqa", data, tmp_path / "out"))
@@ -337,10 +337,10 @@ def test_generate_merges_adapters_on_every_linear_as_peft_does(base, tmp_path):
     """PEFT's all-linear on Mllama adapts the vision tower and the projector too: merged, refimpl's logits on an
     image prompt are PEFT's."""
     from refimpl.formats.lora import load_lora
-    from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
+    from refimpl.formats.vision_checkpoint import load_vision_checkpoint
     model_dir, data_dir = base
     peft_model = init_adapter(hf_model(model_dir), tmp_path / "all", targets="all-linear").eval()
-    adapter = load_lora(tmp_path / "all", load_mllama_checkpoint(model_dir, with_tokenizer=False).config)
+    adapter = load_lora(tmp_path / "all", load_vision_checkpoint(model_dir, with_tokenizer=False).config)
     assert len(adapter) == 53 and any(name.startswith("vision_model.") for name, *_ in adapter)
     prompt_ids, ours = merged_logits(model_dir, tmp_path / "all", data_dir / "img" / "tall.png")
     n = len(prompt_ids)

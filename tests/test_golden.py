@@ -15,8 +15,8 @@ from refimpl.model.config import LlamaConfig
 from refimpl.generate import RefEngine
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
 from tools.cli import main
-from tools.debug.golden import (ACTIVATIONS, DEFAULT_DIR, MANIFEST, check_golden, find_golden_dirs, hf_check,
-                                load_golden, make_golden)
+from tools.debug.golden import check_golden, hf_check, load_golden, make_golden
+from tools.debug.golden_record import ACTIVATIONS, DEFAULT_DIR, MANIFEST, find_golden_dirs
 from tools.debug.lockstep import first_divergence
 from tools.debug.vision_golden import is_vision_golden
 from tools.toy import SPECIAL_TOKENS, TOYS, build_tokenizer, special_id

@@ -31,7 +31,7 @@ def test_imports_point_one_way(package):
 def test_refimpl_runs_without_torch_loaded():
     code = ("import sys, refimpl.formats.checkpoint, refimpl.generate, refimpl.formats.gguf_loader,"
             " refimpl.formats.lora, refimpl.compare;"
-            "import refimpl.generate_mllama, refimpl.formats.mllama_checkpoint;"
+            "import refimpl.generate_vision, refimpl.formats.vision_checkpoint;"
             "bad = [m for m in ('torch', 'triton', 'accel', 'tools') if m in sys.modules];"
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -90,8 +90,8 @@ EXPECTED_MLLAMA = {  # mode: names
 
 
 def _mllama():
-    from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
-    from refimpl.model.mllama_config import MllamaConfig
+    from refimpl.formats.vision_checkpoint import expected_vision_shapes
+    from refimpl.model.vision_config import MllamaConfig
 
     cfg = MllamaConfig.from_hf({
         "model_type": "mllama", "image_token_index": 50,
@@ -102,29 +102,29 @@ def _mllama():
                           "max_num_tiles": 4, "vision_output_dim": 32, "intermediate_layers_indices": [0]},
     })
     rng = np.random.default_rng(0)
-    params = {n: (0.1 * rng.standard_normal(s)).astype(np.float32) for n, s in expected_mllama_shapes(cfg).items()}
+    params = {n: (0.1 * rng.standard_normal(s)).astype(np.float32) for n, s in expected_vision_shapes(cfg).items()}
     return cfg, params
 
 
 def test_mllama_exact_ordered_lists():
-    from refimpl.model.names import mllama_activation_names
+    from refimpl.model.names import vision_activation_names
 
     cfg, _ = _mllama()
-    assert mllama_activation_names(cfg) == EXPECTED_MLLAMA["prompt with images"]
-    assert mllama_activation_names(cfg, encode_images=False, image_in_cache=True) == \
+    assert vision_activation_names(cfg) == EXPECTED_MLLAMA["prompt with images"]
+    assert vision_activation_names(cfg, encode_images=False, image_in_cache=True) == \
         EXPECTED_MLLAMA["decode after images"]
-    assert mllama_activation_names(cfg, encode_images=False) == EXPECTED_MLLAMA["no image"]
+    assert vision_activation_names(cfg, encode_images=False) == EXPECTED_MLLAMA["no image"]
 
 
 def test_mllama_forward_yields_exactly_the_scheme_with_documented_shapes():
-    from refimpl.model.mllama import MllamaCache, forward_steps
+    from refimpl.model.llama_vision import VisionCache, forward_steps
     from refimpl.vision.inputs import ImageInputs
 
     cfg, params = _mllama()
     pixels = np.random.default_rng(1).standard_normal((2, 4, 3, 14, 14)).astype(np.float32)
     images = ImageInputs.from_arrays(cfg.vision, pixels, [6, 1], [[1, 1, 1, 0], [1, 0, 0, 0]],
                                      np.ones((3, 2, 4), np.int64))
-    cache = MllamaCache.allocate(cfg.text, 8, lambda s: np.zeros(s, np.float32))
+    cache = VisionCache.allocate(cfg.text, 8, lambda s: np.zeros(s, np.float32))
     seen = list(forward_steps(ops, params, cfg, np.array([50, 4, 50]), np.arange(3), cache, images))
     assert [n for n, _ in seen] == EXPECTED_MLLAMA["prompt with images"]
     shapes = dict((n, v.shape) for n, v in seen)
@@ -135,6 +135,6 @@ def test_mllama_forward_yields_exactly_the_scheme_with_documented_shapes():
     assert shapes["layers.1.xattn.q_norm"] == (T, 6, E) and shapes["layers.1.xattn.k_norm"] == (N, K, E)
     decode = [n for n, _ in forward_steps(ops, params, cfg, np.array([7]), np.array([3]), cache)]
     assert decode == EXPECTED_MLLAMA["decode after images"]
-    fresh = MllamaCache.allocate(cfg.text, 8, lambda s: np.zeros(s, np.float32))
+    fresh = VisionCache.allocate(cfg.text, 8, lambda s: np.zeros(s, np.float32))
     assert [n for n, _ in forward_steps(ops, params, cfg, np.array([7]), np.array([0]), fresh)] == \
         EXPECTED_MLLAMA["no image"]

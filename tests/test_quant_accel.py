@@ -19,7 +19,7 @@ from refimpl.formats.params import Checkpoint, random_params  # noqa: E402
 from refimpl.generate import RefEngine, Sampling  # noqa: E402
 from refimpl.model import ops as np_ops  # noqa: E402
 from refimpl.quant.apply import quantize_params  # noqa: E402
-from refimpl.quant.formats import QuantizedLinear, QuantSpec  # noqa: E402
+from refimpl.quant.schemes import QuantizedLinear, QuantSpec  # noqa: E402
 from test_gguf import tiny_config, write_gguf  # noqa: E402
 from test_quant_refimpl import edge_blocks  # noqa: E402
 

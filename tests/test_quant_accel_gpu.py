@@ -14,7 +14,7 @@ from refimpl.compare import TOLERANCES, compare  # noqa: E402
 from refimpl.formats.params import Checkpoint, random_params  # noqa: E402
 from refimpl.generate import RefEngine, Sampling  # noqa: E402
 from refimpl.quant.apply import quantize_params  # noqa: E402
-from refimpl.quant.formats import QuantSpec  # noqa: E402
+from refimpl.quant.schemes import QuantSpec  # noqa: E402
 from test_gguf import tiny_config  # noqa: E402
 from test_quant_accel import bits, gguf_record, gpu, oracle_product  # noqa: E402
 from tests._logits import NOISE, near_tie, rms  # noqa: E402
@@ -121,7 +121,7 @@ def test_gguf_gemv_at_a_llama_shape_gpu(fmt):
 @pytest.mark.parametrize("spec", ["int8", "int4:64"])
 @pytest.mark.parametrize("N, K", [(16384, 2048), (3072, 8192)])
 def test_dequantize_at_llama_shapes_equals_the_oracle_gpu(spec, N, K):
-    from refimpl.quant.formats import dequantize_int4, dequantize_int8
+    from refimpl.quant.schemes import dequantize_int4, dequantize_int8
     w = torch.randn(N, K, device="cuda") * 0.02
     t = quantize(w, QuantSpec.parse(spec))
     q, s = t.q.cpu().numpy(), t.scale.float().cpu().numpy()

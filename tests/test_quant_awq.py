@@ -14,7 +14,7 @@ from refimpl.model import ops
 from refimpl.model.llama import KVCache, forward, layer_params
 from refimpl.quant import awq
 from refimpl.quant.calibrate import calibration_sequences, quantize_model, quantize_shared
-from refimpl.quant.formats import QuantSpec
+from refimpl.quant.schemes import QuantSpec
 from test_quant_methods import correlated_inputs, heavy_tailed, output_error
 
 TOY = Path(__file__).resolve().parent.parent / "golden" / "toy-gqa"  # 4 query heads over 2 kv heads

@@ -19,7 +19,8 @@ from refimpl.model import ops
 from refimpl.model.llama import KVCache, forward
 from refimpl.quant.apply import quantized_names
 from refimpl.quant.calibrate import calibration_sequences, quantize_model
-from refimpl.quant.formats import MIXED_INT8, QuantError, QuantizedLinear, QuantSpec
+from refimpl.errors import QuantError
+from refimpl.quant.schemes import MIXED_INT8, QuantizedLinear, QuantSpec
 
 TOY = Path(__file__).resolve().parent.parent / "golden" / "toy-gqa"
 CALIB = ("Call me Ishmael. Some years ago, having little or no money in my purse, and nothing particular to interest "
@@ -246,14 +247,14 @@ def test_quantize_refuses_a_vision_model_from_its_config(tmp_path):
 
 def test_quantize_reads_config_json_once(tmp_path, monkeypatch):
     """The Vision refusal and the load share one read of config.json."""
-    from refimpl.formats import checkpoint, jsonfile
+    from refimpl.formats import hf_dir, jsonfile
     reads = []
 
     def counting(path, *args, **kwargs):
         reads.append(Path(path).name)
         return read(path, *args, **kwargs)
     read = jsonfile.read_json_object
-    for module in (jsonfile, checkpoint):
+    for module in (jsonfile, hf_dir):
         monkeypatch.setattr(module, "read_json_object", counting)
     r = run_cli(["quantize", "--model", TOY, "--quant", "int8", "--method", "rtn", "--out", tmp_path / "out"])
     assert r.exit_code == 0, r.output

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refimpl.quant.formats import QuantizedLinear, QuantSpec, round_bf16, unpack_nibbles
+from refimpl.quant.schemes import QuantizedLinear, QuantSpec, round_bf16, unpack_nibbles
 from refimpl.quant.gptq import gptq_quantize
 from refimpl.quant.search import quantize_search
 

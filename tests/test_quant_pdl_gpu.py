@@ -21,7 +21,7 @@ from accel.quant_layers import quantize_weights  # noqa: E402
 from accel.quant_ops import quantize  # noqa: E402
 from accel.weights import random_weights  # noqa: E402
 from refimpl.model.config import PRESETS  # noqa: E402
-from refimpl.quant.formats import QuantSpec  # noqa: E402
+from refimpl.quant.schemes import QuantSpec  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MODES = [QGEMV_PDL[4], QGEMV_PDL[8]]  # the launch modes the engine runs (by code width)

@@ -17,7 +17,7 @@ from accel import quant_layers  # noqa: E402
 from accel.quant_layers import MATRICES, pack_layer, prefill_weights  # noqa: E402
 from accel.quant_ops import from_quantized_linear, quantize, torch_dequantize  # noqa: E402
 from accel.weights import LayerWeights  # noqa: E402
-from refimpl.quant.formats import QuantSpec  # noqa: E402
+from refimpl.quant.schemes import QuantSpec  # noqa: E402
 from test_quant_accel import RECORDS, bits, gguf_record, record  # noqa: E402
 
 CUDA = torch.cuda.is_available()

@@ -13,7 +13,8 @@ from refimpl.formats.params import random_params  # noqa: E402
 from refimpl.model import ops  # noqa: E402
 from refimpl.model.llama import KVCache, forward  # noqa: E402
 from refimpl.quant.apply import dequantize_params, quantize_params  # noqa: E402
-from refimpl.quant.formats import (MIXED_INT8, QuantError, QuantizedLinear, QuantSpec, pack_nibbles,  # noqa: E402
+from refimpl.errors import QuantError  # noqa: E402
+from refimpl.quant.schemes import (MIXED_INT8, QuantizedLinear, QuantSpec, pack_nibbles,  # noqa: E402
                                    quantize_int4, quantize_int8, round_bf16, unpack_nibbles)
 from refimpl.quant.gguf_blocks import BLOCK_BYTES, dequantize_blocks  # noqa: E402
 from test_gguf import tiny_config, write_gguf  # noqa: E402

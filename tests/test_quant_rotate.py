@@ -134,7 +134,8 @@ def test_rotated_toy_checkpoint_keeps_its_logits(values):
 
 
 def test_rotating_quantized_or_biased_params_is_refused():
-    from refimpl.quant.formats import QuantError, QuantSpec
+    from refimpl.errors import QuantError
+    from refimpl.quant.schemes import QuantSpec
     src = load_checkpoint(TOY)
     key = "model.layers.0.mlp.up_proj.weight"
     params = src.params | {key: QuantSpec.parse("int8").quantize(src.params[key])}

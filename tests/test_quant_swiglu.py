@@ -13,7 +13,7 @@ from accel import ops  # noqa: E402
 from accel.kernels.qgemv_fused import gate_up_swiglu_qfwd  # noqa: E402
 from accel.quant_ops import QuantTensor, from_quantized_linear, quantize  # noqa: E402
 from refimpl.model import ops as np_ops  # noqa: E402
-from refimpl.quant.formats import QuantSpec  # noqa: E402
+from refimpl.quant.schemes import QuantSpec  # noqa: E402
 from test_quant_accel import gpu, interpreter, record  # noqa: E402
 
 EPS = 1e-5

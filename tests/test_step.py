@@ -21,7 +21,7 @@ from refimpl.model.names import activation_names
 from refimpl.formats.safetensors_io import SafetensorsFile
 from tools.cli import main
 from tools.debug.step_values import CommandError, parse_index
-from tools.debug.stepper import Session, run_script, split_commands
+from tools.debug.stepper import StepSession, run_script, split_commands
 from tools.toy import TOYS, write_toy_checkpoint
 
 PROMPT = "the cat sat"
@@ -68,7 +68,7 @@ def direct(ckpt, ids, position):
 def session(ckpt, commands, engines=None, position=None, **kw):
     lines = []
     ids = ckpt.tokenizer.encode(PROMPT)
-    s = Session(engines or [RefEngine(ckpt)], ids, len(ids) - 1 if position is None else position,
+    s = StepSession(engines or [RefEngine(ckpt)], ids, len(ids) - 1 if position is None else position,
                 ckpt.tokenizer, out=lines.append, **kw)
     run_script(s, split_commands(commands))
     return s, lines

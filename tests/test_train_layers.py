@@ -137,7 +137,7 @@ def test_dropout_masks_are_inverted_dropout():
 
 
 def run_cross_layer(kernels, x, states, visible, has_image, weights, adapters, shape):
-    from accel.train.mllama_model import cross_layer
+    from accel.train.vision_model import cross_layer
     H, K, E, Fi = shape
     aq, ak, av, ao, ag, au, ad = adapters
     groups = (*(lora_group((a,), (None,), x.dtype) for a in (aq, ak, av, ao)),

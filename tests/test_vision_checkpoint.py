@@ -8,10 +8,10 @@ import pytest
 
 from refimpl.errors import CheckpointError, ConfigError
 from refimpl.formats import safetensors_io
-from refimpl.formats.checkpoint import load_checkpoint
-from refimpl.formats.mllama_checkpoint import check_mllama_dir, expected_mllama_shapes, save_mllama_checkpoint
+from refimpl.formats.checkpoint import load_checkpoint, save_checkpoint
+from refimpl.formats.vision_checkpoint import check_vision_dir, expected_vision_shapes
 from refimpl.formats.safetensors_io import save_safetensors
-from refimpl.model.mllama_config import MllamaConfig
+from refimpl.model.vision_config import MllamaConfig
 
 CONFIG_90B = {  # meta-llama/Llama-3.2-90B-Vision-Instruct's config.json, the fields that set shapes
     "model_type": "mllama", "image_token_index": 128256,
@@ -58,7 +58,7 @@ def no_data_reads(monkeypatch):
 
 def test_90b_header_validates_without_reading_data(tmp_path, no_data_reads):
     cfg = MllamaConfig.from_hf(CONFIG_90B)
-    shapes = expected_mllama_shapes(cfg)
+    shapes = expected_vision_shapes(cfg)
     assert shapes["language_model.model.embed_tokens.weight"] == (128264, 8192)
     assert shapes["language_model.model.layers.98.cross_attn.q_norm.weight"] == (128,)
     assert shapes["vision_model.gated_positional_embedding.tile_embedding.weight"] == (9, 4 * 1601 * 1280)
@@ -67,7 +67,7 @@ def test_90b_header_validates_without_reading_data(tmp_path, no_data_reads):
     newer = {newer_name(k): v for k, v in shapes.items()}  # as newer transformers versions write them
     assert "lm_head.weight" in newer and "model.vision_model.class_embedding" in newer
     write_sparse_shards(tmp_path / "ok", newer)
-    got, located = check_mllama_dir(tmp_path / "ok")
+    got, located = check_vision_dir(tmp_path / "ok")
     assert got == cfg and set(located) == set(shapes)
 
 
@@ -81,7 +81,7 @@ def newer_name(hub: str) -> str:
 
 @pytest.mark.parametrize("fault", ["shape", "missing"])
 def test_90b_header_mismatch_is_one_line(tmp_path, no_data_reads, fault):
-    shapes = dict(expected_mllama_shapes(MllamaConfig.from_hf(CONFIG_90B)))
+    shapes = dict(expected_vision_shapes(MllamaConfig.from_hf(CONFIG_90B)))
     victim = "language_model.model.layers.43.cross_attn.k_proj.weight"
     if fault == "shape":
         shapes[victim] = (8192, 1024)
@@ -89,7 +89,7 @@ def test_90b_header_mismatch_is_one_line(tmp_path, no_data_reads, fault):
         del shapes[victim]
     write_sparse_shards(tmp_path / "bad", shapes)
     with pytest.raises(CheckpointError) as e:
-        check_mllama_dir(tmp_path / "bad")
+        check_vision_dir(tmp_path / "bad")
     msg = str(e.value)
     assert victim in msg and "\n" not in msg
     assert ("[8192, 1024]" in msg and "[1024, 8192]" in msg) if fault == "shape" else "missing" in msg
@@ -108,8 +108,8 @@ def tiny_config():
 def test_load_checkpoint_dispatches_and_names_a_wrong_tensor(tmp_path):
     cfg = MllamaConfig.from_hf(tiny_config())
     rng = np.random.default_rng(0)
-    params = {n: rng.standard_normal(s).astype(np.float32) for n, s in expected_mllama_shapes(cfg).items()}
-    save_mllama_checkpoint(tmp_path, cfg, params)
+    params = {n: rng.standard_normal(s).astype(np.float32) for n, s in expected_vision_shapes(cfg).items()}
+    save_checkpoint(tmp_path, cfg, params)
     ckpt = load_checkpoint(tmp_path, with_tokenizer=False)
     assert ckpt.config == cfg and all(np.array_equal(ckpt.params[n], params[n]) for n in params)
     params["multi_modal_projector.bias"] = np.zeros(15, np.float32)
@@ -144,7 +144,7 @@ def test_to_hf_round_trips_and_hf_builds_the_same_shapes():
     from transformers import MllamaConfig as HFConfig
     from transformers import MllamaForConditionalGeneration
 
-    from refimpl.formats.mllama_checkpoint import hub_name
+    from refimpl.formats.vision_checkpoint import hub_name
 
     cfg = MllamaConfig.from_hf(tiny_config())
     d = cfg.to_hf()
@@ -153,21 +153,21 @@ def test_to_hf_round_trips_and_hf_builds_the_same_shapes():
     torch.manual_seed(0)
     model = MllamaForConditionalGeneration(HFConfig(**{k: v for k, v in d.items() if k != "model_type"}))
     hf_shapes = {hub_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
-    assert hf_shapes == expected_mllama_shapes(cfg)
+    assert hf_shapes == expected_vision_shapes(cfg)
 
 
 def test_loading_a_vision_directory_reads_config_json_once(monkeypatch):
     """load_checkpoint tells a Vision directory by its config.json and hands that one read to the Vision loader."""
     from pathlib import Path
 
-    from refimpl.formats import checkpoint, jsonfile
+    from refimpl.formats import hf_dir, jsonfile
     reads = []
     read = jsonfile.read_json_object
 
     def counting(path, *args, **kwargs):
         reads.append(Path(path).name)
         return read(path, *args, **kwargs)
-    for module in (jsonfile, checkpoint):
+    for module in (jsonfile, hf_dir):
         monkeypatch.setattr(module, "read_json_object", counting)
     ckpt = load_checkpoint(Path(__file__).resolve().parent.parent / "golden" / "toy-vision", with_tokenizer=False)
     assert isinstance(ckpt.config, MllamaConfig) and ckpt.params

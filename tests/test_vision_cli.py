@@ -11,7 +11,7 @@ import pytest
 from refimpl.compare import TOLERANCES, compare
 from refimpl.formats.safetensors_io import SafetensorsFile
 from tests._badinput import assert_clean_error, run_cli
-from tools.debug.golden import DEFAULT_DIR, MANIFEST
+from tools.debug.golden_record import DEFAULT_DIR, MANIFEST
 from tools.debug.vision_golden import load_vision_golden, make_vision_golden
 
 TOY = DEFAULT_DIR / "toy-vision"

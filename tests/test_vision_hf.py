@@ -10,10 +10,10 @@ from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.formats.params import Checkpoint
 from refimpl.formats.safetensors_io import save_safetensors
 from refimpl.generate import Sampling
-from refimpl.generate_mllama import MllamaEngine
+from refimpl.generate_vision import VisionEngine
 from refimpl.model import ops
-from refimpl.model.mllama import MllamaCache, forward
-from refimpl.model.mllama_config import MllamaConfig
+from refimpl.model.llama_vision import VisionCache, forward
+from refimpl.model.vision_config import MllamaConfig
 from refimpl.vision.inputs import ImageInputs
 from tests._mllama_hf import IMAGE, TILE, VOCAB, cross_mask, hf_config, hf_logits, hf_model, image_arrays, \
     ref_params
@@ -28,7 +28,7 @@ def setup(**kw):
 
 
 def ref_logits(cfg, params, ids, images=None):
-    cache = MllamaCache.allocate(cfg.text, len(ids), lambda s: np.zeros(s, np.float32))
+    cache = VisionCache.allocate(cfg.text, len(ids), lambda s: np.zeros(s, np.float32))
     return forward(ops, params, cfg, np.array(ids), np.arange(len(ids)), cache, images)
 
 
@@ -105,7 +105,7 @@ def hf_generate(model, ids, arrays=None, n=12):
 @pytest.mark.parametrize("with_image", [True, False])
 def test_twelve_greedy_tokens_match_hf_generate(with_image):
     model, cfg, params = setup(kv_heads=2)
-    engine = MllamaEngine(Checkpoint(None, cfg, params))
+    engine = VisionEngine(Checkpoint(None, cfg, params))
     if with_image:
         ids = [1, 5, IMAGE, 9, 11, 13, 4]
         arrays, images = inputs_for(cfg, ids, [(1, 2)])
@@ -124,7 +124,7 @@ def test_image_token_inside_or_outside_the_vocabulary_matches_hf(image_token):
     model = hf_model(kv_heads=2, image_token=image_token)
     cfg = MllamaConfig.from_hf({"model_type": "mllama", **hf_config(kv_heads=2, image_token=image_token)})
     assert cfg.image_token_index == image_token
-    engine = MllamaEngine(Checkpoint(None, cfg, ref_params(model)))
+    engine = VisionEngine(Checkpoint(None, cfg, ref_params(model)))
     ids = [1, 5, image_token, 9, 11, 13, 4]
     pixels, ar_ids, ar_mask = image_arrays([(1, 2)], 0, tile=cfg.vision.image_size)
     xmask = cross_mask(ids, [2], image_token=image_token)
@@ -156,7 +156,7 @@ def test_cached_decode_equals_full_forward():
     ids = [1, 5, IMAGE, 9, 11]
     extra = [13, 17, 19, 23]
     (pixels, ar_ids, ar_mask, xmask), images = inputs_for(cfg, ids, [(2, 1)])
-    cache = MllamaCache.allocate(cfg.text, len(ids) + len(extra), lambda s: np.zeros(s, np.float32))
+    cache = VisionCache.allocate(cfg.text, len(ids) + len(extra), lambda s: np.zeros(s, np.float32))
     steps = [forward(ops, params, cfg, np.array(ids), np.arange(len(ids)), cache, images)[-1]]
     for n, token in enumerate(extra[:-1]):
         steps.append(forward(ops, params, cfg, np.array([token]), np.array([len(ids) + n]), cache)[0])
@@ -193,7 +193,7 @@ def test_image_inputs_that_do_not_fit_the_prompt_or_config_are_one_line_errors()
     from refimpl.errors import GenerationError
 
     _, cfg, params = setup(kv_heads=2)
-    engine = MllamaEngine(Checkpoint(None, cfg, params))
+    engine = VisionEngine(Checkpoint(None, cfg, params))
     ids = [1, IMAGE, 9, IMAGE]
     _, one_image = inputs_for(cfg, [1, IMAGE, 9], [(1, 1)])
     cases = [

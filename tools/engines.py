@@ -9,7 +9,7 @@ from pathlib import Path
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 from refimpl.formats.safe_open import check_path
-from refimpl.model.mllama_config import is_mllama
+from refimpl.family import family_of
 from refimpl.quant.apply import is_quantized, refuse_requantizing
 
 BACKENDS = ("auto", "refimpl", "accel")
@@ -68,10 +68,10 @@ def resolve_model(model: str | None) -> Path:
 
 
 def parse_quant(quant: str | None):
-    """`--quant` text -> refimpl.quant.formats.QuantSpec, or None."""
+    """`--quant` text -> refimpl.quant.schemes.QuantSpec, or None."""
     if quant is None:
         return None
-    from refimpl.quant.formats import QuantSpec
+    from refimpl.quant.schemes import QuantSpec
     return QuantSpec.parse(quant)
 
 
@@ -100,10 +100,11 @@ def load_engine(model_path: Path, backend: str, device: str | None = None, dtype
     if lora is not None:
         from refimpl.formats.lora import attach_lora, load_lora, merge_lora
         adapter = load_lora(lora, ckpt.config)
-        vision = [name for name, *_ in adapter if is_mllama(ckpt.config) and not name.startswith("language_model.")]
-        if vision and lora_mode == "unmerged":  # the refimpl vision tower runs plain linears
+        prefix = family_of(ckpt.config).decoder_prefix
+        outside = [name for name, *_ in adapter if not name.startswith(prefix)]
+        if outside and lora_mode == "unmerged":  # the refimpl vision tower runs plain linears
             raise GenerationError(f"--lora-mode unmerged serves a vision model's text-decoder adapters only; {lora} "
-                                  f"also adapts {vision[0]!r}: drop --lora-mode unmerged to merge it")
+                                  f"also adapts {outside[0]!r}: drop --lora-mode unmerged to merge it")
         ckpt.params = (attach_lora(ckpt.params, adapter) if lora_mode == "unmerged"
                        else merge_lora(ckpt.params, ckpt.config, adapter))
     if spec is not None and not keep_blocks and backend == "refimpl":
@@ -125,19 +126,10 @@ def engine_for(ckpt, backend: str, device: str | None = None, dtype: str | None 
             raise GenerationError(f"--dtype {dtype}: the refimpl backend computes in fp32 only")
         if device not in (None, "cpu"):
             raise GenerationError(f"--device {device!r}: the refimpl backend runs on the CPU only")
-        if is_mllama(ckpt.config):
-            from refimpl.generate_mllama import MllamaEngine
-            return MllamaEngine(ckpt)
-        from refimpl.generate import RefEngine
-        return RefEngine(ckpt)
+        return family_of(ckpt.config).engine(ckpt)
     try:
-        from accel.engine import AccelEngine
-        from accel.vision.engine import MllamaAccelEngine
+        from accel.family import ENGINES
     except ImportError as e:
         raise GenerationError(f"--backend accel is not available here ({e}); it needs torch and triton: "
                               f"{ACCEL_HINT}") from None
-    if is_mllama(ckpt.config):
-        if quant is not None:
-            raise GenerationError("--quant runs on text models only for now; drop it for a Llama 3.2 Vision checkpoint")
-        return MllamaAccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype)
-    return AccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, quant=quant)
+    return ENGINES[family_of(ckpt.config).name].from_checkpoint(ckpt, device=device, dtype=dtype, quant=quant)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refimpl.errors import GenerationError
-from refimpl.model.mllama_config import is_mllama
+from refimpl.family import family_of
 
 
 @dataclass
@@ -19,7 +19,7 @@ def prompt_inputs(ckpt, prompt: str, image_paths: tuple[Path, ...] | list[Path],
                   system: str | None = None) -> PromptInputs | None:
     """Ids and image inputs for a Llama 3.2 Vision checkpoint (prompts built as MllamaProcessor builds them);
     None for a text-only checkpoint without --image (the caller's usual path)."""
-    if not is_mllama(ckpt.config):
+    if not family_of(ckpt.config).takes_images:
         if image_paths:
             raise GenerationError(f"--image: {ckpt.path} is a text-only checkpoint; images need a Llama 3.2 "
                                   f"Vision checkpoint (config.json with model_type 'mllama')")
@@ -39,13 +39,9 @@ def prompt_inputs(ckpt, prompt: str, image_paths: tuple[Path, ...] | list[Path],
 
 def forward_names(cfg, inputs: dict | None = None) -> list[str]:
     """The activation names of one forward: a vision engine's call given `inputs` (its images, or None)."""
-    from refimpl.model.names import activation_names, mllama_activation_names
-    if not is_mllama(cfg):
-        return activation_names(cfg.num_hidden_layers)
-    has_images = bool(inputs) and inputs.get("images") is not None
-    return mllama_activation_names(cfg, encode_images=has_images, image_in_cache=has_images)
+    return family_of(cfg).forward_names(cfg, bool(inputs) and inputs.get("images") is not None)
 
 
 def token_rows(cfg) -> int:
     """Ids a prompt may hold: a vision model's embedding has rows past the text vocabulary (<|image|>)."""
-    return cfg.text.embedding_rows if is_mllama(cfg) else cfg.vocab_size
+    return family_of(cfg).token_rows(cfg)

@@ -62,7 +62,7 @@ TOY_PROMPT = "Look at this picture: <|image|> and tell me about the sea in it."
 
 def toy_vision_config():
     """GQA (4 query heads on 2 kv heads), cross-attention at layers 1 and 3 of 4, llama3 rope scaling."""
-    from refimpl.model.mllama_config import MllamaConfig
+    from refimpl.model.vision_config import MllamaConfig
     from tools.toy import MERGES, SPECIAL_TOKENS, special_id
 
     vocab = 256 + len(MERGES) + len(SPECIAL_TOKENS)  # <|image|> is the next id: the first extra embedding row
@@ -83,7 +83,7 @@ def toy_vision_config():
     }, source="toy-vision config")
 
 
-def random_mllama_params(cfg, seed: int = 0) -> dict:
+def random_vision_params(cfg, seed: int = 0) -> dict:
     """Seeded float32 weights at the checkpoint's shapes, in the Hub's names, none inert: every tanh gate (the
     encoder's and the cross layers') ±U(0.3, 1.2), signs alternating — open, far from tanh's saturation, where HF's
     zero-initialised gates would hide the image; norms 1 + N(0, 0.2²); biases N(0, 0.1²); the token, class,
@@ -91,11 +91,11 @@ def random_mllama_params(cfg, seed: int = 0) -> dict:
     after the output axis), the lm_head 3× that, so logits spread (std ~3) as a trained model's do."""
     import numpy as np
 
-    from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
+    from refimpl.formats.vision_checkpoint import expected_vision_shapes
 
     rng = np.random.default_rng(seed)
     params, gates = {}, 0
-    for name, shape in expected_mllama_shapes(cfg).items():
+    for name, shape in expected_vision_shapes(cfg).items():
         leaf = name.rsplit(".", 1)[-1]
         if "gate" in leaf:  # gate, gate_attn, gate_ffn, cross_attn_attn_gate, cross_attn_mlp_gate (gate_proj: weight)
             value = rng.uniform(0.3, 1.2, shape) * (-1.0) ** gates
@@ -135,7 +135,7 @@ def write_vision_toy(out_dir, seed: int = 3):
     from refimpl.formats.checkpoint import save_checkpoint
 
     cfg = toy_vision_config()
-    model_dir = save_checkpoint(Path(out_dir) / VISION_TOY_NAME, cfg, random_mllama_params(cfg, seed))
+    model_dir = save_checkpoint(Path(out_dir) / VISION_TOY_NAME, cfg, random_vision_params(cfg, seed))
 
     def write(name, data):
         (model_dir / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

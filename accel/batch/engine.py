@@ -113,12 +113,12 @@ class BatchEngine:
                         **options) -> "BatchEngine":
         """ckpt: a refimpl Checkpoint (refimpl.formats.checkpoint.load_checkpoint). Dense weights only, text models
         only. options: BatchEngine's num_blocks, use_triton, cuda_graphs."""
-        from refimpl.model.mllama_config import is_mllama
+        from refimpl.family import family_of
         from refimpl.quant.apply import is_quantized
         if quant is not None or is_quantized(ckpt.params):
             raise GenerationError(f"{ckpt.path}: the batch engine runs dense bf16/fp32 weights only; drop --quant "
                                   f"(or use an unquantized checkpoint)")
-        if is_mllama(ckpt.config):
+        if family_of(ckpt.config).takes_images:
             raise GenerationError(f"{ckpt.path}: the batch engine runs text models only for now (this is a Llama "
                                   f"3.2 Vision checkpoint)")
         dev = resolve_device(device)

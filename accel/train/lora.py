@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from refimpl.formats.lora import LLAMA_LINEARS
+from refimpl.formats.lora_targets import LLAMA_LINEARS
 
 
 @dataclass

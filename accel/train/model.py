@@ -24,7 +24,7 @@ from accel.train.layer import manual_layer
 from accel.train.loop import collate
 from accel.train.lora import LoraModule, adapted_linear, lora_group, weight_name
 from accel.train.loss import linear_cross_entropy
-from refimpl.formats.lora import LLAMA_LINEARS
+from refimpl.formats.lora_targets import LLAMA_LINEARS
 from accel.weights import Weights
 from refimpl.model.config import LlamaConfig
 from refimpl.train.data import IGNORE

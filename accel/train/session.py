@@ -1,8 +1,9 @@
 """One fine-tuning run put together: checkpoint + data + LoRA state -> a TrainModel, and saving its adapter.
 
-`Session.open` is the one path for every checkpoint; what depends on the model family (which linears may be
+`TrainSession.open` is the one path for every checkpoint; what depends on the model family (which linears may be
 adapted and under which PEFT names, how a data line becomes a sample, the weights and the training forward) is a
-`TextTraining`, or for Llama 3.2 Vision its subclass accel.train.mllama_session.MllamaTraining.
+`TextTraining` (accel.train.text_training), or for Llama 3.2 Vision its subclass
+accel.train.vision_training.VisionTraining.
 """
 from __future__ import annotations
 
@@ -11,24 +12,28 @@ from pathlib import Path
 from typing import Callable
 
 from accel.train.adapter import adapter_config, save_adapter
-from accel.train.lora import from_adapter, init_lora, module_name, target_names
+from accel.train.lora import from_adapter, init_lora
 from accel.train.loop import TrainSettings, evaluate, plan_steps, train
 from accel.train.model import TrainModel
-from accel.weights import DTYPES, load_weights
+from accel.train.text_training import TextTraining
+from accel.train.vision_training import VisionTraining
 from refimpl.errors import CheckpointError
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.formats.lora import load_lora
-from refimpl.formats.params import expected_shapes
-from refimpl.model.mllama_config import is_mllama
+from refimpl.family import TEXT, VISION, family_of
 from refimpl.train.data import load_samples
+
+# what a run adapts and runs, per model family (refimpl.family): Llama 3.2 Vision's has image samples and LoRA on
+# the text decoder
+TRAINING = {TEXT.name: TextTraining, VISION.name: VisionTraining}
 
 
 DEFAULT_DROPOUT = 0.05  # a fresh adapter's LoRA dropout
 
 
 @dataclass(frozen=True)
-class SessionSettings:
+class TrainSessionSettings:
     rank: int = 8
     alpha: float = 32.0
     dropout: float | None = None  # None: the init adapter's lora_dropout, else DEFAULT_DROPOUT
@@ -40,60 +45,20 @@ class SessionSettings:
     columns: dict | None = None  # the data's field names -> refimpl.train.data's (--columns)
 
 
-class TextTraining:
-    """What a fine-tuning run on a Llama text checkpoint adapts and runs: the decoder layers' linears, named by
-    their checkpoint weights (`model.layers.3.self_attn.q_proj`), text conversations, TrainModel."""
+class TrainSession:
+    """A training forward with its LoRA state, the training and evaluation samples, the adapter config to save."""
 
-    def __init__(self, ckpt, model_path: Path):
-        self.cfg, self.tokenizer = ckpt.config, ckpt.tokenizer
-
-    def record_encoder(self, data_path: Path):
-        """load_samples' `encode_record` for a data file (None: the text path's own)."""
-        return None
-
-    def refuse_untrainable(self, adapter, adapter_dir: Path) -> None:
-        """An existing adapter (load_lora's list) may adapt only the linears training reaches."""
-        lm_head = [name for name, *_ in adapter if not name.startswith("model.layers.")]
-        if lm_head:
-            raise CheckpointError(f"{adapter_dir}: adapts {lm_head[0]!r}; training supports the decoder layers' "
-                                  f"linears only")
-
-    def fresh_targets(self, targets: tuple[str, ...]) -> tuple[dict, list[str]]:
-        """(checkpoint name -> [Dout, Din] of the adaptable weights, the names `targets` (short names) selects)."""
-        return expected_shapes(self.cfg), target_names(self.cfg, targets)
-
-    def module_of(self, param: str) -> str:
-        """Checkpoint weight name -> the PEFT module name the adapter file uses."""
-        return module_name(param)
-
-    def target_modules(self, modules: set[str], targets: list[str]):
-        """adapter_config.json's target_modules for the adapted `modules`, given their short names `targets`."""
-        return targets
-
-    def load_weights(self, params: dict, device, dtype: str):
-        return load_weights(params, self.cfg, device, DTYPES[dtype])
-
-    def model(self, weights, lora: dict, s: SessionSettings) -> TrainModel:
-        """The training forward; `lora` keyed by checkpoint weight name."""
-        return TrainModel(weights, self.cfg, lora, s.dropout, compile=s.compile)
-
-
-class Session:
     def __init__(self, model: TrainModel, samples, eval_samples, config: dict, device):
         self.model, self.samples, self.eval_samples, self.config, self.device = (model, samples, eval_samples,
                                                                                   config, device)
 
     @classmethod
     def open(cls, model_path: Path, data: Path, eval_data: Path | None, device, dtype: str,
-             warn: Callable[[str], None], s: SessionSettings) -> "Session":
+             warn: Callable[[str], None], s: TrainSessionSettings) -> "TrainSession":
         ckpt = load_checkpoint(model_path)
         if ckpt.tokenizer is None:
             raise CheckpointError(f"{model_path}: has no tokenizer; training data cannot be rendered")
-        if is_mllama(ckpt.config):  # Llama 3.2 Vision: image samples, LoRA on the text decoder
-            from accel.train.mllama_session import MllamaTraining
-            family = MllamaTraining(ckpt, Path(model_path))
-        else:
-            family = TextTraining(ckpt, Path(model_path))
+        family = TRAINING[family_of(ckpt.config).name](ckpt, Path(model_path))
 
         def load(path):
             return load_samples(path, ckpt.tokenizer, s.max_length, warn, family.record_encoder(Path(path)),
@@ -114,7 +79,7 @@ class Session:
             m.a.data, m.b.data = m.a.data.to(device), m.b.data.to(device)
         weights = family.load_weights(ckpt.params, device, dtype)
         ckpt.params = None  # the fp32 host copy is no longer needed
-        return cls(family.model(weights, lora, s), samples, eval_samples, config, device)
+        return cls(family.model(weights, lora, s.dropout, s.compile), samples, eval_samples, config, device)
 
     def planned_steps(self, settings: TrainSettings) -> int:
         return len(plan_steps(self.samples, settings))

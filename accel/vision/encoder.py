@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from refimpl.model.mllama_config import VisionConfig
+from refimpl.model.vision_config import VisionConfig
 from refimpl.vision.encoder import (PRE_POST_NORM_EPS, aspect_ratio_embedding, padding_tokens, position_embedding,
                                     unfold_patches)
 
@@ -124,8 +124,8 @@ def _stack(p: dict, cfg: VisionConfig, stack: str, n: int, x, qkv, pad, I: int, 
 def encode(p: dict, cfg: VisionConfig, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
            qkv: dict[str, torch.Tensor], gates: list[tuple[float, float]]):
     """pixel_values [I, A, C, X, X] and aspect_ratio_ids [I] (device tensors), aspect_ratio_mask [I, A] (host),
-    qkv: the fused q/k/v weights by layer prefix (MllamaWeights.vision_qkv), gates: tanh of each global layer's
-    two gates as numbers (MllamaWeights.vision_gates: read once at load, no host sync here) -> image features
+    qkv: the fused q/k/v weights by layer prefix (VisionWeights.vision_qkv), gates: tanh of each global layer's
+    two gates as numbers (VisionWeights.vision_gates: read once at load, no host sync here) -> image features
     [I, A, P, O]."""
     I, A = pixel_values.shape[:2]
     P, Q, U = cfg.tokens_per_tile, cfg.padded_tokens_per_tile, cfg.hidden_size

@@ -5,7 +5,7 @@ gate_up, rearranged once at load); the cross-attention layers' gate and up proje
 (`CrossLayer.gate_up`), and all cross layers' k and v projections into one matrix each (`CrossImageKV`: a request's
 image keys/values are two GEMMs); each encoder layer's q/k/v into one (`vision_qkv`); everything else stays one
 tensor per checkpoint name. `params` gives every tensor by its checkpoint name (views of the fused ones), for trace
-mode, which runs refimpl.model.mllama.forward_steps over accel.ops.
+mode, which runs refimpl.model.llama_vision.forward_steps over accel.ops.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from refimpl.model.mllama import LM_HEAD, TEXT
-from refimpl.model.mllama_config import MllamaConfig
+from refimpl.model.llama_vision import LM_HEAD, TEXT
+from refimpl.model.vision_config import MllamaConfig
 
 from ..weights import Weights, load_weights, params_view, random_weights, to_device
 
@@ -78,7 +78,7 @@ class CrossImageKV:
 
 
 @dataclass
-class MllamaWeights:
+class VisionWeights:
     text: Weights  # the self-attention layers only, in order (text.layers[j] is self_layers[j])
     self_layers: list[int]  # their indices in the decoder
     params: dict[str, torch.Tensor]  # every tensor by its checkpoint name
@@ -152,14 +152,14 @@ def vision_gates(params: dict[str, torch.Tensor], cfg: MllamaConfig) -> list[tup
     return list(zip(g[0::2], g[1::2]))
 
 
-def _with_vision(w: MllamaWeights, cfg: MllamaConfig) -> MllamaWeights:
+def _with_vision(w: VisionWeights, cfg: MllamaConfig) -> VisionWeights:
     """The encoder's load-time rearrangements: fused q/k/v, gates as numbers."""
     w.vision_qkv = fuse_vision_qkv(w.params, cfg)
     w.vision_gates = vision_gates(w.params, cfg)
     return w
 
 
-def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device, dtype: torch.dtype) -> MllamaWeights:
+def load_vision_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device, dtype: torch.dtype) -> VisionWeights:
     """float32 NumPy params keyed by the Hub's names -> device tensors in `dtype`, one at a time."""
     self_layers, names = _text_renames(cfg)
     sub = self_layer_config(cfg)
@@ -168,10 +168,10 @@ def load_mllama_weights(params: dict[str, np.ndarray], cfg: MllamaConfig, device
     for name, array in params.items():
         if name not in out:
             out[name] = to_device(array, device, dtype)
-    return _with_cross_layers(_with_vision(MllamaWeights(text, self_layers, out), cfg), cfg)
+    return _with_cross_layers(_with_vision(VisionWeights(text, self_layers, out), cfg), cfg)
 
 
-def _with_cross_layers(w: MllamaWeights, cfg: MllamaConfig) -> MllamaWeights:
+def _with_cross_layers(w: VisionWeights, cfg: MllamaConfig) -> VisionWeights:
     """Each cross layer's gate and up projections moved into one [2F, D] tensor (params keep views of it), so
     that the decode step runs them as one GEMV, as the self layers' gate_up; the image-side k/v fused likewise."""
     w.image_kv = CrossImageKV.of(w.params, cfg)
@@ -182,8 +182,8 @@ def _with_cross_layers(w: MllamaWeights, cfg: MllamaConfig) -> MllamaWeights:
     return w
 
 
-def random_mllama_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes: dict, seed: int = 0,
-                          std: float = 0.02) -> MllamaWeights:
+def random_vision_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes: dict, seed: int = 0,
+                          std: float = 0.02) -> VisionWeights:
     """Random weights built on the device at the given checkpoint shapes (the benchmark's real-size model):
     norms 1 + N(0, 0.1²), gates 0.5, matrices/embeddings/biases N(0, std²)."""
     g = torch.Generator(device=device)
@@ -205,4 +205,4 @@ def random_mllama_weights(cfg: MllamaConfig, device, dtype: torch.dtype, shapes:
     for name, shape in shapes.items():
         if name not in out:
             out[name] = draw(name, shape)
-    return _with_cross_layers(_with_vision(MllamaWeights(text, self_layers, out), cfg), cfg)
+    return _with_cross_layers(_with_vision(VisionWeights(text, self_layers, out), cfg), cfg)

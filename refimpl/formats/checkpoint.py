@@ -3,46 +3,33 @@
 A directory holds config.json, model.safetensors or model.safetensors.index.json with its shards,
 tokenizer.json, tokenizer_config.json (chat_template) or chat_template.jinja, and generation_config.json (eos).
 Tensors come back as float32 NumPy arrays keyed by the checkpoint's names; shapes are checked against the config.
+config.json's model_type picks the model family (refimpl.family), whose loader reads the directory.
 """
 from __future__ import annotations
 
 import json
 import shutil
 import stat
-import sys
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from refimpl.model.config import LlamaConfig
-from refimpl.model.mllama_config import is_mllama_config
 from refimpl.errors import CheckpointError, ConfigError
-from refimpl.formats.jsonfile import read_config_json, read_json_object
-from refimpl.progress import Progress
-from refimpl.quant.apply import quantize_params
+from refimpl.family import family_of_config_json
 from refimpl.formats.gguf_loader import load_gguf
-from refimpl.formats.params import Checkpoint, check_params, expected_shapes
-from refimpl.formats.quant_checkpoint import is_quantized_config, load_quantized_params
+from refimpl.formats.jsonfile import read_config_json
+from refimpl.formats.params import Checkpoint
 from refimpl.formats.safe_open import check_path, open_regular, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
-from refimpl.formats.shards import read_headers, weight_files
-
-
-def iter_safetensors(model_dir: Path, cfg: LlamaConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (name, float32 array) for every expected tensor, validating names and shapes first."""
-    holder, shapes = read_headers(model_dir)
-    extra = check_params(shapes, cfg, str(model_dir))
-    if extra:
-        print(f"warning: {model_dir}: ignoring {len(extra)} unknown tensor(s), e.g. {extra[0]!r}", file=sys.stderr)
-    for name in expected_shapes(cfg):
-        yield name, holder[name].load_weight(name)
+from refimpl.formats.shards import weight_files
+from refimpl.model.config import LlamaConfig
+from refimpl.quant.apply import quantize_params
 
 
 def load_checkpoint(path: str | Path, with_tokenizer: bool = True, quant=None, text_only: bool = False) -> Checkpoint:
     """Load a model directory or a .gguf file into float32 NumPy parameters (plus tokenizer and stop ids).
 
-    quant (a refimpl.quant.formats.QuantSpec, `--quant`): int8/int4 quantize the linear layers after loading;
+    quant (a refimpl.quant.schemes.QuantSpec, `--quant`): int8/int4 quantize the linear layers after loading;
     gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are stored. text_only: a Llama 3.2 Vision directory is
     refused from its config.json, before any weight is read."""
     ckpt = _load(Path(path), with_tokenizer, quant is not None and quant.format == "gguf",
@@ -65,55 +52,16 @@ def _load(path: Path, with_tokenizer: bool, keep_blocks: bool, lm_head_blocks: b
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{path}: expected a model directory (with config.json) or a .gguf file")
     config = read_config_json(path / "config.json")
-    if is_mllama_config(config):
-        if text_only:
-            raise ConfigError(f"{path / 'config.json'}: model_type is 'mllama' (Llama 3.2 Vision); expected a text "
-                              "Llama model")
-        from refimpl.formats.mllama_checkpoint import load_mllama_checkpoint
-        return load_mllama_checkpoint(path, with_tokenizer=with_tokenizer, config=config)
-    if is_quantized_config(config):
-        cfg, params, _ = load_quantized_params(path, config, str(path / "config.json"))
-        return assemble(path, cfg, params, with_tokenizer)
-    cfg = LlamaConfig.from_hf(config, source=str(path / "config.json"))
-    params = {}
-    # 9 tensors a layer + embed + norm (+ lm_head): counted, not listed, so 10^12 claimed layers fail in
-    # check_params instead of hanging here
-    total = 9 * cfg.num_hidden_layers + 2 + (not cfg.tie_word_embeddings)
-    with Progress(f"loading {path.name}", total) as bar:
-        for name, array in iter_safetensors(path, cfg):
-            params[name] = array
-            bar.advance()
-    return assemble(path, cfg, params, with_tokenizer)
-
-
-def assemble(path: Path, cfg, params: dict, with_tokenizer: bool) -> Checkpoint:
-    """A directory's Checkpoint from its config (a LlamaConfig or MllamaConfig) and loaded parameters: the
-    tokenizer (with_tokenizer) and the stop ids read beside them."""
-    tokenizer = None
-    if with_tokenizer:
-        from refimpl.text.tokenizer import TextTokenizer
-        tokenizer = TextTokenizer.from_dir(path, cfg)
-    return Checkpoint(path, cfg, params, tokenizer, stop_ids(path, cfg, tokenizer))
+    family = family_of_config_json(config)
+    if text_only and family.takes_images:
+        raise ConfigError(f"{path / 'config.json'}: model_type is {config.get('model_type')!r} (Llama 3.2 Vision); "
+                          "expected a text Llama model")
+    return family.load_dir(path, with_tokenizer, config)
 
 
 def _is_gguf(path: Path) -> bool:
     with open_regular(path) as f:
         return f.read(4) == b"GGUF"
-
-
-def stop_ids(model_dir: Path, cfg: LlamaConfig, tokenizer=None) -> tuple[int, ...]:
-    """Every eos id: generation_config.json's list (e.g. <|eot_id|>, <|eom_id|>), config.json's, the tokenizer's."""
-    ids = list(cfg.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if stat_path(gen) is not None:
-        eos = read_json_object(gen, "generation settings").get("eos_token_id")
-        extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if not all(isinstance(e, int) and not isinstance(e, bool) for e in extra):
-            raise CheckpointError(f"{gen}: eos_token_id must be an integer or a list of integers, got {eos!r}")
-        ids += extra
-    if tokenizer is not None and tokenizer.eos_id is not None:
-        ids.append(tokenizer.eos_id)
-    return tuple(dict.fromkeys(ids))
 
 
 def save_checkpoint(model_dir: str | Path, cfg: LlamaConfig, params: dict[str, np.ndarray],

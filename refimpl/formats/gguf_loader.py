@@ -252,7 +252,7 @@ def dequantize(tensor, source: str) -> np.ndarray:
 
 def kept_blocks(tensor, shape: tuple[int, ...]):
     """A Q8_0/Q4_0/Q4_1 tensor as its raw blocks (refimpl.quant), or None for another type (dequantized)."""
-    from refimpl.quant.formats import GGUF_FORMATS, QuantizedLinear
+    from refimpl.quant.schemes import GGUF_FORMATS, QuantizedLinear
     fmt = tensor.tensor_type.name.lower()
     if fmt not in GGUF_FORMATS:
         return None

@@ -6,8 +6,10 @@ Merged weight = W + scale · (B @ A) with scale = alpha / r, or alpha / sqrt(r) 
 and `alpha_pattern` override r and alpha per module, matched as PEFT matches them (`get_pattern_key`: the first
 pattern p, in file order, for which `(.*\\.)?(p)$` matches the module name).
 
-A Llama 3.2 Vision base (MllamaConfig) takes adapters on any of its linears (text decoder, vision tower,
-projector, lm_head), named as refimpl.formats.lora_mllama describes; parameters come back in the Hub's names.
+Which modules an adapter may name and the weights they adapt depend on the model family (refimpl.family): a Llama
+text base's decoder linears and lm_head (refimpl.formats.lora_text), or any linear of a Llama 3.2 Vision base (text
+decoder, vision tower, projector, lm_head; refimpl.formats.lora_vision), whose parameters come back in the Hub's
+names.
 
 Only what merges into plain Llama linears is accepted; every other PEFT feature is refused by name rather than
 silently merged wrong (DoRA rescales columns, lora_bias adds a bias Llama lacks, fan_in_fan_out transposes).
@@ -22,22 +24,19 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.model import ops
-from refimpl.formats.params import expected_shapes
-from refimpl.model.config import LlamaConfig
-from refimpl.model.llama import LoraWeight
 from refimpl.errors import CheckpointError, quote
+from refimpl.family import family_of
 from refimpl.formats.jsonfile import read_json_object
-from refimpl.formats.lora_mllama import ALL_LINEAR_LEAVES, linear_params, mllama_modules, module_of, param_of
-from refimpl.formats.lora_targets import LLAMA_LINEARS, BoundedMatcher, targeted_modules
-from refimpl.formats.mllama_checkpoint import expected_mllama_shapes
-from refimpl.model.mllama_config import MllamaConfig, is_mllama
+from refimpl.formats.lora_targets import BoundedMatcher
 from refimpl.formats.safe_open import check_path, stat_path
 from refimpl.formats.safetensors_io import SafetensorsFile
+from refimpl.model import ops
+from refimpl.model.config import LlamaConfig
+from refimpl.model.llama import LoraWeight
+
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 # PEFT's save_embedding_layers="auto" also stores the full base weight of an adapted lm_head / embedding
 _BASE_LAYER_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.base_layer\.weight$")
-_LAYER_MODULE_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 
 Adapter = list  # [(param name, lora_a [R, Din], lora_b [Dout, R], scale)]
 
@@ -103,40 +102,10 @@ def module_scale(d: dict, module: str, path: Path, matcher: BoundedMatcher | Non
     return r, (alpha / math.sqrt(r) if d.get("use_rslora") else alpha / r)
 
 
-def _shapes(cfg) -> dict:
-    return expected_mllama_shapes(cfg) if is_mllama(cfg) else expected_shapes(cfg)
-
-
-def _mllama_param_name(module: str, how: str, cfg: MllamaConfig, path: Path) -> str:
-    name = param_of(module)
-    if name not in linear_params(cfg):
-        known = module_of(name) in mllama_modules(cfg)
-        raise CheckpointError(f"{path}: {how} module {quote(module)}, " + (
-            "which is not a linear layer; only the linears of the text decoder, vision tower, projector and "
-            "lm_head are supported" if known else
-            f"which this base model does not have (an adapter for another base? config has "
-            f"{cfg.text.num_hidden_layers} text layers)"))
-    return name
-
-
-def _param_name(module: str, how: str, cfg: LlamaConfig, path: Path) -> str:
-    """PEFT module name -> the checkpoint parameter it adapts, refusing anything but Llama's linears.
+def _param_name(module: str, how: str, cfg, path: Path) -> str:
+    """PEFT module name -> the checkpoint parameter it adapts, refusing anything but the family's linears.
     `how` says where the module came from ("a tensor adapts", "target_modules selects")."""
-    if is_mllama(cfg):
-        return _mllama_param_name(module, how, cfg, path)
-    m = _LAYER_MODULE_RE.match(module)
-    if m and m.group(3) in LLAMA_LINEARS:
-        name = module + ".weight"
-    elif module == "lm_head" and not cfg.tie_word_embeddings:
-        name = "lm_head.weight"
-    else:
-        raise CheckpointError(f"{path}: {how} module {quote(module)}; only the Llama linears "
-                              f"({', '.join(LLAMA_LINEARS)}{', lm_head' if not cfg.tie_word_embeddings else ''}) "
-                              f"are supported")
-    if name not in expected_shapes(cfg):
-        raise CheckpointError(f"{path}: LoRA matrices for {quote(name)}, which this base model does not have "
-                              f"(an adapter for another base? config has {cfg.num_hidden_layers} layers)")
-    return name
+    return family_of(cfg).lora_param(module, how, cfg, path)
 
 
 def _weights_file(adapter_dir: Path) -> Path:
@@ -158,7 +127,7 @@ def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
     weights = _weights_file(adapter_dir)
     st = SafetensorsFile(weights)
     pairs: dict[str, dict[str, str]] = {}
-    shapes = _shapes(cfg)
+    shapes = family_of(cfg).expected_shapes(cfg)
     for key in st.names():
         m = _KEY_RE.match(key)
         base = _BASE_LAYER_RE.match(key)
@@ -177,11 +146,7 @@ def load_lora(adapter_dir: str | Path, cfg: LlamaConfig) -> Adapter:
     for module, ab in pairs.items():  # a matrix for a module this base lacks or llama32 cannot merge: refused
         _param_name(module, "a tensor adapts", cfg, weights)
     matcher = BoundedMatcher(cfg_path)  # one matching budget for the whole adapter
-    if is_mllama(cfg):
-        targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher, modules=mllama_modules(cfg),
-                                    all_linear=ALL_LINEAR_LEAVES)
-    else:
-        targeted = targeted_modules(d, cfg.num_hidden_layers, cfg_path, matcher)
+    targeted = family_of(cfg).lora_targets(d, cfg, cfg_path, matcher)
     for module in targeted:  # PEFT raises on a targeted module it cannot adapt; llama32 merges only linears
         _param_name(module, "target_modules selects", cfg, cfg_path)
     skipped = [module for module in pairs if module not in set(targeted)]

@@ -1,5 +1,5 @@
 """Quantized checkpoints as `llama32 quantize` writes them: a Hugging Face-style directory whose linear layers are
-stored as codes, scales and minima, read back into refimpl.quant.formats.QuantizedLinear records unchanged.
+stored as codes, scales and minima, read back into refimpl.quant.schemes.QuantizedLinear records unchanged.
 
     config.json              the model's config plus
                              "quantization_config": {"quant_method": "llama32", "version": 1, "format": "int8" |
@@ -15,7 +15,7 @@ stored as codes, scales and minima, read back into refimpl.quant.formats.Quantiz
                                <base>.qweight   I8 [N, K] (int8)  |  U8 [N, K/2], two codes a byte, low nibble first
                                <base>.scales    BF16 [N, 1] (int8) | BF16 [N, ceil(K/G)] (int4)
                                <base>.mins      BF16 [N, ceil(K/G)] (int4 only)
-                             W ≈ codes · scale (int8), codes · scale + min (int4) (refimpl.quant.formats' module doc);
+                             W ≈ codes · scale (int8), codes · scale + min (int4) (refimpl.quant.schemes' module doc);
                              every other tensor under its own name, in the source's float dtype
     tokenizer.json, tokenizer_config.json (chat_template, bos/eos tokens), generation_config.json (eos ids)
 
@@ -34,7 +34,7 @@ from refimpl.formats.shards import read_headers
 from refimpl.model.config import LlamaConfig
 from refimpl.progress import Progress
 from refimpl.quant.apply import LM_HEAD, quantized_names
-from refimpl.quant.formats import INT4_GROUPS, QuantizedLinear, QuantSpec, int8_keys_of
+from refimpl.quant.schemes import INT4_GROUPS, QuantizedLinear, QuantSpec, int8_keys_of
 
 QUANT_METHOD, VERSION = "llama32", 1
 _PARTS = ("qweight", "scales", "mins")
@@ -72,7 +72,8 @@ def save_quantized_weights(out_dir: str | Path, params: dict, dtype: str = "F32"
     return out
 
 
-def is_quantized_config(d: dict) -> bool:
+def declares_quantization(d: dict) -> bool:
+    """config.json's dict carries a quantization_config (a checkpoint `llama32 quantize` wrote, or another tool's)."""
     return d.get("quantization_config") is not None
 
 

@@ -55,7 +55,7 @@ class Ops(Protocol):
 
     def linear(self, x: Array, weight: Array) -> Array:
         """x [T, Din], weight [Dout, Din] (the checkpoint's layout) -> x @ weightᵀ, [T, Dout]. No bias (Llama).
-        weight may be quantized (refimpl.quant.formats.QuantizedLinear, accel.quant_ops.QuantTensor): the product
+        weight may be quantized (refimpl.quant.schemes.QuantizedLinear, accel.quant_ops.QuantTensor): the product
         is by its dequantized values."""
 
     def attention(self, q: Array, k: Array, v: Array, cache_k: Array, cache_v: Array,
@@ -76,7 +76,7 @@ class Ops(Protocol):
 
         q [T, H, E], k/v [K, N, E], mask [T, N] bool (True = may attend) or None (all visible) -> [T, H, E].
         A query row with no visible key outputs zeros (Meta's reference zeroes such rows so). HF's Mllama, which
-        refimpl.model.mllama reproduces, never passes such a row: it lets it attend to every image token.
+        refimpl.model.llama_vision reproduces, never passes such a row: it lets it attend to every image token.
         """
 
     def lora_merge(self, weight: Array, lora_a: Array, lora_b: Array, scale: float) -> Array:

@@ -21,7 +21,7 @@ Order is the order of computation in a forward; `tests/test_names.py` pins it ex
     final_norm                    [T, D]
     logits                        [T, V]     (only the last row during generation prefill)
 
-Llama 3.2 Vision (refimpl.model.mllama) adds, on the call that encodes the prompt's images, before `embed`:
+Llama 3.2 Vision (refimpl.model.llama_vision) adds, on the call that encodes the prompt's images, before `embed`:
 
     vision.patch_embed            [I, A, P-1, U]  the stride-Z patch convolution, as a matmul
     vision.pre_tile               [I, A, P-1, U]  + gated aspect-ratio embedding (one vector per tile)
@@ -81,7 +81,7 @@ CROSS_LAYER_ACTIVATIONS: tuple[str, ...] = (
 IMAGE_KV_ACTIVATIONS = ("xattn.k", "xattn.k_norm", "xattn.v")
 
 
-def vision_activation_names(num_layers: int, num_global_layers: int) -> list[str]:
+def encoder_activation_names(num_layers: int, num_global_layers: int) -> list[str]:
     names = ["vision.patch_embed", "vision.pre_tile", "vision.pos_embed", "vision.layernorm_pre"]
     for i in range(num_layers):
         names += [f"vision.layers.{i}.{a}" for a in VISION_LAYER_ACTIVATIONS]
@@ -91,10 +91,10 @@ def vision_activation_names(num_layers: int, num_global_layers: int) -> list[str
     return names + ["vision.out", "projector"]
 
 
-def mllama_activation_names(cfg, encode_images: bool = True, image_in_cache: bool = False) -> list[str]:
+def vision_activation_names(cfg, encode_images: bool = True, image_in_cache: bool = False) -> list[str]:
     """The names of one Llama 3.2 Vision forward (`cfg` a MllamaConfig): `encode_images` for the call that is given
     the prompt's images; `image_in_cache` for later calls of a prompt that had images (decode steps)."""
-    names = vision_activation_names(cfg.vision.num_hidden_layers, cfg.vision.num_global_layers) if encode_images \
+    names = encoder_activation_names(cfg.vision.num_hidden_layers, cfg.vision.num_global_layers) if encode_images \
         else []
     names.append("embed")
     for i in range(cfg.text.num_hidden_layers):

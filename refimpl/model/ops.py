@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl.model.config import RopeScaling
-from refimpl.quant.formats import QuantizedLinear
+from refimpl.quant.schemes import QuantizedLinear
 
 F32 = np.float32
 

@@ -9,7 +9,8 @@ import numpy as np
 
 from refimpl.model.config import LlamaConfig
 from refimpl.progress import Progress
-from refimpl.quant.formats import MATRIX_KEYS, QuantError, QuantizedLinear, QuantSpec
+from refimpl.errors import QuantError
+from refimpl.quant.schemes import MATRIX_KEYS, QuantizedLinear, QuantSpec
 
 LINEAR_KEYS = tuple(f"{k}.weight" for k in MATRIX_KEYS if k != "lm_head")  # a block's, as the checkpoint names them
 LM_HEAD = "lm_head.weight"
@@ -49,6 +50,7 @@ def source_weight(params: dict, name: str) -> np.ndarray:
 
 
 def is_quantized(params: dict) -> bool:
+    """Some parameter is a QuantizedLinear record (quantized at load, or a quantized checkpoint's)."""
     return any(isinstance(v, QuantizedLinear) for v in params.values())
 
 

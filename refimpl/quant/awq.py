@@ -19,13 +19,13 @@ with α on a grid in [0, 1] chosen to minimize the layer's output error on the c
 Σ_n (w_n − ŵ_n) H (w_n − ŵ_n)ᵀ (refimpl.quant.gptq's quadratic form), of the round-to-nearest quantization
 ŵ = Q(w·s) / s. α = 0 (s = 1, no scaling) is on the grid, so the search never makes round-to-nearest worse.
 AWQ's paper uses the mean |x| and the same grid; p is the mean square because H holds it already.
-[N, K] = [Dout, Din] as in refimpl.quant.formats.
+[N, K] = [Dout, Din] as in refimpl.quant.schemes.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from refimpl.quant.formats import F32
+from refimpl.quant.schemes import F32
 from refimpl.quant.search import ROWS_AT_ONCE, row_errors
 
 ALPHAS = np.linspace(0.0, 1.0, 11)

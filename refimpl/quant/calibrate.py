@@ -1,6 +1,6 @@
 """Quantizing a whole model offline, with or without calibration text.
 
-    rtn     round to nearest on the min/max range (refimpl.quant.formats; what `--quant` does at load time)
+    rtn     round to nearest on the min/max range (refimpl.quant.schemes; what `--quant` does at load time)
     search  error-minimizing ranges (refimpl.quant.search); with calibration, each column's error weighted by the
             mean square of its input (llama.cpp's importance matrix)
     gptq    GPTQ (refimpl.quant.gptq) on each layer's calibration Hessian, with searched ranges
@@ -25,7 +25,8 @@ from refimpl.model.llama import KVCache, attention_block, drive, layer_params, m
 from refimpl.progress import Progress
 from refimpl.quant import awq
 from refimpl.quant.apply import LM_HEAD, NORMS, SHARED_INPUT, quantize_params, refuse_quantized, source_weight
-from refimpl.quant.formats import QuantError, QuantizedLinear, QuantSpec
+from refimpl.errors import QuantError
+from refimpl.quant.schemes import QuantizedLinear, QuantSpec
 from refimpl.quant.gptq import gptq_quantize
 from refimpl.quant.search import importance_of, quantize_search
 

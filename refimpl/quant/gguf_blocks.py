@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from refimpl.quant.formats import F32, QuantError
+from refimpl.errors import QuantError
+
+F32 = np.float32
 
 BLOCK = 32
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}

@@ -15,7 +15,7 @@ product (the paper's "lazy batch" update: the same result, fewer passes). The sw
 reference code does, so that each column is one contiguous row.
 
 H gets 1% of its mean diagonal added (damping: X is rank-deficient with few calibration tokens); a column no
-calibration token excites (H[j, j] = 0) is set to 0, as in the paper's code. The grid is refimpl.quant.formats'
+calibration token excites (H[j, j] = 0) is set to 0, as in the paper's code. The grid is refimpl.quant.schemes'
 (int8: a scale a row; int4: a scale and a minimum per group of G columns), chosen once before the sweep from the
 whole matrix (the reference code's `static_groups`): min/max, and the refimpl.quant.search ranges weighted with H's
 diagonal; the sweep runs on each, and every row keeps the grid whose result leaves it the smaller output error
@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from refimpl.quant.formats import F32, QuantError, QuantizedLinear, int4_codes, int8_codes, pack_nibbles
+from refimpl.errors import QuantError
+from refimpl.quant.schemes import F32, QuantizedLinear, int4_codes, int8_codes, pack_nibbles
 from refimpl.quant.search import importance_of, quantize_search, row_errors
 
 BLOCK = 128

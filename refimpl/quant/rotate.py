@@ -35,7 +35,8 @@ from refimpl.formats.params import expected_shapes
 from refimpl.model.config import LlamaConfig
 from refimpl.progress import Progress
 from refimpl.quant.apply import LM_HEAD, NORMS, SHARED_INPUT, source_weight
-from refimpl.quant.formats import F32, QuantError
+from refimpl.errors import QuantError
+from refimpl.quant.schemes import F32
 
 ROTATION_SEED = 0  # `llama32 quantize --rotate`'s
 CONSTRUCTION = "hadamard-kron-haar"  # rotation()'s: with it a seed pins R; rename it when rotation() changes

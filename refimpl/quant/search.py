@@ -1,5 +1,5 @@
 """Error-minimizing scales (and minima) for the int8 / int4 formats: the same codes and layout as
-refimpl.quant.formats, only better (scale, minimum) pairs than the min/max range.
+refimpl.quant.schemes, only better (scale, minimum) pairs than the min/max range.
 
 Min/max spends the code range on the extreme values; one outlier stretches the step for the whole row or group.
 Here each row (int8) or group (int4) tries a few candidate ranges and keeps the one with the smallest weighted
@@ -13,14 +13,13 @@ nearest codes (the format's own `int8_codes` / `int4_codes`), so the error minim
 
 a [K] is the importance of each input column: 1 without calibration, or E[x_k²] over calibration activations
 (llama.cpp's importance matrix, the diagonal of the layer's Hessian X^T X / T): an error in a column the inputs
-rarely excite costs little. [N, K] = [Dout, Din], G the group size, as in refimpl.quant.formats.
+rarely excite costs little. [N, K] = [Dout, Din], G the group size, as in refimpl.quant.schemes.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from refimpl.quant.formats import (F32, QuantizedLinear, _groups, int4_codes, int4_linear, int8_codes,
-                                   round_bf16)
+from refimpl.quant.schemes import F32, QuantizedLinear, int4_codes, int4_groups, int4_linear, int8_codes, round_bf16
 
 RATIOS_INT8 = np.linspace(0.5, 1.0, 51)  # step 0.01: past 1/2 of max|w| clipping costs more than it saves
 DELTAS_INT4 = np.linspace(-1.0, 1.0, 21)  # llama.cpp's rmin = -1, rdelta = 0.1, nstep = 20
@@ -107,8 +106,8 @@ def search_int4_params(g: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.nda
 def quantize_int4_search(w: np.ndarray, group: int, a: np.ndarray | None = None) -> QuantizedLinear:
     w = np.asarray(w, F32)  # [N, K]
     N, K = w.shape
-    g = _groups(w, group)  # [N, ceil(K/G), G]
-    a_groups = _groups(_importance(a, K)[None, :], group)  # [1, ceil(K/G), G]; edge padding repeats the last
+    g = int4_groups(w, group)  # [N, ceil(K/G), G]
+    a_groups = int4_groups(_importance(a, K)[None, :], group)  # [1, ceil(K/G), G]; edge padding repeats the last
     pad = -K % group
     if pad:  # padded columns are copies: they must not count twice
         a_groups = a_groups.copy()

@@ -39,7 +39,7 @@ class VisionData:
     """What turns a vision sample's files into model inputs: the processor settings and the model's vision config."""
 
     processor: ImageProcessorConfig
-    cfg: object  # refimpl.model.mllama_config.MllamaConfig
+    cfg: object  # refimpl.model.vision_config.MllamaConfig
     image_id: int  # the <|image|> token id
 
     @classmethod

@@ -15,7 +15,7 @@ import numpy as np
 
 from refimpl.model import arrays
 from refimpl.model.llama import Steps, emit
-from refimpl.model.mllama_config import VisionConfig
+from refimpl.model.vision_config import VisionConfig
 
 PRE_POST_NORM_EPS = 1e-5  # layernorm_pre/_post are built without the config's norm_eps, so torch's default
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refimpl.errors import GenerationError
-from refimpl.model.mllama_config import VisionConfig
+from refimpl.model.vision_config import VisionConfig
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ Models:
             N(0, 0.066), so that logits have a standard deviation near 3 as in trained models (0.066·sqrt(2048) ≈ 3)
             instead of an almost flat distribution;
     vision  (--vision) a tiny random Llama 3.2 Vision config (`VISION_TINY`) whose every parameter matters
-            (tools.vision_toy.random_mllama_params: every tanh gate open, signs mixed), one image of 4 tiles
+            (tools.vision_toy.random_vision_params: every tanh gate open, signs mixed), one image of 4 tiles
             before the prompt's text, so every cross layer and the whole encoder feed each step's logits.
 
     python -m tools.bench.agreement [--preset llama-3.2-1b | --vision] [--steps 256] [--weights bf16|fp32]
@@ -28,14 +28,14 @@ import numpy as np
 
 from refimpl.formats.params import Checkpoint, random_params
 from refimpl.generate import RefEngine
-from refimpl.generate_mllama import MllamaEngine
+from refimpl.generate_vision import VisionEngine
 from refimpl.model.config import PRESETS
-from refimpl.model.mllama_config import MllamaConfig
-from refimpl.quant.formats import round_bf16
+from refimpl.model.vision_config import MllamaConfig
+from refimpl.quant.schemes import round_bf16
 from refimpl.vision.inputs import ImageInputs
 from refimpl.vision.prompt import cross_attention_mask
 from tools.bench.common import parser, record, write_record
-from tools.vision_toy import random_mllama_params
+from tools.vision_toy import random_vision_params
 
 VISION_TINY = {  # 6 text layers (2 cross), 4 tiles of 2×2 patches (5 tokens, padded to 8), 3 + 1 encoder layers
     "model_type": "mllama", "image_token_index": 512,
@@ -142,13 +142,13 @@ def text_agreement(preset: str, steps: int, prompt_tokens: int, dtype: str, devi
 
 def vision_agreement(steps: int, prompt_tokens: int, dtype: str, device: str, use_triton: bool | None = None,
                      weights: str = "bf16") -> dict:
-    from accel.vision.engine import MllamaAccelEngine
+    from accel.vision.engine import VisionAccelEngine
 
     cfg = MllamaConfig.from_hf(VISION_TINY, source="VISION_TINY")
-    ckpt = Checkpoint(None, cfg, stored(random_mllama_params(cfg), weights))
+    ckpt = Checkpoint(None, cfg, stored(random_vision_params(cfg), weights))
     prompt, images = vision_inputs(cfg, prompt_tokens)
-    engine = MllamaAccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, use_triton=use_triton)
-    return {**run("vision-tiny", MllamaEngine(ckpt), engine, prompt, steps, images), "weights": weights}
+    engine = VisionAccelEngine.from_checkpoint(ckpt, device=device, dtype=dtype, use_triton=use_triton)
+    return {**run("vision-tiny", VisionEngine(ckpt), engine, prompt, steps, images), "weights": weights}
 
 
 def main(argv=None):

@@ -23,7 +23,7 @@ from accel.quant_layers import quantize_weights
 from accel.quant_ops import QuantTensor, quantize
 from accel.weights import random_weights
 from refimpl.model.config import LlamaConfig
-from refimpl.quant.formats import QuantSpec
+from refimpl.quant.schemes import QuantSpec
 from tools.bench.common import decode_gemv_shapes, decode_rate, graph_us, prefill_call, prefill_gpu_ms, round_robin_ms
 
 

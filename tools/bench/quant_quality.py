@@ -95,7 +95,7 @@ def smollm2_rows(specs: list[str], methods: list[str], rotate: int | None = None
     from refimpl.model.llama import KVCache, forward
     from refimpl.quant.apply import LM_HEAD, dequantize_params
     from refimpl.quant.calibrate import calibration_sequences, quantize_model
-    from refimpl.quant.formats import QuantSpec
+    from refimpl.quant.schemes import QuantSpec
     from refimpl.quant.rotate import rotate_model
     from tools.cli.quantize import CALIBRATION
     from tools.default_model import default_model_path
@@ -160,7 +160,7 @@ def random_1b_rows(specs: list[str], device: str) -> tuple[dict, list[dict]]:
     from accel.weights import random_weights
     from refimpl.model.config import PRESETS
     from refimpl.model.llama import run_steps
-    from refimpl.quant.formats import QuantSpec
+    from refimpl.quant.schemes import QuantSpec
 
     cfg = PRESETS["llama-3.2-1b"]
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, TOKENS)

@@ -17,7 +17,7 @@ import torch
 from accel.train.lora import init_lora, target_names
 from accel.train.model import TrainModel
 from accel.weights import random_weights
-from refimpl.formats.lora import LLAMA_LINEARS
+from refimpl.formats.lora_targets import LLAMA_LINEARS
 from refimpl.formats.params import expected_shapes
 from refimpl.model.config import LlamaConfig
 from tools.bench.common import hf_llama, median_ms

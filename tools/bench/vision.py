@@ -16,10 +16,10 @@ import time
 import numpy as np
 import torch
 
-from accel.vision.engine import MllamaAccelEngine
-from accel.vision.weights import random_mllama_weights
-from refimpl.formats.mllama_checkpoint import expected_mllama_shapes, hub_name
-from refimpl.model.mllama_config import MllamaConfig
+from accel.vision.engine import VisionAccelEngine
+from accel.vision.weights import random_vision_weights
+from refimpl.formats.vision_checkpoint import expected_vision_shapes, hub_name
+from refimpl.model.vision_config import MllamaConfig
 from refimpl.vision.inputs import ImageInputs
 from tools.bench.common import (copy_bandwidth, gemm_tflops, hf_bf16_model, median_ms, parser, profile_decode_steps,
                                 record, require_cuda, timed_greedy, write_record)
@@ -67,7 +67,7 @@ def encode_flops(cfg: MllamaConfig, images: int = 1) -> float:
 def memory_needed(cfg: MllamaConfig, context: int, images: int = 1, bytes_per: int = 2) -> dict:
     """Weights, self-attention KV at `context` positions, image K/V: bytes, from the checkpoint's shapes."""
     t, v = cfg.text, cfg.vision
-    weights = sum(int(np.prod(s)) for s in expected_mllama_shapes(cfg).values()) * bytes_per
+    weights = sum(int(np.prod(s)) for s in expected_vision_shapes(cfg).values()) * bytes_per
     self_layers = t.num_hidden_layers - len(t.cross_attention_layers)
     kv = 2 * self_layers * t.kv_size * context * bytes_per
     image_kv = 2 * len(t.cross_attention_layers) * t.kv_size * images * v.max_num_tiles * v.tokens_per_tile * bytes_per
@@ -112,10 +112,10 @@ def vision_bench(name: str, device, with_hf: bool, new_tokens: int = 128, prompt
     cfg = config(name)
     gc.collect()
     torch.cuda.empty_cache()
-    weights = random_mllama_weights(cfg, device, torch.bfloat16, expected_mllama_shapes(cfg))
+    weights = random_vision_weights(cfg, device, torch.bfloat16, expected_vision_shapes(cfg))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
-    engine = MllamaAccelEngine(cfg, weights, torch.device(device), "bf16")
+    engine = VisionAccelEngine(cfg, weights, torch.device(device), "bf16")
     ids, images = image_inputs(cfg, prompt_len, device)
     sess = engine.session(prompt_len + new_tokens, engine.image_tokens(images))
     encode = median_ms(lambda: engine.encode_images(images, sess.cache), reps=5, warmup=2)
@@ -168,11 +168,11 @@ def fits_report(name: str, device, context: int = 4096) -> dict:
     return {"model": name, "context": context, **need, "gpu_gb": total, "fits_one_gpu": need["total_gb"] < total}
 
 
-def profile_decode(engine: MllamaAccelEngine, ids: list[int], images: ImageInputs, steps: int = 8,
+def profile_decode(engine: VisionAccelEngine, ids: list[int], images: ImageInputs, steps: int = 8,
                    rows: int = 30) -> str:
     """Per-kernel device time of `steps` eager decode steps with the image in context (no graph, so the profiler
     sees every kernel): where a token's time goes; totals divided by `steps` are per token."""
-    eager = MllamaAccelEngine(engine.config, engine.weights, engine.device, "bf16", use_graph=False)
+    eager = VisionAccelEngine(engine.config, engine.weights, engine.device, "bf16", use_graph=False)
     sess = eager.session(len(ids) + steps + 8, eager.image_tokens(images))
     eager.encode_images(images, sess.cache)
     return profile_decode_steps(eager, sess, eager.prefill(ids, sess), len(ids), steps, rows)
@@ -192,8 +192,8 @@ def main(argv=None):
     print(json.dumps(result, indent=1), flush=True)
     if args.profile:
         cfg = config("11b-vision")
-        weights = random_mllama_weights(cfg, device, torch.bfloat16, expected_mllama_shapes(cfg))
-        engine = MllamaAccelEngine(cfg, weights, torch.device(device), "bf16")
+        weights = random_vision_weights(cfg, device, torch.bfloat16, expected_vision_shapes(cfg))
+        engine = VisionAccelEngine(cfg, weights, torch.device(device), "bf16")
         ids, images = image_inputs(cfg, 512, device)
         result["decode_profile"] = profile_decode(engine, ids, images)
         print(result["decode_profile"], flush=True)

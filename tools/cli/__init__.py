@@ -49,7 +49,7 @@ def _describe(e: Exception) -> str:
 def _print_version(ctx, param, value):
     if not value or ctx.resilient_parsing:
         return
-    from tools.debug.golden import tool_version  # installed metadata, else the checkout's pyproject.toml
+    from tools.debug.golden_record import tool_version  # installed metadata, else the checkout's pyproject.toml
     click.echo(tool_version())
     ctx.exit()
 

@@ -8,7 +8,7 @@ import click
 
 from refimpl.errors import GenerationError, quote
 
-from tools.cli.params import MODEL_OPTION, Count, UserPath
+from tools.cli.options import MODEL_OPTION, Count, UserPath
 
 BATCH_BACKENDS = ("auto", "accel", "refimpl")
 
@@ -80,7 +80,7 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
           max_num_batched_tokens, gpu_memory, batch_invariant, evaluate, as_json):
     """Run every request of a JSONL file through the model; results to a JSONL file (docs/batch.md)."""
     from refimpl.formats.checkpoint import load_checkpoint
-    from refimpl.model.mllama_config import is_mllama
+    from refimpl.family import family_of
     from tools.batch_job import Job, run_job
     from tools.batch_requests import read_done, read_requests
     from tools.engines import resolve_model
@@ -91,7 +91,7 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
         raise GenerationError(f"--output {output_path} is the input file")
     model_path = resolve_model(model)
     ckpt = load_checkpoint(model_path)
-    if is_mllama(ckpt.config):
+    if family_of(ckpt.config).takes_images:
         raise GenerationError(f"{model_path}: llama32 batch runs text models for now (a Llama 3.2 Vision "
                               f"checkpoint's requests go through llama32 generate --image)")
     if ckpt.tokenizer is None:

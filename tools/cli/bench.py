@@ -15,7 +15,7 @@ import click
 
 from refimpl.errors import GenerationError
 
-from tools.cli.params import Count, UserPath
+from tools.cli.options import Count, UserPath
 
 VISION_MODELS = ("11b-vision", "90b-vision")  # 11b: measured; 90b: its memory need against this GPU
 

@@ -15,7 +15,7 @@ from refimpl.generate import Sampling
 
 from tools.chat_session import ChatSession, stop_notice
 from tools.cli.generate import TextStream, greedy_notice
-from tools.cli.params import ENGINE_OPTIONS, MODEL_OPTION, sampling_options
+from tools.cli.options import ENGINE_OPTIONS, MODEL_OPTION, sampling_options
 from tools.engines import load_engine, resolve_backend, resolve_model
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (new system message, new conversation), /exit"

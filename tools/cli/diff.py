@@ -19,7 +19,7 @@ from tools.engines import engine_for, parse_quant
 from tools.debug.diff import diff_engines
 from tools.debug.lockstep import first_divergence, report
 from tools.cli.golden import key_filter
-from tools.cli.params import MODEL_OPTION, QUANT_HELP, Count, UserPath
+from tools.cli.options import MODEL_OPTION, QUANT_HELP, Count, UserPath
 
 
 @click.command()

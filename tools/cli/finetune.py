@@ -3,7 +3,7 @@
 Base weights stay frozen in the model dtype; LoRA matrices and optimiser state are fp32. Samples are right-padded
 per micro-batch (not packed): causal attention needs no mask then, and each sample's loss is exactly what it
 would be alone, which keeps the one-step check against HF + PEFT exact. A Llama 3.2 Vision checkpoint also takes
-image samples; its LoRA goes on the text decoder, the vision encoder stays frozen (accel.train.mllama_session).
+image samples; its LoRA goes on the text decoder, the vision encoder stays frozen (accel.train.vision_training).
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from refimpl.errors import GenerationError
 from refimpl.train.data import parse_columns, read_records, record_messages
 
 from tools.cli.outdir import check_out_dir
-from tools.cli.params import MODEL_OPTION
+from tools.cli.options import MODEL_OPTION
 from tools.engines import resolve_model
 
 
 def _targets(spec: str) -> tuple[str, ...]:
-    from refimpl.formats.lora import LLAMA_LINEARS
+    from refimpl.formats.lora_targets import LLAMA_LINEARS
     if spec == "all-linear":
         return LLAMA_LINEARS
     names = tuple(t.strip() for t in spec.split(",") if t.strip())
@@ -133,14 +133,14 @@ def finetune(model, data, columns, out, overwrite, eval_data, rank, alpha, dropo
         import torch
     except ImportError:
         raise GenerationError("llama32 finetune needs torch: pip install 'llama32[accel]'") from None
-    from accel.train.session import Session, SessionSettings
+    from accel.train.session import TrainSession, TrainSessionSettings
     from accel.train.loop import TrainSettings
     from refimpl.progress import Progress
 
     device = _device(torch, device)
     dtype = dtype or ("bf16" if torch.device(device).type == "cuda" else "fp32")
     warn = lambda msg: click.echo(f"warning: {msg}", err=True)  # noqa: E731
-    session = Session.open(model_path, data, eval_data, device, dtype, warn, SessionSettings(
+    session = TrainSession.open(model_path, data, eval_data, device, dtype, warn, TrainSessionSettings(
         rank, alpha, dropout, targets, max_length, seed, init_adapter, compile_layers, col_map))
     settings = TrainSettings(lr, optimizer, weight_decay, warmup_steps, epochs, max_steps, batch_size, grad_accum,
                              seed, save_every)

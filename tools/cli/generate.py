@@ -15,7 +15,7 @@ from refimpl.generate import Sampling
 from tools.chat_session import stop_notice, wants_chat
 from tools.engines import load_engine, resolve_backend, resolve_model
 from tools.vision_inputs import prompt_inputs
-from tools.cli.params import ENGINE_OPTIONS, MODEL_OPTION, QUANT_HELP, UserPath, sampling_options
+from tools.cli.options import ENGINE_OPTIONS, MODEL_OPTION, QUANT_HELP, UserPath, sampling_options
 
 
 class TextStream:

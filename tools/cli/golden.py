@@ -9,8 +9,9 @@ from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.model.names import matches
 
 from tools.engines import engine_for
-from tools.cli.params import UserPath
-from tools.debug.golden import DEFAULT_DIR, GoldenError, check_golden, find_golden_dirs, load_golden, make_golden
+from tools.cli.options import UserPath
+from tools.debug.golden import check_golden, load_golden, make_golden
+from tools.debug.golden_record import DEFAULT_DIR, GoldenError, find_golden_dirs
 from tools.debug.lockstep import first_divergence, report
 from tools.debug.vision_golden import check_vision_golden, is_vision_golden, load_vision_golden
 

@@ -14,7 +14,7 @@ import click
 
 from refimpl.errors import GenerationError
 from tools.cli.outdir import check_out_dir
-from tools.cli.params import MODEL_OPTION, QUANT_HELP, UserPath
+from tools.cli.options import MODEL_OPTION, QUANT_HELP, UserPath
 
 CALIBRATION = Path(__file__).resolve().parent.parent / "data" / "calibration-en.txt"
 MAX_CALIB_BYTES = 16 * 1024 * 1024

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from refimpl.errors import GenerationError
-from tools.cli.params import MODEL_OPTION, Count, UserPath
+from tools.cli.options import MODEL_OPTION, Count, UserPath
 
 
 def parse_adapters(values) -> dict[str, Path]:

@@ -12,11 +12,11 @@ import click
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.errors import GenerationError
 
-from tools.cli.params import MODEL_OPTION, QUANT_HELP, UserPath
+from tools.cli.options import MODEL_OPTION, QUANT_HELP, UserPath
 from tools.engines import engine_for, parse_quant, resolve_model
 from tools.vision_inputs import forward_names, prompt_inputs
 from tools.debug.step_values import parse_inject
-from tools.debug.stepper import Session, run_script, split_commands
+from tools.debug.stepper import StepSession, run_script, split_commands
 
 
 def make_engines(ckpt, backend: str, device: str | None, dtype: str | None) -> list:
@@ -27,7 +27,7 @@ def make_engines(ckpt, backend: str, device: str | None, dtype: str | None) -> l
             for side in sides]
 
 
-def interactive(session: Session) -> None:
+def interactive(session: StepSession) -> None:
     try:
         import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
     except ImportError:
@@ -80,7 +80,7 @@ def step(prompt, model, position, backend, device, quant, dtype, commands, inher
     inputs = vision.engine_kwargs if vision is not None else None
     fault = parse_inject(inject, forward_names(ckpt.config, inputs)) if inject else None
     ids = vision.ids if vision is not None else ckpt.tokenizer.encode(prompt)
-    session = Session(make_engines(ckpt, backend, device, dtype), ids,
+    session = StepSession(make_engines(ckpt, backend, device, dtype), ids,
                       len(ids) - 1 if position is None else position, ckpt.tokenizer,
                       lockstep=not inherited, inject=fault, out=click.echo, inputs=inputs)
     session.say(*session.banner())

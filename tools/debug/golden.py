@@ -1,10 +1,7 @@
 """Golden activations: record every named activation of the reference once, check any backend against them later.
 
-A golden record lives beside its toy checkpoint (golden/<toy>/):
-    golden.json           manifest: format + version, config fingerprint, token ids and positions per step, dtype,
-                          the tool that made it, and the max logit difference HF transformers showed at that time
-    golden.safetensors    fp32 activations keyed "<step>/<name>" ("prefill/layers.0.attn.q", "decode0/logits")
-
+A golden record (tools/debug/golden_record.py) lives beside its toy checkpoint (golden/<toy>/). Here: the text
+toys' records, and `make_golden`, which writes every toy's (the vision toy's through tools/debug/vision_golden.py).
 Steps are a prefill over a chat prompt whose positions run past the toy's original_max_position_embeddings, then
 greedy decode steps against the same KV cache. The comparison runs through the lockstep driver shared with
 `llama32 diff` and `llama32 step` (tools/debug/lockstep.py), in forward order, so the first failing row is the first
@@ -13,7 +10,6 @@ op that diverged.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,39 +17,19 @@ import numpy as np
 
 from refimpl.compare import TOLERANCES
 from refimpl.model.config import LlamaConfig
-from refimpl.errors import Llama32Error, quote
+from refimpl.errors import quote
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.model.names import activation_names, split_name
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
 
+from tools.debug.golden_record import (ACTIVATIONS, DECODE_STEPS, DEFAULT_DIR, FORMAT, FORMAT_VERSION, MANIFEST,
+                                       GoldenError, GoldenRecord, Step, logits_check, parse_steps, record,
+                                       regenerate_hint, tool_version)
 from tools.debug.lockstep import Row, compare_rows, engine_dtype
+from tools.debug.vision_golden import make_vision_golden
 
-FORMAT, FORMAT_VERSION = "llama32-golden", 1
-MANIFEST, ACTIVATIONS = "golden.json", "golden.safetensors"
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "golden"
 # 51 prefill tokens with the toy tokenizer: positions 0..52 over 2 decode steps, past original_max_position 32.
 PROMPT = [{"role": "user", "content": "Write one line about the sea, its tides and the moon."}]
-DECODE_STEPS = 2
-
-
-class GoldenError(Llama32Error):
-    """A golden record is missing, stale, foreign, or does not match its checkpoint."""
-
-
-def tool_version() -> str:
-    """The package version: installed metadata, else the checkout's pyproject.toml."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return f"llama32 {version('llama32')}"
-    except PackageNotFoundError:
-        import tomllib
-        pyproject = DEFAULT_DIR.parent / "pyproject.toml"
-        return f"llama32 {tomllib.loads(pyproject.read_text())['project']['version']}"
-
-
-def regenerate_hint(model_dir: Path) -> str:
-    root = model_dir.resolve().parent
-    return "regenerate with `llama32 golden make" + ("`" if root == DEFAULT_DIR else f" --out {root}`")
 
 
 def activation_shapes(cfg: LlamaConfig, tokens: int) -> dict[str, tuple[int, ...]]:
@@ -64,31 +40,6 @@ def activation_shapes(cfg: LlamaConfig, tokens: int) -> dict[str, tuple[int, ...
                 "attn.k": (T, K, E), "attn.v": (T, K, E), "attn.k_rot": (T, K, E),
                 "mlp.gate": (T, F), "mlp.up": (T, F), "mlp.act": (T, F), "logits": (T, cfg.vocab_size)}
     return {n: per_kind.get(split_name(n)[1], (T, D)) for n in activation_names(cfg.num_hidden_layers)}
-
-
-# ---------------------------------------------------------------- recording
-
-@dataclass(frozen=True)
-class Step:
-    name: str  # "prefill", "decode0", ...
-    ids: list[int]
-    positions: list[int]
-
-
-def record(engine, prompt_ids: list[int], decode_steps: int, **inputs) -> tuple[list[Step], dict[str, np.ndarray]]:
-    """Prefill + greedy decode steps on a fresh cache; every activation as "<step>/<name>" -> fp32 array.
-    `inputs`: a multimodal engine's prompt inputs (images), given to the prefill only."""
-    cache = engine.new_cache(len(prompt_ids) + decode_steps)
-    steps, acts = [Step("prefill", list(prompt_ids), list(range(len(prompt_ids))))], {}
-    while True:
-        step = steps[-1]
-        for name, value in engine.steps(step.ids, step.positions, cache, **(inputs if len(steps) == 1 else {})):
-            acts[f"{step.name}/{name}"] = np.array(engine.to_numpy(value), np.float32)
-        if len(steps) > decode_steps:
-            return steps, acts
-        token = int(np.argmax(acts[f"{step.name}/logits"][-1]))  # greedy: the next id a user would see
-        pos = step.positions[-1] + 1
-        steps.append(Step(f"decode{len(steps) - 1}", [token], [pos]))
 
 
 def hf_check(model_dir: Path, steps: list[Step], acts: dict[str, np.ndarray]) -> dict | None:
@@ -105,15 +56,6 @@ def hf_check(model_dir: Path, steps: list[Step], acts: dict[str, np.ndarray]) ->
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits[0].numpy()  # [T, V]
     return logits_check(theirs, steps, acts, transformers.__version__)
-
-
-def logits_check(theirs: np.ndarray, steps: list[Step], acts: dict[str, np.ndarray], version: str) -> dict:
-    """A manifest's hf_check: HF's logits [T, V] over the whole sequence against ours from the cached steps."""
-    ours = np.concatenate([acts[f"{s.name}/logits"] for s in steps])  # [T, V]
-    max_abs = float(np.abs(theirs - ours).max())
-    # two significant digits: summation order may move the last bits between runs, the record must not
-    return {"transformers": version, "max_abs_logits": float(f"{max_abs:.1e}"),
-            "max_abs_ref_logits": float(f"{np.abs(ours).max():.3g}")}
 
 
 def make_golden(out_root: str | Path = DEFAULT_DIR, with_hf: bool = True, log: Callable = print) -> list[Path]:
@@ -144,47 +86,11 @@ def make_golden(out_root: str | Path = DEFAULT_DIR, with_hf: bool = True, log: C
         log(f"{model_dir}: {len(acts)} activations, {len(prompt_ids)} prefill tokens + {DECODE_STEPS} decode "
             f"steps (positions 0..{steps[-1].positions[-1]}); {hf}")
         made.append(model_dir)
-    from tools.debug.vision_golden import make_vision_golden
     made.append(make_vision_golden(Path(out_root), with_hf, log))
     return made
 
 
 # ---------------------------------------------------------------- loading and validation
-
-@dataclass
-class GoldenRecord:
-    model_dir: Path
-    manifest: dict
-    steps: list[Step]
-    tensors: SafetensorsFile
-
-    def get(self, step: str, name: str) -> np.ndarray:
-        return self.tensors.load(f"{step}/{name}")
-
-
-def find_golden_dirs(root: str | Path) -> list[Path]:
-    """`root` itself if it holds a manifest, else its subdirectories that do."""
-    root = Path(root)
-    if (root / MANIFEST).exists():
-        return [root]
-    found = sorted(p.parent for p in root.glob(f"*/{MANIFEST}")) if root.is_dir() else []
-    if not found:
-        raise GoldenError(f"{root}: no {MANIFEST} here or in its subdirectories; create the golden files with "
-                          f"`llama32 golden make --out {root}`")
-    return found
-
-
-def _steps(manifest: dict, where: str) -> list[Step]:
-    raw = manifest.get("steps")
-    ok = isinstance(raw, list) and raw and all(
-        isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("ids"), list)
-        and isinstance(s.get("positions"), list) and len(s["ids"]) == len(s["positions"]) > 0
-        and all(isinstance(i, int) for i in s["ids"] + s["positions"]) for s in raw)
-    if not ok:
-        raise GoldenError(f"{where}: 'steps' must be a list of {{name, ids, positions}} with equal-length integer "
-                          f"lists")
-    return [Step(s["name"], s["ids"], s["positions"]) for s in raw]
-
 
 def load_golden(model_dir: str | Path) -> GoldenRecord:
     """Read and validate a golden record against its checkpoint's config.json; raise GoldenError on any mismatch."""
@@ -201,7 +107,7 @@ def load_golden(model_dir: str | Path) -> GoldenRecord:
     if manifest.get("config_fingerprint") != cfg.fingerprint():
         raise GoldenError(f"{path}: recorded for config fingerprint {manifest.get('config_fingerprint')!r}, but "
                           f"{model_dir / 'config.json'} now gives {cfg.fingerprint()!r}; {hint}")
-    steps = _steps(manifest, str(path))
+    steps = parse_steps(manifest, str(path))
     for step in steps:
         bad = next((i for i in step.ids if not 0 <= i < cfg.vocab_size), None)
         if bad is not None:

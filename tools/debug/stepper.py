@@ -1,7 +1,7 @@
 """Step-through debugging of one token's forward: the session behind `llama32 step` (no click in here).
 
-A `Session` drives one or two engines' `steps()` generators an op at a time (karpathy's llama2.c makes the one-token
-forward the unit of debugging; so do we). With two backends it runs them in lockstep by default: after every op the
+A `StepSession` drives one or two engines' `steps()` generators an op at a time (karpathy's llama2.c makes the
+one-token forward the unit of debugging; so do we). With two backends it runs them in lockstep by default: after every op the
 second side's output is compared with the first's and then replaced, via send(), by the first's value, so the
 second side always computes on the first side's inputs and a difference belongs to the op that made it. The
 `inherited` mode feeds each side its own outputs instead and shows how a difference grows downstream.
@@ -74,7 +74,7 @@ def run_to_end(sides: list[Side], lockstep: bool) -> None:
         pass
 
 
-class Session:
+class StepSession:
     def __init__(self, engines: list, prompt_ids: list[int], position: int, tokenizer=None,
                  lockstep: bool = True, inject: tuple[str, str] | None = None, out: Callable[[str], None] = print,
                  labels: list[str] | None = None, inputs: dict | None = None):
@@ -392,7 +392,7 @@ def split_commands(text: str) -> list[str]:
     return [c.strip() for c in re.split(r"[;\n]", text) if c.strip()]
 
 
-def run_script(session: Session, commands: Iterable[str], echo: bool = True) -> None:
+def run_script(session: StepSession, commands: Iterable[str], echo: bool = True) -> None:
     """Scripted mode: echo each command after the prompt (a transcript reads like the terminal) and run it
     (the ones that reported an error are in session.failed)."""
     for cmd in commands:

@@ -16,11 +16,11 @@ import numpy as np
 from refimpl.compare import TOLERANCES, compare
 from refimpl.formats.jsonfile import read_json_object
 from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
-from refimpl.model.mllama_config import MllamaConfig
-from refimpl.model.names import mllama_activation_names
+from refimpl.model.vision_config import MllamaConfig
+from refimpl.model.names import vision_activation_names
 
-from tools.debug.golden import (ACTIVATIONS, DECODE_STEPS, FORMAT, FORMAT_VERSION, MANIFEST, GoldenError,
-                                GoldenRecord, _steps, logits_check, record, regenerate_hint, tool_version)
+from tools.debug.golden_record import (ACTIVATIONS, DECODE_STEPS, FORMAT, FORMAT_VERSION, MANIFEST, GoldenError,
+                                       GoldenRecord, logits_check, parse_steps, record, regenerate_hint, tool_version)
 from tools.debug.lockstep import Row, compare_rows, engine_dtype
 
 KIND = "vision"
@@ -35,7 +35,7 @@ def is_vision_golden(model_dir: Path) -> bool:
 def step_names(cfg: MllamaConfig, step: str) -> list[str]:
     """The prefill encodes the image; decode steps read its keys/values from the cache."""
     prefill = step == "prefill"
-    return mllama_activation_names(cfg, encode_images=prefill, image_in_cache=not prefill)
+    return vision_activation_names(cfg, encode_images=prefill, image_in_cache=not prefill)
 
 
 def vision_request(ckpt, manifest: dict):
@@ -72,7 +72,7 @@ def hf_check(model_dir: Path, prompt: str, image: Path, steps, acts: dict) -> di
 
 def make_vision_golden(out_root: Path, with_hf: bool = True, log: Callable = print) -> Path:
     from refimpl.formats.checkpoint import load_checkpoint
-    from refimpl.generate_mllama import MllamaEngine
+    from refimpl.generate_vision import VisionEngine
 
     from tools.vision_toy import TOY_PROMPT, VISION_TOY_NAME, write_vision_toy
     model_dir = write_vision_toy(out_root)
@@ -81,7 +81,7 @@ def make_vision_golden(out_root: Path, with_hf: bool = True, log: Callable = pri
                 "model": VISION_TOY_NAME, "config_fingerprint": ckpt.config.fingerprint(), "dtype": "fp32",
                 "backend": "refimpl", "prompt": TOY_PROMPT, "images": ["image.png"]}
     req = vision_request(ckpt, manifest)
-    steps, acts = record(MllamaEngine(ckpt), req.prompt_ids, DECODE_STEPS, images=req.images)
+    steps, acts = record(VisionEngine(ckpt), req.prompt_ids, DECODE_STEPS, images=req.images)
     acts.update({f"inputs/{k}": np.asarray(getattr(req.images, k), np.float32) for k in INPUTS})
     save_safetensors(model_dir / ACTIVATIONS, acts, metadata={"format": FORMAT})
     check = hf_check(model_dir, TOY_PROMPT, model_dir / "image.png", steps, acts) if with_hf else None
@@ -108,7 +108,7 @@ def load_vision_golden(model_dir: Path) -> GoldenRecord:
             and all(isinstance(n, str) and "/" not in n and "\\" not in n for n in manifest["images"])):
         raise GoldenError(f"{path}: a vision record needs 'prompt' (text) and 'images' (file names beside it); "
                           f"{hint}")
-    steps = _steps(manifest, str(path))
+    steps = parse_steps(manifest, str(path))
     tensors = SafetensorsFile(model_dir / ACTIVATIONS)
     for key in [f"inputs/{k}" for k in INPUTS] + [f"{s.name}/{n}" for s in steps for n in step_names(cfg, s.name)]:
         if key not in tensors.tensors:

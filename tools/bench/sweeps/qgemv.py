@@ -27,7 +27,7 @@ import triton
 from accel.kernels.common import sm_count
 from accel.kernels.qgemv import qgemv_config
 from accel.kernels.tuning import QGEMV, QGemvConfig
-from refimpl.quant.formats import QuantSpec
+from refimpl.quant.schemes import QuantSpec
 from tools.bench.common import (MODELS, decode_gemv_shapes, model_config, parser, record, require_cuda,
                                 write_record)
 from tools.bench.quant_gpu import MAX_REL_ERR, QuantGemvCase

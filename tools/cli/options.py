@@ -14,7 +14,7 @@ import click
 
 from refimpl.errors import GenerationError
 from refimpl.formats.safe_open import check_path, stat_path
-from refimpl.quant.formats import MIXED_INT8
+from refimpl.quant.schemes import MIXED_INT8
 from tools.engines import BACKENDS
 
 _MIXED = [k.split(".")[-1] for k in MIXED_INT8]

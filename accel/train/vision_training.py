@@ -1,5 +1,5 @@
-"""What a fine-tuning run on a Llama 3.2 Vision checkpoint changes (accel.train.session.Session.open runs it): image
-samples, LoRA on the text decoder, the vision tower frozen.
+"""What a fine-tuning run on a Llama 3.2 Vision checkpoint changes (accel.train.session.TrainSession.open runs
+it): image samples, LoRA on the text decoder, the vision tower frozen.
 
 Default targets: every linear of the text decoder (self- and cross-attention layers and all MLPs). PEFT's own
 "all-linear" would also adapt the vision tower and the projector, so adapter_config.json names the modules with a
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from accel.train.mllama_model import MllamaTrainModel, trainer_key
-from accel.train.session import TextTraining
-from accel.vision.weights import load_mllama_weights
+from accel.train.vision_model import VisionTrainModel, trainer_key
+from accel.train.text_training import TextTraining
+from accel.vision.weights import load_vision_weights
 from accel.weights import DTYPES
 from refimpl.errors import CheckpointError
-from refimpl.formats.lora_mllama import (TEXT_LAYERS, TEXT_LINEARS, linear_params, module_of, text_param,
+from refimpl.formats.lora_vision import (TEXT_LAYERS, TEXT_LINEARS, linear_params, module_of, text_param,
                                          text_target_regex)
 from refimpl.train.image_data import VisionData, image_record_encoder
 
@@ -28,9 +28,9 @@ def target_modules(cfg, modules: set[str]) -> str | list[str]:
     return text_target_regex(shorts) if by_regex == modules else sorted(modules)
 
 
-class MllamaTraining(TextTraining):
+class VisionTraining(TextTraining):
     """The text decoder's linears of a vision checkpoint (Hub weight names, transformers 5's module names), image
-    conversations through the checkpoint's processor, MllamaTrainModel."""
+    conversations through the checkpoint's processor, VisionTrainModel."""
 
     def __init__(self, ckpt, model_path: Path):
         super().__init__(ckpt, model_path)
@@ -57,8 +57,8 @@ class MllamaTraining(TextTraining):
         return target_modules(self.cfg, modules)
 
     def load_weights(self, params: dict, device, dtype: str):
-        return load_mllama_weights(params, self.cfg, device, DTYPES[dtype])
+        return load_vision_weights(params, self.cfg, device, DTYPES[dtype])
 
-    def model(self, weights, lora: dict, s) -> MllamaTrainModel:
-        return MllamaTrainModel(weights, self.cfg, {trainer_key(self.cfg, name): m for name, m in lora.items()},
-                                self.vision_data, s.dropout, compile=s.compile)
+    def model(self, weights, lora: dict, dropout: float, compile: bool) -> VisionTrainModel:
+        return VisionTrainModel(weights, self.cfg, {trainer_key(self.cfg, name): m for name, m in lora.items()},
+                                self.vision_data, dropout, compile=compile)

@@ -1,6 +1,6 @@
 """The fast Llama 3.2 Vision text forward: prefill (whole prompt) and the one-token decode step.
 
-Same computation as refimpl.model.mllama.forward (trace mode runs that one over accel.ops), arranged like
+Same computation as refimpl.model.llama_vision.forward (trace mode runs that one over accel.ops), arranged like
 accel.model: the self-attention layers are accel.model's (fused GEMMs, RoPE in the cache write, flash attention,
 the decode GEMVs carrying their neighbours); the cross-attention layers
     * read image keys/values computed once per request (`write_image_kv`) into their own static buffers
@@ -21,18 +21,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from refimpl.model.mllama import TEXT, MllamaCache, cross_attention_rows
-from refimpl.model.mllama_config import MllamaConfig
+from refimpl.model.llama_vision import TEXT, VisionCache, cross_attention_rows
+from refimpl.model.vision_config import MllamaConfig
 
 from .. import ops
 from ..kernels.tuning import DEFAULT, Tuning
 from ..model import RopeTables, decode_layer, self_layer
-from .weights import CrossLayer, MllamaWeights, self_layer_config
+from .weights import CrossLayer, VisionWeights, self_layer_config
 
 
 @dataclass
-class MllamaStaticCache(MllamaCache):
-    """MllamaCache (trace mode reads k/v/xk/xv by layer index) over preallocated tensors for the fast path."""
+class VisionStaticCache(VisionCache):
+    """VisionCache (trace mode reads k/v/xk/xv by layer index) over preallocated tensors for the fast path."""
 
     k_all: torch.Tensor = None  # [Ls, K, S, E], self-attention layers in order; k[i] are views
     v_all: torch.Tensor = None
@@ -43,7 +43,7 @@ class MllamaStaticCache(MllamaCache):
     decode_gates: torch.Tensor | None = None  # [C, 2] model dtype: tanh(attn gate), tanh(mlp gate) · row has image
 
 
-def write_image_kv(w: MllamaWeights, cfg: MllamaConfig, states, cache: MllamaStaticCache) -> None:
+def write_image_kv(w: VisionWeights, cfg: MllamaConfig, states, cache: VisionStaticCache) -> None:
     """The image tokens states [N, D] -> every cross layer's normed keys and values, into cache.xk_all/xv_all:
     two GEMMs over all C layers' fused weights, one RMSNorm launch over every layer's key rows."""
     t, kv = cfg.text, w.image_kv
@@ -67,7 +67,7 @@ def _cross_layer(cl: CrossLayer, cfg, x, h, next_norm, xk, xv, visible, has_imag
     return ops.add_rms_norm(cl.mlp_gate.tanh() * down, x, next_norm, eps)
 
 
-def _schedule(w: MllamaWeights, cfg: MllamaConfig, has_image: bool):
+def _schedule(w: VisionWeights, cfg: MllamaConfig, has_image: bool):
     """[(layer index, self-layer slot or None for a cross layer, cross slot, next norm weight)] of the layers
     that run; the cross layers only with an image."""
     t = cfg.text
@@ -78,7 +78,7 @@ def _schedule(w: MllamaWeights, cfg: MllamaConfig, has_image: bool):
     return [(i, slot.get(i), cross.get(i), norms[n + 1]) for n, i in enumerate(run)], norms[0]
 
 
-def _request_masks(w: MllamaWeights, cfg: MllamaConfig, T: int, cache: MllamaStaticCache, device):
+def _request_masks(w: VisionWeights, cfg: MllamaConfig, T: int, cache: VisionStaticCache, device):
     """The prompt's cross-attention mask (visible [T, N] bool, rows before the first image seeing every image
     token, as HF's masking makes them) and row-has-image [T, 1]; also the decode step's mask row and gates."""
     visible, row_has = cross_attention_rows(cache, np.arange(T), cfg.vision.tokens_per_tile, cache.image_tokens)
@@ -91,7 +91,7 @@ def _request_masks(w: MllamaWeights, cfg: MllamaConfig, T: int, cache: MllamaSta
     return visible, has
 
 
-def prefill(w: MllamaWeights, cfg: MllamaConfig, ids, cache: MllamaStaticCache):
+def prefill(w: VisionWeights, cfg: MllamaConfig, ids, cache: VisionStaticCache):
     """ids [T] on the device, the prompt at positions 0..T-1 (the image K/V already written when it has one)
     -> last-token logits [1, V]; fills the self-attention caches and the decode step's mask and gate buffers."""
     t, sub = cfg.text, self_layer_config(cfg)
@@ -112,7 +112,7 @@ def prefill(w: MllamaWeights, cfg: MllamaConfig, ids, cache: MllamaStaticCache):
     return ops.linear(h[-1:], w.text.lm_head)  # [1, D] -> [1, V]
 
 
-def decode_step(w: MllamaWeights, cfg: MllamaConfig, token, position, cache: MllamaStaticCache,
+def decode_step(w: VisionWeights, cfg: MllamaConfig, token, position, cache: VisionStaticCache,
                 tuning: Tuning = DEFAULT):
     """token [1], position [1] (device) -> logits [1, V]. Capturable in a CUDA graph: the image buffers, the mask
     row and the gates are static tensors of the cache."""

@@ -29,17 +29,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refimpl.errors import Llama32Error
+from refimpl.errors import Llama32Error, QuantError
 from refimpl.formats.safetensors_io import round_bf16
+from refimpl.quant.gguf_blocks import dequantize_blocks
 
 F32 = np.float32
 INT_FORMATS = ("int8", "int4")
 GGUF_FORMATS = ("q8_0", "q4_0", "q4_1")
 INT4_GROUPS = (32, 64, 128)
-
-
-class QuantError(Llama32Error):
-    """A quantization request or a quantized tensor that cannot be used."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,7 +63,6 @@ class QuantizedLinear:
             return dequantize_int8(self.data, self.scales)
         if self.format == "int4":
             return dequantize_int4(self.data, self.scales, self.mins, self.group)
-        from refimpl.quant.gguf_blocks import dequantize_blocks
         return dequantize_blocks(self.format, self.data, self.shape)
 
     @functools.cached_property
@@ -124,7 +120,7 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     return pairs.reshape(packed.shape[0], -1)  # -> [N, K]
 
 
-def _groups(w: np.ndarray, G: int) -> np.ndarray:
+def int4_groups(w: np.ndarray, G: int) -> np.ndarray:
     """[N, K] -> [N, ceil(K/G), G]; a short last group is padded with its own last value (min/max unchanged)."""
     N, K = w.shape
     pad = -K % G
@@ -136,7 +132,7 @@ def quantize_int4(w: np.ndarray, group: int) -> QuantizedLinear:
     N, K = w.shape
     if K % 2:
         raise QuantError(f"int4 packs two values a byte: the input dimension must be even, got {K}")
-    g = _groups(w, group)  # [N, ceil(K/G), G]
+    g = int4_groups(w, group)  # [N, ceil(K/G), G]
     lo, hi = g.min(axis=2), g.max(axis=2)  # [N, ceil(K/G)] each
     return int4_linear(w, round_bf16((hi - lo) / F32(15)), round_bf16(lo), group)
 
@@ -150,7 +146,7 @@ def int4_codes(g: np.ndarray, scale: np.ndarray, low: np.ndarray) -> np.ndarray:
 def int4_linear(w: np.ndarray, scale: np.ndarray, low: np.ndarray, group: int) -> QuantizedLinear:
     """w [N, K] quantized with given bf16 scales and minima [N, ceil(K/G)] (its codes the nearest ones)."""
     N, K = w.shape
-    q = int4_codes(_groups(w, group), scale, low).reshape(N, -1)[:, :K]  # [N, ceil(K/G), G] -> [N, K]
+    q = int4_codes(int4_groups(w, group), scale, low).reshape(N, -1)[:, :K]  # [N, ceil(K/G), G] -> [N, K]
     return QuantizedLinear("int4", (N, K), pack_nibbles(q), scale, low, group)
 
 

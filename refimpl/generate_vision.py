@@ -11,16 +11,16 @@ import numpy as np
 from refimpl.errors import GenerationError
 from refimpl.generate import RefEngine, Sampling, check_prompt
 from refimpl.model import ops
-from refimpl.model.mllama import MllamaCache, forward_steps
+from refimpl.model.llama_vision import VisionCache, forward_steps
 from refimpl.vision.inputs import ImageInputs
 
 
-class MllamaEngine(RefEngine):
+class VisionEngine(RefEngine):
     """float32 NumPy, one sequence; `config` is a MllamaConfig."""
 
-    def new_cache(self, capacity: int) -> MllamaCache:
+    def new_cache(self, capacity: int) -> VisionCache:
         try:
-            return MllamaCache.allocate(self.config.text, capacity, lambda shape: np.zeros(shape, np.float32))
+            return VisionCache.allocate(self.config.text, capacity, lambda shape: np.zeros(shape, np.float32))
         except MemoryError:
             t = self.config.text
             layers = t.num_hidden_layers - len(t.cross_attention_layers)
@@ -28,7 +28,7 @@ class MllamaEngine(RefEngine):
             raise GenerationError(f"the KV cache for {capacity} positions needs {need / 2**30:.1f} GiB, more memory "
                                   f"than is available; lower --max-new-tokens or shorten the prompt") from None
 
-    def steps(self, ids, positions, cache: MllamaCache, last_logits_only: bool = False,
+    def steps(self, ids, positions, cache: VisionCache, last_logits_only: bool = False,
               images: ImageInputs | None = None):
         """The op-by-op forward (a generator of (name, value)): the vision encoder first when `images` is given."""
         return forward_steps(ops, self.params, self.config, np.asarray(ids, np.int64),

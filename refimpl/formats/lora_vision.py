@@ -7,8 +7,12 @@ pair that merges as W + scale · B @ A: the text decoder's, the vision tower's, 
 """
 from __future__ import annotations
 
-from refimpl.formats.mllama_checkpoint import expected_mllama_shapes, hub_name, transformers_name
-from refimpl.model.mllama_config import MllamaConfig
+from pathlib import Path
+
+from refimpl.errors import CheckpointError, quote
+from refimpl.formats.lora_targets import BoundedMatcher, targeted_modules
+from refimpl.formats.vision_checkpoint import expected_vision_shapes, hub_name, transformers_name
+from refimpl.model.vision_config import MllamaConfig
 
 TEXT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # the leaf names PEFT's "all-linear" expands to on Mllama (every nn.Linear but the output layer lm_head)
@@ -28,16 +32,16 @@ def module_of(param: str) -> str:
 
 def linear_params(cfg: MllamaConfig) -> dict[str, tuple[int, int]]:
     """Hub name -> [Dout, Din] of every weight a LoRA pair may adapt (the model's nn.Linear layers)."""
-    return {name: shape for name, shape in expected_mllama_shapes(cfg).items()
+    return {name: shape for name, shape in expected_vision_shapes(cfg).items()
             if name.endswith(".weight") and len(shape) == 2
             and name.removesuffix(".weight").rsplit(".", 1)[-1] in ALL_LINEAR_LEAVES + ("lm_head",)}
 
 
-def mllama_modules(cfg: MllamaConfig) -> list[str]:
+def vision_modules(cfg: MllamaConfig) -> list[str]:
     """Module names of MllamaForConditionalGeneration in transformers 5's scheme: every module holding a
     parameter and every container above one (what PEFT's target matching walks)."""
     names: dict[str, None] = {}
-    for param in expected_mllama_shapes(cfg):
+    for param in expected_vision_shapes(cfg):
         parts = transformers_name(param).split(".")[:-1]
         for n in range(1, len(parts) + 1):
             names[".".join(parts[:n])] = None
@@ -55,3 +59,24 @@ def text_target_regex(linears) -> str:
     """target_modules for PEFT that adapts the named linears of the text decoder only (self- and
     cross-attention layers alike), never the vision tower's q/k/v/o_proj of the same short names."""
     return rf".*language_model\.(model\.)?layers\.\d+\.(self_attn|cross_attn|mlp)\.({'|'.join(linears)})"
+
+
+def vision_lora_param(module: str, how: str, cfg: MllamaConfig, path: Path) -> str:
+    """PEFT module name -> the Hub name of the weight it adapts, refusing anything but the model's linears.
+    `how` says where the module came from ("a tensor adapts", "target_modules selects")."""
+    name = param_of(module)
+    if name not in linear_params(cfg):
+        known = module_of(name) in vision_modules(cfg)
+        raise CheckpointError(f"{path}: {how} module {quote(module)}, " + (
+            "which is not a linear layer; only the linears of the text decoder, vision tower, projector and "
+            "lm_head are supported" if known else
+            f"which this base model does not have (an adapter for another base? config has "
+            f"{cfg.text.num_hidden_layers} text layers)"))
+    return name
+
+
+def vision_lora_targets(d: dict, cfg: MllamaConfig, path: Path, matcher: BoundedMatcher) -> list[str]:
+    """The module names adapter config `d` adapts in this base, as PEFT decides (among every module of
+    MllamaForConditionalGeneration; "all-linear" expands to ALL_LINEAR_LEAVES)."""
+    return targeted_modules(d, cfg.num_hidden_layers, path, matcher, modules=vision_modules(cfg),
+                            all_linear=ALL_LINEAR_LEAVES)

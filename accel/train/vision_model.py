@@ -24,10 +24,10 @@ from accel.train.lora import adapted_linear, lora_group
 from accel.train import fused
 from accel.train.model import TrainModel, rms_norm, swiglu
 from accel.vision import encoder
-from accel.vision.weights import CrossLayer, MllamaWeights, self_layer_config
-from refimpl.model.mllama import TEXT, MllamaCache, cross_attention_rows
-from refimpl.model.mllama_config import MllamaConfig
-from refimpl.formats.lora_mllama import TEXT_LINEARS, text_param
+from accel.vision.weights import CrossLayer, VisionWeights, self_layer_config
+from refimpl.model.llama_vision import TEXT, VisionCache, cross_attention_rows
+from refimpl.model.vision_config import MllamaConfig
+from refimpl.formats.lora_vision import TEXT_LINEARS, text_param
 
 @torch.compiler.disable
 def cross_attention(q, k, v, visible):
@@ -63,7 +63,7 @@ def cross_layer(x, states, visible, has_image, layer: CrossLayer, image_side: tu
 
 
 def trainer_key(cfg: MllamaConfig, param: str) -> str:
-    """The key MllamaTrainModel's `lora` dict uses for a text-decoder weight (Hub name): a self-attention layer's
+    """The key VisionTrainModel's `lora` dict uses for a text-decoder weight (Hub name): a self-attention layer's
     linears are looked up by TrainModel under their slot among the self layers (model.layers.{slot}...), a cross
     layer's by the Hub name itself."""
     layer = int(param.removeprefix(TEXT + "layers.").split(".", 1)[0])
@@ -74,12 +74,12 @@ def trainer_key(cfg: MllamaConfig, param: str) -> str:
     return param.replace(f"{TEXT}layers.{layer}.", f"model.layers.{slot}.")
 
 
-class MllamaTrainModel(TrainModel):
+class VisionTrainModel(TrainModel):
     """TrainModel over the text decoder's self layers (accel's fused weights), with the cross layers and the frozen
     vision tower added; `lora` is keyed by `trainer_key`. `loss_sum(ids, labels, images)`: images is one
     refimpl.vision.inputs.ImageInputs (or None) per row of ids, as `collate` returns it."""
 
-    def __init__(self, weights: MllamaWeights, cfg: MllamaConfig, lora: dict, vision_data, dropout: float = 0.0,
+    def __init__(self, weights: VisionWeights, cfg: MllamaConfig, lora: dict, vision_data, dropout: float = 0.0,
                  checkpointing: bool = True, compile: bool = False):
         super().__init__(weights.text, self_layer_config(cfg), lora, dropout, checkpointing, compile)
         self.mw, self.mcfg, self.vision_data = weights, cfg, vision_data
@@ -118,7 +118,7 @@ class MllamaTrainModel(TrainModel):
             states[b, :n] = tokens[start:start + n]
             start += n
             t = len(im.cross_attention_mask)
-            rows, row_has = cross_attention_rows(MllamaCache({}, {}, t, cross_mask=im.cross_attention_mask),
+            rows, row_has = cross_attention_rows(VisionCache({}, {}, t, cross_mask=im.cross_attention_mask),
                                                  np.arange(t), vcfg.tokens_per_tile, n)  # [t, n], [t]
             visible[b, :t, :n] = torch.from_numpy(rows | ~row_has[:, None])
             visible[b, t:, :n] = True  # right padding: any real image token (its loss is never taken)

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.errors import CheckpointError
-from refimpl.formats.checkpoint import assemble, save_checkpoint
+from refimpl.formats.hf_dir import assemble
 from refimpl.formats.shards import read_headers
 from refimpl.formats.params import Checkpoint, check_shapes, decoder_layer_shapes
-from refimpl.model.mllama_config import MllamaConfig
+from refimpl.model.vision_config import MllamaConfig
 from refimpl.progress import Progress
 
 # newer transformers prefix -> the Hub's prefix
@@ -51,7 +51,7 @@ def _vision_layer_shapes(prefix: str, U: int, M: int, gated: bool) -> dict:
     return shapes
 
 
-def vision_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
+def tower_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
     v = cfg.vision
     U, M, A, P, R = v.hidden_size, v.intermediate_size, v.max_num_tiles, v.tokens_per_tile, v.max_aspect_ratio_id
     pre = "vision_model."
@@ -75,7 +75,7 @@ def vision_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def text_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
+def decoder_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
     t = cfg.text
     D, E = t.hidden_size, t.head_dim
     shapes = {"language_model.model.embed_tokens.weight": (t.embedding_rows, D)}
@@ -90,12 +90,12 @@ def text_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def expected_mllama_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
+def expected_vision_shapes(cfg: MllamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Llama 3.2 Vision checkpoint must hold, in the Hub's names."""
-    return {**vision_shapes(cfg), **text_shapes(cfg)}
+    return {**tower_shapes(cfg), **decoder_shapes(cfg)}
 
 
-def check_mllama_dir(model_dir: str | Path, config: dict | None = None) -> tuple[MllamaConfig, dict]:
+def check_vision_dir(model_dir: str | Path, config: dict | None = None) -> tuple[MllamaConfig, dict]:
     """Validate config.json (`config`: its contents, already read) and every tensor's name and shape from the
     headers alone (no tensor data is read).
 
@@ -117,19 +117,19 @@ def check_mllama_dir(model_dir: str | Path, config: dict | None = None) -> tuple
         located[hub], hub_shapes[hub] = (files[name], name), shape
     layers = f"{cfg.text.num_hidden_layers} text and {cfg.vision.num_hidden_layers}+" \
              f"{cfg.vision.num_global_layers} vision layers"
-    extra = check_shapes(hub_shapes, expected_mllama_shapes(cfg), str(model_dir), layers)
+    extra = check_shapes(hub_shapes, expected_vision_shapes(cfg), str(model_dir), layers)
     if extra:
         print(f"warning: {model_dir}: ignoring {len(extra)} unknown tensor(s), e.g. {extra[0]!r}", file=sys.stderr)
     return cfg, located
 
 
-def load_mllama_checkpoint(model_dir: str | Path, with_tokenizer: bool = True,
+def load_vision_checkpoint(model_dir: str | Path, with_tokenizer: bool = True,
                            config: dict | None = None) -> Checkpoint:
     """Float32 parameters in the Hub's names (fp32 tensors memory-mapped, bf16/fp16 widened one at a time);
     config: config.json's contents where the caller has read them."""
     model_dir = Path(model_dir)
-    cfg, located = check_mllama_dir(model_dir, config)
-    want = expected_mllama_shapes(cfg)
+    cfg, located = check_vision_dir(model_dir, config)
+    want = expected_vision_shapes(cfg)
     params: dict[str, np.ndarray] = {}
     with Progress(f"loading {model_dir.name}", len(want)) as bar:
         for hub in want:
@@ -138,8 +138,3 @@ def load_mllama_checkpoint(model_dir: str | Path, with_tokenizer: bool = True,
             bar.advance()
     return assemble(model_dir, cfg, params, with_tokenizer)
 
-
-def save_mllama_checkpoint(model_dir: str | Path, cfg: MllamaConfig, params: dict[str, np.ndarray],
-                           dtype: str = "F32") -> Path:
-    """Write config.json + model.safetensors with the Hub's names (golden files, tests)."""
-    return save_checkpoint(model_dir, cfg, {hub_name(n): a for n, a in params.items()}, dtype)

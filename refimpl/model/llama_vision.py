@@ -7,7 +7,7 @@ and tanh gates on the attention and MLP branches. A prompt without an image skip
 
 Like `llama.forward_steps`, `forward_steps` yields every named activation (`refimpl.model.names`) and accepts a
 replacement value sent back. Parameters use the Hub checkpoint's names (`language_model.model.layers.3.cross_attn.
-q_proj.weight`, `vision_model.*`, `multi_modal_projector.*`; `refimpl.formats.mllama_checkpoint` normalises others).
+q_proj.weight`, `vision_model.*`, `multi_modal_projector.*`; `refimpl.formats.vision_checkpoint` normalises others).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 from refimpl.model import arrays
 from refimpl.model.llama import Steps, attention_block, emit, layer_params, mlp_block, mlp_branch, run_steps
 from refimpl.model.llama import project as linear  # x @ wᵀ, or an unmerged LoRA sum (generate --lora-mode unmerged)
-from refimpl.model.mllama_config import MllamaConfig, MllamaTextConfig
+from refimpl.model.vision_config import MllamaConfig, MllamaTextConfig
 from refimpl.vision.encoder import project, vision_steps
 from refimpl.vision.inputs import ImageInputs
 
@@ -32,7 +32,7 @@ CROSS_LAYER_KEYS = ("input_layernorm.weight", "cross_attn.q_proj.weight", "cross
 
 
 @dataclass
-class MllamaCache:
+class VisionCache:
     """Self-attention layers' caches k[i]/v[i] [K, S, E]; cross-attention layers' image keys/values xk[i]/xv[i]
     [K, N, E], written when the image is encoded; the prompt's cross-attention mask rows [T0, I, A]."""
 
@@ -45,7 +45,7 @@ class MllamaCache:
     image_tokens: int = 0  # N; 0 until an image is encoded
 
     @classmethod
-    def allocate(cls, cfg: MllamaTextConfig, capacity: int, zeros: Callable) -> "MllamaCache":
+    def allocate(cls, cfg: MllamaTextConfig, capacity: int, zeros: Callable) -> "VisionCache":
         shape = (cfg.num_key_value_heads, capacity, cfg.head_dim)  # [K, S, E]
         self_layers = [i for i in range(cfg.num_hidden_layers) if i not in cfg.cross_attention_layers]
         return cls({i: zeros(shape) for i in self_layers}, {i: zeros(shape) for i in self_layers}, capacity)
@@ -55,7 +55,7 @@ class MllamaCache:
         return self.image_tokens > 0
 
 
-def cross_attention_rows(cache: MllamaCache, positions, tokens_per_tile: int, N: int):
+def cross_attention_rows(cache: VisionCache, positions, tokens_per_tile: int, N: int):
     """(visible [T, N] bool, row_has_image [T] bool) for the queries at `positions`.
 
     Position p uses row p of the prompt's mask; generated tokens reuse its last row (HF's generate does so).
@@ -68,7 +68,7 @@ def cross_attention_rows(cache: MllamaCache, positions, tokens_per_tile: int, N:
     return visible, visible.any(axis=1)
 
 
-def cross_attention_block(ops, p: dict, x, cfg: MllamaTextConfig, i: int, cache: MllamaCache, states,
+def cross_attention_block(ops, p: dict, x, cfg: MllamaTextConfig, i: int, cache: VisionCache, states,
                           visible, row_has_image) -> Steps:
     n = f"layers.{i}."
     T, H, K, E = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -108,7 +108,7 @@ def image_states(ops, params: dict, cfg: MllamaConfig, images: ImageInputs) -> S
     return (yield from project(ops, params, features))  # [N, D]
 
 
-def forward_steps(ops, params: dict, cfg: MllamaConfig, ids, positions, cache: MllamaCache,
+def forward_steps(ops, params: dict, cfg: MllamaConfig, ids, positions, cache: VisionCache,
                   images: ImageInputs | None = None, last_logits_only: bool = False) -> Steps:
     """ids [T], positions [T]; `images` for the call that first sees them (the prompt). Returns logits [T, V]."""
     text = cfg.text

@@ -194,16 +194,6 @@ class MllamaConfig:
                 "image_token_index": self.image_token_index, "text_config": text, "vision_config": vision}
 
 
-def is_mllama_config(d) -> bool:
-    """config.json's dict describes a Llama 3.2 Vision model."""
-    return isinstance(d, dict) and d.get("model_type") == "mllama"
-
-
-def is_mllama(cfg) -> bool:
-    """A parsed config (LlamaConfig or MllamaConfig) is a Llama 3.2 Vision model's: the one test every path uses."""
-    return isinstance(cfg, MllamaConfig)
-
-
 def _text_from_hf(d: dict, source: str) -> MllamaTextConfig:
     merged = {**_TEXT_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
     layers = merged.pop("cross_attention_layers")
