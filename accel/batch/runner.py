@@ -7,6 +7,9 @@ prefill chunk (a new prompt, or the next chunk of a long one, possibly after a c
       each prefill chunk with the causal flash attention over its sequence's K/V gathered from the pool into a
       contiguous [K, n, E] (positions 0..n-1 in order: the chunk's earlier prefix included);
     o, gate_up, down GEMMs over all T rows (one read of the weights for the whole batch), residual adds in the norms.
+LoRA adapters are applied unmerged, per row: the runner holds every adapter stacked (accel/lora_stack.py), a step
+builds the tiles of its rows' adapters once, and each linear layer adds every row's update in one segmented product
+(accel/ops/lora_batch.py), whatever mix of adapters and base rows shares the step.
 The lm_head runs only on the rows whose logits give a token (each sequence's last row, when its chunk reaches its
 last token).
 
@@ -29,10 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from refimpl.errors import GenerationError
 from refimpl.model import ops as np_ops
 from refimpl.model.config import LlamaConfig
-
-from refimpl.errors import GenerationError
 
 from .. import ops
 from ..lora_stack import LoraStack, stack_adapters
