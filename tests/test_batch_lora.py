@@ -23,12 +23,7 @@ CFG = LlamaConfig(vocab_size=151, hidden_size=48, intermediate_size=80, num_hidd
 N = 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine's cores are shared; oversubscribed threads are 10x slower here
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # tests/conftest.py
 
 
 def random_adapter(seed, projections, rank=4, scale=2.0):
