@@ -1,4 +1,5 @@
-"""PEFT LoRA adapters stacked on the device for the batched, unmerged product (accel/ops/lora_batch.py).
+"""PEFT LoRA adapters stacked on the device for the batch engine's unmerged product (accel/batch/runner.py, through
+accel/ops/lora_batch.py).
 
 For each decoder layer and each of accel's fused weights (accel/weights.py: qkv, o, gate_up, down) one pair
     A [N, R, Din]   every adapter's lora_A of the modules fused there, stacked along the rank

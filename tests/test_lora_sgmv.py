@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from accel.kernels.lora_sgmv import lora_sgmv_fwd, segment_tiles, tiles_tensor  # noqa: E402
 from accel.ops import torch_only  # noqa: E402
-from accel.ops.lora_batch import lora_sgmv_rows, torch_lora_sgmv  # noqa: E402
+from accel.ops.lora_batch import lora_sgmv, torch_lora_sgmv  # noqa: E402
 from refimpl.compare import TOLERANCES, compare  # noqa: E402
 
 
@@ -17,6 +17,11 @@ def assert_close(got, want, dtype="fp32", name="y"):
     """refimpl.compare's per-dtype tolerance (NMSE and max error relative to the reference's largest value)."""
     c = compare(name, np.asarray(got, np.float64), np.asarray(want, np.float64), TOLERANCES[dtype])
     assert c.ok, f"{name}: max_abs {c.max_abs:.3g} at {c.worst}, nmse {c.nmse:.3g} ({dtype} tolerance)"
+
+
+def lora_sgmv_rows(y, x, lora_a, lora_b, scales, adapter_per_row):
+    """lora_sgmv with an adapter index a row (-1: none) instead of tiles, as LoraStack.tiles builds them."""
+    return lora_sgmv(y, x, lora_a, lora_b, scales, tiles_tensor(segment_tiles(list(adapter_per_row)), x.device))
 
 
 def per_row_reference(y, x, A, B, scales, idx):
