@@ -29,6 +29,10 @@ class SamplingParams:
     seed: int | None = None  # None: drawn from the OS at add_request
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # True: the checkpoint's eos ids do not stop (stop_token_ids still do)
+    # OpenAI's: each generated token's logit lowered by presence_penalty once and frequency_penalty per occurrence
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # return each token's log-probability and this many top alternatives (0: none)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -41,6 +45,11 @@ class SamplingParams:
             raise GenerationError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             raise GenerationError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2 <= getattr(self, name) <= 2):
+                raise GenerationError(f"{name} must be in [-2, 2] (0: off), got {getattr(self, name)!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise GenerationError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise GenerationError(f"seed must be an integer >= 0, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -54,6 +63,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None (still running)
     num_prompt_tokens: int
+    # with SamplingParams.logprobs: one (token id, logprob, [(id, logprob)] top alternatives) per generated token so
+    # far, log-probabilities of the model's distribution (log-softmax of its logits, before penalties and temperature)
+    logprobs: list | None = None
 
 
 class Status(enum.Enum):
@@ -78,6 +90,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.finish_reason: str | None = None
+        self.logprobs: list | None = [] if params.logprobs is not None else None
         self.num_emitted = 0  # generated tokens already returned by step()
 
     def __len__(self) -> int:
@@ -108,4 +121,5 @@ class Sequence:
         new = self.token_ids[self.num_prompt_tokens + self.num_emitted:]
         self.num_emitted += len(new)
         return RequestOutput(self.request_id, new, self.output_ids, self.finish_reason is not None,
-                             self.finish_reason, self.num_prompt_tokens)
+                             self.finish_reason, self.num_prompt_tokens,
+                             None if self.logprobs is None else list(self.logprobs))
