@@ -26,6 +26,10 @@ class SamplingParams:
     seed: int | None = None  # None: drawn from the OS at add_request; below 2^63 (the device's int64 draws)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # True: the checkpoint's eos ids do not stop (stop_token_ids still do)
+    # OpenAI's: each generated token's logit lowered by presence_penalty once and frequency_penalty per occurrence
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # return each token's log-probability and this many top alternatives (0: none)
 
     def __post_init__(self):
         problem = sampling_problem(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed,
@@ -33,6 +37,11 @@ class SamplingParams:
         if problem is not None:
             name, want, value = problem
             raise GenerationError(f"{name} must be {want}, got {quote(value)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2 <= getattr(self, name) <= 2):
+                raise GenerationError(f"{name} must be in [-2, 2] (0: off), got {quote(getattr(self, name))}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise GenerationError(f"logprobs must be an integer in [0, 20], got {quote(self.logprobs)}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
@@ -44,3 +53,6 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None (still running)
     num_prompt_tokens: int
+    # with SamplingParams.logprobs: one (token id, logprob, [(id, logprob)] top alternatives) per generated token so
+    # far, log-probabilities of the model's distribution (log-softmax of its logits, before penalties and temperature)
+    logprobs: list | None = None

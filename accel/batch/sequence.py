@@ -39,6 +39,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.finish_reason: str | None = None
+        self.logprobs: list | None = [] if params.logprobs is not None else None
         self.num_emitted = 0  # generated tokens already returned by step()
 
     def __len__(self) -> int:
@@ -69,4 +70,5 @@ class Sequence:
         new = self.token_ids[self.num_prompt_tokens + self.num_emitted:]
         self.num_emitted += len(new)
         return RequestOutput(self.request_id, new, self.output_ids, self.finish_reason is not None,
-                             self.finish_reason, self.num_prompt_tokens)
+                             self.finish_reason, self.num_prompt_tokens,
+                             None if self.logprobs is None else list(self.logprobs))

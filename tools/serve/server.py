@@ -18,6 +18,7 @@ def load_served(model, adapters: dict[str, Path], served_name, device, dtype, ma
     """-> (the FastAPI app, the AsyncEngine, the base model's served name)."""
     from accel.batch import BatchEngine, SamplingParams
     from refimpl.formats.checkpoint import load_checkpoint
+    from refimpl.formats.lora import load_lora
 
     path = resolve_model(model)
     ckpt = load_checkpoint(path)
@@ -27,9 +28,7 @@ def load_served(model, adapters: dict[str, Path], served_name, device, dtype, ma
                                          max_num_batched_tokens=max_num_batched_tokens,
                                          gpu_memory=gpu_memory)
     for name, adapter_dir in adapters.items():
-        if not hasattr(engine, "load_adapter"):
-            raise GenerationError("--lora: the batched engine does not serve adapters yet")
-        engine.load_adapter(name, adapter_dir)
+        engine.add_adapter(name, load_lora(adapter_dir, ckpt.config))
     cfg = ckpt.config
     served = ServedModel(name=served_name or model_name(path), tokenizer=ckpt.tokenizer,
                          stop_ids=tuple(ckpt.stop_ids), context=cfg.max_position_embeddings,
