@@ -1,4 +1,5 @@
-"""PEFT LoRA adapters stacked on the device for the batched, unmerged product (accel/ops/lora_batch.py).
+"""PEFT LoRA adapters stacked on the device for the batch engine's unmerged product (accel/batch/runner.py, through
+accel/ops/lora_batch.py).
 
 For each decoder layer and each of accel's fused weights (accel/weights.py: qkv, o, gate_up, down) one pair
     A [N, R, Din]   every adapter's lora_A of the modules fused there, stacked along the rank
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from accel.kernels.lora_sgmv import segment_tiles, tiles_tensor
 from accel.ops.lora_batch import lora_sgmv
 from refimpl.errors import GenerationError
 from refimpl.model.config import LlamaConfig
@@ -46,6 +48,10 @@ class LoraStack:
         """A request's adapter name -> its index in the stack (-1: the base model)."""
         return -1 if name is None else self.names.index(name)
 
+    def tiles(self, adapter_per_row: list[str | None], device) -> torch.Tensor:
+        """Each row's adapter name (None: the base model) -> the tiles `add` takes, built once for every layer."""
+        return tiles_tensor(segment_tiles([self.index(a) for a in adapter_per_row]), device)
+
     def add(self, layer: int, weight: str, y: torch.Tensor, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
         """y = x @ W.T of fused weight `weight` in `layer` ([T, Dout], updated in place) plus each row's adapter
         update (tiles: accel.kernels.lora_sgmv.tiles_tensor of the rows' adapter indices); y as it was where no
@@ -62,8 +68,8 @@ def _by_weight(adapter, cfg: LlamaConfig, name: str) -> dict:
     for param, lora_a, lora_b, scale in adapter:
         m = _LAYER_PARAM.match(param)
         if not m or m.group(3) not in slots:
-            raise GenerationError(f"adapter {name!r} adapts {param}: batched LoRA serves the decoder layers' "
-                                  f"linears only (merge this adapter instead)")
+            raise GenerationError(f"adapter {name!r} adapts {param}: batched LoRA applies adapters to the decoder "
+                                  f"layers' q/k/v/o/gate/up/down_proj only (merge this adapter instead)")
         weight, row = slots[m.group(3)]
         out.setdefault((int(m.group(1)), weight), []).append((row, lora_a, np.float32(scale) * lora_b))
     return out

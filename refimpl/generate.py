@@ -13,6 +13,7 @@ slots 0..n-1 already hold the earlier tokens; the last token yielded is not yet 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -24,28 +25,49 @@ from refimpl.errors import GenerationError, NonFiniteError, quote
 from refimpl.model.llama import KVCache, forward_steps, run_steps
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def sampling_problem(max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None, repetition_penalty=1.0,
+                     seed_bits: int = 64) -> tuple[str, str, object] | None:
+    """The first sampling parameter out of its range -> (its name, what it must be, its value); None when all are
+    valid. One set of rules for every way sampling parameters come in (the CLI's flags, the batch engine's
+    requests, request files), each naming the parameter its own way. seed_bits: seeds below 2^seed_bits."""
+    rules = (("max_tokens", max_tokens, _is_int(max_tokens) and max_tokens > 0, "a positive integer"),
+             ("temperature", temperature, _is_real(temperature) and temperature >= 0, "a number >= 0 (0 means greedy)"),
+             ("top_p", top_p, _is_real(top_p) and 0 < top_p <= 1, "a number in (0, 1]"),
+             ("top_k", top_k, _is_int(top_k) and top_k >= 0, "an integer >= 0 (0 disables it)"),
+             ("repetition_penalty", repetition_penalty, _is_real(repetition_penalty) and repetition_penalty > 0,
+              "a number > 0 (1 disables it)"),
+             ("seed", seed, seed is None or (_is_int(seed) and 0 <= seed < 2 ** seed_bits),
+              f"an integer in [0, 2^{seed_bits})"))
+    return next(((name, want, value) for name, value, ok, want in rules if not ok), None)
+
+
+FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+         "repetition_penalty": "--repetition-penalty", "seed": "--seed"}  # sampling_problem's names as CLI flags
+
+
 @dataclass(frozen=True)
 class Sampling:
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # torch's generators take 64-bit seeds
     repetition_penalty: float = 1.0  # 1: off
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise GenerationError(f"--max-new-tokens must be a positive integer, got {self.max_new_tokens}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise GenerationError(f"--temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise GenerationError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise GenerationError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise GenerationError(f"--repetition-penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 64:  # torch's generators take 64-bit seeds
-            raise GenerationError(f"--seed must be in [0, 2^64), got {quote(self.seed)}")
+        problem = sampling_problem(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed,
+                                   self.repetition_penalty)
+        if problem is not None:
+            name, want, value = problem
+            raise GenerationError(f"{FLAGS[name]} must be {want}, got {quote(value)}")
 
 
 def penalize(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:

@@ -15,6 +15,17 @@ def assert_close(name, got, ref, tol=FP32):
                   f"{c.problem}")
 
 
+def assert_no_worse(name, got, base, ref, factor=2.0):
+    """bf16 against bf16: `got`'s error from the fp32 reference `ref` is at most `factor` times `base`'s (HF's own
+    bf16 run), in NMSE and in the largest difference — two bf16 paths round differently, so each is held to the
+    higher-precision oracle rather than to the other."""
+    got_c, base_c = (compare(name, x.detach().float().cpu().numpy(), ref.detach().float().cpu().numpy(),
+                             TOLERANCES["fp32"]) for x in (got, base))
+    assert got_c.nmse <= factor * base_c.nmse + 1e-12 and got_c.max_abs <= factor * base_c.max_abs + 1e-12, (
+        f"{name}: nmse {got_c.nmse:.3g} vs HF bf16's {base_c.nmse:.3g}, max_abs {got_c.max_abs:.3g} vs "
+        f"{base_c.max_abs:.3g} (from the fp32 reference), worst at {got_c.worst}")
+
+
 def llama(heads=4, kv_heads=2, head_dim=None, hidden=48, layers=2, seed=0, intermediate=64, **kw):
     cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,

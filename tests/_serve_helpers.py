@@ -27,7 +27,7 @@ class LiveServer:
         from tools.serve.server import load_served
 
         self.app, self.engine, self.name = load_served(str(model), adapters or {}, None, "cpu", "fp32", max_num_seqs,
-                                                       512, "0.9", media, api_key)
+                                                       512, 0.9, media, api_key)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key

@@ -26,6 +26,16 @@ if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def torch_one_thread():
+    """torch on one CPU thread during the test: the CI machine's cores are shared, and oversubscribed threads are
+    10x slower there. (A module takes it with `pytestmark = pytest.mark.usefixtures("torch_one_thread")`.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---- the gpu marker ----
 
 _NEEDS_CUDA = re.compile(r"^needs (a )?CUDA")  # every CUDA-only skipif's reason: "needs CUDA", "needs a CUDA GPU"

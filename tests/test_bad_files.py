@@ -148,12 +148,12 @@ def test_output_into_missing_directory(tmp_path, command):
     elif command == "golden-make":
         assert_clean_error(run_cli(["golden", "make", "--out", tmp_path / "nope" / "deeper"]), "--out",
                            "does not exist")
-    else:  # the session reports it and goes on to the next command
+    else:  # the session reports it and goes on to the next command; the script then exits 2 (a command failed)
         result = run_cli(["step", "w1 w2", "--model", model, "--commands", f"dump {missing}; dump a\0b; q"])
-        assert result.exit_code == 0, result.output
+        assert result.exit_code == 2, result.output
         errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
-        assert len(errors) == 2 and "No such file" in errors[0], errors
-        assert "NUL" in errors[1]
+        assert len(errors) == 3 and "No such file" in errors[0], errors
+        assert "NUL" in errors[1] and errors[2].startswith("error: 2 scripted command(s) failed")
 
 
 def test_prompt_with_lone_surrogates(tmp_path):

@@ -23,14 +23,14 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize("args, expected", [
     (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer, got 0"),
     (["--max-new-tokens", "-5"], "--max-new-tokens must be a positive integer, got -5"),
-    (["--temperature", "-0.5"], "--temperature must be >= 0"),
-    (["--temperature", "nan"], "--temperature must be >= 0"),
-    (["--temperature", "inf"], "--temperature must be >= 0"),
-    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
-    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
-    (["--top-p", "nan"], "--top-p must be in (0, 1]"),
-    (["--top-k", "-1"], "--top-k must be >= 0"),
-    (["--seed", "-1"], "--seed must be in [0, 2^64)"),
+    (["--temperature", "-0.5"], "--temperature must be a number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a number >= 0"),
+    (["--temperature", "inf"], "--temperature must be a number >= 0"),
+    (["--top-p", "0"], "--top-p must be a number in (0, 1], got 0.0"),
+    (["--top-p", "1.5"], "--top-p must be a number in (0, 1], got 1.5"),
+    (["--top-p", "nan"], "--top-p must be a number in (0, 1]"),
+    (["--top-k", "-1"], "--top-k must be an integer >= 0"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2^64)"),
     (["--backend", "refimpl", "--device", "cuda:0"], "--device 'cuda:0': the refimpl backend runs on the CPU only"),
 ])
 def test_bad_generate_argument(model, args, expected):

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from refimpl.batch_api import RequestOutput
 from refimpl.formats.checkpoint import load_checkpoint
 from tests._badinput import assert_clean_error, run_cli
-from tools.batch_engines import Output
 from tools.batch_job import OrderedWriter, run_group, Tally
 from tools.batch_requests import read_requests
 from tools.toy import TOYS, write_toy_checkpoint
@@ -115,7 +115,7 @@ class ReverseEngine:
     def __init__(self):
         self.added = []
 
-    def add_request(self, prompt_ids, params, request_id=None):
+    def add_request(self, prompt_ids, params, request_id=None, adapter=None):
         self.added.append((request_id, params))
         return request_id
 
@@ -128,11 +128,10 @@ class ReverseEngine:
     def step(self):
         rid, params = self.added.pop()
         token = 7 + len(self.added)
-        return [Output(rid, [token], [token], True, "length", 3)]
+        return [RequestOutput(rid, [token], [token], True, "length", 3)]
 
 
 def test_results_written_in_input_order(tmp_path, model_dir):
-    from tools.batch_engines import EngineKit, Params
     ckpt = load_checkpoint(model_dir)
     inp = write_lines(tmp_path / "in.jsonl", *({"id": f"r{i}", "prompt": "the cat"} for i in range(5)))
     reqs = read_requests(inp, ckpt.tokenizer, 128)
@@ -147,7 +146,7 @@ def test_results_written_in_input_order(tmp_path, model_dir):
             writer.put(req.id, record)
             # nothing is written before r0, which the engine finishes last
             assert (out.stat().st_size == 0) == (req.id != "r0")
-        run_group(EngineKit(engine, Params), reqs, ckpt.tokenizer, ckpt.stop_ids, on_done, Tally())
+        run_group(engine, reqs, ckpt.tokenizer, ckpt.stop_ids, on_done, Tally())
     assert seen == ["r4", "r3", "r2", "r1", "r0"] and writer.complete
     records = read_out(out)
     assert [r["id"] for r in records] == ["r0", "r1", "r2", "r3", "r4"]
@@ -240,8 +239,10 @@ def test_max_tokens_lowered_to_fit_the_context(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_adapters_by_name_equal_generate_lora(model_dir, tmp_path, backend):
-    """Requests naming two adapters and none, interleaved: each gets `llama32 generate --lora DIR`'s ids."""
+def test_adapters_by_name_equal_generate_lora(model_dir, tmp_path, backend, monkeypatch):
+    """Requests naming two adapters and none, interleaved: each gets `llama32 generate --lora DIR`'s ids. One pass
+    over the file: accel builds one engine, and a step runs rows of both adapters and of the base model together;
+    refimpl merges each adapter once (its requests one after another)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
@@ -263,8 +264,13 @@ def test_adapters_by_name_equal_generate_lora(model_dir, tmp_path, backend):
              {"id": "m2", "prompt": "and then", "adapter": "math", "max_tokens": 8}]
     inp = write_lines(tmp_path / "in.jsonl", *lines)
     out = tmp_path / "out.jsonl"
+    built, steps = count_engines(monkeypatch, backend)
     r = batch(model_dir, inp, out, "--lora", f"math={dirs['math']}", "--lora", f"ocr={dirs['ocr']}", backend=backend)
     assert r.exit_code == 0, r.output
+    if backend == "accel":
+        assert len(built) == 1 and max(steps) == 3, (built, steps)  # math, ocr and base rows in one step
+    else:
+        assert built == ["math", None, "ocr"], built  # m1 then m2 under math, b1, o1
     records = read_out(out)
     assert [rec["id"] for rec in records] == [line["id"] for line in lines]
     got = {rec["id"]: rec["generated_ids"] for rec in records}
@@ -273,6 +279,31 @@ def test_adapters_by_name_equal_generate_lora(model_dir, tmp_path, backend):
         want = generate_json(model_dir, line["prompt"], line["max_tokens"], "--no-chat", *extra)
         assert got[line["id"]] == want["generated_ids"], line["id"]
     assert len({tuple(got["m1"]), tuple(got["b1"]), tuple(got["o1"])}) == 3, got  # the adapters change the tokens
+
+
+def count_engines(monkeypatch, backend):
+    """-> (a list growing by each engine `llama32 batch` builds: accel's BatchEngine, or the adapter of each refimpl
+    engine; the number of adapters, the base model counted as one, among each accel step's rows)."""
+    built, steps = [], []
+    if backend == "accel":
+        from accel.batch import BatchEngine
+        from accel.batch.runner import ModelRunner
+        make, prepare = BatchEngine.from_checkpoint.__func__, ModelRunner.prepare
+        monkeypatch.setattr(BatchEngine, "from_checkpoint",
+                            classmethod(lambda cls, *a, **k: built.append(cls) or make(cls, *a, **k)))
+
+        def counting_prepare(self, batch):
+            steps.append(len({s.seq.adapter for s in batch}))
+            return prepare(self, batch)
+        monkeypatch.setattr(ModelRunner, "prepare", counting_prepare)
+    else:
+        from tools.batch_engines import OneAtATime
+        init = OneAtATime.__init__
+
+        def recording_init(self, engine_for):
+            init(self, lambda name: built.append(name) or engine_for(name))
+        monkeypatch.setattr(OneAtATime, "__init__", recording_init)
+    return built, steps
 
 
 def test_default_model_batch_equals_generate(tmp_path):

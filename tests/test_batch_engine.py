@@ -22,12 +22,7 @@ ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq
         "original_max_position_embeddings": 16}  # prompts reach past 16: the scaling matters
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine's cores are shared; oversubscribed threads are 10x slower here
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # tests/conftest.py
 
 
 def build(tmp_path, heads, kv_heads, tied, seed=0):

@@ -19,12 +19,7 @@ V = 211
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine's cores are shared; oversubscribed threads are 10x slower here
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
-"""LoRA adapters per request in the batch engine (accel/batch/lora.py), unmerged, several in one batch, against the
-NumPy reference engine (refimpl) over the checkpoint with that adapter merged (refimpl.formats.lora.merge_lora):
-greedy ids exactly equal, fp32 on CPU. Also: the same prompt under two adapters shares no cached K/V."""
+"""LoRA adapters per request in the batch engine (accel/lora_stack.py's stacked adapters through the segmented product
+of accel/ops/lora_batch.py), unmerged, several in one batch, against the NumPy reference engine (refimpl) over the
+checkpoint with that adapter merged (refimpl.formats.lora.merge_lora): greedy ids exactly equal, fp32 on CPU, with
+the torch product and with the Triton kernels under the interpreter. Also: the same prompt under two adapters shares
+no cached K/V."""
 import random
 
 import numpy as np
@@ -21,12 +23,7 @@ CFG = LlamaConfig(vocab_size=151, hidden_size=48, intermediate_size=80, num_hidd
 N = 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine's cores are shared; oversubscribed threads are 10x slower here
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # tests/conftest.py
 
 
 def random_adapter(seed, projections, rank=4, scale=2.0):
@@ -77,6 +74,19 @@ def test_adapters_per_request_in_one_batch_match_the_merged_reference(ckpt):
     assert [o.token_ids for o in outs] == want
     base = [reference(ckpt, p, None) for p in prompts]
     assert sum(w != b for w, b, a in zip(want, base, names) if a) >= 3  # the adapters change what is generated
+
+
+def test_triton_segmented_product_under_the_interpreter(ckpt):
+    """The engine's Triton kernels (the SGMV shrink/expand among them) on CPU under the interpreter."""
+    from accel.ops import INTERPRET
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, CFG.vocab_size) for _ in range(n)] for n in (5, 11, 8)]
+    names = ["vd", None, "all"]
+    eng = engine(ckpt, use_triton=True)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), names)
+    assert [o.token_ids for o in outs] == [reference(ckpt, p, a)[:3] for p, a in zip(prompts, names)]
 
 
 def test_a_prefix_is_shared_only_under_the_same_adapter(ckpt):

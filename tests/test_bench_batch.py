@@ -64,8 +64,9 @@ def test_measuring_loops_on_a_toy_model(toy_engine):
     cfg = toy_engine.config
     prompts = batch.decode_prompts(cfg, 5, 12, seed=3)
     assert prompts == batch.decode_prompts(cfg, 5, 12, seed=3) and all(len(p) == 12 for p in prompts)
-    rate, made = batch.decode_rate(toy_engine, prompts, steps=4)
-    assert made == 5 * 4 and rate > 0
+    r = batch.decode_rate(toy_engine, prompts, steps=4)
+    assert r["tokens"] == 5 * 4 and r["tok_s"] > 0
+    assert r["replay_ms"] is None and batch.decode_graph(toy_engine, 5) is None  # no CUDA graphs on CPU
     assert not toy_engine.has_unfinished() and toy_engine.stats()["blocks_used"] == 0
     jobs = batch.workload(6, seed=2, vocab=cfg.vocab_size, prompt=(3, 40), output=(2, 20))
     result = batch.workload_run(toy_engine, jobs)
@@ -77,15 +78,18 @@ def test_render_table():
     rec = {"device": "Test GPU", "date": "2026-11-26 18:00 UTC", "copy_tb_s": 3.0, "models": [{
         "model": "llama-3.2-1b", "context": 512, "decode_steps": 64,
         "decode": [{"batch": 64, "decode_tok_s": 20000.0, "roofline_tok_s": 25000.0, "roofline_pct": 80.0,
-                    "hf_tok_s": 2000.0, "speedup_vs_hf": 10.0},
+                    "hf_tok_s": 2000.0, "speedup_vs_hf": 10.0, "replay_tok_s": 22500.0, "replay_roofline_pct": 90.0,
+                    "eager_tok_s": 5000.0},
                    {"batch": 1, "decode_tok_s": 900.0, "roofline_tok_s": 1100.0, "roofline_pct": 81.8}],
         "workload": {"requests": 1000, "prompt_tokens": 528000, "ours": {"seconds": 20.0, "output_tok_s": 13600.0},
-                     "hf": {"seconds": 230.0, "output_tok_s": 1180.0}, "speedup_vs_hf": 11.5}}]}
+                     "hf": {"seconds": 230.0, "output_tok_s": 1180.0}, "speedup_vs_hf": 11.5},
+        "paged_attn": [{"block_size": 16, "config": {"BLOCK_N": 32}, "batch": 64, "context": 512, "us": 23.75}]}]}
     text = batch.render(rec)
     assert "batched decode — Test GPU — 2026-11-26 18:00 UTC" in text
-    assert "   64      20000      25000    80.0       2000   10.0" in text
-    assert "    1        900       1100    81.8          -      -" in text
+    assert "   64      20000      25000    80.0       2000   10.0      22500    90.0       5000" in text
+    assert "    1        900       1100    81.8          -      -          -       -          -" in text
     assert "HF 230.0 s, 1180 output tok/s (x11.5)" in text
+    assert "paged attention, blocks of  16, B  64,  512 tokens, {'BLOCK_N': 32}: 23.8 µs" in text
 
 
 def test_llama32_bench_batch_refuses_without_cuda_and_calls_the_benchmark(monkeypatch, tmp_path):
@@ -104,4 +108,5 @@ def test_llama32_bench_batch_refuses_without_cuda_and_calls_the_benchmark(monkey
     (args, command), = calls
     assert args.models == ["3b"] and args.skip_hf and args.batch_sizes == [1, 8, 32, 64, 128, 256]
     assert (args.context, args.requests, str(args.json_out)) == (512, 1000, str(tmp_path / "b.json"))
+    assert (args.eager, args.paged_sweep, args.profile_batch, args.device) == (False, False, None, "cuda")
     assert command == f"llama32 bench --batch --models 3b --skip-hf --json-out {tmp_path / 'b.json'}"

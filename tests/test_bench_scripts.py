@@ -240,15 +240,15 @@ def test_qgemv_table_source_is_the_table_with_winners_past_the_margin():
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_quant_gemv_table_times_the_steps_mlp_layout(monkeypatch):
     """`llama32 bench --quant`'s per-GEMV table: a quantized gate_up through the norm + gate_up + SwiGLU kernel
-    the step runs (quant_ops.quant_norm_swiglu), down as a plain GEMV of F inputs with the residual."""
+    the step runs (QuantTensor.norm_swiglu), down as a plain GEMV of F inputs with the residual."""
     from tools.bench import quant_gpu
     cfg = common.model_config("1b")
     shapes = common.decode_gemv_shapes(cfg)
     seen, fused = [], []
-    orig_time, orig_swiglu = quant_gpu.QuantGemvCase.time_us, quant_gpu.quant_norm_swiglu
+    orig_time, orig_swiglu = quant_gpu.QuantGemvCase.time_us, quant_gpu.QuantTensor.norm_swiglu
     monkeypatch.setattr(quant_gpu.QuantGemvCase, "time_us",
                         lambda self, c: seen.append((self.fusion, self.x.shape[1])) or orig_time(self, c))
-    monkeypatch.setattr(quant_gpu, "quant_norm_swiglu", lambda *a: fused.append(a[2].shape) or orig_swiglu(*a))
+    monkeypatch.setattr(quant_gpu.QuantTensor, "norm_swiglu", lambda t, *a: fused.append(t.shape) or orig_swiglu(t, *a))
     us, nbytes = quant_gpu.quant_step_us("gate_up", *shapes["gate_up"], "int4:64", cfg)
     assert us > 0 and seen == [] and fused and set(fused) == {shapes["gate_up"][:2]}
     us, nbytes = quant_gpu.quant_step_us("down", *shapes["down"], "int4:64", cfg)

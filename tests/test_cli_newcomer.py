@@ -169,7 +169,7 @@ def test_repetition_penalty_generation_matches_hf_on_both_engines():
 
 def test_bad_repetition_penalty_is_one_line():
     r = run("generate", "--model", GQA, "--repetition-penalty", "0", "x")
-    assert r.exit_code == 2 and r.output.startswith("error: --repetition-penalty must be > 0")
+    assert r.exit_code == 2 and r.output.startswith("error: --repetition-penalty must be a number > 0")
 
 
 # ---------------------------------------------------------------- Hub ids from the local HF cache
@@ -231,7 +231,7 @@ def test_install_hints_work_from_a_checkout(monkeypatch):
     from tools import engines
     assert "pip install -e '.[accel]'" in engines.ACCEL_HINT
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in engines.ACCEL_HINT
-    monkeypatch.setitem(sys.modules, "accel.engine", None)  # as if torch/triton were missing
+    monkeypatch.setitem(sys.modules, "accel.family", None)  # as if torch/triton were missing (engine_for's import)
     r = run("generate", "--model", GQA, "--backend", "accel", "--device", "cpu", "x")
     assert r.exit_code == 2 and engines.ACCEL_HINT in r.output
 

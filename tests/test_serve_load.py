@@ -90,7 +90,14 @@ def test_200_concurrent_streams_get_their_solo_answers_and_50_disconnects_free_t
     assert rss_bytes() - rss0 < 300 * 2 ** 20  # memory stays bounded
 
 
-def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
+def test_a_non_streaming_client_that_leaves_aborts_its_request(server, monkeypatch):
+    real_step = server.engine.engine.step
+
+    def slow_step():  # 20 ms a step: the 120 tokens take seconds, so the client leaves mid-request on any machine
+        time.sleep(0.02)
+        return real_step()
+    monkeypatch.setattr(server.engine.engine, "step", slow_step)
+
     async def run():
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {server.api_key}"}) as client:
             try:

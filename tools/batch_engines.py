@@ -1,113 +1,108 @@
-"""The engines `llama32 batch` drives, all behind accel.batch.BatchEngine's request API:
-`add_request(prompt_ids, params, request_id) -> id`, `step() -> [RequestOutput]`, `abort(id)`, `has_unfinished()`.
+"""The engines `llama32 batch` drives, all behind the batch request API (refimpl.batch_api).
 
 - accel: accel.batch.BatchEngine, continuous batching over a paged KV cache (GPU, or torch ops on CPU).
 - refimpl: the NumPy reference engine behind the same API, one request at a time (`OneAtATime`): the oracle, and
   the path that runs without torch.
 
-An adapter (`--lora NAME=DIR`) is merged (fp32) into a copy of the base weights, and its requests run on an engine
-over that copy: the request loop runs one adapter's requests at a time.
+Each request names its adapter (`--lora NAME=DIR`, None: the base model). accel applies them unmerged, several in
+one step (BatchEngine.add_adapter); refimpl runs each adapter's requests on an engine over a copy of the weights with
+that adapter merged in (fp32), one adapter's requests after another.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from refimpl.errors import GenerationError
+from refimpl.batch_api import RequestOutput, SamplingParams
 from refimpl.generate import Sampling
-
-
-@dataclass(frozen=True)
-class Params:
-    """accel.batch.SamplingParams' fields, for the engines that run without torch."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass
-class Output:
-    """accel.batch.RequestOutput's fields."""
-
-    request_id: str
-    new_token_ids: list[int]
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
 
 
 @dataclass
 class _Running:
     id: str
     prompt_ids: list[int]
-    params: Params
+    params: SamplingParams
+    adapter: str | None = None
     tokens: list[int] = field(default_factory=list)
     stream: object = None
 
 
 class OneAtATime:
     """A single-sequence engine (refimpl.generate.RefEngine's `generate`) behind the batch API: each step decodes one
-    token of the oldest unfinished request; the next request starts when it ends."""
+    token of the request in progress; when it ends the next starts, one under the same adapter first.
+    engine_for(adapter name or None) builds an adapter's engine: one at a time is held, each built once a run."""
 
-    def __init__(self, engine):
-        self.engine, self.queue, self.counter = engine, [], 0
+    def __init__(self, engine_for):
+        self.engine_for = engine_for
+        self.engine, self.adapter = None, None  # the engine held and its adapter
+        self.queue: list[_Running] = []
+        self.active: _Running | None = None
+        self.counter = 0
 
-    def add_request(self, prompt_ids: list[int], params: Params, request_id: str | None = None) -> str:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    adapter: str | None = None) -> str:
         rid = request_id if request_id is not None else str(self.counter)
         self.counter += 1
-        self.queue.append(_Running(rid, list(prompt_ids), params))
+        self.queue.append(_Running(rid, list(prompt_ids), params, adapter))
         return rid
 
     def abort(self, request_id: str) -> None:
         self.queue = [r for r in self.queue if r.id != request_id]
+        if self.active is not None and self.active.id == request_id:
+            self.active = None
 
     def has_unfinished(self) -> bool:
-        return bool(self.queue)
+        return bool(self.queue) or self.active is not None
 
     def stats(self) -> dict:
-        return {"waiting": max(len(self.queue) - 1, 0), "running": min(len(self.queue), 1)}
+        return {"waiting": len(self.queue), "running": int(self.active is not None)}
 
-    def step(self) -> list[Output]:
-        if not self.queue:
-            return []
-        r = self.queue[0]
-        if r.stream is None:
-            p = r.params
-            s = Sampling(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.repetition_penalty)
-            r.stream = self.engine.generate(r.prompt_ids, s, stop_ids=() if p.ignore_eos else p.stop_token_ids)
+    def _start(self) -> _Running:
+        """The next request (the first under the held engine's adapter, else the oldest), its engine ready."""
+        held = [r for r in self.queue if self.engine is not None and r.adapter == self.adapter]
+        r = (held or self.queue)[0]
+        self.queue.remove(r)
+        if self.engine is None or r.adapter != self.adapter:
+            self.engine = None  # the held engine's memory goes before the next one is built
+            self.engine, self.adapter = self.engine_for(r.adapter), r.adapter
+        p = r.params
+        s = Sampling(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.repetition_penalty)
+        r.stream = self.engine.generate(r.prompt_ids, s, stop_ids=() if p.ignore_eos else p.stop_token_ids)
+        return r
+
+    def step(self) -> list[RequestOutput]:
+        if self.active is None:
+            if not self.queue:
+                return []
+            self.active = self._start()
+        r = self.active
         token = next(r.stream)
         r.tokens.append(token)
         reason = ("stop" if token in r.params.stop_token_ids and not r.params.ignore_eos
                   else "length" if len(r.tokens) >= r.params.max_tokens else None)
         if reason:
-            self.queue.pop(0)
-        return [Output(r.id, [token], list(r.tokens), reason is not None, reason, len(r.prompt_ids))]
+            self.active = None
+        return [RequestOutput(r.id, [token], list(r.tokens), reason is not None, reason, len(r.prompt_ids))]
 
 
-@dataclass
-class EngineKit:
-    """An engine and the SamplingParams type it takes."""
-
-    engine: object
-    params_type: type
-
-
-def batch_engine(ckpt, backend: str, device=None, dtype=None, **options) -> EngineKit:
-    """The batch engine over `ckpt` (a refimpl Checkpoint, adapter already merged)."""
+def batch_engine(ckpt, backend: str, device=None, dtype=None, adapters: dict | None = None, **options):
+    """The batch engine over `ckpt` (a refimpl Checkpoint, base weights) serving `adapters` ({NAME: load_lora's
+    list}) to the requests that name them."""
+    adapters = adapters or {}
     if backend == "refimpl":
         from tools.engines import engine_for
-        return EngineKit(OneAtATime(engine_for(ckpt, "refimpl", device, dtype)), Params)
+
+        def adapter_engine(name):
+            return engine_for(with_adapter(ckpt, adapters.get(name)), "refimpl", device, dtype)
+        return OneAtATime(adapter_engine)
     try:
-        from accel.batch import BatchEngine, SamplingParams
+        from accel.batch import BatchEngine
     except ImportError as e:
         raise GenerationError(f"--backend accel: the batch engine is not available here ({e})") from None
-    return EngineKit(BatchEngine.from_checkpoint(ckpt, device=device, dtype=dtype, **options), SamplingParams)
+    engine = BatchEngine.from_checkpoint(ckpt, device=device, dtype=dtype, **options)
+    for name, adapter in adapters.items():
+        engine.add_adapter(name, adapter)
+    return engine
 
 
 def with_adapter(ckpt, adapter):

@@ -1,6 +1,6 @@
 """`llama32 batch`'s work: requests through a batch engine, results written in input order as they complete.
 
-The request loop (`run_group`) takes any engine with accel.batch.BatchEngine's API (tools.batch_engines), so
+The request loop (`run_group`) takes any engine with the batch request API (refimpl.batch_api), so
 the same loop drives the paged continuous-batching engine and the NumPy reference one request at a time.
 Stop strings are found in the decoded text: the text is cut before the earliest one, the request aborted, and
 its finish reason is "stop", as for a stop token.
@@ -11,6 +11,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from refimpl.batch_api import SamplingParams
 from refimpl.progress import Progress
 
 
@@ -70,12 +71,13 @@ def _finish(live, tokenizer, reason: str, cut: int | None = None) -> dict:
     return result_record(live.req, live.ids, text if cut is None else text[:cut], reason)
 
 
-def run_group(kit, requests, tokenizer, stop_ids, on_done, tally: Tally, progress: Progress | None = None) -> None:
-    """Every request through kit.engine until all are finished; on_done(request, record) as each ends."""
-    engine, live = kit.engine, {}
+def run_group(engine, requests, tokenizer, stop_ids, on_done, tally: Tally, progress: Progress | None = None) -> None:
+    """Every request (each under its own adapter) through the engine until all are finished; on_done(request,
+    record) as each ends."""
+    live = {}
     for req in requests:
-        params = kit.params_type(stop_token_ids=tuple(stop_ids), **req.sampling)
-        live[engine.add_request(req.prompt_ids, params, request_id=req.id)] = _Live(req)
+        params = SamplingParams(stop_token_ids=tuple(stop_ids), **req.sampling)
+        live[engine.add_request(req.prompt_ids, params, request_id=req.id, adapter=req.adapter)] = _Live(req)
     while engine.has_unfinished():
         for out in engine.step():
             r = live.get(out.request_id)
@@ -151,6 +153,20 @@ def _groups(requests) -> dict:
     return groups
 
 
+def eval_losses(job: Job) -> dict[str, tuple[float, int]]:
+    """answer_losses of every request with an answer, by a single-sequence engine over each adapter's merged
+    weights in turn (teacher-forced logits of every position: the batch engine gives only the sampled rows')."""
+    from tools.batch_engines import with_adapter
+    from tools.engines import engine_for
+    losses = {}
+    for name, group in _groups(job.requests).items():
+        single = engine_for(with_adapter(job.ckpt, job.adapters.get(name)), job.backend, job.device, job.dtype)
+        losses.update(answer_losses(single, group, job.ckpt.tokenizer))
+        del single
+        _free(job.device)
+    return losses
+
+
 def _eval_record(req, record: dict, losses: dict) -> dict:
     from tools.batch_eval import text_metrics
     loss, tokens = losses.get(req.id, (None, 0))
@@ -171,40 +187,31 @@ def _free(device) -> None:
 
 
 def run_job(job: Job, progress_stream=None) -> dict:
-    """Runs every request not yet in the output; returns the run's summary (eval metrics over every request of
-    the input, resumed ones included, with `evaluate`)."""
-    from tools.batch_engines import batch_engine, with_adapter
-    from tools.engines import engine_for
+    """Runs every request not yet in the output through one batch engine serving every adapter they name; returns
+    the run's summary (eval metrics over every request of the input, resumed ones included, with `evaluate`)."""
+    from tools.batch_engines import batch_engine
     pending = [r for r in job.requests if r.id not in job.done]
-    tok, tally, metrics = job.ckpt.tokenizer, Tally(), {}
+    tally, metrics = Tally(), {}
+    losses = eval_losses(job) if job.evaluate else {}  # before the batch engine takes its share of the device
+    if job.evaluate:
+        for req in job.requests:
+            if req.id in job.done:
+                metrics[req.id] = job.done[req.id].get("eval") or _eval_record(req, job.done[req.id], losses)
     with open(job.output, "a", encoding="utf-8") as f, \
             Progress("batch", len(pending), stream=progress_stream, delay_s=0.5) as progress:
         writer = OrderedWriter(f, [r.id for r in pending])
-        for name, group in _groups(job.requests).items():
-            todo = [r for r in group if r.id not in job.done]
-            if not todo and not job.evaluate:
-                continue
-            ckpt = with_adapter(job.ckpt, job.adapters.get(name))
-            losses = {}
-            if job.evaluate:  # before the batch engine takes its share of the device's memory
-                single = engine_for(ckpt, job.backend, job.device, job.dtype)
-                losses = answer_losses(single, group, tok)
-                del single
-                _free(job.device)
-                for req in group:
-                    if req.id in job.done:
-                        metrics[req.id] = job.done[req.id].get("eval") or _eval_record(req, job.done[req.id], losses)
-            if not todo:
-                continue
 
-            def on_done(req, record, losses=losses):
-                if job.evaluate:
-                    record["eval"] = metrics[req.id] = _eval_record(req, record, losses)
-                writer.put(req.id, record)
+        def on_done(req, record):
+            if job.evaluate:
+                record["eval"] = metrics[req.id] = _eval_record(req, record, losses)
+            writer.put(req.id, record)
 
-            kit = batch_engine(ckpt, job.backend, job.device, job.dtype, **job.engine_options)
-            run_group(kit, todo, tok, job.ckpt.stop_ids, on_done, tally, progress)
-            del kit
+        if pending:
+            named = {r.adapter for r in pending}
+            adapters = {n: a for n, a in job.adapters.items() if n in named}
+            engine = batch_engine(job.ckpt, job.backend, job.device, job.dtype, adapters, **job.engine_options)
+            run_group(engine, pending, job.ckpt.tokenizer, job.ckpt.stop_ids, on_done, tally, progress)
+            del engine
             _free(job.device)
     elapsed = time.perf_counter() - tally.start
     summary = {"output": str(job.output), "requests": len(job.requests), "resumed": len(job.done),

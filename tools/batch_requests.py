@@ -13,11 +13,11 @@ the run's requests; a resumed run skips the ids already in it.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from refimpl.errors import GenerationError, Llama32Error, quote
+from refimpl.generate import sampling_problem
 
 KNOWN_FIELDS = ("id", "prompt", "messages", "images", "adapter", "max_tokens", "temperature", "top_p", "top_k",
                 "seed", "stop", "answer")
@@ -47,14 +47,6 @@ def _where(path: Path, line: int) -> str:
     return f"{path}:{line}"
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
 def _check_messages(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise LineError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
@@ -67,30 +59,14 @@ def _check_messages(messages, where: str) -> None:
 
 
 def _check_sampling(obj: dict, where: str, default_max_tokens: int) -> dict:
-    """The line's sampling fields -> SamplingParams keyword arguments (types and ranges checked)."""
+    """The line's sampling fields -> SamplingParams keyword arguments (refimpl.generate.sampling_problem's rules)."""
     out = {"max_tokens": default_max_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
-    if "max_tokens" in obj:
-        if not _is_int(obj["max_tokens"]) or obj["max_tokens"] < 1:
-            raise LineError(f"{where}: \"max_tokens\" must be a positive integer, got {quote(obj['max_tokens'])}")
-        out["max_tokens"] = obj["max_tokens"]
-    if "temperature" in obj:
-        if not _is_number(obj["temperature"]) or obj["temperature"] < 0:
-            raise LineError(f"{where}: \"temperature\" must be a number >= 0 (0 is greedy), got "
-                            f"{quote(obj['temperature'])}")
-        out["temperature"] = float(obj["temperature"])
-    if "top_p" in obj:
-        if not _is_number(obj["top_p"]) or not 0 < obj["top_p"] <= 1:
-            raise LineError(f"{where}: \"top_p\" must be a number in (0, 1], got {quote(obj['top_p'])}")
-        out["top_p"] = float(obj["top_p"])
-    if "top_k" in obj:
-        if not _is_int(obj["top_k"]) or obj["top_k"] < 0:
-            raise LineError(f"{where}: \"top_k\" must be an integer >= 0 (0 disables it), got {quote(obj['top_k'])}")
-        out["top_k"] = obj["top_k"]
-    if "seed" in obj and obj["seed"] is not None:
-        if not _is_int(obj["seed"]) or not 0 <= obj["seed"] < 2 ** 63:
-            raise LineError(f"{where}: \"seed\" must be an integer in [0, 2^63), got {quote(obj['seed'])}")
-        out["seed"] = obj["seed"]
-    return out
+    out.update((k, obj[k]) for k in out if k in obj)
+    problem = sampling_problem(**out, seed_bits=63)
+    if problem is not None:
+        name, want, value = problem
+        raise LineError(f"{where}: \"{name}\" must be {want}, got {quote(value)}")
+    return {**out, "temperature": float(out["temperature"]), "top_p": float(out["top_p"])}
 
 
 def _check_stop(value, where: str) -> tuple[str, ...]:

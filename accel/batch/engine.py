@@ -17,6 +17,7 @@ import secrets
 
 import torch
 
+from refimpl.batch_api import RequestOutput, SamplingParams
 from refimpl.errors import GenerationError
 from refimpl.formats.params import Checkpoint
 from refimpl.model.config import LlamaConfig
@@ -26,9 +27,9 @@ from ..engine import resolve_device, resolve_dtype
 from ..weights import DTYPES, Weights, load_weights
 from .block_manager import BlockManager
 from .runner import ModelRunner
-from .sampler import sample
+from .sampler import logprob_rows, sample
 from .scheduler import Scheduler
-from .sequence import RequestOutput, SamplingParams, Sequence
+from .sequence import Sequence
 
 DEFAULT_BLOCK_SIZE = 16
 CPU_KV_BYTES = 1 << 30  # the KV pool's budget on CPU, where free memory says little about what is wise to take
@@ -128,9 +129,10 @@ class BatchEngine:
 
     # ---- requests ----
     def add_adapter(self, name: str, adapter: list) -> None:
-        """A LoRA adapter requests can name (add_request's `adapter`), applied unmerged: adapter is
-        refimpl.formats.lora.load_lora's list of (param name, A [R, Din], B [Dout, R], scale)."""
-        self.runner.lora.add(str(name), adapter)
+        """A LoRA adapter requests can name (add_request's `adapter`), applied unmerged, several in one step (the
+        stacked adapters and segmented product of accel/lora_stack.py): adapter is refimpl.formats.lora.load_lora's
+        list of (param name, A [R, Din], B [Dout, R], scale)."""
+        self.runner.add_adapter(str(name), adapter)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, adapter: str | None = None) -> str:
@@ -139,7 +141,7 @@ class BatchEngine:
         rid = self._fresh_id() if request_id is None else str(request_id)
         if rid in self.seqs:
             raise GenerationError(f"request {rid!r}: a request with this id is already in the engine")
-        if adapter is not None and adapter not in self.runner.lora:
+        if adapter is not None and adapter not in self.runner.adapters:
             raise GenerationError(f"request {rid!r}: no adapter named {adapter!r} is loaded (add_adapter first)")
         prompt = self._check_prompt(rid, prompt_ids, params)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids)
@@ -202,12 +204,14 @@ class BatchEngine:
             return outputs
         inp = self.runner.prepare(batch)
         logits = self.runner.run(inp)
-        tokens = self._sample(logits, inp.sampled) if inp.sampled else []
+        tokens, logprobs = self._sample(logits, inp.sampled) if inp.sampled else ([], [])
         if self.record_logits:
             self.last_logits = {s.seq.request_id: logits[r] for r, s in enumerate(inp.sampled)}
         for s in batch:
             s.seq.num_computed += s.num_tokens
             self.blocks.commit(s.seq)
+        for r, entry in logprobs:
+            inp.sampled[r].seq.logprobs.append(entry)
         for s, token in zip(inp.sampled, tokens):
             s.seq.append(token)
             self._generation_tokens += 1
@@ -219,17 +223,19 @@ class BatchEngine:
                 outputs.append(s.seq.output())
         return outputs
 
-    def _sample(self, logits: torch.Tensor, sampled) -> list[int]:
-        """The sampled rows' tokens, read back in one copy with a finite-logits flag per row; a row of NaN or Inf
-        logits is an error naming its request (bf16 overflow stays in its own row: rows never mix)."""
-        tokens = sample(logits, [s.seq for s in sampled])  # [R]
+    def _sample(self, logits: torch.Tensor, sampled) -> tuple[list[int], list]:
+        """The sampled rows' tokens, read back in one copy with a finite-logits flag per row, and the logprobs of
+        the rows that ask for them; a row of NaN or Inf logits is an error naming its request (bf16 overflow stays in
+        its own row: rows never mix)."""
+        seqs = [s.seq for s in sampled]
+        token_t = sample(logits, seqs)  # [R]
         finite = torch.isfinite(logits).all(dim=-1).to(torch.int64)  # [R]
-        tokens, finite = torch.stack([tokens, finite]).tolist()
+        tokens, finite = torch.stack([token_t, finite]).tolist()
         bad = next((s.seq for s, ok in zip(sampled, finite) if not ok), None)
         if bad is not None:
             raise GenerationError(f"request {bad.request_id!r}: the logits of generated token {bad.num_generated} "
                                   f"hold NaN or Inf (the weights overflow in {self.dtype_name}?)")
-        return tokens
+        return tokens, logprob_rows(logits, token_t, seqs)
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         out = seq.output()
@@ -252,7 +258,7 @@ class BatchEngine:
                 if out.finished:
                     done[out.request_id] = out
         return [RequestOutput(r, done[r].token_ids, done[r].token_ids, True, done[r].finish_reason,
-                              done[r].num_prompt_tokens) for r in ids]
+                              done[r].num_prompt_tokens, done[r].logprobs) for r in ids]
 
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

@@ -7,6 +7,9 @@ prefill chunk (a new prompt, or the next chunk of a long one, possibly after a c
       each prefill chunk with the causal flash attention over its sequence's K/V gathered from the pool into a
       contiguous [K, n, E] (positions 0..n-1 in order: the chunk's earlier prefix included);
     o, gate_up, down GEMMs over all T rows (one read of the weights for the whole batch), residual adds in the norms.
+LoRA adapters are applied unmerged, per row: the runner holds every adapter stacked (accel/lora_stack.py), a step
+builds the tiles of its rows' adapters once, and each linear layer adds every row's update in one segmented product
+(accel/ops/lora_batch.py), whatever mix of adapters and base rows shares the step.
 The lm_head runs only on the rows whose logits give a token (each sequence's last row, when its chunk reaches its
 last token).
 
@@ -29,15 +32,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from refimpl.errors import GenerationError
 from refimpl.model import ops as np_ops
 from refimpl.model.config import LlamaConfig
 
 from .. import ops
+from ..lora_stack import LoraStack, stack_adapters
 from ..ops.paged import invariant_linear, paged_decode_attention
 from ..weights import Weights
 from .block_manager import BlockManager
 from .graphs import DecodeGraphs
-from .lora import AdapterSet
 from .scheduler import Scheduled
 
 
@@ -53,7 +57,7 @@ class StepInputs:
     sample_rows: torch.Tensor  # [R] int64: rows whose logits give a token
     sampled: list[Scheduled]  # the sequences of those rows, in order
     graph_key: tuple[int, int] | None = None  # (rows, table width) of the CUDA graph that runs it, padded to those
-    adapters: list[tuple[str, torch.Tensor]] = ()  # (LoRA adapter, its rows [n] int64), rows of no adapter left out
+    lora_tiles: torch.Tensor | None = None  # [NT, 3] int32 (first row, end row, adapter index); None: no adapter
 
 
 class ModelRunner:
@@ -75,7 +79,16 @@ class ModelRunner:
         self.cos, self.sin = torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
         self.max_width = -(-cfg.max_position_embeddings // self.block_size)  # blocks of the longest sequence
         self.graphs = DecodeGraphs(self) if cuda_graphs else None
-        self.lora = AdapterSet(cfg, device)
+        self.adapters: dict[str, list] = {}  # LoRA adapters by name, as add_adapter took them
+        self.lora: LoraStack | None = None  # all of them stacked on the device, in the model's dtype
+
+    def add_adapter(self, name: str, adapter: list) -> None:
+        """Stacks every adapter again with this one (a bad adapter is refused before anything changes)."""
+        if name in self.adapters:
+            raise GenerationError(f"adapter {name!r} is already loaded")
+        adapters = {**self.adapters, name: adapter}
+        self.lora = stack_adapters(adapters, self.cfg, self.device, self.dtype)
+        self.adapters = adapters
 
     @staticmethod
     def kv_bytes_per_block(cfg: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -100,7 +113,7 @@ class ModelRunner:
         sampled = [s for s in decode if s.samples] + [s for s in prefill if s.samples]
         sample_rows = [i for i, s in enumerate(decode) if s.samples] + [f + n - 1 for (f, n, _), s in
                                                                        zip(chunks, prefill) if s.samples]
-        adapters = self._adapter_rows(decode, prefill, chunks)
+        lora_rows = self._adapter_rows(decode, prefill, chunks, T)
         num_paged = rows
         if self.invariant and prefill:  # every row through the paged kernel, each with its own table and length
             tables, lens = self._rows_tables(tables, lens, prefill, T)
@@ -111,7 +124,7 @@ class ModelRunner:
             return torch.from_numpy(np.asarray(x)).to(dev)
         return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
                           [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
-                          [(name, t(np.asarray(r, np.int64))) for name, r in adapters.items()])
+                          self.lora.tiles(lora_rows, dev) if any(a is not None for a in lora_rows) else None)
 
     def _decode_rows(self, decode: list[Scheduled], rows: int, width: int, ids, positions, slots):
         """Rows 0.. of the decode sequences: their token, position and slot -> (tables [rows, width], lens [rows])."""
@@ -140,15 +153,13 @@ class ModelRunner:
         return chunks
 
     @staticmethod
-    def _adapter_rows(decode: list[Scheduled], prefill: list[Scheduled], chunks) -> dict[str, list[int]]:
-        """LoRA adapter -> the rows of its sequences (rows of the base model left out)."""
-        out: dict[str, list[int]] = {}
+    def _adapter_rows(decode: list[Scheduled], prefill: list[Scheduled], chunks, T: int) -> list[str | None]:
+        """Each row's LoRA adapter (None: the base model; padding rows too)."""
+        out: list[str | None] = [None] * T
         for i, s in enumerate(decode):
-            if s.seq.adapter is not None:
-                out.setdefault(s.seq.adapter, []).append(i)
+            out[i] = s.seq.adapter
         for (first, n, _), s in zip(chunks, prefill):
-            if s.seq.adapter is not None:
-                out.setdefault(s.seq.adapter, []).extend(range(first, first + n))
+            out[first:first + n] = [s.seq.adapter] * n
         return out
 
     def _rows_tables(self, tables, lens, prefill: list[Scheduled], T: int):
@@ -203,9 +214,10 @@ class ModelRunner:
         return invariant_linear(x, weight) if self.invariant else ops.linear(x, weight)  # [T, Din] -> [T, Dout]
 
     def _linear(self, x, weight, layer: int, fused: str, inp: StepInputs) -> torch.Tensor:
-        """x [T, Din]·Wᵀ over the whole batch, plus each LoRA adapter's delta on its own rows."""
+        """x [T, Din]·Wᵀ over the whole batch, plus each row's LoRA adapter update (one segmented product for all
+        the adapters in the step: accel/ops/lora_batch.py)."""
         y = self._dense(x, weight)
-        return self.lora.apply(y, x, layer, fused, inp.adapters) if inp.adapters else y
+        return y if inp.lora_tiles is None else self.lora.add(layer, fused, y, x, inp.lora_tiles)
 
     def _attention(self, lw, h, cos, sin, layer: int, inp: StepInputs) -> torch.Tensor:
         cfg = self.cfg

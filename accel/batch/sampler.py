@@ -1,6 +1,7 @@
 """Per-request sampling on the device for a batch of logits rows, with accel.sampling's rules row by row:
 
     repetition penalty   on the logits of the request's tokens so far (prompt and output; HF's rule), before the rest
+    presence, frequency  OpenAI's: each generated token's logit minus presence_penalty + frequency_penalty · count
     temperature 0        greedy (argmax, the first of equal maxima)
     else                 top-k, then top-p over logits / temperature, then one draw: argmax(p / e), e ~ Exp(1)
 
@@ -38,14 +39,36 @@ def uniform_noise(seeds: list[int], steps: list[int], vocab: int, device) -> tor
 
 
 def penalize_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits [R, V] fp32 -> the same with each row's repetition penalty applied to its request's seen tokens."""
+    """logits [R, V] fp32 -> the same with each row's repetition penalty applied to its request's seen tokens, then
+    its presence and frequency penalties to the tokens it generated."""
     for r, seq in enumerate(seqs):
-        penalty = seq.params.repetition_penalty
-        if penalty != 1:
+        p = seq.params
+        if p.repetition_penalty != 1:
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
             vals = logits[r, seen]
-            logits[r, seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+            logits[r, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_generated:
+            ids, counts = torch.unique(torch.tensor(seq.output_ids, device=logits.device), return_counts=True)
+            logits[r, ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
     return logits
+
+
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list:
+    """For the rows whose request asks for logprobs: (row, (token, logprob, [(id, logprob)] top alternatives)) of the
+    model's distribution (log-softmax of the raw logits); one copy back for all of them."""
+    rows = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not rows:
+        return []
+    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [Rl, V]
+    chosen = lp.gather(1, tokens[idx][:, None])[:, 0]  # [Rl]
+    k = max(seqs[r].params.logprobs for r in rows)
+    top = torch.topk(lp, k, dim=-1) if k else None
+    chosen, top_v, top_i = (chosen.tolist(), top.values.tolist() if k else [[]] * len(rows),
+                            top.indices.tolist() if k else [[]] * len(rows))
+    tok = tokens[idx].tolist()
+    return [(r, (tok[j], chosen[j], list(zip(top_i[j], top_v[j]))[:seqs[r].params.logprobs]))
+            for j, r in enumerate(rows)]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

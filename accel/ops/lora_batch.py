@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.lora_sgmv import lora_sgmv_fwd, segment_tiles, tiles_tensor
+from ..kernels.lora_sgmv import lora_sgmv_fwd
 from .dispatch import rows, uses_triton
 
 
@@ -29,10 +29,3 @@ def torch_lora_sgmv(y, x, lora_a, lora_b, scales, tiles):
         delta = F.linear(v.float(), lora_b[a].float())  # [M, R] -> [M, Dout]
         y[start:end] = (y[start:end].float() + scales[a].float() * delta).to(y.dtype)
     return y
-
-
-def lora_sgmv_rows(y, x, lora_a, lora_b, scales, adapter_per_row):
-    """lora_sgmv with an adapter index a row (a list or a [T] tensor; -1: none) instead of tiles (a host sync for
-    a tensor; a step that runs many layers builds the tiles once instead)."""
-    ids = adapter_per_row.tolist() if isinstance(adapter_per_row, torch.Tensor) else list(adapter_per_row)
-    return lora_sgmv(y, x, lora_a, lora_b, scales, tiles_tensor(segment_tiles(ids), x.device))

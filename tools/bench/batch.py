@@ -2,12 +2,17 @@
 roofline and against HF transformers' continuous batching (`generate_batch`, paged SDPA) on the same requests.
 
     decode    B = 1, 8, 32, 64, 128, 256 sequences with --context-token prompts, all prefilled first; then
-              --decode-steps steps each decoding one token of every sequence: B·steps / time. Roofline: the bytes
-              a step must read (the weights once, and each sequence's K/V at its length) over the measured copy
-              bandwidth. HF: generate_batch of the same prompts for 1 and for 1 + steps new tokens, the difference.
+              --decode-steps steps each decoding one token of every sequence: B·steps / time of engine.step() as
+              called (schedule, inputs, graph replay, sampling, the tokens read back). "replay": the same step's
+              CUDA graph replayed alone (the device's share). --eager: the same steps on an engine without CUDA
+              graphs. Roofline: the bytes a step must read (the weights once, and each sequence's K/V at its
+              length) over the measured copy bandwidth. HF: generate_batch of the same prompts for 1 and for
+              1 + steps new tokens, the difference. --profile-batch B: the top kernels of B's graph replay.
     workload  --requests requests from a fixed seed, prompt lengths uniform in [32, 1024] and outputs in
               [32, 512] (eos ignored: every request makes its full count): total time and output tok/s, ours and HF's
               (its ContinuousBatchingManager, each request its own max_new_tokens).
+    paged     --paged-sweep: the paged decode attention kernel alone (captured in a CUDA graph) per KV block size and
+              per launch config (BLOCK_N, warps, stages) at the 1B shape's heads.
 Method and timing: tools.bench.common (records: command, device, date, versions).
 """
 from __future__ import annotations
@@ -88,10 +93,11 @@ def run_until_done(engine, ids: list[str]) -> int:
     return tokens
 
 
-def decode_rate(engine, prompts: list[list[int]], steps: int) -> tuple[float, int]:
+def decode_rate(engine, prompts: list[list[int]], steps: int, profile: bool = False) -> dict:
     """All prompts prefilled (each has its first token), then `steps` timed steps decoding every sequence ->
-    (tok/s, tokens made in the timed steps); the requests are aborted after. max_tokens leaves room for the
-    tokens early requests make while later ones still prefill."""
+    {"tok_s", "tokens" made in the timed steps, "replay_ms": one step's CUDA graph replayed alone (None without
+    graphs), "profile": its top kernels (with `profile`)}; the requests are aborted after. max_tokens leaves room
+    for the tokens early requests make while later ones still prefill."""
     from accel.batch import SamplingParams
     params = SamplingParams(max_tokens=len(prompts[0]) + steps, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -105,12 +111,27 @@ def decode_rate(engine, prompts: list[list[int]], steps: int) -> tuple[float, in
         made += sum(len(o.new_token_ids) for o in engine.step())
     sync()
     elapsed = time.perf_counter() - t0
+    graph = decode_graph(engine, len(prompts))
+    result = {"tok_s": made / elapsed, "tokens": made,
+              "replay_ms": None if graph is None else common.median_ms(graph.replay, reps=20)}  # last step's inputs
+    if profile and graph is not None:
+        result["profile"] = common.cuda_profile(graph.replay, rows=12)
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
     engine.step()  # the aborted requests' outputs
-    return made / elapsed, made
+    return result
+
+
+def decode_graph(engine, batch: int):
+    """The CUDA graph the engine's decode steps of its `batch` running sequences replay, None where it has none."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return None
+    width = max(len(seq.block_table) for seq in engine.seqs.values())
+    g = graphs.graphs.get(graphs.key(batch, width))
+    return None if g is None else g.graph
 
 
 def workload_run(engine, requests) -> dict:
@@ -191,7 +212,62 @@ def hf_workload(model, requests) -> dict:
     return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
 
 
+# ---- the paged decode attention kernel alone ----
+
+PAGED_CASES = ((1, 4096), (64, 512), (64, 2048), (256, 512))  # (B, context)
+PAGED_CONFIGS = ({"BLOCK_N": 32}, {"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 64, "num_stages": 3},
+                 {"BLOCK_N": 128}, {"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 2},
+                 {"BLOCK_N": 128, "num_warps": 8})
+
+
+def paged_us(cfg, block_size: int, batch: int, context: int, config: dict | None = None) -> float:
+    """µs of one paged decode attention call (bf16, cfg's heads) over `batch` sequences of `context` tokens in
+    randomly placed blocks, captured in a CUDA graph (the kernels' time, not the host's launches)."""
+    import torch
+
+    from accel.kernels.paged_attn import paged_decode_attention_fwd
+    width = -(-context // block_size)
+    H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = torch.randn(batch, H, E, device="cuda", dtype=torch.bfloat16)
+    pool = torch.randn(K, batch * width * block_size, E, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(batch * width, device="cuda").view(batch, width).to(torch.int32)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    return common.graph_us([lambda: paged_decode_attention_fwd(q, pool, pool, tables, lens, block_size,
+                                                               config=config)])
+
+
+def paged_sweep(cfg) -> list[dict]:
+    """The kernel per KV block size (the engine's default launch config), then per launch config at block 16."""
+    rows = [{"block_size": bs, "config": None, "batch": b, "context": c, "us": paged_us(cfg, bs, b, c)}
+            for bs in (16, 64, 256) for b, c in PAGED_CASES]
+    rows += [{"block_size": 16, "config": config, "batch": b, "context": c, "us": paged_us(cfg, 16, b, c, config)}
+             for config in PAGED_CONFIGS for b, c in PAGED_CASES[1:]]
+    return rows
+
+
 # ---- one model ----
+
+def decode_rows(engine, cfg, weight_bytes: int, args, copy_tb_s: float) -> list[dict]:
+    """engine.step and graph-replay tok/s per batch size, against the roofline."""
+    rows = []
+    for b in args.batch_sizes:
+        prompts = decode_prompts(cfg, b, args.context, args.seed)
+        r = decode_rate(engine, prompts, args.decode_steps, profile=b == args.profile_batch)
+        roof = roofline_tok_s(weight_bytes, cfg, b, args.context + args.decode_steps / 2, copy_tb_s)
+        replay = None if r["replay_ms"] is None else b / r["replay_ms"] * 1e3
+        rows.append({"batch": b, "decode_tok_s": r["tok_s"], "replay_tok_s": replay, "roofline_tok_s": roof,
+                     "roofline_pct": 100 * r["tok_s"] / roof,
+                     "replay_roofline_pct": None if replay is None else 100 * replay / roof})
+        if "profile" in r:
+            print(f"B = {b}, one decode step's graph replay, top kernels:\n{r['profile']}", flush=True)
+    return rows
+
+
+def free_gpu() -> None:
+    import torch
+    gc.collect()
+    torch.cuda.empty_cache()
+
 
 def model_rows(key: str, args, copy_tb_s: float) -> dict:
     import torch
@@ -201,13 +277,8 @@ def model_rows(key: str, args, copy_tb_s: float) -> dict:
     device = args.device
     weights = random_weights(cfg, device, torch.bfloat16, seed=0)
     weight_bytes = weights.nbytes_per_token()
-    rows = []
     engine = new_engine(cfg, weights, device, max(args.batch_sizes))
-    for b in args.batch_sizes:
-        prompts = decode_prompts(cfg, b, args.context, args.seed)
-        rate, _ = decode_rate(engine, prompts, args.decode_steps)
-        roof = roofline_tok_s(weight_bytes, cfg, b, args.context + args.decode_steps / 2, copy_tb_s)
-        rows.append({"batch": b, "decode_tok_s": rate, "roofline_tok_s": roof, "roofline_pct": 100 * rate / roof})
+    rows = decode_rows(engine, cfg, weight_bytes, args, copy_tb_s)
     result = {"model": common.MODELS[key], "weights_gb": weights.nbytes() / 1e9, "context": args.context,
               "decode_steps": args.decode_steps, "decode": rows}
     jobs = workload(args.requests, args.seed, cfg.vocab_size) if args.requests else []
@@ -215,8 +286,16 @@ def model_rows(key: str, args, copy_tb_s: float) -> dict:
         result["workload"] = {"requests": len(jobs), "prompt_tokens": sum(len(p) for p, _ in jobs),
                               "ours": workload_run(engine, jobs)}
     del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_gpu()
+    if args.eager:  # an engine of its own: each takes most of the free memory for its KV pool
+        engine = new_engine(cfg, weights, device, max(args.batch_sizes), cuda_graphs=False)
+        for row in rows:
+            prompts = decode_prompts(cfg, row["batch"], args.context, args.seed)
+            row["eager_tok_s"] = decode_rate(engine, prompts, args.decode_steps)["tok_s"]
+        del engine
+        free_gpu()
+    if args.paged_sweep:
+        result["paged_attn"] = paged_sweep(cfg)
     if not args.skip_hf:
         model, impl = hf_model(cfg, weights, device)
         result["hf_attn_implementation"] = impl
@@ -230,8 +309,7 @@ def model_rows(key: str, args, copy_tb_s: float) -> dict:
             result["workload"]["speedup_vs_hf"] = result["workload"]["ours"]["output_tok_s"] / hf["output_tok_s"]
         del model
     del weights
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_gpu()
     return result
 
 
@@ -244,10 +322,13 @@ def render(rec: dict) -> str:
     lines = [f"batched decode — {rec['device']} — {rec['date']}", f"copy bandwidth {rec['copy_tb_s']:.2f} TB/s", ""]
     for m in rec["models"]:
         lines.append(f"{m['model']}: {m['context']}-token contexts, {m['decode_steps']} decode steps timed")
-        lines.append(f"{'B':>5}{'tok/s':>11}{'roofline':>11}{'% roof':>8}{'HF tok/s':>11}{'x HF':>7}")
+        lines.append(f"{'B':>5}{'tok/s':>11}{'roofline':>11}{'% roof':>8}{'HF tok/s':>11}{'x HF':>7}"
+                     f"{'replay':>11}{'% roof':>8}{'eager':>11}")
         for r in m["decode"]:
             lines.append(f"{r['batch']:>5}{r['decode_tok_s']:>11.0f}{r['roofline_tok_s']:>11.0f}"
-                         f"{r['roofline_pct']:>8.1f}{f(r.get('hf_tok_s'), '.0f'):>11}{f(r.get('speedup_vs_hf')):>7}")
+                         f"{r['roofline_pct']:>8.1f}{f(r.get('hf_tok_s'), '.0f'):>11}{f(r.get('speedup_vs_hf')):>7}"
+                         f"{f(r.get('replay_tok_s'), '.0f'):>11}{f(r.get('replay_roofline_pct')):>8}"
+                         f"{f(r.get('eager_tok_s'), '.0f'):>11}")
         w = m.get("workload")
         if w:
             hf = w.get("hf")
@@ -255,13 +336,17 @@ def render(rec: dict) -> str:
                          f"{w['ours']['seconds']:.1f} s, {w['ours']['output_tok_s']:.0f} output tok/s"
                          + (f"; HF {hf['seconds']:.1f} s, {hf['output_tok_s']:.0f} output tok/s "
                             f"(x{w['speedup_vs_hf']:.1f})" if hf else ""))
+        for p in m.get("paged_attn", []):
+            lines.append(f"paged attention, blocks of {p['block_size']:>3}, B {p['batch']:>3}, {p['context']:>4} "
+                         f"tokens, {p['config'] or 'default launch'}: {p['us']:.1f} µs")
         lines.append("")
-    lines.append("(roofline: the weights once + every sequence's K/V a step, over the copy bandwidth; HF: "
+    lines.append("(tok/s: engine.step() as called; replay: its CUDA graph alone; eager: an engine without graphs; "
+                 "roofline: the weights once + every sequence's K/V a step, over the copy bandwidth; HF: "
                  "generate_batch's time for 1 + steps tokens minus for 1 token)")
     return "\n".join(lines)
 
 
-def main(argv=None):
+def arg_parser():
     ap = common.parser("tools.bench.batch", __doc__, models="1b,3b")
     ap.add_argument("--batch-sizes", type=batch_sizes, default=list(BATCH_SIZES),
                     help="comma-separated (default 1,8,32,64,128,256)")
@@ -270,7 +355,17 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=1000, help="the offline workload's requests (0: skip it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="skip HF transformers' continuous batching")
+    ap.add_argument("--eager", action="store_true", help="also decode on an engine without CUDA graphs")
+    ap.add_argument("--profile-batch", type=int, default=None, metavar="B",
+                    help="print the top kernels of batch size B's decode graph replay")
+    ap.add_argument("--paged-sweep", action="store_true",
+                    help="time the paged decode attention kernel alone per KV block size and launch config")
     ap.add_argument("--device", default="cuda")
+    return ap
+
+
+def main(argv=None):
+    ap = arg_parser()
     args = ap.parse_args(argv)
     for name in ("context", "decode_steps"):
         if getattr(args, name) < 1:

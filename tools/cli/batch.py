@@ -6,42 +6,12 @@ import json
 
 import click
 
-from refimpl.errors import GenerationError, quote
+from refimpl.errors import GenerationError
 
-from tools.cli.options import MODEL_OPTION, Count, UserPath
+from tools.cli.options import MODEL_OPTION, Count, UserPath, parse_gpu_memory, parse_lora_dirs
 from tools.tp import TP_OPTION, refuse_tp
 
 BATCH_BACKENDS = ("auto", "accel", "refimpl")
-
-
-def parse_loras(values) -> dict:
-    """`--lora NAME=DIR` values -> {NAME: Path}, names unique."""
-    from pathlib import Path
-    out = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise GenerationError(f"--lora {quote(value)}: expected NAME=DIR (a name the requests' \"adapter\" "
-                                  f"field uses, and a PEFT adapter directory)")
-        if name in out:
-            raise GenerationError(f"--lora: adapter name {quote(name)} given twice")
-        out[name] = Path(path).expanduser()
-    return out
-
-
-def parse_gpu_memory(value: str | None):
-    """--gpu-memory: a fraction in (0, 1] of the GPU memory the engine may hold, or the KV pool in bytes."""
-    if value is None:
-        return None
-    try:
-        number = float(value)
-    except ValueError:
-        number = None
-    if number is not None and 0 < number <= 1:
-        return number
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    raise GenerationError(f"--gpu-memory {quote(value)}: expected a fraction in (0, 1] or a number of bytes")
 
 
 def resolve_batch_backend(name: str) -> str:
@@ -87,8 +57,8 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
     from tools.batch_job import Job, run_job
     from tools.batch_requests import read_done, read_requests
     from tools.engines import resolve_model
-    lora_dirs = parse_loras(loras)
-    memory = parse_gpu_memory(gpu_memory)
+    lora_dirs = parse_lora_dirs(loras, 'a name the requests\' "adapter" field uses')
+    memory = None if gpu_memory is None else parse_gpu_memory(gpu_memory)
     backend = resolve_batch_backend(backend)
     if input_path.resolve() == output_path.resolve():
         raise GenerationError(f"--output {output_path} is the input file")

@@ -97,11 +97,9 @@ def render(result: dict) -> str:
 
 def _batch_bench(models: list[str], device: str, skip_hf: bool, json_out) -> None:
     """tools.bench.batch with its defaults for the chosen text models."""
-    import argparse
-
     from tools.bench import batch
-    args = argparse.Namespace(models=models, batch_sizes=list(batch.BATCH_SIZES), context=512, decode_steps=64,
-                              requests=1000, seed=0, skip_hf=skip_hf, device=device, json_out=json_out)
+    args = batch.arg_parser().parse_args([])
+    args.models, args.skip_hf, args.device, args.json_out = models, skip_hf, device, json_out
     batch.run(args, command=shlex.join(["llama32", "bench", *_bench_args(sys.argv)]))
 
 

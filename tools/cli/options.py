@@ -7,12 +7,13 @@ command cannot use: it raises GenerationError like every other bad input, so it 
 """
 from __future__ import annotations
 
+import math
 import stat
 from pathlib import Path
 
 import click
 
-from refimpl.errors import GenerationError
+from refimpl.errors import GenerationError, quote
 from refimpl.formats.safe_open import check_path, stat_path
 from refimpl.quant.schemes import MIXED_INT8
 from tools.engines import BACKENDS
@@ -94,3 +95,31 @@ ENGINE_OPTIONS = options(
     click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu."),
     click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
                  help="accel weight dtype (default bf16)."))
+
+
+# ---- the batched engine's commands (batch, serve) ----
+
+def parse_lora_dirs(values, what: str) -> dict[str, Path]:
+    """`--lora NAME=DIR` values -> {NAME: Path}, names unique; `what` says what NAME is for, in the error."""
+    out = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise GenerationError(f"--lora {quote(value)}: expected NAME=DIR ({what}, and a PEFT adapter directory)")
+        if name in out:
+            raise GenerationError(f"--lora: adapter name {quote(name)} given twice")
+        out[name] = Path(path).expanduser()
+    return out
+
+
+def parse_gpu_memory(text: str) -> float | int:
+    """--gpu-memory: a fraction in (0, 1] of the GPU memory the engine may hold, or the KV pool in bytes."""
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if 0 < number <= 1:
+        return number
+    if math.isfinite(number) and number > 1 and number.is_integer():
+        return int(number)
+    raise GenerationError(f"--gpu-memory {quote(text)}: expected a fraction in (0, 1] or a number of bytes")

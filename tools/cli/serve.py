@@ -8,19 +8,7 @@ from pathlib import Path
 import click
 
 from refimpl.errors import GenerationError
-from tools.cli.options import MODEL_OPTION, Count, UserPath
-
-
-def parse_adapters(values) -> dict[str, Path]:
-    adapters = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise GenerationError(f"--lora {value!r}: expected NAME=DIR (the name clients pass as 'model')")
-        if name in adapters:
-            raise GenerationError(f"--lora: the adapter name {name!r} is given twice")
-        adapters[name] = Path(path).expanduser()
-    return adapters
+from tools.cli.options import MODEL_OPTION, Count, UserPath, parse_gpu_memory, parse_lora_dirs
 
 
 @click.command()
@@ -58,7 +46,8 @@ def serve(model, loras, host, port, api_key, served_model_name, max_num_seqs, ma
         import fastapi  # noqa: F401
     except ImportError:
         raise GenerationError("llama32 serve needs FastAPI and uvicorn: pip install -e '.[serve]'") from None
-    adapters = parse_adapters(loras)
+    adapters = parse_lora_dirs(loras, "the name clients pass as 'model'")
+    memory = parse_gpu_memory(gpu_memory)
     media = None
     if allowed_local_media is not None:
         media = Path(allowed_local_media).expanduser().resolve()
@@ -67,5 +56,5 @@ def serve(model, loras, host, port, api_key, served_model_name, max_num_seqs, ma
     api_key = api_key if api_key is not None else os.environ.get("LLAMA32_API_KEY") or None
     from tools.serve.server import load_served, run_server
     app, engine, name = load_served(model, adapters, served_model_name, device, dtype, max_num_seqs,
-                                    max_num_batched_tokens, gpu_memory, media, api_key)
+                                    max_num_batched_tokens, memory, media, api_key)
     run_server(app, engine, name, host, port)

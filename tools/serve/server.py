@@ -13,23 +13,12 @@ from tools.serve.async_engine import AsyncEngine
 from tools.serve.requests import ServedModel, sampling_fields
 
 
-def parse_gpu_memory(text: str) -> float | int:
-    try:
-        value = float(text)
-    except ValueError:
-        raise GenerationError(f"--gpu-memory {text!r}: expected a fraction in (0, 1] or a number of bytes") from None
-    if 0 < value <= 1:
-        return value
-    if value > 1 and value == int(value):
-        return int(value)
-    raise GenerationError(f"--gpu-memory {text!r}: expected a fraction in (0, 1] or a number of bytes")
-
-
 def load_served(model, adapters: dict[str, Path], served_name, device, dtype, max_num_seqs: int,
-                max_num_batched_tokens: int, gpu_memory: str, media: Path | None, api_key: str | None):
+                max_num_batched_tokens: int, gpu_memory: float | int, media: Path | None, api_key: str | None):
     """-> (the FastAPI app, the AsyncEngine, the base model's served name)."""
     from accel.batch import BatchEngine, SamplingParams
     from refimpl.formats.checkpoint import load_checkpoint
+    from refimpl.formats.lora import load_lora
 
     path = resolve_model(model)
     ckpt = load_checkpoint(path)
@@ -37,11 +26,9 @@ def load_served(model, adapters: dict[str, Path], served_name, device, dtype, ma
         raise GenerationError(f"{path}: no tokenizer in the checkpoint; the server needs one to read text")
     engine = BatchEngine.from_checkpoint(ckpt, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens,
-                                         gpu_memory=parse_gpu_memory(gpu_memory))
+                                         gpu_memory=gpu_memory)
     for name, adapter_dir in adapters.items():
-        if not hasattr(engine, "load_adapter"):
-            raise GenerationError("--lora: the batched engine does not serve adapters yet")
-        engine.load_adapter(name, adapter_dir)
+        engine.add_adapter(name, load_lora(adapter_dir, ckpt.config))
     cfg = ckpt.config
     served = ServedModel(name=served_name or model_name(path), tokenizer=ckpt.tokenizer,
                          stop_ids=tuple(ckpt.stop_ids), context=cfg.max_position_embeddings,
