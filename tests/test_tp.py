@@ -16,7 +16,7 @@ from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
 
 from accel.engine import AccelEngine
 from accel.tp.group import free_port
-from accel.tp.shard import check_divisible
+from accel.tp.shard import ShardPlan, check_divisible, shard_elements
 from refimpl.compare import TOLERANCES, compare
 from refimpl.errors import ConfigError
 from refimpl.formats.checkpoint import load_checkpoint, save_checkpoint
@@ -226,8 +226,9 @@ def test_a_rank_loads_its_shard_without_the_whole_model(tmp_path):
     model_bytes = sum(a.nbytes for a in params.values())
     save_checkpoint(tmp_path / "model", cfg, params)
     del params
-    for rank in run_job({"kind": "peak", "case": {"dir": str(tmp_path / "model")}}, tmp_path):
+    for r, rank in enumerate(run_job({"kind": "peak", "case": {"dir": str(tmp_path / "model")}}, tmp_path)):
         rise = (rank["peak_kib"] - rank["before_kib"]) * 1024
+        assert rank["shard_bytes"] == 4 * shard_elements(ShardPlan(cfg, r, 2))  # what the GPU check counts
         assert rank["shard_bytes"] < 0.51 * model_bytes
         assert rank["shard_bytes"] <= rise < 0.75 * model_bytes, (rise / 2**20, model_bytes / 2**20)
 

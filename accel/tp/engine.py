@@ -26,12 +26,13 @@ from refimpl.model import ops as np_ops
 from refimpl.model.config import LlamaConfig
 
 from .. import ops
+from ..engine import check_fits
 from ..sampling import make_generator, penalize, sample
 from ..weights import DTYPES, Weights
 from .group import TPGroup, failed_ranks, sigint_deferred
 from .load import load_shard, open_text_checkpoint
 from .model import ShardCache, forward
-from .shard import ShardPlan
+from .shard import ShardPlan, shard_elements
 
 STOP, GENERATE, KEEP, CONTINUE = 0, 1, 2, 3
 
@@ -61,7 +62,10 @@ class TPEngine:
             cfg = open_text_checkpoint(model_dir, with_tokenizer=False, world=group.world).config
             if dtype not in DTYPES:
                 raise GenerationError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-            weights = load_shard(model_dir, ShardPlan(cfg, group.rank, group.world), group.device, DTYPES[dtype])
+            plan = ShardPlan(cfg, group.rank, group.world)
+            check_fits(group.device, shard_elements(plan) * DTYPES[dtype].itemsize,
+                       f"rank {group.rank}'s shard of {model_dir} in {dtype}")
+            weights = load_shard(model_dir, plan, group.device, DTYPES[dtype])
         except Exception as e:  # noqa: BLE001  told to every rank before anyone raises
             error = e
         failed = failed_ranks(error is None, group)

@@ -15,9 +15,11 @@ because H/N divides H/K). Otherwise no rank's query heads would map onto whole K
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from refimpl.errors import ConfigError
+from refimpl.formats.params import expected_shapes
 from refimpl.model.config import LlamaConfig
 
 COLUMN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
@@ -91,6 +93,19 @@ class ShardPlan:
             return None
         dim, n = per[suffix]
         return Slice(dim, r * n, (r + 1) * n)
+
+
+def shard_elements(plan: ShardPlan) -> int:
+    """The values of every tensor this rank keeps (its slices, padding included, and the norms)."""
+    n = 0
+    for name, shape in expected_shapes(plan.cfg).items():
+        s = plan.slice_of(name)
+        if s is None:
+            n += math.prod(shape)
+        else:
+            kept = s.rows or s.stop - s.start
+            n += kept * shape[1] if s.dim == 0 else shape[0] * kept
+    return n
 
 
 def check_divisible(cfg: LlamaConfig, world: int) -> None:
