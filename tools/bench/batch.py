@@ -182,8 +182,12 @@ def hf_decode_rate(model, prompts, steps: int) -> float | None:
     set-up and CUDA-graph warm-up, which every call repeats), after a warm-up call. None if the difference drowns in
     noise."""
     hf_batch_seconds(model, prompts[:2], 2)
-    short, _ = hf_batch_seconds(model, prompts, 1)
+    short, first = hf_batch_seconds(model, prompts, 1)
     full, tokens = hf_batch_seconds(model, prompts, 1 + steps)
+    if first != len(prompts) or tokens != len(prompts) * (1 + steps):  # requests dropped: HF's run failed
+        print(f"HF generate_batch at B={len(prompts)} returned {tokens} of {len(prompts) * (1 + steps)} tokens: "
+              f"not timed", flush=True)
+        return None
     return (tokens - len(prompts)) / (full - short) if full > short else None
 
 
@@ -209,6 +213,9 @@ def hf_workload(model, requests) -> dict:
         elapsed = time.perf_counter() - t0
     finally:
         manager.stop(block=True)
+    want = sum(n for _, n in requests)
+    if tokens != want:  # a request that failed still finishes, with fewer tokens
+        raise RuntimeError(f"HF's manager made {tokens} of the {want} tokens asked for")
     return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
 
 
