@@ -11,6 +11,7 @@ import pytest
 from refimpl.batch_api import RequestOutput
 from refimpl.formats.checkpoint import load_checkpoint
 from tests._badinput import assert_clean_error, run_cli
+from tests._peft_adapters import make_adapters
 from tools.batch_job import OrderedWriter, run_group, Tally
 from tools.batch_requests import read_requests
 from tools.toy import TOYS, write_toy_checkpoint
@@ -243,21 +244,7 @@ def test_adapters_by_name_equal_generate_lora(model_dir, tmp_path, backend, monk
     """Requests naming two adapters and none, interleaved: each gets `llama32 generate --lora DIR`'s ids. One pass
     over the file: accel builds one engine, and a step runs rows of both adapters and of the base model together;
     refimpl merges each adapter once (its requests one after another)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    dirs = {}
-    for seed, (name, targets) in enumerate({"math": ["q_proj", "v_proj"], "ocr": ["o_proj", "down_proj"]}.items()):
-        base = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-        model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                          lora_dropout=0.0))
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "lora_B" in pname:
-                    p.normal_(0.0, 2.0)  # PEFT starts B at zero: without this the adapter changes nothing
-        dirs[name] = tmp_path / name
-        model.save_pretrained(dirs[name])
+    dirs = make_adapters(model_dir, tmp_path, {"math": ["q_proj", "v_proj"], "ocr": ["o_proj", "down_proj"]})
     lines = [{"id": "m1", "prompt": "the cat sat on", "adapter": "math", "max_tokens": 8},
              {"id": "b1", "prompt": "the cat sat on", "max_tokens": 8},
              {"id": "o1", "prompt": "the cat sat on", "adapter": "ocr", "max_tokens": 8},
