@@ -6,7 +6,6 @@ accel/ops/dispatch.py): y [T, Dout] += scale[a_t] · (x[t] @ A[a_t]ᵀ) @ B[a_t]
 them once on the host, where the scheduler knows each row's request, and every layer's products reuse them."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from ..kernels.lora_sgmv import lora_sgmv_fwd

@@ -58,10 +58,10 @@ def torch_gelu(x):
 
 def torch_encoder_attention(q, k, v, mask=None):
     """q [L, H, E], k/v [L, K, E], mask [L, L] bool or None -> [L, H, E], scores and softmax in fp32."""
-    L, K = q.shape[0], k.shape[1]
+    L = q.shape[0]
     visible = (torch.ones((L, L), dtype=torch.bool, device=q.device) if mask is None
                else torch.as_tensor(mask).to(q.device, torch.bool))  # [L, L]
-    return torch_grouped_attention(q, k.transpose(0, 1), v.transpose(0, 1), visible).to(q.dtype)  # -> [K, L, E]
+    return torch_grouped_attention(q, k.transpose(0, 1), v.transpose(0, 1), visible).to(q.dtype)  # k/v -> [K, L, E]
 
 
 def kv_write(k, v, cache_k, cache_v, positions):

@@ -5,7 +5,6 @@ import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import click
 
