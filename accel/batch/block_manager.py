@@ -48,6 +48,7 @@ class BlockManager:
         return len(self.blocks) - len(self.free_ids)
 
     def blocks_for(self, num_tokens: int) -> int:
+        """How many blocks hold num_tokens tokens."""
         return -(-num_tokens // self.block_size)
 
     # ---- allocation ----
@@ -86,7 +87,7 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """How many more blocks seq needs to hold num_computed + num_tokens tokens."""
-        return -(-(seq.num_computed + num_tokens) // self.block_size) - len(seq.block_table)
+        return self.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the pool has the blocks for seq to hold num_computed + num_tokens tokens."""

@@ -130,13 +130,11 @@ class ModelRunner:
         """Rows 0.. of the decode sequences: their token, position and slot -> (tables [rows, width], lens [rows])."""
         tables = np.zeros((rows, width), np.int32)
         lens = np.zeros(rows, np.int32)
-        bs = self.block_size
         for i, s in enumerate(decode):
             seq, p = s.seq, s.seq.num_computed
-            table = seq.block_table
             ids[i], positions[i], lens[i] = seq.token_ids[p], p, p + 1
-            slots[i] = table[p // bs] * bs + p % bs
-            tables[i, :len(table)] = table
+            slots[i] = self.blocks.slot(seq, p)
+            tables[i, :len(seq.block_table)] = seq.block_table
         return tables, lens
 
     def _prefill_rows(self, prefill: list[Scheduled], first: int, ids, positions, slots) -> list:

@@ -62,11 +62,8 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence
     idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [Rl, V]
     chosen = lp.gather(1, tokens[idx][:, None])[:, 0]  # [Rl]
-    k = max(seqs[r].params.logprobs for r in rows)
-    top = torch.topk(lp, k, dim=-1) if k else None
-    chosen, top_v, top_i = (chosen.tolist(), top.values.tolist() if k else [[]] * len(rows),
-                            top.indices.tolist() if k else [[]] * len(rows))
-    tok = tokens[idx].tolist()
+    top = torch.topk(lp, max(seqs[r].params.logprobs for r in rows), dim=-1)  # k = 0: empty rows
+    chosen, top_v, top_i, tok = chosen.tolist(), top.values.tolist(), top.indices.tolist(), tokens[idx].tolist()
     return [(r, (tok[j], chosen[j], list(zip(top_i[j], top_v[j]))[:seqs[r].params.logprobs]))
             for j, r in enumerate(rows)]
 

@@ -14,6 +14,7 @@ again over prompt + generated tokens and goes on where it stopped.
 from __future__ import annotations
 
 import enum
+
 from refimpl.batch_api import RequestOutput, SamplingParams
 
 
