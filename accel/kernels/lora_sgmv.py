@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .flash_attn import dot_precision
+
 BLOCK_M = 16  # rows a tile (tl.dot's minimum)
 BLOCK_K = 64
 BLOCK_N = 64
@@ -24,7 +26,7 @@ BLOCK_N = 64
 
 @triton.jit
 def _shrink_kernel(X, A, V, TILES, Din, R, stride_x, stride_an, stride_ar, stride_v,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     t = tl.program_id(0)
     start = tl.load(TILES + 3 * t)
     end = tl.load(TILES + 3 * t + 1)
@@ -40,17 +42,14 @@ def _shrink_kernel(X, A, V, TILES, Din, R, stride_x, stride_an, stride_ar, strid
                     other=0.0)  # [BM, BK]
         w = tl.load(A + a * stride_an + ranks[None, :] * stride_ar + ks[:, None],
                     mask=(ranks[None, :] < R) & k_ok[:, None], other=0.0)  # [BK, BR]: A[a]ᵀ's tile
-        if IEEE:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)  # [BM, BK] @ [BK, BR] -> [BM, BR]
     tl.store(V + rows[:, None].to(tl.int64) * stride_v + ranks[None, :], acc.to(V.dtype.element_ty),
              mask=row_ok[:, None] & (ranks[None, :] < R))
 
 
 @triton.jit
 def _expand_kernel(V, B, Y, S, TILES, Dout, R, stride_v, stride_bn, stride_bo, stride_y,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     start = tl.load(TILES + 3 * t)
@@ -65,10 +64,7 @@ def _expand_kernel(V, B, Y, S, TILES, Dout, R, stride_v, stride_bn, stride_bo, s
                 mask=row_ok[:, None] & (ranks[None, :] < R), other=0.0)  # [BM, BR]
     b = tl.load(B + a * stride_bn + cols[None, :].to(tl.int64) * stride_bo + ranks[:, None],
                 mask=col_ok[None, :] & (ranks[:, None] < R), other=0.0)  # [BR, BN]: B[a]ᵀ's tile
-    if IEEE:
-        delta = tl.dot(v, b, input_precision="ieee")
-    else:
-        delta = tl.dot(v, b)
+    delta = tl.dot(v, b, input_precision=DOT_PRECISION)  # [BM, BR] @ [BR, BN] -> [BM, BN]
     scale = tl.load(S + a)
     ptrs = Y + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
@@ -106,10 +102,10 @@ def lora_sgmv_fwd(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
         return y
     v = torch.empty(T, R, dtype=lora_a.dtype, device=x.device)  # [T, R]: rows without a tile stay unwritten
     block_r = max(16, triton.next_power_of_2(R))
-    ieee = x.dtype == torch.float32
+    precision = dot_precision(x.dtype)
     _shrink_kernel[(tiles.shape[0],)](x, lora_a, v, tiles, Din, R, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-                                      v.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, IEEE=ieee)
+                                      v.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, DOT_PRECISION=precision)
     grid = (tiles.shape[0], triton.cdiv(Dout, BLOCK_N))
     _expand_kernel[grid](v, lora_b, y, scales, tiles, Dout, R, v.stride(0), lora_b.stride(0), lora_b.stride(1),
-                         y.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=BLOCK_N, IEEE=ieee)
+                         y.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=BLOCK_N, DOT_PRECISION=precision)
     return y
