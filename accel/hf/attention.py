@@ -17,8 +17,8 @@ How the masks arrive (the mask interface registered for "llama32" is transformer
     bool (0 = visible), once per mask tensor.
 Whatever the kernel cannot take runs transformers' SDPA function instead, with one warning per reason (the counts
 are in `fallback_counts()`): head size past 128, key and value head sizes that differ, dtypes other than bf16 / fp32
-(the kernels' tested ones), dropout, per-head masks, float masks that are not a 0 / -inf pattern or that hide every key of a row (SDPA
-averages such a row; the kernel would give 0), position biases, sinks, soft-capping.
+(the kernels' tested ones), dropout, per-head masks, float masks that are not a 0 / -inf pattern or that hide every
+key of a row (SDPA averages such a row; the kernel would give 0), position biases, sinks, soft-capping.
 """
 from __future__ import annotations
 
