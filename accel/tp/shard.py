@@ -22,9 +22,6 @@ from refimpl.errors import ConfigError
 from refimpl.formats.params import expected_shapes
 from refimpl.model.config import LlamaConfig
 
-COLUMN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
-          "mlp.up_proj.weight")
-ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
