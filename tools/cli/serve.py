@@ -8,6 +8,7 @@ import click
 
 from refimpl.errors import GenerationError
 from tools.cli.options import MODEL_OPTION, Count, UserPath, parse_gpu_memory, parse_lora_dirs
+from tools.tp import TP_OPTION, refuse_tp
 
 
 @click.command()
@@ -32,12 +33,11 @@ from tools.cli.options import MODEL_OPTION, Count, UserPath, parse_gpu_memory, p
 @click.option("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="Default bf16 on GPU, fp32 on CPU.")
 @click.option("--quant", default=None, metavar="FORMAT", help="Weight-only quantization (not served yet).")
-@click.option("--tp", default=1, show_default=True, type=Count(1), help="Tensor-parallel GPUs (1 for now).")
+@TP_OPTION
 def serve(model, loras, host, port, api_key, served_model_name, max_num_seqs, max_num_batched_tokens, gpu_memory,
-          allowed_local_media, backend, device, dtype, quant, tp):
+          allowed_local_media, backend, device, dtype, quant, tp=1):
     """Serve the model over OpenAI's HTTP API (chat, completions, models) with a chat page at /."""
-    if tp != 1:
-        raise GenerationError(f"--tp {tp}: tensor parallelism is not available yet; serve on one device (--tp 1)")
+    refuse_tp(tp, "serve")
     if quant is not None:
         raise GenerationError("--quant: the batched engine serves bf16/fp32 weights only for now; drop --quant")
     try:
