@@ -36,8 +36,8 @@ class QkvConfig(NamedTuple):
     programs: int | None = None  # streaming: persistent programs (None: one a pair block)
 
 
-# The fastest config per Llama 3.2 1B / 3B decode shape in the GEMV sweeps (tools.bench.gemv_sweep,
-# tools.bench.decode_variants --stream): o, gate_up, down and the lm_head with the final norm folded in.
+# The fastest config per Llama 3.2 1B / 3B decode shape in the GEMV sweeps (tools.bench.sweeps.gemv, streaming
+# kernel included): o, gate_up, down and the lm_head with the final norm folded in.
 # The qkv GEMVs are not here: the decode step runs qkv through qkv_rope (QKV_ROPE below).
 GEMV: Mapping[tuple[int, int], GemvConfig] = MappingProxyType({
     (2048, 2048): GemvConfig("split", 8, 2048, 8),  # 1B o
@@ -77,12 +77,12 @@ class QGemvConfig(NamedTuple):
 
 
 # The quantized GEMV per (N, K, bits, group), ("rope",) appended for the fused qkv + RoPE kernel; shapes not
-# listed use `qgemv.qgemv_config`'s rule. The fastest config of the sweeps (tools.bench.qgemv_sweep) where it beat
+# listed use `qgemv.qgemv_config`'s rule. The fastest config of the sweeps (tools.bench.sweeps.qgemv) where it beat
 # the rule (or the row before it) by > 2%, for int8 (one scale a row: group = K) and int4:64 at the Llama 3.2 1B / 3B
 # decode shapes (gate_up, lm_head, qkv and 3B o: one or two warps of 8, 16 or 32 rows over the whole row, a 3-4
 # stage cp.async pipeline over its tiles; 32 rows share each column's f(x) fixed point at int4). The 1B int8 qkv and
-# 3B int8 down rows won in the engine itself (tools.bench.quant_roles --search: one role's config at a time). A sixth
-# field: persistent programs (tools.bench.qgemv_probe), each looping over row blocks of one whole-row tile.
+# 3B int8 down rows won in the engine itself (a search of one role's config at a time). A sixth
+# field: persistent programs, each looping over row blocks of one whole-row tile.
 QGEMV: Mapping[tuple, QGemvConfig] = MappingProxyType({
     (3072, 2048, 8, 2048, "rope"): QGemvConfig(8, 2048, 4, 1, 1),  # 1B qkv
     (2048, 2048, 8, 2048): QGemvConfig(8, 2048, 4, 1, 1),  # 1B o

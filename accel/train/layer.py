@@ -2,7 +2,7 @@
 
 The eager autograd layer (accel.train.model.grouped_layer under torch.utils.checkpoint) records every op with autograd
 in the forward and again in the recompute, then walks that graph; on the GPU the host then takes longer than the
-kernels (tools/bench/NOTES.md).
+kernels.
 Here the forward runs without autograd and keeps only the layer input x; the backward recomputes the forward keeping
 its intermediates, then runs the backward by hand: the frozen GEMMs' dX, each LoRA group's dA / dB, and the Triton
 backward kernels (RMSNorm, RoPE as the inverse rotation, SwiGLU, FlashAttention). The LoRA group tensors

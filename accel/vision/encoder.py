@@ -49,7 +49,7 @@ class PaddingRows:
 def self_attention(qkv, pad: PaddingRows, I: int, H: int, E: int):
     """qkv [I·L, 3·H·E] (q, k, v side by side, one fused GEMM's output) -> [I·L, H·E], HF's padding mask.
     SDPA reads q/k/v as strided views; unmasked it takes a fused kernel, which beat the Triton kernels at the
-    encoder's shape (tools/bench/NOTES.md). A few padding rows (a full image has 28) go through the split-K
+    encoder's shape (docs/performance.md). A few padding rows (a full image has 28) go through the split-K
     decode kernel, their R rows as the query heads of one token (head h's rows share kv head h), reading the
     image's keys/values in place under the real-key mask: a fused prefill kernel would give them one program per
     head, each walking all keys alone, and gathering the real keys copied 2 × [H, N, E] a layer."""
