@@ -50,6 +50,9 @@ def run_server(app, engine: AsyncEngine, name: str, host: str, port: int) -> Non
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it caught, after draining: the stop asked for
         pass
+    except SystemExit:  # uvicorn exits when it cannot start (the address is taken or unknown); it logged why
+        raise GenerationError(f"cannot serve at {shown}:{port}: the server did not start (uvicorn's reason is "
+                              f"above)") from None
     finally:
         engine.shutdown()
     print("llama32 serve: stopped", file=sys.stderr, flush=True)
