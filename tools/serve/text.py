@@ -53,10 +53,10 @@ class TextStream:
         return min(found) if found else None
 
     def _safe_end(self, text: str) -> int:
-        end = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
+        end = len(text.rstrip("\ufffd"))  # not a trailing incomplete UTF-8 sequence
         for s in self.stops:
             for k in range(min(len(s) - 1, end), 0, -1):  # the longest tail that is a proper prefix of s
                 if text[:end].endswith(s[:k]):
-                    end = min(end, len(text[:end]) - k)
+                    end -= k
                     break
         return end
