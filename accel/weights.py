@@ -160,7 +160,7 @@ def load_quantized_weights(params: dict, cfg: LlamaConfig, device, dtype: torch.
 def random_weights(cfg: LlamaConfig, device, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> Weights:
     """Random weights built directly on the device (no NumPy round trip): for the benchmark at real shapes.
 
-    Norm weights are 1 + N(0, 0.1²) and matrices N(0, std²), as refimpl.formats.checkpoint.random_params draws them.
+    Norm weights are 1 + N(0, 0.1²) and matrices N(0, std²), as refimpl.formats.params.random_params draws them.
     """
     g = torch.Generator(device=device)
     g.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""The attention kernels' alternative paths on CPU (TRITON_INTERPRET=1, fp32) against refimpl.attention.
+"""The attention kernels' alternative paths on CPU (TRITON_INTERPRET=1, fp32) against refimpl.model.ops.attention.
 
 test_accel_ops.py covers the default configurations; here: decode attention's two ways of combining its splits
 (in the split kernel by the last-arriving program, whose counters must be back at zero for the next launch; or a

@@ -205,7 +205,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | None:
 
 def default_split_len(max_len: int, block_n: int = 64) -> int:
     """16 splits below LONG_CONTEXT slots, 32 from there on (8 kv heads: 128 or 256 programs, one or two per SM),
-    whole blocks each, the fastest in tools.bench.attn_sweep (full caches, H=32 K=8 E=64; docs/performance.md):
+    whole blocks each, the fastest in an attention sweep (full caches, H=32 K=8 E=64; docs/performance.md):
     every program pays a fixed start (position, q, pipeline prologue) and the combine reads every split's
     partials, so more splits lost at every length below that."""
     per_split = triton.cdiv(max_len, 16 if max_len < LONG_CONTEXT else 32)

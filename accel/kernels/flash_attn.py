@@ -169,7 +169,7 @@ def _flash_fwd_kernel(Q, CK, CV, DK, DV, POS, VIS, QNW, O, sq_t, sq_h, sk_k, sk_
 
 
 def _config(T: int, E: int, dtype: torch.dtype, on_gpu: bool) -> dict:
-    """Tile sizes: the fastest of tools/bench/attn_sweep.py (bf16, causal, 8 kv heads, T=8192; figures in
+    """Tile sizes: the fastest of an attention sweep (bf16, causal, 8 kv heads, T=8192; figures in
     docs/performance.md): E=64 64×64 tiles, 4 warps, 3 stages (TMA: no gain); E=128 128×128, 8 warps, 3 stages
     with TMA descriptors (4 stages of 128×128 exceed the 227 KB of shared memory), else 128×64.
     fp32 halves the tiles to stay under the shared memory. Small T (and the interpreter) get small blocks."""
