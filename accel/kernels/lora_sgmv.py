@@ -104,7 +104,8 @@ def lora_sgmv_fwd(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
     block_r = max(16, triton.next_power_of_2(R))
     precision = dot_precision(x.dtype)
     _shrink_kernel[(tiles.shape[0],)](x, lora_a, v, tiles, Din, R, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-                                      v.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, DOT_PRECISION=precision)
+                                      v.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K,
+                                      DOT_PRECISION=precision)
     grid = (tiles.shape[0], triton.cdiv(Dout, BLOCK_N))
     _expand_kernel[grid](v, lora_b, y, scales, tiles, Dout, R, v.stride(0), lora_b.stride(0), lora_b.stride(1),
                          y.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=BLOCK_N, DOT_PRECISION=precision)
