@@ -77,7 +77,7 @@ class ModelRunner:
         cos, sin = np_ops.rope_tables(np.arange(cfg.max_position_embeddings), cfg.head_dim, cfg.rope_theta,
                                       cfg.rope_scaling)  # [P, E/2] fp32 each
         self.cos, self.sin = torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
-        self.max_width = -(-cfg.max_position_embeddings // self.block_size)  # blocks of the longest sequence
+        self.max_width = blocks.blocks_for(cfg.max_position_embeddings)  # blocks of the longest sequence
         self.graphs = DecodeGraphs(self) if cuda_graphs else None
         self.adapters: dict[str, list] = {}  # LoRA adapters by name, as add_adapter took them
         self.lora: LoraStack | None = None  # all of them stacked on the device, in the model's dtype
