@@ -193,7 +193,6 @@ def hf_decode_rate(model, prompts, steps: int) -> float | None:
 
 def hf_workload(model, requests) -> dict:
     """The workload through HF's ContinuousBatchingManager, each request with its own max_new_tokens."""
-    import torch
     manager = model.init_continuous_batching(generation_config=hf_config(max(n for _, n in requests)))
     manager.start()
     try:
