@@ -8,7 +8,7 @@ import click
 
 from refimpl.errors import GenerationError
 
-from tools.cli.options import MODEL_OPTION, Count, UserPath, parse_gpu_memory, parse_lora_dirs
+from tools.cli.options import BATCH_LIMIT_OPTIONS, MODEL_OPTION, Count, UserPath, parse_gpu_memory, parse_lora_dirs
 from tools.tp import TP_OPTION, refuse_tp
 
 BATCH_BACKENDS = ("auto", "accel", "refimpl")
@@ -37,9 +37,7 @@ def resolve_batch_backend(name: str) -> str:
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="accel weight dtype.")
 @click.option("--max-tokens", default=256, show_default=True, type=Count(1),
               help="New tokens for requests without their own \"max_tokens\".")
-@click.option("--max-num-seqs", default=256, show_default=True, type=Count(1), help="Sequences in one batch.")
-@click.option("--max-num-batched-tokens", default=8192, show_default=True, type=Count(1),
-              help="Tokens (prefill chunks + decodes) in one step.")
+@BATCH_LIMIT_OPTIONS
 @click.option("--gpu-memory", default=None, metavar="FRACTION|BYTES",
               help="The GPU memory the engine may hold in all, a fraction (default 0.9), or the KV pool in bytes.")
 @click.option("--batch-invariant", is_flag=True,

@@ -99,6 +99,12 @@ ENGINE_OPTIONS = options(
 
 # ---- the batched engine's commands (batch, serve) ----
 
+BATCH_LIMIT_OPTIONS = options(
+    click.option("--max-num-seqs", default=256, show_default=True, type=Count(1), help="Sequences in one batch."),
+    click.option("--max-num-batched-tokens", default=8192, show_default=True, type=Count(1),
+                 help="Tokens (prefill chunks + decodes) in one step."))
+
+
 def parse_lora_dirs(values, what: str) -> dict[str, Path]:
     """`--lora NAME=DIR` values -> {NAME: Path}, names unique; `what` says what NAME is for, in the error."""
     out = {}

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from refimpl.errors import GenerationError
-from tools.cli.options import MODEL_OPTION, Count, UserPath, parse_gpu_memory, parse_lora_dirs
+from tools.cli.options import BATCH_LIMIT_OPTIONS, MODEL_OPTION, Count, UserPath, parse_gpu_memory, parse_lora_dirs
 from tools.tp import TP_OPTION, refuse_tp
 
 
@@ -21,11 +21,10 @@ from tools.tp import TP_OPTION, refuse_tp
                                              "$LLAMA32_API_KEY if set).")
 @click.option("--served-model-name", default=None, help="The base model's name in /v1/models (default: its file "
                                                         "or directory name).")
-@click.option("--max-num-seqs", default=256, show_default=True, type=Count(1), help="Sequences in one batch.")
-@click.option("--max-num-batched-tokens", default=8192, show_default=True, type=Count(1),
-              help="Tokens (prefill chunks + decodes) in one step.")
-@click.option("--gpu-memory", default="0.9", show_default=True,
-              help="The KV pool's share of free GPU memory (a fraction), or bytes.")
+@BATCH_LIMIT_OPTIONS
+@click.option("--gpu-memory", default="0.9", show_default=True, metavar="FRACTION|BYTES",
+              help="The GPU memory the engine may hold in all (weights, a step's work and the KV pool), a "
+                   "fraction, or the KV pool in bytes.")
 @click.option("--allowed-local-media", default=None, type=UserPath(),
               help="A directory whose images requests may name as file:// URLs (default: none).")
 @click.option("--backend", type=click.Choice(["auto", "accel"]), default="auto", show_default=True,
