@@ -65,20 +65,25 @@ class Metrics:
         used, free = stats.get("blocks_used", 0), stats.get("blocks_free", 0)
         gauges.append(("vllm:gpu_cache_usage_perc", "Fraction of KV-cache blocks in use.",
                        used / (used + free) if used + free else 0.0))
-        lines = []
-        for name, help, value in gauges:
-            lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {value}"]
+        lines = scalar_lines("gauge", gauges)
         with self._lock:
             counters = [("vllm:prompt_tokens_total", "Prompt tokens processed.", self.prompt_tokens),
                         ("vllm:generation_tokens_total", "Tokens generated.", self.generation_tokens),
                         ("vllm:num_preemptions_total", "Sequences preempted (recomputed later).",
                          stats.get("num_preemptions", 0))]
             requests = dict(self.requests)
-        for name, help, value in counters:
-            lines += [f"# HELP {name} {help}", f"# TYPE {name} counter", f"{name} {value}"]
+        lines += scalar_lines("counter", counters)
         lines += ["# HELP vllm:request_success_total Finished requests by finish reason.",
                   "# TYPE vllm:request_success_total counter"]
         lines += [f'vllm:request_success_total{{finished_reason="{k}"}} {v}' for k, v in sorted(requests.items())]
         for h in (self.ttft, self.tpot, self.e2e):
             lines += h.lines()
         return "\n".join(lines) + "\n"
+
+
+def scalar_lines(kind: str, rows) -> list[str]:
+    """(name, help, value) rows of one metric type (gauge, counter) -> their exposition lines."""
+    lines = []
+    for name, help, value in rows:
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return lines
