@@ -99,18 +99,19 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
                                            lora_mode=lora_mode, quant=quant)
     tok = ckpt.tokenizer
     notes = []  # on stderr as they come, or in the --json record (stdout stays one JSON line)
+
+    def tell(line: str) -> None:
+        notes.append(line)
+        if not as_json:
+            click.echo(line, err=True)
+
     greedy = greedy_notice(temperature, top_k, top_p, seed)
     if greedy:
-        notes.append(f"note: {greedy}")
-        if not as_json:
-            click.echo(notes[-1], err=True)
+        tell(f"note: {greedy}")
     if chat is None:
         chat = wants_chat(ckpt)
         if chat:
-            notes.append("chat mode: the prompt goes through the model's chat template (--no-chat for raw "
-                         "completion)")
-            if not as_json:
-                click.echo(notes[-1], err=True)
+            tell("chat mode: the prompt goes through the model's chat template (--no-chat for raw completion)")
     vision = prompt_inputs(ckpt, prompt, images, chat, system)
     if vision is not None:
         prompt_ids = vision.ids
@@ -125,9 +126,7 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
     fitted, note = fit_to_context(len(prompt_ids), max_new_tokens, ckpt.config.max_position_embeddings)
     settings = replace(settings, max_new_tokens=fitted)
     if note:
-        notes.append(f"note: {note}")
-        if not as_json:
-            click.echo(notes[-1], err=True)
+        tell(f"note: {note}")
     stream = TextStream(tok, None if as_json else sys.stdout)
     t0 = time.perf_counter()
     times = []
