@@ -8,7 +8,7 @@ import os
 import sys
 
 # The refimpl's decode is one matrix-vector product after another, and OpenBLAS's threaded gemv collapses when
-# another process holds a core (one thread decoded 2.7x faster; docs/performance.md). Must be set before NumPy
+# another process holds a core (one thread decoded faster: docs/performance.md, On CPU). Must be set before NumPy
 # loads OpenBLAS; a user's own setting wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
