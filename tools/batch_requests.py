@@ -138,20 +138,23 @@ def read_requests(path: Path, tokenizer, context: int, default_max_tokens: int =
                   vision: bool = False, need_answer: bool = False) -> list[Request]:
     """Every line of the input file checked; the first bad one raises LineError naming FILE:LINE."""
     requests, seen = [], {}
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            where = _where(path, n)
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise LineError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            req = parse_line(obj, where, tokenizer, context, default_max_tokens, adapters, vision, need_answer)
-            if req.id in seen:
-                raise LineError(f"{where}: duplicate id {quote(req.id)} (first on line {seen[req.id]})")
-            seen[req.id] = n
-            requests.append(req)
+    for n, raw in enumerate(Path(path).read_bytes().splitlines(), 1):  # \n, \r\n or \r, as text mode reads
+        where = _where(path, n)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LineError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise LineError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        req = parse_line(obj, where, tokenizer, context, default_max_tokens, adapters, vision, need_answer)
+        if req.id in seen:
+            raise LineError(f"{where}: duplicate id {quote(req.id)} (first on line {seen[req.id]})")
+        seen[req.id] = n
+        requests.append(req)
     if not requests:
         raise GenerationError(f"{path}: holds no requests")
     return requests
