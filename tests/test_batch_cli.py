@@ -87,6 +87,14 @@ def test_bad_line_is_named_before_any_work(model_dir, tmp_path, case):
     assert not out.exists()  # nothing ran, nothing written
 
 
+def test_line_not_utf8_is_named(model_dir, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(json.dumps(GOOD).encode() + b"\n" + b'{"id": "x", "prompt": "caf\xe9"}\n')  # Latin-1 e-acute
+    out = tmp_path / "out.jsonl"
+    assert_clean_error(batch(model_dir, inp, out), f"{inp}:2:", "not valid UTF-8")
+    assert not out.exists()
+
+
 def test_eval_needs_answers(model_dir, tmp_path):
     inp = write_lines(tmp_path / "in.jsonl", {**GOOD, "answer": "a"}, "", {"id": "y", "prompt": "b"})
     assert_clean_error(batch(model_dir, inp, tmp_path / "out.jsonl", "--eval"), f"{inp}:3:", '--eval needs')
