@@ -8,8 +8,8 @@ plain torch version (accel/ops/torch_ops.py), picked per call by accel/ops/dispa
     torch_ops.py        the torch version of each
     paged.py            the batched engine's (accel.batch): paged decode attention, the batch-invariant linear
     lora_batch.py       many LoRA adapters in one batch, unmerged (the segmented product)
-`from accel import ops` gives the first four's ops: `ops.rms_norm(...)`, `ops.qkv_rope(...)`; the batched engine's
-are imported from their modules.
+`from accel import ops` gives the interface and fused ops: `ops.rms_norm(...)`, `ops.qkv_rope(...)`; the batched
+engine's are imported from their modules.
 """
 from .dispatch import INTERPRET, torch_only, triton_available, uses_triton
 from .fused import (add_rms_norm, argmax_row, causal_attention, decode_attention,
