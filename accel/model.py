@@ -24,6 +24,7 @@ from refimpl.model.config import LlamaConfig
 from . import ops
 from .kernels.common import pdl_launches
 from .kernels.tuning import DEFAULT, Tuning
+from .ops.torch_ops import split_qkv
 from .quant_layers import prefill_weights
 from .weights import Weights
 
@@ -48,12 +49,10 @@ def self_layer(lw, cfg: LlamaConfig, x, h, next_norm, cos, sin, cache_k, cache_v
     last_row: every row's k/v, then only the last token's row onwards (x, h [1, D]): a prompt's last layer, whose
     other rows nothing reads.
     """
-    T, eps = x.shape[0], cfg.rms_norm_eps
+    eps = cfg.rms_norm_eps
     H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkv = ops.linear(h, lw.qkv)  # [T, D] -> [T, (H+2K)·E]
-    q = qkv[:, : H * E].view(T, H, E)
-    k = qkv[:, H * E: (H + K) * E].view(T, K, E)
-    v = qkv[:, (H + K) * E:].view(T, K, E)
+    q, k, v = split_qkv(qkv, H, K, E)
     q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
     if last_row:
         q_rot, x, positions = q_rot[-1:], x[-1:], positions[-1:]

@@ -39,6 +39,7 @@ from refimpl.model.config import LlamaConfig
 from .. import ops
 from ..lora_stack import LoraStack, stack_adapters
 from ..ops.paged import invariant_linear, paged_decode_attention
+from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 from .block_manager import BlockManager
 from .graphs import DecodeGraphs
@@ -223,9 +224,7 @@ class ModelRunner:
         H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cache_k, cache_v = self.k_cache[layer], self.v_cache[layer]  # [K, S, E]
         qkv = self._linear(h, lw.qkv, layer, "qkv", inp)  # [T, D] -> [T, (H+2K)·E]
-        q = qkv[:, : H * E].view(T, H, E)
-        k = qkv[:, H * E: (H + K) * E].view(T, K, E)
-        v = qkv[:, (H + K) * E:].view(T, K, E)
+        q, k, v = split_qkv(qkv, H, K, E)
         q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, inp.slots)  # k_rot, v -> their slots
         a = torch.empty_like(q_rot)  # [T, H, E]
         D = inp.num_decode

@@ -137,15 +137,21 @@ def torch_norm_cross_attention(q, norm_weight, eps, keys, values, visible):
     return out.view(K, G, T, E).permute(2, 0, 1, 3).reshape(T, H, E)
 
 
+def split_qkv(qkv, H: int, K: int, E: int):
+    """The fused qkv product [T, (H+2K)·E] (accel.weights fuses the rows q, k, v) -> views q [T, H, E], k and v
+    [T, K, E]."""
+    T = qkv.shape[0]
+    return (qkv[:, : H * E].view(T, H, E), qkv[:, H * E: (H + K) * E].view(T, K, E),
+            qkv[:, (H + K) * E:].view(T, K, E))
+
+
 def torch_qkv_rope(x, norm_weight, weight, eps, cos, sin, position, cache_k, cache_v):
     """norm -> qkv -> rope -> cache write as torch_norm_linear, then torch_rope_kv_write at the position's cos/sin
     rows (gathered on the device)."""
     K, _, E = cache_k.shape
     H = weight.shape[0] // E - 2 * K
     qkv = torch_norm_linear(x, norm_weight, weight, eps)  # [1, D] -> [1, (H+2K)·E]
-    q = qkv[:, : H * E].view(1, H, E)
-    k = qkv[:, H * E: (H + K) * E].view(1, K, E)
-    v = qkv[:, (H + K) * E:].view(1, K, E)
+    q, k, v = split_qkv(qkv, H, K, E)
     cos1, sin1 = cos.index_select(0, position), sin.index_select(0, position)  # [S, E/2] -> [1, E/2]
     return torch_rope_kv_write(q, k, v, cos1, sin1, cache_k, cache_v, position)  # k_rot, v -> cache; q_rot
 

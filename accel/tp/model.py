@@ -23,6 +23,7 @@ import torch.distributed as dist
 from refimpl.model.config import LlamaConfig
 
 from .. import ops
+from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 
 
@@ -58,9 +59,7 @@ def layer(lw, cfg: LlamaConfig, x, cache_k, cache_v, cos, sin, positions):
     H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     h = ops.rms_norm(x, lw.attn_norm, eps)  # [T, D]
     qkv = ops.linear(h, lw.qkv)  # [T, D] -> [T, (H+2K)·E]
-    q = qkv[:, : H * E].view(T, H, E)
-    k = qkv[:, H * E: (H + K) * E].view(T, K, E)
-    v = qkv[:, (H + K) * E:].view(T, K, E)
+    q, k, v = split_qkv(qkv, H, K, E)
     q_rot = ops.rope_kv_write(q, k, v, cos, sin, cache_k, cache_v, positions)  # k_rot, v -> cache
     a = ops.causal_attention(q_rot, cache_k, cache_v, positions).reshape(T, H * E)  # [T, H, E] -> [T, H·E]
     x = x + all_reduce(ops.linear(a, lw.o))  # [T, H·E] -> [T, D] partial, summed over ranks
