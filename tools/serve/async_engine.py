@@ -109,15 +109,11 @@ class AsyncEngine:
             if command[0] == "add":
                 _, rid, prompt_ids, params, adapter = command
                 try:
-                    kwargs = {"adapter": adapter} if adapter is not None else {}
-                    self.engine.add_request(prompt_ids, params, request_id=rid, **kwargs)
+                    self.engine.add_request(prompt_ids, params, request_id=rid, adapter=adapter)
                 except Exception as e:
                     self._deliver(rid, EngineFailure(f"{type(e).__name__}: {e}"), time.perf_counter())
             else:
-                try:
-                    self.engine.abort(command[1])
-                except KeyError:
-                    pass  # already finished
+                self.engine.abort(command[1])  # a request already finished: nothing to do
 
     def _fail_running(self, message: str) -> None:
         for rid in list(self._streams):
