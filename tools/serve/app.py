@@ -62,11 +62,10 @@ def build_app(engine: AsyncEngine, model: ServedModel, make_params, api_key: str
 
     @app.get("/v1/models")
     async def models():
-        cards = [{"id": model.name, "object": "model", "created": created, "owned_by": "llama32",
-                  "root": model.name, "parent": None, "vision": model.vision}]
-        cards += [{"id": a, "object": "model", "created": created, "owned_by": "llama32", "root": a,
-                   "parent": model.name, "vision": model.vision} for a in model.adapters]
-        return {"object": "list", "data": cards}
+        def card(name: str, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": created, "owned_by": "llama32", "root": name,
+                    "parent": parent, "vision": model.vision}
+        return {"object": "list", "data": [card(model.name, None)] + [card(a, model.name) for a in model.adapters]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
