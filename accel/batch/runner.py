@@ -85,8 +85,6 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self) if cuda_graphs else None
         self.adapters: dict[str, list] = {}  # LoRA adapters by name, as add_adapter took them
         self.vision = vision
-        self.text_schedule = (weights.layers[0].attn_norm, [(j, None, weights.layers[j + 1].attn_norm if j + 1 <
-                              len(weights.layers) else weights.norm) for j in range(len(weights.layers))])
         self.lora: LoraStack | None = None  # all of them stacked on the device, in the model's dtype
 
     def add_adapter(self, name: str, adapter: list) -> None:
@@ -222,7 +220,7 @@ class ModelRunner:
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         eps = cfg.rms_norm_eps
-        first_norm, layers = self.vision.schedule(bool(inp.image_rows)) if self.vision else self.text_schedule
+        first_norm, layers = self._schedule(inp)
         x, h = ops.embedding_rms_norm(inp.ids, w.embed, first_norm, eps)  # [T, D] each
         cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [T, E/2] fp32
         for i, c, next_norm in layers:  # i: the self layer's index in the paged cache; c: a cross layer's
@@ -235,6 +233,15 @@ class ModelRunner:
             act = ops.swiglu_gate_up(self._linear(h, lw.gate_up, i, "gate_up", inp))  # [T, D] -> [T, 2F] -> [T, F]
             x, h = ops.add_rms_norm(self._linear(act, lw.down, i, "down", inp), x, next_norm, eps)  # resid_post
         return self._dense(h[inp.sample_rows], w.lm_head)  # [R, D] -> [R, V]
+
+    def _schedule(self, inp: StepInputs):
+        """(the first layer's input norm, [(self layer i or None, cross layer c or None, the next layer's norm)]):
+        a vision model's with its cross layers when the step has image rows (accel/batch/vision.py)."""
+        if self.vision is not None:
+            return self.vision.schedule(bool(inp.image_rows))
+        layers = self.w.layers
+        return layers[0].attn_norm, [(i, None, layers[i + 1].attn_norm if i + 1 < len(layers) else self.w.norm)
+                                     for i in range(len(layers))]
 
     def _dense(self, x, weight) -> torch.Tensor:
         return invariant_linear(x, weight) if self.invariant else ops.linear(x, weight)  # [T, Din] -> [T, Dout]
