@@ -3,7 +3,7 @@
 An input line is one JSON object:
     {"id": str, "prompt": str}             raw completion (the tokenizer adds <|begin_of_text|>)
     {"id": str, "messages": [{role, content}, ...]}   the model's chat template, ending in the assistant's turn
-optional: "images" (list of paths relative to the input file, for a Llama 3.2 Vision checkpoint: tools/batch_vision.py
+optional: "images" (list of paths relative to the input file, for a Llama 3.2 Vision checkpoint: tools/vision_requests.py
 builds such a model's prompts), "adapter" (a --lora NAME), "max_tokens", "temperature", "top_p", "top_k", "seed",
 "stop" (a string or a list of strings), and "answer" (the reference, for --eval). Blank lines are skipped.
 
@@ -104,7 +104,7 @@ def _prompt_ids(obj: dict, where: str, tokenizer, vision, images: tuple[str, ...
 def parse_line(obj, where: str, tokenizer, context: int, default_max_tokens: int, adapters, vision,
                need_answer: bool) -> Request:
     """One decoded JSON line -> a Request, or LineError naming `where` (FILE:LINE) and what was expected. vision:
-    a Llama 3.2 Vision checkpoint's tools.batch_vision.VisionPrompts, None (or False) for a text model."""
+    a Llama 3.2 Vision checkpoint's tools.vision_requests.VisionPrompts, None (or False) for a text model."""
     if not isinstance(obj, dict):
         raise LineError(f"{where}: expected a JSON object, got {quote(obj)}")
     unknown = [k for k in obj if k not in KNOWN_FIELDS]

@@ -72,7 +72,7 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
             if given:
                 raise GenerationError(f"{flag}: llama32 batch runs it on text models only for now ({model_path} is a "
                                       f"Llama 3.2 Vision checkpoint)")
-        from tools.batch_vision import VisionPrompts
+        from tools.vision_requests import VisionPrompts
         vision = VisionPrompts(ckpt, input_path)
     requests = read_requests(input_path, ckpt.tokenizer, ckpt.config.max_position_embeddings, max_tokens,
                              adapters=tuple(lora_dirs), vision=vision, need_answer=evaluate)
