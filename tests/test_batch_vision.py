@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from accel import ops  # noqa: E402
 from accel.batch import BatchEngine, SamplingParams  # noqa: E402
 from refimpl.errors import GenerationError  # noqa: E402
 from refimpl.formats.checkpoint import load_checkpoint  # noqa: E402
@@ -85,6 +86,32 @@ def model(request):
     return ckpt, reqs, oracle(ckpt, reqs)
 
 
+def hf_greedy(hf, ids, images):
+    """HF MllamaForConditionalGeneration.generate's greedy ids (eos off, as ignore_eos)."""
+    kw = {}
+    if images is not None:
+        kw = dict(pixel_values=torch.from_numpy(images.pixel_values)[None],
+                  aspect_ratio_ids=torch.from_numpy(images.aspect_ratio_ids)[None],
+                  aspect_ratio_mask=torch.from_numpy(images.aspect_ratio_mask)[None],
+                  cross_attention_mask=torch.from_numpy(images.cross_attention_mask)[None])
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=N, do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def test_batch_equals_hf_generate():
+    """HF's own generate as the independent oracle of a mixed batch (the refimpl oracle's agreement with HF's
+    logits: tests/test_vision_hf.py)."""
+    kw = MODELS["gqa-cross-1-3"]
+    hf = hf_model(0, **kw)
+    ckpt = Checkpoint(None, MllamaConfig.from_hf({"model_type": "mllama", **hf_config(**kw)}), ref_params(hf))
+    reqs = requests(ckpt.config)
+    want = [hf_greedy(hf, ids, im) for ids, im in reqs]
+    assert greedy(engine(ckpt, max_num_batched_tokens=8), reqs) == want
+
+
 @pytest.mark.parametrize("budget", [512, 6])  # 6: prefills chunked, image rows in the middle of chunks
 def test_mixed_batch_equals_refimpl_and_each_request_alone(model, budget):
     ckpt, reqs, want = model
@@ -146,6 +173,16 @@ def test_seeded_sampling_is_the_same_whatever_shares_the_batch(model):
     params = SamplingParams(max_tokens=N, temperature=0.9, top_k=20, seed=5, ignore_eos=True)
     together = greedy(engine(ckpt, max_num_batched_tokens=9), reqs, params)
     assert together == [greedy(engine(ckpt), [r], params)[0] for r in reqs]
+
+
+@pytest.mark.skipif(not ops.triton_available(torch.device("cpu")), reason="needs Triton's interpreter")
+def test_triton_kernels_in_a_mixed_batch(model):
+    """The kernels (under the interpreter on CPU) over image rows sliced out of the flat step: a decode row takes
+    the split cross-attention kernel, a prefill chunk the flash one."""
+    ckpt, reqs, want = model
+    pick = [0, 3, 4]
+    got = greedy(engine(ckpt, max_num_batched_tokens=6, use_triton=True), [reqs[i] for i in pick])
+    assert got == [want[i] for i in pick]
 
 
 def test_bad_images_name_the_request():
