@@ -3,8 +3,8 @@
 An input line is one JSON object:
     {"id": str, "prompt": str}             raw completion (the tokenizer adds <|begin_of_text|>)
     {"id": str, "messages": [{role, content}, ...]}   the model's chat template, ending in the assistant's turn
-optional: "images" (list of paths relative to the input file, for a Llama 3.2 Vision checkpoint: tools/vision_requests.py
-builds such a model's prompts), "adapter" (a --lora NAME), "max_tokens", "temperature", "top_p", "top_k", "seed",
+optional: "images" (list of paths relative to the input file, for a Llama 3.2 Vision checkpoint, whose prompts
+tools/vision_requests.py builds), "adapter" (a --lora NAME), "max_tokens", "temperature", "top_p", "top_k", "seed",
 "stop" (a string or a list of strings), and "answer" (the reference, for --eval). Blank lines are skipped.
 
 An output line: {"id", "text", "generated_ids", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}}
