@@ -10,6 +10,8 @@ prefill chunk (a new prompt, or the next chunk of a long one, possibly after a c
 LoRA adapters are applied unmerged, per row: the runner holds every adapter stacked (accel/lora_stack.py), a step
 builds the tiles of its rows' adapters once, and each linear layer adds every row's update in one segmented product
 (accel/ops/lora_batch.py), whatever mix of adapters and base rows shares the step.
+A Llama 3.2 Vision model runs its cross-attention layers between the self layers (vision.py): the rows of requests
+with images through them, each request's rows attending to its own images.
 The lm_head runs only on the rows whose logits give a token (each sequence's last row, when its chunk reaches its
 last token).
 
@@ -43,7 +45,7 @@ from ..weights import Weights
 from .block_manager import BlockManager
 from .graphs import DecodeGraphs
 from .scheduler import Scheduled
-from .vision import ImageRows, VisionLayers
+from .vision import ImageStep, VisionLayers
 
 
 @dataclass
@@ -59,7 +61,7 @@ class StepInputs:
     sampled: list[Scheduled]  # the sequences of those rows, in order
     graph_key: tuple[int, int] | None = None  # (rows, table width) of the CUDA graph that runs it, padded to those
     lora_tiles: torch.Tensor | None = None  # [NT, 3] int32 (first row, end row, adapter index); None: no adapter
-    image_rows: list | None = None  # vision models: the rows of sequences with images (accel/batch/vision.py)
+    images: ImageStep | None = None  # vision models: the rows of requests with images (accel/batch/vision.py)
 
 
 class ModelRunner:
@@ -119,7 +121,7 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(decode) if s.samples] + [f + n - 1 for (f, n, _), s in
                                                                        zip(chunks, prefill) if s.samples]
         lora_rows = self._adapter_rows(decode, prefill, chunks, T)
-        image_rows = self._image_rows(decode, prefill, chunks) if self.vision is not None else None
+        images = self._image_rows(decode, prefill, chunks) if self.vision is not None else None
         num_paged = rows
         if self.invariant and prefill:  # every row through the paged kernel, each with its own table and length
             tables, lens = self._rows_tables(tables, lens, prefill, T)
@@ -131,7 +133,7 @@ class ModelRunner:
         return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
                           [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
                           self.lora.tiles(lora_rows, dev) if any(a is not None for a in lora_rows) else None,
-                          image_rows)
+                          images)
 
     def _decode_rows(self, decode: list[Scheduled], rows: int, width: int, ids, positions, slots):
         """Rows 0.. of the decode sequences: their token, position and slot -> (tables [rows, width], lens [rows])."""
@@ -159,8 +161,9 @@ class ModelRunner:
             first += n
         return chunks
 
-    def _image_rows(self, decode: list[Scheduled], prefill: list[Scheduled], chunks) -> list[ImageRows]:
-        """The rows of the sequences with images, each sequence's images encoded at its first chunk."""
+    def _image_rows(self, decode: list[Scheduled], prefill: list[Scheduled], chunks) -> ImageStep | None:
+        """The rows of the sequences with images (None: none), each sequence's images encoded at its first
+        chunk."""
         out = []
         firsts = list(range(len(decode))) + [f for f, _, _ in chunks]
         for first, s in zip(firsts, decode + prefill):
@@ -171,7 +174,7 @@ class ModelRunner:
                 with torch.inference_mode(), ops.torch_only(not self.use_triton):
                     seq.image_kv = self.vision.encode(seq.images, seq.num_prompt_tokens)
             out.append(self.vision.rows(seq.image_kv, first, seq.num_computed, s.num_tokens))
-        return out
+        return ImageStep.of(out, self.device)
 
     @staticmethod
     def _adapter_rows(decode: list[Scheduled], prefill: list[Scheduled], chunks, T: int) -> list[str | None]:
@@ -225,7 +228,7 @@ class ModelRunner:
         cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [T, E/2] fp32
         for i, c, next_norm in layers:  # i: the self layer's index in the paged cache; c: a cross layer's
             if c is not None:
-                x, h = self.vision.cross(c, x, h, next_norm, inp.image_rows)
+                x, h = self.vision.cross(c, x, h, next_norm, inp.images)
                 continue
             lw = w.layers[i]
             a = self._attention(lw, h, cos, sin, i, inp)  # [T, H·E]
@@ -238,7 +241,7 @@ class ModelRunner:
         """(the first layer's input norm, [(self layer i or None, cross layer c or None, the next layer's norm)]):
         a vision model's with its cross layers when the step has image rows (accel/batch/vision.py)."""
         if self.vision is not None:
-            return self.vision.schedule(bool(inp.image_rows))
+            return self.vision.schedule(inp.images is not None)
         layers = self.w.layers
         return layers[0].attn_norm, [(i, None, layers[i + 1].attn_norm if i + 1 < len(layers) else self.w.norm)
                                      for i in range(len(layers))]

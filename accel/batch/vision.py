@@ -8,11 +8,15 @@ when the request finishes, is aborted or is preempted (a preempted request encod
 readmitted: the pool's pressure says nothing about room for image buffers, so a waiting request holds none).
 
 The layers run in the checkpoint's order: self-attention layers as accel.batch.runner runs them (the paged cache
-holds the self layers only), cross-attention layers through accel.vision.model.cross_layer, one sequence's rows at a
-time with its own image keys/values and mask rows (prompt position p uses the prompt mask's row p, generated tokens
-its last row, as HF's generate does). Rows of requests without images skip a cross layer, as HF and the
-single-request engine do (their residual stream passes unchanged); a step without any image rows skips the cross
-layers entirely.
+holds the self layers only), cross-attention layers through accel.vision.model.gated_cross_layer over the rows of
+every request with images at once (their q, o and MLP GEMMs read the weights once a step), each request's rows
+attending to its own image keys/values with its own mask rows (prompt position p uses the prompt mask's row p,
+generated tokens its last row, as HF's generate does): a plain loop over those requests. Rows of requests without
+images skip a cross layer, as HF and the single-request engine do (their residual stream passes unchanged); a step
+without any image rows skips the cross layers entirely. Steps with image rows run eagerly (no CUDA graph).
+
+The image buffers are outside the pool's memory budget: each running request with images holds
+2 · C · K · N · E elements (C cross layers, N = images × tiles × tokens per tile).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from refimpl.model.vision_config import MllamaConfig
 from refimpl.vision.inputs import ImageInputs
 
 from .. import ops
-from ..vision.model import cross_layer, encode_image_kv
+from ..vision.model import encode_image_kv, gated_cross_layer
 from ..vision.weights import VisionWeights
 
 
@@ -82,6 +86,22 @@ class ImageRows:
     has_image: torch.Tensor  # [n, 1]
 
 
+@dataclass
+class ImageStep:
+    """A step's rows of requests with images: each request's, and all of them as one index."""
+
+    seqs: list[ImageRows]  # in row order
+    index: torch.Tensor  # [R] int64: their rows in the flat batch
+    has_image: torch.Tensor  # [R, 1] model dtype
+
+    @classmethod
+    def of(cls, seqs: list[ImageRows], device) -> "ImageStep | None":
+        if not seqs:
+            return None
+        index = torch.from_numpy(np.concatenate([np.arange(r.first, r.first + r.n) for r in seqs])).to(device)
+        return cls(seqs, index, torch.cat([r.has_image for r in seqs]))
+
+
 class VisionLayers:
     """The vision model's decoder schedule and cross-attention layers for the runner."""
 
@@ -112,13 +132,25 @@ class VisionLayers:
         idx = torch.clamp(torch.arange(start, start + n, device=kv.visible.device), max=T0 - 1)
         return ImageRows(first, n, kv, kv.visible[idx], kv.has_image[idx])
 
-    def cross(self, c: int, x, h, next_norm, image_rows: list[ImageRows]):
-        """Cross layer c over the step's x [T, D] and h = its input norm -> (x, next_norm(x)): each image
-        sequence's rows through the layer with its own keys/values, every other row passing unchanged."""
-        t = self.cfg.text
-        out = ops.rms_norm(x, next_norm, t.rms_norm_eps)  # [T, D]: the rows that skip the layer
-        for r in image_rows:
-            s = slice(r.first, r.first + r.n)
-            x[s], out[s] = cross_layer(self.w.cross[c], t, x[s], h[s], next_norm, r.kv.xk_all[c], r.kv.xv_all[c],
-                                       r.visible, r.has_image)
-        return x, out
+    def cross(self, c: int, x, h, next_norm, step: ImageStep):
+        """Cross layer c over the step's x [T, D] and h = its input norm -> (x, next_norm(x)): the rows of the
+        requests with images through the layer, each attending to its own request's images; every other row
+        passing unchanged."""
+        t, cl = self.cfg.text, self.w.cross[c]
+        eps = t.rms_norm_eps
+        out = ops.rms_norm(x, next_norm, eps)  # [T, D]: the rows that skip the layer
+
+        def attend(q):  # [R, H, E] -> [R, H, E]
+            a = torch.empty_like(q)
+            for r, (lo, hi) in zip(step.seqs, _spans(step.seqs)):
+                a[lo:hi] = ops.norm_cross_attention(q[lo:hi], cl.q_norm, eps, r.kv.xk_all[c], r.kv.xv_all[c],
+                                                    r.visible)
+            return a
+        xi, hi = gated_cross_layer(cl, t, x[step.index], h[step.index], next_norm, step.has_image, attend)
+        return x.index_copy_(0, step.index, xi), out.index_copy_(0, step.index, hi)
+
+
+def _spans(seqs: list[ImageRows]) -> list[tuple[int, int]]:
+    """Each request's rows within the gathered image rows."""
+    ends = np.cumsum([r.n for r in seqs])
+    return list(zip([0, *ends[:-1].tolist()], ends.tolist()))

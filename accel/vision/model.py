@@ -67,9 +67,17 @@ def encode_image_kv(w: VisionWeights, cfg: MllamaConfig, images, cache) -> None:
 def cross_layer(cl: CrossLayer, cfg, x, h, next_norm, xk, xv, visible, has_image):
     """One cross-attention layer over x [T, D] and h = its input norm -> (x, next_norm(x)); visible [T, N] (rows
     that may see no tile see every image token, as HF's masking makes them), has_image [T, 1]."""
+    def attend(q):  # [T, H, E] -> [T, H, E]
+        return ops.norm_cross_attention(q, cl.q_norm, cfg.rms_norm_eps, xk, xv, visible)
+    return gated_cross_layer(cl, cfg, x, h, next_norm, has_image, attend)
+
+
+def gated_cross_layer(cl: CrossLayer, cfg, x, h, next_norm, has_image, attend):
+    """cross_layer with its attention given: attend(q [T, H, E]) -> the q-normed attention over the image tokens
+    each row sees [T, H, E] (the batched engine's rows attend to their own request's images)."""
     T, H, E, eps = x.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     q = ops.linear(h, cl.q).view(T, H, E)  # [T, D] -> [T, H, E]
-    a = ops.norm_cross_attention(q, cl.q_norm, eps, xk, xv, visible)  # [T, H, E]
+    a = attend(q)  # [T, H, E]
     o = ops.linear(a.reshape(T, H * E), cl.o)  # [T, H·E] -> [T, D]
     x, h = ops.add_rms_norm(cl.attn_gate.tanh() * o, x, cl.mlp_norm, eps)
     act = ops.swiglu_gate_up(ops.linear(h, cl.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
