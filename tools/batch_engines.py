@@ -23,6 +23,7 @@ class _Running:
     prompt_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
+    images: object = None  # a vision model's ImageInputs
     tokens: list[int] = field(default_factory=list)
     stream: object = None
 
@@ -40,10 +41,10 @@ class OneAtATime:
         self.counter = 0
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    adapter: str | None = None) -> str:
+                    adapter: str | None = None, images=None) -> str:
         rid = request_id if request_id is not None else str(self.counter)
         self.counter += 1
-        self.queue.append(_Running(rid, list(prompt_ids), params, adapter))
+        self.queue.append(_Running(rid, list(prompt_ids), params, adapter, images))
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -67,7 +68,9 @@ class OneAtATime:
             self.engine, self.adapter = self.engine_for(r.adapter), r.adapter
         p = r.params
         s = Sampling(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.repetition_penalty)
-        r.stream = self.engine.generate(r.prompt_ids, s, stop_ids=() if p.ignore_eos else p.stop_token_ids)
+        images = {} if r.images is None else {"images": r.images}  # a vision engine's keyword
+        r.stream = self.engine.generate(r.prompt_ids, s, stop_ids=() if p.ignore_eos else p.stop_token_ids,
+                                        **images)
         return r
 
     def step(self) -> list[RequestOutput]:

@@ -77,7 +77,9 @@ def run_group(engine, requests, tokenizer, stop_ids, on_done, tally: Tally, prog
     live = {}
     for req in requests:
         params = SamplingParams(stop_token_ids=tuple(stop_ids), **req.sampling)
-        live[engine.add_request(req.prompt_ids, params, request_id=req.id, adapter=req.adapter)] = _Live(req)
+        images = {} if req.image_inputs is None else {"images": req.image_inputs}
+        live[engine.add_request(req.prompt_ids, params, request_id=req.id, adapter=req.adapter, **images)] = \
+            _Live(req)
     while engine.has_unfinished():
         for out in engine.step():
             r = live.get(out.request_id)

@@ -3,7 +3,8 @@
 An input line is one JSON object:
     {"id": str, "prompt": str}             raw completion (the tokenizer adds <|begin_of_text|>)
     {"id": str, "messages": [{role, content}, ...]}   the model's chat template, ending in the assistant's turn
-optional: "images" (list of paths), "adapter" (a --lora NAME), "max_tokens", "temperature", "top_p", "top_k", "seed",
+optional: "images" (list of paths relative to the input file, for a Llama 3.2 Vision checkpoint, whose prompts
+tools/vision_requests.py builds), "adapter" (a --lora NAME), "max_tokens", "temperature", "top_p", "top_k", "seed",
 "stop" (a string or a list of strings), and "answer" (the reference, for --eval). Blank lines are skipped.
 
 An output line: {"id", "text", "generated_ids", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}}
@@ -37,6 +38,7 @@ class Request:
     images: tuple[str, ...] = ()
     answer: str | None = None
     notes: list[str] = field(default_factory=list)
+    image_inputs: object = None  # a vision model's refimpl.vision.inputs.ImageInputs, None without images
 
 
 class LineError(GenerationError):
@@ -76,7 +78,7 @@ def _check_stop(value, where: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _check_images(value, where: str, vision: bool) -> tuple[str, ...]:
+def _check_images(value, where: str, vision) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
         raise LineError(f"{where}: \"images\" must be a list of image paths, got {quote(value)}")
     if value and not vision:
@@ -85,20 +87,24 @@ def _check_images(value, where: str, vision: bool) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _prompt_ids(obj: dict, where: str, tokenizer) -> list[int]:
+def _prompt_ids(obj: dict, where: str, tokenizer, vision, images: tuple[str, ...]):
+    """-> (prompt ids, a vision model's ImageInputs or None)."""
     if ("prompt" in obj) == ("messages" in obj):
         raise LineError(f"{where}: give exactly one of \"prompt\" (raw completion) or \"messages\" (chat)")
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise LineError(f"{where}: \"prompt\" must be a non-empty string, got {quote(obj['prompt'])}")
-        return tokenizer.encode(obj["prompt"])
-    _check_messages(obj["messages"], where)
-    return tokenizer.encode_chat(obj["messages"])
+    else:
+        _check_messages(obj["messages"], where)
+    if vision:
+        return vision.build(obj, images)
+    return (tokenizer.encode(obj["prompt"]) if "prompt" in obj else tokenizer.encode_chat(obj["messages"])), None
 
 
-def parse_line(obj, where: str, tokenizer, context: int, default_max_tokens: int, adapters, vision: bool,
+def parse_line(obj, where: str, tokenizer, context: int, default_max_tokens: int, adapters, vision,
                need_answer: bool) -> Request:
-    """One decoded JSON line -> a Request, or LineError naming `where` (FILE:LINE) and what was expected."""
+    """One decoded JSON line -> a Request, or LineError naming `where` (FILE:LINE) and what was expected. vision:
+    a Llama 3.2 Vision checkpoint's tools.vision_requests.VisionPrompts, None (or False) for a text model."""
     if not isinstance(obj, dict):
         raise LineError(f"{where}: expected a JSON object, got {quote(obj)}")
     unknown = [k for k in obj if k not in KNOWN_FIELDS]
@@ -118,10 +124,10 @@ def parse_line(obj, where: str, tokenizer, context: int, default_max_tokens: int
     stop = _check_stop(obj["stop"], where) if "stop" in obj else ()
     sampling = _check_sampling(obj, where, default_max_tokens)
     try:
-        ids = _prompt_ids(obj, where, tokenizer)
+        ids, image_inputs = _prompt_ids(obj, where, tokenizer, vision, images)
     except LineError:
         raise
-    except Llama32Error as e:  # the tokenizer's or the chat template's own message
+    except Llama32Error as e:  # the tokenizer's, the chat template's or the image reader's own message
         raise LineError(f"{where}: {e}") from None
     room = context - len(ids)
     if room <= 0:
@@ -131,11 +137,11 @@ def parse_line(obj, where: str, tokenizer, context: int, default_max_tokens: int
         notes.append(f"{where}: max_tokens {sampling['max_tokens']} lowered to {room} to fit the context")
         sampling["max_tokens"] = room
     return Request(obj["id"], int(where.rsplit(":", 1)[1]), ids, sampling, stop, adapter, images,
-                   obj.get("answer"), notes)
+                   obj.get("answer"), notes, image_inputs)
 
 
 def read_requests(path: Path, tokenizer, context: int, default_max_tokens: int = 256, adapters=(),
-                  vision: bool = False, need_answer: bool = False) -> list[Request]:
+                  vision=None, need_answer: bool = False) -> list[Request]:
     """Every line of the input file checked; the first bad one raises LineError naming FILE:LINE."""
     requests, seen = [], {}
     for n, raw in enumerate(Path(path).read_bytes().splitlines(), 1):  # \n, \r\n or \r, as text mode reads

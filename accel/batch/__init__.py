@@ -6,6 +6,7 @@
     runner.py         one step's flat token batch through the model over the paged cache
     graphs.py         the decode-only step as CUDA graphs, per batch-size bucket and table width
     sampler.py        per-request sampling on the device, seeded draws independent of the batch
+    vision.py         Llama 3.2 Vision: each request's image keys/values, the cross-attention layers over a step
     engine.py         BatchEngine, the API
 LoRA adapters per request, unmerged, several in one step: accel/lora_stack.py (the adapters stacked) over the
 segmented product of accel/ops/lora_batch.py.

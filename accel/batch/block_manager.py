@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from .sequence import Sequence
 
 
-def block_hash(prev: int | None, tokens: list[int], adapter: str | None = None) -> int:
+def block_hash(prev: int | None, tokens: list[int], root=None) -> int:
     """The key of a full block: its token ids chained with the previous block's key; the first block's chain starts
-    at the sequence's adapter (K/V depend on it: a LoRA on k/v_proj, or on any earlier layer)."""
-    return hash((("root", adapter) if prev is None else prev, *tokens))
+    at the sequence's root (Sequence.prefix_root: its adapter, and its images if any: K/V depend on them)."""
+    return hash((("root", root) if prev is None else prev, *tokens))
 
 
 @dataclass
@@ -74,7 +74,7 @@ class BlockManager:
         bs, prev = self.block_size, None
         for i in range((len(seq) - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(prev, tokens, seq.adapter)
+            h = block_hash(prev, tokens, seq.prefix_root)
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
                 break
@@ -108,7 +108,7 @@ class BlockManager:
             return
         for i in range(len(seq.block_hashes), full):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens, seq.adapter)
+            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens, seq.prefix_root)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:

@@ -7,8 +7,11 @@
 
 Each step: the scheduler picks the sequences and their token counts (scheduler.py), the runner runs them through the
 model as one flat batch (runner.py), the sampler draws each sampled row's token with its request's parameters
-(sampler.py), and finished requests give their blocks back. Token ids only: text, stop strings, chat templates and
-images are handled above the engine. The checkpoint's eos ids stop every request unless it asks `ignore_eos`.
+(sampler.py), and finished requests give their blocks back. Token ids only: text, stop strings and chat templates are
+handled above the engine; a Llama 3.2 Vision checkpoint's requests may carry their images as the single-request
+engine takes them (refimpl.vision.inputs.ImageInputs, built by refimpl.vision.prepare), each request's image
+keys/values kept beside its paged self-attention K/V (vision.py). The checkpoint's eos ids stop every request unless
+it asks `ignore_eos`.
 """
 from __future__ import annotations
 
@@ -20,16 +23,19 @@ import torch
 from refimpl.batch_api import RequestOutput, SamplingParams
 from refimpl.errors import GenerationError
 from refimpl.formats.params import Checkpoint
+from refimpl.generate_vision import check_images
 from refimpl.model.config import LlamaConfig
 
 from .. import ops
 from ..engine import resolve_device, resolve_dtype
+from ..vision.weights import load_vision_weights, self_layer_config
 from ..weights import DTYPES, Weights, load_weights
 from .block_manager import BlockManager
 from .runner import ModelRunner
 from .sampler import logprob_rows, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .vision import VisionLayers, images_key
 
 DEFAULT_BLOCK_SIZE = 16
 CPU_KV_BYTES = 1 << 30  # the KV pool's budget on CPU, where free memory says little about what is wise to take
@@ -72,11 +78,14 @@ class BatchEngine:
     def __init__(self, config: LlamaConfig, weights: Weights, device: torch.device, dtype: str, stop_ids=(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
                  block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None,
-                 cuda_graphs: bool | None = None, batch_invariant: bool = False):
+                 cuda_graphs: bool | None = None, batch_invariant: bool = False, vision=None):
         """num_blocks: the pool's size, overriding gpu_memory (tests force a tiny pool); use_triton: the Triton
         kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter); cuda_graphs:
-        decode-only steps replay CUDA graphs (default: on CUDA); batch_invariant: each request's tokens and logits
-        the same bits whatever else shares its steps (accel/batch/runner.py; slower)."""
+        decode-only steps replay CUDA graphs (default: on CUDA; never for a step with image rows);
+        batch_invariant: each request's tokens and logits the same bits whatever else shares its steps
+        (accel/batch/runner.py; slower); vision: (MllamaConfig, VisionWeights) of a Llama 3.2 Vision checkpoint,
+        config and weights then being its self-attention layers' (accel.vision.weights.self_layer_config and
+        VisionWeights.text)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value!r}")
@@ -97,7 +106,12 @@ class BatchEngine:
         graphs = device.type == "cuda" and (triton or not batch_invariant) if cuda_graphs is None else cuda_graphs
         if graphs and device.type != "cuda":
             raise GenerationError(f"cuda_graphs: CUDA graphs need a CUDA device, not {device}")
-        self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton, graphs, batch_invariant)
+        self.vision_config = None if vision is None else vision[0]
+        if vision is not None and batch_invariant:
+            raise GenerationError("batch_invariant runs text models only for now (this is a Llama 3.2 Vision model)")
+        layers = None if vision is None else VisionLayers(vision[1], vision[0], device, self.dtype)
+        self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton, graphs, batch_invariant,
+                                  layers)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -111,18 +125,20 @@ class BatchEngine:
                         max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
                         block_size: int | None = None, batch_invariant: bool = False, quant=None,
                         **options) -> "BatchEngine":
-        """ckpt: a refimpl Checkpoint (refimpl.formats.checkpoint.load_checkpoint). Dense weights only, text models
-        only. options: BatchEngine's num_blocks, use_triton, cuda_graphs."""
+        """ckpt: a refimpl Checkpoint (refimpl.formats.checkpoint.load_checkpoint). Dense weights only. options:
+        BatchEngine's num_blocks, use_triton, cuda_graphs."""
         from refimpl.family import family_of
         from refimpl.quant.apply import is_quantized
         if quant is not None or is_quantized(ckpt.params):
             raise GenerationError(f"{ckpt.path}: the batch engine runs dense bf16/fp32 weights only; drop --quant "
                                   f"(or use an unquantized checkpoint)")
-        if family_of(ckpt.config).takes_images:
-            raise GenerationError(f"{ckpt.path}: the batch engine runs text models only for now (this is a Llama "
-                                  f"3.2 Vision checkpoint)")
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
+        if family_of(ckpt.config).takes_images:
+            vw = load_vision_weights(ckpt.params, ckpt.config, dev, DTYPES[dtype])
+            return cls(self_layer_config(ckpt.config), vw.text, dev, dtype, ckpt.stop_ids, max_num_seqs,
+                       max_num_batched_tokens, gpu_memory, block_size, batch_invariant=batch_invariant,
+                       vision=(ckpt.config, vw), **options)
         weights = load_weights(ckpt.params, ckpt.config, dev, DTYPES[dtype])
         return cls(ckpt.config, weights, dev, dtype, ckpt.stop_ids, max_num_seqs, max_num_batched_tokens, gpu_memory,
                    block_size, batch_invariant=batch_invariant, **options)
@@ -132,11 +148,16 @@ class BatchEngine:
         """A LoRA adapter requests can name (add_request's `adapter`), applied unmerged, several in one step (the
         stacked adapters and segmented product of accel/lora_stack.py): adapter is refimpl.formats.lora.load_lora's
         list of (param name, A [R, Din], B [Dout, R], scale)."""
+        if self.vision_config is not None:
+            raise GenerationError(f"adapter {name!r}: the batch engine applies LoRA adapters to text models only "
+                                  f"for now (this is a Llama 3.2 Vision model)")
         self.runner.add_adapter(str(name), adapter)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, adapter: str | None = None) -> str:
-        """adapter: the name of a LoRA adapter given to add_adapter, None: the base model."""
+                    request_id: str | None = None, adapter: str | None = None, images=None) -> str:
+        """adapter: the name of a LoRA adapter given to add_adapter, None: the base model; images: a vision
+        model's request's ImageInputs (refimpl.vision.inputs; one image per <|image|> token of the prompt, its
+        cross-attention mask one row per prompt token), None: a text request."""
         params = SamplingParams() if params is None else params
         rid = self._fresh_id() if request_id is None else str(request_id)
         if rid in self.seqs:
@@ -144,9 +165,11 @@ class BatchEngine:
         if adapter is not None and adapter not in self.runner.adapters:
             raise GenerationError(f"request {rid!r}: no adapter named {adapter!r} is loaded (add_adapter first)")
         prompt = self._check_prompt(rid, prompt_ids, params)
+        self._check_images(rid, prompt, images)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids)
         seed = secrets.randbits(63) if params.seed is None else params.seed
-        seq = Sequence(rid, prompt, params, seed, stop, next(self._arrivals), adapter)
+        seq = Sequence(rid, prompt, params, seed, stop, next(self._arrivals), adapter, images,
+                       None if images is None else images_key(images))
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         self._prompt_tokens += len(prompt)
@@ -167,9 +190,10 @@ class BatchEngine:
             raise GenerationError(f"request {rid!r}: prompt_ids must be a list of token ids") from None
         if not prompt:
             raise GenerationError(f"request {rid!r}: the prompt is empty")
-        bad = next((t for t in prompt if not 0 <= t < cfg.vocab_size), None)
+        rows = cfg.vocab_size if self.vision_config is None else cfg.embedding_rows  # the image token's row too
+        bad = next((t for t in prompt if not 0 <= t < rows), None)
         if bad is not None:
-            raise GenerationError(f"request {rid!r}: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+            raise GenerationError(f"request {rid!r}: token id {bad} is outside the vocabulary [0, {rows})")
         need = len(prompt) + params.max_tokens - 1  # the last token is sampled, never run through the model
         if need > cfg.max_position_embeddings:
             raise GenerationError(f"request {rid!r}: {len(prompt)} prompt tokens + max_tokens {params.max_tokens} "
@@ -178,6 +202,16 @@ class BatchEngine:
             raise GenerationError(f"request {rid!r}: {need} tokens need {self.blocks.blocks_for(need)} KV blocks but "
                                   f"the pool holds {len(self.blocks.blocks)}; lower max_tokens or raise gpu_memory")
         return prompt
+
+    def _check_images(self, rid: str, prompt: list[int], images) -> None:
+        if self.vision_config is None:
+            if images is not None:
+                raise GenerationError(f"request {rid!r}: images need a Llama 3.2 Vision model; this one reads text")
+            return
+        try:
+            check_images(prompt, self.vision_config.image_token_index, images)
+        except GenerationError as e:
+            raise GenerationError(f"request {rid!r}: {e}") from None
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.get(request_id)
@@ -243,15 +277,18 @@ class BatchEngine:
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 adapters: list[str | None] | None = None) -> list[RequestOutput]:
+                 adapters: list[str | None] | None = None, images: list | None = None) -> list[RequestOutput]:
         """Run the prompts to completion (with whatever else is in the engine) -> their final outputs, in input
-        order; each output's new_token_ids holds all its generated tokens. adapters: one per prompt (or None)."""
+        order; each output's new_token_ids holds all its generated tokens. adapters, images: one per prompt (or
+        None)."""
         params = [params] * len(prompts) if not isinstance(params, list) else params
         adapters = [None] * len(prompts) if adapters is None else adapters
-        if len(params) != len(prompts) or len(adapters) != len(prompts):
-            raise GenerationError(f"generate: {len(prompts)} prompts but {len(params)} sampling parameters and "
-                                  f"{len(adapters)} adapters")
-        ids = [self.add_request(p, s, adapter=a) for p, s, a in zip(prompts, params, adapters)]
+        images = [None] * len(prompts) if images is None else images
+        if len(params) != len(prompts) or len(adapters) != len(prompts) or len(images) != len(prompts):
+            raise GenerationError(f"generate: {len(prompts)} prompts but {len(params)} sampling parameters, "
+                                  f"{len(adapters)} adapters and {len(images)} image inputs")
+        ids = [self.add_request(p, s, adapter=a, images=im)
+               for p, s, a, im in zip(prompts, params, adapters, images)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids) and self.has_unfinished():
             for out in self.step():

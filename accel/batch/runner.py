@@ -10,6 +10,8 @@ prefill chunk (a new prompt, or the next chunk of a long one, possibly after a c
 LoRA adapters are applied unmerged, per row: the runner holds every adapter stacked (accel/lora_stack.py), a step
 builds the tiles of its rows' adapters once, and each linear layer adds every row's update in one segmented product
 (accel/ops/lora_batch.py), whatever mix of adapters and base rows shares the step.
+A Llama 3.2 Vision model runs its cross-attention layers between the self layers (vision.py): the rows of requests
+with images through them, each request's rows attending to its own images.
 The lm_head runs only on the rows whose logits give a token (each sequence's last row, when its chunk reaches its
 last token).
 
@@ -44,6 +46,7 @@ from ..weights import Weights
 from .block_manager import BlockManager
 from .graphs import DecodeGraphs
 from .scheduler import Scheduled
+from .vision import ImageStep, VisionLayers
 
 
 @dataclass
@@ -59,12 +62,15 @@ class StepInputs:
     sampled: list[Scheduled]  # the sequences of those rows, in order
     graph_key: tuple[int, int] | None = None  # (rows, table width) of the CUDA graph that runs it, padded to those
     lora_tiles: torch.Tensor | None = None  # [NT, 3] int32 (first row, end row, adapter index); None: no adapter
+    images: ImageStep | None = None  # vision models: the rows of requests with images (accel/batch/vision.py)
 
 
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, weights: Weights, device: torch.device, dtype: torch.dtype,
-                 blocks: BlockManager, use_triton: bool, cuda_graphs: bool, invariant: bool = False):
-        """invariant: the batch-invariant mode (module docstring)."""
+                 blocks: BlockManager, use_triton: bool, cuda_graphs: bool, invariant: bool = False,
+                 vision: VisionLayers | None = None):
+        """invariant: the batch-invariant mode (module docstring); vision: a Llama 3.2 Vision model's cross layers
+        (cfg and weights are then its self-attention layers')."""
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
         self.blocks = blocks
         self.block_size = blocks.block_size
@@ -81,6 +87,7 @@ class ModelRunner:
         self.max_width = blocks.blocks_for(cfg.max_position_embeddings)  # blocks of the longest sequence
         self.graphs = DecodeGraphs(self) if cuda_graphs else None
         self.adapters: dict[str, list] = {}  # LoRA adapters by name, as add_adapter took them
+        self.vision = vision
         self.lora: LoraStack | None = None  # all of them stacked on the device, in the model's dtype
 
     def add_adapter(self, name: str, adapter: list) -> None:
@@ -102,7 +109,7 @@ class ModelRunner:
         prefill = [s for s in batch if s.num_tokens > 1]
         width = max((len(s.seq.block_table) for s in decode), default=1)
         graphable = self.graphs and not prefill and all(s.samples for s in decode) \
-            and all(s.seq.adapter is None for s in decode)  # the graphs hold no adapter
+            and all(s.seq.adapter is None and s.seq.images is None for s in decode)  # no adapter, no image
         key = self.graphs.key(len(decode), width) if graphable else None
         rows, width = key if key is not None else (len(decode), width)
         T = rows + sum(s.num_tokens for s in prefill)
@@ -115,6 +122,7 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(decode) if s.samples] + [f + n - 1 for (f, n, _), s in
                                                                        zip(chunks, prefill) if s.samples]
         lora_rows = self._adapter_rows(decode, prefill, chunks, T)
+        images = self._image_rows(decode, prefill, chunks) if self.vision is not None else None
         num_paged = rows
         if self.invariant and prefill:  # every row through the paged kernel, each with its own table and length
             tables, lens = self._rows_tables(tables, lens, prefill, T)
@@ -125,7 +133,8 @@ class ModelRunner:
             return torch.from_numpy(np.asarray(x)).to(dev)
         return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
                           [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
-                          self.lora.tiles(lora_rows, dev) if any(a is not None for a in lora_rows) else None)
+                          self.lora.tiles(lora_rows, dev) if any(a is not None for a in lora_rows) else None,
+                          images)
 
     def _decode_rows(self, decode: list[Scheduled], rows: int, width: int, ids, positions, slots):
         """Rows 0.. of the decode sequences: their token, position and slot -> (tables [rows, width], lens [rows])."""
@@ -150,6 +159,21 @@ class ModelRunner:
             chunks.append((first, n, seq_slots))
             first += n
         return chunks
+
+    def _image_rows(self, decode: list[Scheduled], prefill: list[Scheduled], chunks) -> ImageStep | None:
+        """The rows of the sequences with images (None: none), each sequence's images encoded at its first
+        chunk."""
+        out = []
+        firsts = list(range(len(decode))) + [f for f, _, _ in chunks]
+        for first, s in zip(firsts, decode + prefill):
+            seq = s.seq
+            if seq.images is None:
+                continue
+            if seq.image_kv is None:
+                with torch.inference_mode(), ops.torch_only(not self.use_triton):
+                    seq.image_kv = self.vision.encode(seq.images, seq.num_prompt_tokens)
+            out.append(self.vision.rows(seq.image_kv, first, seq.num_computed, s.num_tokens))
+        return ImageStep.of(out, self.device)
 
     @staticmethod
     def _adapter_rows(decode: list[Scheduled], prefill: list[Scheduled], chunks, T: int) -> list[str | None]:
@@ -198,16 +222,28 @@ class ModelRunner:
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         eps = cfg.rms_norm_eps
-        x, h = ops.embedding_rms_norm(inp.ids, w.embed, w.layers[0].attn_norm, eps)  # [T, D] each
+        first_norm, layers = self._schedule(inp)
+        x, h = ops.embedding_rms_norm(inp.ids, w.embed, first_norm, eps)  # [T, D] each
         cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [T, E/2] fp32
-        last = len(w.layers) - 1
-        for i, lw in enumerate(w.layers):
+        for i, c, next_norm in layers:  # i: the self layer's index in the paged cache; c: a cross layer's
+            if c is not None:
+                x, h = self.vision.cross(c, x, h, next_norm, inp.images)
+                continue
+            lw = w.layers[i]
             a = self._attention(lw, h, cos, sin, i, inp)  # [T, H·E]
             x, h = ops.add_rms_norm(self._linear(a, lw.o, i, "o", inp), x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
             act = ops.swiglu_gate_up(self._linear(h, lw.gate_up, i, "gate_up", inp))  # [T, D] -> [T, 2F] -> [T, F]
-            next_norm = w.layers[i + 1].attn_norm if i < last else w.norm
             x, h = ops.add_rms_norm(self._linear(act, lw.down, i, "down", inp), x, next_norm, eps)  # resid_post
         return self._dense(h[inp.sample_rows], w.lm_head)  # [R, D] -> [R, V]
+
+    def _schedule(self, inp: StepInputs):
+        """(the first layer's input norm, [(self layer i or None, cross layer c or None, the next layer's norm)]):
+        a vision model's with its cross layers when the step has image rows (accel/batch/vision.py)."""
+        if self.vision is not None:
+            return self.vision.schedule(inp.images is not None)
+        layers = self.w.layers
+        return layers[0].attn_norm, [(i, None, layers[i + 1].attn_norm if i + 1 < len(layers) else self.w.norm)
+                                     for i in range(len(layers))]
 
     def _dense(self, x, weight) -> torch.Tensor:
         return invariant_linear(x, weight) if self.invariant else ops.linear(x, weight)  # [T, Din] -> [T, Dout]

@@ -86,6 +86,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)
+        seq.image_kv = None  # encoded again when it is readmitted
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -93,6 +94,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Done (stopped, at its length, or aborted): its blocks go back to the pool."""
         self.blocks.free(seq)
+        seq.image_kv = None
         seq.status = Status.FINISHED
         if seq in self.running:
             self.running.remove(seq)

@@ -7,9 +7,11 @@
     block_table     logical block i -> physical block of the pool; position p lives at slot
                     `block_table[p // block_size] * block_size + p % block_size`
     block_hashes    chained hash of each full block whose K/V are computed (prefix sharing, block_manager.py),
-                    rooted at the adapter's name: the same tokens under another adapter have other K/V
-Preemption by recompute keeps token_ids and drops the rest (num_computed 0, no blocks): the request is prefilled
-again over prompt + generated tokens and goes on where it stopped.
+                    rooted at `prefix_root`, the adapter's name and the digest of the request's images: the same
+                    tokens under another adapter, or beside other images, have other K/V
+    image_kv        a vision request's image keys/values (accel/batch/vision.py), from its first prefill chunk on
+Preemption by recompute keeps token_ids and drops the rest (num_computed 0, no blocks, no image keys/values): the
+request is prefilled again over prompt + generated tokens and goes on where it stopped.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
-                 stop_ids: frozenset[int], arrival: int, adapter: str | None = None):
+                 stop_ids: frozenset[int], arrival: int, adapter: str | None = None, images=None,
+                 images_key: str | None = None):
+        """images: refimpl.vision.inputs.ImageInputs (None: a text request); images_key: their digest."""
         self.request_id = request_id
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
@@ -35,6 +39,9 @@ class Sequence:
         self.stop_ids = stop_ids
         self.arrival = arrival  # FCFS order
         self.adapter = adapter  # the LoRA adapter it runs with (BatchEngine.add_adapter's name), None: the base model
+        self.images = images
+        self.image_kv = None  # set by the runner at the first prefill chunk, dropped on finish and preemption
+        self.prefix_root = adapter if images is None else (adapter, images_key)
         self.status = Status.WAITING
         self.num_computed = 0
         self.block_table: list[int] = []

@@ -28,7 +28,6 @@ from .. import ops
 from ..engine import AccelEngine, Decoder, DecodeSession, check_fits, resolve_device, resolve_dtype
 from ..kernels.tuning import DEFAULT, Tuning
 from ..weights import DTYPES
-from . import encoder
 from . import model as vision_fast
 from .model import VisionStaticCache
 from .weights import VisionWeights, load_vision_weights
@@ -130,10 +129,7 @@ class VisionAccelEngine(AccelEngine):
         """Encoder + projector + every cross layer's image keys/values, into the cache's image buffers."""
         im = self._device_images(images)
         with ops.torch_only(not self.triton):
-            features = encoder.encode(self.params, self.config.vision, im.pixel_values, im.aspect_ratio_ids,
-                                      images.aspect_ratio_mask, self.weights.vision_qkv,
-                                      self.weights.vision_gates)  # [I, A, P, O]
-            vision_fast.write_image_kv(self.weights, self.config, encoder.project(self.params, features), cache)
+            vision_fast.encode_image_kv(self.weights, self.config, im, cache)
         cache.cross_mask = images.cross_attention_mask
 
     def prefill(self, prompt_ids, sess: DecodeSession, images: ImageInputs | None = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from refimpl.model.vision_config import MllamaConfig
 from .. import ops
 from ..kernels.tuning import DEFAULT, Tuning
 from ..model import RopeTables, decode_layer, self_layer
+from . import encoder
 from .weights import CrossLayer, VisionWeights, self_layer_config
 
 
@@ -55,11 +56,28 @@ def write_image_kv(w: VisionWeights, cfg: MllamaConfig, states, cache: VisionSta
     cache.xv_all.copy_(F.linear(states, kv.v).view(N, C, K, E).permute(1, 2, 0, 3))  # [N, C·K·E] -> [C, K, N, E]
 
 
-def _cross_layer(cl: CrossLayer, cfg, x, h, next_norm, xk, xv, visible, has_image):
-    """One cross-attention layer over x [T, D] and h = its input norm -> (x, next_norm(x)); has_image [T, 1]."""
+def encode_image_kv(w: VisionWeights, cfg: MllamaConfig, images, cache) -> None:
+    """A request's images (ImageInputs with pixel_values and aspect_ratio_ids as device tensors) -> encoder,
+    projector, then every cross layer's image keys/values into cache.xk_all/xv_all [C, K, N, E]."""
+    features = encoder.encode(w.params, cfg.vision, images.pixel_values, images.aspect_ratio_ids,
+                              images.aspect_ratio_mask, w.vision_qkv, w.vision_gates)  # [I, A, P, O]
+    write_image_kv(w, cfg, encoder.project(w.params, features), cache)
+
+
+def cross_layer(cl: CrossLayer, cfg, x, h, next_norm, xk, xv, visible, has_image):
+    """One cross-attention layer over x [T, D] and h = its input norm -> (x, next_norm(x)); visible [T, N] (rows
+    that may see no tile see every image token, as HF's masking makes them), has_image [T, 1]."""
+    def attend(q):  # [T, H, E] -> [T, H, E]
+        return ops.norm_cross_attention(q, cl.q_norm, cfg.rms_norm_eps, xk, xv, visible)
+    return gated_cross_layer(cl, cfg, x, h, next_norm, has_image, attend)
+
+
+def gated_cross_layer(cl: CrossLayer, cfg, x, h, next_norm, has_image, attend):
+    """cross_layer with its attention given: attend(q [T, H, E]) -> the q-normed attention over the image tokens
+    each row sees [T, H, E] (the batched engine's rows attend to their own request's images)."""
     T, H, E, eps = x.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     q = ops.linear(h, cl.q).view(T, H, E)  # [T, D] -> [T, H, E]
-    a = ops.norm_cross_attention(q, cl.q_norm, eps, xk, xv, visible)  # [T, H, E]
+    a = attend(q)  # [T, H, E]
     o = ops.linear(a.reshape(T, H * E), cl.o)  # [T, H·E] -> [T, D]
     x, h = ops.add_rms_norm(cl.attn_gate.tanh() * o, x, cl.mlp_norm, eps)
     act = ops.swiglu_gate_up(ops.linear(h, cl.gate_up))  # [T, D] -> [T, 2F] -> [T, F]
@@ -108,7 +126,7 @@ def prefill(w: VisionWeights, cfg: MllamaConfig, ids, cache: VisionStaticCache):
             x, h = self_layer(w.text.layers[j], sub, x, h, next_norm, cos, sin, cache.k_all[j], cache.v_all[j],
                               positions)
         else:
-            x, h = _cross_layer(w.cross[c], t, x, h, next_norm, cache.xk_all[c], cache.xv_all[c], visible, has)
+            x, h = cross_layer(w.cross[c], t, x, h, next_norm, cache.xk_all[c], cache.xv_all[c], visible, has)
     return ops.linear(h[-1:], w.text.lm_head)  # [1, D] -> [1, V]
 
 

@@ -62,13 +62,18 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
         raise GenerationError(f"--output {output_path} is the input file")
     model_path = resolve_model(model)
     ckpt = load_checkpoint(model_path)
-    if family_of(ckpt.config).takes_images:
-        raise GenerationError(f"{model_path}: llama32 batch runs text models for now (a Llama 3.2 Vision "
-                              f"checkpoint's requests go through llama32 generate --image)")
     if ckpt.tokenizer is None:
         raise GenerationError(f"{model_path}: no tokenizer found beside the weights")
+    vision = None
+    if family_of(ckpt.config).takes_images:
+        for given, flag in ((lora_dirs, "--lora"), (evaluate, "--eval"), (batch_invariant, "--batch-invariant")):
+            if given:
+                raise GenerationError(f"{flag}: llama32 batch runs it on text models only for now ({model_path} is a "
+                                      f"Llama 3.2 Vision checkpoint)")
+        from tools.vision_requests import VisionPrompts
+        vision = VisionPrompts(ckpt, input_path)
     requests = read_requests(input_path, ckpt.tokenizer, ckpt.config.max_position_embeddings, max_tokens,
-                             adapters=tuple(lora_dirs), vision=False, need_answer=evaluate)
+                             adapters=tuple(lora_dirs), vision=vision, need_answer=evaluate)
     from refimpl.formats.lora import load_lora
     adapters = {name: load_lora(path, ckpt.config) for name, path in lora_dirs.items()}  # all checked up front
     done = read_done(output_path, {r.id for r in requests})

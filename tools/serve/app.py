@@ -72,12 +72,12 @@ def build_app(engine: AsyncEngine, model: ServedModel, make_params, api_key: str
         try:
             req = parse(ChatCompletionRequest, await body_of(request))
             adapter = adapter_for(model, req.model)
-            ids = chat_prompt(model, req)
+            ids, images = chat_prompt(model, req)
             top = (req.top_logprobs or 0) if req.logprobs else None
             params = sampling_params(model, req, make_params, len(ids), req.limit(), top)
         except APIError as e:
             return error(e)
-        return await respond(request, req, "chat", [(ids, params)], adapter)
+        return await respond(request, req, "chat", [(ids, params)], adapter, images)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -90,10 +90,10 @@ def build_app(engine: AsyncEngine, model: ServedModel, make_params, api_key: str
             return error(e)
         return await respond(request, req, "text", jobs, adapter)
 
-    async def respond(request, req, kind: str, jobs, adapter):
+    async def respond(request, req, kind: str, jobs, adapter, images=None):
         rid = engine.new_id("chatcmpl" if kind == "chat" else "cmpl")
         flat = [(ids, p) for ids, params in jobs for p in params]
-        choices = [Choice(i, ids, p, req.stop, model, kind) for i, (ids, p) in enumerate(flat)]
+        choices = [Choice(i, ids, p, req.stop, model, kind, images) for i, (ids, p) in enumerate(flat)]
         arrived = time.perf_counter()
         prompt_tokens = sum(len(ids) for ids, _ in jobs)
         head = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
@@ -199,8 +199,10 @@ async def finished_or_disconnected(request, task, poll: float = 0.25) -> bool:
 class Choice:
     """One choice of a response: runs its engine request and holds its text, tokens and logprobs."""
 
-    def __init__(self, index: int, prompt_ids, params, stops, model: ServedModel, kind: str):
+    def __init__(self, index: int, prompt_ids, params, stops, model: ServedModel, kind: str, images=None):
+        """images: a vision model's ImageInputs for the prompt (None: none)."""
         self.index, self.prompt_ids, self.params, self.kind = index, prompt_ids, params, kind
+        self.images = images
         self.text = TextStream(model.tokenizer, stops, model.stop_ids)
         self.tok = model.tokenizer
         self.want_logprobs = getattr(params, "logprobs", None) is not None
@@ -210,7 +212,7 @@ class Choice:
 
     async def run(self, engine: AsyncEngine, rid: str, adapter, events: asyncio.Queue | None = None) -> None:
         try:
-            async for out in engine.generate(rid, self.prompt_ids, self.params, adapter):
+            async for out in engine.generate(rid, self.prompt_ids, self.params, adapter, self.images):
                 delta = self.text.push(out.new_token_ids)
                 new_logprobs = list(out.logprobs or [])[-len(out.new_token_ids):] if self.want_logprobs else []
                 if self.text.stopped:

@@ -50,13 +50,13 @@ class AsyncEngine:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params, adapter: str | None = None
-                       ) -> AsyncIterator:
+    async def generate(self, request_id: str, prompt_ids: list[int], params, adapter: str | None = None,
+                       images=None) -> AsyncIterator:
         """The engine's RequestOutputs for one request, ending with the finished one. Leaving early (the client
         went away, or the caller stopped reading) aborts the request."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._send(("add", request_id, prompt_ids, params, adapter))
+        self._send(("add", request_id, prompt_ids, params, adapter, images))
         finished = False
         try:
             while True:
@@ -107,9 +107,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, rid, prompt_ids, params, adapter = command
+                _, rid, prompt_ids, params, adapter, images = command
                 try:
-                    self.engine.add_request(prompt_ids, params, request_id=rid, adapter=adapter)
+                    kwargs = {"adapter": adapter} if adapter is not None else {}
+                    kwargs.update({"images": images} if images is not None else {})
+                    self.engine.add_request(prompt_ids, params, request_id=rid, **kwargs)
                 except Exception as e:
                     self._deliver(rid, EngineFailure(f"{type(e).__name__}: {e}"), time.perf_counter())
             else:

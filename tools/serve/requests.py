@@ -22,6 +22,7 @@ class ServedModel:
     vocab_rows: int  # ids a prompt may hold
     adapters: tuple[str, ...] = ()
     vision: bool = False
+    image_prompts: object = None  # a vision model's tools.vision_requests.VisionPrompts
     allowed_media: Path | None = None
     sampling_fields: frozenset = field(default_factory=frozenset)  # what the engine's SamplingParams takes
 
@@ -45,8 +46,10 @@ def adapter_for(model: ServedModel, requested: str) -> str | None:
                    status=404, param="model", code="model_not_found")
 
 
-def chat_prompt(model: ServedModel, req: ChatCompletionRequest) -> list[int]:
-    messages = []
+def chat_prompt(model: ServedModel, req: ChatCompletionRequest):
+    """-> (prompt ids, a vision model's ImageInputs or None). A vision model reads content parts as its chat
+    template does (text and image parts in order, each image_url decoded here); a text model joins the text parts."""
+    messages, images = [], []
     for i, m in enumerate(req.messages):
         if isinstance(m.content, list):
             parts = []
@@ -56,16 +59,19 @@ def chat_prompt(model: ServedModel, req: ChatCompletionRequest) -> list[int]:
                     if not model.vision:
                         raise APIError(f"{param}: {model.name} is a text-only model; images need a Llama 3.2 "
                                        f"Vision model", param=param)
-                    load_image_url(part.image_url.url, param, model.allowed_media)
-                    raise APIError(f"{param}: images are not served by the batched engine yet", param=param)
-                parts.append(part.text)
-            content = "\n".join(parts)
+                    images.append(load_image_url(part.image_url.url, param, model.allowed_media))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part.text})
+            content = parts if model.vision else "\n".join(p["text"] for p in parts)
         else:
             content = m.content or ""
         role = "system" if m.role == "developer" else m.role
         messages.append({"role": role, "content": content})
     try:
-        return model.tokenizer.encode_chat(messages)
+        if model.image_prompts is not None:
+            return model.image_prompts.chat(messages, images)
+        return model.tokenizer.encode_chat(messages), None
     except Llama32Error as e:
         raise APIError(f"messages: {e}", param="messages") from None
 

@@ -6,11 +6,14 @@ import sys
 from pathlib import Path
 
 from refimpl.errors import GenerationError
+from refimpl.family import family_of
 from tools.chat_session import model_name
 from tools.engines import resolve_model
 from tools.serve.app import build_app
 from tools.serve.async_engine import AsyncEngine
 from tools.serve.requests import ServedModel, sampling_fields
+from tools.vision_inputs import token_rows
+from tools.vision_requests import VisionPrompts
 
 
 def load_served(model, adapters: dict[str, Path], served_name, device, dtype, max_num_seqs: int,
@@ -30,9 +33,11 @@ def load_served(model, adapters: dict[str, Path], served_name, device, dtype, ma
     for name, adapter_dir in adapters.items():
         engine.add_adapter(name, load_lora(adapter_dir, ckpt.config))
     cfg = ckpt.config
+    vision = family_of(cfg).takes_images
+    prompts = VisionPrompts(ckpt) if vision else None
     served = ServedModel(name=served_name or model_name(path), tokenizer=ckpt.tokenizer,
                          stop_ids=tuple(ckpt.stop_ids), context=cfg.max_position_embeddings,
-                         vocab_rows=cfg.vocab_size, adapters=tuple(adapters), vision=False,
+                         vocab_rows=token_rows(cfg), adapters=tuple(adapters), vision=vision, image_prompts=prompts,
                          allowed_media=media, sampling_fields=sampling_fields(SamplingParams))
     runner = AsyncEngine(engine)
     return build_app(runner, served, SamplingParams, api_key=api_key), runner, served.name
