@@ -231,3 +231,20 @@ def test_a_failing_engine_step_fails_its_requests_not_the_server(server, monkeyp
     ok = server.client().completions.create(model=server.name, prompt="the", max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
     assert server.metrics()["llama32:kv_blocks_used"] == 0
+
+
+def test_a_request_the_engine_refuses_is_a_400_not_a_500(server, monkeypatch):
+    """What add_request refuses in the engine thread (say, more KV blocks than the pool holds) reaches the client as
+    a 400 with the engine's one-line reason, streaming or not."""
+    from refimpl.errors import GenerationError
+
+    def refuse(*a, **k):
+        raise GenerationError("request 'x': 300 tokens need 19 KV blocks but the pool holds 8")
+    monkeypatch.setattr(server.engine.engine, "add_request", refuse)
+    r = server.post("/v1/completions", {"model": server.name, "prompt": "the", "max_tokens": 3})
+    assert r.status_code == 400 and "the pool holds 8" in r.json()["error"]["message"]
+    r = server.post("/v1/completions", {"model": server.name, "prompt": "the", "max_tokens": 3, "stream": True})
+    error = json.loads(r.text.split("\n\n")[0][len("data: "):])["error"]
+    assert "the pool holds 8" in error["message"] and error["type"] == "invalid_request_error"
+    monkeypatch.undo()
+    assert httpx.get(f"{server.url}/health").text == "ok"

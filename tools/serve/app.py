@@ -15,7 +15,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
-from tools.serve.async_engine import AsyncEngine
+from tools.serve.async_engine import AsyncEngine, RequestRefused
 from tools.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 from tools.serve.requests import (ServedModel, adapter_for, chat_prompt, completion_prompts, sampling_params)
 from tools.serve.text import TextStream
@@ -109,6 +109,9 @@ def build_app(engine: AsyncEngine, model: ServedModel, make_params, api_key: str
             return error(APIError("the client disconnected", status=499))
         try:
             task.result()
+        except RequestRefused as e:
+            engine.metrics.finished("error", prompt_tokens, choices, arrived)
+            return error(APIError(str(e)))
         except RuntimeError as e:
             engine.metrics.finished("error", prompt_tokens, choices, arrived)
             return error(APIError(str(e), status=500, type="server_error"))
@@ -132,7 +135,9 @@ def build_app(engine: AsyncEngine, model: ServedModel, make_params, api_key: str
                 c, delta, logprobs, finished = await events.get()
                 if isinstance(delta, Exception):
                     outcome = "error"
-                    yield sse(APIError(str(delta), status=500, type="server_error").body())
+                    refused = isinstance(delta, RequestRefused)
+                    yield sse(APIError(str(delta), status=400 if refused else 500,
+                                       type="invalid_request_error" if refused else "server_error").body())
                     break
                 if delta or logprobs or finished:
                     choice = c.chunk(kind, delta, logprobs, finished)

@@ -16,12 +16,18 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from refimpl.errors import Llama32Error
 from tools.serve.metrics import Metrics
 
 
 @dataclass
 class EngineFailure:
     message: str
+    refused: bool = False  # the engine refused the request itself (a 400), not a failed step (a 500)
+
+
+class RequestRefused(RuntimeError):
+    """The engine would not take the request (e.g. it needs more KV blocks than the pool holds)."""
 
 
 @dataclass
@@ -62,7 +68,7 @@ class AsyncEngine:
             while True:
                 out = await stream.queue.get()
                 if isinstance(out, EngineFailure):
-                    raise RuntimeError(out.message)
+                    raise (RequestRefused if out.refused else RuntimeError)(out.message)
                 finished = out.finished
                 yield out
                 if finished:
@@ -112,6 +118,8 @@ class AsyncEngine:
                     kwargs = {"adapter": adapter} if adapter is not None else {}
                     kwargs.update({"images": images} if images is not None else {})
                     self.engine.add_request(prompt_ids, params, request_id=rid, **kwargs)
+                except Llama32Error as e:  # the request, not the engine: one line for the client
+                    self._deliver(rid, EngineFailure(str(e), refused=True), time.perf_counter())
                 except Exception as e:
                     self._deliver(rid, EngineFailure(f"{type(e).__name__}: {e}"), time.perf_counter())
             else:
