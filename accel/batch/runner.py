@@ -97,11 +97,13 @@ class ModelRunner:
     # ---- inputs ----
     def prepare(self, batch: list[Scheduled]) -> StepInputs:
         """The step's inputs, built in NumPy (torch.tensor over nested lists costs about a microsecond an element)."""
-        decode = [s for s in batch if s.num_tokens == 1]
-        prefill = [s for s in batch if s.num_tokens > 1]
+        decode, prefill = [], []
+        for s in batch:
+            (decode if s.num_tokens == 1 else prefill).append(s)
+        samples = [s.samples for s in decode]  # a one-token chunk of a longer prompt samples nothing
+        adapters = any(s.seq.adapter is not None for s in batch)
         width = max((len(s.seq.block_table) for s in decode), default=1)
-        graphable = self.graphs and not prefill and all(s.samples for s in decode) \
-            and all(s.seq.adapter is None for s in decode)  # the graphs hold no adapter
+        graphable = self.graphs and not prefill and all(samples) and not adapters  # the graphs hold no adapter
         key = self.graphs.key(len(decode), width) if graphable else None
         rows, width = key if key is not None else (len(decode), width)
         T = rows + sum(s.num_tokens for s in prefill)
@@ -110,10 +112,11 @@ class ModelRunner:
         slots = np.full(T, self.pad_slot, np.int64)
         tables, lens = self._decode_rows(decode, rows, width, ids, positions, slots)
         chunks = self._prefill_rows(prefill, rows, ids, positions, slots)
-        sampled = [s for s in decode if s.samples] + [s for s in prefill if s.samples]
-        sample_rows = [i for i, s in enumerate(decode) if s.samples] + [f + n - 1 for (f, n, _), s in
-                                                                       zip(chunks, prefill) if s.samples]
-        lora_rows = self._adapter_rows(decode, prefill, chunks, T)
+        prefill_samples = [s.samples for s in prefill]
+        sampled = [s for s, ok in zip(decode, samples) if ok] + [s for s, ok in zip(prefill, prefill_samples) if ok]
+        sample_rows = [i for i, ok in enumerate(samples) if ok] + [f + n - 1 for (f, n, _), ok in
+                                                                  zip(chunks, prefill_samples) if ok]
+        lora_rows = self._adapter_rows(decode, prefill, chunks, T) if adapters else None
         num_paged = rows
         if self.invariant and prefill:  # every row through the paged kernel, each with its own table and length
             tables, lens = self._rows_tables(tables, lens, prefill, T)
@@ -124,19 +127,23 @@ class ModelRunner:
             return torch.from_numpy(np.asarray(x)).to(dev)
         return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
                           [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
-                          self.lora.tiles(lora_rows, dev) if any(a is not None for a in lora_rows) else None)
+                          self.lora.tiles(lora_rows, dev) if adapters else None)
 
     def _decode_rows(self, decode: list[Scheduled], rows: int, width: int, ids, positions, slots):
         """Rows 0.. of the decode sequences: their token, position and slot -> (tables [rows, width], lens [rows])."""
         tables = np.zeros((rows, width), np.int32)
         lens = np.zeros(rows, np.int32)
+        n = len(decode)
+        if not n:
+            return tables, lens
+        seqs = [s.seq for s in decode]
+        p = np.fromiter([seq.num_computed for seq in seqs], np.int64, n)  # [n] each row's position
+        ids[:n] = [seq.token_ids[seq.num_computed] for seq in seqs]
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
         bs = self.block_size
-        for i, s in enumerate(decode):
-            seq, p = s.seq, s.seq.num_computed
-            table = seq.block_table
-            ids[i], positions[i], lens[i] = seq.token_ids[p], p, p + 1
-            slots[i] = table[p // bs] * bs + p % bs
-            tables[i, :len(table)] = table
+        positions[:n], lens[:n] = p, p + 1
+        slots[:n] = tables[np.arange(n), p // bs].astype(np.int64) * bs + p % bs
         return tables, lens
 
     def _prefill_rows(self, prefill: list[Scheduled], first: int, ids, positions, slots) -> list:
