@@ -133,17 +133,13 @@ class ModelRunner:
         """Rows 0.. of the decode sequences: their token, position and slot -> (tables [rows, width], lens [rows])."""
         tables = np.zeros((rows, width), np.int32)
         lens = np.zeros(rows, np.int32)
-        n = len(decode)
-        if not n:
-            return tables, lens
-        seqs = [s.seq for s in decode]
-        p = np.fromiter([seq.num_computed for seq in seqs], np.int64, n)  # [n] each row's position
-        ids[:n] = [seq.token_ids[seq.num_computed] for seq in seqs]
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = seq.block_table
         bs = self.block_size
-        positions[:n], lens[:n] = p, p + 1
-        slots[:n] = tables[np.arange(n), p // bs].astype(np.int64) * bs + p % bs
+        for i, s in enumerate(decode):
+            seq, p = s.seq, s.seq.num_computed
+            table = seq.block_table
+            ids[i], positions[i], lens[i] = seq.token_ids[p], p, p + 1
+            slots[i] = table[p // bs] * bs + p % bs
+            tables[i, :len(table)] = table
         return tables, lens
 
     def _prefill_rows(self, prefill: list[Scheduled], first: int, ids, positions, slots) -> list:
