@@ -8,8 +8,9 @@
 Each step: the scheduler picks the sequences and their token counts (scheduler.py), the runner runs them through the
 model as one flat batch (runner.py), the sampler draws each sampled row's token with its request's parameters
 (sampler.py), and finished requests give their blocks back. The tokens come back in one non-blocking copy: what needs
-no token (computed counts, full blocks registered) is done while the device still runs the step. Token ids only: text, stop strings, chat templates and
-images are handled above the engine. The checkpoint's eos ids stop every request unless it asks `ignore_eos`.
+no token (computed counts, full blocks registered) is done while the device still runs the step. Token ids only:
+text, stop strings, chat templates and images are handled above the engine. The checkpoint's eos ids stop every
+request unless it asks `ignore_eos`.
 """
 from __future__ import annotations
 
