@@ -7,11 +7,12 @@
 
 Each step: the scheduler picks the sequences and their token counts (scheduler.py), the runner runs them through the
 model as one flat batch (runner.py), the sampler draws each sampled row's token with its request's parameters
-(sampler.py), and finished requests give their blocks back. Token ids only: text, stop strings and chat templates are
-handled above the engine; a Llama 3.2 Vision checkpoint's requests may carry their images as the single-request
-engine takes them (refimpl.vision.inputs.ImageInputs, built by refimpl.vision.prepare), each request's image
-keys/values kept beside its paged self-attention K/V (vision.py). The checkpoint's eos ids stop every request unless
-it asks `ignore_eos`.
+(sampler.py), and finished requests give their blocks back. The tokens come back in one non-blocking copy: what needs
+no token (computed counts, full blocks registered) is done while the device still runs the step. Token ids only:
+text, stop strings and chat templates are handled above the engine; a Llama 3.2 Vision checkpoint's requests may
+carry their images as the single-request engine takes them (refimpl.vision.inputs.ImageInputs, built by
+refimpl.vision.prepare), each request's image keys/values kept beside its paged self-attention K/V (vision.py). The
+checkpoint's eos ids stop every request unless it asks `ignore_eos`.
 """
 from __future__ import annotations
 
@@ -238,12 +239,13 @@ class BatchEngine:
             return outputs
         inp = self.runner.prepare(batch)
         logits = self.runner.run(inp)
-        tokens, logprobs = self._sample(logits, inp.sampled) if inp.sampled else ([], [])
+        drawn = self._sample(logits, inp.sampled) if inp.sampled else None
         if self.record_logits:
             self.last_logits = {s.seq.request_id: logits[r] for r, s in enumerate(inp.sampled)}
-        for s in batch:
+        for s in batch:  # while the device runs the step: its K/V count as computed, full blocks are registered
             s.seq.num_computed += s.num_tokens
             self.blocks.commit(s.seq)
+        tokens, logprobs = self._read_back(logits, inp.sampled, *drawn) if drawn else ([], [])
         for r, entry in logprobs:
             inp.sampled[r].seq.logprobs.append(entry)
         for s, token in zip(inp.sampled, tokens):
@@ -257,19 +259,29 @@ class BatchEngine:
                 outputs.append(s.seq.output())
         return outputs
 
-    def _sample(self, logits: torch.Tensor, sampled) -> tuple[list[int], list]:
-        """The sampled rows' tokens, read back in one copy with a finite-logits flag per row, and the logprobs of
-        the rows that ask for them; a row of NaN or Inf logits is an error naming its request (bf16 overflow stays in
-        its own row: rows never mix)."""
-        seqs = [s.seq for s in sampled]
-        token_t = sample(logits, seqs)  # [R]
+    def _sample(self, logits: torch.Tensor, sampled) -> tuple:
+        """Launches the sampled rows' draws -> (tokens [R] on the device, the tokens and a finite-logits flag per
+        row [2, R] on their way to the host, the CUDA event they are there at; None on CPU). Nothing waits here."""
+        token_t = sample(logits, [s.seq for s in sampled])  # [R]
         finite = torch.isfinite(logits).all(dim=-1).to(torch.int64)  # [R]
-        tokens, finite = torch.stack([token_t, finite]).tolist()
+        host = torch.stack([token_t, finite]).to("cpu", non_blocking=True)  # [2, R]: pinned when from the device
+        ready = None
+        if token_t.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return token_t, host, ready
+
+    def _read_back(self, logits: torch.Tensor, sampled, token_t: torch.Tensor, host: torch.Tensor, ready) -> tuple:
+        """Waits for _sample's copy -> (the tokens, the logprobs of the rows that ask for them); a row of NaN or Inf
+        logits is an error naming its request (bf16 overflow stays in its own row: rows never mix)."""
+        if ready is not None:
+            ready.synchronize()
+        tokens, finite = host.tolist()
         bad = next((s.seq for s, ok in zip(sampled, finite) if not ok), None)
         if bad is not None:
             raise GenerationError(f"request {bad.request_id!r}: the logits of generated token {bad.num_generated} "
                                   f"hold NaN or Inf (the weights overflow in {self.dtype_name}?)")
-        return tokens, logprob_rows(logits, token_t, seqs)
+        return tokens, logprob_rows(logits, token_t, [s.seq for s in sampled])
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         out = seq.output()

@@ -105,11 +105,14 @@ class ModelRunner:
     # ---- inputs ----
     def prepare(self, batch: list[Scheduled]) -> StepInputs:
         """The step's inputs, built in NumPy (torch.tensor over nested lists costs about a microsecond an element)."""
-        decode = [s for s in batch if s.num_tokens == 1]
-        prefill = [s for s in batch if s.num_tokens > 1]
+        decode, prefill = [], []
+        for s in batch:
+            (decode if s.num_tokens == 1 else prefill).append(s)
+        samples = [s.samples for s in decode]  # a one-token chunk of a longer prompt samples nothing
+        adapters = any(s.seq.adapter is not None for s in batch)
         width = max((len(s.seq.block_table) for s in decode), default=1)
-        graphable = self.graphs and not prefill and all(s.samples for s in decode) \
-            and all(s.seq.adapter is None and s.seq.images is None for s in decode)  # no adapter, no image
+        graphable = self.graphs and not prefill and all(samples) and not adapters \
+            and all(s.seq.images is None for s in decode)  # the graphs hold no adapter and no image
         key = self.graphs.key(len(decode), width) if graphable else None
         rows, width = key if key is not None else (len(decode), width)
         T = rows + sum(s.num_tokens for s in prefill)
@@ -118,10 +121,11 @@ class ModelRunner:
         slots = np.full(T, self.pad_slot, np.int64)
         tables, lens = self._decode_rows(decode, rows, width, ids, positions, slots)
         chunks = self._prefill_rows(prefill, rows, ids, positions, slots)
-        sampled = [s for s in decode if s.samples] + [s for s in prefill if s.samples]
-        sample_rows = [i for i, s in enumerate(decode) if s.samples] + [f + n - 1 for (f, n, _), s in
-                                                                       zip(chunks, prefill) if s.samples]
-        lora_rows = self._adapter_rows(decode, prefill, chunks, T)
+        prefill_samples = [s.samples for s in prefill]
+        sampled = [s for s, ok in zip(decode, samples) if ok] + [s for s, ok in zip(prefill, prefill_samples) if ok]
+        sample_rows = [i for i, ok in enumerate(samples) if ok] + [f + n - 1 for (f, n, _), ok in
+                                                                  zip(chunks, prefill_samples) if ok]
+        lora_rows = self._adapter_rows(decode, prefill, chunks, T) if adapters else None
         images = self._image_rows(decode, prefill, chunks) if self.vision is not None else None
         num_paged = rows
         if self.invariant and prefill:  # every row through the paged kernel, each with its own table and length
@@ -133,8 +137,7 @@ class ModelRunner:
             return torch.from_numpy(np.asarray(x)).to(dev)
         return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
                           [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
-                          self.lora.tiles(lora_rows, dev) if any(a is not None for a in lora_rows) else None,
-                          images)
+                          self.lora.tiles(lora_rows, dev) if adapters else None, images)
 
     def _decode_rows(self, decode: list[Scheduled], rows: int, width: int, ids, positions, slots):
         """Rows 0.. of the decode sequences: their token, position and slot -> (tables [rows, width], lens [rows])."""

@@ -38,11 +38,18 @@ def uniform_noise(seeds: list[int], steps: list[int], vocab: int, device) -> tor
     return ((bits.double() + 0.5) / 2.0**32).float()
 
 
+def penalized(params) -> bool:
+    """Whether a request's logits are changed before sampling (repetition, presence or frequency penalty)."""
+    return params.repetition_penalty != 1 or bool(params.presence_penalty or params.frequency_penalty)
+
+
 def penalize_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits [R, V] fp32 -> the same with each row's repetition penalty applied to its request's seen tokens, then
     its presence and frequency penalties to the tokens it generated."""
     for r, seq in enumerate(seqs):
         p = seq.params
+        if not penalized(p):
+            continue
         if p.repetition_penalty != 1:
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
             vals = logits[r, seen]
@@ -69,10 +76,12 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits [R, V] (row r: the next token of seqs[r]) -> token ids [R] int64 on the device."""
-    logits = penalize_rows(logits.float().clone(), seqs)
-    tokens = torch.argmax(logits, dim=-1)  # [R]: the greedy rows' answer
+    """logits [R, V] (row r: the next token of seqs[r]) -> token ids [R] int64 on the device. Greedy rows without
+    penalties (the common case) cost one argmax: no copy of the logits."""
     drawn = [r for r, s in enumerate(seqs) if s.params.temperature > 0]
+    if drawn or any(penalized(s.params) for s in seqs):
+        logits = penalize_rows(logits.float().clone(), seqs)
+    tokens = torch.argmax(logits, dim=-1)  # [R]: the greedy rows' answer
     if not drawn:
         return tokens
     rows = torch.tensor(drawn, dtype=torch.int64, device=logits.device)

@@ -1,10 +1,11 @@
 """Batched decoding: accel.batch.BatchEngine at the Llama 3.2 1B/3B shapes on random bf16 weights, against the
 roofline and against HF transformers' continuous batching (`generate_batch`, paged SDPA) on the same requests.
 
-    decode    B = 1, 8, 32, 64, 128, 256 sequences with --context-token prompts, all prefilled first; then
-              --decode-steps steps each decoding one token of every sequence: B·steps / time of engine.step() as
-              called (schedule, inputs, graph replay, sampling, the tokens read back). "replay": the same step's
-              CUDA graph replayed alone (the device's share). --eager: the same steps on an engine without CUDA
+    decode    B = 1, 8, 32, 64, 128, 256 sequences with --context-token prompts, all prefilled first, then
+              WARMUP_STEPS untimed steps (the batch size's graph captured); then --decode-steps steps each
+              decoding one token of every sequence: B·steps / time of engine.step() as called (schedule, inputs,
+              graph replay, sampling, the tokens read back). "replay": the same step's CUDA graph replayed alone
+              (the device's share). --eager: the same steps on an engine without CUDA
               graphs. Roofline: the bytes a step must read (the weights once, and each sequence's K/V at its
               length) over the measured copy bandwidth. HF: generate_batch of the same prompts for 1 and for
               1 + steps new tokens, the difference. --profile-batch B: the top kernels of B's graph replay.
@@ -25,6 +26,7 @@ import time
 from tools.bench import common
 
 BATCH_SIZES = (1, 8, 32, 64, 128, 256)
+WARMUP_STEPS = 2  # untimed decode steps before the timed ones (graph capture, Triton compiles)
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -94,16 +96,18 @@ def run_until_done(engine, ids: list[str]) -> int:
 
 
 def decode_rate(engine, prompts: list[list[int]], steps: int, profile: bool = False) -> dict:
-    """All prompts prefilled (each has its first token), then `steps` timed steps decoding every sequence ->
-    {"tok_s", "tokens" made in the timed steps, "replay_ms": one step's CUDA graph replayed alone (None without
-    graphs), "profile": its top kernels (with `profile`)}; the requests are aborted after. max_tokens leaves room
-    for the tokens early requests make while later ones still prefill."""
+    """All prompts prefilled (each has its first token), WARMUP_STEPS untimed steps, then `steps` timed steps
+    decoding every sequence -> {"tok_s", "tokens" made in the timed steps, "replay_ms": one step's CUDA graph
+    replayed alone (None without graphs), "profile": its top kernels (with `profile`)}; the requests are aborted
+    after. max_tokens leaves room for the tokens early requests make while later ones still prefill."""
     from accel.batch import SamplingParams
-    params = SamplingParams(max_tokens=len(prompts[0]) + steps, ignore_eos=True)
+    params = SamplingParams(max_tokens=len(prompts[0]) + WARMUP_STEPS + steps, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     started = set()
     while len(started) < len(ids):
         started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    for _ in range(WARMUP_STEPS):  # the first decode step of a batch size captures its graph: not timed
+        engine.step()
     sync()
     t0 = time.perf_counter()
     made = 0
