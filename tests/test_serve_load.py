@@ -116,7 +116,7 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(server, monkeypat
 
 def test_cli_binds_loopback_prints_its_url_and_drains_on_ctrl_c():
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LLAMA32_API_KEY": ""}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "LLAMA32_API_KEY": ""}
     proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--model", str(TOY), "--device", "cpu",
                              "--port", str(port)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:

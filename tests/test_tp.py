@@ -149,7 +149,7 @@ def test_golden_logits_at_tp2(ranks):
 
 def cli(*args, launcher=(sys.executable, "-m")) -> dict:
     """`llama32 ARGS --json` in a fresh process -> its record (rank 0 alone writes stdout: one JSON line)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([*launcher, "tools.cli", *args], capture_output=True, text=True, env=env, timeout=300,
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr
@@ -177,7 +177,7 @@ def test_cli_chat_tp2_equals_tp1(tmp_path):
     def chat(*extra):
         done = subprocess.run([sys.executable, "-m", "tools.cli", "chat", "--model", str(model), "--device", "cpu",
                                "--max-new-tokens", "8", *extra], input=stdin, capture_output=True, text=True,
-                              timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
         assert done.returncode == 0, done.stderr
         return done.stdout
     tp2, tp1 = chat("--tp", "2"), chat("--backend", "accel")

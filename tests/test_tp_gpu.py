@@ -68,7 +68,7 @@ def test_cli_tp2_greedy_equals_tp1_fp32():
         done = subprocess.run([sys.executable, "-m", "tools.cli", "generate", "Write one line about the sea.",
                                "--model", str(GOLDEN), "--dtype", "fp32", "--max-new-tokens", "10", "--json",
                                *extra], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)["generated_ids"]
     assert ids("--tp", "2") == ids("--backend", "accel")
