@@ -270,8 +270,7 @@ def _small(n: int, cap: int) -> int:
 
 def default_configs(B: int, T: int, S: int, K: int, H: int, E: int, dtype: torch.dtype, on_gpu: bool) -> dict:
     """Tile sizes {"fwd", "dq", "dkdv"} -> dict(BLOCK_M, BLOCK_N, num_warps, num_stages[, SPLIT]): the fastest of
-    a sweep on an H100 (bf16, causal, 8 kv heads, B=1; tools/bench/results/h100-2026-11-22-train-attn-sweep2.json,
-    docs/performance.md).
+    a sweep on an H100 (bf16, causal, 8 kv heads, B=1; the record is cited in docs/performance.md, Training).
     The dK/dV pass has only B·K·S/BLOCK_N programs; where that is a fraction of a wave (S=2048: 256) E=64 splits
     each group of query heads over 2 programs (0.131 ms against 0.153 unsplit); E=128 did not gain from it.
     fp32 takes small tiles to stay inside shared memory."""

@@ -5,8 +5,8 @@ roofline and against HF transformers' continuous batching (`generate_batch`, pag
               WARMUP_STEPS untimed steps (the batch size's graph captured); then --decode-steps steps each
               decoding one token of every sequence: B·steps / time of engine.step() as called (schedule, inputs,
               graph replay, sampling, the tokens read back). "replay": the same step's CUDA graph replayed alone
-              (the device's share). --eager: the same steps on an engine without CUDA
-              graphs. Roofline: the bytes a step must read (the weights once, and each sequence's K/V at its
+              (the device's share). --eager: the same steps on an engine without CUDA graphs.
+              Roofline: the bytes a step must read (the weights once, and each sequence's K/V at its
               length) over the measured copy bandwidth. HF: generate_batch of the same prompts for 1 and for
               1 + steps new tokens, the difference. --profile-batch B: the top kernels of B's graph replay.
     workload  --requests requests from a fixed seed, prompt lengths uniform in [32, 1024] and outputs in
