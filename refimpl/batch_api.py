@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from refimpl.errors import GenerationError, quote
 from refimpl.generate import sampling_problem
 
+MAX_LOGPROBS = 20  # top alternatives a generated token may report (OpenAI's chat limit)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,8 +42,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2 <= getattr(self, name) <= 2):
                 raise GenerationError(f"{name} must be in [-2, 2] (0: off), got {quote(getattr(self, name))}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise GenerationError(f"logprobs must be an integer in [0, 20], got {quote(self.logprobs)}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise GenerationError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {quote(self.logprobs)}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 

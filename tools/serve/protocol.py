@@ -11,9 +11,11 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from refimpl.batch_api import MAX_LOGPROBS
+
 MAX_N = 16  # choices a request may ask for
 MAX_STOP = 4  # stop strings, as OpenAI
-MAX_TOP_LOGPROBS = 20  # as OpenAI (chat); completions' logprobs caps at 5 there, 20 here
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # as OpenAI (chat); completions' logprobs caps at 5 there, 20 here
 
 
 class APIError(Exception):
