@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from accel.batch import BatchEngine, SamplingParams  # noqa: E402
+from tests._batch_runs import nmse, run_recording  # noqa: E402
 from refimpl.formats.params import Checkpoint, random_params  # noqa: E402
 from refimpl.model.config import LlamaConfig, RopeScaling  # noqa: E402
 
@@ -31,21 +32,8 @@ def prompts():
 
 
 def run(eng, prompts, params):
-    """-> ({rid: tokens}, {rid: [logits of each step]}) with logits recorded."""
-    eng.record_logits = True
-    ids = [eng.add_request(p, params) for p in prompts]
-    logits = {r: [] for r in ids}
-    tokens = {}
-    while eng.has_unfinished():
-        outs = eng.step()
-        for r, row in eng.last_logits.items():
-            logits[r].append(row.float().cpu())
-        tokens.update({o.request_id: o.token_ids for o in outs if o.finished})
-    return [tokens[r] for r in ids], [logits[r] for r in ids]
-
-
-def nmse(a, b):
-    return float(((a - b) ** 2).mean() / (b ** 2).mean())
+    """-> ([tokens per request], [[logits of each step] per request])."""
+    return run_recording(eng, [(p, params, {}) for p in prompts])
 
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from accel.batch import BatchEngine, SamplingParams  # noqa: E402
+from tests._batch_runs import nmse, run_recording  # noqa: E402
 from tests.test_batch_vision import checkpoint, requests  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,20 +23,7 @@ def ckpt():
 
 def run(eng, reqs):
     """-> ([tokens per request], [[logits of each step] per request])."""
-    eng.record_logits = True
-    ids = [eng.add_request(p, PARAMS, images=im) for p, im in reqs]
-    logits = {r: [] for r in ids}
-    tokens = {}
-    while eng.has_unfinished():
-        outs = eng.step()
-        for r, row in eng.last_logits.items():
-            logits[r].append(row.float().cpu())
-        tokens.update({o.request_id: o.token_ids for o in outs if o.finished})
-    return [tokens[r] for r in ids], [logits[r] for r in ids]
-
-
-def nmse(a, b):
-    return float(((a - b) ** 2).mean() / (b ** 2).mean())
+    return run_recording(eng, [(p, PARAMS, {"images": im}) for p, im in reqs])
 
 
 def test_bf16_batch_rows_match_each_request_alone(ckpt):
