@@ -21,7 +21,8 @@ from refimpl.model.names import activation_names
 from refimpl.formats.safetensors_io import SafetensorsFile
 from tools.cli import main
 from tools.debug.step_values import CommandError, parse_index
-from tools.debug.stepper import StepSession, run_script, split_commands
+from tools.debug.step_script import run_script, split_commands
+from tools.debug.stepper import StepSession
 from tools.toy import TOYS, write_toy_checkpoint
 
 PROMPT = "the cat sat"

@@ -19,8 +19,9 @@ import torch
 from refimpl.errors import CheckpointError
 from refimpl.family import family_of_config_json
 from refimpl.formats.gguf_check import validate_gguf
-from refimpl.formats.gguf_loader import (ROPE_FREQS, Metadata, build_tokenizer, config_from_gguf, dequantize,
-                                         file_tensors, hf_name, numpy_shape, stop_ids_from, unpermute_rows)
+from refimpl.formats.gguf_loader import (ROPE_FREQS, Metadata, config_from_gguf, dequantize, file_tensors, hf_name,
+                                         numpy_shape, stop_ids_from, unpermute_rows)
+from refimpl.formats.gguf_tokenizer import build_tokenizer
 from refimpl.formats.hf_dir import assemble
 from refimpl.formats.jsonfile import read_config_json
 from refimpl.formats.params import Checkpoint, check_params

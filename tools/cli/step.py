@@ -16,7 +16,8 @@ from tools.cli.options import MODEL_OPTION, QUANT_HELP, UserPath
 from tools.engines import engine_for, parse_quant, resolve_model
 from tools.vision_inputs import forward_names, prompt_inputs
 from tools.debug.step_values import parse_inject
-from tools.debug.stepper import StepSession, run_script, split_commands
+from tools.debug.step_script import run_script, split_commands
+from tools.debug.stepper import StepSession
 
 
 def make_engines(ckpt, backend: str, device: str | None, dtype: str | None) -> list:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -386,18 +385,3 @@ def describe(engine) -> str:
     if dtype is None and device is None:
         return "NumPy fp32"
     return ", ".join(str(x).replace("torch.", "") for x in (dtype, device) if x is not None)
-
-
-def split_commands(text: str) -> list[str]:
-    return [c.strip() for c in re.split(r"[;\n]", text) if c.strip()]
-
-
-def run_script(session: StepSession, commands: Iterable[str], echo: bool = True) -> None:
-    """Scripted mode: echo each command after the prompt (a transcript reads like the terminal) and run it
-    (the ones that reported an error are in session.failed)."""
-    for cmd in commands:
-        if echo:
-            session.out(f"(llama32) {cmd}")
-        if not session.run(cmd):
-            return
-
