@@ -253,6 +253,10 @@ class AccelEngine:
         return forward_steps(ops, self.params, self.config, ids, positions, cache, last_logits_only)
 
     # ---- the fast path ----
+    def release(self) -> None:
+        """Frees the held decode session (its cache and captured graph); the next request builds a new one."""
+        self._session = None
+
     def session(self, capacity: int) -> DecodeSession:
         """A cache of at least `capacity` slots with its captured decoder; reused while requests fit in it."""
         if self._session is None or self._session.capacity < capacity:

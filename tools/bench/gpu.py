@@ -58,9 +58,9 @@ def model_bench(name: str, cfg: LlamaConfig, device, with_hf: bool, new_tokens: 
     base = torch.cuda.memory_allocated(device)  # the weights (nothing else is allocated here now)
     engine = AccelEngine(cfg, weights, torch.device(device), "bf16")
     rate, prompt, tokens = decode_rate(engine, prompt_len, new_tokens)
-    engine._session = None
+    engine.release()
     pre, pre_gpu = prefill_ms(engine, prefill_tokens)
-    engine._session = None
+    engine.release()
     peak = torch.cuda.max_memory_allocated(device)
     torch_ops = AccelEngine(cfg, weights, torch.device(device), "bf16", use_triton=False)
     rate_torch_ops, _, _ = decode_rate(torch_ops, prompt_len, new_tokens, reps=2)

@@ -29,7 +29,7 @@ from tools.bench.common import decode_gemv_shapes, decode_rate, graph_us, prefil
 
 def _row(label: str, engine: AccelEngine, new_tokens: int, copy_tb_s: float | None) -> dict:
     rate, _, tokens = decode_rate(engine, 32, new_tokens)
-    engine._session = None
+    engine.release()
     nbytes = engine.weights.nbytes_per_token()
     row = {"quant": label, "decode_tok_s": rate, "bytes_per_token_gb": nbytes / 1e9,
            "weights_gb": engine.weights.nbytes() / 1e9, "tokens": tokens[:16]}
@@ -48,7 +48,7 @@ def _prefill(engines: dict, tokens: int, rows: list[dict]) -> None:
         row["prefill_ms"], row["prefill_host_ms"] = timed[row["quant"]]
         row["prefill_gpu_ms"] = prefill_gpu_ms(fns[row["quant"]])
     for engine in engines.values():
-        engine._session = None
+        engine.release()
 
 
 def quant_bench(name: str, cfg: LlamaConfig, device, specs: list[str], new_tokens: int = 256,
