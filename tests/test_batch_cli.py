@@ -320,3 +320,33 @@ def test_default_model_batch_equals_generate(tmp_path):
     chat = generate_json(model, "What is 2 + 3?", 6, "--chat")
     raw = generate_json(model, "The capital of France is", 6, "--no-chat")
     assert [rec["generated_ids"] for rec in records] == [chat["generated_ids"], raw["generated_ids"]]
+
+
+class _ScriptedEngine:
+    """Yields a fixed token script, stopping after a token in stop_ids or at max_new_tokens (RefEngine's contract)."""
+
+    def __init__(self, script):
+        self.script = script
+
+    def generate(self, prompt_ids, s, stop_ids=()):
+        for n, token in enumerate(self.script):
+            yield token
+            if token in stop_ids or n + 1 == s.max_new_tokens:
+                return
+
+
+@pytest.mark.parametrize("ignore_eos, stop_token_ids, want, reason", [
+    (False, (), [5, 2], "stop"),  # the checkpoint's eos (2) stops
+    (True, (), [5, 2, 7, 9], "length"),  # ignore_eos: eos does not stop
+    (True, (7,), [5, 2, 7], "stop"),  # ... but the request's own stop ids still do
+])
+def test_one_at_a_time_ignore_eos_keeps_the_requests_stop_ids(ignore_eos, stop_token_ids, want, reason):
+    from refimpl.batch_api import SamplingParams
+    from tools.batch_engines import OneAtATime
+
+    engine = OneAtATime(lambda adapter: _ScriptedEngine([5, 2, 7, 9, 11]), eos_ids=(2,))
+    engine.add_request([1], SamplingParams(max_tokens=4, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].token_ids == want and outs[-1].finish_reason == reason

@@ -26,15 +26,19 @@ class _Running:
     images: object = None  # a vision model's ImageInputs
     tokens: list[int] = field(default_factory=list)
     stream: object = None
+    stop_ids: frozenset = frozenset()
 
 
 class OneAtATime:
     """A single-sequence engine (refimpl.generate.RefEngine's `generate`) behind the batch API: each step decodes one
     token of the request in progress; when it ends the next starts, one under the same adapter first.
-    engine_for(adapter name or None) builds an adapter's engine: one at a time is held, each built once a run."""
+    engine_for(adapter name or None) builds an adapter's engine: one at a time is held, each built once a run.
+    eos_ids: the checkpoint's end-of-sequence ids, which stop a request unless it asks `ignore_eos` (its own
+    stop_token_ids stop it either way, as in the batch engine)."""
 
-    def __init__(self, engine_for):
+    def __init__(self, engine_for, eos_ids=()):
         self.engine_for = engine_for
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.engine, self.adapter = None, None  # the engine held and its adapter
         self.queue: list[_Running] = []
         self.active: _Running | None = None
@@ -69,7 +73,8 @@ class OneAtATime:
         p = r.params
         s = Sampling(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.repetition_penalty)
         images = {} if r.images is None else {"images": r.images}  # a vision engine's keyword
-        r.stream = self.engine.generate(r.prompt_ids, s, stop_ids=() if p.ignore_eos else p.stop_token_ids,
+        r.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
+        r.stream = self.engine.generate(r.prompt_ids, s, stop_ids=r.stop_ids,
                                         **images)
         return r
 
@@ -81,7 +86,7 @@ class OneAtATime:
         r = self.active
         token = next(r.stream)
         r.tokens.append(token)
-        reason = ("stop" if token in r.params.stop_token_ids and not r.params.ignore_eos
+        reason = ("stop" if token in r.stop_ids
                   else "length" if len(r.tokens) >= r.params.max_tokens else None)
         if reason:
             self.active = None
@@ -97,7 +102,7 @@ def batch_engine(ckpt, backend: str, device=None, dtype=None, adapters: dict | N
 
         def adapter_engine(name):
             return engine_for(with_adapter(ckpt, adapters.get(name)), "refimpl", device, dtype)
-        return OneAtATime(adapter_engine)
+        return OneAtATime(adapter_engine, ckpt.stop_ids)
     try:
         from accel.batch import BatchEngine
     except ImportError as e:
