@@ -295,8 +295,8 @@ def count_engines(monkeypatch, backend):
         from tools.batch_engines import OneAtATime
         init = OneAtATime.__init__
 
-        def recording_init(self, engine_for):
-            init(self, lambda name: built.append(name) or engine_for(name))
+        def recording_init(self, engine_for, eos_ids=()):
+            init(self, lambda name: built.append(name) or engine_for(name), eos_ids)
         monkeypatch.setattr(OneAtATime, "__init__", recording_init)
     return built, steps
 
