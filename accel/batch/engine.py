@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from dataclasses import dataclass
 
 import torch
 
@@ -33,9 +34,9 @@ from ..vision.weights import load_vision_weights, self_layer_config
 from ..weights import DTYPES, Weights, load_weights
 from .block_manager import BlockManager
 from .runner import ModelRunner
-from .sampler import logprob_rows, sample
-from .scheduler import Scheduler
-from .sequence import Sequence
+from .sampler import launch_logprobs, logprob_entries, sample
+from .scheduler import Scheduled, Scheduler
+from .sequence import Sequence, Status
 from .vision import VisionLayers, images_key
 
 DEFAULT_BLOCK_SIZE = 16
@@ -75,18 +76,35 @@ def working_bytes(cfg: LlamaConfig, tokens: int, seqs: int, element_size: int) -
     return (tokens * per_token + gathered) * element_size + 8 * seqs * cfg.vocab_size * 4
 
 
+@dataclass
+class _Launched:
+    """A step on its way: what reading it back needs."""
+
+    batch: list[Scheduled]
+    sampled: list[Scheduled]  # the rows that draw a token, in order
+    index: list[int]  # each drawn token's index in its sequence's token_ids (a placeholder until read back)
+    last: list[Sequence]  # the sequences whose drawn token is their last (max_tokens)
+    tokens: torch.Tensor | None  # [R] on the device
+    host: torch.Tensor | None  # [2, R]: the tokens and a finite-logits flag per row, on their way to the host
+    ready: torch.cuda.Event | None  # recorded after the copies (None on CPU)
+    logprobs: tuple | None  # sampler.launch_logprobs'
+    logits: dict | None = None  # with record_logits: request id -> the [V] logits its token was drawn from
+
+
 class BatchEngine:
     def __init__(self, config: LlamaConfig, weights: Weights, device: torch.device, dtype: str, stop_ids=(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
                  block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None,
-                 cuda_graphs: bool | None = None, batch_invariant: bool = False, vision=None):
+                 cuda_graphs: bool | None = None, batch_invariant: bool = False, vision=None,
+                 overlap: bool | None = None):
         """num_blocks: the pool's size, overriding gpu_memory (tests force a tiny pool); use_triton: the Triton
         kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter); cuda_graphs:
         decode-only steps replay CUDA graphs (default: on CUDA; never for a step with image rows);
         batch_invariant: each request's tokens and logits the same bits whatever else shares its steps
         (accel/batch/runner.py; slower); vision: (MllamaConfig, VisionWeights) of a Llama 3.2 Vision checkpoint,
         config and weights then being its self-attention layers' (accel.vision.weights.self_layer_config and
-        VisionWeights.text)."""
+        VisionWeights.text); overlap: launch each step before reading the previous one's tokens back (default: on
+        CUDA, where the host's work then hides behind the device's; on CPU the host runs the model itself)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value!r}")
@@ -118,6 +136,8 @@ class BatchEngine:
         self._ids = itertools.count()
         self._aborted: list[Sequence] = []
         self._prompt_tokens = self._generation_tokens = 0
+        self.overlap = device.type == "cuda" if overlap is None else overlap
+        self._in_flight: _Launched | None = None  # the step launched and not read back yet (with overlap)
         self.record_logits = False  # True: each step leaves its sampled rows' logits in last_logits
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [V] logits its last token was drawn from
 
@@ -215,73 +235,113 @@ class BatchEngine:
             raise GenerationError(f"request {rid!r}: {e}") from None
 
     def abort(self, request_id: str) -> None:
+        """The request stops now; its output (the tokens it had, a token still on its way included) comes with the
+        next step's. A request already at its last token finishes as it would have."""
         seq = self.seqs.get(request_id)
-        if seq is None or seq.finish_reason is not None:
+        if seq is None or seq.finish_reason is not None or seq.status is Status.FINISHED:
             return
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
         self._aborted.append(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- stepping ----
     def step(self) -> list[RequestOutput]:
-        """One scheduler step -> an output for every request it ran (its new tokens; none for a prefill chunk that
-        did not reach the prompt's end) and every request aborted since the last step."""
-        outputs = [self._finish_output(seq) for seq in self._aborted]
-        self._aborted = []
-        batch = self.scheduler.schedule()
-        if not batch:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests waiting (a bug: add_request checks "
-                                   "that each request fits the pool alone)")
-            return outputs
-        inp = self.runner.prepare(batch)
-        logits = self.runner.run(inp)
-        drawn = self._sample(logits, inp.sampled) if inp.sampled else None
+        """One scheduler step -> an output for every request a step ran (its new tokens; none for a prefill chunk
+        that did not reach the prompt's end) and every request aborted since the last step. With `overlap` the
+        outputs are those of the step launched by the previous call: this call launches the next step first."""
+        launched = self._launch()
+        done = self._in_flight if self.overlap else launched
+        self._in_flight = launched if self.overlap else None
+        if done is not None:
+            self._read_back(done)
         if self.record_logits:
-            self.last_logits = {s.seq.request_id: logits[r] for r, s in enumerate(inp.sampled)}
-        for s in batch:  # while the device runs the step: its K/V count as computed, full blocks are registered
-            s.seq.num_computed += s.num_tokens
-            self.blocks.commit(s.seq)
-        tokens, logprobs = self._read_back(logits, inp.sampled, *drawn) if drawn else ([], [])
-        for r, entry in logprobs:
-            inp.sampled[r].seq.logprobs.append(entry)
-        for s, token in zip(inp.sampled, tokens):
-            s.seq.append(token)
-            self._generation_tokens += 1
-        for s in batch:
-            if s.seq.finish_reason is not None:
-                self.scheduler.finish(s.seq)
-                outputs.append(self._finish_output(s.seq))
-            else:
-                outputs.append(s.seq.output())
+            self.last_logits = {} if done is None or done.logits is None else done.logits
+        if launched is not None:  # its computed tokens are all known now: full blocks are registered
+            for s in launched.batch:
+                self.blocks.commit(s.seq)
+        outputs = self._outputs(done) if done is not None else []
+        outputs += [self._finish_output(seq) for seq in self._aborted]
+        self._aborted = []
+        if launched is not None:  # requests at their max_tokens leave the running queue: nothing more to compute
+            for seq in launched.last:
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.finish(seq)
         return outputs
 
-    def _sample(self, logits: torch.Tensor, sampled) -> tuple:
-        """Launches the sampled rows' draws -> (tokens [R] on the device, the tokens and a finite-logits flag per
-        row [2, R] on their way to the host, the CUDA event they are there at; None on CPU). Nothing waits here."""
-        token_t = sample(logits, [s.seq for s in sampled])  # [R]
-        finite = torch.isfinite(logits).all(dim=-1).to(torch.int64)  # [R]
-        host = torch.stack([token_t, finite]).to("cpu", non_blocking=True)  # [2, R]: pinned when from the device
-        ready = None
-        if token_t.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        return token_t, host, ready
+    def _launch(self) -> "_Launched | None":
+        """Schedules and launches a step (its model run, its draws, their copy to the host) -> what reading it back
+        needs; None if nothing is scheduled. Nothing here waits for the device: tokens drawn by the step in flight
+        reach this step's input ids on the device."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished() and self._in_flight is None:
+                raise RuntimeError("scheduler made no progress with requests waiting (a bug: add_request checks "
+                                   "that each request fits the pool alone)")
+            return None
+        prev = None if self._in_flight is None else self._in_flight.tokens
+        inp = self.runner.prepare(batch)
+        logits = self.runner.run(inp, prev)
+        sampled = inp.sampled
+        seqs = [s.seq for s in sampled]
+        out = _Launched(batch, sampled, [], [], None, None, None, None)
+        if sampled:
+            out.tokens = sample(logits, seqs, prev)  # [R]
+            out.logprobs = launch_logprobs(logits, out.tokens, seqs)
+            finite = torch.isfinite(logits).all(dim=-1).to(torch.int64)  # [R]
+            out.host = torch.stack([out.tokens, finite]).to("cpu", non_blocking=True)  # [2, R]: pinned from a GPU
+            if out.tokens.is_cuda:
+                out.ready = torch.cuda.Event()
+                out.ready.record()
+            if self.record_logits:
+                out.logits = {s.seq.request_id: row for s, row in zip(sampled, logits.clone())}
+        for s in batch:
+            s.seq.num_computed += s.num_tokens
+        for r, seq in enumerate(seqs):
+            out.index.append(seq.push_pending(r))
+            if seq.num_generated >= seq.params.max_tokens:
+                out.last.append(seq)
+        return out
 
-    def _read_back(self, logits: torch.Tensor, sampled, token_t: torch.Tensor, host: torch.Tensor, ready) -> tuple:
-        """Waits for _sample's copy -> (the tokens, the logprobs of the rows that ask for them); a row of NaN or Inf
-        logits is an error naming its request (bf16 overflow stays in its own row: rows never mix)."""
-        if ready is not None:
-            ready.synchronize()
-        tokens, finite = host.tolist()
-        bad = next((s.seq for s, ok in zip(sampled, finite) if not ok), None)
+    def _read_back(self, done: "_Launched") -> None:
+        """Waits for a launched step's tokens and puts them in their sequences (stop tokens and lengths set finish
+        reasons); a row of NaN or Inf logits is an error naming its request (bf16 overflow stays in its own row:
+        rows never mix). Rows of requests that stopped at an earlier token are dropped."""
+        if not done.sampled:
+            return
+        if done.ready is not None:
+            done.ready.synchronize()
+        tokens, finite = done.host.tolist()
+        bad = next((i for i, ok in enumerate(finite) if not ok and done.index[i] < len(done.sampled[i].seq)), None)
         if bad is not None:
-            raise GenerationError(f"request {bad.request_id!r}: the logits of generated token {bad.num_generated} "
-                                  f"hold NaN or Inf (the weights overflow in {self.dtype_name}?)")
-        return tokens, logprob_rows(logits, token_t, [s.seq for s in sampled])
+            seq = done.sampled[bad].seq
+            raise GenerationError(f"request {seq.request_id!r}: the logits of generated token "
+                                  f"{done.index[bad] - seq.num_prompt_tokens} hold NaN or Inf (the weights overflow "
+                                  f"in {self.dtype_name}?)")
+        entries = dict(logprob_entries(done.logprobs))
+        for r, (s, index, token) in enumerate(zip(done.sampled, done.index, tokens)):
+            seq = s.seq
+            if index >= len(seq.token_ids):  # drawn after its stop token
+                continue
+            seq.resolve(index, token)
+            if r in entries:
+                seq.logprobs.append(entries[r])
+            self._generation_tokens += 1
+
+    def _outputs(self, done: "_Launched") -> list[RequestOutput]:
+        outputs = []
+        for s in done.batch:
+            seq = s.seq
+            if seq.finish_reason == "abort" or self.seqs.get(seq.request_id) is not seq:
+                continue  # aborted: its output follows; finished: returned already
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                outputs.append(self._finish_output(seq))
+            else:
+                outputs.append(seq.output())
+        return outputs
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         out = seq.output()

@@ -11,6 +11,7 @@ recomputed later draws the same numbers again. Same seed -> same tokens, whateve
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .sequence import Sequence
@@ -38,49 +39,81 @@ def uniform_noise(seeds: list[int], steps: list[int], vocab: int, device) -> tor
     return ((bits.double() + 0.5) / 2.0**32).float()
 
 
-def penalized(params) -> bool:
-    """Whether a request's logits are changed before sampling (repetition, presence or frequency penalty)."""
-    return params.repetition_penalty != 1 or bool(params.presence_penalty or params.frequency_penalty)
+def _pending_tokens(seqs: list[Sequence], prev: torch.Tensor | None, dev) -> tuple | None:
+    """The rows whose request's last token is still on the device -> (those rows [Rp], their tokens [Rp] read from
+    prev, the previous step's tokens), None if none."""
+    rows = [j for j, s in enumerate(seqs) if s.pending]
+    if not rows:
+        return None
+    src = torch.tensor([seqs[j].pending_row for j in rows], dtype=torch.int64, device=dev)
+    return torch.tensor(rows, dtype=torch.int64, device=dev), prev[src]
 
 
-def penalize_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def penalize_rows(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor | None = None) -> torch.Tensor:
     """logits [R, V] fp32 -> the same with each row's repetition penalty applied to its request's seen tokens, then
-    its presence and frequency penalties to the tokens it generated."""
-    for r, seq in enumerate(seqs):
-        p = seq.params
-        if not penalized(p):
-            continue
-        if p.repetition_penalty != 1:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
-            vals = logits[r, seen]
-            logits[r, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.num_generated:
-            ids, counts = torch.unique(torch.tensor(seq.output_ids, device=logits.device), return_counts=True)
-            logits[r, ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
+    its presence and frequency penalties to the tokens it generated. prev: the previous step's tokens [R'] on the
+    device, where a request's last token (Sequence.pending_row) still is. Built for all penalised rows at once from
+    what each sequence keeps (its prompt's distinct ids, its generated tokens' counts): no pass over its tokens."""
+    rows = [r for r, s in enumerate(seqs) if s.penalized]
+    if not rows:
+        return logits
+    dev, V = logits.device, logits.shape[1]
+    pen = [seqs[r] for r in rows]
+    flat = lambda parts: torch.from_numpy(np.concatenate(parts)).to(dev)  # noqa: E731
+    counts = torch.zeros(len(pen) * V, dtype=torch.float32, device=dev)  # [P·V]: generated tokens' counts
+    ids = [np.fromiter(s.counts, np.int64, len(s.counts)) + j * V for j, s in enumerate(pen) if s.counts]
+    if ids:
+        n = [np.fromiter(s.counts.values(), np.float32, len(s.counts)) for s in pen if s.counts]
+        counts.index_put_((flat(ids),), flat(n), accumulate=True)
+    on_device = _pending_tokens(pen, prev, dev)
+    if on_device is not None:
+        j, token = on_device
+        counts.index_put_((j * V + token,), torch.ones_like(token, dtype=torch.float32), accumulate=True)
+    seen = counts > 0  # [P·V]: the prompt's tokens added below
+    prompts = [s.prompt_set + j * V for j, s in enumerate(pen) if s.prompt_set is not None]
+    if prompts:
+        seen[flat(prompts)] = True
+    counts, seen = counts.view(len(pen), V), seen.view(len(pen), V)
+    column = lambda values: torch.tensor(values, dtype=torch.float32, device=dev)[:, None]  # noqa: E731  [P, 1]
+    rep = column([s.params.repetition_penalty for s in pen])
+    index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    vals = logits[index]  # [P, V]
+    vals = torch.where(seen, torch.where(vals > 0, vals / rep, vals * rep), vals)
+    cost = column([s.params.presence_penalty for s in pen]) + column([s.params.frequency_penalty for s in pen]) * counts
+    logits[index] = vals - torch.where(counts > 0, cost, torch.zeros_like(cost))
     return logits
 
 
-def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list:
-    """For the rows whose request asks for logprobs: (row, (token, logprob, [(id, logprob)] top alternatives)) of the
-    model's distribution (log-softmax of the raw logits); one copy back for all of them."""
+def launch_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> tuple | None:
+    """For the rows whose request asks for logprobs, the model's distribution (log-softmax of the raw logits): the
+    drawn token's logprob and the top alternatives, on their way to the host (read them with logprob_entries once
+    the step's copies are done) -> None if no row asks."""
     rows = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
-        return []
+        return None
     idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [Rl, V]
     chosen = lp.gather(1, tokens[idx][:, None])[:, 0]  # [Rl]
     top = torch.topk(lp, max(seqs[r].params.logprobs for r in rows), dim=-1)  # k = 0: empty rows
-    chosen, top_v, top_i, tok = chosen.tolist(), top.values.tolist(), top.indices.tolist(), tokens[idx].tolist()
-    return [(r, (tok[j], chosen[j], list(zip(top_i[j], top_v[j]))[:seqs[r].params.logprobs]))
-            for j, r in enumerate(rows)]
+    host = [t.to("cpu", non_blocking=True) for t in (chosen, top.values, top.indices, tokens[idx])]
+    return rows, [seqs[r].params.logprobs for r in rows], host
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def logprob_entries(launched: tuple | None) -> list:
+    """launch_logprobs' copies read -> [(row, (token, logprob, [(id, logprob)] top alternatives))]."""
+    if launched is None:
+        return []
+    rows, ks, host = launched
+    chosen, top_v, top_i, tok = (t.tolist() for t in host)
+    return [(r, (tok[j], chosen[j], list(zip(top_i[j], top_v[j]))[:ks[j]])) for j, r in enumerate(rows)]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor | None = None) -> torch.Tensor:
     """logits [R, V] (row r: the next token of seqs[r]) -> token ids [R] int64 on the device. Greedy rows without
-    penalties (the common case) cost one argmax: no copy of the logits."""
-    drawn = [r for r, s in enumerate(seqs) if s.params.temperature > 0]
-    if drawn or any(penalized(s.params) for s in seqs):
-        logits = penalize_rows(logits.float().clone(), seqs)
+    penalties (the common case) cost one argmax: no copy of the logits. prev: penalize_rows'."""
+    drawn = [r for r, s in enumerate(seqs) if not s.greedy]
+    if drawn or any(s.penalized for s in seqs):
+        logits = penalize_rows(logits.float().clone(), seqs, prev)
     tokens = torch.argmax(logits, dim=-1)  # [R]: the greedy rows' answer
     if not drawn:
         return tokens
