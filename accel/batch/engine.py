@@ -314,7 +314,8 @@ class BatchEngine:
         if done.ready is not None:
             done.ready.synchronize()
         tokens, finite = done.host.tolist()
-        bad = next((i for i, ok in enumerate(finite) if not ok and done.index[i] < len(done.sampled[i].seq)), None)
+        bad = None if all(finite) else \
+            next((i for i, ok in enumerate(finite) if not ok and done.index[i] < len(done.sampled[i].seq)), None)
         if bad is not None:
             seq = done.sampled[bad].seq
             raise GenerationError(f"request {seq.request_id!r}: the logits of generated token "

@@ -46,6 +46,7 @@ from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 from .block_manager import BlockManager
 from .graphs import DecodeGraphs, feed_ids
+from .host_copy import host_tensor, to_device
 from .scheduler import Scheduled
 from .vision import ImageStep, VisionLayers
 
@@ -65,6 +66,32 @@ class StepInputs:
     lora_tiles: torch.Tensor | None = None  # [NT, 3] int32 (first row, end row, adapter index); None: no adapter
     images: ImageStep | None = None  # vision models: the rows of requests with images (accel/batch/vision.py)
     feed: torch.Tensor | None = None  # [2, F] int64 (row, row of the previous step's tokens): ids[row] = prev[...]
+
+
+class DecodeTables:
+    """The decode rows' block tables as one [n, W] int32 matrix, kept from step to step: while the same sequences
+    decode in the same order (most steps), only the rows whose table grew are written (a table only grows while its
+    sequence runs: preemption and finishing take it out of the rows)."""
+
+    def __init__(self):
+        self.seqs: list = []
+        self.have = np.zeros(0, np.int64)  # [n] blocks of each row's table
+        self.tables = np.zeros((0, 0), np.int32)
+
+    def of(self, seqs: list, width: int) -> np.ndarray:
+        """-> [len(seqs), >= width] int32, row i seqs[i]'s block table (zeros after it)."""
+        n = len(seqs)
+        have = np.fromiter(map(len, (q.block_table for q in seqs)), np.int64, n)
+        if seqs != self.seqs or width > self.tables.shape[1] or (have < self.have).any():
+            self.tables = np.zeros((n, max(width, 2 * self.tables.shape[1])), np.int32)
+            self.tables[np.arange(self.tables.shape[1]) < have[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(q.block_table for q in seqs), np.int32, int(have.sum()))  # row-major
+            self.seqs = list(seqs)
+        else:
+            for i in np.flatnonzero(have != self.have).tolist():
+                self.tables[i, self.have[i]:have[i]] = seqs[i].block_table[self.have[i]:]
+        self.have = have
+        return self.tables
 
 
 class ModelRunner:
@@ -88,6 +115,7 @@ class ModelRunner:
         self.cos, self.sin = torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
         self.max_width = blocks.blocks_for(cfg.max_position_embeddings)  # blocks of the longest sequence
         self.graphs = DecodeGraphs(self) if cuda_graphs else None
+        self._tables = DecodeTables()
         self.adapters: dict[str, list] = {}  # LoRA adapters by name, as add_adapter took them
         self.vision = vision
         self.lora: LoraStack | None = None  # all of them stacked on the device, in the model's dtype
@@ -140,13 +168,11 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
 
         def t(x, host=key is not None):  # graph inputs are copied into the graph's own buffers from the host
-            x = torch.from_numpy(np.ascontiguousarray(x))
-            x = x.pin_memory() if cuda else x
-            return x if host else x.to(self.device, non_blocking=True)
+            return host_tensor(x, pin=cuda) if host else to_device(x, None, self.device)
         return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
                           [(f, n, t(sl, False)) for f, n, sl in chunks],
                           t(np.asarray(sample_rows, np.int64), False), sampled, key,
-                          self.lora.tiles(lora_rows, self.device) if adapters else None, images,
+                          t(self.lora.tiles(lora_rows, "cpu"), False) if adapters else None, images,
                           t(np.asarray(feed, np.int64).T, False) if feed else None)
 
     def _decode_rows(self, dseqs: list, rows: int, width: int, ids, positions, slots):
@@ -161,10 +187,8 @@ class ModelRunner:
         ids[:n] = np.maximum(np.fromiter((q.token_ids[q.num_computed] for q in dseqs), np.int64, n), 0)
         positions[:n] = pos
         lens[:n] = pos + 1
-        have = np.fromiter(map(len, (q.block_table for q in dseqs)), np.int64, n)  # blocks of each table
-        table = tables[:n]
-        table[np.arange(width) < have[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(q.block_table for q in dseqs), np.int32, int(have.sum()))  # row-major
+        table = self._tables.of(dseqs, width)  # [n, >= width]
+        tables[:n] = table[:, :width]
         slots[:n] = table[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         return tables, lens
 

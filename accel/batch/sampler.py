@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .host_copy import to_device
 from .sequence import Sequence
 
 _M32 = 0xFFFFFFFF
@@ -31,8 +32,8 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seeds: list[int], steps: list[int], vocab: int, device) -> torch.Tensor:
     """[R, V] float32 in (0, 1): row r a function of (seeds[r], steps[r]) and the column only."""
-    seed = torch.tensor(seeds, dtype=torch.int64, device=device)  # [R]
-    step = torch.tensor(steps, dtype=torch.int64, device=device)
+    seed = to_device(seeds, torch.int64, device)  # [R]
+    step = to_device(steps, torch.int64, device)
     key = _mix((seed & _M32) ^ _mix(((seed >> 32) & _M32) ^ _mix(step & _M32)))  # [R]
     col = torch.arange(vocab, dtype=torch.int64, device=device)  # [V]
     bits = _mix(_mix((key[:, None] + col[None, :] * 0x9E3779B1) & _M32) ^ key[:, None])  # [R, V]
@@ -45,8 +46,8 @@ def _pending_tokens(seqs: list[Sequence], prev: torch.Tensor | None, dev) -> tup
     rows = [j for j, s in enumerate(seqs) if s.pending]
     if not rows:
         return None
-    src = torch.tensor([seqs[j].pending_row for j in rows], dtype=torch.int64, device=dev)
-    return torch.tensor(rows, dtype=torch.int64, device=dev), prev[src]
+    src = to_device([seqs[j].pending_row for j in rows], torch.int64, dev)
+    return to_device(rows, torch.int64, dev), prev[src]
 
 
 def penalize_rows(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,7 +60,7 @@ def penalize_rows(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor
         return logits
     dev, V = logits.device, logits.shape[1]
     pen = [seqs[r] for r in rows]
-    flat = lambda parts: torch.from_numpy(np.concatenate(parts)).to(dev)  # noqa: E731
+    flat = lambda parts: to_device(np.concatenate(parts), None, dev)  # noqa: E731
     counts = torch.zeros(len(pen) * V, dtype=torch.float32, device=dev)  # [P·V]: generated tokens' counts
     ids = [np.fromiter(s.counts, np.int64, len(s.counts)) + j * V for j, s in enumerate(pen) if s.counts]
     if ids:
@@ -74,9 +75,9 @@ def penalize_rows(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor
     if prompts:
         seen[flat(prompts)] = True
     counts, seen = counts.view(len(pen), V), seen.view(len(pen), V)
-    column = lambda values: torch.tensor(values, dtype=torch.float32, device=dev)[:, None]  # noqa: E731  [P, 1]
+    column = lambda values: to_device(values, torch.float32, dev)[:, None]  # noqa: E731  [P, 1]
     rep = column([s.params.repetition_penalty for s in pen])
-    index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    index = to_device(rows, torch.int64, dev)
     vals = logits[index]  # [P, V]
     vals = torch.where(seen, torch.where(vals > 0, vals / rep, vals * rep), vals)
     cost = column([s.params.presence_penalty for s in pen]) + column([s.params.frequency_penalty for s in pen]) * counts
@@ -91,7 +92,7 @@ def launch_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Seque
     rows = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
         return None
-    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    idx = to_device(rows, torch.int64, logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [Rl, V]
     chosen = lp.gather(1, tokens[idx][:, None])[:, 0]  # [Rl]
     top = torch.topk(lp, max(seqs[r].params.logprobs for r in rows), dim=-1)  # k = 0: empty rows
@@ -117,10 +118,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor | None
     tokens = torch.argmax(logits, dim=-1)  # [R]: the greedy rows' answer
     if not drawn:
         return tokens
-    rows = torch.tensor(drawn, dtype=torch.int64, device=logits.device)
+    rows = to_device(drawn, torch.int64, logits.device)
     params = [seqs[r].params for r in drawn]
     dev, V = logits.device, logits.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    temperature = to_device([p.temperature for p in params], torch.float32, dev)
     z = logits[rows] / temperature[:, None]  # [Rs, V]
     z = _top_k(z, [p.top_k for p in params])
     p = torch.softmax(z, dim=-1)
@@ -133,10 +134,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor | None
 def _top_k(z: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Keep each row's k largest values (ties at the k-th kept); k = 0 or >= V: the whole row."""
     V = z.shape[1]
-    k = torch.tensor([k if 0 < k < V else V for k in ks], dtype=torch.int64, device=z.device)  # [Rs]
-    if bool((k == V).all()):
+    ks = [k if 0 < k < V else V for k in ks]
+    if all(k == V for k in ks):
         return z
-    top = torch.topk(z, int(k.max()), dim=-1).values  # [Rs, kmax], largest first
+    k = to_device(ks, torch.int64, z.device)  # [Rs]
+    top = torch.topk(z, max(ks), dim=-1).values  # [Rs, kmax], largest first
     kth = top.gather(1, (k.clamp_max(top.shape[1]) - 1)[:, None])  # [Rs, 1]
     return z.masked_fill(z < kth, float("-inf"))
 
@@ -145,7 +147,7 @@ def _top_p(p: torch.Tensor, ps: list[float]) -> torch.Tensor:
     """Keep each row's smallest most-likely-first prefix whose mass reaches its top_p; renormalize."""
     if all(x >= 1 for x in ps):
         return p
-    top_p = torch.tensor(ps, dtype=torch.float32, device=p.device)[:, None]  # [Rs, 1]
+    top_p = to_device(ps, torch.float32, p.device)[:, None]  # [Rs, 1]
     sorted_p, order = torch.sort(p, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     keep_sorted = (mass_before < top_p) | (top_p >= 1)

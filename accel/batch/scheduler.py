@@ -17,7 +17,7 @@ from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class Scheduled:
     seq: Sequence
     num_tokens: int  # token_ids[num_computed : num_computed + num_tokens] go through the model this step
@@ -48,15 +48,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[Scheduled] = []
         preempted = False
+        bs = self.blocks.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
-            if self.blocks.blocks_needed(seq, n) <= 0:  # most decode steps: the last block has room
-                out.append(Scheduled(seq, n))
-                budget -= n
+            end = min(len(seq.token_ids), seq.num_computed + budget)  # n = end - num_computed tokens this step
+            if end <= len(seq.block_table) * bs:  # most decode steps: the last block has room
+                out.append(Scheduled(seq, end - seq.num_computed))
+                budget -= end - seq.num_computed
                 i += 1
                 continue
+            n = end - seq.num_computed
             while not self.blocks.can_append(seq, n) and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
                 preempted = True

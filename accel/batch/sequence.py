@@ -117,8 +117,10 @@ class Sequence:
 
     def output(self) -> RequestOutput:
         """What step() returns for this request: the tokens read back since the last output."""
-        new = self.token_ids[self.num_prompt_tokens + self.num_emitted:len(self.token_ids) - self.pending]
+        end = len(self.token_ids) - self.pending
+        new = self.token_ids[self.num_prompt_tokens + self.num_emitted:end]
         self.num_emitted += len(new)
-        return RequestOutput(self.request_id, new, self.output_ids, self.finish_reason is not None,
+        return RequestOutput(self.request_id, new, self.token_ids[self.num_prompt_tokens:end],
+                             self.finish_reason is not None,
                              self.finish_reason, self.num_prompt_tokens,
                              None if self.logprobs is None else list(self.logprobs))

@@ -34,6 +34,7 @@ from refimpl.vision.inputs import ImageInputs
 from .. import ops
 from ..vision.model import encode_image_kv, gated_cross_layer
 from ..vision.weights import VisionWeights
+from .host_copy import to_device
 
 
 @dataclass
@@ -98,7 +99,7 @@ class ImageStep:
     def of(cls, seqs: list[ImageRows], device) -> "ImageStep | None":
         if not seqs:
             return None
-        index = torch.from_numpy(np.concatenate([np.arange(r.first, r.first + r.n) for r in seqs])).to(device)
+        index = to_device(np.concatenate([np.arange(r.first, r.first + r.n) for r in seqs]), None, device)
         return cls(seqs, index, torch.cat([r.has_image for r in seqs]))
 
 
