@@ -37,29 +37,37 @@ from .runner import ModelRunner
 from .sampler import launch_logprobs, logprob_entries, sample
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence, Status
-from .vision import VisionLayers, images_key
+from .vision import VisionLayers, image_kv_bytes, images_key
 
 DEFAULT_BLOCK_SIZE = 16
 CPU_KV_BYTES = 1 << 30  # the KV pool's budget on CPU, where free memory says little about what is wise to take
 
 
-def kv_pool_blocks(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, block_size: int, gpu_memory,
-                   max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """How many blocks the pool gets. gpu_memory: a FRACTION (0, 1] of the GPU's total memory the engine may hold
-    in all (weights already loaded, a working reserve for a step of max_num_batched_tokens, and the pool), or a
-    number of BYTES (> 1) for the pool itself; on CPU a fraction means CPU_KV_BYTES. Never more blocks than
-    max_num_seqs sequences of the model's whole context could use."""
-    per_block = ModelRunner.kv_bytes_per_block(cfg, block_size, dtype)  # the pool holds one spare block more
+IMAGE_KV_SHARE = 0.25  # of a vision model's KV budget kept for its requests' image keys/values (vision.py)
+
+
+def kv_budget(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, gpu_memory, max_num_seqs: int,
+              max_num_batched_tokens: int) -> int:
+    """The bytes the KV cache may take. gpu_memory: a FRACTION (0, 1] of the GPU's total memory the engine may hold
+    in all (weights already loaded, a working reserve for a step of max_num_batched_tokens, and the cache), or a
+    number of BYTES (> 1) for the cache itself; on CPU a fraction means CPU_KV_BYTES."""
     if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float)) or not gpu_memory > 0:
         raise GenerationError(f"gpu_memory must be a fraction in (0, 1] or a number of bytes, got {gpu_memory!r}")
     if gpu_memory > 1:
-        budget = int(gpu_memory)
-    elif device.type == "cuda":
+        return int(gpu_memory)
+    if device.type == "cuda":
         _, total = torch.cuda.mem_get_info(device)
-        budget = int(gpu_memory * total) - torch.cuda.memory_allocated(device) - working_bytes(
+        return int(gpu_memory * total) - torch.cuda.memory_allocated(device) - working_bytes(
             cfg, max_num_batched_tokens, max_num_seqs, dtype.itemsize)
-    else:
-        budget = CPU_KV_BYTES
+    return CPU_KV_BYTES
+
+
+def kv_pool_blocks(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, block_size: int, budget: int,
+                   max_num_seqs: int, gpu_memory=None) -> int:
+    """How many blocks the pool gets from `budget` bytes (kv_budget's, less what a vision model keeps for its
+    images); never more than max_num_seqs sequences of the model's whole context could use. gpu_memory: named in
+    the error when the budget holds no block."""
+    per_block = ModelRunner.kv_bytes_per_block(cfg, block_size, dtype)  # the pool holds one spare block more
     most = max_num_seqs * -(-cfg.max_position_embeddings // block_size)
     blocks = min(budget // per_block - 1, most)
     if blocks < 1:
@@ -96,7 +104,7 @@ class BatchEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
                  block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None,
                  cuda_graphs: bool | None = None, batch_invariant: bool = False, vision=None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, image_memory: int | None = None):
         """num_blocks: the pool's size, overriding gpu_memory (tests force a tiny pool); use_triton: the Triton
         kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter); cuda_graphs:
         decode-only steps replay CUDA graphs (default: on CUDA; never for a step with image rows);
@@ -104,7 +112,9 @@ class BatchEngine:
         (accel/batch/runner.py; slower); vision: (MllamaConfig, VisionWeights) of a Llama 3.2 Vision checkpoint,
         config and weights then being its self-attention layers' (accel.vision.weights.self_layer_config and
         VisionWeights.text); overlap: launch each step before reading the previous one's tokens back (default: on
-        CUDA, where the host's work then hides behind the device's; on CPU the host runs the model itself)."""
+        CUDA, where the host's work then hides behind the device's; on CPU the host runs the model itself);
+        image_memory: a vision model's bytes for its running requests' image keys/values (default IMAGE_KV_SHARE
+        of the KV budget, which the pool then does without): requests with images wait while theirs do not fit."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value!r}")
@@ -114,11 +124,15 @@ class BatchEngine:
         self.config, self.device, self.dtype_name = config, device, dtype
         self.dtype = DTYPES[dtype]
         self.stop_ids = frozenset(int(t) for t in stop_ids)
+        budget = kv_budget(config, device, self.dtype, gpu_memory, max_num_seqs, max_num_batched_tokens)
+        image_budget = None
+        if vision is not None:  # the images' keys/values live beside the pool: their share comes out of its budget
+            image_budget = int(IMAGE_KV_SHARE * budget) if image_memory is None else int(image_memory)
+            budget -= image_budget
         if num_blocks is None:
-            num_blocks = kv_pool_blocks(config, device, self.dtype, block_size, gpu_memory, max_num_seqs,
-                                        max_num_batched_tokens)
+            num_blocks = kv_pool_blocks(config, device, self.dtype, block_size, budget, max_num_seqs, gpu_memory)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, image_budget)
         triton = device.type == "cuda" if use_triton is None else use_triton
         if triton and not ops.triton_available(device):
             raise GenerationError(f"use_triton: Triton kernels cannot run on {device} here")
@@ -191,6 +205,12 @@ class BatchEngine:
         seed = secrets.randbits(63) if params.seed is None else params.seed
         seq = Sequence(rid, prompt, params, seed, stop, next(self._arrivals), adapter, images,
                        None if images is None else images_key(images))
+        if images is not None:
+            seq.image_bytes = image_kv_bytes(self.vision_config, images, len(prompt), self.dtype)
+            if seq.image_bytes > self.scheduler.image_budget:
+                raise GenerationError(f"request {rid!r}: its images' cross-attention keys/values need "
+                                      f"{seq.image_bytes} bytes but the engine keeps {self.scheduler.image_budget} "
+                                      f"for them; send fewer images or raise gpu_memory")
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         self._prompt_tokens += len(prompt)

@@ -53,6 +53,7 @@ class Sequence:
         self.adapter = adapter  # the LoRA adapter it runs with (BatchEngine.add_adapter's name), None: the base model
         self.images = images
         self.image_kv = None  # set by the runner at the first prefill chunk, dropped on finish and preemption
+        self.image_bytes = 0  # what image_kv takes (accel/batch/vision.py image_kv_bytes), held while running
         self.prefix_root = adapter if images is None else (adapter, images_key)
         self.status = Status.WAITING
         self.num_computed = 0
