@@ -7,8 +7,19 @@
 
 Each step: the scheduler picks the sequences and their token counts (scheduler.py), the runner runs them through the
 model as one flat batch (runner.py), the sampler draws each sampled row's token with its request's parameters
-(sampler.py), and finished requests give their blocks back. The tokens come back in one non-blocking copy: what needs
-no token (computed counts, full blocks registered) is done while the device still runs the step. Token ids only:
+(sampler.py), and finished requests give their blocks back.
+
+Overlap (on CUDA): step() launches step n+1 before it reads step n's tokens back, so the host's work for a step
+(scheduling, inputs, sampling parameters, outputs) runs while the device computes the one before. A drawn token
+stays on the device: its sequence holds a placeholder (Sequence.pending) and the next step's input id is copied
+there from the previous step's token tensor (StepInputs.feed); every host -> device copy comes from pinned memory
+without waiting (host_copy.py). Step n's tokens reach the host in one copy with an event, read after step n+1 is
+launched; step() returns step n's outputs then. What the host learns a step late: a stop token (eos or a stop id).
+The sequence already ran in step n+1: that token is dropped, its blocks freed. The step of a request's last token by
+max_tokens is known in advance: it is not scheduled again. Penalties count a token still on the device there
+(sampler.penalize_rows), and the sampler's draw index counts it too, so the tokens are those of steps read back in
+turn (tests/test_batch_step.py, tests/test_batch_gpu.py). On CPU the host runs the model itself: nothing to hide,
+each step is read back at once (`overlap=False`, the same code with no step in flight). Token ids only:
 text, stop strings and chat templates are handled above the engine; a Llama 3.2 Vision checkpoint's requests may
 carry their images as the single-request engine takes them (refimpl.vision.inputs.ImageInputs, built by
 refimpl.vision.prepare), each request's image keys/values kept beside its paged self-attention K/V (vision.py). The
