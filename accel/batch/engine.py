@@ -291,8 +291,7 @@ class BatchEngine:
         if self.record_logits:
             self.last_logits = {} if done is None or done.logits is None else done.logits
         if launched is not None:  # its computed tokens are all known now: full blocks are registered
-            for s in launched.batch:
-                self.blocks.commit(s.seq)
+            self.blocks.commit_all([s.seq for s in launched.batch])
         outputs = self._outputs(done) if done is not None else []
         outputs += [self._finish_output(seq) for seq in self._aborted]
         self._aborted = []
