@@ -17,7 +17,7 @@ without any image rows skips the cross layers entirely. Steps with image rows ru
 
 The image buffers are outside the paged pool: each running request with images holds 2 · C · K · N · E elements
 (C cross layers, N = images × tiles × tokens per tile; image_kv_bytes). The engine keeps a share of its memory budget
-for them (engine.IMAGE_KV_SHARE, or its image_memory), and the scheduler admits a request with images only while
+for them (memory.IMAGE_KV_SHARE, or the engine's image_memory), and the scheduler admits a request with images only while
 the running ones' buffers and its own fit that share; the others wait (FCFS), as they do for blocks.
 """
 from __future__ import annotations
