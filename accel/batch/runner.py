@@ -73,6 +73,8 @@ class DecodeTables:
     decode in the same order (most steps), only the rows whose table grew are written (a table only grows while its
     sequence runs: preemption and finishing take it out of the rows)."""
 
+    SLACK = 8  # columns past the widest table: a few steps of growth before the matrix is built again
+
     def __init__(self):
         self.seqs: list = []
         self.have = np.zeros(0, np.int64)  # [n] blocks of each row's table
@@ -83,7 +85,7 @@ class DecodeTables:
         n = len(seqs)
         have = np.fromiter(map(len, (q.block_table for q in seqs)), np.int64, n)
         if seqs != self.seqs or width > self.tables.shape[1] or (have < self.have).any():
-            self.tables = np.zeros((n, max(width, 2 * self.tables.shape[1])), np.int32)
+            self.tables = np.zeros((n, width + self.SLACK), np.int32)
             self.tables[np.arange(self.tables.shape[1]) < have[:, None]] = np.fromiter(
                 itertools.chain.from_iterable(q.block_table for q in seqs), np.int32, int(have.sum()))  # row-major
             self.seqs = list(seqs)
