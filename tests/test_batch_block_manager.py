@@ -150,7 +150,7 @@ def test_sampling_params_refuse_bad_values(bad):
 def test_decode_tables_kept_between_steps_equal_tables_built_afresh():
     """The runner's block-table matrix, kept from step to step and written only where a table grew, against the
     tables themselves: through growth, a reorder, a sequence leaving (preempted: its table emptied) and returning,
-    and a wider step."""
+    and a wider step; never much wider than the widest table asked for."""
     import numpy as np
 
     from accel.batch.runner import DecodeTables
