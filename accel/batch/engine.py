@@ -279,7 +279,8 @@ class BatchEngine:
         if sampled:
             out.tokens = sample(logits, seqs, prev)  # [R]
             out.logprobs = launch_logprobs(logits, out.tokens, seqs)
-            finite = torch.isfinite(logits).all(dim=-1).to(torch.int64)  # [R]
+            # [R]: one read of the logits (a NaN or Inf in a row makes its fp32 sum NaN or Inf)
+            finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).to(torch.int64)
             out.host = torch.stack([out.tokens, finite]).to("cpu", non_blocking=True)  # [2, R]: pinned from a GPU
             if out.tokens.is_cuda:
                 out.ready = torch.cuda.Event()
