@@ -204,6 +204,8 @@ def test_seeded_sampling_is_the_same_whatever_shares_the_batch(model):
     params = SamplingParams(max_tokens=N, temperature=0.9, top_k=20, seed=5, ignore_eos=True)
     together = greedy(engine(ckpt, max_num_batched_tokens=9), reqs, params)
     assert together == [greedy(engine(ckpt), [r], params)[0] for r in reqs]
+    overlapped = engine(ckpt, max_num_batched_tokens=9, num_blocks=14, overlap=True)  # steps launched ahead
+    assert greedy(overlapped, reqs, params) == together and overlapped.scheduler.num_preemptions > 0
 
 
 @pytest.mark.skipif(not ops.triton_available(torch.device("cpu")), reason="needs Triton's interpreter")
