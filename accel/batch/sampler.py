@@ -41,8 +41,8 @@ def uniform_noise(seeds: list[int], steps: list[int], vocab: int, device) -> tor
 
 
 def _pending_tokens(seqs: list[Sequence], prev: torch.Tensor | None, dev) -> tuple | None:
-    """The rows whose request's last token is still on the device -> (those rows [Rp], their tokens [Rp] read from
-    prev, the previous step's tokens), None if none."""
+    """The rows of seqs whose last token is still on the device -> (those rows [Rp], their tokens [Rp] read from
+    prev, the previous step's tokens), both on the device; None if none."""
     rows = [j for j, s in enumerate(seqs) if s.pending]
     if not rows:
         return None
