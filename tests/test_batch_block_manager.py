@@ -145,3 +145,46 @@ def test_sampling_params_refuse_bad_values(bad):
     from refimpl.errors import GenerationError
     with pytest.raises(GenerationError):
         SamplingParams(**bad)
+
+
+def test_decode_tables_kept_between_steps_equal_tables_built_afresh():
+    """The runner's block-table matrix, kept from step to step and written only where a table grew, against the
+    tables themselves: through growth, a reorder, a sequence leaving (preempted: its table emptied) and returning,
+    and a wider step; never much wider than the widest table asked for."""
+    import numpy as np
+
+    from accel.batch.runner import DecodeTables
+
+    def fresh(seqs, width):
+        out = np.zeros((len(seqs), width), np.int32)
+        for i, s in enumerate(seqs):
+            out[i, :len(s.block_table)] = s.block_table
+        return out
+
+    bm = BlockManager(num_blocks=200, block_size=2)
+    seqs = [seq(range(3 + i), str(i)) for i in range(5)]
+    for s in seqs:
+        bm.may_append(s, len(s))
+    kept = DecodeTables()
+    reused, last, widest = [], None, 0
+    for step in range(12):
+        if step == 4:
+            seqs = seqs[::-1]
+        if step == 6:
+            bm.free(seqs[2])  # preempted: out of the rows, then back with other blocks
+            gone = seqs.pop(2)
+        if step == 8:
+            bm.may_append(gone, len(gone))
+            seqs.append(gone)
+        for i, s in enumerate(seqs):
+            if (step + i) % 3 == 0:
+                s.num_computed = len(s.block_table) * 2
+                bm.may_append(s, 1 + 2 * (step == 10))  # a new block; at step 10 two
+        width = max(len(s.block_table) for s in seqs) + (3 if step == 9 else 0)
+        widest = max(widest, width)
+        got = kept.of(seqs, width)
+        assert got.shape[0] == len(seqs) and width <= got.shape[1] <= widest + DecodeTables.SLACK
+        np.testing.assert_array_equal(got[:, :width], fresh(seqs, width), err_msg=f"step {step}")
+        reused.append(got is last)  # the same matrix, rows written where they grew
+        last = got
+    assert reused.count(True) >= 6 and not reused[4] and not reused[6] and not reused[8]

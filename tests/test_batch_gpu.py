@@ -84,3 +84,31 @@ def test_bf16_batch_invariant_mode_is_bitwise(ckpt):
     alone = logits([target], 0)
     assert torch.equal(alone, logits(prompts(), 3))
     assert torch.equal(alone, logits(prompts(), 3, max_num_batched_tokens=100))
+
+
+def test_overlapped_steps_give_the_tokens_of_steps_read_back_in_turn(ckpt):
+    """overlap (the default on CUDA: each step launched before the previous one's tokens are read back, its decode
+    rows' input ids taken on the device, stop tokens learned a step late) against steps read back one at a time:
+    the same ids, finish reasons and logprobs for greedy, penalised, seeded, logprobs and stop-id requests (fp32)
+    under a pool small enough to preempt."""
+    kinds = [dict(), dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.5),
+             dict(temperature=0.9, top_k=20, top_p=0.9, seed=7), dict(logprobs=3), dict()]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, **kinds[i % len(kinds)]) for i in range(len(LENGTHS))]
+    free = BatchEngine.from_checkpoint(ckpt, dtype="fp32", gpu_memory=1 << 28, overlap=False).generate(prompts(),
+                                                                                                       params)
+    for i in range(5, len(LENGTHS), len(kinds)):  # greedy requests that stop on their 4th token
+        params[i] = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(free[i].token_ids[3],))
+
+    def outputs(overlap):
+        eng = BatchEngine.from_checkpoint(ckpt, dtype="fp32", num_blocks=60, max_num_batched_tokens=256,
+                                          overlap=overlap)
+        outs = eng.generate(prompts(), params)
+        assert eng.stats()["num_preemptions"] > 0 and eng.stats()["blocks_used"] == 0
+        return outs
+    want, got = outputs(False), outputs(True)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    assert any(o.finish_reason == "stop" for o in got)
+    for a, b in zip(got, want):
+        if b.logprobs is not None:
+            assert [t for t, _, _ in a.logprobs] == [t for t, _, _ in b.logprobs]
+            assert [lp for _, lp, _ in a.logprobs] == pytest.approx([lp for _, lp, _ in b.logprobs], abs=1e-4)

@@ -64,12 +64,13 @@ def engine(ckpt, **kw):
     return eng
 
 
-def test_adapters_per_request_in_one_batch_match_the_merged_reference(ckpt):
+@pytest.mark.parametrize("overlap", [False, True])  # True: each step launched before the last one is read back
+def test_adapters_per_request_in_one_batch_match_the_merged_reference(ckpt, overlap):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, CFG.vocab_size) for _ in range(n)] for n in (4, 19, 9, 30, 13, 7)]
     names = [None, "all", "vd", "all", None, "vd"]
-    outs = engine(ckpt, max_num_batched_tokens=24).generate(prompts, SamplingParams(max_tokens=N, ignore_eos=True),
-                                                            names)
+    outs = engine(ckpt, max_num_batched_tokens=24, overlap=overlap).generate(
+        prompts, SamplingParams(max_tokens=N, ignore_eos=True), names)
     want = [reference(ckpt, p, a) for p, a in zip(prompts, names)]
     assert [o.token_ids for o in outs] == want
     base = [reference(ckpt, p, None) for p in prompts]

@@ -168,11 +168,44 @@ def test_abort_frees_blocks_and_image_buffers(model):
     assert eng.blocks.num_used == 0 and not eng.seqs
 
 
+def run_counting_image_bytes(eng, reqs):
+    """-> (each request's tokens, the most bytes the running requests' image buffers held after a step), counted
+    from the buffers themselves."""
+    ids = [eng.add_request(p, SamplingParams(max_tokens=N, ignore_eos=True), images=im) for p, im in reqs]
+    done, most = {}, 0
+    while eng.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        kvs = [s.image_kv for s in eng.seqs.values() if s.image_kv is not None]
+        most = max(most, sum(t.nbytes for kv in kvs for t in (kv.xk_all, kv.xv_all, kv.visible, kv.has_image)))
+    return [done[r] for r in ids], most
+
+
+def test_image_memory_admits_requests_with_images_only_while_theirs_fit(model):
+    """The bytes kept for image keys/values (image_memory) hold the largest request's alone: the requests with images
+    wait for room (the text ones run beside them) and give the same tokens; what the running ones hold never passes
+    the budget, where without it they all run at once; a request whose images alone pass it is refused up front."""
+    from accel.batch.vision import image_kv_bytes
+    ckpt, reqs, want = model
+    sizes = [image_kv_bytes(ckpt.config, im, len(ids), torch.float32) for ids, im in reqs if im is not None]
+    tokens, most = run_counting_image_bytes(engine(ckpt), reqs)
+    assert tokens == want and most == sum(sizes)
+    eng = engine(ckpt, image_memory=max(sizes))
+    tokens, most = run_counting_image_bytes(eng, reqs)
+    assert tokens == want and most == max(sizes) < sum(sizes)
+    assert eng.scheduler.image_bytes == 0 and eng.blocks.num_used == 0
+    small = engine(ckpt, image_memory=min(sizes) - 1)
+    prompt, images = next(r for r in reqs if r[1] is not None)
+    with pytest.raises(GenerationError, match=r"request 'big': its images' cross-attention keys/values need"):
+        small.add_request(prompt, images=images, request_id="big")
+
+
 def test_seeded_sampling_is_the_same_whatever_shares_the_batch(model):
     ckpt, reqs, _ = model
     params = SamplingParams(max_tokens=N, temperature=0.9, top_k=20, seed=5, ignore_eos=True)
     together = greedy(engine(ckpt, max_num_batched_tokens=9), reqs, params)
     assert together == [greedy(engine(ckpt), [r], params)[0] for r in reqs]
+    overlapped = engine(ckpt, max_num_batched_tokens=9, num_blocks=14, overlap=True)  # steps launched ahead
+    assert greedy(overlapped, reqs, params) == together and overlapped.scheduler.num_preemptions > 0
 
 
 @pytest.mark.skipif(not ops.triton_available(torch.device("cpu")), reason="needs Triton's interpreter")

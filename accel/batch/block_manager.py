@@ -115,6 +115,13 @@ class BlockManager:
                 block.hash, block.token_ids = h, tuple(tokens)
                 self.cached.setdefault(h, block.block_id)  # an equal block already registered stays the one shared
 
+    def commit_all(self, seqs) -> None:
+        """commit for each of seqs, skipping at once those whose last full block is registered (most of a step's)."""
+        bs = self.block_size
+        for seq in seqs:
+            if seq.num_computed // bs > len(seq.block_hashes):
+                self.commit(seq)
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's blocks (finished, aborted or preempted). The last block goes to the free list first, so it
         is handed out again first: a prefix's head stays cached longer than its tail."""

@@ -7,8 +7,19 @@
 
 Each step: the scheduler picks the sequences and their token counts (scheduler.py), the runner runs them through the
 model as one flat batch (runner.py), the sampler draws each sampled row's token with its request's parameters
-(sampler.py), and finished requests give their blocks back. The tokens come back in one non-blocking copy: what needs
-no token (computed counts, full blocks registered) is done while the device still runs the step. Token ids only:
+(sampler.py), and finished requests give their blocks back.
+
+Overlap (on CUDA): step() launches step n+1 before it reads step n's tokens back, so the host's work for a step
+(scheduling, inputs, sampling parameters, outputs) runs while the device computes the one before. A drawn token
+stays on the device: its sequence holds a placeholder (Sequence.pending) and the next step's input id is copied
+there from the previous step's token tensor (StepInputs.feed); every host -> device copy comes from pinned memory
+without waiting (host_copy.py). Step n's tokens reach the host in one copy with an event, read after step n+1 is
+launched; step() returns step n's outputs then. What the host learns a step late: a stop token (eos or a stop id).
+The sequence already ran in step n+1: that token is dropped, its blocks freed. The step of a request's last token by
+max_tokens is known in advance: it is not scheduled again. Penalties count a token still on the device there
+(sampler.penalize_rows), and the sampler's draw index counts it too, so the tokens are those of steps read back in
+turn (tests/test_batch_step.py, tests/test_batch_gpu.py). On CPU the host runs the model itself: nothing to hide,
+each step is read back at once (`overlap=False`, the same code with no step in flight). Token ids only:
 text, stop strings and chat templates are handled above the engine; a Llama 3.2 Vision checkpoint's requests may
 carry their images as the single-request engine takes them (refimpl.vision.inputs.ImageInputs, built by
 refimpl.vision.prepare), each request's image keys/values kept beside its paged self-attention K/V (vision.py). The
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from dataclasses import dataclass
 
 import torch
 
@@ -32,61 +44,47 @@ from ..engine import resolve_device, resolve_dtype
 from ..vision.weights import load_vision_weights, self_layer_config
 from ..weights import DTYPES, Weights, load_weights
 from .block_manager import BlockManager
+from .memory import IMAGE_KV_SHARE, kv_budget, kv_pool_blocks
 from .runner import ModelRunner
-from .sampler import logprob_rows, sample
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .vision import VisionLayers, images_key
+from .sampler import launch_logprobs, logprob_entries, sample
+from .scheduler import Scheduled, Scheduler
+from .sequence import Sequence, Status
+from .vision import VisionLayers, image_kv_bytes, images_key
 
 DEFAULT_BLOCK_SIZE = 16
-CPU_KV_BYTES = 1 << 30  # the KV pool's budget on CPU, where free memory says little about what is wise to take
 
 
-def kv_pool_blocks(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, block_size: int, gpu_memory,
-                   max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """How many blocks the pool gets. gpu_memory: a FRACTION (0, 1] of the GPU's total memory the engine may hold
-    in all (weights already loaded, a working reserve for a step of max_num_batched_tokens, and the pool), or a
-    number of BYTES (> 1) for the pool itself; on CPU a fraction means CPU_KV_BYTES. Never more blocks than
-    max_num_seqs sequences of the model's whole context could use."""
-    per_block = ModelRunner.kv_bytes_per_block(cfg, block_size, dtype)  # the pool holds one spare block more
-    if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float)) or not gpu_memory > 0:
-        raise GenerationError(f"gpu_memory must be a fraction in (0, 1] or a number of bytes, got {gpu_memory!r}")
-    if gpu_memory > 1:
-        budget = int(gpu_memory)
-    elif device.type == "cuda":
-        _, total = torch.cuda.mem_get_info(device)
-        budget = int(gpu_memory * total) - torch.cuda.memory_allocated(device) - working_bytes(
-            cfg, max_num_batched_tokens, max_num_seqs, dtype.itemsize)
-    else:
-        budget = CPU_KV_BYTES
-    most = max_num_seqs * -(-cfg.max_position_embeddings // block_size)
-    blocks = min(budget // per_block - 1, most)
-    if blocks < 1:
-        raise GenerationError(f"gpu_memory={gpu_memory!r} leaves no room for the KV cache on {device} (one block of "
-                              f"{block_size} tokens needs {per_block} bytes); raise it")
-    return blocks
+@dataclass
+class _Launched:
+    """A step on its way: what reading it back needs."""
 
-
-def working_bytes(cfg: LlamaConfig, tokens: int, seqs: int, element_size: int) -> int:
-    """A generous bound on a step's live activations: a few [T, D], the [T, (H+2K)E] and [T, 2F] GEMM outputs, the
-    [T, F] activation, one prefill chunk's gathered K/V, and fp32 logits and sampling buffers of [seqs, V]."""
-    per_token = 6 * cfg.hidden_size + 2 * (cfg.q_size + 2 * cfg.kv_size) + 4 * cfg.intermediate_size
-    gathered = 2 * cfg.kv_size * cfg.max_position_embeddings
-    return (tokens * per_token + gathered) * element_size + 8 * seqs * cfg.vocab_size * 4
+    batch: list[Scheduled]
+    sampled: list[Scheduled]  # the rows that draw a token, in order
+    index: list[int]  # each drawn token's index in its sequence's token_ids (a placeholder until read back)
+    last: list[Sequence]  # the sequences whose drawn token is their last (max_tokens)
+    tokens: torch.Tensor | None  # [R] on the device
+    host: torch.Tensor | None  # [2, R]: the tokens and a finite-logits flag per row, on their way to the host
+    ready: torch.cuda.Event | None  # recorded after the copies (None on CPU)
+    logprobs: tuple | None  # sampler.launch_logprobs'
+    logits: dict | None = None  # with record_logits: request id -> the [V] logits its token was drawn from
 
 
 class BatchEngine:
     def __init__(self, config: LlamaConfig, weights: Weights, device: torch.device, dtype: str, stop_ids=(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
                  block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None,
-                 cuda_graphs: bool | None = None, batch_invariant: bool = False, vision=None):
+                 cuda_graphs: bool | None = None, batch_invariant: bool = False, vision=None,
+                 overlap: bool | None = None, image_memory: int | None = None):
         """num_blocks: the pool's size, overriding gpu_memory (tests force a tiny pool); use_triton: the Triton
         kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter); cuda_graphs:
         decode-only steps replay CUDA graphs (default: on CUDA; never for a step with image rows);
         batch_invariant: each request's tokens and logits the same bits whatever else shares its steps
         (accel/batch/runner.py; slower); vision: (MllamaConfig, VisionWeights) of a Llama 3.2 Vision checkpoint,
         config and weights then being its self-attention layers' (accel.vision.weights.self_layer_config and
-        VisionWeights.text)."""
+        VisionWeights.text); overlap: launch each step before reading the previous one's tokens back (default: on
+        CUDA, where the host's work then hides behind the device's; on CPU the host runs the model itself);
+        image_memory: a vision model's bytes for its running requests' image keys/values (default IMAGE_KV_SHARE
+        of the KV budget, which the pool then does without): requests with images wait while theirs do not fit."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value!r}")
@@ -96,11 +94,15 @@ class BatchEngine:
         self.config, self.device, self.dtype_name = config, device, dtype
         self.dtype = DTYPES[dtype]
         self.stop_ids = frozenset(int(t) for t in stop_ids)
+        budget = kv_budget(config, device, self.dtype, gpu_memory, max_num_seqs, max_num_batched_tokens)
+        image_budget = None
+        if vision is not None:  # the images' keys/values live beside the pool: their share comes out of its budget
+            image_budget = int(IMAGE_KV_SHARE * budget) if image_memory is None else int(image_memory)
+            budget -= image_budget
         if num_blocks is None:
-            num_blocks = kv_pool_blocks(config, device, self.dtype, block_size, gpu_memory, max_num_seqs,
-                                        max_num_batched_tokens)
+            num_blocks = kv_pool_blocks(config, device, self.dtype, block_size, budget, max_num_seqs, gpu_memory)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, image_budget)
         triton = device.type == "cuda" if use_triton is None else use_triton
         if triton and not ops.triton_available(device):
             raise GenerationError(f"use_triton: Triton kernels cannot run on {device} here")
@@ -118,6 +120,8 @@ class BatchEngine:
         self._ids = itertools.count()
         self._aborted: list[Sequence] = []
         self._prompt_tokens = self._generation_tokens = 0
+        self.overlap = device.type == "cuda" if overlap is None else overlap
+        self._in_flight: _Launched | None = None  # the step launched and not read back yet (with overlap)
         self.record_logits = False  # True: each step leaves its sampled rows' logits in last_logits
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [V] logits its last token was drawn from
 
@@ -171,6 +175,12 @@ class BatchEngine:
         seed = secrets.randbits(63) if params.seed is None else params.seed
         seq = Sequence(rid, prompt, params, seed, stop, next(self._arrivals), adapter, images,
                        None if images is None else images_key(images))
+        if images is not None:
+            seq.image_bytes = image_kv_bytes(self.vision_config, images, len(prompt), self.dtype)
+            if seq.image_bytes > self.scheduler.image_budget:
+                raise GenerationError(f"request {rid!r}: its images' cross-attention keys/values need "
+                                      f"{seq.image_bytes} bytes but the engine keeps {self.scheduler.image_budget} "
+                                      f"for them; send fewer images or raise gpu_memory")
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         self._prompt_tokens += len(prompt)
@@ -215,73 +225,114 @@ class BatchEngine:
             raise GenerationError(f"request {rid!r}: {e}") from None
 
     def abort(self, request_id: str) -> None:
+        """The request stops now; its output (the tokens it had, a token still on its way included) comes with the
+        next step's. A request already at its last token finishes as it would have."""
         seq = self.seqs.get(request_id)
-        if seq is None or seq.finish_reason is not None:
+        if seq is None or seq.finish_reason is not None or seq.status is Status.FINISHED:
             return
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
         self._aborted.append(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- stepping ----
     def step(self) -> list[RequestOutput]:
-        """One scheduler step -> an output for every request it ran (its new tokens; none for a prefill chunk that
-        did not reach the prompt's end) and every request aborted since the last step."""
-        outputs = [self._finish_output(seq) for seq in self._aborted]
-        self._aborted = []
-        batch = self.scheduler.schedule()
-        if not batch:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests waiting (a bug: add_request checks "
-                                   "that each request fits the pool alone)")
-            return outputs
-        inp = self.runner.prepare(batch)
-        logits = self.runner.run(inp)
-        drawn = self._sample(logits, inp.sampled) if inp.sampled else None
+        """One scheduler step -> an output for every request a step ran (its new tokens; none for a prefill chunk
+        that did not reach the prompt's end) and every request aborted since the last step. With `overlap` the
+        outputs are those of the step launched by the previous call: this call launches the next step first."""
+        launched = self._launch()
+        done = self._in_flight if self.overlap else launched
+        self._in_flight = launched if self.overlap else None
+        if done is not None:
+            self._read_back(done)
         if self.record_logits:
-            self.last_logits = {s.seq.request_id: logits[r] for r, s in enumerate(inp.sampled)}
-        for s in batch:  # while the device runs the step: its K/V count as computed, full blocks are registered
-            s.seq.num_computed += s.num_tokens
-            self.blocks.commit(s.seq)
-        tokens, logprobs = self._read_back(logits, inp.sampled, *drawn) if drawn else ([], [])
-        for r, entry in logprobs:
-            inp.sampled[r].seq.logprobs.append(entry)
-        for s, token in zip(inp.sampled, tokens):
-            s.seq.append(token)
-            self._generation_tokens += 1
-        for s in batch:
-            if s.seq.finish_reason is not None:
-                self.scheduler.finish(s.seq)
-                outputs.append(self._finish_output(s.seq))
-            else:
-                outputs.append(s.seq.output())
+            self.last_logits = {} if done is None or done.logits is None else done.logits
+        if launched is not None:  # its computed tokens are all known now: full blocks are registered
+            self.blocks.commit_all([s.seq for s in launched.batch])
+        outputs = self._outputs(done) if done is not None else []
+        outputs += [self._finish_output(seq) for seq in self._aborted]
+        self._aborted = []
+        if launched is not None:  # requests at their max_tokens leave the running queue: nothing more to compute
+            for seq in launched.last:
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.finish(seq)
         return outputs
 
-    def _sample(self, logits: torch.Tensor, sampled) -> tuple:
-        """Launches the sampled rows' draws -> (tokens [R] on the device, the tokens and a finite-logits flag per
-        row [2, R] on their way to the host, the CUDA event they are there at; None on CPU). Nothing waits here."""
-        token_t = sample(logits, [s.seq for s in sampled])  # [R]
-        finite = torch.isfinite(logits).all(dim=-1).to(torch.int64)  # [R]
-        host = torch.stack([token_t, finite]).to("cpu", non_blocking=True)  # [2, R]: pinned when from the device
-        ready = None
-        if token_t.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        return token_t, host, ready
+    def _launch(self) -> "_Launched | None":
+        """Schedules and launches a step (its model run, its draws, their copy to the host) -> what reading it back
+        needs; None if nothing is scheduled. Nothing here waits for the device: tokens drawn by the step in flight
+        reach this step's input ids on the device."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished() and self._in_flight is None:
+                raise RuntimeError("scheduler made no progress with requests waiting (a bug: add_request checks "
+                                   "that each request fits the pool alone)")
+            return None
+        prev = None if self._in_flight is None else self._in_flight.tokens
+        inp = self.runner.prepare(batch)
+        logits = self.runner.run(inp, prev)
+        sampled = inp.sampled
+        seqs = [s.seq for s in sampled]
+        out = _Launched(batch, sampled, [], [], None, None, None, None)
+        if sampled:
+            out.tokens = sample(logits, seqs, prev)  # [R]
+            out.logprobs = launch_logprobs(logits, out.tokens, seqs)
+            # [R]: one read of the logits (a NaN or Inf in a row makes its fp32 sum NaN or Inf)
+            finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).to(torch.int64)
+            out.host = torch.stack([out.tokens, finite]).to("cpu", non_blocking=True)  # [2, R]: pinned from a GPU
+            if out.tokens.is_cuda:
+                out.ready = torch.cuda.Event()
+                out.ready.record()
+            if self.record_logits:
+                out.logits = {s.seq.request_id: row for s, row in zip(sampled, logits.clone())}
+        for s in batch:
+            s.seq.num_computed += s.num_tokens
+        for r, seq in enumerate(seqs):
+            out.index.append(seq.push_pending(r))
+            if seq.num_generated >= seq.params.max_tokens:
+                out.last.append(seq)
+        return out
 
-    def _read_back(self, logits: torch.Tensor, sampled, token_t: torch.Tensor, host: torch.Tensor, ready) -> tuple:
-        """Waits for _sample's copy -> (the tokens, the logprobs of the rows that ask for them); a row of NaN or Inf
-        logits is an error naming its request (bf16 overflow stays in its own row: rows never mix)."""
-        if ready is not None:
-            ready.synchronize()
-        tokens, finite = host.tolist()
-        bad = next((s.seq for s, ok in zip(sampled, finite) if not ok), None)
+    def _read_back(self, done: "_Launched") -> None:
+        """Waits for a launched step's tokens and puts them in their sequences (stop tokens and lengths set finish
+        reasons); a row of NaN or Inf logits is an error naming its request (bf16 overflow stays in its own row:
+        rows never mix). Rows of requests that stopped at an earlier token are dropped."""
+        if not done.sampled:
+            return
+        if done.ready is not None:
+            done.ready.synchronize()
+        tokens, finite = done.host.tolist()
+        bad = None if all(finite) else \
+            next((i for i, ok in enumerate(finite) if not ok and done.index[i] < len(done.sampled[i].seq)), None)
         if bad is not None:
-            raise GenerationError(f"request {bad.request_id!r}: the logits of generated token {bad.num_generated} "
-                                  f"hold NaN or Inf (the weights overflow in {self.dtype_name}?)")
-        return tokens, logprob_rows(logits, token_t, [s.seq for s in sampled])
+            seq = done.sampled[bad].seq
+            raise GenerationError(f"request {seq.request_id!r}: the logits of generated token "
+                                  f"{done.index[bad] - seq.num_prompt_tokens} hold NaN or Inf (the weights overflow "
+                                  f"in {self.dtype_name}?)")
+        entries = dict(logprob_entries(done.logprobs))
+        for r, (s, index, token) in enumerate(zip(done.sampled, done.index, tokens)):
+            seq = s.seq
+            if index >= len(seq.token_ids):  # drawn after its stop token
+                continue
+            seq.resolve(index, token)
+            if r in entries:
+                seq.logprobs.append(entries[r])
+            self._generation_tokens += 1
+
+    def _outputs(self, done: "_Launched") -> list[RequestOutput]:
+        outputs = []
+        for s in done.batch:
+            seq = s.seq
+            if seq.finish_reason == "abort" or self.seqs.get(seq.request_id) is not seq:
+                continue  # aborted: its output follows; finished: returned already
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                outputs.append(self._finish_output(seq))
+            else:
+                outputs.append(seq.output())
+        return outputs
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         out = seq.output()

@@ -16,6 +16,12 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 64  # blocks: short contexts share one graph per bucket
 
 
+def feed_ids(ids: torch.Tensor, feed: torch.Tensor | None, prev: torch.Tensor | None) -> None:
+    """ids[feed[0]] = prev[feed[1]] on the device: decode rows whose input token the previous step drew."""
+    if feed is not None:
+        ids.index_copy_(0, feed[0], prev.index_select(0, feed[1]))
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -39,10 +45,13 @@ class DecodeGraphs:
             w *= 2
         return bucket, min(w, max(self.runner.max_width, width))
 
-    def run(self, inp) -> torch.Tensor:
+    def run(self, inp, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Replays inp's graph over its inputs (pinned host tensors: copied without waiting), its decode rows fed
+        from the previous step's tokens `prev` on the device (runner.feed_ids) -> logits [rows, V]."""
         g = self.graphs.get(inp.graph_key) or self._capture(inp)
         for name in ("ids", "positions", "slots", "tables", "lens"):
             getattr(g.inputs, name).copy_(getattr(inp, name), non_blocking=True)
+        feed_ids(g.inputs.ids, inp.feed, prev)
         g.graph.replay()
         return g.logits
 

@@ -29,6 +29,7 @@ past the pool (`pad_slot`) and attending to nothing.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,8 @@ from ..ops.paged import invariant_linear, paged_decode_attention
 from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 from .block_manager import BlockManager
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, feed_ids
+from .host_copy import host_tensor, to_device
 from .scheduler import Scheduled
 from .vision import ImageStep, VisionLayers
 
@@ -63,6 +65,35 @@ class StepInputs:
     graph_key: tuple[int, int] | None = None  # (rows, table width) of the CUDA graph that runs it, padded to those
     lora_tiles: torch.Tensor | None = None  # [NT, 3] int32 (first row, end row, adapter index); None: no adapter
     images: ImageStep | None = None  # vision models: the rows of requests with images (accel/batch/vision.py)
+    feed: torch.Tensor | None = None  # [2, F] int64 (row, row of the previous step's tokens): ids[row] = prev[...]
+
+
+class DecodeTables:
+    """The decode rows' block tables as one [n, W] int32 matrix, kept from step to step: while the same sequences
+    decode in the same order (most steps), only the rows whose table grew are written (a table only grows while its
+    sequence runs: preemption and finishing take it out of the rows)."""
+
+    SLACK = 8  # columns past the widest table: a few steps of growth before the matrix is built again
+
+    def __init__(self):
+        self.seqs: list = []
+        self.have = np.zeros(0, np.int64)  # [n] blocks of each row's table
+        self.tables = np.zeros((0, 0), np.int32)
+
+    def of(self, seqs: list, width: int) -> np.ndarray:
+        """-> [len(seqs), >= width] int32, row i seqs[i]'s block table (zeros after it)."""
+        n = len(seqs)
+        have = np.fromiter(map(len, (q.block_table for q in seqs)), np.int64, n)
+        if seqs != self.seqs or width > self.tables.shape[1] or (have < self.have).any():
+            self.tables = np.zeros((n, width + self.SLACK), np.int32)
+            self.tables[np.arange(self.tables.shape[1]) < have[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(q.block_table for q in seqs), np.int32, int(have.sum()))  # row-major
+            self.seqs = list(seqs)
+        else:
+            for i in np.flatnonzero(have != self.have).tolist():
+                self.tables[i, self.have[i]:have[i]] = seqs[i].block_table[self.have[i]:]
+        self.have = have
+        return self.tables
 
 
 class ModelRunner:
@@ -86,6 +117,7 @@ class ModelRunner:
         self.cos, self.sin = torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
         self.max_width = blocks.blocks_for(cfg.max_position_embeddings)  # blocks of the longest sequence
         self.graphs = DecodeGraphs(self) if cuda_graphs else None
+        self._tables = DecodeTables()
         self.adapters: dict[str, list] = {}  # LoRA adapters by name, as add_adapter took them
         self.vision = vision
         self.lora: LoraStack | None = None  # all of them stacked on the device, in the model's dtype
@@ -104,50 +136,62 @@ class ModelRunner:
 
     # ---- inputs ----
     def prepare(self, batch: list[Scheduled]) -> StepInputs:
-        """The step's inputs, built in NumPy (torch.tensor over nested lists costs about a microsecond an element)."""
+        """The step's inputs, built in NumPy over whole columns (torch.tensor over nested lists costs about a
+        microsecond an element) and sent from pinned memory without waiting for the device. A decode row whose token
+        is still on the device (Sequence.pending) gets it there: StepInputs.feed."""
         decode, prefill = [], []
         for s in batch:
             (decode if s.num_tokens == 1 else prefill).append(s)
-        samples = [s.samples for s in decode]  # a one-token chunk of a longer prompt samples nothing
+        dseqs = [s.seq for s in decode]
+        samples = [q.num_computed + 1 == len(q.token_ids) for q in dseqs]  # a prompt's 1-token chunk: no sample
         adapters = any(s.seq.adapter is not None for s in batch)
-        width = max((len(s.seq.block_table) for s in decode), default=1)
+        width = max(map(len, (q.block_table for q in dseqs)), default=1)
         graphable = self.graphs and not prefill and all(samples) and not adapters \
-            and all(s.seq.images is None for s in decode)  # the graphs hold no adapter and no image
+            and all(q.images is None for q in dseqs)  # the graphs hold no adapter and no image
         key = self.graphs.key(len(decode), width) if graphable else None
         rows, width = key if key is not None else (len(decode), width)
         T = rows + sum(s.num_tokens for s in prefill)
         ids = np.zeros(T, np.int64)  # padding rows: token 0 at position 0 into the spare slot, length 0
         positions = np.zeros(T, np.int64)
         slots = np.full(T, self.pad_slot, np.int64)
-        tables, lens = self._decode_rows(decode, rows, width, ids, positions, slots)
+        tables, lens = self._decode_rows(dseqs, rows, width, ids, positions, slots)
         chunks = self._prefill_rows(prefill, rows, ids, positions, slots)
         prefill_samples = [s.samples for s in prefill]
         sampled = [s for s, ok in zip(decode, samples) if ok] + [s for s, ok in zip(prefill, prefill_samples) if ok]
         sample_rows = [i for i, ok in enumerate(samples) if ok] + [f + n - 1 for (f, n, _), ok in
                                                                   zip(chunks, prefill_samples) if ok]
+        feed = [(i, q.pending_row) for i, q in enumerate(dseqs) if q.pending]  # (row, its token's row in prev)
         lora_rows = self._adapter_rows(decode, prefill, chunks, T) if adapters else None
         images = self._image_rows(decode, prefill, chunks) if self.vision is not None else None
         num_paged = rows
         if self.invariant and prefill:  # every row through the paged kernel, each with its own table and length
             tables, lens = self._rows_tables(tables, lens, prefill, T)
             num_paged, chunks = T, []
-        dev = self.device if key is None else "cpu"  # graph inputs are copied into the graph's own buffers
+        cuda = self.device.type == "cuda"
 
-        def t(x):
-            return torch.from_numpy(np.asarray(x)).to(dev)
+        def t(x, host=key is not None):  # graph inputs are copied into the graph's own buffers from the host
+            return host_tensor(x, pin=cuda) if host else to_device(x, None, self.device)
         return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
-                          [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
-                          self.lora.tiles(lora_rows, dev) if adapters else None, images)
+                          [(f, n, t(sl, False)) for f, n, sl in chunks],
+                          t(np.asarray(sample_rows, np.int64), False), sampled, key,
+                          t(self.lora.tiles(lora_rows, "cpu"), False) if adapters else None, images,
+                          t(np.asarray(feed, np.int64).T, False) if feed else None)
 
-    def _decode_rows(self, decode: list[Scheduled], rows: int, width: int, ids, positions, slots):
-        """Rows 0.. of the decode sequences: their token, position and slot -> (tables [rows, width], lens [rows])."""
+    def _decode_rows(self, dseqs: list, rows: int, width: int, ids, positions, slots):
+        """Rows 0.. of the decode sequences: their token (0 where it is still on the device), position and slot ->
+        (tables [rows, width], lens [rows])."""
+        n, bs = len(dseqs), self.block_size
         tables = np.zeros((rows, width), np.int32)
         lens = np.zeros(rows, np.int32)
-        for i, s in enumerate(decode):
-            seq, p = s.seq, s.seq.num_computed
-            ids[i], positions[i], lens[i] = seq.token_ids[p], p, p + 1
-            slots[i] = self.blocks.slot(seq, p)
-            tables[i, :len(seq.block_table)] = seq.block_table
+        if not n:
+            return tables, lens
+        pos = np.fromiter((q.num_computed for q in dseqs), np.int64, n)
+        ids[:n] = np.maximum(np.fromiter((q.token_ids[q.num_computed] for q in dseqs), np.int64, n), 0)
+        positions[:n] = pos
+        lens[:n] = pos + 1
+        table = self._tables.of(dseqs, width)  # [n, >= width]
+        tables[:n] = table[:, :width]
+        slots[:n] = table[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         return tables, lens
 
     def _prefill_rows(self, prefill: list[Scheduled], first: int, ids, positions, slots) -> list:
@@ -210,11 +254,14 @@ class ModelRunner:
         return (blocks + np.arange(self.block_size)).reshape(-1)[:n]  # [W, bs] -> [n]
 
     # ---- the forward ----
-    def run(self, inp: StepInputs) -> torch.Tensor:
-        """-> logits [R, V] of inp.sample_rows (model dtype)."""
+    def run(self, inp: StepInputs, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """-> logits [R, V] of inp.sample_rows (model dtype). prev: the previous step's tokens [R'] on the device,
+        which inp.feed takes the decode rows' input ids from (the step runs after it on the same stream: nothing
+        waits)."""
         if inp.graph_key is not None:
-            return self.graphs.run(inp)[:len(inp.sampled)]
+            return self.graphs.run(inp, prev)[:len(inp.sampled)]
         with torch.inference_mode(), ops.torch_only(not self.use_triton):
+            feed_ids(inp.ids, inp.feed, prev)
             return self._forward(inp)
 
     def forward(self, inp: StepInputs) -> torch.Tensor:

@@ -11,8 +11,10 @@ recomputed later draws the same numbers again. Same seed -> same tokens, whateve
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from .host_copy import to_device
 from .sequence import Sequence
 
 _M32 = 0xFFFFFFFF
@@ -30,64 +32,96 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seeds: list[int], steps: list[int], vocab: int, device) -> torch.Tensor:
     """[R, V] float32 in (0, 1): row r a function of (seeds[r], steps[r]) and the column only."""
-    seed = torch.tensor(seeds, dtype=torch.int64, device=device)  # [R]
-    step = torch.tensor(steps, dtype=torch.int64, device=device)
+    seed = to_device(seeds, torch.int64, device)  # [R]
+    step = to_device(steps, torch.int64, device)
     key = _mix((seed & _M32) ^ _mix(((seed >> 32) & _M32) ^ _mix(step & _M32)))  # [R]
     col = torch.arange(vocab, dtype=torch.int64, device=device)  # [V]
     bits = _mix(_mix((key[:, None] + col[None, :] * 0x9E3779B1) & _M32) ^ key[:, None])  # [R, V]
     return ((bits.double() + 0.5) / 2.0**32).float()
 
 
-def penalized(params) -> bool:
-    """Whether a request's logits are changed before sampling (repetition, presence or frequency penalty)."""
-    return params.repetition_penalty != 1 or bool(params.presence_penalty or params.frequency_penalty)
+def _pending_tokens(seqs: list[Sequence], prev: torch.Tensor | None, dev) -> tuple | None:
+    """The rows of seqs whose last token is still on the device -> (those rows [Rp], their tokens [Rp] read from
+    prev, the previous step's tokens), both on the device; None if none."""
+    rows = [j for j, s in enumerate(seqs) if s.pending]
+    if not rows:
+        return None
+    src = to_device([seqs[j].pending_row for j in rows], torch.int64, dev)
+    return to_device(rows, torch.int64, dev), prev[src]
 
 
-def penalize_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def penalize_rows(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor | None = None) -> torch.Tensor:
     """logits [R, V] fp32 -> the same with each row's repetition penalty applied to its request's seen tokens, then
-    its presence and frequency penalties to the tokens it generated."""
-    for r, seq in enumerate(seqs):
-        p = seq.params
-        if not penalized(p):
-            continue
-        if p.repetition_penalty != 1:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
-            vals = logits[r, seen]
-            logits[r, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.num_generated:
-            ids, counts = torch.unique(torch.tensor(seq.output_ids, device=logits.device), return_counts=True)
-            logits[r, ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
+    its presence and frequency penalties to the tokens it generated. prev: the previous step's tokens [R'] on the
+    device, where a request's last token (Sequence.pending_row) still is. Built for all penalised rows at once from
+    what each sequence keeps (its prompt's distinct ids, its generated tokens' counts): no pass over its tokens."""
+    rows = [r for r, s in enumerate(seqs) if s.penalized]
+    if not rows:
+        return logits
+    dev, V = logits.device, logits.shape[1]
+    pen = [seqs[r] for r in rows]
+    flat = lambda parts: to_device(np.concatenate(parts), None, dev)  # noqa: E731
+    counts = torch.zeros(len(pen) * V, dtype=torch.float32, device=dev)  # [P·V]: generated tokens' counts
+    ids = [np.fromiter(s.counts, np.int64, len(s.counts)) + j * V for j, s in enumerate(pen) if s.counts]
+    if ids:
+        n = [np.fromiter(s.counts.values(), np.float32, len(s.counts)) for s in pen if s.counts]
+        counts.index_put_((flat(ids),), flat(n), accumulate=True)
+    on_device = _pending_tokens(pen, prev, dev)
+    if on_device is not None:
+        j, token = on_device
+        counts.index_put_((j * V + token,), torch.ones_like(token, dtype=torch.float32), accumulate=True)
+    seen = counts > 0  # [P·V]: the prompt's tokens added below
+    prompts = [s.prompt_set + j * V for j, s in enumerate(pen) if s.prompt_set is not None]
+    if prompts:
+        seen[flat(prompts)] = True
+    counts, seen = counts.view(len(pen), V), seen.view(len(pen), V)
+    column = lambda values: to_device(values, torch.float32, dev)[:, None]  # noqa: E731  [P, 1]
+    rep = column([s.params.repetition_penalty for s in pen])
+    index = to_device(rows, torch.int64, dev)
+    vals = logits[index]  # [P, V]
+    vals = torch.where(seen, torch.where(vals > 0, vals / rep, vals * rep), vals)
+    cost = column([s.params.presence_penalty for s in pen]) + column([s.params.frequency_penalty for s in pen]) * counts
+    logits[index] = vals - torch.where(counts > 0, cost, torch.zeros_like(cost))
     return logits
 
 
-def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list:
-    """For the rows whose request asks for logprobs: (row, (token, logprob, [(id, logprob)] top alternatives)) of the
-    model's distribution (log-softmax of the raw logits); one copy back for all of them."""
+def launch_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> tuple | None:
+    """For the rows whose request asks for logprobs, the model's distribution (log-softmax of the raw logits): the
+    drawn token's logprob and the top alternatives, on their way to the host (read them with logprob_entries once
+    the step's copies are done) -> None if no row asks."""
     rows = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
-        return []
-    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        return None
+    idx = to_device(rows, torch.int64, logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [Rl, V]
     chosen = lp.gather(1, tokens[idx][:, None])[:, 0]  # [Rl]
     top = torch.topk(lp, max(seqs[r].params.logprobs for r in rows), dim=-1)  # k = 0: empty rows
-    chosen, top_v, top_i, tok = chosen.tolist(), top.values.tolist(), top.indices.tolist(), tokens[idx].tolist()
-    return [(r, (tok[j], chosen[j], list(zip(top_i[j], top_v[j]))[:seqs[r].params.logprobs]))
-            for j, r in enumerate(rows)]
+    host = [t.to("cpu", non_blocking=True) for t in (chosen, top.values, top.indices, tokens[idx])]
+    return rows, [seqs[r].params.logprobs for r in rows], host
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def logprob_entries(launched: tuple | None) -> list:
+    """launch_logprobs' copies read -> [(row, (token, logprob, [(id, logprob)] top alternatives))]."""
+    if launched is None:
+        return []
+    rows, ks, host = launched
+    chosen, top_v, top_i, tok = (t.tolist() for t in host)
+    return [(r, (tok[j], chosen[j], list(zip(top_i[j], top_v[j]))[:ks[j]])) for j, r in enumerate(rows)]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor | None = None) -> torch.Tensor:
     """logits [R, V] (row r: the next token of seqs[r]) -> token ids [R] int64 on the device. Greedy rows without
-    penalties (the common case) cost one argmax: no copy of the logits."""
-    drawn = [r for r, s in enumerate(seqs) if s.params.temperature > 0]
-    if drawn or any(penalized(s.params) for s in seqs):
-        logits = penalize_rows(logits.float().clone(), seqs)
+    penalties (the common case) cost one argmax: no copy of the logits. prev: penalize_rows'."""
+    drawn = [r for r, s in enumerate(seqs) if not s.greedy]
+    if drawn or any(s.penalized for s in seqs):
+        logits = penalize_rows(logits.float().clone(), seqs, prev)
     tokens = torch.argmax(logits, dim=-1)  # [R]: the greedy rows' answer
     if not drawn:
         return tokens
-    rows = torch.tensor(drawn, dtype=torch.int64, device=logits.device)
+    rows = to_device(drawn, torch.int64, logits.device)
     params = [seqs[r].params for r in drawn]
     dev, V = logits.device, logits.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    temperature = to_device([p.temperature for p in params], torch.float32, dev)
     z = logits[rows] / temperature[:, None]  # [Rs, V]
     z = _top_k(z, [p.top_k for p in params])
     p = torch.softmax(z, dim=-1)
@@ -100,10 +134,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def _top_k(z: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Keep each row's k largest values (ties at the k-th kept); k = 0 or >= V: the whole row."""
     V = z.shape[1]
-    k = torch.tensor([k if 0 < k < V else V for k in ks], dtype=torch.int64, device=z.device)  # [Rs]
-    if bool((k == V).all()):
+    ks = [k if 0 < k < V else V for k in ks]
+    if all(k == V for k in ks):
         return z
-    top = torch.topk(z, int(k.max()), dim=-1).values  # [Rs, kmax], largest first
+    k = to_device(ks, torch.int64, z.device)  # [Rs]
+    top = torch.topk(z, max(ks), dim=-1).values  # [Rs, kmax], largest first
     kth = top.gather(1, (k.clamp_max(top.shape[1]) - 1)[:, None])  # [Rs, 1]
     return z.masked_fill(z < kth, float("-inf"))
 
@@ -112,7 +147,7 @@ def _top_p(p: torch.Tensor, ps: list[float]) -> torch.Tensor:
     """Keep each row's smallest most-likely-first prefix whose mass reaches its top_p; renormalize."""
     if all(x >= 1 for x in ps):
         return p
-    top_p = torch.tensor(ps, dtype=torch.float32, device=p.device)[:, None]  # [Rs, 1]
+    top_p = to_device(ps, torch.float32, p.device)[:, None]  # [Rs, 1]
     sorted_p, order = torch.sort(p, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     keep_sorted = (mass_before < top_p) | (top_p >= 1)

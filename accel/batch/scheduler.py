@@ -6,7 +6,8 @@ a chunked one, or the one token a decode step feeds), and a step takes as many a
 prefills; then waiting ones are admitted (oldest first, at most `max_num_seqs` running) while budget and blocks last.
 When the pool cannot hold a running sequence's next tokens, the newest running sequence is preempted: its blocks are
 freed and it goes back to the front of the waiting queue, to be recomputed from its tokens later (never an
-out-of-memory error). A step that preempted admits nobody new.
+out-of-memory error). A step that preempted admits nobody new. A vision model's requests with images are admitted
+only while their image keys/values fit the bytes kept for them (`image_budget`), or they wait.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class Scheduled:
     seq: Sequence
     num_tokens: int  # token_ids[num_computed : num_computed + num_tokens] go through the model this step
@@ -29,8 +30,12 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 image_budget: int | None = None):
+        """image_budget: the bytes running requests' image keys/values may take (None: no images)."""
         self.blocks = blocks
+        self.image_budget = image_budget
+        self.image_bytes = 0  # what the running requests' images hold
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -48,15 +53,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[Scheduled] = []
         preempted = False
+        bs = self.blocks.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
-            if self.blocks.blocks_needed(seq, n) <= 0:  # most decode steps: the last block has room
-                out.append(Scheduled(seq, n))
-                budget -= n
+            end = min(len(seq.token_ids), seq.num_computed + budget)  # n = end - num_computed tokens this step
+            if end <= len(seq.block_table) * bs:  # most decode steps: the last block has room
+                out.append(Scheduled(seq, end - seq.num_computed))
+                budget -= end - seq.num_computed
                 i += 1
                 continue
+            n = end - seq.num_computed
             while not self.blocks.can_append(seq, n) and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
                 preempted = True
@@ -70,6 +77,8 @@ class Scheduler:
             i += 1
         while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            if seq.image_bytes and self.image_bytes + seq.image_bytes > self.image_budget:
+                break  # its images' keys/values wait for a running request's to be freed
             matched = self.blocks.match_prefix(seq) if not seq.block_table else 0
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.can_append(seq, n):
@@ -79,22 +88,28 @@ class Scheduler:
             self.waiting.popleft()
             self.prefix_cached_tokens += matched
             seq.status = Status.RUNNING
+            self.image_bytes += seq.image_bytes
             self.running.append(seq)
             out.append(Scheduled(seq, n))
             budget -= n
         return out
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """A running sequence's blocks and image keys/values go back."""
         self.blocks.free(seq)
-        seq.image_kv = None  # encoded again when it is readmitted
+        seq.image_kv = None
+        if seq.status is Status.RUNNING:
+            self.image_bytes -= seq.image_bytes
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)  # its images are encoded again when it is readmitted
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Done (stopped, at its length, or aborted): its blocks go back to the pool."""
-        self.blocks.free(seq)
-        seq.image_kv = None
+        self._release(seq)
         seq.status = Status.FINISHED
         if seq in self.running:
             self.running.remove(seq)

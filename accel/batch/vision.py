@@ -15,8 +15,10 @@ generated tokens its last row, as HF's generate does): a plain loop over those r
 images skip a cross layer, as HF and the single-request engine do (their residual stream passes unchanged); a step
 without any image rows skips the cross layers entirely. Steps with image rows run eagerly (no CUDA graph).
 
-The image buffers are outside the pool's memory budget: each running request with images holds
-2 · C · K · N · E elements (C cross layers, N = images × tiles × tokens per tile).
+The image buffers are outside the paged pool: each running request with images holds 2 · C · K · N · E elements
+(C cross layers, N = images × tiles × tokens per tile; image_kv_bytes). The engine keeps a share of its memory budget
+for them (memory.IMAGE_KV_SHARE, or the engine's image_memory), and the scheduler admits a request with images only while
+the running ones' buffers and its own fit that share; the others wait (FCFS), as they do for blocks.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from refimpl.vision.inputs import ImageInputs
 from .. import ops
 from ..vision.model import encode_image_kv, gated_cross_layer
 from ..vision.weights import VisionWeights
+from .host_copy import to_device
 
 
 @dataclass
@@ -61,6 +64,15 @@ class ImageKV:
         kv.visible = torch.as_tensor(visible | ~has[:, None]).to(device)  # [T0, N]
         kv.has_image = torch.as_tensor(has).to(device, dtype)[:, None]  # [T0, 1]
         return kv
+
+
+def image_kv_bytes(cfg: MllamaConfig, images: ImageInputs, prompt_len: int, dtype: torch.dtype) -> int:
+    """What ImageKV.of allocates for a request: every cross layer's keys and values of its image tokens, and its
+    prompt's cross-attention rows."""
+    t = cfg.text
+    N = images.num_images * cfg.vision.max_num_tiles * cfg.vision.tokens_per_tile
+    kv = 2 * len(t.cross_attention_layers) * t.num_key_value_heads * N * t.head_dim * dtype.itemsize
+    return kv + prompt_len * N + prompt_len * dtype.itemsize  # + visible [T0, N] bool, has_image [T0, 1]
 
 
 def images_key(images: ImageInputs) -> str:
@@ -98,7 +110,7 @@ class ImageStep:
     def of(cls, seqs: list[ImageRows], device) -> "ImageStep | None":
         if not seqs:
             return None
-        index = torch.from_numpy(np.concatenate([np.arange(r.first, r.first + r.n) for r in seqs])).to(device)
+        index = to_device(np.concatenate([np.arange(r.first, r.first + r.n) for r in seqs]), None, device)
         return cls(seqs, index, torch.cat([r.has_image for r in seqs]))
 
 
