@@ -27,7 +27,7 @@ import torch
 from accel.batch.graphs import MIN_WIDTH
 from accel.kernels.paged_attn import paged_decode_attention_fwd
 from accel.ops.paged import torch_paged_decode_attention
-from tools.bench.common import (copy_bandwidth, cuda_profile, graph_us, median_ms, model_config, model_keys, parser,
+from tools.bench.common import (copy_bandwidth, cuda_profile, graph_us, median_ms, model_config, parser,
                                 record, require_cuda)
 
 BLOCK_SIZE = 16
@@ -196,9 +196,8 @@ def sizes(text: str) -> list[int]:
 def main(argv: list[str] | None = None, variants: dict | None = None, step_kernels: dict | None = None) -> dict:
     """variants: name -> a function with paged_decode_attention_fwd's first six arguments (default: CONFIGS);
     step_kernels: the paged kernels the step is timed with (default: the shipped one)."""
-    ap = parser("tools.bench.sweeps.paged", __doc__, json_out=False)
+    ap = parser("tools.bench.sweeps.paged", __doc__, models="1b,3b", json_out=False)
     ap.add_argument("out_dir", type=Path)
-    ap.add_argument("--models", type=model_keys, default=["1b", "3b"])
     ap.add_argument("--batches", type=sizes, default=[8, 64, 256])
     ap.add_argument("--contexts", type=sizes, default=[512, 2048])
     ap.add_argument("--budget", type=float, default=float("inf"), help="seconds of kernel timing at most")
