@@ -166,19 +166,19 @@ def step_row(engine, weight_bytes: int, batch: int, copy_tb_s: float, profile: b
 
 
 def step_rows(model: str, batch: int, context: int, copy_tb_s: float, kernels: dict) -> list[dict]:
-    """The step's replay with each paged kernel of `kernels` (name -> a paged_decode_attention_fwd; the first is
-    profiled), the graph captured again for each."""
+    """The step's replay with each paged kernel of `kernels` (name -> a paged_decode_attention_fwd), profiled, the
+    graph captured again for each."""
     import accel.ops.paged as paged_ops
     engine, weight_bytes = decode_engine(model, batch, context)
     shipped = paged_ops.paged_decode_attention_fwd
     rows = []
     try:
-        for i, (name, fn) in enumerate(kernels.items()):
+        for name, fn in kernels.items():
             paged_ops.paged_decode_attention_fwd = fn
             engine.runner.graphs.graphs.clear()
             for _ in range(2):
                 engine.step()
-            row = {"model": model, "kernel": name, **step_row(engine, weight_bytes, batch, copy_tb_s, i == 0)}
+            row = {"model": model, "kernel": name, **step_row(engine, weight_bytes, batch, copy_tb_s, True)}
             rows.append(row)
             print(f"{model} decode step, B {batch}, paged kernel {name}: {row['replay_ms']:.3f} ms, "
                   f"{row['roofline_pct']:.1f}% of the roofline ({row['roofline_ms']:.3f} ms)", flush=True)
