@@ -92,11 +92,12 @@ def test_paged_decode_gpu(dtype, tol):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernel on CPU tensors needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("config", [{"fused": True}, {"tile_blocks": True}, {"fused": True, "BLOCK_N": 32}])
+@pytest.mark.parametrize("config", [{"fused": True}, {"tile_blocks": True}, {"fused": True, "BLOCK_N": 32},
+                                    {"prefetch": True}, {"prefetch": True, "tile_blocks": True, "BLOCK_N": 32}])
 @pytest.mark.parametrize("invariant", [False, True])
 def test_paged_decode_configs_match_reference(config, invariant):
     """The fused combination (the last split of a group to finish combines them; one split: written directly)
-    and the tile gathered block by block give the reference; run twice, the second into a NaN-filled output (the
+    the tile gathered block by block and the next tile's loads issued first give the reference; run twice, the second into a NaN-filled output (the
     fused arrival counts must be back at zero for the second launch to combine every group)."""
     for H, K, E, lens, block_size in SHAPES:
         q, ck, cv, tables, lens_t = case(H, K, E, lens, block_size)

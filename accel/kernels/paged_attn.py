@@ -29,7 +29,8 @@ from .flash_attn import LOG2E, dot_precision
 def _paged_split_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, O, COUNT, sq_b, sq_h, sk_k, sk_s, sv_k, sv_s, st_b,
                         so_b, so_h, E, G, H, NK, split_len, n_splits, qk_scale, BLOCK_SIZE: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr, TILE_BLOCKS: tl.constexpr,
+                        PREFETCH: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -51,28 +52,19 @@ def _paged_split_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, O, COUNT, sq_b, sq_h
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_E], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + offs_n
-            ok = pos < end
-            if TILE_BLOCKS:  # the tile's BLOCK_N / BLOCK_SIZE block ids once, each block's rows contiguous
-                blk = n0 // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
-                block = tl.load(TABLES + b * st_b + blk, mask=blk * BLOCK_SIZE < end, other=0)
-                slot = tl.reshape(block.to(tl.int64)[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :],
-                                  [BLOCK_N])  # [N/BS, BS] -> [N]
-            else:
-                block = tl.load(TABLES + b * st_b + pos // BLOCK_SIZE, mask=ok, other=0)  # constexpr: shifts
-                slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
-            kv_ok = ok[:, None] & e_ok[None, :]
-            k = tl.load(CK + slot[:, None] * sk_s + offs_e[None, :], mask=kv_ok, other=0.0)  # [N, E]
-            v = tl.load(CV + slot[:, None] * sv_s + offs_e[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N]
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # the block's first key is inside: finite
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # += [G, N] @ [N, E]
-            m_i = m_new
+        if PREFETCH:  # the next tile's K/V loads issued before this tile's math
+            k, v, ok = _tile(CK, CV, TABLES, b, st_b, sk_s, sv_s, start, end, offs_n, offs_e, e_ok, BLOCK_SIZE,
+                             BLOCK_N, TILE_BLOCKS)
+            for n0 in range(start, end, BLOCK_N):
+                k_next, v_next, ok_next = _tile(CK, CV, TABLES, b, st_b, sk_s, sv_s, n0 + BLOCK_N, end, offs_n,
+                                                offs_e, e_ok, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS)
+                m_i, l_i, acc = _attend(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+                k, v, ok = k_next, v_next, ok_next
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                k, v, ok = _tile(CK, CV, TABLES, b, st_b, sk_s, sv_s, n0, end, offs_n, offs_e, e_ok, BLOCK_SIZE,
+                                 BLOCK_N, TILE_BLOCKS)
+                m_i, l_i, acc = _attend(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION)
         row = (b * H + heads) * n_splits + split  # partials laid out [B, H, splits, (E)]
         if FUSED:
             n_live = tl.cdiv(ctx, split_len)
@@ -96,6 +88,39 @@ def _paged_split_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, O, COUNT, sq_b, sq_h
             if split == 0:  # a padding row: zeros
                 tl.store(O + b * so_b + heads[:, None] * so_h + offs_e[None, :],
                          tl.zeros([BLOCK_G, BLOCK_E], tl.float32).to(O.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _tile(CK, CV, TABLES, b, st_b, sk_s, sv_s, n0, end, offs_n, offs_e, e_ok, BLOCK_SIZE: tl.constexpr,
+          BLOCK_N: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+    """K and V of positions n0..n0+BLOCK_N-1 below `end`, through the block table -> (k [N, E], v [N, E], ok [N])."""
+    pos = n0 + offs_n
+    ok = pos < end
+    if TILE_BLOCKS:  # the tile's BLOCK_N / BLOCK_SIZE block ids once, each block's rows contiguous
+        blk = n0 // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
+        block = tl.load(TABLES + b * st_b + blk, mask=blk * BLOCK_SIZE < end, other=0)
+        slot = tl.reshape(block.to(tl.int64)[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :],
+                          [BLOCK_N])  # [N/BS, BS] -> [N]
+    else:
+        block = tl.load(TABLES + b * st_b + pos // BLOCK_SIZE, mask=ok, other=0)  # constexpr: shifts, not divides
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
+    kv_ok = ok[:, None] & e_ok[None, :]
+    k = tl.load(CK + slot[:, None] * sk_s + offs_e[None, :], mask=kv_ok, other=0.0)  # [N, E]
+    v = tl.load(CV + slot[:, None] * sv_s + offs_e[None, :], mask=kv_ok, other=0.0)
+    return k, v, ok
+
+
+@triton.jit
+def _attend(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile into the running softmax (exp2 domain) -> (m, l, acc)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N]
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # the tile's first key is inside: finite
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # += [G, N] @ [N, E]
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -158,8 +183,8 @@ def _paged_combine_kernel(ACC, M, L, LENS, O, so_b, so_h, H, E, split_len, n_spl
     tl.store(O + b * so_b + h * so_h + offs_e, out.to(O.dtype.element_ty), mask=e_ok)
 
 
-GPU_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2, "fused": False, "tile_blocks": False}
-CPU_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "fused": False, "tile_blocks": False}
+GPU_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2, "fused": False, "tile_blocks": False, "prefetch": False}
+CPU_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "fused": False, "tile_blocks": False, "prefetch": False}
 _COUNTERS: dict = {}  # device -> int32 arrival counts of the fused combination, zero between launches
 
 
@@ -193,7 +218,7 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
     split_len = default_split_len(on_gpu) if split_len is None else split_len
     cfg = {**(GPU_CONFIG if on_gpu else CPU_CONFIG), **(config or {})}
     block_n = min(cfg.pop("BLOCK_N"), split_len)
-    fused, tile_blocks = cfg.pop("fused"), cfg.pop("tile_blocks")
+    fused, tile_blocks, prefetch = cfg.pop("fused"), cfg.pop("tile_blocks"), cfg.pop("prefetch")
     tile_blocks = tile_blocks and block_n % block_size == 0
     assert split_len % block_n == 0 and block_n >= 16, "split_len must be a multiple of 16"
     n_splits = max(1, triton.cdiv(tables.shape[1] * block_size, split_len))
@@ -210,7 +235,7 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
         cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), tables.stride(0), out.stride(0), out.stride(1), E, G,
         H, NK, split_len, n_splits, LOG2E / math.sqrt(E), BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_E=block_e,
-        DOT_PRECISION=dot_precision(q.dtype), FUSED=fused, TILE_BLOCKS=tile_blocks, **cfg)
+        DOT_PRECISION=dot_precision(q.dtype), FUSED=fused, TILE_BLOCKS=tile_blocks, PREFETCH=prefetch, **cfg)
     if not fused:
         _paged_combine_kernel[(B * H,)](acc, m, l, lens, out, out.stride(0), out.stride(1), H, E, split_len,
                                         n_splits, BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_E=block_e,
