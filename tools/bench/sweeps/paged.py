@@ -151,8 +151,8 @@ def step_graph(engine):
     return graphs.graphs[graphs.key(len(engine.seqs), width)].graph
 
 
-def step_row(engine, weight_bytes: int, batch: int, copy_tb_s: float, profile: bool) -> dict:
-    """The current decode step's graph replayed: ms, % of the roofline, and with `profile` its kernels."""
+def step_row(engine, weight_bytes: int, batch: int, copy_tb_s: float) -> dict:
+    """The current decode step's graph replayed: ms, % of the roofline, and its kernels under the profiler."""
     cfg = engine.runner.cfg
     graph = step_graph(engine)
     ms = median_ms(graph.replay, reps=20)
@@ -161,8 +161,7 @@ def step_row(engine, weight_bytes: int, batch: int, copy_tb_s: float, profile: b
     roof_ms = (weight_bytes + kv) / (copy_tb_s * 1e12) * 1e3
     row = {"batch": batch, "context": context, "replay_ms": ms, "roofline_ms": roof_ms,
            "roofline_pct": 100 * roof_ms / ms}
-    if profile:
-        row["profile"] = str(cuda_profile(graph.replay, rows=30))
+    row["profile"] = str(cuda_profile(graph.replay, rows=30))
     return row
 
 
@@ -179,12 +178,11 @@ def step_rows(model: str, batch: int, context: int, copy_tb_s: float, kernels: d
             engine.runner.graphs.graphs.clear()
             for _ in range(2):
                 engine.step()
-            row = {"model": model, "kernel": name, **step_row(engine, weight_bytes, batch, copy_tb_s, True)}
+            row = {"model": model, "kernel": name, **step_row(engine, weight_bytes, batch, copy_tb_s)}
             rows.append(row)
             print(f"{model} decode step, B {batch}, paged kernel {name}: {row['replay_ms']:.3f} ms, "
                   f"{row['roofline_pct']:.1f}% of the roofline ({row['roofline_ms']:.3f} ms)", flush=True)
-            if "profile" in row:
-                print(row["profile"], flush=True)
+            print(row["profile"], flush=True)
     finally:
         paged_ops.paged_decode_attention_fwd = shipped
     return rows
