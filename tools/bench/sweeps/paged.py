@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -169,13 +170,14 @@ def step_rows(model: str, batch: int, context: int, copy_tb_s: float, kernels: d
     """The step's replay with each paged kernel of `kernels` (name -> a paged_decode_attention_fwd), profiled, the
     graph captured again for each."""
     import accel.ops.paged as paged_ops
+    from accel.batch.graphs import DecodeGraphs
     engine, weight_bytes = decode_engine(model, batch, context)
     shipped = paged_ops.paged_decode_attention_fwd
     rows = []
     try:
         for name, fn in kernels.items():
             paged_ops.paged_decode_attention_fwd = fn
-            engine.runner.graphs.graphs.clear()
+            engine.runner.graphs = DecodeGraphs(engine.runner)  # a new pool: the old graphs' is freed with them
             for _ in range(2):
                 engine.step()
             row = {"model": model, "kernel": name, **step_row(engine, weight_bytes, batch, copy_tb_s)}
@@ -211,7 +213,10 @@ def main(argv: list[str] | None = None, variants: dict | None = None, step_kerne
     out = args.out_dir / "paged_sweep.json"
     if args.step_batch:
         kernels = step_kernels or {"shipped": paged_decode_attention_fwd}
-        rec["step"] = step_rows(args.models[0], args.step_batch, args.contexts[0], copy, kernels)
+        try:
+            rec["step"] = step_rows(args.models[0], args.step_batch, args.contexts[0], copy, kernels)
+        except Exception:  # reported; the kernel sweep still runs
+            traceback.print_exc()
         out.write_text(json.dumps(rec, indent=1))
         gc.collect()
         torch.cuda.empty_cache()
