@@ -16,10 +16,10 @@ from .dispatch import rows, uses_triton
 def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int, invariant: bool = False, out=None):
     """q [B, H, E] (one new token per sequence), cache_k/cache_v [K, S, E] slot pools, tables [B, W] int32 block
     tables, lens [B] int32 (sequence b sees its positions 0..lens[b]-1) -> [B, H, E] in q's dtype, written into
-    `out` where given (the kernel writes it directly: no copy)."""
+    `out` where given (the kernel writes it directly: no copy). The kernel is batch-invariant as it is; `invariant`
+    picks the torch version's row-at-a-time path."""
     if uses_triton(q):
-        return paged_decode_attention_fwd(rows(q), cache_k, cache_v, tables, lens, block_size, out=out,
-                                          invariant=invariant)
+        return paged_decode_attention_fwd(rows(q), cache_k, cache_v, tables, lens, block_size, out=out)
     if invariant:  # each row over exactly its own blocks (eager: the lengths come to the host)
         a = torch.cat([torch_paged_decode_attention(q[b:b + 1], cache_k, cache_v,
                                                     tables[b:b + 1, :max(1, -(-int(n) // block_size))],

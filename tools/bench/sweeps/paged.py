@@ -35,17 +35,10 @@ BLOCK_SIZE = 16
 L2_FLUSH_BYTES = 256 * 2**20  # K/V copies at least this large: each call reads from HBM
 CONFIGS = {  # name -> (config, split_len); None: the defaults
     "default": (None, None),
-    "fused": ({"fused": True}, None),
-    "tile_blocks": ({"tile_blocks": True}, None),
-    "prefetch": ({"prefetch": True}, None),
-    "fused_prefetch": ({"fused": True, "prefetch": True}, None),
+    "split256": (None, 256),
     "n128_w4": ({"BLOCK_N": 128, "num_warps": 4}, None),
     "n64_w4": ({"num_warps": 4}, None),
     "n256_w8_s1": ({"BLOCK_N": 256, "num_warps": 8, "num_stages": 1}, None),
-    "split128": (None, 128),
-    "split512": (None, 512),
-    "fused_split128": ({"fused": True}, 128),
-    "fused_split512": ({"fused": True}, 512),
 }
 
 
