@@ -89,3 +89,32 @@ def test_paged_decode_gpu(dtype, tol):
     torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
     via_torch = torch_paged_decode_attention(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), 16)
     torch.testing.assert_close(via_torch.cpu().double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernel on CPU tensors needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_paged_decode_combines_every_group_launch_after_launch(block_n):
+    """Several splits a sequence: the group's last split combines them (one split: written directly); run twice, the
+    second into a NaN-filled output (the arrival counts must be back at zero for the second launch to combine every
+    group)."""
+    for H, K, E, lens, block_size in SHAPES:
+        q, ck, cv, tables, lens_t = case(H, K, E, lens, block_size)
+        want = reference(q, ck, cv, tables, lens_t, block_size)
+        for out in (None, torch.full_like(q, float("nan"))):
+            got = paged_decode_attention_fwd(q, ck, cv, tables, lens_t, block_size, split_len=32, out=out,
+                                             config={"BLOCK_N": block_n})
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernel on CPU tensors needs TRITON_INTERPRET=1")
+def test_rows_do_not_depend_on_the_batch_or_the_tables_width():
+    """A sequence's output bits are the same alone (its table just wide enough) and in a batch whose tables are
+    wider (more splits launched, past its length): what the batch-invariant mode relies on."""
+    q, ck, cv, tables, lens = case(8, 2, 16, [33, 7, 0, 64, 50], 16, num_blocks=60)
+    wide = torch.zeros(5, 12, dtype=torch.int32)  # 12 blocks: 6 splits of 32, most past every length
+    wide[:, :tables.shape[1]] = tables
+    batch = paged_decode_attention_fwd(q, ck, cv, wide, lens, 16, split_len=32)
+    for b, n in enumerate(lens.tolist()):
+        alone = paged_decode_attention_fwd(q[b:b + 1], ck, cv, tables[b:b + 1, :max(1, -(-n // 16))], lens[b:b + 1],
+                                           16, split_len=32)
+        assert torch.equal(alone[0], batch[b]), b

@@ -284,7 +284,9 @@ class ModelRunner:
             x, h = ops.add_rms_norm(self._linear(a, lw.o, i, "o", inp), x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
             act = ops.swiglu_gate_up(self._linear(h, lw.gate_up, i, "gate_up", inp))  # [T, D] -> [T, 2F] -> [T, F]
             x, h = ops.add_rms_norm(self._linear(act, lw.down, i, "down", inp), x, next_norm, eps)  # resid_post
-        return self._dense(h[inp.sample_rows], w.lm_head)  # [R, D] -> [R, V]
+        if len(inp.sample_rows) < h.shape[0]:  # else every row, in order (rows sampled are listed in order)
+            h = h[inp.sample_rows]
+        return self._dense(h, w.lm_head)  # [R, D] -> [R, V]
 
     def _schedule(self, inp: StepInputs):
         """(the first layer's input norm, [(self layer i or None, cross layer c or None, the next layer's norm)]):
@@ -315,8 +317,8 @@ class ModelRunner:
         a = torch.empty_like(q_rot)  # [T, H, E]
         D = inp.num_decode
         if D:
-            a[:D] = paged_decode_attention(q_rot[:D], cache_k, cache_v, inp.tables, inp.lens, self.block_size,
-                                           self.invariant)
+            paged_decode_attention(q_rot[:D], cache_k, cache_v, inp.tables, inp.lens, self.block_size, self.invariant,
+                                   out=a[:D])
         for first, n, slots in inp.prefills:
             k_seq, v_seq = cache_k[:, slots], cache_v[:, slots]  # [K, S, E] -> [K, ctx, E]: positions 0..ctx-1
             a[first:first + n] = ops.causal_attention(q_rot[first:first + n], k_seq, v_seq,

@@ -13,16 +13,20 @@ from ..kernels.paged_attn import paged_decode_attention_fwd
 from .dispatch import rows, uses_triton
 
 
-def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int, invariant: bool = False):
+def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int, invariant: bool = False, out=None):
     """q [B, H, E] (one new token per sequence), cache_k/cache_v [K, S, E] slot pools, tables [B, W] int32 block
-    tables, lens [B] int32 (sequence b sees its positions 0..lens[b]-1) -> [B, H, E] in q's dtype."""
+    tables, lens [B] int32 (sequence b sees its positions 0..lens[b]-1) -> [B, H, E] in q's dtype, written into
+    `out` where given (the kernel writes it directly: no copy). The kernel is batch-invariant as it is; `invariant`
+    picks the torch version's row-at-a-time path."""
     if uses_triton(q):
-        return paged_decode_attention_fwd(rows(q), cache_k, cache_v, tables, lens, block_size, invariant=invariant)
+        return paged_decode_attention_fwd(rows(q), cache_k, cache_v, tables, lens, block_size, out=out)
     if invariant:  # each row over exactly its own blocks (eager: the lengths come to the host)
-        return torch.cat([torch_paged_decode_attention(q[b:b + 1], cache_k, cache_v,
-                                                       tables[b:b + 1, :max(1, -(-int(n) // block_size))],
-                                                       lens[b:b + 1], block_size) for b, n in enumerate(lens.tolist())])
-    return torch_paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size)
+        a = torch.cat([torch_paged_decode_attention(q[b:b + 1], cache_k, cache_v,
+                                                    tables[b:b + 1, :max(1, -(-int(n) // block_size))],
+                                                    lens[b:b + 1], block_size) for b, n in enumerate(lens.tolist())])
+    else:
+        a = torch_paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size)
+    return a if out is None else out.copy_(a)
 
 
 def invariant_linear(x, weight):
