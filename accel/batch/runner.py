@@ -40,7 +40,7 @@ from refimpl.model.config import LlamaConfig
 
 from .. import ops
 from ..lora_stack import LoraStack, stack_adapters
-from ..ops.paged import invariant_linear, paged_decode_attention
+from ..ops.paged import batched_linear, invariant_linear, paged_decode_attention
 from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 from .block_manager import BlockManager
@@ -249,7 +249,7 @@ class ModelRunner:
                                      for i in range(len(layers))]
 
     def _dense(self, x, weight) -> torch.Tensor:
-        return invariant_linear(x, weight) if self.invariant else ops.linear(x, weight)  # [T, Din] -> [T, Dout]
+        return invariant_linear(x, weight) if self.invariant else batched_linear(x, weight)  # [T, Din] -> [T, Dout]
 
     def _linear(self, x, weight, layer: int, fused: str, inp: StepInputs) -> torch.Tensor:
         """x [T, Din]·Wᵀ over the whole batch, plus each row's LoRA adapter update (one segmented product for all

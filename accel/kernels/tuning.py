@@ -4,6 +4,8 @@ GEMV      (N, K) of the weight -> GemvConfig (accel/kernels/gemv.py); shapes not
 QKV_ROPE  (N, K) of the fused qkv weight -> QkvConfig (accel/kernels/qkv_rope.py); else `qkv_rope.qkv_config`'s rule.
 QGEMV     (N, K, bits, group[, "rope"]) of a quantized weight -> QGemvConfig (accel/kernels/qgemv.py); else its rule.
 QGEMV_PDL code width -> PdlMode: how the quantized decode kernels launch on sm_90+ (accel/kernels/qgemv.py, PDL).
+MATMUL    (N, K, row bucket) of a batched step's linear layer -> MatmulConfig (accel/kernels/matmul.py); shapes and
+          buckets not listed run cuBLAS (accel.ops.paged.batched_linear).
 A `Tuning` bundles one table of each plus the decode attention's launch options; the engine runs `DEFAULT`.
 Below them, the constants the other launchers read as they are (the decode attention's context thresholds and
 prefetch, the argmax's block, the prefill dequantize's tile): measured like the tables, not per run.
@@ -117,6 +119,22 @@ class PdlMode(NamedTuple):
 QGEMV_PDL: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: PdlMode("late", 1)})
 
 
+class MatmulConfig(NamedTuple):
+    """The weight-streaming GEMM (accel/kernels/matmul.py): a program multiplies [block_n, K / split_k] of the
+    weight by [block_m, K / split_k] of the activations in [.., block_k] tiles, `stages` tiles in flight."""
+    block_n: int
+    block_k: int
+    block_m: int
+    split_k: int
+    warps: int
+    stages: int
+
+
+# The batched decode step's GEMMs per (N, K, bucket): the bucket is the row count rounded up to a power of two (the
+# decode graphs' buckets). Only where the sweep (tools.bench.sweeps.skinny) measured the kernel faster than cuBLAS.
+MATMUL: Mapping[tuple[int, int, int], MatmulConfig] = MappingProxyType({})
+
+
 class Tuning(NamedTuple):
     """The launch tables the decode step's fused ops read (accel.ops.fused and the quantized matrices' products,
     accel.quant_ops.QuantTensor): GEMV, QKV_ROPE, QGEMV, QGEMV_PDL and the decode attention's keyword options
@@ -128,6 +146,7 @@ class Tuning(NamedTuple):
     qgemv_pdl: Mapping[int, PdlMode | None] = QGEMV_PDL
     decode_attention: Mapping[str, object] = MappingProxyType({})
     cross_attention: Mapping[str, object] = MappingProxyType({})  # cross_decode_attention_fwd's (split_len, config)
+    matmul: Mapping[tuple[int, int, int], MatmulConfig] = MATMUL
 
 
 DEFAULT = Tuning()
