@@ -79,7 +79,7 @@ def test_matmul_table_rows_are_valid_configs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("M", [1, 5, 64, 130])
+@pytest.mark.parametrize("M", [5, 64])
 def test_bf16_gpu_every_candidate_config(M):
     """bf16 in, fp32 accumulation, bf16 out: within the output's rounding of the float64 product (the 1B o and down
     shapes, every candidate of the sweep and every table row of the shape)."""

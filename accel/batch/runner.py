@@ -7,6 +7,8 @@ prefill chunk (a new prompt, or the next chunk of a long one, possibly after a c
       each prefill chunk with the causal flash attention over its sequence's K/V gathered from the pool into a
       contiguous [K, n, E] (positions 0..n-1 in order: the chunk's earlier prefix included);
     o, gate_up, down GEMMs over all T rows (one read of the weights for the whole batch), residual adds in the norms.
+The GEMMs run cuBLAS, or the weight-streaming kernel (accel/kernels/matmul.py) for the weight shapes and row buckets
+where it measured faster (accel/kernels/tuning.py's MATMUL).
 LoRA adapters are applied unmerged, per row: the runner holds every adapter stacked (accel/lora_stack.py), a step
 builds the tiles of its rows' adapters once, and each linear layer adds every row's update in one segmented product
 (accel/ops/lora_batch.py), whatever mix of adapters and base rows shares the step.

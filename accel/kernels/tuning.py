@@ -6,7 +6,8 @@ QGEMV     (N, K, bits, group[, "rope"]) of a quantized weight -> QGemvConfig (ac
 QGEMV_PDL code width -> PdlMode: how the quantized decode kernels launch on sm_90+ (accel/kernels/qgemv.py, PDL).
 MATMUL    (N, K, row bucket) of a batched step's linear layer -> MatmulConfig (accel/kernels/matmul.py); shapes and
           buckets not listed run cuBLAS (accel.ops.paged.batched_linear).
-A `Tuning` bundles one table of each plus the decode attention's launch options; the engine runs `DEFAULT`.
+A `Tuning` bundles one table of each (MATMUL aside: the batched engine reads it as it is) plus the decode
+attention's launch options; the engine runs `DEFAULT`.
 Below them, the constants the other launchers read as they are (the decode attention's context thresholds and
 prefetch, the argmax's block, the prefill dequantize's tile): measured like the tables, not per run.
 Benchmarks that try other configs build their own `Tuning` and pass it in: nothing here is rewritten at run time.
@@ -146,7 +147,6 @@ class Tuning(NamedTuple):
     qgemv_pdl: Mapping[int, PdlMode | None] = QGEMV_PDL
     decode_attention: Mapping[str, object] = MappingProxyType({})
     cross_attention: Mapping[str, object] = MappingProxyType({})  # cross_decode_attention_fwd's (split_len, config)
-    matmul: Mapping[tuple[int, int, int], MatmulConfig] = MATMUL
 
 
 DEFAULT = Tuning()
