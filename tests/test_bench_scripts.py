@@ -213,7 +213,7 @@ def test_skinny_candidates_fit_and_spread_over_the_sms():
         for N, K in skinny_sweep.shapes(model).values():
             for M in (8, 64, 256):
                 cands = skinny_sweep.candidates(N, K, M, 132)
-                assert cands and len(cands) == len(set(cands)) <= 12
+                assert cands and len(cands) == len(set(cands)) <= 16
                 for c in cands:
                     assert K % (c.block_k * c.split_k) == 0 and c.block_m >= min(M, 128)
                     assert c.stages * (c.block_n + c.block_m) * c.block_k * 2 <= skinny_sweep.SMEM
