@@ -17,9 +17,9 @@ interpreter = pytest.mark.skipif(not ops.triton_available(torch.device("cpu")), 
 
 
 def case(M, N, K, dtype=torch.float32, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(device, dtype)
-    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(device, dtype)
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(M, K, generator=g, device=device).to(dtype)
+    w = (torch.randn(N, K, generator=g, device=device) * K ** -0.5).to(dtype)
     return x, w, x.double() @ w.double().T  # [M, K] @ [K, N] -> [M, N]
 
 
@@ -93,4 +93,20 @@ def test_bf16_gpu_every_candidate_config(M):
             got = matmul_fwd(x, w, cfg).double()
             err = (got - want).abs().max().item()
             assert err <= 2 * cublas + 1e-6, (cfg, err, cublas)
+            torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_gpu_batched_linear_at_every_table_row():
+    """Each MATMUL row through the batched engine's dispatch, at its bucket's row count and at one past the bucket
+    below (the rows an eager step may bring): within the output's rounding of the float64 product, and no worse than
+    twice cuBLAS's error."""
+    for (N, K, M), cfg in MATMUL.items():
+        for rows in sorted({M, M // 2 + 1}):
+            x, w, want = case(rows, N, K, torch.bfloat16, "cuda", seed=M)
+            assert row_bucket(rows) == M
+            got = batched_linear(x, w).double()
+            err = (got - want).abs().max().item()
+            assert err <= 2 * (F.linear(x, w).double() - want).abs().max().item() + 1e-6, ((N, K, M), cfg, err)
             torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
