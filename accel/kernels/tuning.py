@@ -132,26 +132,49 @@ class MatmulConfig(NamedTuple):
 
 
 # The batched decode step's GEMMs per (N, K, bucket): the bucket is the row count rounded up to a power of two (the
-# decode graphs' buckets). Only where the sweep (tools.bench.sweeps.skinny, rows 8, 32, 64, 128, 256) measured the
-# kernel faster than cuBLAS by more than 3%: the lm_head up to 128 rows, gate_up and down at 8 and 32 rows (3B down
-# and o at 8); cuBLAS kept qkv, o and everything at 256 rows.
+# decode graphs' buckets). Only where the sweep (tools.bench.sweeps.skinny, rows 1-256) measured the kernel faster
+# than cuBLAS by more than 3%: the lm_head up to 128 rows, gate_up, down and the 3B o at 1-32 rows; cuBLAS kept qkv,
+# the 1B o, the rest from 64 rows and everything at 256.
 MATMUL: Mapping[tuple[int, int, int], MatmulConfig] = MappingProxyType({
+    (16384, 2048, 1): MatmulConfig(128, 128, 16, 1, 8, 3),  # 1B gate_up
+    (16384, 2048, 4): MatmulConfig(128, 128, 16, 1, 8, 3),  # 1B gate_up
     (16384, 2048, 8): MatmulConfig(128, 128, 16, 1, 8, 3),  # 1B gate_up
+    (16384, 2048, 16): MatmulConfig(64, 128, 16, 1, 4, 4),  # 1B gate_up
     (16384, 2048, 32): MatmulConfig(128, 128, 32, 1, 8, 3),  # 1B gate_up
+    (2048, 8192, 1): MatmulConfig(64, 128, 16, 4, 4, 4),  # 1B down
+    (2048, 8192, 2): MatmulConfig(64, 256, 16, 4, 4, 3),  # 1B down
+    (2048, 8192, 4): MatmulConfig(64, 128, 16, 4, 4, 4),  # 1B down
     (2048, 8192, 8): MatmulConfig(64, 256, 16, 4, 4, 3),  # 1B down
+    (2048, 8192, 16): MatmulConfig(64, 128, 16, 4, 4, 4),  # 1B down
     (2048, 8192, 32): MatmulConfig(64, 128, 32, 4, 4, 4),  # 1B down
+    (128256, 2048, 1): MatmulConfig(64, 256, 16, 1, 4, 3),  # 1B lm_head
+    (128256, 2048, 2): MatmulConfig(64, 256, 16, 1, 4, 3),  # 1B lm_head
+    (128256, 2048, 4): MatmulConfig(64, 256, 16, 1, 4, 3),  # 1B lm_head
     (128256, 2048, 8): MatmulConfig(64, 256, 16, 1, 4, 3),  # 1B lm_head
+    (128256, 2048, 16): MatmulConfig(128, 128, 16, 1, 8, 3),  # 1B lm_head
     (128256, 2048, 32): MatmulConfig(128, 128, 32, 1, 8, 3),  # 1B lm_head
     (128256, 2048, 64): MatmulConfig(128, 128, 64, 1, 8, 3),  # 1B lm_head
-    (128256, 2048, 128): MatmulConfig(128, 64, 128, 1, 8, 4),  # 1B lm_head
+    (128256, 2048, 128): MatmulConfig(64, 64, 128, 1, 4, 3),  # 1B lm_head
+    (3072, 3072, 1): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B o
+    (3072, 3072, 2): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B o
+    (3072, 3072, 4): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B o
     (3072, 3072, 8): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B o
-    (16384, 3072, 8): MatmulConfig(128, 128, 16, 1, 8, 3),  # 3B gate_up
-    (16384, 3072, 32): MatmulConfig(128, 128, 32, 1, 8, 3),  # 3B gate_up
+    (3072, 3072, 16): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B o
+    (16384, 3072, 2): MatmulConfig(128, 128, 16, 1, 8, 3),  # 3B gate_up
+    (16384, 3072, 16): MatmulConfig(64, 128, 16, 1, 4, 4),  # 3B gate_up
+    (16384, 3072, 32): MatmulConfig(64, 128, 32, 1, 4, 4),  # 3B gate_up
+    (3072, 8192, 1): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B down
+    (3072, 8192, 4): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B down
     (3072, 8192, 8): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B down
-    (128256, 3072, 8): MatmulConfig(64, 128, 16, 1, 4, 4),  # 3B lm_head
-    (128256, 3072, 32): MatmulConfig(64, 128, 32, 1, 4, 4),  # 3B lm_head
+    (3072, 8192, 16): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B down
+    (128256, 3072, 1): MatmulConfig(64, 256, 16, 1, 4, 3),  # 3B lm_head
+    (128256, 3072, 2): MatmulConfig(64, 256, 16, 1, 4, 3),  # 3B lm_head
+    (128256, 3072, 4): MatmulConfig(128, 128, 16, 1, 8, 3),  # 3B lm_head
+    (128256, 3072, 8): MatmulConfig(64, 256, 16, 1, 4, 3),  # 3B lm_head
+    (128256, 3072, 16): MatmulConfig(128, 128, 16, 1, 8, 3),  # 3B lm_head
+    (128256, 3072, 32): MatmulConfig(128, 128, 32, 1, 8, 3),  # 3B lm_head
     (128256, 3072, 64): MatmulConfig(128, 128, 64, 1, 8, 3),  # 3B lm_head
-    (128256, 3072, 128): MatmulConfig(128, 64, 128, 1, 8, 4),  # 3B lm_head
+    (128256, 3072, 128): MatmulConfig(256, 64, 128, 1, 8, 3),  # 3B lm_head
 })
 
 
