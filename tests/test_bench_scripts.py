@@ -16,15 +16,15 @@ from click.testing import CliRunner  # noqa: E402
 from accel.kernels import tuning  # noqa: E402
 from accel.kernels.tuning import GemvConfig, QkvConfig  # noqa: E402
 from tools.bench import common  # noqa: E402
-from tools.bench.sweeps import gemv as gemv_sweep, qgemv as qgemv_sweep  # noqa: E402
+from tools.bench.sweeps import gemv as gemv_sweep, qgemv as qgemv_sweep, skinny as skinny_sweep  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench"
 LIVE = ["agreement", "batch", "cpu", "gpu", "hf_attention", "load", "quant_gpu", "quant_quality", "serve", "startup",
         "train", "vision"]
-SWEEPS = ["sweeps.gemv", "sweeps.paged", "sweeps.qgemv"]
+SWEEPS = ["sweeps.gemv", "sweeps.paged", "sweeps.qgemv", "sweeps.skinny"]
 SCRIPTS = ["agreement", "batch", "cpu", "hf_attention", "load", "quant_quality", "serve", "startup", "vision", *SWEEPS]  # those with a main()
-GPU_ONLY = ["batch", "hf_attention", "serve", "vision", "sweeps.gemv", "sweeps.paged", "sweeps.qgemv"]
+GPU_ONLY = ["batch", "hf_attention", "serve", "vision", "sweeps.gemv", "sweeps.paged", "sweeps.qgemv", "sweeps.skinny"]
 
 
 def bench_imports(module: str) -> set[str]:
@@ -204,6 +204,30 @@ def test_swept_winners_become_a_tuning_not_a_table_edit():
     assert t.gemv[(2048, 2048)] == GemvConfig("split", 16, 1024, 4, None, 3)
     assert t.gemv[(16384, 2048)] == tuning.GEMV[(16384, 2048)] and t.qkv_rope is tuning.QKV_ROPE
     assert dict(tuning.GEMV) == before
+
+
+def test_skinny_candidates_fit_and_spread_over_the_sms():
+    """Every candidate tiles K evenly and fits the pipeline's shared memory; a weight of few row blocks (the 1B o)
+    is split along K until nearly every SM has a program; a wide one (the lm_head) is not."""
+    for model in ("1b", "3b"):
+        for N, K in skinny_sweep.shapes(model).values():
+            for M in (8, 64, 256):
+                cands = skinny_sweep.candidates(N, K, M, 132)
+                assert cands and len(cands) == len(set(cands)) <= 16
+                for c in cands:
+                    assert K % (c.block_k * c.split_k) == 0 and c.block_m >= min(M, 128)
+                    assert c.stages * (c.block_n + c.block_m) * c.block_k * 2 <= skinny_sweep.SMEM
+    assert {c.split_k for c in skinny_sweep.candidates(2048, 2048, 64, 132) if c.block_n == 64} == {4, 8}
+    assert {c.split_k for c in skinny_sweep.candidates(128256, 2048, 64, 132)} == {1}
+
+
+def test_skinny_table_source_lists_the_wins_only():
+    from accel.kernels.tuning import MatmulConfig
+    row = {"model": "1b", "proj": "o", "N": 2048, "K": 2048, "M": 64, "best_config": [64, 128, 64, 4, 4, 4],
+           "best_us": 5.0, "cublas_us": 6.0, "matmul_faster": True}
+    lost = {**row, "M": 32, "matmul_faster": False}
+    table = eval("{\n" + skinny_sweep.table_source([row, lost]) + "\n}", {"MatmulConfig": MatmulConfig})
+    assert table == {(2048, 2048, 64): MatmulConfig(64, 128, 64, 4, 4, 4)}
 
 
 def test_qgemv_candidates_include_the_table_row_and_the_rule():

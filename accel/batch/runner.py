@@ -7,6 +7,8 @@ prefill chunk (a new prompt, or the next chunk of a long one, possibly after a c
       each prefill chunk with the causal flash attention over its sequence's K/V gathered from the pool into a
       contiguous [K, n, E] (positions 0..n-1 in order: the chunk's earlier prefix included);
     o, gate_up, down GEMMs over all T rows (one read of the weights for the whole batch), residual adds in the norms.
+The GEMMs run cuBLAS, or the weight-streaming kernel (accel/kernels/matmul.py) for the weight shapes and row buckets
+where it measured faster (accel/kernels/tuning.py's MATMUL).
 LoRA adapters are applied unmerged, per row: the runner holds every adapter stacked (accel/lora_stack.py), a step
 builds the tiles of its rows' adapters once, and each linear layer adds every row's update in one segmented product
 (accel/ops/lora_batch.py), whatever mix of adapters and base rows shares the step.
@@ -41,7 +43,7 @@ from refimpl.model.config import LlamaConfig
 
 from .. import ops
 from ..lora_stack import LoraStack, stack_adapters
-from ..ops.paged import invariant_linear, paged_decode_attention
+from ..ops.paged import batched_linear, invariant_linear, paged_decode_attention
 from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 from .block_manager import BlockManager
@@ -298,7 +300,7 @@ class ModelRunner:
                                      for i in range(len(layers))]
 
     def _dense(self, x, weight) -> torch.Tensor:
-        return invariant_linear(x, weight) if self.invariant else ops.linear(x, weight)  # [T, Din] -> [T, Dout]
+        return invariant_linear(x, weight) if self.invariant else batched_linear(x, weight)  # [T, Din] -> [T, Dout]
 
     def _linear(self, x, weight, layer: int, fused: str, inp: StepInputs) -> torch.Tensor:
         """x [T, Din]·Wᵀ over the whole batch, plus each row's LoRA adapter update (one segmented product for all

@@ -1,9 +1,20 @@
-"""A GEMM with one tiling for every row count, in Triton: the batch-invariant mode's linear layers (accel.batch).
+"""y = x @ wᵀ for a few rows of x, in Triton: the batched engine's linear layers (accel.batch), weight-streaming.
 
-cuBLAS picks its kernel (tile shape, split-K) by the problem's shape, so a row's products change with how many rows
-share the call. Here every call uses the same BLOCK_M × BLOCK_N tiles and walks K in the same BLOCK_K steps into one
-fp32 accumulator (no split-K): an output element's reduction order depends on K alone, so a row's result is the same
-bits whatever else is in the batch. Slower than cuBLAS where cuBLAS would pick a better tile for the shape.
+One kernel, two uses:
+    matmul_fwd             a launch config per call (accel/kernels/tuning.py's MATMUL table, chosen per weight
+                           shape and row bucket where it measured faster than cuBLAS): the decode step's GEMMs,
+                           [B, K] activations against [N, K] weights, B = 1..256;
+    invariant_matmul_fwd   one config for every row count: the batch-invariant mode's linear layers.
+A program owns BLOCK_N rows of w (as stored: [N, K], K contiguous) and BLOCK_M rows of x, and walks its K slice in
+BLOCK_K steps through a STAGES-deep software pipeline: acc [BLOCK_N, BLOCK_M] += w_tile @ x_tileᵀ. The weight rows
+take the tensor core's M side (64 a warpgroup on sm_90), the few activation rows its narrow N side, so a 16-row x
+wastes no 64-row MMA half. With SPLIT_K slices a row block, each slice's fp32 partial goes to a scratch and the last
+program of the tile to arrive sums the slices in slice order (deterministic) and stores: small-N weights (o, down)
+then still spread over every SM.
+
+Batch invariance: cuBLAS picks its kernel (tile shape, split-K) by the problem's shape, so a row's products change
+with how many rows share the call. invariant_matmul_fwd always launches the same tiles and no split: an output
+element's reduction order depends on K alone, so a row's result is the same bits whatever else is in the batch.
 """
 from __future__ import annotations
 
@@ -11,39 +22,92 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import split_scratch
 from .flash_attn import dot_precision
+from .tuning import MatmulConfig
+
+# the batch-invariant mode's tiles, never chosen by the row count (CPU: big tiles, fewer interpreted programs)
+INVARIANT = MatmulConfig(64, 64, 64, 1, 4, 3)
+INVARIANT_CPU = MatmulConfig(16, 32, 16, 1, 4, 1)
 
 
 @triton.jit
-def _matmul_kernel(X, W, Y, M, N, K, sx_m, sw_n, sy_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _matmul_kernel(X, W, Y, P, CNT, M, N, K, sx_m, sw_n, sy_m, slice_k, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                   STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (m block, n block, K slice s) of a (M / BM, N / BN, slices) grid (the m blocks of a weight tile
+    launch side by side: its second read comes from the L2); slice s covers K columns [s·slice_k, (s + 1)·slice_k)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    s = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = k0 + offs_k < K
-        x = tl.load(X + offs_m[:, None] * sx_m + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # [BM, BK]
-        w = tl.load(W + offs_n[:, None] * sw_n + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # [BN, BK]
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)  # += [BM, BK] @ [BK, BN]
-    tl.store(Y + offs_m[:, None] * sy_m + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    # rows past N (M) re-read row N-1 (M-1) instead of masking: the loads stay unmasked vectors, the stores are masked
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)
+    k_lo = s * slice_k
+    k_hi = tl.minimum(K, k_lo + slice_k)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        w_ptrs = W + w_rows[:, None] * sw_n + (k0 + offs_k)[None, :]
+        x_ptrs = X + x_rows[:, None] * sx_m + (k0 + offs_k)[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptrs)  # [BN, BK]
+            x = tl.load(x_ptrs)  # [BM, BK]
+        else:
+            k_ok = (k0 + offs_k < K)[None, :]
+            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # += [BN, BK] @ [BK, BM]
+    ok = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    y_ptrs = Y + offs_m[None, :] * sy_m + offs_n[:, None]  # acc[n, m] -> y[m, n]
+    if SPLIT:
+        part = P + s * M * N + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(part, acc, mask=ok)
+        # the CTA barrier orders every thread's partial stores before the one acq_rel add: the last program to
+        # arrive has acquired all partials (common.split_k_epilogue's pattern)
+        tl.debug_barrier()
+        tile = pid_n * tl.num_programs(0) + pid_m
+        slices = tl.num_programs(2)
+        ticket = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == slices - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for j in range(0, slices):
+                total += tl.load(P + j * M * N + offs_m[None, :] * N + offs_n[:, None], mask=ok, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=ok)
+            tl.store(CNT + tile, 0)
+    else:
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def row_bucket(M: int) -> int:
+    """The row bucket a call of M rows is tuned for: the next power of two (the decode graphs pad to those)."""
+    return 1 << max(0, M - 1).bit_length()
+
+
+def matmul_fwd(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | tuple) -> torch.Tensor:
+    """x [M, K] @ w [N, K]ᵀ -> [M, N] in x's dtype (fp32 accumulation), launched as `config` says."""
+    cfg = MatmulConfig(*config)
+    M, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and x.stride(1) == 1 and w.stride(1) == 1, "x [M, K], w [N, K], rows contiguous"
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    tiles_k = triton.cdiv(K, cfg.block_k)
+    per = triton.cdiv(tiles_k, cfg.split_k)
+    split = triton.cdiv(tiles_k, per)  # slices that hold a tile (split_k may not divide the tiles)
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
+    p, c = split_scratch(x.device, split * M * N, grid[0] * grid[1]) if split > 1 else (y, y)
+    _matmul_kernel[grid](x, w, y, p, c, M, N, K, x.stride(0), w.stride(0), y.stride(0), per * cfg.block_k,
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
+                         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, DOT_PRECISION=dot_precision(x.dtype),
+                         num_warps=cfg.warps, num_stages=cfg.stages)
+    return y
 
 
 def invariant_matmul_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]ᵀ -> [M, N] in x's dtype, every M tiled alike (module docstring)."""
-    M, K = x.shape
-    N = w.shape[0]
-    assert w.shape[1] == K and x.stride(1) == 1 and w.stride(1) == 1
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    tile = (64, 64, 64) if x.is_cuda else (16, 16, 32)  # fixed: never chosen by M
-    _matmul_kernel[(triton.cdiv(M, tile[0]), triton.cdiv(N, tile[1]))](
-        x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_K=tile[2],
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=4, num_stages=3)
-    return y
+    return matmul_fwd(x, w, INVARIANT if x.is_cuda else INVARIANT_CPU)

@@ -4,7 +4,10 @@ GEMV      (N, K) of the weight -> GemvConfig (accel/kernels/gemv.py); shapes not
 QKV_ROPE  (N, K) of the fused qkv weight -> QkvConfig (accel/kernels/qkv_rope.py); else `qkv_rope.qkv_config`'s rule.
 QGEMV     (N, K, bits, group[, "rope"]) of a quantized weight -> QGemvConfig (accel/kernels/qgemv.py); else its rule.
 QGEMV_PDL code width -> PdlMode: how the quantized decode kernels launch on sm_90+ (accel/kernels/qgemv.py, PDL).
-A `Tuning` bundles one table of each plus the decode attention's launch options; the engine runs `DEFAULT`.
+MATMUL    (N, K, row bucket) of a batched step's linear layer -> MatmulConfig (accel/kernels/matmul.py); shapes and
+          buckets not listed run cuBLAS (accel.ops.paged.batched_linear).
+A `Tuning` bundles one table of each (MATMUL aside: the batched engine reads it as it is) plus the decode
+attention's launch options; the engine runs `DEFAULT`.
 Below them, the constants the other launchers read as they are (the decode attention's context thresholds and
 prefetch, the argmax's block, the prefill dequantize's tile): measured like the tables, not per run.
 Benchmarks that try other configs build their own `Tuning` and pass it in: nothing here is rewritten at run time.
@@ -115,6 +118,64 @@ class PdlMode(NamedTuple):
 # GEMVs, closer to the bandwidth, ran slower beside an early-launched successor than the overlap saved, and gain
 # only with the trigger after the main loop and the 1-tile prefetch. None (plain launches): what off sm_90 runs.
 QGEMV_PDL: Mapping[int, PdlMode | None] = MappingProxyType({4: PdlMode("wait", 1), 8: PdlMode("late", 1)})
+
+
+class MatmulConfig(NamedTuple):
+    """The weight-streaming GEMM (accel/kernels/matmul.py): a program multiplies [block_n, K / split_k] of the
+    weight by [block_m, K / split_k] of the activations in [.., block_k] tiles, `stages` tiles in flight."""
+    block_n: int
+    block_k: int
+    block_m: int
+    split_k: int
+    warps: int
+    stages: int
+
+
+# The batched decode step's GEMMs per (N, K, bucket): the bucket is the row count rounded up to a power of two (the
+# decode graphs' buckets). Only where the sweep (tools.bench.sweeps.skinny, rows 1-256) measured the kernel faster
+# than cuBLAS by more than 3%: the lm_head up to 128 rows, gate_up, down and the 3B o at 1-32 rows; cuBLAS kept qkv,
+# the 1B o, the rest from 64 rows and everything at 256.
+MATMUL: Mapping[tuple[int, int, int], MatmulConfig] = MappingProxyType({
+    (16384, 2048, 1): MatmulConfig(128, 128, 16, 1, 8, 3),  # 1B gate_up
+    (16384, 2048, 4): MatmulConfig(128, 128, 16, 1, 8, 3),  # 1B gate_up
+    (16384, 2048, 8): MatmulConfig(128, 128, 16, 1, 8, 3),  # 1B gate_up
+    (16384, 2048, 16): MatmulConfig(64, 128, 16, 1, 4, 4),  # 1B gate_up
+    (16384, 2048, 32): MatmulConfig(128, 128, 32, 1, 8, 3),  # 1B gate_up
+    (2048, 8192, 1): MatmulConfig(64, 128, 16, 4, 4, 4),  # 1B down
+    (2048, 8192, 2): MatmulConfig(64, 256, 16, 4, 4, 3),  # 1B down
+    (2048, 8192, 4): MatmulConfig(64, 128, 16, 4, 4, 4),  # 1B down
+    (2048, 8192, 8): MatmulConfig(64, 256, 16, 4, 4, 3),  # 1B down
+    (2048, 8192, 16): MatmulConfig(64, 128, 16, 4, 4, 4),  # 1B down
+    (2048, 8192, 32): MatmulConfig(64, 128, 32, 4, 4, 4),  # 1B down
+    (128256, 2048, 1): MatmulConfig(64, 256, 16, 1, 4, 3),  # 1B lm_head
+    (128256, 2048, 2): MatmulConfig(64, 256, 16, 1, 4, 3),  # 1B lm_head
+    (128256, 2048, 4): MatmulConfig(64, 256, 16, 1, 4, 3),  # 1B lm_head
+    (128256, 2048, 8): MatmulConfig(64, 256, 16, 1, 4, 3),  # 1B lm_head
+    (128256, 2048, 16): MatmulConfig(128, 128, 16, 1, 8, 3),  # 1B lm_head
+    (128256, 2048, 32): MatmulConfig(128, 128, 32, 1, 8, 3),  # 1B lm_head
+    (128256, 2048, 64): MatmulConfig(128, 128, 64, 1, 8, 3),  # 1B lm_head
+    (128256, 2048, 128): MatmulConfig(64, 64, 128, 1, 4, 3),  # 1B lm_head
+    (3072, 3072, 1): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B o
+    (3072, 3072, 2): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B o
+    (3072, 3072, 4): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B o
+    (3072, 3072, 8): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B o
+    (3072, 3072, 16): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B o
+    (16384, 3072, 2): MatmulConfig(128, 128, 16, 1, 8, 3),  # 3B gate_up
+    (16384, 3072, 16): MatmulConfig(64, 128, 16, 1, 4, 4),  # 3B gate_up
+    (16384, 3072, 32): MatmulConfig(64, 128, 32, 1, 4, 4),  # 3B gate_up
+    (3072, 8192, 1): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B down
+    (3072, 8192, 4): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B down
+    (3072, 8192, 8): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B down
+    (3072, 8192, 16): MatmulConfig(64, 128, 16, 4, 4, 4),  # 3B down
+    (128256, 3072, 1): MatmulConfig(64, 256, 16, 1, 4, 3),  # 3B lm_head
+    (128256, 3072, 2): MatmulConfig(64, 256, 16, 1, 4, 3),  # 3B lm_head
+    (128256, 3072, 4): MatmulConfig(128, 128, 16, 1, 8, 3),  # 3B lm_head
+    (128256, 3072, 8): MatmulConfig(64, 256, 16, 1, 4, 3),  # 3B lm_head
+    (128256, 3072, 16): MatmulConfig(128, 128, 16, 1, 8, 3),  # 3B lm_head
+    (128256, 3072, 32): MatmulConfig(128, 128, 32, 1, 8, 3),  # 3B lm_head
+    (128256, 3072, 64): MatmulConfig(128, 128, 64, 1, 8, 3),  # 3B lm_head
+    (128256, 3072, 128): MatmulConfig(256, 64, 128, 1, 8, 3),  # 3B lm_head
+})
 
 
 class Tuning(NamedTuple):

@@ -6,7 +6,8 @@ plain torch version (accel/ops/torch_ops.py), picked per call by accel/ops/dispa
     dense.py            a plain weight tensor's products (the fused ops call a weight matrix's own method; a
                         quantized matrix, accel.quant_ops.QuantTensor, has the same methods with its kernels)
     torch_ops.py        the torch version of each
-    paged.py            the batched engine's (accel.batch): paged decode attention, the batch-invariant linear
+    paged.py            the batched engine's (accel.batch): paged decode attention, the linear layers (cuBLAS or
+                        the weight-streaming GEMM by the MATMUL table) and their batch-invariant version
     lora_batch.py       many LoRA adapters in one batch, unmerged (the segmented product)
 `from accel import ops` gives the interface and fused ops: `ops.rms_norm(...)`, `ops.qkv_rope(...)`; the batched
 engine's are imported from their modules.

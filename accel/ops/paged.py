@@ -1,5 +1,6 @@
 """The batch engine's ops (accel.batch), each a Triton kernel or its torch version, picked by accel/ops/dispatch.py:
-the paged decode attention (accel/kernels/paged_attn.py) and the batch-invariant linear (accel/kernels/matmul.py).
+the paged decode attention (accel/kernels/paged_attn.py), the batched linear layers and their batch-invariant version
+(accel/kernels/matmul.py).
 With `invariant`, the torch versions run one row at a time: every row then takes the same path whatever the batch."""
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..kernels.matmul import invariant_matmul_fwd
+from ..kernels.matmul import invariant_matmul_fwd, matmul_fwd, row_bucket
 from ..kernels.paged_attn import paged_decode_attention_fwd
+from ..kernels.tuning import MATMUL
 from .dispatch import rows, uses_triton
 
 
@@ -27,6 +29,16 @@ def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int, i
     else:
         a = torch_paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size)
     return a if out is None else out.copy_(a)
+
+
+def batched_linear(x, weight, table=MATMUL):
+    """x [T, Din] @ weight [Dout, Din]ᵀ -> [T, Dout]: the weight-streaming kernel where `table` (accel/kernels/
+    tuning.py's MATMUL: where it measured faster) lists the weight's shape at T's row bucket, else cuBLAS."""
+    if uses_triton(x) and x.shape[0]:
+        cfg = table.get((weight.shape[0], weight.shape[1], row_bucket(x.shape[0])))
+        if cfg is not None:
+            return matmul_fwd(rows(x), rows(weight), cfg)
+    return F.linear(x, weight)
 
 
 def invariant_linear(x, weight):
