@@ -170,24 +170,35 @@ def hf_config(new_tokens: int):
                                          pad_token_id=0)
 
 
-def hf_batch_seconds(model, prompts, new_tokens: int) -> tuple[float, int]:
-    """generate_batch of the prompts, new_tokens each: (seconds, tokens generated)."""
-    import torch
+def hf_cb_config(cuda_graphs: str):
+    """HF's ContinuousBatchingConfig: "auto" leaves every field to transformers (its KV cache and batch token budget
+    sized from the free GPU memory; CUDA graphs only where its attention needs no mask, i.e. flash attention);
+    "on"/"off" force its CUDA graphs."""
+    if cuda_graphs == "auto":
+        return None
+    import transformers
+    return transformers.ContinuousBatchingConfig(use_cuda_graph=cuda_graphs == "on")
+
+
+def hf_batch_seconds(model, prompts, new_tokens: int, cuda_graphs: str = "auto") -> tuple[float, int]:
+    """generate_batch of the prompts, new_tokens each: (seconds, tokens generated). Called outside inference mode
+    (generate_batch runs under no_grad): transformers 5.17 warms its manager up in the calling thread and generates
+    in its own, where tensors made in the caller's inference mode cannot be updated in place."""
     sync()
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate_batch(prompts, generation_config=hf_config(new_tokens))
+    out = model.generate_batch(prompts, generation_config=hf_config(new_tokens),
+                               continuous_batching_config=hf_cb_config(cuda_graphs))
     sync()
     return time.perf_counter() - t0, sum(len(o.generated_tokens) for o in out.values())
 
 
-def hf_decode_rate(model, prompts, steps: int) -> float | None:
+def hf_decode_rate(model, prompts, steps: int, cuda_graphs: str = "auto") -> float | None:
     """Decode tok/s of generate_batch: (1 + steps tokens each) minus (1 token each: the prefill, and the manager's
     set-up and CUDA-graph warm-up, which every call repeats), after a warm-up call. None if the difference drowns in
     noise."""
-    hf_batch_seconds(model, prompts[:2], 2)
-    short, first = hf_batch_seconds(model, prompts, 1)
-    full, tokens = hf_batch_seconds(model, prompts, 1 + steps)
+    hf_batch_seconds(model, prompts[:2], 2, cuda_graphs)
+    short, first = hf_batch_seconds(model, prompts, 1, cuda_graphs)
+    full, tokens = hf_batch_seconds(model, prompts, 1 + steps, cuda_graphs)
     if first != len(prompts) or tokens != len(prompts) * (1 + steps):  # requests dropped: HF's run failed
         print(f"HF generate_batch at B={len(prompts)} returned {tokens} of {len(prompts) * (1 + steps)} tokens: "
               f"not timed", flush=True)
@@ -195,9 +206,18 @@ def hf_decode_rate(model, prompts, steps: int) -> float | None:
     return (tokens - len(prompts)) / (full - short) if full > short else None
 
 
-def hf_workload(model, requests) -> dict:
-    """The workload through HF's ContinuousBatchingManager, each request with its own max_new_tokens."""
-    manager = model.init_continuous_batching(generation_config=hf_config(max(n for _, n in requests)))
+def hf_workload(model, requests, cuda_graphs: str = "auto") -> dict:
+    """The workload through HF's ContinuousBatchingManager, each request with its own max_new_tokens. The manager
+    is sized as generate_batch sizes it (workload hints: the longest prompt and output, the request count) and
+    warmed up (its CUDA graphs captured, where it uses them) before the clock starts."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+    longest = max(n for _, n in requests)
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in requests), max_generated_length=longest,
+                          num_requests=len(requests))
+    manager = model.init_continuous_batching(generation_config=hf_config(longest),
+                                             continuous_batching_config=hf_cb_config(cuda_graphs),
+                                             workload_hints=hints)
+    manager.warmup()
     manager.start()
     try:
         sync()
@@ -308,13 +328,13 @@ def model_rows(key: str, args, copy_tb_s: float) -> dict:
         result["paged_attn"] = paged_sweep(cfg)
     if not args.skip_hf:
         model, impl = hf_model(cfg, weights, device)
-        result["hf_attn_implementation"] = impl
+        result["hf_attn_implementation"], result["hf_cuda_graphs"] = impl, args.hf_cuda_graphs
         for row in rows:
             prompts = decode_prompts(cfg, row["batch"], args.context, args.seed)
-            row["hf_tok_s"] = hf_decode_rate(model, prompts, args.decode_steps)
+            row["hf_tok_s"] = hf_decode_rate(model, prompts, args.decode_steps, args.hf_cuda_graphs)
             row["speedup_vs_hf"] = row["decode_tok_s"] / row["hf_tok_s"] if row["hf_tok_s"] else None
         if jobs:
-            hf = hf_workload(model, jobs)
+            hf = hf_workload(model, jobs, args.hf_cuda_graphs)
             result["workload"]["hf"] = hf
             result["workload"]["speedup_vs_hf"] = result["workload"]["ours"]["output_tok_s"] / hf["output_tok_s"]
         del model
@@ -365,6 +385,8 @@ def arg_parser():
     ap.add_argument("--requests", type=int, default=1000, help="the offline workload's requests (0: skip it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="skip HF transformers' continuous batching")
+    ap.add_argument("--hf-cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="HF continuous batching's CUDA graphs (auto: transformers decides; default auto)")
     ap.add_argument("--eager", action="store_true", help="also decode on an engine without CUDA graphs")
     ap.add_argument("--profile-batch", type=int, default=None, metavar="B",
                     help="print the top kernels of batch size B's decode graph replay")
