@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench"
 LIVE = ["agreement", "batch", "cpu", "gpu", "hf_attention", "load", "quant_gpu", "quant_quality", "serve", "startup",
         "train", "vision"]
-SWEEPS = ["sweeps.gemv", "sweeps.qgemv"]
+SWEEPS = ["sweeps.gemv", "sweeps.paged_launch", "sweeps.qgemv"]
 SCRIPTS = ["agreement", "batch", "cpu", "hf_attention", "load", "quant_quality", "serve", "startup", "vision", *SWEEPS]  # those with a main()
-GPU_ONLY = ["batch", "hf_attention", "serve", "vision", "sweeps.gemv", "sweeps.qgemv"]
+GPU_ONLY = ["batch", "hf_attention", "serve", "vision", *SWEEPS]
 
 
 def bench_imports(module: str) -> set[str]:

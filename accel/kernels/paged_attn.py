@@ -114,7 +114,7 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
                                invariant: bool = False) -> torch.Tensor:
     """q [B, H, E] (rotated; head rows contiguous), cache_k/cache_v [K, S, E], tables [B, W] int32 (physical block
     ids; entries past a sequence's length are never read), lens [B] int32 -> out [B, H, E] in q's dtype.
-    config overrides BLOCK_N, num_warps, num_stages (`python3 -m tools.bench.batch --paged-sweep`). invariant: the
+    config overrides BLOCK_N, num_warps, num_stages (`python3 -m tools.bench.sweeps.paged_launch`). invariant: the
     splits combined in order (the batch-invariant mode: the same bits whatever the tables' width)."""
     B, H, E = q.shape
     NK = cache_k.shape[0]
@@ -122,7 +122,7 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
     assert tables.shape[0] == B and lens.shape == (B,) and tables.stride(1) == 1
     on_gpu = q.is_cuda
     split_len = default_split_len(on_gpu) if split_len is None else split_len
-    # GPU: 64-key tiles, 2 warps, 2 stages: the fastest of tools.bench.batch's --paged-sweep (1B shape, B 64-256)
+    # GPU: 64-key tiles, 2 warps, 2 stages: the fastest of tools.bench.sweeps.paged_launch (1B shape, B 64-256)
     cfg = {"BLOCK_N": 64 if on_gpu else 16, "num_warps": 2 if on_gpu else 4, "num_stages": 2, **(config or {})}
     block_n = min(cfg.pop("BLOCK_N"), split_len)
     assert split_len % block_n == 0 and block_n >= 16, "split_len must be a multiple of 16"

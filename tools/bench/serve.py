@@ -296,8 +296,8 @@ def run(args, configs: dict | None = None, command: str | None = None) -> dict:
     for key, cfg in configs.items():
         print(f"benchmarking serving, {key}: {args.requests} requests at rates {args.rates} ...", flush=True)
         rows += bench_model(key, cfg, args, workdir)
-    rec = record(args.device, command=command, requests=args.requests, rates=[str(r) for r in args.rates], hf_args=args.hf_args,
-                 transformers=version("transformers"), rows=rows)
+    rec = record(args.device, command=command, requests=args.requests, rates=[str(r) for r in args.rates],
+                 hf_args=args.hf_args, transformers=version("transformers"), rows=rows)
     print(render(rec), flush=True)
     write_record(args.json_out, rec)
     return rec
