@@ -113,3 +113,20 @@ def test_llama32_bench_batch_refuses_without_cuda_and_calls_the_benchmark(monkey
     assert (args.eager, args.skip_invariant, args.profile_batch, args.device) == (False, False, None, "cuda")
     assert (args.hf_requests, args.hf_cuda_graphs) == (200, "auto")
     assert command == f"llama32 bench --batch --models 3b --skip-hf --json-out {tmp_path / 'b.json'}"
+
+
+def test_llama32_bench_serve_calls_the_serving_benchmark(monkeypatch):
+    """`llama32 bench --serve`: tools.bench.serve with its defaults, the 1B shape unless --models names others."""
+    from tools.bench import serve
+    from tools.cli import main
+    calls = []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(serve, "run", lambda args, command=None: calls.append((args, command)))
+    for argv, models in ((["bench", "--serve"], ["1b"]), (["bench", "--serve", "--models", "3b", "--skip-hf"], ["3b"])):
+        monkeypatch.setattr(sys, "argv", ["llama32", *argv])
+        r = CliRunner().invoke(main, argv)
+        assert r.exit_code == 0, r.output
+        args, command = calls.pop()
+        assert args.models == models and args.skip_hf == ("--skip-hf" in argv) and args.device == "cuda"
+        assert (args.requests, args.rates, args.hf_args) == (serve.REQUESTS, serve.rates_arg(serve.RATES), serve.HF_ARGS)
+        assert command == "llama32 " + " ".join(argv)
