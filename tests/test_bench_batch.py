@@ -130,3 +130,17 @@ def test_llama32_bench_serve_calls_the_serving_benchmark(monkeypatch):
         assert args.models == models and args.skip_hf == ("--skip-hf" in argv) and args.device == "cuda"
         assert (args.requests, args.rates, args.hf_args) == (serve.REQUESTS, serve.rates_arg(serve.RATES), serve.HF_ARGS)
         assert command == "llama32 " + " ".join(argv)
+
+
+def test_variant_rates_build_their_own_engine(monkeypatch):
+    """The invariant (and eager) columns: each row's B decoded again on an engine built with the variant's options."""
+    from accel.weights import random_weights
+    from tools.toy import TOYS
+    cfg = TOYS[0].config
+    built, real = [], batch.new_engine
+    monkeypatch.setattr(batch, "new_engine", lambda *a, **k: built.append(k) or real(*a, **k))
+    args = argparse.Namespace(device="cpu", batch_sizes=[1, 3], context=5, seed=0, decode_steps=2)
+    rows = [{"batch": 1}, {"batch": 3}]
+    batch.variant_rates(cfg, random_weights(cfg, "cpu", torch.bfloat16, seed=0), args, rows, "invariant_tok_s",
+                        batch_invariant=True)
+    assert built == [{"batch_invariant": True}] and all(r["invariant_tok_s"] > 0 for r in rows)

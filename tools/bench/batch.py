@@ -155,15 +155,9 @@ def workload_run(engine, requests) -> dict:
 # ---- HF transformers ----
 
 def hf_model(cfg, weights, device):
-    """transformers' Llama on the same weights, with a paged attention continuous batching runs (sdpa_paged where
-    this version has it, else sdpa, which its manager pages itself)."""
+    """transformers' Llama on the same weights and its attention implementation (sdpa unless flash attention is
+    installed: continuous batching pages it itself, "paged|sdpa")."""
     model = common.hf_llama(cfg, weights, device)
-    for impl in ("sdpa_paged", "sdpa"):
-        try:
-            model.set_attn_implementation(impl)
-            return model, impl
-        except (ValueError, KeyError, AttributeError):
-            continue
     return model, model.config._attn_implementation
 
 
