@@ -215,6 +215,9 @@ def hf_workload(model, requests, cuda_graphs: str = "auto") -> dict:
                                              continuous_batching_config=hf_cb_config(cuda_graphs),
                                              workload_hints=hints)
     manager.warmup()
+    cb = manager.continuous_batching_config  # as resolved: the sizes and graphs HF runs with
+    chosen = {k: getattr(cb, k, None) for k in ("block_size", "num_blocks", "max_batch_tokens",
+                                                 "max_requests_per_batch", "use_cuda_graph", "use_async_batching")}
     manager.start()
     try:
         sync()
@@ -236,7 +239,7 @@ def hf_workload(model, requests, cuda_graphs: str = "auto") -> dict:
     want = sum(n for _, n in requests)
     if tokens != want:  # a request that failed still finishes, with fewer tokens
         raise RuntimeError(f"HF's manager made {tokens} of the {want} tokens asked for")
-    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed, "config": chosen}
 
 
 # ---- one model ----
@@ -348,7 +351,8 @@ def render(rec: dict) -> str:
                              f"{sub['output_tok_s']:.0f} output tok/s")
             if hf:
                 lines.append(f"  HF on {w.get('hf_requests', w['requests'])} requests: {hf['seconds']:.1f} s, "
-                             f"{hf['output_tok_s']:.0f} output tok/s (ours x{w['speedup_vs_hf']:.1f})")
+                             f"{hf['output_tok_s']:.0f} output tok/s (ours x{w['speedup_vs_hf']:.1f})"
+                             + (f"; HF's configuration {hf['config']}" if hf.get("config") else ""))
         lines.append("")
     lines.append("(tok/s: engine.step() as called; replay: its CUDA graph alone; eager: an engine without graphs; "
                  "invariant: an engine in batch-invariant mode, cost % its tok/s below the default engine's; "
