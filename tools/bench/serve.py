@@ -37,7 +37,7 @@ def write_model_dir(cfg, out: Path, seed: int = 0, device: str = "cuda") -> Path
     """config.json, model.safetensors (random bf16 at cfg's shapes), tokenizer.json: word i is 'w{i}'."""
     import torch
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     from refimpl.formats.params import expected_shapes
 
@@ -57,8 +57,7 @@ def write_model_dir(cfg, out: Path, seed: int = 0, device: str = "cuda") -> Path
     words = {f"w{i}": i for i in range(cfg.vocab_size - len(SPECIALS))}
     words.update({s: cfg.vocab_size - len(SPECIALS) + i for i, s in enumerate(SPECIALS)})
     tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # no decoder: words joined with spaces, the fastest decode
     tok.add_special_tokens(SPECIALS)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
