@@ -58,7 +58,7 @@ def toy_engine():
     return BatchEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32", max_num_seqs=8)
 
 
-def test_measuring_loops_on_a_toy_model(toy_engine):
+def test_measuring_loops_on_a_toy_model(toy_engine, monkeypatch):
     """decode_rate times exactly B tokens a step once every prompt is in; the workload makes every request's full
     count (eos ignored); the engine is left empty for the next measurement."""
     cfg = toy_engine.config
@@ -71,7 +71,11 @@ def test_measuring_loops_on_a_toy_model(toy_engine):
     jobs = batch.workload(6, seed=2, vocab=cfg.vocab_size, prompt=(3, 40), output=(2, 20))
     result = batch.workload_run(toy_engine, jobs)
     assert result["output_tokens"] == sum(n for _, n in jobs) and result["output_tok_s"] > 0
-    assert not toy_engine.has_unfinished()
+    assert not toy_engine.has_unfinished() and toy_engine.blocks.cached  # the prompts' full blocks, reusable
+    matched, real = [], toy_engine.blocks.match_prefix
+    monkeypatch.setattr(toy_engine.blocks, "match_prefix", lambda seq: matched.append(real(seq)) or matched[-1])
+    again = batch.workload_run(toy_engine, jobs)  # timed again (HF's share): computed again, not found cached
+    assert again["output_tokens"] == result["output_tokens"] and len(matched) == len(jobs) and sum(matched) == 0
 
 
 def test_render_table():
