@@ -204,6 +204,11 @@ def bench_server(name: str, cmd: list[str], port: int, model: str, reqs, rates, 
             row = {"server": name, **asyncio.run(run_rate(url, model, reqs, rate, seed))}
             print(render_row(row), flush=True)
             rows.append(row)
+            if proc.poll() is not None:  # died under load: the rates left are not run
+                print(f"error: {name} exited with status {proc.returncode} during the run; the end of its log:\n"
+                      f"{log_tail(logs / f'{name}.log')}", file=sys.stderr, flush=True)
+                rows.append({"server": name, "error": f"exited with status {proc.returncode} at rate {rate}"})
+                break
         return rows
     finally:
         stop(proc)
