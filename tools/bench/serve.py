@@ -31,6 +31,7 @@ SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 RATES = "2,8,inf"
 REQUESTS = 200
 HF_ARGS = ""
+WARMUP, WARMUP_TOKENS = 64, 32  # untimed requests before the rates, and their max_tokens
 
 
 def write_model_dir(cfg, out: Path, seed: int = 0, device: str = "cuda") -> Path:
@@ -194,11 +195,14 @@ async def run_rate(url: str, model: str, reqs, rate: float, seed: int) -> dict:
 
 
 def bench_server(name: str, cmd: list[str], port: int, model: str, reqs, rates, seed: int, logs: Path) -> list:
-    """One server started, warmed up (8 requests at once: compilation, graphs), timed at each rate, stopped."""
+    """One server started, warmed up, timed at each rate, stopped. The warm-up (untimed): the first WARMUP requests
+    at once, each cut to WARMUP_TOKENS new tokens: the prompts' prefill shapes and the decode batch sizes up to
+    WARMUP, compiled and captured before the clock starts."""
     proc = start(name, cmd, port, logs / f"{name}.log")
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"
-        asyncio.run(run_rate(url, model, reqs[:8], float("inf"), seed))
+        warm = [(text, p, min(o, WARMUP_TOKENS)) for text, p, o in reqs[:WARMUP]]
+        asyncio.run(run_rate(url, model, warm, float("inf"), seed))
         rows = []
         for rate in rates:
             row = {"server": name, **asyncio.run(run_rate(url, model, reqs, rate, seed))}
