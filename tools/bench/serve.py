@@ -294,6 +294,7 @@ def main(argv=None, configs: dict | None = None):
         ap.error("--requests must be >= 1")
     if args.device.startswith("cuda"):
         require_cuda("python3 -m tools.bench.serve")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed (a time limit): the servers still stopped
     return run(args, configs)
 
 
