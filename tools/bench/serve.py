@@ -239,13 +239,13 @@ def server_commands(model_dir: Path, name: str, device: str, hf_args: list[str])
 
 
 def bench_model(key: str, cfg, args, workdir: Path) -> list[dict]:
-    """Both servers (or ours alone with --skip-hf) on one model's checkpoint, the same requests and arrivals.
+    """Both servers (or one, with --skip-hf or --skip-ours) on one model's checkpoint, the same requests and arrivals.
     A server that cannot start is reported (its log's tail) and recorded as an error row; the other still runs."""
     model_dir = write_model_dir(cfg, workdir / key, args.seed, args.device)
     reqs = workload(args.requests, cfg.vocab_size, args.seed, args.prompt_lengths, args.output_lengths)
     rows = []
     for name, (cmd, model) in server_commands(model_dir, key, args.device, shlex.split(args.hf_args)).items():
-        if name == "hf-serve" and args.skip_hf:
+        if args.skip_hf if name == "hf-serve" else args.skip_ours:
             continue
         port = free_port()
         cmd = [c.replace("{port}", str(port)) for c in cmd]
@@ -279,6 +279,7 @@ def arg_parser():
                     help="max_tokens of each request, uniform (default 32-512)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="llama32 serve alone")
+    ap.add_argument("--skip-ours", action="store_true", help="transformers serve alone")
     ap.add_argument("--hf-args", default=HF_ARGS,
                     help=f"extra arguments of `transformers serve` (default {HF_ARGS!r})")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a check of its logic)")
@@ -294,8 +295,11 @@ def main(argv=None, configs: dict | None = None):
         ap.error("--requests must be >= 1")
     if args.device.startswith("cuda"):
         require_cuda("python3 -m tools.bench.serve")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed (a time limit): the servers still stopped
-    return run(args, configs)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed (a time limit): servers stopped
+    try:
+        return run(args, configs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run(args, configs: dict | None = None, command: str | None = None) -> dict:
