@@ -51,3 +51,17 @@ def test_serve_benchmark_on_cpu_and_a_server_that_cannot_start(tmp_path, monkeyp
     assert "error: hf-serve" in err and "cannot load the model: no such thing" in err  # the log's tail
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rec["rows"]))
     assert (tmp_path / "llama32.log").read_text().count("llama32 serve: stopped") == 1
+
+
+def test_against_hf_compares_the_rates_both_servers_ran():
+    row = lambda server, rate, tok_s, tpot, failed=0: {  # noqa: E731
+        "model": "1b", "server": server, "rate": rate, "output_tok_s": tok_s, "tpot_p99_ms": tpot, "failed": failed,
+        "first_error": None, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0, "tpot_p50_ms": tpot / 2}
+    rows = [row("llama32", 2.0, 500.0, 4.0), row("llama32", "inf", 9000.0, 20.0), row("llama32", 8.0, 2000.0, 5.0),
+            row("hf-serve", 2.0, 250.0, 40.0), row("hf-serve", "inf", 1000.0, 80.0), row("hf-serve", 8.0, 10.0, 9.0, 3),
+            {"model": "1b", "server": "hf-serve", "error": "exited with status 1 at rate 8.0"}]
+    assert serve.against_hf(rows) == [{"model": "1b", "rate": 2.0, "throughput_x": 2.0, "tpot_p99_ratio": 0.1},
+                                      {"model": "1b", "rate": "inf", "throughput_x": 9.0, "tpot_p99_ratio": 0.25}]
+    text = serve.render({"device": "GPU", "date": "d", "requests": 3, "rows": rows[:2] + rows[3:5],
+                         "against_hf": serve.against_hf(rows)})
+    assert "1b rate inf: ours x9.0 HF's output tok/s, TPOT p99 0.25 of HF's" in text

@@ -310,15 +310,32 @@ def run(args, configs: dict | None = None, command: str | None = None) -> dict:
         print(f"benchmarking serving, {key}: {args.requests} requests at rates {args.rates} ...", flush=True)
         rows += bench_model(key, cfg, args, workdir)
     rec = record(args.device, command=command, requests=args.requests, rates=[str(r) for r in args.rates],
-                 hf_args=args.hf_args, transformers=version("transformers"), rows=rows)
+                 hf_args=args.hf_args, transformers=version("transformers"), rows=rows, against_hf=against_hf(rows))
     print(render(rec), flush=True)
     write_record(args.json_out, rec)
     return rec
 
 
+def against_hf(rows: list[dict]) -> list[dict]:
+    """Per model and rate both servers ran without failures: ours over HF's output tok/s, and our TPOT p99 over
+    HF's (the targets: saturated throughput >= 5x, TPOT p99 <= 1/3 at equal rates)."""
+    ok = {(r["model"], r["server"], r["rate"]): r for r in rows if "error" not in r and not r["failed"]}
+    out = []
+    for (model, server, rate), ours in ok.items():
+        hf = ok.get((model, "hf-serve", rate))
+        if server == "llama32" and hf is not None:
+            tpot = (ours["tpot_p99_ms"] / hf["tpot_p99_ms"]) if ours["tpot_p99_ms"] and hf["tpot_p99_ms"] else None
+            out.append({"model": model, "rate": rate, "throughput_x": ours["output_tok_s"] / hf["output_tok_s"],
+                        "tpot_p99_ratio": tpot})
+    return out
+
+
 def render(rec: dict) -> str:
     lines = [f"serving — {rec['device']} — {rec['date']} — {rec['requests']} requests per rate", ""]
     lines += [f"{r['server']:>9}: {r['error']}" if "error" in r else render_row(r) for r in rec["rows"]]
+    lines += [f"{c['model']} rate {c['rate']}: ours x{c['throughput_x']:.1f} HF's output tok/s, TPOT p99 "
+              + ("-" if c["tpot_p99_ratio"] is None else f"{c['tpot_p99_ratio']:.2f}") + " of HF's"
+              for c in rec.get("against_hf", [])]
     lines.append("(completions streamed, temperature 0; TTFT: request sent to first text; TPOT: the rest of the "
                  "stream over the tokens after the first; tok/s: output tokens over the rate's wall time)")
     return "\n".join(lines)
