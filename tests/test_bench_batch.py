@@ -115,7 +115,7 @@ def test_llama32_bench_batch_refuses_without_cuda_and_calls_the_benchmark(monkey
     assert args.models == ["3b"] and args.skip_hf and args.batch_sizes == [1, 8, 32, 64, 128, 256]
     assert (args.context, args.requests, str(args.json_out)) == (512, 1000, str(tmp_path / "b.json"))
     assert (args.eager, args.skip_invariant, args.profile_batch, args.device) == (False, False, None, "cuda")
-    assert (args.hf_requests, args.hf_cuda_graphs) == (200, "auto")
+    assert (args.hf_requests, args.hf_cuda_graphs) == (200, "on")
     assert command == f"llama32 bench --batch --models 3b --skip-hf --json-out {tmp_path / 'b.json'}"
 
 

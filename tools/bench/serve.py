@@ -28,9 +28,9 @@ import numpy as np
 from tools.bench.common import model_config, parser, record, require_cuda, version, write_record
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-RATES = "2,8,inf"
+RATES = "4,16,inf"
 REQUESTS = 200
-HF_ARGS = ""
+HF_ARGS = "--cb-use-cuda-graph --cb-max-memory-percent 0.6"  # its CUDA graphs, as batch.py runs HF
 WARMUP, WARMUP_TOKENS = 64, 32  # untimed requests before the rates, and their max_tokens
 
 
