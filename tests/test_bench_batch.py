@@ -58,7 +58,7 @@ def toy_engine():
     return BatchEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32", max_num_seqs=8)
 
 
-def test_measuring_loops_on_a_toy_model(toy_engine):
+def test_measuring_loops_on_a_toy_model(toy_engine, monkeypatch):
     """decode_rate times exactly B tokens a step once every prompt is in; the workload makes every request's full
     count (eos ignored); the engine is left empty for the next measurement."""
     cfg = toy_engine.config
@@ -71,7 +71,11 @@ def test_measuring_loops_on_a_toy_model(toy_engine):
     jobs = batch.workload(6, seed=2, vocab=cfg.vocab_size, prompt=(3, 40), output=(2, 20))
     result = batch.workload_run(toy_engine, jobs)
     assert result["output_tokens"] == sum(n for _, n in jobs) and result["output_tok_s"] > 0
-    assert not toy_engine.has_unfinished()
+    assert not toy_engine.has_unfinished() and toy_engine.blocks.cached  # the prompts' full blocks, reusable
+    matched, real = [], toy_engine.blocks.match_prefix
+    monkeypatch.setattr(toy_engine.blocks, "match_prefix", lambda seq: matched.append(real(seq)) or matched[-1])
+    again = batch.workload_run(toy_engine, jobs)  # timed again (HF's share): computed again, not found cached
+    assert again["output_tokens"] == result["output_tokens"] and len(matched) == len(jobs) and sum(matched) == 0
 
 
 def test_render_table():
@@ -79,17 +83,19 @@ def test_render_table():
         "model": "llama-3.2-1b", "context": 512, "decode_steps": 64,
         "decode": [{"batch": 64, "decode_tok_s": 20000.0, "roofline_tok_s": 25000.0, "roofline_pct": 80.0,
                     "hf_tok_s": 2000.0, "speedup_vs_hf": 10.0, "replay_tok_s": 22500.0, "replay_roofline_pct": 90.0,
-                    "eager_tok_s": 5000.0},
+                    "eager_tok_s": 5000.0, "invariant_tok_s": 15000.0, "invariant_cost_pct": 25.0},
                    {"batch": 1, "decode_tok_s": 900.0, "roofline_tok_s": 1100.0, "roofline_pct": 81.8}],
         "workload": {"requests": 1000, "prompt_tokens": 528000, "ours": {"seconds": 20.0, "output_tok_s": 13600.0},
-                     "hf": {"seconds": 230.0, "output_tok_s": 1180.0}, "speedup_vs_hf": 11.5},
-        "paged_attn": [{"block_size": 16, "config": {"BLOCK_N": 32}, "batch": 64, "context": 512, "us": 23.75}]}]}
+                     "hf_requests": 200, "ours_on_hf_requests": {"seconds": 5.0, "output_tok_s": 11000.0},
+                     "hf": {"seconds": 46.0, "output_tok_s": 1180.0}, "speedup_vs_hf": 9.3}}]}
     text = batch.render(rec)
     assert "batched decode — Test GPU — 2026-11-26 18:00 UTC" in text
-    assert "   64      20000      25000    80.0       2000   10.0      22500    90.0       5000" in text
-    assert "    1        900       1100    81.8          -      -          -       -          -" in text
-    assert "HF 230.0 s, 1180 output tok/s (x11.5)" in text
-    assert "paged attention, blocks of  16, B  64,  512 tokens, {'BLOCK_N': 32}: 23.8 µs" in text
+    assert ("   64      20000      25000    80.0       2000   10.0      22500    90.0       5000      15000"
+            "    25.0") in text
+    assert "    1        900       1100    81.8" + "          -      -          -       -" + "          -" * 2 + "       -" in text
+    assert "workload: 1000 requests, 528000 prompt tokens; ours 20.0 s, 13600 output tok/s" in text
+    assert "its first 200 requests: ours 5.0 s, 11000 output tok/s" in text
+    assert "HF on 200 requests: 46.0 s, 1180 output tok/s (ours x9.3)" in text
 
 
 def test_llama32_bench_batch_refuses_without_cuda_and_calls_the_benchmark(monkeypatch, tmp_path):
@@ -108,5 +114,37 @@ def test_llama32_bench_batch_refuses_without_cuda_and_calls_the_benchmark(monkey
     (args, command), = calls
     assert args.models == ["3b"] and args.skip_hf and args.batch_sizes == [1, 8, 32, 64, 128, 256]
     assert (args.context, args.requests, str(args.json_out)) == (512, 1000, str(tmp_path / "b.json"))
-    assert (args.eager, args.paged_sweep, args.profile_batch, args.device) == (False, False, None, "cuda")
+    assert (args.eager, args.skip_invariant, args.profile_batch, args.device) == (False, False, None, "cuda")
+    assert (args.hf_requests, args.hf_cuda_graphs) == (200, "on")
     assert command == f"llama32 bench --batch --models 3b --skip-hf --json-out {tmp_path / 'b.json'}"
+
+
+def test_llama32_bench_serve_calls_the_serving_benchmark(monkeypatch):
+    """`llama32 bench --serve`: tools.bench.serve with its defaults, the 1B shape unless --models names others."""
+    from tools.bench import serve
+    from tools.cli import main
+    calls = []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(serve, "run", lambda args, command=None: calls.append((args, command)))
+    for argv, models in ((["bench", "--serve"], ["1b"]), (["bench", "--serve", "--models", "3b", "--skip-hf"], ["3b"])):
+        monkeypatch.setattr(sys, "argv", ["llama32", *argv])
+        r = CliRunner().invoke(main, argv)
+        assert r.exit_code == 0, r.output
+        args, command = calls.pop()
+        assert args.models == models and args.skip_hf == ("--skip-hf" in argv) and args.device == "cuda"
+        assert (args.requests, args.rates, args.hf_args) == (serve.REQUESTS, serve.rates_arg(serve.RATES), serve.HF_ARGS)
+        assert command == "llama32 " + " ".join(argv)
+
+
+def test_variant_rates_build_their_own_engine(monkeypatch):
+    """The invariant (and eager) columns: each row's B decoded again on an engine built with the variant's options."""
+    from accel.weights import random_weights
+    from tools.toy import TOYS
+    cfg = TOYS[0].config
+    built, real = [], batch.new_engine
+    monkeypatch.setattr(batch, "new_engine", lambda *a, **k: built.append(k) or real(*a, **k))
+    args = argparse.Namespace(device="cpu", batch_sizes=[1, 3], context=5, seed=0, decode_steps=2)
+    rows = [{"batch": 1}, {"batch": 3}]
+    batch.variant_rates(cfg, random_weights(cfg, "cpu", torch.bfloat16, seed=0), args, rows, "invariant_tok_s",
+                        batch_invariant=True)
+    assert built == [{"batch_invariant": True}] and all(r["invariant_tok_s"] > 0 for r in rows)

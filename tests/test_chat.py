@@ -11,7 +11,7 @@ from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.generate import RefEngine, Sampling
 from tools.chat_session import ChatSession, common_prefix
 from tools.cli import main
-from tools.cli.generate import TextStream
+from tools.text_stream import TokenPrinter
 from tools.toy import TOYS, ToySpec, write_toy_checkpoint
 
 TURNS = ("the sea", "and the moon?", "tides and the sun")
@@ -140,7 +140,7 @@ def chat_cli(model_dir, stdin, *args):
 def printed(ckpt, ids):
     """What the chat prints for an answer of `ids`: the streamed text, then a newline."""
     out = io.StringIO()
-    stream = TextStream(ckpt.tokenizer, out)
+    stream = TokenPrinter(ckpt.tokenizer, out)
     for t in ids:
         stream.push(t)
     return out.getvalue() + "\n"
@@ -164,15 +164,14 @@ def test_scripted_chat_cli(ckpt, model_dir):
 
 
 def test_ctrl_c_stops_the_answer_not_the_chat(monkeypatch, ckpt, model_dir):
-    from tools.cli import generate as gen_cli
-    real, calls = gen_cli.TextStream.push, []
+    real, calls = TokenPrinter.push, []
 
     def push(self, token):
         calls.append(token)
         if len(calls) == 3:  # the user presses Ctrl-C while the first answer is being written
             raise KeyboardInterrupt
         real(self, token)
-    monkeypatch.setattr(gen_cli.TextStream, "push", push)
+    monkeypatch.setattr(TokenPrinter, "push", push)
     r = chat_cli(model_dir, f"{TURNS[0]}\n{TURNS[1]}\n")
     assert "(stopped)" in r.stderr
     lines = r.stdout.split("\n")

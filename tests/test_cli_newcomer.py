@@ -109,15 +109,15 @@ def test_version():
 
 
 def test_ctrl_c_ends_the_line(monkeypatch):
-    from tools.cli import generate as gen_cli
-    real, n = gen_cli.TextStream.push, []
+    from tools.text_stream import TokenPrinter
+    real, n = TokenPrinter.push, []
 
     def push(self, token):
         n.append(token)
         if len(n) == 3:
             raise KeyboardInterrupt
         real(self, token)
-    monkeypatch.setattr(gen_cli.TextStream, "push", push)
+    monkeypatch.setattr(TokenPrinter, "push", push)
     r = run("generate", "--model", GQA, "the cat sat")
     assert r.exit_code == 130 and r.stdout.endswith("\n") and r.stdout.strip() and "interrupted" in r.stderr
 

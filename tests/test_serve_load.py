@@ -123,14 +123,7 @@ def test_cli_binds_loopback_prints_its_url_and_drains_on_ctrl_c():
         line = proc.stderr.readline()
         assert f"at http://127.0.0.1:{port}/" in line, line
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health").text == "ok":
-                    break
-            except httpx.TransportError:
-                assert time.time() < deadline
-                time.sleep(0.1)
+        assert httpx.get(f"{url}/health").text == "ok"  # the URL is printed once the server accepts connections
         with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
                 "model": "toy-gqa", "prompt": "the", "max_tokens": 40, "temperature": 0, "stream": True}) as r:
             lines = r.iter_lines()
@@ -143,6 +136,40 @@ def test_cli_binds_loopback_prints_its_url_and_drains_on_ctrl_c():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_url_is_announced_once_the_socket_accepts_connections():
+    """bound_server calls back after uvicorn bound its socket (an app whose startup takes a while: not before)."""
+    import asyncio
+    import contextlib
+    import socket
+
+    import uvicorn
+
+    from tools.serve.server import bound_server
+
+    @contextlib.asynccontextmanager
+    async def slow_startup(app):
+        await asyncio.sleep(0.3)
+        yield
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            async with slow_startup(app):
+                await receive()  # startup
+                await send({"type": "lifespan.startup.complete"})
+                await receive()  # shutdown
+                await send({"type": "lifespan.shutdown.complete"})
+
+    port, seen = free_port(), []
+
+    def on_started():
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            seen.append("connected")
+        server.should_exit = True
+    server = bound_server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), on_started)
+    server.run()
+    assert seen == ["connected"]
 
 
 def test_cli_refuses_bad_settings_in_one_line():

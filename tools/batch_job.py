@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from refimpl.batch_api import SamplingParams
 from refimpl.progress import Progress
 
+from tools.text_stream import find_stop
+
 
 class OrderedWriter:
     """Writes records in `order` (ids), each as soon as it and every record before it are complete; a file cut
@@ -32,12 +34,6 @@ class OrderedWriter:
     @property
     def complete(self) -> bool:
         return self.next == len(self.order)
-
-
-def find_stop(text: str, stops) -> int | None:
-    """Where the earliest stop string starts in `text`, or None."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
 
 
 @dataclass

@@ -5,15 +5,17 @@ roofline and against HF transformers' continuous batching (`generate_batch`, pag
               WARMUP_STEPS untimed steps (the batch size's graph captured); then --decode-steps steps each
               decoding one token of every sequence: B·steps / time of engine.step() as called (schedule, inputs,
               graph replay, sampling, the tokens read back). "replay": the same step's CUDA graph replayed alone
-              (the device's share). --eager: the same steps on an engine without CUDA graphs.
+              (the device's share). "invariant": the same steps on an engine in batch-invariant mode (its cost;
+              --skip-invariant to skip). --eager: the same steps on an engine without CUDA graphs.
               Roofline: the bytes a step must read (the weights once, and each sequence's K/V at its
               length) over the measured copy bandwidth. HF: generate_batch of the same prompts for 1 and for
               1 + steps new tokens, the difference. --profile-batch B: the top kernels of B's graph replay.
     workload  --requests requests from a fixed seed, prompt lengths uniform in [32, 1024] and outputs in
               [32, 512] (eos ignored: every request makes its full count): total time and output tok/s, ours and HF's
-              (its ContinuousBatchingManager, each request its own max_new_tokens).
-    paged     --paged-sweep: the paged decode attention kernel alone (captured in a CUDA graph) per KV block size and
-              per launch config (BLOCK_N, warps, stages) at the 1B shape's heads.
+              (its ContinuousBatchingManager, each request its own max_new_tokens) on the first --hf-requests of
+              them (ours timed on those too: the speedup compares the same requests).
+    HF        its CUDA graphs on and its KV cache at HF_MEMORY of the free memory (hf_cb_config; --hf-cuda-graphs
+              auto: transformers' defaults), the rest sized by transformers as generate_batch sizes it.
 Method and timing: tools.bench.common (records: command, device, date, versions).
 """
 from __future__ import annotations
@@ -26,6 +28,8 @@ import time
 from tools.bench import common
 
 BATCH_SIZES = (1, 8, 32, 64, 128, 256)
+HF_REQUESTS = 200  # HF runs the first 200 of the workload: all 1000 take it minutes a model (docs/performance.md)
+HF_MEMORY = 0.6  # of the free GPU memory, HF's KV cache (with its CUDA graphs)
 WARMUP_STEPS = 2  # untimed decode steps before the timed ones (graph capture, Triton compiles)
 
 
@@ -139,7 +143,11 @@ def decode_graph(engine, batch: int):
 
 
 def workload_run(engine, requests) -> dict:
+    """The requests all added at once, stepped until done -> seconds, output tokens and tok/s. The engine's prefix
+    cache is emptied first: requests timed a second time (HF's share of the workload) find none of their K/V."""
     from accel.batch import SamplingParams
+    assert not engine.has_unfinished()
+    engine.blocks.cached.clear()
     sync()
     t0 = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in requests]
@@ -152,15 +160,9 @@ def workload_run(engine, requests) -> dict:
 # ---- HF transformers ----
 
 def hf_model(cfg, weights, device):
-    """transformers' Llama on the same weights, with a paged attention continuous batching runs (sdpa_paged where
-    this version has it, else sdpa, which its manager pages itself)."""
+    """transformers' Llama on the same weights and its attention implementation (sdpa unless flash attention is
+    installed: continuous batching pages it itself, "paged|sdpa")."""
     model = common.hf_llama(cfg, weights, device)
-    for impl in ("sdpa_paged", "sdpa"):
-        try:
-            model.set_attn_implementation(impl)
-            return model, impl
-        except (ValueError, KeyError, AttributeError):
-            continue
     return model, model.config._attn_implementation
 
 
@@ -170,24 +172,38 @@ def hf_config(new_tokens: int):
                                          pad_token_id=0)
 
 
-def hf_batch_seconds(model, prompts, new_tokens: int) -> tuple[float, int]:
-    """generate_batch of the prompts, new_tokens each: (seconds, tokens generated)."""
-    import torch
+def hf_cb_config(cuda_graphs: str):
+    """HF's ContinuousBatchingConfig. "on" (the default): its CUDA graphs forced on (transformers turns them on by
+    itself only where its attention needs no mask, i.e. with flash-attn installed) and its KV cache at HF_MEMORY of
+    the free memory (its 0.9 leaves too little for its own graph warm-up: docs/performance.md); "auto": every
+    field left to transformers; "off": graphs off."""
+    if cuda_graphs == "auto":
+        return None
+    import transformers
+    if cuda_graphs == "off":
+        return transformers.ContinuousBatchingConfig(use_cuda_graph=False)
+    return transformers.ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=HF_MEMORY)
+
+
+def hf_batch_seconds(model, prompts, new_tokens: int, cuda_graphs: str = "on") -> tuple[float, int]:
+    """generate_batch of the prompts, new_tokens each: (seconds, tokens generated). Called outside inference mode
+    (generate_batch runs under no_grad): transformers 5.17 warms its manager up in the calling thread and generates
+    in its own, where tensors made in the caller's inference mode cannot be updated in place."""
     sync()
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate_batch(prompts, generation_config=hf_config(new_tokens))
+    out = model.generate_batch(prompts, generation_config=hf_config(new_tokens),
+                               continuous_batching_config=hf_cb_config(cuda_graphs))
     sync()
     return time.perf_counter() - t0, sum(len(o.generated_tokens) for o in out.values())
 
 
-def hf_decode_rate(model, prompts, steps: int) -> float | None:
+def hf_decode_rate(model, prompts, steps: int, cuda_graphs: str = "on") -> float | None:
     """Decode tok/s of generate_batch: (1 + steps tokens each) minus (1 token each: the prefill, and the manager's
     set-up and CUDA-graph warm-up, which every call repeats), after a warm-up call. None if the difference drowns in
     noise."""
-    hf_batch_seconds(model, prompts[:2], 2)
-    short, first = hf_batch_seconds(model, prompts, 1)
-    full, tokens = hf_batch_seconds(model, prompts, 1 + steps)
+    hf_batch_seconds(model, prompts[:2], 2, cuda_graphs)
+    short, first = hf_batch_seconds(model, prompts, 1, cuda_graphs)
+    full, tokens = hf_batch_seconds(model, prompts, 1 + steps, cuda_graphs)
     if first != len(prompts) or tokens != len(prompts) * (1 + steps):  # requests dropped: HF's run failed
         print(f"HF generate_batch at B={len(prompts)} returned {tokens} of {len(prompts) * (1 + steps)} tokens: "
               f"not timed", flush=True)
@@ -195,9 +211,21 @@ def hf_decode_rate(model, prompts, steps: int) -> float | None:
     return (tokens - len(prompts)) / (full - short) if full > short else None
 
 
-def hf_workload(model, requests) -> dict:
-    """The workload through HF's ContinuousBatchingManager, each request with its own max_new_tokens."""
-    manager = model.init_continuous_batching(generation_config=hf_config(max(n for _, n in requests)))
+def hf_workload(model, requests, cuda_graphs: str = "on") -> dict:
+    """The workload through HF's ContinuousBatchingManager, each request with its own max_new_tokens. The manager
+    is sized as generate_batch sizes it (workload hints: the longest prompt and output, the request count) and
+    warmed up (its CUDA graphs captured, where it uses them) before the clock starts."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+    longest = max(n for _, n in requests)
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in requests), max_generated_length=longest,
+                          num_requests=len(requests))
+    manager = model.init_continuous_batching(generation_config=hf_config(longest),
+                                             continuous_batching_config=hf_cb_config(cuda_graphs),
+                                             workload_hints=hints)
+    manager.warmup()
+    cb = manager.continuous_batching_config  # as resolved: the sizes and graphs HF runs with
+    chosen = {k: getattr(cb, k, None) for k in ("block_size", "num_blocks", "max_batch_tokens",
+                                                 "max_requests_per_batch", "use_cuda_graph", "use_async_batching")}
     manager.start()
     try:
         sync()
@@ -219,40 +247,7 @@ def hf_workload(model, requests) -> dict:
     want = sum(n for _, n in requests)
     if tokens != want:  # a request that failed still finishes, with fewer tokens
         raise RuntimeError(f"HF's manager made {tokens} of the {want} tokens asked for")
-    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
-
-
-# ---- the paged decode attention kernel alone ----
-
-PAGED_CASES = ((1, 4096), (64, 512), (64, 2048), (256, 512))  # (B, context)
-PAGED_CONFIGS = ({"BLOCK_N": 32}, {"BLOCK_N": 64, "num_warps": 4}, {"BLOCK_N": 64, "num_stages": 3},
-                 {"BLOCK_N": 128}, {"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 2},
-                 {"BLOCK_N": 128, "num_warps": 8})
-
-
-def paged_us(cfg, block_size: int, batch: int, context: int, config: dict | None = None) -> float:
-    """µs of one paged decode attention call (bf16, cfg's heads) over `batch` sequences of `context` tokens in
-    randomly placed blocks, captured in a CUDA graph (the kernels' time, not the host's launches)."""
-    import torch
-
-    from accel.kernels.paged_attn import paged_decode_attention_fwd
-    width = -(-context // block_size)
-    H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = torch.randn(batch, H, E, device="cuda", dtype=torch.bfloat16)
-    pool = torch.randn(K, batch * width * block_size, E, device="cuda", dtype=torch.bfloat16)
-    tables = torch.randperm(batch * width, device="cuda").view(batch, width).to(torch.int32)
-    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    return common.graph_us([lambda: paged_decode_attention_fwd(q, pool, pool, tables, lens, block_size,
-                                                               config=config)])
-
-
-def paged_sweep(cfg) -> list[dict]:
-    """The kernel per KV block size (the engine's default launch config), then per launch config at block 16."""
-    rows = [{"block_size": bs, "config": None, "batch": b, "context": c, "us": paged_us(cfg, bs, b, c)}
-            for bs in (16, 64, 256) for b, c in PAGED_CASES]
-    rows += [{"block_size": 16, "config": config, "batch": b, "context": c, "us": paged_us(cfg, 16, b, c, config)}
-             for config in PAGED_CONFIGS for b, c in PAGED_CASES[1:]]
-    return rows
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed, "config": chosen}
 
 
 # ---- one model ----
@@ -271,6 +266,17 @@ def decode_rows(engine, cfg, weight_bytes: int, args, copy_tb_s: float) -> list[
         if "profile" in r:
             print(f"B = {b}, one decode step's graph replay, top kernels:\n{r['profile']}", flush=True)
     return rows
+
+
+def variant_rates(cfg, weights, args, rows: list[dict], column: str, **options) -> None:
+    """Each row's decode tok/s again on an engine built with `options` (its own: each engine takes most of the
+    free memory for its KV pool), into row[column]."""
+    engine = new_engine(cfg, weights, args.device, max(args.batch_sizes), **options)
+    for row in rows:
+        prompts = decode_prompts(cfg, row["batch"], args.context, args.seed)
+        row[column] = decode_rate(engine, prompts, args.decode_steps)["tok_s"]
+    del engine
+    free_gpu()
 
 
 def free_gpu() -> None:
@@ -292,31 +298,42 @@ def model_rows(key: str, args, copy_tb_s: float) -> dict:
     result = {"model": common.MODELS[key], "weights_gb": weights.nbytes() / 1e9, "context": args.context,
               "decode_steps": args.decode_steps, "decode": rows}
     jobs = workload(args.requests, args.seed, cfg.vocab_size) if args.requests else []
+    hf_jobs = jobs[:args.hf_requests] if not args.skip_hf else []
     if jobs:
         result["workload"] = {"requests": len(jobs), "prompt_tokens": sum(len(p) for p, _ in jobs),
                               "ours": workload_run(engine, jobs)}
+    if hf_jobs and len(hf_jobs) < len(jobs):  # HF runs the first requests: ours on the same ones too
+        result["workload"]["hf_requests"] = len(hf_jobs)
+        result["workload"]["ours_on_hf_requests"] = workload_run(engine, hf_jobs)
     del engine
     free_gpu()
-    if args.eager:  # an engine of its own: each takes most of the free memory for its KV pool
-        engine = new_engine(cfg, weights, device, max(args.batch_sizes), cuda_graphs=False)
+    if args.eager:
+        variant_rates(cfg, weights, args, rows, "eager_tok_s", cuda_graphs=False)
+    if not args.skip_invariant:
+        variant_rates(cfg, weights, args, rows, "invariant_tok_s", batch_invariant=True)
         for row in rows:
-            prompts = decode_prompts(cfg, row["batch"], args.context, args.seed)
-            row["eager_tok_s"] = decode_rate(engine, prompts, args.decode_steps)["tok_s"]
-        del engine
-        free_gpu()
-    if args.paged_sweep:
-        result["paged_attn"] = paged_sweep(cfg)
+            row["invariant_cost_pct"] = 100 * (1 - row["invariant_tok_s"] / row["decode_tok_s"])
     if not args.skip_hf:
         model, impl = hf_model(cfg, weights, device)
-        result["hf_attn_implementation"] = impl
+        result["hf_attn_implementation"], result["hf_cuda_graphs"] = impl, args.hf_cuda_graphs
         for row in rows:
             prompts = decode_prompts(cfg, row["batch"], args.context, args.seed)
-            row["hf_tok_s"] = hf_decode_rate(model, prompts, args.decode_steps)
+            try:
+                row["hf_tok_s"] = hf_decode_rate(model, prompts, args.decode_steps, args.hf_cuda_graphs)
+            except Exception as e:  # noqa: BLE001  as for the workload below
+                row["hf_tok_s"], row["hf_error"] = None, f"{type(e).__name__}: {e}"[:300]
+                print(f"HF generate_batch at B={row['batch']} failed: {row['hf_error']}", flush=True)
             row["speedup_vs_hf"] = row["decode_tok_s"] / row["hf_tok_s"] if row["hf_tok_s"] else None
-        if jobs:
-            hf = hf_workload(model, jobs)
-            result["workload"]["hf"] = hf
-            result["workload"]["speedup_vs_hf"] = result["workload"]["ours"]["output_tok_s"] / hf["output_tok_s"]
+        if hf_jobs:
+            w = result["workload"]
+            try:
+                w["hf"] = hf_workload(model, hf_jobs, args.hf_cuda_graphs)
+            except Exception as e:  # noqa: BLE001  HF failing (its manager, memory) is a result, not the end of the run
+                w["hf_error"] = f"{type(e).__name__}: {e}"[:300]
+                print(f"HF's workload failed: {w['hf_error']}", flush=True)
+            else:
+                ours = w.get("ours_on_hf_requests", w["ours"])
+                w["speedup_vs_hf"] = ours["output_tok_s"] / w["hf"]["output_tok_s"]
         del model
     del weights
     free_gpu()
@@ -333,24 +350,31 @@ def render(rec: dict) -> str:
     for m in rec["models"]:
         lines.append(f"{m['model']}: {m['context']}-token contexts, {m['decode_steps']} decode steps timed")
         lines.append(f"{'B':>5}{'tok/s':>11}{'roofline':>11}{'% roof':>8}{'HF tok/s':>11}{'x HF':>7}"
-                     f"{'replay':>11}{'% roof':>8}{'eager':>11}")
+                     f"{'replay':>11}{'% roof':>8}{'eager':>11}{'invariant':>11}{'cost %':>8}")
         for r in m["decode"]:
             lines.append(f"{r['batch']:>5}{r['decode_tok_s']:>11.0f}{r['roofline_tok_s']:>11.0f}"
                          f"{r['roofline_pct']:>8.1f}{f(r.get('hf_tok_s'), '.0f'):>11}{f(r.get('speedup_vs_hf')):>7}"
                          f"{f(r.get('replay_tok_s'), '.0f'):>11}{f(r.get('replay_roofline_pct')):>8}"
-                         f"{f(r.get('eager_tok_s'), '.0f'):>11}")
+                         f"{f(r.get('eager_tok_s'), '.0f'):>11}{f(r.get('invariant_tok_s'), '.0f'):>11}"
+                         f"{f(r.get('invariant_cost_pct')):>8}")
         w = m.get("workload")
         if w:
             hf = w.get("hf")
             lines.append(f"workload: {w['requests']} requests, {w['prompt_tokens']} prompt tokens; ours "
-                         f"{w['ours']['seconds']:.1f} s, {w['ours']['output_tok_s']:.0f} output tok/s"
-                         + (f"; HF {hf['seconds']:.1f} s, {hf['output_tok_s']:.0f} output tok/s "
-                            f"(x{w['speedup_vs_hf']:.1f})" if hf else ""))
-        for p in m.get("paged_attn", []):
-            lines.append(f"paged attention, blocks of {p['block_size']:>3}, B {p['batch']:>3}, {p['context']:>4} "
-                         f"tokens, {p['config'] or 'default launch'}: {p['us']:.1f} µs")
+                         f"{w['ours']['seconds']:.1f} s, {w['ours']['output_tok_s']:.0f} output tok/s")
+            sub = w.get("ours_on_hf_requests")
+            if sub:
+                lines.append(f"  its first {w['hf_requests']} requests: ours {sub['seconds']:.1f} s, "
+                             f"{sub['output_tok_s']:.0f} output tok/s")
+            if w.get("hf_error"):
+                lines.append(f"  HF failed: {w['hf_error']}")
+            if hf:
+                lines.append(f"  HF on {w.get('hf_requests', w['requests'])} requests: {hf['seconds']:.1f} s, "
+                             f"{hf['output_tok_s']:.0f} output tok/s (ours x{w['speedup_vs_hf']:.1f})"
+                             + (f"; HF's configuration {hf['config']}" if hf.get("config") else ""))
         lines.append("")
     lines.append("(tok/s: engine.step() as called; replay: its CUDA graph alone; eager: an engine without graphs; "
+                 "invariant: an engine in batch-invariant mode, cost % its tok/s below the default engine's; "
                  "roofline: the weights once + every sequence's K/V a step, over the copy bandwidth; HF: "
                  "generate_batch's time for 1 + steps tokens minus for 1 token)")
     return "\n".join(lines)
@@ -363,13 +387,18 @@ def arg_parser():
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding sequence")
     ap.add_argument("--decode-steps", type=int, default=64, help="decode steps timed at each batch size")
     ap.add_argument("--requests", type=int, default=1000, help="the offline workload's requests (0: skip it)")
+    ap.add_argument("--hf-requests", type=int, default=HF_REQUESTS,
+                    help=f"HF runs the workload's first N requests (ours runs them too, for the speedup; default "
+                         f"{HF_REQUESTS})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="skip HF transformers' continuous batching")
+    ap.add_argument("--hf-cuda-graphs", choices=("on", "auto", "off"), default="on",
+                    help="HF continuous batching's CUDA graphs (auto: transformers decides; default on)")
+    ap.add_argument("--skip-invariant", action="store_true",
+                    help="skip the batch-invariant engine's decode rates (its cost against the default engine)")
     ap.add_argument("--eager", action="store_true", help="also decode on an engine without CUDA graphs")
     ap.add_argument("--profile-batch", type=int, default=None, metavar="B",
                     help="print the top kernels of batch size B's decode graph replay")
-    ap.add_argument("--paged-sweep", action="store_true",
-                    help="time the paged decode attention kernel alone per KV block size and launch config")
     ap.add_argument("--device", default="cuda")
     return ap
 
@@ -380,8 +409,8 @@ def main(argv=None):
     for name in ("context", "decode_steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.requests < 0:
-        ap.error("--requests must be >= 0")
+    if args.requests < 0 or args.hf_requests < 0:
+        ap.error(f"--{'requests' if args.requests < 0 else 'hf-requests'} must be >= 0")
     common.require_cuda("python3 -m tools.bench.batch")
     return run(args)
 

@@ -103,6 +103,14 @@ def _batch_bench(models: list[str], device: str, skip_hf: bool, json_out) -> Non
     batch.run(args, command=shlex.join(["llama32", "bench", *_bench_args(sys.argv)]))
 
 
+def _serve_bench(models: list[str], device: str, skip_hf: bool, json_out) -> None:
+    """tools.bench.serve with its defaults for the chosen text models."""
+    from tools.bench import serve
+    args = serve.arg_parser().parse_args([])
+    args.models, args.skip_hf, args.device, args.json_out = models, skip_hf, device, json_out
+    serve.run(args, command=shlex.join(["llama32", "bench", *_bench_args(sys.argv)]))
+
+
 @click.command()
 @click.option("--models", default="1b,3b", show_default=True,
               help="Comma-separated: 1b, 3b, 11b-vision, 90b-vision (empty: none).")
@@ -118,11 +126,14 @@ def _batch_bench(models: list[str], device: str, skip_hf: bool, json_out) -> Non
 @click.option("--batch", "batch", is_flag=True,
               help="Only the batched-decoding benchmark (tools/bench/batch.py): B = 1..256 at 512-token contexts and "
                    "a 1000-request workload, against the roofline and HF generate_batch.")
+@click.option("--serve", "serve", is_flag=True,
+              help="Only the serving benchmark (tools/bench/serve.py): `llama32 serve` against `transformers serve` "
+                   "under Poisson arrivals (1b unless --models says otherwise).")
 @click.option("--json-out", "json_out", default=None, type=UserPath(output=True),
               help="Also write the results as JSON here.")
 @TP_OPTION
 def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out, train=False,
-          quant=None, batch=False, tp=1):
+          quant=None, batch=False, serve=False, tp=1):
     """Benchmark the accel engine on a CUDA GPU (random weights at the real Llama 3.2 shapes)."""
     refuse_tp(tp, "bench")
     common = _benchmarks()
@@ -137,6 +148,10 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
         raise GenerationError("llama32 bench needs a CUDA GPU (torch.cuda.is_available() is False here)")
     if batch:
         _batch_bench([m for m in chosen if m in MODELS], device, skip_hf, json_out)
+        return
+    if serve:
+        given = click.get_current_context().get_parameter_source("models") != click.core.ParameterSource.DEFAULT
+        _serve_bench([m for m in chosen if m in MODELS] if given else ["1b"], device, skip_hf, json_out)
         return
     from tools.bench import gpu as b
     with_hf = not skip_hf and importlib.util.find_spec("transformers") is not None

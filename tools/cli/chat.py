@@ -14,9 +14,10 @@ from refimpl.errors import GenerationError
 from refimpl.generate import Sampling
 
 from tools.chat_session import ChatSession, stop_notice
-from tools.cli.generate import TextStream, greedy_notice
+from tools.cli.generate import greedy_notice
 from tools.cli.options import ENGINE_OPTIONS, MODEL_OPTION, sampling_options
 from tools.engines import load_engine, resolve_backend, resolve_model
+from tools.text_stream import TokenPrinter
 from tools.tp import TP_OPTION, load_tp
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (new system message, new conversation), /exit"
@@ -46,7 +47,7 @@ def read_messages(interactive: bool):
 
 def answer(session: ChatSession, text: str) -> None:
     """Stream one answer; Ctrl-C stops it, not the chat."""
-    stream = TextStream(session.tok, sys.stdout)
+    stream = TokenPrinter(session.tok, sys.stdout)
     try:
         tokens = session.ask(text)
     except GenerationError as e:  # this message alone fills the context: say so, and the chat goes on

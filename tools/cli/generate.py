@@ -13,24 +13,10 @@ from refimpl.generate import Sampling
 
 from tools.chat_session import stop_notice, wants_chat
 from tools.engines import load_engine, resolve_backend, resolve_model
+from tools.text_stream import TokenPrinter
 from tools.tp import TP_OPTION, load_tp
 from tools.vision_inputs import prompt_inputs
 from tools.cli.options import ENGINE_OPTIONS, MODEL_OPTION, QUANT_HELP, UserPath, sampling_options
-
-
-class TextStream:
-    """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 sequence (shown as U+FFFD)."""
-
-    def __init__(self, tokenizer, out):
-        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out, [], 0
-
-    def push(self, token: int) -> None:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if self.out is not None and not text.endswith("\ufffd"):
-            self.out.write(text[self.printed:])
-            self.out.flush()
-            self.printed = len(text)
 
 
 def read_prompt(prompt: str) -> str:
@@ -127,7 +113,7 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
     settings = replace(settings, max_new_tokens=fitted)
     if note:
         tell(f"note: {note}")
-    stream = TextStream(tok, None if as_json else sys.stdout)
+    stream = TokenPrinter(tok, None if as_json else sys.stdout)
     t0 = time.perf_counter()
     times = []
     inputs = vision.engine_kwargs if vision is not None else {}

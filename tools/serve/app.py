@@ -18,7 +18,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 from tools.serve.async_engine import AsyncEngine, RequestRefused
 from tools.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 from tools.serve.requests import (ServedModel, adapter_for, chat_prompt, completion_prompts, sampling_params)
-from tools.serve.text import TextStream
+from tools.text_stream import TextStream
 
 MAX_BODY_BYTES = 32 * 2 ** 20
 

@@ -43,14 +43,26 @@ def load_served(model, adapters: dict[str, Path], served_name, device, dtype, ma
     return build_app(runner, served, SamplingParams, api_key=api_key), runner, served.name
 
 
+def bound_server(config, on_started):
+    """uvicorn's Server, calling `on_started()` once its socket is bound and it accepts connections."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                on_started()
+    return Server(config)
+
+
 def run_server(app, engine: AsyncEngine, name: str, host: str, port: int) -> None:
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
-    server = uvicorn.Server(config)
     shown = f"[{host}]" if ":" in host else host
-    print(f"llama32 serve: {name} at http://{shown}:{port}/ (OpenAI API at http://{shown}:{port}/v1; Ctrl-C stops)",
-          file=sys.stderr, flush=True)
+    server = bound_server(config, lambda: print(
+        f"llama32 serve: {name} at http://{shown}:{port}/ (OpenAI API at http://{shown}:{port}/v1; Ctrl-C stops)",
+        file=sys.stderr, flush=True))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it caught, after draining: the stop asked for

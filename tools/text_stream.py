@@ -1,4 +1,5 @@
-"""Token ids -> the text a client is sent: incremental, with stop strings.
+"""Token ids -> the text shown or sent as they arrive: incremental, with stop strings (llama32 serve's streams,
+llama32 generate and chat's printed answers, llama32 batch's stop strings).
 
 A choice's text is re-decoded from all its ids at each step (a token can change how the bytes before it decode),
 and only what can no longer change is released: not a trailing incomplete UTF-8 sequence (U+FFFD), not a tail that
@@ -6,6 +7,12 @@ could still grow into a stop string. When a stop string appears, the text ends b
 string is not returned).
 """
 from __future__ import annotations
+
+
+def find_stop(text: str, stops, start: int = 0) -> int | None:
+    """Where the earliest of the stop strings starts in `text` (searching from `start`), or None."""
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else None
 
 
 class TextStream:
@@ -27,7 +34,7 @@ class TextStream:
             return ""
         self.ids.extend(new_ids)
         text = self._decode()
-        hit = self._find_stop(text)
+        hit = find_stop(text, self.stops, max(0, self.sent - max((len(s) for s in self.stops), default=0)))
         if hit is not None:
             self.stopped, self.tokens_at_stop = True, len(self.ids)
             self.text = text[:hit]
@@ -47,11 +54,6 @@ class TextStream:
         self.sent = end
         return delta
 
-    def _find_stop(self, text: str) -> int | None:
-        start = max(0, self.sent - max((len(s) for s in self.stops), default=0))
-        found = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return min(found) if found else None
-
     def _safe_end(self, text: str) -> int:
         end = len(text.rstrip("\ufffd"))  # not a trailing incomplete UTF-8 sequence
         for s in self.stops:
@@ -60,3 +62,21 @@ class TextStream:
                     end -= k
                     break
         return end
+
+
+class TokenPrinter:
+    """A completion's text written to `out` (None: nowhere) as its tokens arrive, one TextStream without stop
+    strings: an incomplete UTF-8 sequence at the end (U+FFFD) is held back until its bytes are complete."""
+
+    def __init__(self, tokenizer, out):
+        self.stream, self.out = TextStream(tokenizer, []), out
+
+    @property
+    def ids(self) -> list[int]:
+        return self.stream.ids
+
+    def push(self, token: int) -> None:
+        delta = self.stream.push([token])
+        if self.out is not None and delta:
+            self.out.write(delta)
+            self.out.flush()
