@@ -105,18 +105,19 @@ def test_both_switches_select_the_kernel(tmp_path, kernel_calls):
     assert_close("logits", again, want)
 
 
-def greedy(model, impl, ids, mask, n=6):
+def greedy(model, impl, ids, mask, n=6, context=torch.no_grad):
     model.set_attn_implementation(impl)
-    with torch.no_grad():
+    with context():
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
 
 
-def test_generate_with_left_padding_gives_sdpa_greedy_ids(kernel_calls):
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])  # inference tensors: no version counter
+def test_generate_with_left_padding_gives_sdpa_greedy_ids(context, kernel_calls):
     model = llama(kv_heads=1, layers=2, seed=3).eval()
     ids, mask = left_padded([7, 4], 7, seed=2)
-    want = greedy(model, "sdpa", ids, mask)
-    got = greedy(model, "llama32", ids, mask)
+    want = greedy(model, "sdpa", ids, mask, context=context)
+    got = greedy(model, "llama32", ids, mask, context=context)
     assert got.tolist() == want.tolist()
     assert len(set(want[:, 7:].flatten().tolist())) > 2  # a model that repeats one token would prove little
     decode = [c for c in kernel_calls if c[0][1] == 1]

@@ -24,6 +24,7 @@ import types
 
 import torch
 
+from accel.hf.memo import PerTensor
 from accel.train import fused
 from accel.train.loss import linear_cross_entropy
 
@@ -62,6 +63,15 @@ def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(fused.swiglu_pair(gate, up))
 
 
+_rope_tables = PerTensor()  # (cos, sin) -> the kernel's tables: the model passes one pair to every layer
+
+
+def halves(cos: torch.Tensor, sin: torch.Tensor):
+    """HF's cos/sin [B or 1, T, E] (the halves repeat) -> the kernel's [B or 1, T, E/2] fp32 tables."""
+    half = cos.shape[-1] // 2
+    return cos[..., :half].float(), sin[..., :half].float()
+
+
 def rope_function(original):
     """HF's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) over the Triton RoPE, `original` where it does
     not apply. q [B, H, T, E], k [B, K, T, E], cos/sin [B or 1, T, E] (the halves repeat)."""
@@ -70,9 +80,8 @@ def rope_function(original):
         if (args or kwargs.get("unsqueeze_dim", 1) != 1 or set(kwargs) - {"unsqueeze_dim"} or cos.dim() != 3
                 or cos.shape[1:] != (T, E) or k.shape[2] != T or k.dtype != q.dtype or not kernels_run_on(q)):
             return original(q, k, cos, sin, *args, **kwargs)
-        half = E // 2
-        c, s = (x[..., :half].float().expand(B, T, half) for x in (cos, sin))  # [B, T, E/2]
-        qr, kr = fused.rope_qk(q.transpose(1, 2), k.transpose(1, 2), c, s)  # [B, T, heads, E]
+        c, s = _rope_tables.get((cos, sin), None, lambda: halves(cos, sin))  # [B or 1, T, E/2] fp32
+        qr, kr = fused.rope_qk(q.transpose(1, 2), k.transpose(1, 2), c.expand(B, T, -1), s.expand(B, T, -1))
         return qr.transpose(1, 2), kr.transpose(1, 2)
     apply_rotary_pos_emb.llama32_original = original
     return apply_rotary_pos_emb

@@ -319,11 +319,11 @@ def _setup(q, k, mask, config: dict | None, part: str):
 
 
 def flash_attn_train_fwd(q, k, v, causal: bool = True, mask=None, config: dict | None = None):
-    """q [B, T, H, E], k/v [B, S, K, E], mask [B, T, S] bool or None -> (o [B, T, H, E] in q's dtype,
+    """q [B, T, H, E], k/v [B, S, K, E], mask [B, T, S] bool or None -> (o [B, T, H, E] contiguous in q's dtype,
     lse [B, H, T] fp32, log2 domain, +inf for rows that see no key). `config` overrides the tile sizes."""
     _check(q, k, v, mask)
     (B, T, H, E, S, NK), cfg, mk, ms, consts = _setup(q, k, mask, config, "fwd")
-    o = torch.empty_like(q)
+    o = torch.empty((B, T, H, E), dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     n_mblocks = triton.cdiv(T, cfg["BLOCK_M"])
     _fwd_kernel[(B * H, n_mblocks)](q, k, v, mk, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
