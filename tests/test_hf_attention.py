@@ -242,6 +242,17 @@ def test_float_masks_of_zeros_and_min_run_the_kernel_with_scaling(kernel_calls):
     assert len(kernel_calls) == 4 and accel.hf.fallback_counts() == {}
 
 
+def test_the_models_own_scaling_reaches_the_kernel_without_a_product(monkeypatch):
+    """Llama passes head_dim ** -0.5, which times sqrt(128) is 1 + 1 ulp: q goes to the kernel as the same memory,
+    not multiplied by 1.0000000000000002 (an extra op each way per layer); another scale still multiplies."""
+    seen = []
+    monkeypatch.setattr(hf_attention, "flash_attention", lambda q, k, v, causal, mask: seen.append(q) or q)
+    q, k = torch.randn(1, 2, 3, 128), torch.randn(1, 1, 3, 128)
+    accel.hf.attention_forward(_Module(), q, k, k, None, scaling=128 ** -0.5)
+    accel.hf.attention_forward(_Module(), q, k, k, None, scaling=0.3)
+    assert seen[0].data_ptr() == q.data_ptr() and seen[1].data_ptr() != q.data_ptr()
+
+
 @pytest.mark.parametrize("what", ["bias", "empty_row", "dropout", "per_head", "fp16"])
 def test_what_the_kernel_cannot_take_falls_back_to_sdpa(what, kernel_calls):
     q, k, v = qkv(seed=2)

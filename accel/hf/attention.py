@@ -66,7 +66,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 @torch.compiler.disable  # opaque to torch.compile: the Triton kernels are already fused
 def _kernel_attention(query, key, value, mask, causal, scaling):
     E = query.shape[-1]
-    if scaling is not None and scaling * math.sqrt(E) != 1.0:  # the kernel scales by 1/sqrt(E)
+    # the kernel scales by 1/sqrt(E); models pass E ** -0.5, whose product with sqrt(E) may be 1 ± 1 ulp (E = 128)
+    if scaling is not None and not math.isclose(scaling * math.sqrt(E), 1.0, rel_tol=1e-12):
         query = query * (scaling * math.sqrt(E))
     # [B, H, T, E] -> [B, T, H, E] (views; the kernel takes any strides but the last) -> o [B, T, H, E]
     # contiguous, what the attention modules reshape to [B, T, H·E] (a view)
