@@ -131,8 +131,8 @@ def fused_loss_forward(self, *args, labels=None, **kwargs):
 
 def lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """PEFT's LoRA Linear forward with the branch computed in the activations' dtype and accumulated into the base
-    GEMM's output (one addmm): x·Wᵀ + s·(x·Aᵀ)·Bᵀ with A and B cast to the activations' dtype, as autocast would
-    run them; their gradients reach the fp32 adapters through the casts. PEFT's own forward upcasts x and runs the
+    GEMM's output (one addmm): x·Wᵀ + s·(x·Aᵀ)·Bᵀ with A and B cast to the activations' dtype, as autocast
+    would run them; their gradients reach the fp32 adapters through the casts. PEFT's own forward upcasts x and runs the
     branch in fp32, adding [tokens, out] fp32 tensors to the bf16 output; the answers differ by that rounding.
     PEFT's forward runs where this does not apply: extra arguments, adapters disabled or merged, several active
     adapters, a variant (DoRA), dropout."""
