@@ -136,8 +136,8 @@ def test_lora_branch_in_the_activations_dtype_equals_peft_in_fp32(monkeypatch):
     counts = accel.hf.apply(model, rms_norm=False, swiglu=False, rope=False, lora=True)
     assert counts == {"lora": 2 * 5}  # q, v, gate, up, down in each of 2 layers
     addmm_calls = []
-    real_addmm = torch.addmm
-    monkeypatch.setattr(patch.torch, "addmm", lambda *a, **k: addmm_calls.append(1) or real_addmm(*a, **k))
+    real_addmm = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: addmm_calls.append(1) or real_addmm(*a, **k))
     got_logits, got_grads = forward_backward(model, inputs)
     assert len(addmm_calls) == 10  # every LoRA linear took the patched forward
     rows = mask.bool()

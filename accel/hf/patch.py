@@ -144,9 +144,12 @@ def lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = names[0]
     y = self.base_layer(x)  # [.., Dout]
     a, b = self.lora_A[name].weight.to(y.dtype), self.lora_B[name].weight.to(y.dtype)  # [R, Din], [Dout, R]
-    x2 = x.reshape(-1, x.shape[-1])
-    out = torch.addmm(y.reshape(-1, y.shape[-1]), x2 @ a.t(), b.t(), alpha=self.scaling[name])  # [N, Dout]
-    return out.view(y.shape)
+    xa = x.reshape(-1, x.shape[-1]) @ a.t()  # [N, Din] @ [Din, R] -> [N, R]
+    if not y.is_contiguous():
+        y = y.contiguous()
+    # in place on the base output (its GEMM's backward does not read it): no copy of it for the addmm
+    y.view(-1, y.shape[-1]).addmm_(xa, b.t(), alpha=self.scaling[name])  # [N, Dout] += [N, R] @ [R, Dout]
+    return y
 
 
 FORWARDS = {"rms_norm": rms_norm_forward, "swiglu": swiglu_mlp_forward,
