@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import sys
 
 import torch
@@ -57,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="attention implementations (flash_attention_2 is skipped where flash_attn is missing)")
     ap.add_argument("--tokens", type=int, default=2048, help="training sequence length")
     ap.add_argument("--prefill-tokens", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=5, help="timed training steps (after 2 warm-up steps)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help=f"timed training rounds (after {WARMUP_ROUNDS} warm-up rounds; a round = one step of each row)")
     ap.add_argument("--layers", type=int, default=None, help="cut every model to this many decoder layers")
     ap.add_argument("--kinds", default="train,prefill,image")
     ap.add_argument("--patches", default="none,kernels,kernels+lora",
@@ -162,22 +164,60 @@ def measure(rows: list, model_name: str, kind: str, impl: str, patch: str, model
     print(format_row(row), flush=True)
 
 
-def train_fn(model, inputs: dict, steps: int, tokens: int):
-    params = [p for p in model.parameters() if p.requires_grad]
+WARMUP_ROUNDS = 3  # rounds before timing: every path compiled, and past the slow steps after a first use
+
+
+def train_rows(rows: list, model_name: str, model, lora, inputs: dict, configs: list, steps: int, tokens: int):
+    """Training rows measured round-robin: each round runs one step of every (impl, patch) configuration in turn,
+    so the rows share any drift of the host's speed (an HF + PEFT step at batch 1 is mostly host time, and one
+    host varied by 30-50% over seconds); WARMUP_ROUNDS untimed rounds first, then `steps` timed ones -> per row the
+    median step (CUDA events around it), tokens/s and the peak memory of its steps. A configuration that raises
+    (out of memory, an implementation the model refuses) becomes its row's error and leaves the rounds."""
+    import accel.hf
+    params = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
-
-    def step():
-        loss = model(**inputs, labels=inputs["input_ids"]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def run():
-        model.train()
-        ms = median_ms(step, steps)
-        return dict(ms=ms, tokens_per_s=tokens / ms * 1e3,
-                    peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-    return run
+    times = {c: [] for c in configs}
+    peaks = dict.fromkeys(configs, 0.0)
+    fallbacks = {c: {} for c in configs}
+    errors = {}
+    lora.train()
+    for r in range(WARMUP_ROUNDS + steps):
+        for c in configs:
+            if c in errors:
+                continue
+            try:
+                switch(model, *c)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                lora(**inputs, labels=inputs["input_ids"]).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                end.record()
+                end.synchronize()
+            except Exception as e:  # noqa: BLE001 - a row that cannot run says why, the rest still run
+                errors[c] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                opt.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                continue
+            for reason, n in accel.hf.fallback_counts().items():
+                fallbacks[c][reason] = fallbacks[c].get(reason, 0) + n
+            if r >= WARMUP_ROUNDS:
+                times[c].append(start.elapsed_time(end))
+                peaks[c] = max(peaks[c], torch.cuda.max_memory_allocated() / 2**30)
+    for impl, patch in configs:
+        row = dict(model=model_name, kind="train", attention=impl, patch=patch)
+        if (impl, patch) in errors:
+            row["error"] = errors[(impl, patch)]
+        else:
+            ms = statistics.median(times[(impl, patch)])
+            row.update(ms=ms, tokens_per_s=tokens / ms * 1e3, peak_gib=peaks[(impl, patch)],
+                       steps_ms=[round(t, 2) for t in times[(impl, patch)]])
+        if impl == "llama32":
+            row["fallbacks"] = fallbacks[(impl, patch)]
+        rows.append(row)
+        print(format_row(row), flush=True)
 
 
 def prefill_fn(model, tokens: int):
@@ -217,9 +257,8 @@ def bench_model(name: str, args, impls, rows: list) -> None:
         lora = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                                           target_modules=LORA_TARGETS))
         inputs = (image_inputs(model, args.tokens) if vision else text_inputs(args.tokens))
-        for impl, patch in configurations(impls, args.patches, "train"):
-            measure(rows, name, "train", impl, patch, model,
-                    lambda: train_fn(lora, inputs, args.steps, args.tokens))
+        train_rows(rows, name, model, lora, inputs, configurations(impls, args.patches, "train"), args.steps,
+                   args.tokens)
     del model
     torch.cuda.empty_cache()
 
