@@ -105,18 +105,19 @@ def test_both_switches_select_the_kernel(tmp_path, kernel_calls):
     assert_close("logits", again, want)
 
 
-def greedy(model, impl, ids, mask, n=6):
+def greedy(model, impl, ids, mask, n=6, context=torch.no_grad):
     model.set_attn_implementation(impl)
-    with torch.no_grad():
+    with context():
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
 
 
-def test_generate_with_left_padding_gives_sdpa_greedy_ids(kernel_calls):
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])  # inference tensors: no version counter
+def test_generate_with_left_padding_gives_sdpa_greedy_ids(context, kernel_calls):
     model = llama(kv_heads=1, layers=2, seed=3).eval()
     ids, mask = left_padded([7, 4], 7, seed=2)
-    want = greedy(model, "sdpa", ids, mask)
-    got = greedy(model, "llama32", ids, mask)
+    want = greedy(model, "sdpa", ids, mask, context=context)
+    got = greedy(model, "llama32", ids, mask, context=context)
     assert got.tolist() == want.tolist()
     assert len(set(want[:, 7:].flatten().tolist())) > 2  # a model that repeats one token would prove little
     decode = [c for c in kernel_calls if c[0][1] == 1]
@@ -239,6 +240,17 @@ def test_float_masks_of_zeros_and_min_run_the_kernel_with_scaling(kernel_calls):
         got, want = both(q, k, v, mask, scaling=0.3)
         assert_close("out", got, want)
     assert len(kernel_calls) == 4 and accel.hf.fallback_counts() == {}
+
+
+def test_the_models_own_scaling_reaches_the_kernel_without_a_product(monkeypatch):
+    """Llama passes head_dim ** -0.5, which times sqrt(128) is 1 + 1 ulp: q goes to the kernel as the same memory,
+    not multiplied by 1.0000000000000002 (an extra op each way per layer); another scale still multiplies."""
+    seen = []
+    monkeypatch.setattr(hf_attention, "flash_attention", lambda q, k, v, causal, mask: seen.append(q) or q)
+    q, k = torch.randn(1, 2, 3, 128), torch.randn(1, 1, 3, 128)
+    accel.hf.attention_forward(_Module(), q, k, k, None, scaling=128 ** -0.5)
+    accel.hf.attention_forward(_Module(), q, k, k, None, scaling=0.3)
+    assert seen[0].data_ptr() == q.data_ptr() and seen[1].data_ptr() != q.data_ptr()
 
 
 @pytest.mark.parametrize("what", ["bias", "empty_row", "dropout", "per_head", "fp16"])

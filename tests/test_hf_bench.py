@@ -33,6 +33,8 @@ def test_refuses_without_cuda_in_one_line():
     (["--kinds", "train,decode"], "error: --kinds: expected some of train, prefill, image, got train,decode"),
     (["--impls", "llama32"], "error: --impls: sdpa must be among them"),
     (["--tokens", "0"], "error: --tokens: expected a positive integer, got 0"),
+    (["--patches", "kernels"], "error: --patches: expected none (every row is compared with it)"),
+    (["--patches", "none,liger"], "error: --patches: expected none (every row is compared with it)"),
 ])
 def test_bad_arguments_are_one_line_errors(args, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -45,6 +47,10 @@ def test_defaults():
     args = hf_attention.parse_args([])
     assert args.models == ["1b", "3b", "11b-vision"] and args.tokens == 2048 and args.prefill_tokens == 8192
     assert args.impls == ["sdpa", "llama32", "flash_attention_2"] and args.kinds == ["train", "prefill", "image"]
+    assert args.patches == ["", "kernels", "kernels+lora"]
+    assert hf_attention.configurations(["sdpa", "llama32"], args.patches, "prefill") == [
+        ("sdpa", ""), ("llama32", ""), ("sdpa", "kernels"), ("llama32", "kernels")]  # LoRA rows: training only
+    assert len(hf_attention.configurations(["sdpa", "llama32"], args.patches, "train")) == 6
 
 
 @pytest.mark.parametrize("name, billions", [("1b", 1.236), ("3b", 3.213), ("11b-vision", 10.67)])
@@ -56,12 +62,63 @@ def test_model_shapes_are_llama_3_2s(name, billions):
 
 
 def test_ratios_are_against_the_unpatched_sdpa_row():
-    rows = [dict(model="1b", kind="train", attention="sdpa", patch=False, ms=10.0, peak_gib=4.0),
-            dict(model="1b", kind="train", attention="llama32", patch=True, ms=8.0, peak_gib=3.0),
-            dict(model="1b", kind="prefill", attention="llama32", patch=False, ms=1.0, peak_gib=1.0),
-            dict(model="1b", kind="train", attention="flash_attention_2", patch=False, error="ImportError: x")]
+    rows = [dict(model="1b", kind="train", attention="sdpa", patch="", ms=10.0, peak_gib=4.0),
+            dict(model="1b", kind="train", attention="llama32", patch="kernels", ms=8.0, peak_gib=3.0),
+            dict(model="1b", kind="prefill", attention="llama32", patch="", ms=1.0, peak_gib=1.0),
+            dict(model="1b", kind="train", attention="flash_attention_2", patch="", error="ImportError: x")]
     hf_attention.add_ratios(rows)
     assert rows[0]["vs_sdpa"] == 1.0 and rows[1]["vs_sdpa"] == 1.25 and rows[1]["mem_vs_sdpa"] == 0.75
     assert "vs_sdpa" not in rows[2] and "vs_sdpa" not in rows[3]  # no sdpa prefill row; an error row
     assert "error: ImportError" in hf_attention.format_row(rows[3])
     assert "1.25x" in hf_attention.format_row(rows[1])
+
+
+class _FakeEvent:
+    clock = [0.0]
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        _FakeEvent.clock[0] += 1.0
+        self.t = _FakeEvent.clock[0]
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def test_training_rows_run_round_robin_and_an_error_leaves_the_rounds(monkeypatch):
+    """The round-robin loop on CPU (torch.cuda's timing and memory calls stubbed): one row per configuration in
+    order, `steps` timed steps each after the warm-up rounds, the steps interleaved across rows, and a configuration
+    that raises becomes its row's error without stopping the others."""
+    peft = pytest.importorskip("peft")
+    from tests._hf_tiny import llama
+    for name, value in (("synchronize", lambda: None), ("reset_peak_memory_stats", lambda: None),
+                        ("max_memory_allocated", lambda: 2**30), ("empty_cache", lambda: None),
+                        ("Event", _FakeEvent)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    order = []
+    real_switch = hf_attention.switch
+
+    def switch(model, impl, patch):
+        order.append((impl, patch))
+        if impl == "broken":
+            raise RuntimeError("no such implementation")
+        real_switch(model, impl, patch)
+    monkeypatch.setattr(hf_attention, "switch", switch)
+    model = llama()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    inputs = dict(input_ids=torch.randint(3, 64, (1, 8)))
+    rows = []
+    configs = [("sdpa", ""), ("broken", ""), ("sdpa", "kernels+lora")]
+    hf_attention.train_rows(rows, "tiny", model, lora, inputs, configs, steps=2, tokens=8)
+    assert [(r["attention"], r["patch"]) for r in rows] == configs
+    assert "error: RuntimeError: no such implementation" in hf_attention.format_row(rows[1])
+    assert len(rows[0]["steps_ms"]) == len(rows[2]["steps_ms"]) == 2 and rows[0]["peak_gib"] == 1.0
+    rounds = hf_attention.WARMUP_ROUNDS + 2
+    assert order == [configs[0], configs[1], configs[2]] + [configs[0], configs[2]] * (rounds - 1)
+    import accel.hf
+    accel.hf.revert(model)  # RoPE is patched process-wide: leave HF's behind

@@ -126,6 +126,28 @@ def test_apply_is_idempotent_takes_flags_and_refuses_unknown_models():
         accel.hf.apply(_gpt2())
 
 
+def test_lora_branch_in_the_activations_dtype_equals_peft_in_fp32(monkeypatch):
+    """apply(lora=True) alone: PEFT's LoRA linears as one addmm onto the base output; in fp32 (no casts) the same
+    logits and LoRA gradients as PEFT's own forward; revert() gives PEFT's forward back. Runs anywhere (torch ops)."""
+    model = lora(llama(kv_heads=2, seed=7)).train()
+    ids, mask = left_padded([9, 6], 9, seed=9)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    want_logits, want_grads = forward_backward(model, inputs)
+    counts = accel.hf.apply(model, rms_norm=False, swiglu=False, rope=False, lora=True)
+    assert counts == {"lora": 2 * 5}  # q, v, gate, up, down in each of 2 layers
+    addmm_calls = []
+    real_addmm = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: addmm_calls.append(1) or real_addmm(*a, **k))
+    got_logits, got_grads = forward_backward(model, inputs)
+    assert len(addmm_calls) == 10  # every LoRA linear took the patched forward
+    rows = mask.bool()
+    assert_close("logits", got_logits[rows], want_logits[rows])
+    assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in want_grads)
+    for name in want_grads:
+        assert_close(name, got_grads[name], want_grads[name])
+    assert accel.hf.revert(model) == 10 and all("forward" not in vars(m) for m in model.modules())
+
+
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
@@ -164,6 +186,11 @@ def test_gpu_bf16_patched_lora_llama_equals_unpatched(kernel_calls):
     for name in want_grads:
         assert_no_worse(name, got_grads[name], want_grads[name], ref_grads[name])
     assert kernel_calls["rms_norm"] and kernel_calls["swiglu_pair"] and kernel_calls["rope_qk"]
+    accel.hf.apply(model, lora=True)  # the LoRA branch in bf16 too: still no worse than HF's bf16 run
+    lora_logits, lora_grads = forward_backward(model, inputs)
+    assert_no_worse("logits (lora)", lora_logits[rows], want_logits[rows], ref_logits[rows])
+    for name in want_grads:
+        assert_no_worse(f"{name} (lora)", lora_grads[name], want_grads[name], ref_grads[name])
 
 
 def fused_loss_run(model, inputs):

@@ -120,6 +120,20 @@ def test_swiglu_against_oracle(B, T, F):
 
 
 @interpreted
+@pytest.mark.parametrize("T,F", [(5, 37), (3, 1500)])
+def test_swiglu_pair_against_oracle(T, F):
+    """Separate gate and up (HF's MLP): the gradients come back as two tensors, each against the oracle."""
+    gate, up = randn(T, F, seed=F, scale=3.0).requires_grad_(), randn(T, F, seed=F + 2).requires_grad_()
+    dy = randn(T, F, seed=F + 1)
+    y = fused.swiglu_pair(gate, up)
+    y.backward(dy)
+    close(y, R.swiglu(np64(gate), np64(up)), "y")
+    dg, du = grads.swiglu_backward(np64(gate), np64(up), np64(dy))
+    close(gate.grad, dg, "d gate")
+    close(up.grad, du, "d up")
+
+
+@interpreted
 def test_swiglu_finite_difference():
     directional_check(fused.swiglu, [randn(3, 2, 22, seed=7, scale=2.0).requires_grad_()])
 

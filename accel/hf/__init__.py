@@ -5,10 +5,11 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="llama32")
     # or, on a loaded model: model.set_attn_implementation("llama32") / model.config._attn_implementation = "llama32"
 
-    accel.hf.apply(model)  # optional: RMSNorm and SwiGLU MLP forwards -> Triton forward + backward (revert undoes)
+    accel.hf.apply(model)  # optional: RMSNorm, SwiGLU MLP, RoPE -> Triton forward + backward (revert undoes);
+                           # fused_linear_cross_entropy=True, lora=True (PEFT's LoRA branch in bf16) on request
 
 attention.py: the attention function (FlashAttention forward + backward, GQA-native, masks, fallbacks to SDPA);
-patch.py: the module patch, a table by model_type.
+patch.py: the module patch, a table by model_type; memo.py: what is derived once per tensor (masks, RoPE tables).
 """
 from __future__ import annotations
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from collections import Counter
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from accel.hf.memo import PerTensor
 from accel.train.attention import flash_attention
 
 MAX_HEAD_DIM = 128
@@ -37,8 +37,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 UNSUPPORTED_KWARGS = ("position_bias", "s_aux", "softcap")  # attention extras the kernel has no term for
 
 _fallbacks: Counter = Counter()
-_derived: dict[int, tuple] = {}  # id(mask) -> (weakref to it, (version, B, T, S), (bool [B, T, S], causal) or reason)
-_DERIVED_KEEP = 8
+_masks = PerTensor()  # mask -> (bool [B, T, S], causal) or the reason the kernel cannot take it
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -67,11 +66,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 @torch.compiler.disable  # opaque to torch.compile: the Triton kernels are already fused
 def _kernel_attention(query, key, value, mask, causal, scaling):
     E = query.shape[-1]
-    if scaling is not None and scaling * math.sqrt(E) != 1.0:  # the kernel scales by 1/sqrt(E)
+    # the kernel scales by 1/sqrt(E); models pass E ** -0.5, whose product with sqrt(E) may be 1 ± 1 ulp (E = 128)
+    if scaling is not None and not math.isclose(scaling * math.sqrt(E), 1.0, rel_tol=1e-12):
         query = query * (scaling * math.sqrt(E))
-    # [B, H, T, E] -> [B, T, H, E] (views; the kernel takes any strides but the last)
-    out = flash_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal, mask)
-    return out.contiguous()  # [B, T, H, E], what the attention modules reshape to [B, T, H·E]
+    # [B, H, T, E] -> [B, T, H, E] (views; the kernel takes any strides but the last) -> o [B, T, H, E]
+    # contiguous, what the attention modules reshape to [B, T, H·E] (a view)
+    return flash_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal, mask)
 
 
 def unsupported(query, key, value, attention_mask, dropout: float, kwargs: dict) -> str | None:
@@ -97,16 +97,8 @@ def unsupported(query, key, value, attention_mask, dropout: float, kwargs: dict)
 def kernel_mask(attention_mask: torch.Tensor, B: int, T: int, S: int):
     """A 4D transformers mask [B or 1, 1, T or 1, S] -> (bool [B, T, S] (a view, expanded where it broadcasts),
     causal: whether it already hides every key past the query's index, so the kernel may skip those blocks),
-    or a str: why the kernel cannot take it. Cached per mask tensor: models pass one mask to every layer."""
-    key = (attention_mask._version, B, T, S)
-    hit = _derived.get(id(attention_mask))
-    if hit is not None and hit[0]() is attention_mask and hit[1] == key:
-        return hit[2]
-    plan = _derive(attention_mask, B, T, S)
-    if len(_derived) >= _DERIVED_KEEP:
-        _derived.pop(next(iter(_derived)))
-    _derived[id(attention_mask)] = (weakref.ref(attention_mask), key, plan)
-    return plan
+    or a str: why the kernel cannot take it. Derived once per mask tensor: models pass one mask to every layer."""
+    return _masks.get((attention_mask,), (B, T, S), lambda: _derive(attention_mask, B, T, S))
 
 
 def _derive(attention_mask: torch.Tensor, B: int, T: int, S: int):

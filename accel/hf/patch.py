@@ -24,6 +24,7 @@ import types
 
 import torch
 
+from accel.hf.memo import PerTensor
 from accel.train import fused
 from accel.train.loss import linear_cross_entropy
 
@@ -62,6 +63,15 @@ def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(fused.swiglu_pair(gate, up))
 
 
+_rope_tables = PerTensor()  # (cos, sin) -> the kernel's tables: the model passes one pair to every layer
+
+
+def halves(cos: torch.Tensor, sin: torch.Tensor):
+    """HF's cos/sin [B or 1, T, E] (the halves repeat) -> the kernel's [B or 1, T, E/2] fp32 tables."""
+    half = cos.shape[-1] // 2
+    return cos[..., :half].float(), sin[..., :half].float()
+
+
 def rope_function(original):
     """HF's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) over the Triton RoPE, `original` where it does
     not apply. q [B, H, T, E], k [B, K, T, E], cos/sin [B or 1, T, E] (the halves repeat)."""
@@ -70,9 +80,8 @@ def rope_function(original):
         if (args or kwargs.get("unsqueeze_dim", 1) != 1 or set(kwargs) - {"unsqueeze_dim"} or cos.dim() != 3
                 or cos.shape[1:] != (T, E) or k.shape[2] != T or k.dtype != q.dtype or not kernels_run_on(q)):
             return original(q, k, cos, sin, *args, **kwargs)
-        half = E // 2
-        c, s = (x[..., :half].float().expand(B, T, half) for x in (cos, sin))  # [B, T, E/2]
-        qr, kr = fused.rope_qk(q.transpose(1, 2), k.transpose(1, 2), c, s)  # [B, T, heads, E]
+        c, s = _rope_tables.get((cos, sin), None, lambda: halves(cos, sin))  # [B or 1, T, E/2] fp32
+        qr, kr = fused.rope_qk(q.transpose(1, 2), k.transpose(1, 2), c.expand(B, T, -1), s.expand(B, T, -1))
         return qr.transpose(1, 2), kr.transpose(1, 2)
     apply_rotary_pos_emb.llama32_original = original
     return apply_rotary_pos_emb
@@ -120,8 +129,31 @@ def fused_loss_forward(self, *args, labels=None, **kwargs):
                                   attentions=getattr(out, "attentions", None))
 
 
+def lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """PEFT's LoRA Linear forward with the branch computed in the activations' dtype and accumulated into the base
+    GEMM's output (one addmm): x·Wᵀ + s·(x·Aᵀ)·Bᵀ with A and B cast to the activations' dtype, as autocast
+    would run them; their gradients reach the fp32 adapters through the casts. PEFT's own forward upcasts x and runs the
+    branch in fp32, adding [tokens, out] fp32 tensors to the bf16 output; the answers differ by that rounding.
+    PEFT's forward runs where this does not apply: extra arguments, adapters disabled or merged, several active
+    adapters, a variant (DoRA), dropout."""
+    names = self.active_adapters
+    if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A
+            or names[0] in getattr(self, "lora_variant", {})
+            or not isinstance(self.lora_dropout[names[0]], torch.nn.Identity)):
+        return type(self).forward(self, x, *args, **kwargs)
+    name = names[0]
+    y = self.base_layer(x)  # [.., Dout]
+    a, b = self.lora_A[name].weight.to(y.dtype), self.lora_B[name].weight.to(y.dtype)  # [R, Din], [Dout, R]
+    xa = x.reshape(-1, x.shape[-1]) @ a.t()  # [N, Din] @ [Din, R] -> [N, R]
+    if not y.is_contiguous():
+        y = y.contiguous()
+    # in place on the base output (its GEMM's backward does not read it): no copy of it for the addmm
+    y.view(-1, y.shape[-1]).addmm_(xa, b.t(), alpha=self.scaling[name])  # [N, Dout] += [N, R] @ [R, Dout]
+    return y
+
+
 FORWARDS = {"rms_norm": rms_norm_forward, "swiglu": swiglu_mlp_forward,
-            "fused_linear_cross_entropy": fused_loss_forward}
+            "fused_linear_cross_entropy": fused_loss_forward, "lora": lora_linear_forward}
 
 
 def model_type_of(model: torch.nn.Module) -> str:
@@ -132,23 +164,39 @@ def model_type_of(model: torch.nn.Module) -> str:
 
 
 def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-          fused_linear_cross_entropy: bool = False) -> dict[str, int]:
+          fused_linear_cross_entropy: bool = False, lora: bool = False) -> dict[str, int]:
     """Patch `model` (a transformers model, or a PEFT model around one) in place -> {flag: modules patched now}
-    ("rope": 1 where its modeling file's function was replaced now). Idempotent: what was patched before is not
-    counted again. Raises ValueError for a model_type not in PATCHES."""
+    ("rope": 1 where its modeling file's function was replaced now). `lora`: PEFT's LoRA linears compute their
+    branch in the activations' dtype (lora_linear_forward). Idempotent: what was patched before is not counted
+    again. Raises ValueError for a model_type not in PATCHES."""
     table = PATCHES[model_type_of(model)]
     flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy))
     wanted = {flag: table[flag] for flag, on in flags if on}
     counts = dict.fromkeys(wanted, 0)
     if rope:
         counts["rope"] = patch_rope(table["rope"])
+    lora_class = _peft_lora_linear() if lora else None
+    if lora:
+        counts["lora"] = 0
     for module in model.modules():
-        for flag, class_names in wanted.items():
-            if type(module).__name__ in class_names and not getattr(module, "llama32_patched", False):
-                module.forward = types.MethodType(FORWARDS[flag], module)
-                module.llama32_patched = True
-                counts[flag] += 1
+        if getattr(module, "llama32_patched", False):
+            continue
+        flag = next((f for f, names in wanted.items() if type(module).__name__ in names), None)
+        if flag is None and lora_class is not None and type(module) is lora_class:
+            flag = "lora"
+        if flag is not None:
+            module.forward = types.MethodType(FORWARDS[flag], module)
+            module.llama32_patched = True
+            counts[flag] += 1
     return counts
+
+
+def _peft_lora_linear():
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:
+        return None
+    return Linear
 
 
 def revert(model: torch.nn.Module) -> int:

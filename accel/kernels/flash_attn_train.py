@@ -20,7 +20,9 @@ checks) and the diagonal / ragged-edge blocks (masked). Any T and S; E up to 128
 """
 from __future__ import annotations
 
+import functools
 import math
+from types import MappingProxyType
 
 import torch
 import triton
@@ -264,23 +266,29 @@ def _dkdv_kernel(Q, K, V, MASK, DO, LSE, DELTA, DK, DV, sq_b, sq_t, sq_h, sk_b, 
              dv.to(DV.dtype.element_ty), mask=n_ok)
 
 
+def _frozen(configs: dict) -> MappingProxyType:
+    return MappingProxyType({part: MappingProxyType(dict(c)) for part, c in configs.items()})
+
+
 def _small(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
 
-def default_configs(B: int, T: int, S: int, K: int, H: int, E: int, dtype: torch.dtype, on_gpu: bool) -> dict:
-    """Tile sizes {"fwd", "dq", "dkdv"} -> dict(BLOCK_M, BLOCK_N, num_warps, num_stages[, SPLIT]): the fastest of
-    a sweep on an H100 (bf16, causal, 8 kv heads, B=1; the record is cited in docs/performance.md, Training).
+@functools.lru_cache(maxsize=256)  # called every launch: the rules below cost tens of µs of host time a call
+def default_configs(B: int, T: int, S: int, K: int, H: int, E: int, dtype: torch.dtype, on_gpu: bool):
+    """Tile sizes {"fwd", "dq", "dkdv"} -> (BLOCK_M, BLOCK_N, num_warps, num_stages[, SPLIT]), read-only mappings
+    shared by every call of the shape (the launchers copy them): the fastest of a sweep on an H100 (bf16, causal,
+    8 kv heads, B=1; the record is cited in docs/performance.md, Training).
     The dK/dV pass has only B·K·S/BLOCK_N programs; where that is a fraction of a wave (S=2048: 256) E=64 splits
     each group of query heads over 2 programs (0.131 ms against 0.153 unsplit); E=128 did not gain from it.
     fp32 takes small tiles to stay inside shared memory."""
     if not on_gpu:  # the interpreter: small tiles are fastest
         m, n = _small(T, 32), _small(S, 32)
         c = dict(BLOCK_M=m, BLOCK_N=n, num_warps=4, num_stages=1)
-        return {"fwd": c, "dq": c, "dkdv": c}
+        return _frozen({"fwd": c, "dq": c, "dkdv": c})
     if dtype == torch.float32:
         c = dict(BLOCK_M=_small(T, 32), BLOCK_N=_small(S, 32), num_warps=4, num_stages=2)
-        return {"fwd": c, "dq": c, "dkdv": c}
+        return _frozen({"fwd": c, "dq": c, "dkdv": c})
     few_programs = B * K * triton.cdiv(S, 64) <= 512
     fwd = dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 64), num_warps=4, num_stages=3)
     if E <= 64:
@@ -289,11 +297,11 @@ def default_configs(B: int, T: int, S: int, K: int, H: int, E: int, dtype: torch
             dkdv["SPLIT"] = 2
         elif not few_programs:
             dkdv = dict(BLOCK_M=_small(T, 32), BLOCK_N=_small(S, 128), num_warps=4, num_stages=3)
-        return {"fwd": fwd, "dq": dict(fwd), "dkdv": dkdv}
+        return _frozen({"fwd": fwd, "dq": dict(fwd), "dkdv": dkdv})
     dkdv = (dict(BLOCK_M=_small(T, 32), BLOCK_N=_small(S, 64), num_warps=4, num_stages=4) if few_programs else
             dict(BLOCK_M=_small(T, 64), BLOCK_N=_small(S, 128), num_warps=8, num_stages=3))
-    return {"fwd": fwd, "dq": dict(BLOCK_M=_small(T, 128), BLOCK_N=_small(S, 64), num_warps=8, num_stages=3),
-            "dkdv": dkdv}
+    return _frozen({"fwd": fwd, "dq": dict(BLOCK_M=_small(T, 128), BLOCK_N=_small(S, 64), num_warps=8, num_stages=3),
+                    "dkdv": dkdv})
 
 
 def _check(q, k, v, mask):
@@ -319,11 +327,11 @@ def _setup(q, k, mask, config: dict | None, part: str):
 
 
 def flash_attn_train_fwd(q, k, v, causal: bool = True, mask=None, config: dict | None = None):
-    """q [B, T, H, E], k/v [B, S, K, E], mask [B, T, S] bool or None -> (o [B, T, H, E] in q's dtype,
+    """q [B, T, H, E], k/v [B, S, K, E], mask [B, T, S] bool or None -> (o [B, T, H, E] contiguous in q's dtype,
     lse [B, H, T] fp32, log2 domain, +inf for rows that see no key). `config` overrides the tile sizes."""
     _check(q, k, v, mask)
     (B, T, H, E, S, NK), cfg, mk, ms, consts = _setup(q, k, mask, config, "fwd")
-    o = torch.empty_like(q)
+    o = torch.empty((B, T, H, E), dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     n_mblocks = triton.cdiv(T, cfg["BLOCK_M"])
     _fwd_kernel[(B * H, n_mblocks)](q, k, v, mk, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],

@@ -5,7 +5,8 @@ activation dtype, then the product is computed in fp32 and rounded again (what t
 
 Backward over the fused gate_up layout: y = silu(g) · u -> d[g | u] in one [T, 2F] buffer, dg = dy · u · σ(g) ·
 (1 + g · (1 − σ(g))), du = dy · silu(g), in fp32 from the forward's inputs (recomputed, nothing saved but gate_up).
-Writing both halves into one buffer is what the fused gate_up GEMM's backward wants as its dY.
+Writing both halves into one buffer is what the fused gate_up GEMM's backward wants as its dY; `swiglu_bwd` writes
+them apart for separate gate and up GEMMs (HF's MLP).
 """
 from __future__ import annotations
 
@@ -56,27 +57,42 @@ def swiglu_gate_up_fwd(gate_up: torch.Tensor, out: torch.Tensor | None = None) -
 # ---- backward (training: accel.train) ----
 
 @triton.jit
-def _swiglu_bwd_kernel(GU, DY, DGU, stride_gu, stride_dy, stride_dgu, F, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(G, U, DY, DG, DU, stride_g, stride_u, stride_dy, stride_dg, stride_du, F,
+                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < F
-    g = tl.load(GU + row * stride_gu + cols, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(GU + row * stride_gu + F + cols, mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(G + row * stride_g + cols, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=inside, other=0.0).to(tl.float32)
     dy = tl.load(DY + row * stride_dy + cols, mask=inside, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
     dg = dy * u * sig * (1.0 + g * (1.0 - sig))
     du = dy * g * sig
-    tl.store(DGU + row * stride_dgu + cols, dg.to(DGU.dtype.element_ty), mask=inside)
-    tl.store(DGU + row * stride_dgu + F + cols, du.to(DGU.dtype.element_ty), mask=inside)
+    tl.store(DG + row * stride_dg + cols, dg.to(DG.dtype.element_ty), mask=inside)
+    tl.store(DU + row * stride_du + cols, du.to(DU.dtype.element_ty), mask=inside)
+
+
+def _launch_bwd(gate, up, dy, dgate, dup):
+    T, F = gate.shape
+    assert up.shape == dy.shape == (T, F), "gate, up, dy [T, F] expected"
+    assert all(x.stride(1) == 1 for x in (gate, up, dy, dgate, dup)), "rows must be contiguous"
+    BLOCK = min(1024, triton.next_power_of_2(F))  # as the forward: several programs a token at F = 8192
+    _swiglu_bwd_kernel[(T, triton.cdiv(F, BLOCK))](gate, up, dy, dgate, dup, gate.stride(0), up.stride(0),
+                                                   dy.stride(0), dgate.stride(0), dup.stride(0), F, BLOCK=BLOCK,
+                                                   num_warps=4)
 
 
 def swiglu_gate_up_bwd(gate_up: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2F] (the forward's input), dy [T, F] -> d gate_up [T, 2F] in gate_up's dtype."""
-    T, F2 = gate_up.shape
-    F = F2 // 2
-    assert dy.shape == (T, F) and gate_up.stride(1) == 1 and dy.stride(1) == 1, "rows must be contiguous"
+    F = gate_up.shape[1] // 2
     dgu = torch.empty_like(gate_up)
-    BLOCK = min(1024, triton.next_power_of_2(F))  # as the forward: several programs a token at F = 8192
-    _swiglu_bwd_kernel[(T, triton.cdiv(F, BLOCK))](gate_up, dy, dgu, gate_up.stride(0), dy.stride(0), dgu.stride(0),
-                                                   F, BLOCK=BLOCK, num_warps=4)
+    _launch_bwd(gate_up[:, :F], gate_up[:, F:], dy, dgu[:, :F], dgu[:, F:])
     return dgu
+
+
+def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate, up (the forward's inputs), dy [T, F] -> (d gate, d up) [T, F] each, in gate's dtype: separate
+    outputs for separate gate and up GEMMs (HF's MLP), no fused buffer to copy into."""
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    _launch_bwd(gate, up, dy, dgate, dup)
+    return dgate, dup

@@ -12,7 +12,7 @@ import torch
 
 from accel.kernels.rms_norm import rms_norm_bwd, rms_norm_fwd
 from accel.kernels.rope import rope_fwd
-from accel.kernels.swiglu import swiglu_fwd, swiglu_gate_up_bwd, swiglu_gate_up_fwd
+from accel.kernels.swiglu import swiglu_bwd, swiglu_fwd, swiglu_gate_up_bwd, swiglu_gate_up_fwd
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -86,10 +86,8 @@ class _SwiGLUPair(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         g2, u2 = ctx.saved_tensors
-        F = g2.shape[-1]
-        # the backward kernel reads and writes the fused [N, 2F] layout: one copy in, two strided views out
-        dgu = swiglu_gate_up_bwd(torch.cat([g2, u2], dim=-1), _rows(dy))
-        return dgu[:, :F].view(dy.shape), dgu[:, F:].view(dy.shape)
+        dg, du = swiglu_bwd(g2, u2, _rows(dy))
+        return dg.view(dy.shape), du.view(dy.shape)
 
 
 @torch.compiler.disable  # opaque to torch.compile: the kernels are already fused

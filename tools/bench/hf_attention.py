@@ -2,10 +2,12 @@
 flash_attn is importable), on the GPU.
 
     python -m tools.bench.hf_attention [--models 1b,3b,11b-vision] [--json-out F] [--steps 5] [--layers N]
+                                       [--kinds train,prefill,image] [--patches none,kernels,kernels+lora]
 
 Random bf16 weights at the Llama 3.2 1B / 3B / 11B-Vision shapes (configs built here; nothing is downloaded). For
-each model, attention implementation and module patch (off, or accel.hf.apply: RMSNorm, SwiGLU MLP, RoPE in Triton,
-and the fused lm_head + cross-entropy):
+each model, attention implementation and module patch ("none"; "kernels": accel.hf.apply with RMSNorm, SwiGLU
+MLP, RoPE in Triton and the fused lm_head + cross-entropy; "kernels+lora", training only: PEFT's LoRA branch in
+bf16 as well, apply(lora=True)):
   train    HF + PEFT LoRA (r 16 on every linear of the text decoder), gradient checkpointing, one sequence of
            --tokens (2048) tokens (11B-Vision: with one 4-tile image): tokens/s and peak memory (GiB)
   prefill  generate(max_new_tokens=1) over --prefill-tokens (8192) tokens: ms
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import sys
 
 import torch
@@ -55,9 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="attention implementations (flash_attention_2 is skipped where flash_attn is missing)")
     ap.add_argument("--tokens", type=int, default=2048, help="training sequence length")
     ap.add_argument("--prefill-tokens", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=5, help="timed training steps (after 2 warm-up steps)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help=f"timed training rounds (after {WARMUP_ROUNDS} warm-up rounds; a round = one step of each row)")
     ap.add_argument("--layers", type=int, default=None, help="cut every model to this many decoder layers")
     ap.add_argument("--kinds", default="train,prefill,image")
+    ap.add_argument("--patches", default="none,kernels,kernels+lora",
+                    help="module patches to run each implementation with: none, kernels, kernels+lora (training)")
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in args.models if m not in MODELS]
@@ -66,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if set(args.kinds) - {"train", "prefill", "image"}:
         fail(f"--kinds: expected some of train, prefill, image, got {','.join(args.kinds)}")
+    args.patches = ["" if p.strip() == "none" else p.strip() for p in args.patches.split(",") if p.strip()]
+    if "" not in args.patches or set(args.patches) - set(PATCH_ROWS):
+        fail("--patches: expected none (every row is compared with it) and some of kernels, kernels+lora")
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     if "sdpa" not in args.impls:
         fail("--impls: sdpa must be among them (every row is compared with it)")
@@ -117,27 +126,32 @@ def text_inputs(tokens: int) -> dict:
     return dict(input_ids=torch.randint(10, 128000, (1, tokens), device="cuda", generator=g))
 
 
-def configurations(impls):
-    """(attention implementation, patched) pairs: every implementation unpatched, then patched."""
-    return [(impl, False) for impl in impls] + [(impl, True) for impl in impls]
+PATCH_ROWS = {"": None, "kernels": dict(fused_linear_cross_entropy=True),  # row label -> accel.hf.apply flags
+              "kernels+lora": dict(fused_linear_cross_entropy=True, lora=True)}
 
 
-def switch(model, impl: str, patched: bool) -> None:
+def configurations(impls, patches, kind: str):
+    """(attention implementation, patch) pairs: every implementation unpatched, then with the kernels (RMSNorm,
+    SwiGLU, RoPE, and the fused lm_head + cross-entropy), then (training) with the LoRA branch in bf16 as well."""
+    return [(impl, patch) for patch in patches if patch != "kernels+lora" or kind == "train" for impl in impls]
+
+
+def switch(model, impl: str, patch: str) -> None:
     import accel.hf
     model.set_attn_implementation(impl)
     accel.hf.revert(model)
-    if patched:
-        accel.hf.apply(model, fused_linear_cross_entropy=True)
+    if PATCH_ROWS[patch] is not None:
+        accel.hf.apply(model, **PATCH_ROWS[patch])
     accel.hf.reset_fallbacks()
 
 
-def measure(rows: list, model_name: str, kind: str, impl: str, patched: bool, model, make_fn) -> None:
-    """Switch `model` to (impl, patched), run make_fn()() -> dict of measurements into one row; an exception
+def measure(rows: list, model_name: str, kind: str, impl: str, patch: str, model, make_fn) -> None:
+    """Switch `model` to (impl, patch), run make_fn()() -> dict of measurements into one row; an exception
     (an implementation the model refuses, out of memory) becomes the row's error."""
     import accel.hf
-    row = dict(model=model_name, kind=kind, attention=impl, patch=patched)
+    row = dict(model=model_name, kind=kind, attention=impl, patch=patch)
     try:
-        switch(model, impl, patched)
+        switch(model, impl, patch)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -150,22 +164,60 @@ def measure(rows: list, model_name: str, kind: str, impl: str, patched: bool, mo
     print(format_row(row), flush=True)
 
 
-def train_fn(model, inputs: dict, steps: int, tokens: int):
-    params = [p for p in model.parameters() if p.requires_grad]
+WARMUP_ROUNDS = 3  # rounds before timing: every path compiled, and past the slow steps after a first use
+
+
+def train_rows(rows: list, model_name: str, model, lora, inputs: dict, configs: list, steps: int, tokens: int):
+    """Training rows measured round-robin: each round runs one step of every (impl, patch) configuration in turn,
+    so the rows share any drift of the host's speed (an HF + PEFT step at batch 1 is mostly host time, and one
+    host varied by 30-50% over seconds); WARMUP_ROUNDS untimed rounds first, then `steps` timed ones -> per row the
+    median step (CUDA events around it), tokens/s and the peak memory of its steps. A configuration that raises
+    (out of memory, an implementation the model refuses) becomes its row's error and leaves the rounds."""
+    import accel.hf
+    params = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
-
-    def step():
-        loss = model(**inputs, labels=inputs["input_ids"]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def run():
-        model.train()
-        ms = median_ms(step, steps)
-        return dict(ms=ms, tokens_per_s=tokens / ms * 1e3,
-                    peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-    return run
+    times = {c: [] for c in configs}
+    peaks = dict.fromkeys(configs, 0.0)
+    fallbacks = {c: {} for c in configs}
+    errors = {}
+    lora.train()
+    for r in range(WARMUP_ROUNDS + steps):
+        for c in configs:
+            if c in errors:
+                continue
+            try:
+                switch(model, *c)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                lora(**inputs, labels=inputs["input_ids"]).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                end.record()
+                end.synchronize()
+            except Exception as e:  # noqa: BLE001 - a row that cannot run says why, the rest still run
+                errors[c] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                opt.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                continue
+            for reason, n in accel.hf.fallback_counts().items():
+                fallbacks[c][reason] = fallbacks[c].get(reason, 0) + n
+            if r >= WARMUP_ROUNDS:
+                times[c].append(start.elapsed_time(end))
+                peaks[c] = max(peaks[c], torch.cuda.max_memory_allocated() / 2**30)
+    for impl, patch in configs:
+        row = dict(model=model_name, kind="train", attention=impl, patch=patch)
+        if (impl, patch) in errors:
+            row["error"] = errors[(impl, patch)]
+        else:
+            ms = statistics.median(times[(impl, patch)])
+            row.update(ms=ms, tokens_per_s=tokens / ms * 1e3, peak_gib=peaks[(impl, patch)],
+                       steps_ms=[round(t, 2) for t in times[(impl, patch)]])
+        if impl == "llama32":
+            row["fallbacks"] = fallbacks[(impl, patch)]
+        rows.append(row)
+        print(format_row(row), flush=True)
 
 
 def prefill_fn(model, tokens: int):
@@ -196,18 +248,17 @@ def bench_model(name: str, args, impls, rows: list) -> None:
     for kind in ("prefill", "image"):
         if kind not in args.kinds or (kind == "image" and not vision):
             continue
-        for impl, patched in configurations(impls):
+        for impl, patch in configurations(impls, args.patches, kind):
             make = ((lambda: prefill_fn(model, args.prefill_tokens)) if kind == "prefill" else
                     (lambda: image_fn(model)))
-            measure(rows, name, kind, impl, patched, model, make)
+            measure(rows, name, kind, impl, patch, model, make)
     if "train" in args.kinds:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lora = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                                           target_modules=LORA_TARGETS))
         inputs = (image_inputs(model, args.tokens) if vision else text_inputs(args.tokens))
-        for impl, patched in configurations(impls):
-            measure(rows, name, "train", impl, patched, model,
-                    lambda: train_fn(lora, inputs, args.steps, args.tokens))
+        train_rows(rows, name, model, lora, inputs, configurations(impls, args.patches, "train"), args.steps,
+                   args.tokens)
     del model
     torch.cuda.empty_cache()
 
@@ -223,7 +274,7 @@ def add_ratios(rows: list) -> None:
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['model']:<11} {r['kind']:<8} {r['attention']:<18} {'patch' if r['patch'] else '-':<6}"
+    head = f"{r['model']:<11} {r['kind']:<8} {r['attention']:<18} {r['patch'] or '-':<12}"
     if "error" in r:
         return f"{head} error: {r['error']}"
     tps = f"{r['tokens_per_s']:>9.0f}" if "tokens_per_s" in r else f"{'':>9}"
@@ -238,7 +289,7 @@ def main(argv=None) -> None:
     import accel.hf
     accel.hf.register()
     impls = [i for i in args.impls if i != "flash_attention_2" or importlib.util.find_spec("flash_attn")]
-    print(f"{'model':<11} {'kind':<8} {'attention':<18} {'patch':<6} {'ms':>10} {'tokens/s':>9} {'peak GiB':>7}"
+    print(f"{'model':<11} {'kind':<8} {'attention':<18} {'patch':<12} {'ms':>10} {'tokens/s':>9} {'peak GiB':>7}"
           f" {'vs sdpa (speed, memory)'}")
     rows: list = []
     for name in args.models:
