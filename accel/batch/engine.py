@@ -32,6 +32,7 @@ from ..engine import resolve_device, resolve_dtype
 from ..vision.weights import load_vision_weights, self_layer_config
 from ..weights import DTYPES, Weights, load_weights
 from .block_manager import BlockManager
+from .collectives import ONE_DEVICE
 from .runner import ModelRunner
 from .sampler import logprob_rows, sample
 from .scheduler import Scheduler
@@ -79,14 +80,15 @@ class BatchEngine:
     def __init__(self, config: LlamaConfig, weights: Weights, device: torch.device, dtype: str, stop_ids=(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
                  block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None,
-                 cuda_graphs: bool | None = None, batch_invariant: bool = False, vision=None):
+                 cuda_graphs: bool | None = None, batch_invariant: bool = False, vision=None, tp=ONE_DEVICE):
         """num_blocks: the pool's size, overriding gpu_memory (tests force a tiny pool); use_triton: the Triton
         kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter); cuda_graphs:
         decode-only steps replay CUDA graphs (default: on CUDA; never for a step with image rows);
         batch_invariant: each request's tokens and logits the same bits whatever else shares its steps
         (accel/batch/runner.py; slower); vision: (MllamaConfig, VisionWeights) of a Llama 3.2 Vision checkpoint,
         config and weights then being its self-attention layers' (accel.vision.weights.self_layer_config and
-        VisionWeights.text)."""
+        VisionWeights.text); tp: rank 0's collectives of a tensor-parallel group (accel/tp/batch.py), config and
+        weights then its shard."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value!r}")
@@ -112,7 +114,7 @@ class BatchEngine:
             raise GenerationError("batch_invariant runs text models only for now (this is a Llama 3.2 Vision model)")
         layers = None if vision is None else VisionLayers(vision[1], vision[0], device, self.dtype)
         self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton, graphs, batch_invariant,
-                                  layers)
+                                  layers, tp)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
