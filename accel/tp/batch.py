@@ -61,7 +61,7 @@ class Collectives:
         """[R, ceil(V/N)] on each rank -> [R, V] on every rank."""
         parts = [torch.empty_like(logits) for _ in range(self.world)]
         dist.all_gather(parts, logits.contiguous())
-        return torch.cat(parts, dim=1)[:, :self.vocab]  # [R, N·ceil(V/N)] -> [R, V]
+        return torch.cat(parts, dim=1)[:, :self.vocab].contiguous()  # [R, N·ceil(V/N)] -> [R, V]
 
 
 class Lead(Collectives):

@@ -35,11 +35,17 @@ def shard_weights(cfg, rank: int, world: int, device):
 
 
 def engine_options(batch: int, context: int, steps: int, eager: bool = False) -> dict:
-    """A pool holding `batch` sequences of context + warm-up + timed tokens (sized, not taken from free memory:
-    the same blocks at TP=1 and TP=N); eager: no CUDA graphs."""
-    per_seq = -(-(context + WARMUP_STEPS + steps + 1) // BLOCK_SIZE)
+    """A pool holding `batch` sequences of decode_rate's tokens (sized, not taken from free memory: the same blocks
+    at TP=1 and TP=N); eager: no CUDA graphs."""
+    per_seq = -(-(context + max_tokens(context, steps)) // BLOCK_SIZE)
     return {"max_num_seqs": batch, "max_num_batched_tokens": 8192, "block_size": BLOCK_SIZE,
             "num_blocks": batch * per_seq + 1, **({"cuda_graphs": False} if eager else {})}
+
+
+def max_tokens(context: int, steps: int) -> int:
+    """Each request's token limit: room for the tokens early requests make while later ones still prefill (fewer
+    than `context`), the warm-up and the timed steps, so every sequence decodes through every timed step."""
+    return context + WARMUP_STEPS + steps
 
 
 def prompts(cfg, batch: int, context: int, seed: int = 0) -> list[list[int]]:
@@ -52,7 +58,7 @@ def decode_rate(engine, batch_prompts: list[list[int]], steps: int) -> dict:
     """All prompts prefilled, WARMUP_STEPS untimed steps, then `steps` timed steps -> {"tok_s", "step_ms"}; the
     requests are aborted after."""
     from accel.batch import SamplingParams
-    params = SamplingParams(max_tokens=WARMUP_STEPS + steps + 1, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens(len(batch_prompts[0]), steps), ignore_eos=True)
     ids = [engine.add_request(p, params) for p in batch_prompts]
     started = set()
     while len(started) < len(ids):
@@ -71,6 +77,8 @@ def decode_rate(engine, batch_prompts: list[list[int]], steps: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     engine.step()
+    if made != steps * len(ids):
+        raise RuntimeError(f"{made} tokens in {steps} steps of {len(ids)} sequences: a sequence stopped early")
     return {"tok_s": made / elapsed, "step_ms": 1e3 * elapsed / steps, "tokens": made}
 
 
