@@ -1,5 +1,5 @@
 """Runs the batched engine over a tensor-parallel group in N spawned processes, for tests/test_tp_batch_gpu.py (one
-GPU a rank, NCCL; on the CPU over gloo the same): rank 0 runs the requests through the TP engine recording each
+GPU a rank, NCCL) and tests/test_tp_batch.py (the CPU, gloo): rank 0 runs the requests through the TP engine recording each
 step's logits, closes the group, then runs them through the one-device engine (accel.batch.BatchEngine on its own
 device) and writes both to <out>/rank0.json with the worst logits NMSE while their tokens agree."""
 from __future__ import annotations
@@ -61,6 +61,9 @@ def _rank(rank: int, world: int, port: int, job: dict, out: str) -> None:
             ref_tokens, ref_logits = run_recording(ref, _requests(job))
             worst, compared = worst_nmse(tokens, logits, ref_tokens, ref_logits)
             result.update(tokens=tokens, ref_tokens=ref_tokens, worst_nmse=worst, steps_compared=compared)
+            if job.get("return_logits"):  # small vocabularies only: [requests][steps][V]
+                result.update(logits=[[r.tolist() for r in rows] for rows in logits],
+                              ref_logits=[[r.tolist() for r in rows] for rows in ref_logits])
     except Exception:  # noqa: BLE001  reported to the test
         result = {"error": traceback.format_exc()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))

@@ -1,8 +1,9 @@
 """The batched engine over a tensor-parallel group on the CPU (gloo, 2 ranks): `llama32 batch --tp 2` gives the
 records of `--tp 1` and HF transformers' greedy ids on a tiny random GQA model (untied, the toy tokenizer's
 vocabulary) with prompts of 3 to 101 tokens, chunked prefill beside decode rows and a pool small enough that
-requests wait for blocks; started by llama32 and under torchrun; the step message; the
-refusals; and `llama32 serve --tp 2` through the openai client."""
+requests wait for blocks; started by llama32 and under torchrun; the engine itself on an MQA model with an odd
+vocabulary against the one-process engine's logits; the step message; the refusals; and `llama32 serve --tp 2`
+through the openai client."""
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -18,7 +20,9 @@ from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
 
 from accel.tp.batch import pack, unpack
 from accel.tp.group import free_port
+from refimpl.compare import TOLERANCES, compare
 from refimpl.formats.checkpoint import load_checkpoint
+from tests._tp_batch_harness import run_job
 from tools.batch_requests import read_requests
 from tools.cli import main
 from tools.toy import TOYS, VOCAB_SIZE, write_toy_checkpoint
@@ -181,3 +185,25 @@ def test_serve_tp2_answers_as_generate_and_stops_on_ctrl_c():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_engine_tp2_mqa_odd_vocab_logits_equal_one_process(tmp_path):
+    """The engine itself over 2 ranks on an MQA model (its one KV head replicated on both ranks, each rank's pool
+    holding it) with a tied embedding of a vocabulary 2 does not divide (the last rank's rows padded): every step's
+    logits within fp32 tolerance of the one-process engine's, and the same greedy ids."""
+    cfg = HFConfig(vocab_size=67, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True,
+                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(3)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 67, n).tolist() for n in (4, 40, 1, 17)]
+    got = run_job({"device": "cpu", "dir": str(tmp_path / "model"), "dtype": "fp32", "prompts": prompts,
+                   "max_tokens": 6, "return_logits": True,
+                   "options": {"max_num_batched_tokens": 16, "num_blocks": 12, "block_size": 4}}, tmp_path)
+    assert got["tokens"] == got["ref_tokens"]
+    for i, (rows, ref_rows) in enumerate(zip(got["logits"], got["ref_logits"])):
+        assert len(rows) == len(ref_rows) == 6
+        for step, (a, b) in enumerate(zip(rows, ref_rows)):
+            c = compare(f"request {i} step {step}", np.array(a), np.array(b), TOLERANCES["fp32"])
+            assert c.ok, f"{c.name}: max_abs {c.max_abs:.3g} nmse {c.nmse:.3g} {c.problem}"
