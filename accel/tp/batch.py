@@ -100,7 +100,7 @@ def unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
     _, T, num_decode, rows, width, P, R, g_rows, g_width, _ = header
     sizes = [T, T, T, rows * width, rows, 3 * P]
     ids, positions, slots, tables, lens, meta, rest = torch.split(payload, [*sizes, payload.shape[0] - sum(sizes)])
-    meta = meta.reshape(P, 3).tolist()
+    meta = meta.reshape(P, 3).tolist() if P else []  # a decode step reads nothing back
     context = torch.split(rest, [c for _, _, c in meta] + [R])
     prefills = [(f, n, sl) for (f, n, _), sl in zip(meta, context)]
     return StepInputs(ids=ids, positions=positions, slots=slots, num_decode=num_decode,
