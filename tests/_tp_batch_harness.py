@@ -1,7 +1,8 @@
 """Runs the batched engine over a tensor-parallel group in N spawned processes, for tests/test_tp_batch_gpu.py (one
-GPU a rank, NCCL) and tests/test_tp_batch.py (the CPU, gloo): rank 0 runs the requests through the TP engine recording each
-step's logits, closes the group, then runs them through the one-device engine (accel.batch.BatchEngine on its own
-device) and writes both to <out>/rank0.json with the worst logits NMSE while their tokens agree."""
+GPU a rank, NCCL) and tests/test_tp_batch.py (the CPU, gloo): rank 0 runs the requests through the TP engine
+recording each step's logits, closes the group, then runs them through the one-device engine
+(accel.batch.BatchEngine on its own device) and writes both to <out>/rank0.json with the worst logits NMSE while
+their tokens agree."""
 from __future__ import annotations
 
 import gc

@@ -52,13 +52,24 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def adapters(model, tmp_path_factory):
+    """Two PEFT LoRA adapters: one on q, v and o (o row-parallel), one on k and the MLP (down row-parallel)."""
+    from tests._peft_adapters import make_adapters
+    return make_adapters(model[0], tmp_path_factory.mktemp("adapters"), {
+        "a": ["q_proj", "v_proj", "o_proj"], "b": ["k_proj", "gate_proj", "up_proj", "down_proj"]})
+
+
+@pytest.fixture(scope="module")
 def requests_file(tmp_path_factory):
-    """Prompts of 3 to ~130 tokens (the byte-level toy tokenizer: about one token a character or two)."""
+    """Prompts of 3 to 101 tokens (the byte-level toy tokenizer: about one token a character or two); r3's and r5's
+    prompts again under each adapter."""
     lengths = [1, 30, 2, 12, 5, 24, 3]
     path = tmp_path_factory.mktemp("in") / "in.jsonl"
     lines = [{"id": f"r{i}", "prompt": " ".join(WORDS[:n]), "max_tokens": NEW} for i, n in enumerate(lengths)]
     lines.append({"id": "sampled", "prompt": " ".join(WORDS[:9]), "max_tokens": NEW, "temperature": 0.9,
                   "seed": 11})
+    lines += [{"id": f"{a}{i}", "prompt": " ".join(WORDS[:lengths[i]]), "max_tokens": NEW, "adapter": a}
+              for a in "ab" for i in (3, 5)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -74,18 +85,21 @@ def batch_cli(model_dir, inp, out, *extra, launcher=(sys.executable, "-m")) -> l
 
 
 @pytest.fixture(scope="module")
-def runs(model, requests_file, tmp_path_factory):
+def runs(model, adapters, requests_file, tmp_path_factory):
     """The records of --tp 1, --tp 2 started by llama32 with a pool of 8 blocks of 16 tokens a rank (the longest
-    request needs 7: requests wait for blocks, one is preempted and recomputed, and the prompts' shared first words
-    are prefix-cached, as the engine's stats showed when this test was written), and --tp 2 under torchrun."""
+    request needs 7: requests wait for blocks, some are preempted and recomputed, and the prompts' shared first
+    words are prefix-cached, as the engine's stats showed when this test was written), and --tp 2 under torchrun;
+    each with both adapters."""
     out = tmp_path_factory.mktemp("out")
+    lora = [arg for name, path in adapters.items() for arg in ("--lora", f"{name}={path}")]
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                 "127.0.0.1", "--master-port", str(free_port()), "-m")
     per_block = 2 * 2 * 1 * 16 * 12 * 4  # K and V, 2 layers, 1 KV head a rank, 16 tokens, head_dim 12, fp32
-    return {"tp1": batch_cli(model[0], requests_file, out / "tp1.jsonl", "--backend", "accel"),
+    return {"tp1": batch_cli(model[0], requests_file, out / "tp1.jsonl", "--backend", "accel", *lora),
             "tp2": batch_cli(model[0], requests_file, out / "tp2.jsonl", "--tp", "2", "--gpu-memory",
-                             str(9 * per_block)),
-            "torchrun": batch_cli(model[0], requests_file, out / "torchrun.jsonl", "--tp", "2", launcher=torchrun)}
+                             str(9 * per_block), *lora),
+            "torchrun": batch_cli(model[0], requests_file, out / "torchrun.jsonl", "--tp", "2", *lora,
+                                  launcher=torchrun)}
 
 
 def hf_greedy(hf, prompt: list[int], stop_ids) -> list[int]:
@@ -97,18 +111,23 @@ def hf_greedy(hf, prompt: list[int], stop_ids) -> list[int]:
 
 
 def test_tp2_records_equal_tp1(runs):
-    assert [r["id"] for r in runs["tp1"]] == [f"r{i}" for i in range(7)] + ["sampled"]
+    """Adapters included: each rank applies its part of every adapter (lora_B's rows of q, k, v, gate and up,
+    lora_A's columns of o and down)."""
+    assert [r["id"] for r in runs["tp1"]] == [f"r{i}" for i in range(7)] + ["sampled", "a3", "a5", "b3", "b5"]
     assert runs["tp2"] == runs["tp1"]
     assert runs["torchrun"] == runs["tp1"]
+    ids = {r["id"]: r["generated_ids"] for r in runs["tp2"]}
+    for i in (3, 5):  # the adapters change the answers
+        assert len({tuple(ids[f"r{i}"]), tuple(ids[f"a{i}"]), tuple(ids[f"b{i}"])}) == 3
 
 
 def test_tp2_greedy_ids_equal_hf(runs, model, requests_file):
     ckpt = load_checkpoint(model[0], with_tokenizer=True)
-    requests = read_requests(requests_file, ckpt.tokenizer, 256, NEW)
+    requests = read_requests(requests_file, ckpt.tokenizer, 256, NEW, adapters=("a", "b"))
     got = {r["id"]: r["generated_ids"] for r in runs["tp2"]}
     lengths = set()
     for req in requests:
-        if req.id == "sampled":
+        if req.id == "sampled" or req.adapter is not None:
             continue
         lengths.add(len(req.prompt_ids))
         assert got[req.id] == hf_greedy(model[1], req.prompt_ids, ckpt.stop_ids), req.id

@@ -9,10 +9,15 @@ inside them: every rank captures the same (bucket, width) keys in the same order
 message. Aborts, preemptions and prefix sharing are rank 0's bookkeeping only: the others run the slots and tables
 they are sent.
 
+LoRA adapters (`adapters`: every rank reads the same PEFT directories) are split as their weights are: a
+column-parallel weight's lora_B keeps the rank's rows (its heads, its hidden units), a row-parallel weight's lora_A
+the rank's columns, so each rank's update of o and down is a partial sum, all-reduced with the weight's own.
+
 Messages (int64, broadcast from rank 0): a header [op, T, decode rows, table rows, table width, prefill chunks,
-sampled rows, graph rows, graph width, payload length], then for op STEP the payload: ids, positions and slots (T
-each), the tables (rows·width) and lens (rows) of the paged rows, (first row, rows, context) per prefill chunk, each
-chunk's context slots, the sampled rows. op STOP: the followers leave `follow`.
+sampled rows, graph rows, graph width, LoRA tiles + 1 (0: none), payload length], then for op STEP the payload:
+ids, positions and slots (T each), the tables (rows·width) and lens (rows) of the paged rows, (first row, rows,
+context) per prefill chunk, each chunk's context slots, the sampled rows, the LoRA tiles (3 each). op STOP: the
+followers leave `follow`.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from .group import TPGroup, failed_ranks, sigint_deferred
 from .shard import ShardPlan
 
 STOP, STEP = 0, 1
-HEADER = 10
+HEADER = 11
 
 
 class Collectives:
@@ -86,27 +91,31 @@ def pack(inp: StepInputs) -> tuple[list[int], torch.Tensor]:
     T, (rows, width) = inp.ids.shape[0], tuple(inp.tables.shape)
     key = inp.graph_key or (0, 0)
     chunks = [torch.tensor([f, n, sl.shape[0]], dtype=torch.int64) for f, n, sl in inp.prefills]
+    tiles = [] if inp.lora_tiles is None else [inp.lora_tiles.reshape(-1)]
     parts = [inp.ids, inp.positions, inp.slots, inp.tables.reshape(-1), inp.lens, *chunks,
-             *(sl for _, _, sl in inp.prefills), inp.sample_rows]
+             *(sl for _, _, sl in inp.prefills), inp.sample_rows, *tiles]
     dev = inp.ids.device
     payload = torch.cat([p.to(dev, torch.int64) for p in parts])
-    header = [STEP, T, inp.num_decode, rows, width, len(inp.prefills), inp.sample_rows.shape[0], *key,
+    num_tiles = 0 if inp.lora_tiles is None else inp.lora_tiles.shape[0] + 1
+    header = [STEP, T, inp.num_decode, rows, width, len(inp.prefills), inp.sample_rows.shape[0], *key, num_tiles,
               payload.shape[0]]
     return header, payload
 
 
 def unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
     """pack's inverse, on the payload's device (followers sample nothing: `sampled` empty)."""
-    _, T, num_decode, rows, width, P, R, g_rows, g_width, _ = header
+    _, T, num_decode, rows, width, P, R, g_rows, g_width, num_tiles, _ = header
     sizes = [T, T, T, rows * width, rows, 3 * P]
     ids, positions, slots, tables, lens, meta, rest = torch.split(payload, [*sizes, payload.shape[0] - sum(sizes)])
     meta = meta.reshape(P, 3).tolist() if P else []  # a decode step reads nothing back
-    context = torch.split(rest, [c for _, _, c in meta] + [R])
+    tiles = 3 * max(num_tiles - 1, 0)
+    *context, sample_rows, lora_tiles = torch.split(rest, [c for _, _, c in meta] + [R, tiles])
     prefills = [(f, n, sl) for (f, n, _), sl in zip(meta, context)]
     return StepInputs(ids=ids, positions=positions, slots=slots, num_decode=num_decode,
                       tables=tables.reshape(rows, width).to(torch.int32), lens=lens.to(torch.int32),
-                      prefills=prefills, sample_rows=context[-1], sampled=[],
-                      graph_key=(g_rows, g_width) if g_rows else None)
+                      prefills=prefills, sample_rows=sample_rows, sampled=[],
+                      graph_key=(g_rows, g_width) if g_rows else None,
+                      lora_tiles=lora_tiles.reshape(-1, 3).to(torch.int32) if num_tiles else None)
 
 
 def receive(device: torch.device) -> StepInputs | None:
@@ -119,7 +128,11 @@ def receive(device: torch.device) -> StepInputs | None:
 
 class TPBatchEngine(BatchEngine):
     """Rank 0's BatchEngine: a step is never cut by Ctrl-C halfway through its collectives; `close` releases the
-    other ranks."""
+    other ranks; adapters are given when it starts (every rank loads its part)."""
+
+    def add_adapter(self, name: str, adapter: list) -> None:
+        raise GenerationError(f"adapter {name!r}: a tensor-parallel engine takes its adapters when it starts "
+                              f"(batch_engine's adapters)")
 
     def step(self):
         with sigint_deferred():
@@ -159,17 +172,25 @@ def pool_blocks(group: TPGroup, shard: TPEngine, options: dict) -> int:
     return int(n.item())
 
 
-def batch_engine(group: TPGroup, shard: TPEngine, stop_ids=(), **options) -> TPBatchEngine | None:
+def batch_engine(group: TPGroup, shard: TPEngine, stop_ids=(), adapters: dict | None = None,
+                 **options) -> TPBatchEngine | None:
     """Rank 0: the engine over its shard (BatchEngine's options: max_num_seqs, max_num_batched_tokens, gpu_memory,
-    block_size, num_blocks, cuda_graphs); the other ranks follow rank 0's steps until its `close`, then None."""
+    block_size, num_blocks, cuda_graphs; adapters: {name: PEFT LoRA directory}, the same on every rank); the other
+    ranks follow rank 0's steps until its `close`, then None."""
     if options.get("batch_invariant"):
         raise GenerationError("--batch-invariant runs on one device only: a sum over ranks follows NCCL's order")
     options = {**options, "num_blocks": pool_blocks(group, shard, options)}
     plan = shard.plan
     if group.is_root:
-        return together(group, "start the batch engine", lambda: TPBatchEngine(
+        engine = together(group, "start the batch engine", lambda: TPBatchEngine(
             shard.local, shard.weights, group.device, shard.dtype_name, stop_ids, tp=Lead(group, plan), **options))
-    runner = together(group, "start the batch engine", lambda: follower_runner(group, shard, options))
+        runner = engine.runner
+    else:
+        engine = None
+        runner = together(group, "start the batch engine", lambda: follower_runner(group, shard, options))
+    together(group, "load the LoRA adapters", lambda: add_adapters(runner, plan, adapters or {}))
+    if engine is not None:
+        return engine
     with torch.inference_mode():
         while (inp := receive(group.device)) is not None:
             runner.run(inp)
@@ -184,3 +205,25 @@ def follower_runner(group: TPGroup, shard: TPEngine, options: dict) -> ModelRunn
     blocks = BlockManager(options["num_blocks"], options.get("block_size") or DEFAULT_BLOCK_SIZE)
     return ModelRunner(shard.local, shard.weights, group.device, shard.dtype, blocks, triton, graphs,
                        tp=Collectives(group, shard.plan))
+
+
+def add_adapters(runner: ModelRunner, plan: ShardPlan, adapters: dict) -> None:
+    """Each adapter directory's rank part, added in the same order on every rank (a step's tiles name them by
+    index)."""
+    from refimpl.formats.lora import load_lora
+    for name, path in adapters.items():
+        runner.add_adapter(str(name), shard_adapter(load_lora(path, plan.cfg), plan))
+
+
+def shard_adapter(adapter: list, plan: ShardPlan) -> list:
+    """load_lora's [(param, A [r, Din], B [Dout, r], scale)] -> this rank's part: a column-parallel weight's B rows
+    (the rows its weight keeps), a row-parallel weight's A columns (its update then a partial sum)."""
+    out = []
+    for param, lora_a, lora_b, scale in adapter:
+        s = plan.slice_of(param)
+        if s is not None and s.dim == 0:
+            lora_b = lora_b[s.start:s.stop]
+        elif s is not None:
+            lora_a = lora_a[:, s.start:s.stop]
+        out.append((param, lora_a, lora_b, scale))
+    return out

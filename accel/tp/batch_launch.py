@@ -39,8 +39,8 @@ def _follow(group: TPGroup, model_dir: Path, dtype: str | None, options: dict) -
 def tp_batch_engine(model_dir: Path, world: int, device: str | None, dtype: str | None, **options
                     ) -> Iterator[tuple[TPBatchEngine, Checkpoint]]:
     """(rank 0's batch engine, the checkpoint without weights) for the block; options: BatchEngine's (max_num_seqs,
-    max_num_batched_tokens, gpu_memory, block_size, num_blocks, cuda_graphs). The other ranks are released and the
-    group ended after it. Under torchrun, a rank other than 0 follows and then exits the process (SystemExit 0)."""
+    max_num_batched_tokens, gpu_memory, block_size, num_blocks, cuda_graphs) and adapters ({name: PEFT LoRA
+    directory}). The other ranks are released and the group ended after it. Under torchrun, a rank other than 0 follows and then exits the process (SystemExit 0)."""
     procs, model_dir = [], Path(model_dir)
     if under_torchrun():
         try:  # every rank reads the same files: rank 0 alone says what is wrong with them

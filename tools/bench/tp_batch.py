@@ -1,6 +1,6 @@
-"""Batched decoding over a tensor-parallel group: accel.batch's engine on one GPU (TP=1) and over --tp GPUs (accel.tp.batch:
-rank 0 drives, every rank runs each step on its shard, the all-reduces inside the captured CUDA graphs), in the same
-run, on random bf16 weights at the Llama 3.2 1B/3B shapes.
+"""Batched decoding over a tensor-parallel group: accel.batch's engine on one GPU (TP=1) and over --tp GPUs
+(accel.tp.batch: rank 0 drives, every rank runs each step on its shard, the all-reduces inside the captured CUDA
+graphs), in the same run, on random bf16 weights at the Llama 3.2 1B/3B shapes.
 
     decode    B sequences (--batch-sizes) with --context-token random prompts, all prefilled first, then
               WARMUP_STEPS untimed steps (the bucket's CUDA graph captured on every rank), then --decode-steps

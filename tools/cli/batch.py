@@ -65,8 +65,9 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
         options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                    "batch_invariant": batch_invariant, **({"gpu_memory": memory} if memory is not None else {})}
     if tp > 1:  # rank 0 reads the requests with the tokenizer alone; the ranks load their shards after
-        check_tp(tp, backend, **{"--lora": loras, "--eval": evaluate, "--batch-invariant": batch_invariant})
+        check_tp(tp, backend, **{"--eval": evaluate, "--batch-invariant": batch_invariant})
         options.pop("batch_invariant")
+        options["adapters"] = lora_dirs  # every rank reads its part of each
         ckpt = tp_checkpoint(model_path, tp, device, dtype, **options)
     else:
         ckpt = load_checkpoint(model_path)

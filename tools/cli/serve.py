@@ -55,10 +55,10 @@ def serve(model, loras, host, port, api_key, served_model_name, max_num_seqs, ma
     started = None
     if tp > 1:  # rank 0 serves HTTP; the other ranks follow its engine's steps
         from tools.engines import resolve_model
-        check_tp(tp, backend, **{"--lora": loras})
+        check_tp(tp, backend)
         path = resolve_model(model)
         options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                   "gpu_memory": memory}
+                   "gpu_memory": memory, "adapters": adapters}
         ckpt = tp_checkpoint(path, tp, device, dtype, **options)
         started = load_tp_batch(path, tp, device, dtype, **options), ckpt
     app, engine, name = load_served(model, adapters, served_model_name, device, dtype, max_num_seqs,
