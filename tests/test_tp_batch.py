@@ -158,6 +158,7 @@ def test_step_message_round_trip():
     (["--batch-invariant"], "--tp 2 does not take --batch-invariant"),
     (["--eval"], "--tp 2 does not take --eval"),
     (["--backend", "refimpl"], "--tp 2 runs on the accel backend"),
+    (["--tp", "3"], "--tp 3 does not divide the model's 4 attention heads"),
 ])
 def test_batch_tp_refuses_what_it_does_not_run(flags, says, model, requests_file, tmp_path):
     r = CliRunner().invoke(main, ["batch", "--model", str(model[0]), "--input", str(requests_file), "--output",
