@@ -13,11 +13,17 @@ LoRA adapters (`adapters`: every rank reads the same PEFT directories) are split
 column-parallel weight's lora_B keeps the rank's rows (its heads, its hidden units), a row-parallel weight's lora_A
 the rank's columns, so each rank's update of o and down is a partial sum, all-reduced with the weight's own.
 
+The paged pool is rank 0's size (its BatchEngine sizes it from its memory); every other rank allocates the same
+blocks for its KV heads, or fails to start naming itself.
+
 Messages (int64, broadcast from rank 0): a header [op, T, decode rows, table rows, table width, prefill chunks,
-sampled rows, graph rows, graph width, LoRA tiles + 1 (0: none), payload length], then for op STEP the payload:
-ids, positions and slots (T each), the tables (rows·width) and lens (rows) of the paged rows, (first row, rows,
-context) per prefill chunk, each chunk's context slots, the sampled rows, the LoRA tiles (3 each). op STOP: the
-followers leave `follow`.
+sampled rows, graph rows, graph width, LoRA tiles + 1 (0: none), fed rows, previous tokens, payload length], then
+for op STEP the payload: ids, positions and slots (T each), the tables (rows·width) and lens (rows) of the paged
+rows, (first row, rows, context) per prefill chunk, each chunk's context slots, the sampled rows, the LoRA tiles (3
+each), the feed (2 · fed rows: a decode row and the row of the previous step's tokens its input id is taken from,
+where the engine launches a step before the previous one's tokens reach the host); then the previous step's tokens
+themselves where rows are fed (they never leave the device). The payload is built on the device without waiting
+for it. op STOP: the followers leave `follow`.
 """
 from __future__ import annotations
 
@@ -28,14 +34,14 @@ from refimpl.errors import GenerationError
 
 from .. import ops
 from ..batch.block_manager import BlockManager
-from ..batch.engine import DEFAULT_BLOCK_SIZE, BatchEngine, kv_pool_blocks
+from ..batch.engine import BatchEngine
 from ..batch.runner import ModelRunner, StepInputs
 from .engine import RankFailed, TPEngine
 from .group import TPGroup, failed_ranks, sigint_deferred
 from .shard import ShardPlan
 
 STOP, STEP = 0, 1
-HEADER = 11
+HEADER = 13
 
 
 class Collectives:
@@ -46,7 +52,7 @@ class Collectives:
         self.first_id, _ = plan.vocab_range()
         self.vocab = plan.cfg.vocab_size
 
-    def begin(self, inp: StepInputs) -> None:
+    def begin(self, inp: StepInputs, prev=None) -> None:
         pass
 
     def embed_norm(self, ids, table, norm, eps):
@@ -72,10 +78,13 @@ class Collectives:
 class Lead(Collectives):
     """Rank 0's: each step's inputs go to the other ranks before its forward."""
 
-    def begin(self, inp: StepInputs) -> None:
-        header, payload = pack(inp)
+    def begin(self, inp: StepInputs, prev=None) -> None:
+        """prev: the previous step's tokens on the device, where inp feeds rows from them."""
+        header, payload = pack(inp, self.group.device, prev)
         _broadcast(torch.tensor(header, dtype=torch.int64).to(self.group.device))
-        _broadcast(payload.to(self.group.device))
+        _broadcast(payload)
+        if header[-2]:
+            _broadcast(prev)
 
     def stop(self) -> None:
         _broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64).to(self.group.device))
@@ -86,44 +95,51 @@ def _broadcast(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def pack(inp: StepInputs) -> tuple[list[int], torch.Tensor]:
-    """A step's inputs -> (the header, the payload [n] int64 on the inputs' device)."""
+def pack(inp: StepInputs, device, prev=None) -> tuple[list[int], torch.Tensor]:
+    """A step's inputs -> (the header, the payload [n] int64 on `device`), from shapes the host knows and copies
+    that wait for nothing (the inputs are on the device already, or in host memory the engine filled)."""
     T, (rows, width) = inp.ids.shape[0], tuple(inp.tables.shape)
     key = inp.graph_key or (0, 0)
     chunks = [torch.tensor([f, n, sl.shape[0]], dtype=torch.int64) for f, n, sl in inp.prefills]
     tiles = [] if inp.lora_tiles is None else [inp.lora_tiles.reshape(-1)]
+    feed = getattr(inp, "feed", None)  # [2, F] where the engine overlaps its steps
+    fed = [] if feed is None else [feed.reshape(-1)]
     parts = [inp.ids, inp.positions, inp.slots, inp.tables.reshape(-1), inp.lens, *chunks,
-             *(sl for _, _, sl in inp.prefills), inp.sample_rows, *tiles]
-    dev = inp.ids.device
-    payload = torch.cat([p.to(dev, torch.int64) for p in parts])
+             *(sl for _, _, sl in inp.prefills), inp.sample_rows, *tiles, *fed]
+    payload = torch.cat([p.to(device, torch.int64, non_blocking=True) for p in parts])
     num_tiles = 0 if inp.lora_tiles is None else inp.lora_tiles.shape[0] + 1
+    num_fed, num_prev = (0, 0) if feed is None else (feed.shape[1], prev.shape[0])
     header = [STEP, T, inp.num_decode, rows, width, len(inp.prefills), inp.sample_rows.shape[0], *key, num_tiles,
-              payload.shape[0]]
+              num_fed, num_prev, payload.shape[0]]
     return header, payload
 
 
 def unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
     """pack's inverse, on the payload's device (followers sample nothing: `sampled` empty)."""
-    _, T, num_decode, rows, width, P, R, g_rows, g_width, num_tiles, _ = header
+    _, T, num_decode, rows, width, P, R, g_rows, g_width, num_tiles, num_fed, _, _ = header
     sizes = [T, T, T, rows * width, rows, 3 * P]
     ids, positions, slots, tables, lens, meta, rest = torch.split(payload, [*sizes, payload.shape[0] - sum(sizes)])
     meta = meta.reshape(P, 3).tolist() if P else []  # a decode step reads nothing back
     tiles = 3 * max(num_tiles - 1, 0)
-    *context, sample_rows, lora_tiles = torch.split(rest, [c for _, _, c in meta] + [R, tiles])
+    *context, sample_rows, lora_tiles, feed = torch.split(rest, [c for _, _, c in meta] + [R, tiles, 2 * num_fed])
     prefills = [(f, n, sl) for (f, n, _), sl in zip(meta, context)]
+    fed = {"feed": feed.reshape(2, num_fed)} if num_fed else {}
     return StepInputs(ids=ids, positions=positions, slots=slots, num_decode=num_decode,
                       tables=tables.reshape(rows, width).to(torch.int32), lens=lens.to(torch.int32),
                       prefills=prefills, sample_rows=sample_rows, sampled=[],
                       graph_key=(g_rows, g_width) if g_rows else None,
-                      lora_tiles=lora_tiles.reshape(-1, 3).to(torch.int32) if num_tiles else None)
+                      lora_tiles=lora_tiles.reshape(-1, 3).to(torch.int32) if num_tiles else None, **fed)
 
 
-def receive(device: torch.device) -> StepInputs | None:
-    """A follower's next step from rank 0 (None: STOP)."""
+def receive(device: torch.device) -> tuple[StepInputs, torch.Tensor | None] | None:
+    """A follower's next step from rank 0 and the previous step's tokens it feeds rows from (None where it feeds
+    none); None: STOP."""
     header = _broadcast(torch.zeros(HEADER, dtype=torch.int64, device=device)).tolist()
     if header[0] == STOP:
         return None
-    return unpack(header, _broadcast(torch.empty(header[-1], dtype=torch.int64, device=device)))
+    inp = unpack(header, _broadcast(torch.empty(header[-1], dtype=torch.int64, device=device)))
+    num_prev = header[-2]
+    return inp, _broadcast(torch.empty(num_prev, dtype=torch.int64, device=device)) if num_prev else None
 
 
 class TPBatchEngine(BatchEngine):
@@ -158,18 +174,13 @@ def together(group: TPGroup, what: str, fn):
     return result
 
 
-def pool_blocks(group: TPGroup, shard: TPEngine, options: dict) -> int:
-    """The paged pool's blocks, the same on every rank: the fewest any rank's memory allows (each rank holds its
-    KV heads' share of every block)."""
-    def mine() -> int:
-        if options.get("num_blocks") is not None:
-            return options["num_blocks"]
-        return kv_pool_blocks(shard.local, group.device, shard.dtype, options.get("block_size") or DEFAULT_BLOCK_SIZE,
-                              options.get("gpu_memory", 0.9), options.get("max_num_seqs", 256),
-                              options.get("max_num_batched_tokens", 8192))
-    n = torch.tensor([together(group, "size its KV pool", mine)], dtype=torch.int64, device=group.device)
-    dist.all_reduce(n, op=dist.ReduceOp.MIN)
-    return int(n.item())
+def pool_shape(group: TPGroup, engine: BatchEngine | None) -> tuple[int, int]:
+    """(blocks, block size) of rank 0's pool, on every rank."""
+    t = torch.zeros(2, dtype=torch.int64, device=group.device)
+    if engine is not None:
+        t.copy_(torch.tensor([len(engine.blocks.blocks), engine.blocks.block_size]))
+    num_blocks, block_size = _broadcast(t).tolist()
+    return num_blocks, block_size
 
 
 def batch_engine(group: TPGroup, shard: TPEngine, stop_ids=(), adapters: dict | None = None,
@@ -179,31 +190,32 @@ def batch_engine(group: TPGroup, shard: TPEngine, stop_ids=(), adapters: dict | 
     ranks follow rank 0's steps until its `close`, then None."""
     if options.get("batch_invariant"):
         raise GenerationError("--batch-invariant runs on one device only: a sum over ranks follows NCCL's order")
-    options = {**options, "num_blocks": pool_blocks(group, shard, options)}
     plan = shard.plan
-    if group.is_root:
-        engine = together(group, "start the batch engine", lambda: TPBatchEngine(
-            shard.local, shard.weights, group.device, shard.dtype_name, stop_ids, tp=Lead(group, plan), **options))
-        runner = engine.runner
-    else:
-        engine = None
-        runner = together(group, "start the batch engine", lambda: follower_runner(group, shard, options))
+    engine = together(group, "start the batch engine", lambda: TPBatchEngine(
+        shard.local, shard.weights, group.device, shard.dtype_name, stop_ids, tp=Lead(group, plan), **options)
+        if group.is_root else None)
+    pool = pool_shape(group, engine)
+    runner = together(group, "allocate its share of the KV pool", lambda: engine.runner if group.is_root
+                      else follower_runner(group, shard, pool, options))
     together(group, "load the LoRA adapters", lambda: add_adapters(runner, plan, adapters or {}))
     if engine is not None:
         return engine
     with torch.inference_mode():
-        while (inp := receive(group.device)) is not None:
-            runner.run(inp)
+        while (step := receive(group.device)) is not None:
+            inp, prev = step
+            if prev is None:
+                runner.run(inp)
+            else:  # rows fed from the previous step's tokens (an engine that overlaps its steps)
+                runner.run(inp, prev)
     return None
 
 
-def follower_runner(group: TPGroup, shard: TPEngine, options: dict) -> ModelRunner:
-    """A follower's runner: the same pool, kernels and graphs as rank 0's, with no scheduler of its own."""
+def follower_runner(group: TPGroup, shard: TPEngine, pool: tuple[int, int], options: dict) -> ModelRunner:
+    """A follower's runner: rank 0's pool (blocks, block size), kernels and graphs, with no scheduler of its own."""
     cuda = group.device.type == "cuda"
     graphs = cuda if options.get("cuda_graphs") is None else options["cuda_graphs"]
     triton = cuda if options.get("use_triton") is None else options["use_triton"]
-    blocks = BlockManager(options["num_blocks"], options.get("block_size") or DEFAULT_BLOCK_SIZE)
-    return ModelRunner(shard.local, shard.weights, group.device, shard.dtype, blocks, triton, graphs,
+    return ModelRunner(shard.local, shard.weights, group.device, shard.dtype, BlockManager(*pool), triton, graphs,
                        tp=Collectives(group, shard.plan))
 
 
