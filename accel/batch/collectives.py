@@ -1,7 +1,8 @@
 """What a step's forward shares with other ranks: the runner's four points of contact with a tensor-parallel group
 (accel/tp/batch.py), and the one-device default, which shares nothing.
 
-    begin(inp)                      before the step: the rank driving the engine tells the others what to run
+    begin(inp, prev)                before the step: the rank driving the engine tells the others what to run (prev:
+                                    the previous step's tokens on the device, where the step feeds rows from them)
     embed_norm(ids, table, norm)    the first layer's input: the embedding (a vocab slice per rank: all-reduced)
                                     and its RMS norm -> (x, h)
     reduce(y)                       after o and down (row-parallel: each rank's product is a partial sum)
@@ -13,7 +14,7 @@ from .. import ops
 
 
 class OneDevice:
-    def begin(self, inp) -> None:
+    def begin(self, inp, prev=None) -> None:
         pass
 
     def embed_norm(self, ids, table, norm, eps):
