@@ -1,7 +1,8 @@
 """The batched engine over 2 GPUs (NCCL; needs 2 CUDA GPUs): at Llama 3.2 1B's shapes (2 layers, random bf16
 weights), requests of mixed lengths through `--tp 2`'s engine (decode steps replayed from CUDA graphs with the
-all-reduces captured in them, and eagerly) give logits within bf16 tolerance of the one-GPU engine's, and its greedy
-ids."""
+all-reduces captured in them, and eagerly) give logits within bf16 tolerance of the one-GPU engine's, compared at
+every step until a request's tokens differ. (Random weights give near-flat logits: on an H200 half the requests'
+greedy ids parted within 8 tokens, after a bf16 near-tie went the other way with the sums split over 2 GPUs.)"""
 import dataclasses
 import random
 
@@ -39,5 +40,3 @@ def test_tp2_batch_logits_within_bf16_of_one_gpu(one_b_layers, tmp_path, graphs)
     assert bool(got["graphs"]) == graphs, got["graphs"]
     assert got["steps_compared"] >= len(LENGTHS) * 4
     assert got["worst_nmse"] < 1e-3  # as tests/test_batch_gpu.py grades a batch row against the request alone
-    same = sum(a == b for a, b in zip(got["tokens"], got["ref_tokens"]))
-    assert same >= len(LENGTHS) - 2  # bf16: another split of the sums may flip a near-tie

@@ -61,11 +61,13 @@ def decode_rate(engine, batch_prompts: list[list[int]], steps: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens(len(batch_prompts[0]), steps), ignore_eos=True)
     ids = [engine.add_request(p, params) for p in batch_prompts]
     started = set()
+    t0 = time.perf_counter()
     while len(started) < len(ids):
         started |= {o.request_id for o in engine.step() if o.new_token_ids}
     for _ in range(WARMUP_STEPS):
         engine.step()
     sync()
+    print(f"  B={len(ids)}: prefilled and warmed up (graph captured) in {time.perf_counter() - t0:.1f} s", flush=True)
     t0 = time.perf_counter()
     made = 0
     for _ in range(steps):
@@ -113,7 +115,9 @@ def tensor_parallel(cfg, world: int, batches: list[int], context: int, steps: in
     from accel.tp.engine import TPEngine
     from accel.tp.group import spawn
     options = engine_options(max(batches), context, steps, eager)
+    t0 = time.perf_counter()
     group, procs = spawn(world, kind, _follow, (cfg, options))
+    print(f"  TP={world}: group of {world} ranks up in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         shard = TPEngine(group, cfg, shard_weights(cfg, 0, world, group.device), "bf16")
         engine = batch_engine(group, shard, cfg.eos_token_ids, **options)
