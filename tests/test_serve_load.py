@@ -175,7 +175,7 @@ def test_the_url_is_announced_once_the_socket_accepts_connections():
 def test_cli_refuses_bad_settings_in_one_line():
     from click.testing import CliRunner
     from tools.cli import main
-    for args, needle in ((["--tp", "2"], "--tp 2"), (["--lora", "noequals"], "NAME=DIR"),
+    for args, needle in ((["--tp", "3"], "--tp 3 does not divide"), (["--lora", "noequals"], "NAME=DIR"),
                          (["--quant", "int8"], "--quant"), (["--gpu-memory", "lots"], "--gpu-memory")):
         r = CliRunner().invoke(main, ["serve", "--model", str(TOY), "--device", "cpu", *args])
         assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output, r.output

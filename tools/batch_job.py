@@ -141,6 +141,7 @@ class Job:
     dtype: str | None = None
     engine_options: dict = field(default_factory=dict)
     evaluate: bool = False
+    engine: object = None  # an engine already started (a tensor-parallel one), run instead of building one
 
 
 def _groups(requests) -> dict:
@@ -207,7 +208,8 @@ def run_job(job: Job, progress_stream=None) -> dict:
         if pending:
             named = {r.adapter for r in pending}
             adapters = {n: a for n, a in job.adapters.items() if n in named}
-            engine = batch_engine(job.ckpt, job.backend, job.device, job.dtype, adapters, **job.engine_options)
+            engine = job.engine or batch_engine(job.ckpt, job.backend, job.device, job.dtype, adapters,
+                                                **job.engine_options)
             run_group(engine, pending, job.ckpt.tokenizer, job.ckpt.stop_ids, on_done, tally, progress)
             del engine
             _free(job.device)

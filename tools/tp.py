@@ -1,7 +1,8 @@
-"""`--tp N`: the CLI side of tensor parallelism (accel.tp). generate and chat run it; the other commands refuse it
-for now."""
+"""`--tp N`: the CLI side of tensor parallelism (accel.tp). generate, chat, batch and serve run it; the other commands
+refuse it for now."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -17,17 +18,22 @@ TP_OPTION = click.option("--tp", type=click.IntRange(min=1), default=1, show_def
 def refuse_tp(tp: int, command: str) -> None:
     if tp > 1:
         raise GenerationError(f"--tp {tp}: llama32 {command} runs on one device for now; tensor parallel runs "
-                              f"`llama32 generate` and `llama32 chat` only (docs/tp.md)")
+                              f"`llama32 generate`, `chat`, `batch` and `serve` only (docs/tp.md)")
 
 
-def load_tp(model_path: Path, tp: int, backend: str, device: str | None, dtype: str | None, **unsupported):
-    """(rank 0's accel.tp engine, the checkpoint without weights, load seconds), released with the click command's
-    context. unsupported: options --tp does not take yet, by flag name -> value given (None / False / () if not)."""
+def check_tp(tp: int, backend: str, **unsupported) -> None:
+    """unsupported: options --tp does not take yet, by flag name -> value given (None / False / () if not)."""
     given = [flag for flag, value in unsupported.items() if value]
     if given:
         raise GenerationError(f"--tp {tp} does not take {given[0]} yet; drop one of them")
     if backend == "refimpl":
         raise GenerationError(f"--tp {tp} runs on the accel backend (torch.distributed); drop --backend refimpl")
+
+
+def load_tp(model_path: Path, tp: int, backend: str, device: str | None, dtype: str | None, **unsupported):
+    """(rank 0's accel.tp engine, the checkpoint without weights, load seconds), released with the click command's
+    context. unsupported: options --tp does not take yet, by flag name -> value given (None / False / () if not)."""
+    check_tp(tp, backend, **unsupported)
     try:
         from accel.tp.launch import tp_engine
     except ImportError as e:
@@ -35,3 +41,32 @@ def load_tp(model_path: Path, tp: int, backend: str, device: str | None, dtype: 
     t0 = time.perf_counter()
     engine, ckpt = click.get_current_context().with_resource(tp_engine(model_path, tp, device, dtype))
     return engine, ckpt, time.perf_counter() - t0
+
+
+def _batch_launch():
+    try:
+        from accel.tp import batch_launch
+    except ImportError as e:
+        raise GenerationError(f"--tp needs torch ({e})") from None
+    return batch_launch
+
+
+def tp_checkpoint(model_path: Path, tp: int, device: str | None, dtype: str | None, **options):
+    """The checkpoint without weights (config, tokenizer, stop ids) that rank 0 reads requests with, before any
+    rank starts. Under torchrun a rank other than 0 goes from here straight to following rank 0's batch engine (it
+    reads no input, prints nothing but its errors) and exits. options: the batch engine's (tp_batch_engine)."""
+    launch = _batch_launch()
+    from accel.tp.group import under_torchrun
+    from accel.tp.load import open_text_checkpoint
+    if under_torchrun() and os.environ["RANK"] != "0":
+        with launch.tp_batch_engine(model_path, tp, device, dtype, **options):
+            pass  # never reached: a follower exits in there
+    return open_text_checkpoint(model_path, world=tp)
+
+
+def load_tp_batch(model_path: Path, tp: int, device: str | None, dtype: str | None, **options):
+    """Rank 0's batch engine over the group (accel.tp.batch.TPBatchEngine), released with the click command's
+    context (the other ranks then stop)."""
+    engine, _ = click.get_current_context().with_resource(
+        _batch_launch().tp_batch_engine(model_path, tp, device, dtype, **options))
+    return engine

@@ -8,6 +8,7 @@
     sampler.py        per-request sampling on the device, seeded draws independent of the batch
     vision.py         Llama 3.2 Vision: each request's image keys/values, the cross-attention layers over a step
     engine.py         BatchEngine, the API
+    collectives.py    what a step shares with other ranks under tensor parallelism (accel/tp/batch.py); none here
 LoRA adapters per request, unmerged, several in one step: accel/lora_stack.py (the adapters stacked) over the
 segmented product of accel/ops/lora_batch.py.
 """

@@ -45,6 +45,7 @@ from ..vision.weights import load_vision_weights, self_layer_config
 from ..weights import DTYPES, Weights, load_weights
 from .block_manager import BlockManager
 from .memory import IMAGE_KV_SHARE, kv_budget, kv_pool_blocks
+from .collectives import ONE_DEVICE
 from .runner import ModelRunner
 from .sampler import launch_logprobs, logprob_entries, sample
 from .scheduler import Scheduled, Scheduler
@@ -74,7 +75,7 @@ class BatchEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory=0.9,
                  block_size: int | None = None, num_blocks: int | None = None, use_triton: bool | None = None,
                  cuda_graphs: bool | None = None, batch_invariant: bool = False, vision=None,
-                 overlap: bool | None = None, image_memory: int | None = None):
+                 overlap: bool | None = None, image_memory: int | None = None, tp=ONE_DEVICE):
         """num_blocks: the pool's size, overriding gpu_memory (tests force a tiny pool); use_triton: the Triton
         kernels (default on CUDA only: on CPU the torch ops are far faster than the interpreter); cuda_graphs:
         decode-only steps replay CUDA graphs (default: on CUDA; never for a step with image rows);
@@ -84,7 +85,8 @@ class BatchEngine:
         VisionWeights.text); overlap: launch each step before reading the previous one's tokens back (default: on
         CUDA, where the host's work then hides behind the device's; on CPU the host runs the model itself);
         image_memory: a vision model's bytes for its running requests' image keys/values (default IMAGE_KV_SHARE
-        of the KV budget, which the pool then does without): requests with images wait while theirs do not fit."""
+        of the KV budget, which the pool then does without): requests with images wait while theirs do not fit; tp: rank 0's collectives of a tensor-parallel group
+        (accel/tp/batch.py), config and weights then its shard."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value!r}")
@@ -114,7 +116,7 @@ class BatchEngine:
             raise GenerationError("batch_invariant runs text models only for now (this is a Llama 3.2 Vision model)")
         layers = None if vision is None else VisionLayers(vision[1], vision[0], device, self.dtype)
         self.runner = ModelRunner(config, weights, device, self.dtype, self.blocks, triton, graphs, batch_invariant,
-                                  layers)
+                                  layers, tp)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()

@@ -47,6 +47,7 @@ from ..ops.paged import batched_linear, invariant_linear, paged_decode_attention
 from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 from .block_manager import BlockManager
+from .collectives import ONE_DEVICE
 from .graphs import DecodeGraphs, feed_ids
 from .host_copy import host_tensor, to_device
 from .scheduler import Scheduled
@@ -101,10 +102,12 @@ class DecodeTables:
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, weights: Weights, device: torch.device, dtype: torch.dtype,
                  blocks: BlockManager, use_triton: bool, cuda_graphs: bool, invariant: bool = False,
-                 vision: VisionLayers | None = None):
+                 vision: VisionLayers | None = None, tp=ONE_DEVICE):
         """invariant: the batch-invariant mode (module docstring); vision: a Llama 3.2 Vision model's cross layers
-        (cfg and weights are then its self-attention layers')."""
+        (cfg and weights are then its self-attention layers'); tp: the collectives of a tensor-parallel rank
+        (accel/batch/collectives.py; cfg and weights then the rank's shard)."""
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
+        self.tp = tp
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.use_triton = use_triton
@@ -260,6 +263,7 @@ class ModelRunner:
         """-> logits [R, V] of inp.sample_rows (model dtype). prev: the previous step's tokens [R'] on the device,
         which inp.feed takes the decode rows' input ids from (the step runs after it on the same stream: nothing
         waits)."""
+        self.tp.begin(inp, prev)
         if inp.graph_key is not None:
             return self.graphs.run(inp, prev)[:len(inp.sampled)]
         with torch.inference_mode(), ops.torch_only(not self.use_triton):
@@ -275,7 +279,7 @@ class ModelRunner:
         cfg, w = self.cfg, self.w
         eps = cfg.rms_norm_eps
         first_norm, layers = self._schedule(inp)
-        x, h = ops.embedding_rms_norm(inp.ids, w.embed, first_norm, eps)  # [T, D] each
+        x, h = self.tp.embed_norm(inp.ids, w.embed, first_norm, eps)  # [T, D] each
         cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [T, E/2] fp32
         for i, c, next_norm in layers:  # i: the self layer's index in the paged cache; c: a cross layer's
             if c is not None:
@@ -283,12 +287,14 @@ class ModelRunner:
                 continue
             lw = w.layers[i]
             a = self._attention(lw, h, cos, sin, i, inp)  # [T, H·E]
-            x, h = ops.add_rms_norm(self._linear(a, lw.o, i, "o", inp), x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
+            o = self.tp.reduce(self._linear(a, lw.o, i, "o", inp))  # [T, H·E] -> [T, D]
+            x, h = ops.add_rms_norm(o, x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
             act = ops.swiglu_gate_up(self._linear(h, lw.gate_up, i, "gate_up", inp))  # [T, D] -> [T, 2F] -> [T, F]
-            x, h = ops.add_rms_norm(self._linear(act, lw.down, i, "down", inp), x, next_norm, eps)  # resid_post
+            down = self.tp.reduce(self._linear(act, lw.down, i, "down", inp))  # [T, F] -> [T, D]
+            x, h = ops.add_rms_norm(down, x, next_norm, eps)  # resid_post
         if len(inp.sample_rows) < h.shape[0]:  # else every row, in order (rows sampled are listed in order)
             h = h[inp.sample_rows]
-        return self._dense(h, w.lm_head)  # [R, D] -> [R, V]
+        return self.tp.gather(self._dense(h, w.lm_head))  # [R, D] -> [R, V]
 
     def _schedule(self, inp: StepInputs):
         """(the first layer's input norm, [(self layer i or None, cross layer c or None, the next layer's norm)]):

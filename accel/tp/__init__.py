@@ -6,4 +6,6 @@
     model.py    one rank's forward with its all-reduces and the gathered logits
     engine.py   rank 0 drives generation, the other ranks follow its broadcasts
     launch.py   `tp_engine`: what a CLI command opens
+    batch.py    the batched engine (accel.batch) over the group: rank 0 drives, every rank runs each step's forward
+    batch_launch.py  `tp_batch_engine`: what `llama32 batch` and `serve` open
 """

@@ -9,7 +9,7 @@ import click
 from refimpl.errors import GenerationError
 
 from tools.cli.options import BATCH_LIMIT_OPTIONS, MODEL_OPTION, Count, UserPath, parse_gpu_memory, parse_lora_dirs
-from tools.tp import TP_OPTION, refuse_tp
+from tools.tp import TP_OPTION, check_tp, load_tp_batch, tp_checkpoint
 
 BATCH_BACKENDS = ("auto", "accel", "refimpl")
 
@@ -49,7 +49,6 @@ def resolve_batch_backend(name: str) -> str:
 def batch(model, loras, input_path, output_path, backend, device, dtype, max_tokens, max_num_seqs,
           max_num_batched_tokens, gpu_memory, batch_invariant, evaluate, as_json, tp=1):
     """Run every request of a JSONL file through the model; results to a JSONL file (docs/batch.md)."""
-    refuse_tp(tp, "batch")
     from refimpl.formats.checkpoint import load_checkpoint
     from refimpl.family import family_of
     from tools.batch_job import Job, run_job
@@ -61,7 +60,17 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
     if input_path.resolve() == output_path.resolve():
         raise GenerationError(f"--output {output_path} is the input file")
     model_path = resolve_model(model)
-    ckpt = load_checkpoint(model_path)
+    options = {}
+    if backend == "accel":
+        options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                   "batch_invariant": batch_invariant, **({"gpu_memory": memory} if memory is not None else {})}
+    if tp > 1:  # rank 0 reads the requests with the tokenizer alone; the ranks load their shards after
+        check_tp(tp, backend, **{"--eval": evaluate, "--batch-invariant": batch_invariant})
+        options.pop("batch_invariant")
+        options["adapters"] = lora_dirs  # every rank reads its part of each
+        ckpt = tp_checkpoint(model_path, tp, device, dtype, **options)
+    else:
+        ckpt = load_checkpoint(model_path)
     if ckpt.tokenizer is None:
         raise GenerationError(f"{model_path}: no tokenizer found beside the weights")
     vision = None
@@ -79,13 +88,11 @@ def batch(model, loras, input_path, output_path, backend, device, dtype, max_tok
     done = read_done(output_path, {r.id for r in requests})
     for note in (n for r in requests if r.id not in done for n in r.notes):
         click.echo(f"note: {note}", err=True)
-    options = {}
-    if backend == "accel":
-        options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                   "batch_invariant": batch_invariant, **({"gpu_memory": memory} if memory is not None else {})}
     if done:
         click.echo(f"resuming: {len(done)} of {len(requests)} requests already in {output_path}", err=True)
     job = Job(requests, done, output_path, ckpt, adapters, backend, device, dtype, options, evaluate)
+    if tp > 1:
+        job.engine = load_tp_batch(model_path, tp, device, dtype, **options)
     summary = {"model": str(model_path), "backend": backend, **run_job(job)}
     if as_json:
         click.echo(json.dumps(summary))

@@ -8,7 +8,7 @@ import click
 
 from refimpl.errors import GenerationError
 from tools.cli.options import BATCH_LIMIT_OPTIONS, MODEL_OPTION, Count, UserPath, parse_gpu_memory, parse_lora_dirs
-from tools.tp import TP_OPTION, refuse_tp
+from tools.tp import TP_OPTION, check_tp, load_tp_batch, tp_checkpoint
 
 
 @click.command()
@@ -36,7 +36,6 @@ from tools.tp import TP_OPTION, refuse_tp
 def serve(model, loras, host, port, api_key, served_model_name, max_num_seqs, max_num_batched_tokens, gpu_memory,
           allowed_local_media, backend, device, dtype, quant, tp=1):
     """Serve the model over OpenAI's HTTP API (chat, completions, models) with a chat page at /."""
-    refuse_tp(tp, "serve")
     if quant is not None:
         raise GenerationError("--quant: the batched engine serves bf16/fp32 weights only for now; drop --quant")
     try:
@@ -53,6 +52,15 @@ def serve(model, loras, host, port, api_key, served_model_name, max_num_seqs, ma
             raise GenerationError(f"--allowed-local-media {allowed_local_media}: not a directory")
     api_key = api_key if api_key is not None else os.environ.get("LLAMA32_API_KEY") or None
     from tools.serve.server import load_served, run_server
+    started = None
+    if tp > 1:  # rank 0 serves HTTP; the other ranks follow its engine's steps
+        from tools.engines import resolve_model
+        check_tp(tp, backend)
+        path = resolve_model(model)
+        options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                   "gpu_memory": memory, "adapters": adapters}
+        ckpt = tp_checkpoint(path, tp, device, dtype, **options)
+        started = load_tp_batch(path, tp, device, dtype, **options), ckpt
     app, engine, name = load_served(model, adapters, served_model_name, device, dtype, max_num_seqs,
-                                    max_num_batched_tokens, memory, media, api_key)
+                                    max_num_batched_tokens, memory, media, api_key, started)
     run_server(app, engine, name, host, port)

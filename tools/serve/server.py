@@ -17,21 +17,25 @@ from tools.vision_requests import VisionPrompts
 
 
 def load_served(model, adapters: dict[str, Path], served_name, device, dtype, max_num_seqs: int,
-                max_num_batched_tokens: int, gpu_memory: float | int, media: Path | None, api_key: str | None):
-    """-> (the FastAPI app, the AsyncEngine, the base model's served name)."""
+                max_num_batched_tokens: int, gpu_memory: float | int, media: Path | None, api_key: str | None,
+                started=None):
+    """-> (the FastAPI app, the AsyncEngine, the base model's served name). started: (an engine already started with
+    `adapters` loaded, its checkpoint without weights), a tensor-parallel one (tools.tp), served instead of loading
+    the model here."""
     from accel.batch import BatchEngine, SamplingParams
     from refimpl.formats.checkpoint import load_checkpoint
     from refimpl.formats.lora import load_lora
 
     path = resolve_model(model)
-    ckpt = load_checkpoint(path)
+    engine, ckpt = started if started is not None else (None, load_checkpoint(path))
     if ckpt.tokenizer is None:
         raise GenerationError(f"{path}: no tokenizer in the checkpoint; the server needs one to read text")
-    engine = BatchEngine.from_checkpoint(ckpt, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                                         max_num_batched_tokens=max_num_batched_tokens,
-                                         gpu_memory=gpu_memory)
-    for name, adapter_dir in adapters.items():
-        engine.add_adapter(name, load_lora(adapter_dir, ckpt.config))
+    if engine is None:
+        engine = BatchEngine.from_checkpoint(ckpt, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                                             max_num_batched_tokens=max_num_batched_tokens,
+                                             gpu_memory=gpu_memory)
+        for name, adapter_dir in adapters.items():
+            engine.add_adapter(name, load_lora(adapter_dir, ckpt.config))
     cfg = ckpt.config
     vision = family_of(cfg).takes_images
     prompts = VisionPrompts(ckpt) if vision else None

@@ -1,0 +1,202 @@
+"""Batched decoding over a tensor-parallel group: accel.batch's engine on one GPU (TP=1) and over --tp GPUs
+(accel.tp.batch: rank 0 drives, every rank runs each step on its shard, the all-reduces inside the captured CUDA
+graphs), in the same run, on random bf16 weights at the Llama 3.2 1B/3B shapes.
+
+    decode    B sequences (--batch-sizes) with --context-token random prompts, all prefilled first, then
+              WARMUP_STEPS untimed steps (the bucket's CUDA graph captured on every rank), then --decode-steps
+              steps each decoding one token of every sequence: B·steps / time of engine.step() as called (schedule,
+              the step's inputs broadcast, graph replay, the gathered logits, sampling, the tokens read back).
+              --eager: both engines without CUDA graphs.
+Each rank's shard is drawn on its own GPU (accel.weights.random_weights at the shard's shapes): the same shapes,
+bytes and kernels as a loaded checkpoint's shard, without writing one. Method and timing: tools.bench.common.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+
+from tools.bench import common
+
+WARMUP_STEPS = 2
+BLOCK_SIZE = 16
+
+
+def shard_weights(cfg, rank: int, world: int, device):
+    """Random bf16 weights of rank's shard (accel.tp.shard's shapes: heads, KV heads, hidden units and vocabulary
+    rows divided by world) on its GPU; world 1: the whole model."""
+    import torch
+
+    from accel.tp.shard import ShardPlan
+    from accel.weights import random_weights
+    plan = ShardPlan(cfg, rank, world)
+    return random_weights(dataclasses.replace(plan.local, vocab_size=plan.vocab_rows), device, torch.bfloat16,
+                          seed=rank)
+
+
+def engine_options(batch: int, context: int, steps: int, eager: bool = False) -> dict:
+    """A pool holding `batch` sequences of decode_rate's tokens (sized, not taken from free memory: the same blocks
+    at TP=1 and TP=N); eager: no CUDA graphs."""
+    per_seq = -(-(context + max_tokens(context, steps)) // BLOCK_SIZE)
+    return {"max_num_seqs": batch, "max_num_batched_tokens": 8192, "block_size": BLOCK_SIZE,
+            "num_blocks": batch * per_seq + 1, **({"cuda_graphs": False} if eager else {})}
+
+
+def max_tokens(context: int, steps: int) -> int:
+    """Each request's token limit: room for the tokens early requests make while later ones still prefill (fewer
+    than `context`), the warm-up and the timed steps, so every sequence decodes through every timed step."""
+    return context + WARMUP_STEPS + steps
+
+
+def prompts(cfg, batch: int, context: int, seed: int = 0) -> list[list[int]]:
+    import random
+    rng = random.Random(seed * 1000 + batch)
+    return [[rng.randrange(cfg.vocab_size) for _ in range(context)] for _ in range(batch)]
+
+
+def decode_rate(engine, batch_prompts: list[list[int]], steps: int) -> dict:
+    """All prompts prefilled, WARMUP_STEPS untimed steps, then `steps` timed steps -> {"tok_s", "step_ms"}; the
+    requests are aborted after."""
+    from accel.batch import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens(len(batch_prompts[0]), steps), ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in batch_prompts]
+    started = set()
+    t0 = time.perf_counter()
+    while len(started) < len(ids):
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    sync()
+    print(f"  B={len(ids)}: prefilled and warmed up (graph captured) in {time.perf_counter() - t0:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    made = 0
+    for _ in range(steps):
+        made += sum(len(o.new_token_ids) for o in engine.step())
+    sync()
+    elapsed = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    if made != steps * len(ids):
+        raise RuntimeError(f"{made} tokens in {steps} steps of {len(ids)} sequences: a sequence stopped early")
+    return {"tok_s": made / elapsed, "step_ms": 1e3 * elapsed / steps, "tokens": made}
+
+
+def one_gpu(cfg, batches: list[int], context: int, steps: int, kind: str = "cuda", eager: bool = False) -> dict:
+    """kind cpu: the same on the CPU (the tests' tiny model)."""
+    import torch
+
+    from accel.batch import BatchEngine
+    device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+    engine = BatchEngine(cfg, shard_weights(cfg, 0, 1, device), device, "bf16", cfg.eos_token_ids,
+                         **engine_options(max(batches), context, steps, eager))
+    rows = {b: decode_rate(engine, prompts(cfg, b, context), steps) for b in batches}
+    del engine
+    free_gpu()
+    return rows
+
+
+def _follow(group, cfg, options: dict) -> None:
+    """Ranks 1..N-1: their shard, then rank 0's steps until it closes the engine."""
+    from accel.tp.batch import batch_engine
+    from accel.tp.engine import TPEngine
+    batch_engine(group, TPEngine(group, cfg, shard_weights(cfg, group.rank, group.world, group.device), "bf16"),
+                 **options)
+
+
+def tensor_parallel(cfg, world: int, batches: list[int], context: int, steps: int, kind: str = "cuda",
+                    eager: bool = False) -> dict:
+    """The same rows over `world` GPUs, this process rank 0 (cuda:0), the others spawned (kind cpu: over gloo)."""
+    import torch.distributed as dist
+
+    from accel.tp.batch import batch_engine
+    from accel.tp.engine import TPEngine
+    from accel.tp.group import spawn
+    options = engine_options(max(batches), context, steps, eager)
+    t0 = time.perf_counter()
+    group, procs = spawn(world, kind, _follow, (cfg, options))
+    print(f"  TP={world}: group of {world} ranks up in {time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        shard = TPEngine(group, cfg, shard_weights(cfg, 0, world, group.device), "bf16")
+        engine = batch_engine(group, shard, cfg.eos_token_ids, **options)
+        try:
+            rows = {b: decode_rate(engine, prompts(cfg, b, context), steps) for b in batches}
+            rows["graphs"] = sorted(engine.runner.graphs.graphs) if engine.runner.graphs else []
+        finally:
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+        for p in procs:
+            p.join(timeout=60)
+    free_gpu()
+    return rows
+
+
+def sync() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_gpu() -> None:
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def render(rec: dict) -> str:
+    lines = [f"{rec['device']}, {rec['date']}: decode tok/s of the batched engine, {rec['context']}-token contexts"]
+    n = rec["tp"]
+    lines.append(f"{'model':<14}{'B':>5}{'TP=1 tok/s':>13}{f'TP={n} tok/s':>13}{'TP=1 ms':>9}{f'TP={n} ms':>9}"
+                 f"{'speed-up':>10}")
+    for m in rec["models"]:
+        for r in m["rows"]:
+            lines.append(f"{m['model']:<14}{r['batch']:>5}{r['tp1']['tok_s']:>13.0f}{r['tpn']['tok_s']:>13.0f}"
+                         f"{r['tp1']['step_ms']:>9.2f}{r['tpn']['step_ms']:>9.2f}{r['speedup']:>9.2f}x")
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    rec = common.record("cuda", tp=args.tp, context=args.context, decode_steps=args.decode_steps,
+                        cuda_graphs=not args.eager, models=[])
+    for key in args.models:
+        cfg = common.model_config(key)
+        print(f"TP=1 vs TP={args.tp}, batched decode, {common.MODELS[key]} ...", flush=True)
+        tp1 = one_gpu(cfg, args.batch_sizes, args.context, args.decode_steps, eager=args.eager)
+        tpn = tensor_parallel(cfg, args.tp, args.batch_sizes, args.context, args.decode_steps, eager=args.eager)
+        rows = [{"batch": b, "tp1": tp1[b], "tpn": tpn[b], "speedup": tpn[b]["tok_s"] / tp1[b]["tok_s"]}
+                for b in args.batch_sizes]
+        rec["models"].append({"model": common.MODELS[key], "rows": rows, "graphs": tpn["graphs"]})
+        print(render({**rec, "models": rec["models"][-1:]}), flush=True)
+    common.write_record(args.json_out, rec)
+    return rec
+
+
+def arg_parser():
+    ap = common.parser("tools.bench.tp_batch", __doc__, models="3b")
+    ap.add_argument("--tp", type=int, default=2, help="GPUs of the tensor-parallel run (default 2)")
+    ap.add_argument("--batch-sizes", type=lambda t: [int(b) for b in t.split(",")], default=[64],
+                    help="comma-separated (default 64)")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens of each sequence (default 512)")
+    ap.add_argument("--decode-steps", type=int, default=32, help="timed decode steps (default 32)")
+    ap.add_argument("--eager", action="store_true", help="both engines without CUDA graphs")
+    return ap
+
+
+def main(argv=None):
+    ap = arg_parser()
+    args = ap.parse_args(argv)
+    if args.tp < 2 or args.context < 1 or args.decode_steps < 1 or min(args.batch_sizes) < 1:
+        ap.error("--tp must be >= 2; --context, --decode-steps and the batch sizes >= 1")
+    common.require_cuda("python3 -m tools.bench.tp_batch")
+    import torch
+    if torch.cuda.device_count() < args.tp:
+        ap.error(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
