@@ -147,6 +147,17 @@ def test_golden_logits_at_tp2(ranks):
         assert got0 == got1  # the gathered logits are the same on both ranks
 
 
+def test_fused_decode_step_equals_the_eager_forward(ranks):
+    """A decoded token runs accel.model.decode_step over the shard (rank 0 adding its o/down partial sums into the
+    residual stream, rank 1 overwriting it with its own, one all-reduce each): the eager forward's logits."""
+    steps, _ = golden_steps()
+    fused = [got for step, got in zip(steps, ranks[0]["golden"]["logits"]) if len(step["ids"]) == 1]
+    assert len(fused) == len(ranks[0]["golden"]["eager"]) >= 2
+    for i, (got, eager) in enumerate(zip(fused, ranks[0]["golden"]["eager"])):
+        c = compare(f"decode step {i}", np.array(got), np.array(eager), TOLERANCES["fp32"])
+        assert c.ok, f"decode step {i}: max_abs {c.max_abs:.3g} nmse {c.nmse:.3g} at {c.worst} {c.problem}"
+
+
 def cli(*args, launcher=(sys.executable, "-m")) -> dict:
     """`llama32 ARGS --json` in a fresh process -> its record (rank 0 alone writes stdout: one JSON line)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

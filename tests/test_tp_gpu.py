@@ -1,6 +1,7 @@
 """Tensor parallelism on 2 GPUs over NCCL (needs 2 CUDA GPUs): TP=2 logits within bf16 tolerance of the one-GPU
-engine's on random weights at Llama 3.2 1B's layer shapes (2 layers), golden/toy-gqa's recorded logits at --tp 2,
-and `llama32 generate --tp 2` giving `--tp 1`'s greedy ids in fp32."""
+engine's on random weights at Llama 3.2 1B's layer shapes (2 layers; the decoded tokens through the fused decode
+step captured in a CUDA graph with its all-reduces, and through the eager forward), golden/toy-gqa's recorded
+logits at --tp 2, and `llama32 generate --tp 2` giving `--tp 1`'s greedy ids in fp32."""
 import json
 import os
 import subprocess
@@ -51,6 +52,9 @@ def test_tp2_logits_within_bf16_of_one_gpu(one_b_layers, tmp_path):
         ref = engine.prefill(step["ids"], sess, step["start"])[0].float().cpu().numpy()
         assert_close(f"step {i} logits", ranks[0]["m"]["logits"][i], ref, TOLERANCES["bf16"])
         assert ranks[0]["m"]["logits"][i] == ranks[1]["m"]["logits"][i]
+    for i, (fused, eager) in enumerate(zip(ranks[0]["m"]["logits"][1:], ranks[0]["m"]["eager"])):
+        assert_close(f"decode step {i}: the captured fused step against the eager forward", fused, eager,
+                     TOLERANCES["bf16"])
 
 
 def test_golden_logits_at_tp2_bf16(tmp_path):
