@@ -244,12 +244,10 @@ def test_a_rank_loads_its_shard_without_the_whole_model(tmp_path):
         assert rank["shard_bytes"] <= rise < 0.75 * model_bytes, (rise / 2**20, model_bytes / 2**20)
 
 
-@pytest.mark.parametrize("command", [["batch", "--input", "in.jsonl", "--output", "out.jsonl"], ["bench"],
-                                     ["diff", "hi"]])
+@pytest.mark.parametrize("command", [["batch", "--input", "in.jsonl", "--output", "out.jsonl"], ["diff", "hi"]])
 def test_other_commands_refuse_tp(command, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    model = [] if command == ["bench"] else ["--model", str(GOLDEN)]
-    r = CliRunner().invoke(main, [*command, *model, "--tp", "2"], input="")
+    r = CliRunner().invoke(main, [*command, "--model", str(GOLDEN), "--tp", "2"], input="")
     assert r.exit_code == 2
     assert r.output == (f"error: --tp 2: llama32 {command[0]} runs on one device for now; tensor parallel runs "
                         f"`llama32 generate` and `llama32 chat` only (docs/tp.md)\n")

@@ -1,5 +1,5 @@
-"""`--tp N`: the CLI side of tensor parallelism (accel.tp). generate and chat run it; the other commands refuse it
-for now."""
+"""`--tp N`: the CLI side of tensor parallelism (accel.tp). generate and chat run it, bench measures it
+(tools/bench/tp.py); the other commands refuse it for now."""
 from __future__ import annotations
 
 import time
