@@ -40,11 +40,14 @@ def one_b_layers(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("1b2"), cfg, random_params(cfg, seed=1), dtype="BF16")
 
 
-def test_tp2_logits_within_bf16_of_one_gpu(one_b_layers, tmp_path):
+@pytest.mark.parametrize("one_shot", [False, True], ids=["nccl", "one_shot"])
+def test_tp2_logits_within_bf16_of_one_gpu(one_b_layers, tmp_path, one_shot):
+    """one_shot: the decode step's all-reduces are torch's symmetric-memory one-shot kernel instead of NCCL's."""
     from accel.engine import AccelEngine
     steps = [{"ids": PROMPT, "start": 0}] + [{"ids": [t], "start": len(PROMPT) + i} for i, t in enumerate([11, 279])]
     ranks = run_job({"kind": "cases", "device": "cuda", "cases": {"m": {
-        "dir": str(one_b_layers), "dtype": "bf16", "steps": steps, "capacity": len(PROMPT) + 2}}}, tmp_path)
+        "dir": str(one_b_layers), "dtype": "bf16", "steps": steps, "capacity": len(PROMPT) + 2,
+        "one_shot": one_shot}}}, tmp_path)
     engine = AccelEngine.from_checkpoint(load_checkpoint(one_b_layers, with_tokenizer=False), device="cuda:0",
                                          dtype="bf16")
     sess = engine.session(len(PROMPT) + 2)

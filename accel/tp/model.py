@@ -47,12 +47,25 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def embed(table: torch.Tensor, ids: torch.Tensor, first_id: int) -> torch.Tensor:
-    """ids [T] -> x [T, D]: each rank's rows (token ids first_id..) looked up, the others zero, summed over ranks."""
+def embed_rows(table: torch.Tensor, ids: torch.Tensor, first_id: int) -> torch.Tensor:
+    """ids [T] -> [T, D]: this rank's rows (token ids first_id..) looked up, zero for the others' ids (summed over
+    the ranks: the embedding)."""
     local = ids - first_id  # [T]
     mine = (local >= 0) & (local < table.shape[0])  # [T]
     x = table[local.clamp(0, table.shape[0] - 1)]  # [Vr, D][T] -> [T, D]
-    return all_reduce(x * mine[:, None].to(x.dtype))
+    return x * mine[:, None].to(x.dtype)
+
+
+def symmetric_row(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [size] buffer in symmetric memory (torch.distributed._symmetric_memory: every rank maps its peers'),
+    for RankSplit's one-shot all-reduce. A collective: every rank calls it."""
+    import torch.distributed._symmetric_memory as symm_mem
+    name = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(name)
+    buffer = symm_mem.empty(size, dtype=dtype, device=device)
+    symm_mem.rendezvous(buffer, name)
+    return buffer
 
 
 def gather_logits(local: torch.Tensor, world: int, vocab_size: int) -> torch.Tensor:
@@ -66,16 +79,25 @@ class RankSplit:
     """accel.model.decode_step's hooks on one rank (accel.model.WholeModel's counterpart): the vocab-parallel
     embedding, the all-reduce of the residual stream after o and down, the logits gathered."""
 
-    def __init__(self, rank: int, world: int, first_id: int, vocab_size: int):
+    def __init__(self, rank: int, world: int, first_id: int, vocab_size: int, buffer: torch.Tensor | None = None):
+        """buffer: a symmetric_row of D elements (CUDA): the all-reduce is torch's one-shot kernel (each rank
+        copies x into it, then reads every peer's over NVLink: one launch); None: dist.all_reduce (NCCL, gloo)."""
         self.owner = rank == 0  # rank 0's o/down products add to x; the other ranks' overwrite it
-        self.world, self.first_id, self.vocab_size = world, first_id, vocab_size
+        self.world, self.first_id, self.vocab_size, self.buffer = world, first_id, vocab_size, buffer
+        self.group_name = dist.group.WORLD.group_name if buffer is not None else None
 
     def embedding(self, token, table):
-        return embed(table, token, self.first_id)  # [1, D]
+        x = embed_rows(table, token, self.first_id)  # [1, D]
+        self.reduce(x)
+        return x
 
-    @staticmethod
-    def reduce(x) -> None:
-        all_reduce(x)
+    def reduce(self, x) -> None:
+        """x [1, D] summed over the ranks, in place."""
+        if self.buffer is None:
+            all_reduce(x)
+            return
+        row = x.view(-1)  # each thread copies, then (after the ranks' barrier) overwrites, its own elements
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(self.buffer, row, "sum", self.group_name, row)
 
     def gather(self, logits):
         return gather_logits(logits, self.world, self.vocab_size)
@@ -103,7 +125,7 @@ def forward(w: Weights, cfg: LlamaConfig, vocab_size: int, first_id: int, world:
     T = ids.shape[0]
     positions = cache.slots[start:start + T]  # [T]
     cos, sin = cache.cos[start:start + T], cache.sin[start:start + T]  # [T, E/2]
-    x = embed(w.embed, ids, first_id)
+    x = all_reduce(embed_rows(w.embed, ids, first_id))
     for i, lw in enumerate(w.layers):
         x = layer(lw, cfg, x, cache.k[i], cache.v[i], cos, sin, positions)
     h = ops.rms_norm(x[-1:], w.norm, cfg.rms_norm_eps)  # [1, D]

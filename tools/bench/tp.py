@@ -7,7 +7,8 @@ engine, accel.engine.AccelEngine) against TP=N in the same run.
                Roofline: the weight bytes a token reads (the whole model's, accel.weights.Weights.nbytes_per_token)
                over the measured copy bandwidth of the GPUs it runs on (each rank measures its own).
     allreduce  one all-reduce of the residual stream [1, D] as the decode step runs it: captured in a CUDA graph
-               with 2·L others (L layers), replayed; µs each.
+               with 2·L others (L layers), replayed; µs each. Two kinds, each a TP=N row: NCCL's (dist.all_reduce)
+               and torch's symmetric-memory one-shot kernel (accel.tp.model.RankSplit's buffer).
 Ranks are processes: this one is rank 0 and spawns ranks 1..N-1 (accel.tp.group.spawn), which run the same
 measurements. Other rows (batch 64, the vision models) are other leaves' records.
 Method and timing: tools.bench.common.
@@ -30,12 +31,12 @@ def shard_weights(cfg, plan, device, seed: int):
     return random_weights(dataclasses.replace(plan.local, vocab_size=plan.vocab_rows), device, torch.bfloat16, seed)
 
 
-def allreduce_us(D: int, layers: int, device) -> float:
-    """µs an all-reduce of a [1, D] bf16 row takes inside a CUDA graph of 2·layers of them (as the decode step's)."""
+def allreduce_us(split, D: int, layers: int, device) -> float:
+    """µs an all-reduce of a [1, D] bf16 row (split.reduce: the decode step's) takes inside a CUDA graph of
+    2·layers of them."""
     import torch
-    import torch.distributed as dist
     x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
-    calls = [lambda: dist.all_reduce(x)] * (2 * layers)
+    calls = [lambda: split.reduce(x)] * (2 * layers)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -57,34 +58,56 @@ def allreduce_us(D: int, layers: int, device) -> float:
     return statistics.median(times[1:])
 
 
-def tp_rows(group, keys: list[str], new_tokens: int, reps: int) -> list[dict]:
-    """Every rank: decode at batch 1 for each model over the group -> rows (rank 0's timings)."""
+def tp_row(group, key: str, new_tokens: int, reps: int, one_shot: bool, copy: float) -> dict:
+    """Every rank: batch-1 decode of one model over the group -> its row (rank 0's timings)."""
     import torch
-    import torch.distributed as dist
 
     from accel.tp.engine import TPEngine
+    from accel.tp.model import RankSplit
     from accel.tp.shard import ShardPlan
-    rows, dev = [], group.device
-    copy = torch.tensor([common.copy_bandwidth(dev)], dtype=torch.float64, device=dev)
-    dist.all_reduce(copy)  # the GPUs' copy bandwidths summed: what the weights stream at, all ranks together
+    cfg, dev = common.model_config(key), group.device
+    plan = ShardPlan(cfg, group.rank, group.world)
+    engine = TPEngine(group, cfg, shard_weights(cfg, plan, dev, seed=1 + group.rank), "bf16", one_shot)
+    sess = engine.session(PROMPT + new_tokens)
+    prompt = torch.tensor(common.prompt_ids(cfg, PROMPT), device=dev)
+    ms, _ = common.timed_greedy(engine, sess, lambda: engine.forward(prompt, 0, sess), PROMPT, new_tokens, reps)
+    split = RankSplit(group.rank, group.world, 0, 0, engine.buffer)
+    row = {"model": common.MODELS[key], "tp": group.world, "batch": 1, "new_tokens": new_tokens,
+           "allreduce": "one_shot" if one_shot else "nccl", "decode_tok_s": (new_tokens - 1) / (ms * 1e-3),
+           "copy_tb_s_all_gpus": copy, "allreduce_us": allreduce_us(split, cfg.hidden_size, cfg.num_hidden_layers, dev)}
+    if group.is_root:
+        print(f"  {row['model']} TP={group.world} {row['allreduce']}: {row['decode_tok_s']:.1f} tok/s, all-reduce "
+              f"{row['allreduce_us']:.1f} us", flush=True)
+    return row
+
+
+def tp_rows(group, keys: list[str], new_tokens: int, reps: int, one_shot: bool, copy: float) -> list[dict]:
+    import torch
+    rows = []
     for key in keys:
-        cfg = common.model_config(key)
-        plan = ShardPlan(cfg, group.rank, group.world)
-        engine = TPEngine(group, cfg, shard_weights(cfg, plan, dev, seed=1 + group.rank), "bf16")
-        sess = engine.session(PROMPT + new_tokens)
-        prompt = torch.tensor(common.prompt_ids(cfg, PROMPT), device=dev)
-        ms, _ = common.timed_greedy(engine, sess, lambda: engine.forward(prompt, 0, sess), PROMPT, new_tokens, reps)
-        rows.append({"model": common.MODELS[key], "tp": group.world, "batch": 1, "new_tokens": new_tokens,
-                     "decode_tok_s": (new_tokens - 1) / (ms * 1e-3), "copy_tb_s_all_gpus": float(copy),
-                     "allreduce_us": allreduce_us(cfg.hidden_size, cfg.num_hidden_layers, dev)})
-        del engine, sess
-        torch.cuda.empty_cache()
+        rows.append(tp_row(group, key, new_tokens, reps, one_shot, copy))
+        torch.cuda.empty_cache()  # the model's engine and weights are gone with tp_row's frame
+    return rows
+
+
+def group_rows(group, keys: list[str], new_tokens: int, reps: int) -> list[dict]:
+    """Every rank: the GPUs' copy bandwidth summed (what the weights stream at, all ranks together), then the
+    NCCL rows, then the one-shot rows (after them: a failure there leaves the NCCL rows measured)."""
+    import torch
+    import torch.distributed as dist
+    copy = torch.tensor([common.copy_bandwidth(group.device)], dtype=torch.float64, device=group.device)
+    dist.all_reduce(copy)
+    rows = tp_rows(group, keys, new_tokens, reps, False, float(copy))
+    try:
+        rows += tp_rows(group, keys, new_tokens, reps, True, float(copy))
+    except Exception as e:  # noqa: BLE001  the one-shot kind is reported as failed, the NCCL rows kept
+        print(f"rank {group.rank}: one-shot all-reduce failed: {type(e).__name__}: {e}", flush=True)
     return rows
 
 
 def _serve_rank(group, keys, new_tokens, reps) -> None:
     """A spawned rank's part: the same measurements in step with rank 0 (its numbers are rank 0's to report)."""
-    tp_rows(group, keys, new_tokens, reps)
+    group_rows(group, keys, new_tokens, reps)
 
 
 def tp1_row(key: str, device, new_tokens: int, copy_tb_s: float) -> dict:
@@ -110,23 +133,27 @@ def run(args, command: str | None = None) -> dict:
     from accel.tp.group import spawn
     rec = common.record("cuda:0", command=command, tp=args.tp, decode=[])
     copy = common.copy_bandwidth("cuda:0")
-    one = {k: tp1_row(k, "cuda:0", args.new_tokens, copy) for k in args.models}
+    one = {}
+    for k in args.models:
+        one[k] = tp1_row(k, "cuda:0", args.new_tokens, copy)
+        print(f"  {one[k]['model']} TP=1: {one[k]['decode_tok_s']:.1f} tok/s", flush=True)
     print(f"TP=1 measured; starting {args.tp} ranks ...", flush=True)
     group, procs = spawn(args.tp, "cuda", _serve_rank, (args.models, args.new_tokens, args.reps))
     try:
-        tp = tp_rows(group, args.models, args.new_tokens, args.reps)
+        tp = group_rows(group, args.models, args.new_tokens, args.reps)
     finally:
         dist.destroy_process_group()
         for p in procs:
             p.join(timeout=60)
-    for key, row in zip(args.models, tp):
-        base = one[key]
+    rec["decode"] = [one[k] for k in args.models]
+    for row in tp:
+        base = one[next(k for k in args.models if common.MODELS[k] == row["model"])]
         row["bytes_per_token_gb"] = base["bytes_per_token_gb"]
         row["speedup_vs_tp1"] = row["decode_tok_s"] / base["decode_tok_s"]
         for r in (base, row):
             r["roofline_tok_s"] = r["copy_tb_s_all_gpus"] * 1e12 / (r["bytes_per_token_gb"] * 1e9)
             r["roofline_pct"] = 100 * r["decode_tok_s"] / r["roofline_tok_s"]
-        rec["decode"] += [base, row]
+        rec["decode"].append(row)
     torch.cuda.synchronize()
     print(render(rec), flush=True)
     common.write_record(args.json_out, rec)
@@ -135,12 +162,13 @@ def run(args, command: str | None = None) -> dict:
 
 def render(rec: dict) -> str:
     lines = [f"tensor-parallel decode — {rec['device']} x{rec['tp']} — {rec['date']}",
-             f"{'model':<14}{'TP':>4}{'batch':>6}{'tok/s':>9}{'x TP=1':>8}{'roofline':>10}{'% roof':>8}"
-             f"{'all-reduce us':>15}"]
+             f"{'model':<14}{'TP':>4}{'all-reduce':>11}{'batch':>6}{'tok/s':>9}{'x TP=1':>8}{'roofline':>10}"
+             f"{'% roof':>8}{'all-reduce us':>15}"]
     for r in rec["decode"]:
         speed = f"{r['speedup_vs_tp1']:.2f}" if "speedup_vs_tp1" in r else "-"
         ar = f"{r['allreduce_us']:.1f}" if "allreduce_us" in r else "-"
-        lines.append(f"{r['model']:<14}{r['tp']:>4}{r['batch']:>6}{r['decode_tok_s']:>9.1f}{speed:>8}"
+        lines.append(f"{r['model']:<14}{r['tp']:>4}{r.get('allreduce', '-'):>11}{r['batch']:>6}"
+                     f"{r['decode_tok_s']:>9.1f}{speed:>8}"
                      f"{r['roofline_tok_s']:>10.1f}{r['roofline_pct']:>8.1f}{ar:>15}")
     lines.append(f"(batch 1: a {PROMPT}-token prompt, then greedy tokens, one CUDA graph replay a token; roofline: "
                  "the whole model's weight bytes a token over the copy bandwidth of the GPUs used; all-reduce: one "
