@@ -1,5 +1,5 @@
 """`--tp N`: the CLI side of tensor parallelism (accel.tp). generate and chat run it, bench measures it
-(tools/bench/tp.py); the other commands refuse it for now."""
+(tools/bench/tp.py), golden check checks its logits; the other commands refuse it for now."""
 from __future__ import annotations
 
 import time
@@ -17,7 +17,7 @@ TP_OPTION = click.option("--tp", type=click.IntRange(min=1), default=1, show_def
 def refuse_tp(tp: int, command: str) -> None:
     if tp > 1:
         raise GenerationError(f"--tp {tp}: llama32 {command} runs on one device for now; tensor parallel runs "
-                              f"`llama32 generate` and `llama32 chat` only (docs/tp.md)")
+                              f"`llama32 generate`, `chat`, `bench` and `golden check` only (docs/tp.md)")
 
 
 def load_tp(model_path: Path, tp: int, backend: str, device: str | None, dtype: str | None, **unsupported):
@@ -35,3 +35,10 @@ def load_tp(model_path: Path, tp: int, backend: str, device: str | None, dtype: 
     t0 = time.perf_counter()
     engine, ckpt = click.get_current_context().with_resource(tp_engine(model_path, tp, device, dtype))
     return engine, ckpt, time.perf_counter() - t0
+
+
+def under_torchrun_once(tp: int, groups: int, what: str) -> None:
+    """Under torchrun a process joins one group: refuse a command that would start several (one a model)."""
+    from accel.tp.group import under_torchrun
+    if tp > 1 and groups > 1 and under_torchrun():
+        raise GenerationError(f"--tp {tp} under torchrun runs one model: give one {what}, not {groups}")

@@ -11,6 +11,7 @@ Messages (int64, broadcast from rank 0): a request [op, prompt length, a number]
 token [token, go on]. op GENERATE: into a cache of at least that capacity (the last one kept while requests fit
 in it); KEEP: allocate the kept cache of that
 capacity (no prompt follows: `new_cache`, for a chat's turns); CONTINUE: into the kept cache from that position;
+FORWARD: the ids' forward alone into the kept cache from that position (`logits`: golden check), no token after;
 STOP: leave `serve`.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .load import load_shard, open_text_checkpoint
 from .model import RankSplit, ShardCache, forward, symmetric_row
 from .shard import ShardPlan, shard_elements
 
-STOP, GENERATE, KEEP, CONTINUE = 0, 1, 2, 3
+STOP, GENERATE, KEEP, CONTINUE, FORWARD = 0, 1, 2, 3, 4
 
 
 class RankFailed(GenerationError):
@@ -176,6 +177,8 @@ class TPEngine:
                 self.kept = self.alloc_cache(number)
             elif op == GENERATE:
                 self._follow(self._broadcast(None, n), self.session(number), 0)
+            elif op == FORWARD:
+                self.forward(self._broadcast(None, n), number, self.kept)
             else:
                 self._follow(self._broadcast(None, n), self.kept, number)
 
@@ -192,6 +195,15 @@ class TPEngine:
         self._broadcast([KEEP, 0, capacity], 3)
         self.kept = self.alloc_cache(capacity)
         return self.kept
+
+    def logits(self, ids: list[int], start: int) -> torch.Tensor:
+        """The gathered logits [1, V] of the last of ids, run at positions start.. into the kept cache (new_cache's)
+        by every rank: a prompt's eager forward, one token's decode step (golden check's steps)."""
+        if self.kept is None or start + len(ids) > self.kept.capacity:
+            raise GenerationError(f"{len(ids)} tokens at position {start} need a cache from new_cache that holds "
+                                  f"them")
+        self._broadcast([FORWARD, len(ids), start], 3)
+        return self.forward(self._broadcast(ids, len(ids)), start, self.kept)
 
     def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: ShardSession | None = None,
                  start: int = 0, **inputs) -> Iterator[int]:
