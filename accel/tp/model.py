@@ -68,11 +68,15 @@ def symmetric_row(size: int, dtype: torch.dtype, device: torch.device) -> torch.
     return buffer
 
 
+# one flat output (no per-rank list to copy out); torch 2.13 renamed all_gather_into_tensor all_gather_single
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def gather_logits(local: torch.Tensor, world: int, vocab_size: int) -> torch.Tensor:
     """Every rank's logits [1, ceil(V/N)] -> [1, V], the same on every rank."""
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local)
-    return torch.cat(parts, dim=1)[:, :vocab_size]  # [1, N·ceil(V/N)] -> [1, V]
+    out = torch.empty(world, local.shape[1], dtype=local.dtype, device=local.device)  # [N, ceil(V/N)]
+    _all_gather_flat(out, local)
+    return out.reshape(1, -1)[:, :vocab_size]  # [1, N·ceil(V/N)] -> [1, V]
 
 
 class RankSplit:
