@@ -92,16 +92,18 @@ def tp_rows(group, keys: list[str], new_tokens: int, reps: int, one_shot: bool, 
 
 def group_rows(group, keys: list[str], new_tokens: int, reps: int) -> list[dict]:
     """Every rank: the GPUs' copy bandwidth summed (what the weights stream at, all ranks together), then the
-    NCCL rows, then the one-shot rows (after them: a failure there leaves the NCCL rows measured)."""
+    NCCL rows, then the one-shot rows; a kind that fails is reported and the other still measured."""
     import torch
     import torch.distributed as dist
     copy = torch.tensor([common.copy_bandwidth(group.device)], dtype=torch.float64, device=group.device)
     dist.all_reduce(copy)
-    rows = tp_rows(group, keys, new_tokens, reps, False, float(copy))
-    try:
-        rows += tp_rows(group, keys, new_tokens, reps, True, float(copy))
-    except Exception as e:  # noqa: BLE001  the one-shot kind is reported as failed, the NCCL rows kept
-        print(f"rank {group.rank}: one-shot all-reduce failed: {type(e).__name__}: {e}", flush=True)
+    rows = []
+    for one_shot in (False, True):
+        try:
+            rows += tp_rows(group, keys, new_tokens, reps, one_shot, float(copy))
+        except Exception as e:  # noqa: BLE001  reported in the output, the other kind's rows kept
+            print(f"rank {group.rank}: the {'one-shot' if one_shot else 'NCCL'} all-reduce's rows failed: "
+                  f"{type(e).__name__}: {e}", flush=True)
     return rows
 
 
