@@ -152,7 +152,8 @@ def decode_layer(lw, cfg: LlamaConfig, x, position, cos, sin, cache_k, cache_v, 
                  split=WHOLE):
     """One self-attention layer of the decode step, updating x [1, D] in place (5 launches). Split over ranks,
     the rank owning the residual stream adds its o/down partial sums to x, the others overwrite x with theirs
-    (they have read it), and split.reduce sums x over the ranks: x + Σ partials, no launch added."""
+    (they have read it), and split.reduce sums x over the ranks: x + Σ partials, the all-reduce the only launch
+    added."""
     eps, add = cfg.rms_norm_eps, split.owner
     q_rot = ops.qkv_rope(x, lw.attn_norm, lw.qkv, eps, cos, sin, position, cache_k, cache_v, tuning)  # [1, H, E]
     a = ops.decode_attention(q_rot, cache_k, cache_v, position, tuning)  # [1, H, E] over slots 0..pos
