@@ -77,7 +77,7 @@ def tp_row(group, key: str, new_tokens: int, reps: int, one_shot: bool, copy: fl
            "copy_tb_s_all_gpus": copy, "allreduce_us": allreduce_us(split, cfg.hidden_size, cfg.num_hidden_layers, dev)}
     if group.is_root:
         print(f"  {row['model']} TP={group.world} {row['allreduce']}: {row['decode_tok_s']:.1f} tok/s, all-reduce "
-              f"{row['allreduce_us']:.1f} us", flush=True)
+              f"{row['allreduce_us']:.1f} us (copy {copy:.2f} TB/s over the ranks)", flush=True)
     return row
 
 
@@ -138,7 +138,8 @@ def run(args, command: str | None = None) -> dict:
     one = {}
     for k in args.models:
         one[k] = tp1_row(k, "cuda:0", args.new_tokens, copy)
-        print(f"  {one[k]['model']} TP=1: {one[k]['decode_tok_s']:.1f} tok/s", flush=True)
+        print(f"  {one[k]['model']} TP=1: {one[k]['decode_tok_s']:.1f} tok/s ({one[k]['bytes_per_token_gb']:.3f} GB "
+              f"a token, copy {copy:.2f} TB/s)", flush=True)
     print(f"TP=1 measured; starting {args.tp} ranks ...", flush=True)
     group, procs = spawn(args.tp, "cuda", _serve_rank, (args.models, args.new_tokens, args.reps))
     try:
