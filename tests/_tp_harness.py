@@ -43,7 +43,7 @@ def _case(group, case: dict) -> dict:
     original = SafetensorsFile.load
     SafetensorsFile.load = lambda self, name: whole.append(name) or original(self, name)
     try:
-        engine = Recorder.load(group, Path(case["dir"]), case.get("dtype", "fp32"), case.get("one_shot", False))
+        engine = Recorder.load(group, Path(case["dir"]), case.get("dtype", "fp32"))
     finally:
         SafetensorsFile.load = original
     engine.followed = []

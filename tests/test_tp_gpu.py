@@ -83,8 +83,3 @@ def test_cli_tp2_greedy_equals_tp1_fp32():
         return json.loads(done.stdout)["generated_ids"]
     assert ids("--tp", "2") == ids("--backend", "accel")
 
-
-def test_tp2_one_shot_allreduce_within_bf16_of_one_gpu(one_b_layers, tmp_path):
-    """The decode step's all-reduces as torch's symmetric-memory one-shot kernel instead of NCCL's (last in the
-    file: were it to hang, the other tests have run)."""
-    check_against_one_gpu(one_b_layers, tmp_path, one_shot=True)

@@ -36,7 +36,7 @@ from ..sampling import make_generator, penalize, sample
 from ..weights import DTYPES, Weights
 from .group import TPGroup, failed_ranks, sigint_deferred
 from .load import load_shard, open_text_checkpoint
-from .model import RankSplit, ShardCache, forward, symmetric_row
+from .model import RankSplit, ShardCache, forward
 from .shard import ShardPlan, shard_elements
 
 STOP, GENERATE, KEEP, CONTINUE, FORWARD = 0, 1, 2, 3, 4
@@ -58,21 +58,18 @@ class TPEngine:
     backend = "accel"
     tuning = DEFAULT  # the kernels' launch tables (accel.kernels.tuning)
 
-    def __init__(self, group: TPGroup, cfg: LlamaConfig, weights: Weights, dtype: str, one_shot: bool = False):
-        """one_shot (CUDA): the decode step's all-reduces are torch's symmetric-memory one-shot kernel, not
-        NCCL's."""
+    def __init__(self, group: TPGroup, cfg: LlamaConfig, weights: Weights, dtype: str):
         self.group, self.dtype_name, self.dtype = group, dtype, DTYPES[dtype]
         self.plan = ShardPlan(cfg, group.rank, group.world)
         self.config, self.local, self.weights = cfg, self.plan.local, weights
         self.device = group.device
         self.triton = group.device.type == "cuda"  # on the CPU, the ops' torch versions (not the interpreter)
         self.use_graph = self.triton
-        self.buffer = symmetric_row(cfg.hidden_size, self.dtype, self.device) if one_shot and self.triton else None
         self.kept: ShardSession | None = None  # the cache a chat's turns continue in (`new_cache`)
         self._session: ShardSession | None = None  # the last request's, kept while the next fits in it
 
     @classmethod
-    def load(cls, group: TPGroup, model_dir: Path, dtype: str | None, one_shot: bool = False) -> "TPEngine":
+    def load(cls, group: TPGroup, model_dir: Path, dtype: str | None) -> "TPEngine":
         """Every rank loads its shard. If any fails, every rank raises: rank 0 its own error, or that rank r failed
         (RankFailed: the failing rank prints its own error, unless rank 0 failed too and says it)."""
         dtype = dtype or ("bf16" if group.device.type == "cuda" else "fp32")
@@ -93,7 +90,7 @@ class TPEngine:
                 raise error
             raise RankFailed(f"rank {failed[0]} of --tp {group.world} failed to load {model_dir} (its error is "
                              f"printed above)")
-        return cls(group, cfg, weights, dtype, one_shot)
+        return cls(group, cfg, weights, dtype)
 
     # ---- every rank ----
     def alloc_cache(self, capacity: int) -> ShardSession:
@@ -111,8 +108,7 @@ class TPEngine:
     def _decoder(self, cache: ShardCache) -> Decoder:
         """accel.model.decode_step over this rank's shard, its collectives RankSplit's. Captured with the thread-
         local error mode: the NCCL watchdog thread polls events meanwhile."""
-        split = RankSplit(self.group.rank, self.group.world, self.plan.vocab_range()[0], self.config.vocab_size,
-                          self.buffer)
+        split = RankSplit(self.group.rank, self.group.world, self.plan.vocab_range()[0], self.config.vocab_size)
         w, cfg, tables, tuning = self.weights, self.local, RopeTables(cache.cos, cache.sin), self.tuning
 
         def step(token, position):

@@ -56,18 +56,6 @@ def embed_rows(table: torch.Tensor, ids: torch.Tensor, first_id: int) -> torch.T
     return x * mine[:, None].to(x.dtype)
 
 
-def symmetric_row(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A [size] buffer in symmetric memory (torch.distributed._symmetric_memory: every rank maps its peers'),
-    for RankSplit's one-shot all-reduce. A collective: every rank calls it."""
-    import torch.distributed._symmetric_memory as symm_mem
-    name = dist.group.WORLD.group_name
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(name)
-    buffer = symm_mem.empty(size, dtype=dtype, device=device)
-    symm_mem.rendezvous(buffer, name)
-    return buffer
-
-
 # one flat output (no per-rank list to copy out); torch 2.13 renamed all_gather_into_tensor all_gather_single
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -83,25 +71,19 @@ class RankSplit:
     """accel.model.decode_step's hooks on one rank (accel.model.WholeModel's counterpart): the vocab-parallel
     embedding, the all-reduce of the residual stream after o and down, the logits gathered."""
 
-    def __init__(self, rank: int, world: int, first_id: int, vocab_size: int, buffer: torch.Tensor | None = None):
-        """buffer: a symmetric_row of D elements (CUDA): the all-reduce is torch's one-shot kernel (each rank
-        copies x into it, then reads every peer's over NVLink: one launch); None: dist.all_reduce (NCCL, gloo)."""
+    def __init__(self, rank: int, world: int, first_id: int, vocab_size: int):
         self.owner = rank == 0  # rank 0's o/down products add to x; the other ranks' overwrite it
-        self.world, self.first_id, self.vocab_size, self.buffer = world, first_id, vocab_size, buffer
-        self.group_name = dist.group.WORLD.group_name if buffer is not None else None
+        self.world, self.first_id, self.vocab_size = world, first_id, vocab_size
 
     def embedding(self, token, table):
         x = embed_rows(table, token, self.first_id)  # [1, D]
         self.reduce(x)
         return x
 
-    def reduce(self, x) -> None:
+    @staticmethod
+    def reduce(x) -> None:
         """x [1, D] summed over the ranks, in place."""
-        if self.buffer is None:
-            all_reduce(x)
-            return
-        row = x.view(-1)  # each thread copies, then (after the ranks' barrier) overwrites, its own elements
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(self.buffer, row, "sum", self.group_name, row)
+        all_reduce(x)
 
     def gather(self, logits):
         return gather_logits(logits, self.world, self.vocab_size)

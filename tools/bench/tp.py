@@ -7,8 +7,7 @@ engine, accel.engine.AccelEngine) against TP=N in the same run.
                Roofline: the weight bytes a token reads (the whole model's, accel.weights.Weights.nbytes_per_token)
                over the measured copy bandwidth of the GPUs it runs on (each rank measures its own).
     allreduce  one all-reduce of the residual stream [1, D] as the decode step runs it: captured in a CUDA graph
-               with 2·L others (L layers), replayed; µs each. Two kinds, each a TP=N row: NCCL's (dist.all_reduce)
-               and torch's symmetric-memory one-shot kernel (accel.tp.model.RankSplit's buffer).
+               with 2·L others (L layers), replayed; µs each.
 Ranks are processes: this one is rank 0 and spawns ranks 1..N-1 (accel.tp.group.spawn), which run the same
 measurements. Other rows (batch 64, the vision models) are other leaves' records.
 Method and timing: tools.bench.common.
@@ -58,7 +57,7 @@ def allreduce_us(split, D: int, layers: int, device) -> float:
     return statistics.median(times[1:])
 
 
-def tp_row(group, key: str, new_tokens: int, reps: int, one_shot: bool, copy: float) -> dict:
+def tp_row(group, key: str, new_tokens: int, reps: int, copy: float) -> dict:
     """Every rank: batch-1 decode of one model over the group -> its row (rank 0's timings)."""
     import torch
 
@@ -67,44 +66,37 @@ def tp_row(group, key: str, new_tokens: int, reps: int, one_shot: bool, copy: fl
     from accel.tp.shard import ShardPlan
     cfg, dev = common.model_config(key), group.device
     plan = ShardPlan(cfg, group.rank, group.world)
-    engine = TPEngine(group, cfg, shard_weights(cfg, plan, dev, seed=1 + group.rank), "bf16", one_shot)
+    engine = TPEngine(group, cfg, shard_weights(cfg, plan, dev, seed=1 + group.rank), "bf16")
     sess = engine.session(PROMPT + new_tokens)
     prompt = torch.tensor(common.prompt_ids(cfg, PROMPT), device=dev)
     ms, _ = common.timed_greedy(engine, sess, lambda: engine.forward(prompt, 0, sess), PROMPT, new_tokens, reps)
-    split = RankSplit(group.rank, group.world, 0, 0, engine.buffer)
+    split = RankSplit(group.rank, group.world, 0, 0)
     row = {"model": common.MODELS[key], "tp": group.world, "batch": 1, "new_tokens": new_tokens,
-           "allreduce": "one_shot" if one_shot else "nccl", "decode_tok_s": (new_tokens - 1) / (ms * 1e-3),
+           "decode_tok_s": (new_tokens - 1) / (ms * 1e-3),
            "copy_tb_s_all_gpus": copy, "allreduce_us": allreduce_us(split, cfg.hidden_size, cfg.num_hidden_layers, dev)}
     if group.is_root:
-        print(f"  {row['model']} TP={group.world} {row['allreduce']}: {row['decode_tok_s']:.1f} tok/s, all-reduce "
+        print(f"  {row['model']} TP={group.world}: {row['decode_tok_s']:.1f} tok/s, all-reduce "
               f"{row['allreduce_us']:.1f} us (copy {copy:.2f} TB/s over the ranks)", flush=True)
     return row
 
 
-def tp_rows(group, keys: list[str], new_tokens: int, reps: int, one_shot: bool, copy: float) -> list[dict]:
+def tp_rows(group, keys: list[str], new_tokens: int, reps: int, copy: float) -> list[dict]:
     import torch
     rows = []
     for key in keys:
-        rows.append(tp_row(group, key, new_tokens, reps, one_shot, copy))
+        rows.append(tp_row(group, key, new_tokens, reps, copy))
         torch.cuda.empty_cache()  # the model's engine and weights are gone with tp_row's frame
     return rows
 
 
 def group_rows(group, keys: list[str], new_tokens: int, reps: int) -> list[dict]:
     """Every rank: the GPUs' copy bandwidth summed (what the weights stream at, all ranks together), then the
-    NCCL rows, then the one-shot rows; a kind that fails is reported and the other still measured."""
+    rows."""
     import torch
     import torch.distributed as dist
     copy = torch.tensor([common.copy_bandwidth(group.device)], dtype=torch.float64, device=group.device)
     dist.all_reduce(copy)
-    rows = []
-    for one_shot in (False, True):
-        try:
-            rows += tp_rows(group, keys, new_tokens, reps, one_shot, float(copy))
-        except Exception as e:  # noqa: BLE001  reported in the output, the other kind's rows kept
-            print(f"rank {group.rank}: the {'one-shot' if one_shot else 'NCCL'} all-reduce's rows failed: "
-                  f"{type(e).__name__}: {e}", flush=True)
-    return rows
+    return tp_rows(group, keys, new_tokens, reps, float(copy))
 
 
 def _serve_rank(group, keys, new_tokens, reps) -> None:
@@ -165,12 +157,12 @@ def run(args, command: str | None = None) -> dict:
 
 def render(rec: dict) -> str:
     lines = [f"tensor-parallel decode — {rec['device']} x{rec['tp']} — {rec['date']}",
-             f"{'model':<14}{'TP':>4}{'all-reduce':>11}{'batch':>6}{'tok/s':>9}{'x TP=1':>8}{'roofline':>10}"
+             f"{'model':<14}{'TP':>4}{'batch':>6}{'tok/s':>9}{'x TP=1':>8}{'roofline':>10}"
              f"{'% roof':>8}{'all-reduce us':>15}"]
     for r in rec["decode"]:
         speed = f"{r['speedup_vs_tp1']:.2f}" if "speedup_vs_tp1" in r else "-"
         ar = f"{r['allreduce_us']:.1f}" if "allreduce_us" in r else "-"
-        lines.append(f"{r['model']:<14}{r['tp']:>4}{r.get('allreduce', '-'):>11}{r['batch']:>6}"
+        lines.append(f"{r['model']:<14}{r['tp']:>4}{r['batch']:>6}"
                      f"{r['decode_tok_s']:>9.1f}{speed:>8}"
                      f"{r['roofline_tok_s']:>10.1f}{r['roofline_pct']:>8.1f}{ar:>15}")
     lines.append(f"(batch 1: a {PROMPT}-token prompt, then greedy tokens, one CUDA graph replay a token; roofline: "
