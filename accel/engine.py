@@ -103,8 +103,11 @@ class Decoder:
     the position on the device, so that a greedy loop is one replay a token (accel/kernels/argmax.py).
     """
 
-    def __init__(self, engine: "AccelEngine", cache: StaticKVCache, use_graph: bool, step_fn=None):
-        """step_fn(token, position) -> logits [1, V]: the decode step (default: the text model's)."""
+    def __init__(self, engine: "AccelEngine", cache: StaticKVCache, use_graph: bool, step_fn=None,
+                 capture_mode: str = "global"):
+        """step_fn(token, position) -> logits [1, V]: the decode step (default: the text model's). capture_mode:
+        torch.cuda.graph's capture_error_mode ("thread_local" where another thread may touch CUDA meanwhile, as
+        the NCCL watchdog of a tensor-parallel rank does)."""
         dev = engine.device
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.position = torch.zeros(1, dtype=torch.int64, device=dev)  # slot 0: harmless before the prefill
@@ -128,7 +131,8 @@ class Decoder:
             with ops.torch_only(torch_only):
                 return ops.greedy_next(logits, token, position, history, step)
         self._fn, self._greedy_fn = fn, greedy_fn
-        self.capacity, self.use_graph = cache.capacity, use_graph
+        self.capacity, self.use_graph, self.torch_only = cache.capacity, use_graph, torch_only
+        self.capture_mode = capture_mode
         self.graph = self._greedy_graph = None
         if use_graph:
             self.graph, self.logits = self._capture(self._fn, warmups=3)  # logits [1, V]: rewritten by replays
@@ -143,7 +147,7 @@ class Decoder:
                 fn()
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=self.capture_mode):
             out = fn()
         return graph, out
 
@@ -176,6 +180,20 @@ class Decoder:
         self.token.copy_(token)
         self.position.fill_(position)
         return self.run()
+
+    def greedy(self, logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """n greedy tokens after a prompt's logits (the prompt at positions 0..start-1), with no host sync (the
+        benchmarks' loop: one greedy-graph replay a token) -> [n] on the device."""
+        if start + n - 1 > self.capacity:
+            raise GenerationError(f"{n} tokens after {start} do not fit the session's {self.capacity} slots")
+        self.position.fill_(start - 1)
+        self.step_count.zero_()
+        # the first token comes from the prompt's logits: token, history[0], position = start
+        with ops.torch_only(self.torch_only):
+            ops.greedy_next(logits, self.token, self.position, self.history, self.step_count)
+        for _ in range(n - 1):
+            self.run_greedy()
+        return self.history[:n].clone()
 
 
 @dataclass
@@ -285,19 +303,8 @@ class AccelEngine:
         return self._session
 
     def decode_greedy(self, sess: DecodeSession, logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
-        """n greedy tokens after the prompt's logits (the prompt at positions 0..start-1), with no host sync
-        (the benchmark's loop: one greedy-graph replay a token) -> [n] on the device."""
-        dec = sess.decoder
-        if start + n - 1 > dec.capacity:
-            raise GenerationError(f"{n} tokens after {start} do not fit the session's {dec.capacity} slots")
-        dec.position.fill_(start - 1)
-        dec.step_count.zero_()
-        # the first token comes from the prompt's logits: token, history[0], position = start
-        with ops.torch_only(not self.triton):
-            ops.greedy_next(logits, dec.token, dec.position, dec.history, dec.step_count)
-        for _ in range(n - 1):
-            dec.run_greedy()
-        return dec.history[:n].clone()
+        """n greedy tokens after the prompt's logits (Decoder.greedy) -> [n] on the device."""
+        return sess.decoder.greedy(logits, start, n)
 
     def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: StaticKVCache | None = None,
                  start: int = 0, **inputs) -> Iterator[int]:

@@ -106,28 +106,58 @@ def prefill(w: Weights, cfg: LlamaConfig, ids, tables: RopeTables, cache_k, cach
         return ops.linear(h[-1:], w.lm_head)  # [1, D] -> [1, V]: only the next token's logits
 
 
+class WholeModel:
+    """What the decode step does where the model is split: nothing, on one device. A tensor-parallel rank's
+    counterpart (accel.tp.model.RankSplit) looks up its vocabulary rows, sums the residual stream's partial sums
+    over the ranks and gathers the logits."""
+
+    owner = True  # this device's o/down products add to the residual stream (the others' overwrite it)
+
+    @staticmethod
+    def embedding(token, table):
+        return ops.embedding(token, table)  # [1, D]
+
+    @staticmethod
+    def reduce(x) -> None:
+        """x [1, D]: the residual stream after o or down (summed over the ranks, in place)."""
+
+    @staticmethod
+    def gather(logits):
+        return logits  # [1, V]
+
+
+WHOLE = WholeModel()
+
+
 def decode_step(w: Weights, cfg: LlamaConfig, token, position, tables: RopeTables, cache_k, cache_v,
-                tuning: Tuning = DEFAULT):
+                tuning: Tuning = DEFAULT, split=WHOLE):
     """token [1] int, position [1] int (both on the device) -> logits [1, V]. Capturable in a CUDA graph.
 
     The roundings of `_layers` with each residual add after its product's rounding (the prefill's dense layers
     round each residual sum once, inside cuBLAS), with the GEMVs carrying the neighbours:
     attn norm + RoPE + cache write around the qkv GEMV, mlp norm in gate_up's prologue, SwiGLU in down's
     prologue (quantized: in gate_up's epilogue), the residual adds in o/down's epilogue, the final norm in the
-    lm_head's prologue.
+    lm_head's prologue. split: WHOLE, or one tensor-parallel rank's part (accel.tp.model.RankSplit: w and cfg
+    are then the rank's shard and local config).
     """
     eps = cfg.rms_norm_eps
     cos, sin = tables.cos, tables.sin  # [S, E/2]: qkv_rope reads row `position` on the device
-    x = ops.embedding(token, w.embed)  # [1, D], a fresh buffer: the layers update it in place
+    x = split.embedding(token, w.embed)  # [1, D], a fresh buffer: the layers update it in place
     for i, lw in enumerate(w.layers):
-        decode_layer(lw, cfg, x, position, cos, sin, cache_k[i], cache_v[i], tuning)
-    return ops.norm_linear(x, w.norm, w.lm_head, eps, tuning)  # [1, D] -> [1, V]
+        decode_layer(lw, cfg, x, position, cos, sin, cache_k[i], cache_v[i], tuning, split)
+    return split.gather(ops.norm_linear(x, w.norm, w.lm_head, eps, tuning))  # [1, D] -> [1, V]
 
 
-def decode_layer(lw, cfg: LlamaConfig, x, position, cos, sin, cache_k, cache_v, tuning: Tuning = DEFAULT):
-    """One self-attention layer of the decode step, updating x [1, D] in place (5 launches)."""
-    eps = cfg.rms_norm_eps
+def decode_layer(lw, cfg: LlamaConfig, x, position, cos, sin, cache_k, cache_v, tuning: Tuning = DEFAULT,
+                 split=WHOLE):
+    """One self-attention layer of the decode step, updating x [1, D] in place (5 launches). Split over ranks,
+    the rank owning the residual stream adds its o/down partial sums to x, the others overwrite x with theirs
+    (they have read it), and split.reduce sums x over the ranks: x + Σ partials, the all-reduce the only launch
+    added."""
+    eps, add = cfg.rms_norm_eps, split.owner
     q_rot = ops.qkv_rope(x, lw.attn_norm, lw.qkv, eps, cos, sin, position, cache_k, cache_v, tuning)  # [1, H, E]
     a = ops.decode_attention(q_rot, cache_k, cache_v, position, tuning)  # [1, H, E] over slots 0..pos
-    ops.linear_add(a.reshape(1, -1), lw.o, x, tuning)  # x += o(a): resid_mid
-    ops.norm_mlp_add(x, lw.mlp_norm, lw.gate_up, lw.down, eps, tuning)  # x += down(silu(gate)·up): resid_post
+    ops.linear_add(a.reshape(1, -1), lw.o, x, tuning, accumulate=add)  # x += o(a): resid_mid
+    split.reduce(x)
+    ops.norm_mlp_add(x, lw.mlp_norm, lw.gate_up, lw.down, eps, tuning, accumulate=add)  # x += down(silu(gate)·up)
+    split.reduce(x)  # resid_post

@@ -109,17 +109,17 @@ class QuantTensor:
             return self.gemv(x, tuning, norm_weight=norm_weight, eps=eps)
         return torch_norm_linear(x, norm_weight, self.dequantize(x.dtype), eps)
 
-    def linear_add(self, a, residual, tuning: Tuning = DEFAULT, gate=None):
+    def linear_add(self, a, residual, tuning: Tuning = DEFAULT, gate=None, accumulate: bool = True):
         assert gate is None, "the quantized GEMV has no gated epilogue"
         if uses_triton(a):
-            return self.gemv(a, tuning, residual=residual, out=residual)
-        return torch_linear_add(a, self.dequantize(a.dtype), residual)
+            return self.gemv(a, tuning, residual=residual if accumulate else None, out=residual)
+        return torch_linear_add(a, self.dequantize(a.dtype), residual, accumulate=accumulate)
 
-    def swiglu_linear_add(self, gate_up, residual, tuning: Tuning = DEFAULT, gate=None):
+    def swiglu_linear_add(self, gate_up, residual, tuning: Tuning = DEFAULT, gate=None, accumulate: bool = True):
         assert gate is None, "the quantized GEMV has no gated epilogue"
         if uses_triton(gate_up):
-            return self.gemv(gate_up, tuning, swiglu=True, residual=residual, out=residual)
-        return torch_swiglu_linear_add(gate_up, self.dequantize(gate_up.dtype), residual)
+            return self.gemv(gate_up, tuning, swiglu=True, residual=residual if accumulate else None, out=residual)
+        return torch_swiglu_linear_add(gate_up, self.dequantize(gate_up.dtype), residual, accumulate=accumulate)
 
     def norm_swiglu(self, x, norm_weight, eps, tuning: Tuning = DEFAULT):
         """swiglu_gate_up(norm_linear(x, norm_weight, self, eps)) for this gate_up [2F, D]: one kernel
@@ -129,11 +129,11 @@ class QuantTensor:
                                        norm_weight, eps, table=tuning.qgemv, pdl=tuning.qgemv_pdl.get(self.bits))
         return torch_swiglu_gate_up(torch_norm_linear(x, norm_weight, self.dequantize(x.dtype), eps))
 
-    def norm_mlp_add(self, x, norm_weight, down, eps, tuning: Tuning = DEFAULT):
+    def norm_mlp_add(self, x, norm_weight, down, eps, tuning: Tuning = DEFAULT, accumulate: bool = True):
         """accel.ops.norm_mlp_add with this gate_up: the SwiGLU in gate_up's epilogue, then `down`'s (a matrix of
         either kind) plain GEMV with the residual add (down's SwiGLU prologue cost more instructions a code than
         any other f(x))."""
-        return down.linear_add(self.norm_swiglu(x, norm_weight, eps, tuning), x, tuning)
+        return down.linear_add(self.norm_swiglu(x, norm_weight, eps, tuning), x, tuning, accumulate=accumulate)
 
     def qkv_rope(self, x, norm_weight, eps, cos, sin, position, cache_k, cache_v, tuning: Tuning = DEFAULT):
         """accel.ops.qkv_rope: one kernel (accel.kernels.qgemv_fused.qkv_rope_qfwd) for the one-token step."""

@@ -47,12 +47,14 @@ def _case(group, case: dict) -> dict:
     finally:
         SafetensorsFile.load = original
     engine.followed = []
-    out = {"shapes": _shapes(engine), "whole": whole, "logits": [], "tokens": []}
+    out = {"shapes": _shapes(engine), "whole": whole, "logits": [], "eager": [], "tokens": []}
     for step in case.get("steps", []):  # golden-style: every rank runs the same forward in lockstep
         if step["start"] == 0:
             cache = engine.alloc_cache(case["capacity"])
-        logits = engine.forward(torch.tensor(step["ids"], device=engine.device), step["start"], cache)
-        out["logits"].append(logits[0].float().tolist())
+        ids = torch.tensor(step["ids"], device=engine.device)
+        out["logits"].append(engine.forward(ids, step["start"], cache)[0].float().tolist())
+        if len(ids) == 1:  # the fused decode step ran: the eager forward of the same token (its k/v rewritten)
+            out["eager"].append(engine.prefill(ids, step["start"], cache)[0].float().tolist())
     if group.rank == 0:
         for r in case.get("requests", []):
             s = Sampling(max_new_tokens=r["max_new"], temperature=r.get("temperature", 0.0), seed=r.get("seed"),

@@ -351,6 +351,16 @@ def test_decode_gemv_ops_match_refimpl(path, N, K):
     assert A.norm_mlp_add(resid, t(nw), t(w_gate_up), t(w_mlp_down), 1e-5) is resid
     gu = R.linear(R.rms_norm(x, nw, 1e-5), w_gate_up)  # [1, D] -> [1, 2F]
     close(resid, x + R.linear(R.swiglu(gu[:, :N], gu[:, N:]), w_mlp_down), "norm_mlp_add", **tol)
+    # accumulate=False (a tensor-parallel rank's partial sums): the product overwrites the residual
+    resid = t(r.copy())
+    assert A.linear_add(t(x), t(w), resid, accumulate=False) is resid
+    close(resid, R.linear(x, w), "linear_add written", **tol)
+    resid = t(r.copy())
+    A.swiglu_linear_add(t(gate_up), t(w_down), resid, accumulate=False)
+    close(resid, R.linear(R.swiglu(gate_up[:, :K], gate_up[:, K:]), w_down), "swiglu_linear_add written", **tol)
+    resid = t(x.copy())
+    A.norm_mlp_add(resid, t(nw), t(w_gate_up), t(w_mlp_down), 1e-5, accumulate=False)
+    close(resid, R.linear(R.swiglu(gu[:, :N], gu[:, N:]), w_mlp_down), "norm_mlp_add written", **tol)
 
 
 @pytest.mark.parametrize("V", [7, 1000, 1537])

@@ -21,11 +21,11 @@ from tools.bench.sweeps import gemv as gemv_sweep, qgemv as qgemv_sweep, skinny 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench"
 LIVE = ["agreement", "batch", "cpu", "gpu", "hf_attention", "load", "quant_gpu", "quant_quality", "serve", "startup",
-        "tp_batch", "train", "vision"]
+        "tp", "tp_batch", "train", "vision"]
 SWEEPS = ["sweeps.gemv", "sweeps.paged", "sweeps.qgemv", "sweeps.skinny"]
-SCRIPTS = ["agreement", "batch", "cpu", "hf_attention", "load", "quant_quality", "serve", "startup", "tp_batch", "vision",
-           *SWEEPS]  # those with a main()
-GPU_ONLY = ["batch", "hf_attention", "serve", "tp_batch", "vision", *SWEEPS]
+SCRIPTS = ["agreement", "batch", "cpu", "hf_attention", "load", "quant_quality", "serve", "startup", "tp", "tp_batch",
+           "vision", *SWEEPS]  # those with a main()
+GPU_ONLY = ["batch", "hf_attention", "serve", "tp", "tp_batch", "vision", *SWEEPS]
 
 
 def bench_imports(module: str) -> set[str]:
@@ -135,6 +135,19 @@ def test_llama32_bench_refuses_without_cuda_and_unknown_models(monkeypatch):
     r = CliRunner().invoke(main, ["bench", "--models", "1b,8b"])
     assert r.exit_code == 2 and r.output.strip() == ("error: --models: unknown model '8b' (expected a list of 1b, 3b, "
                                                      "11b-vision, 90b-vision)")
+
+
+def test_llama32_bench_tp_refuses_what_it_does_not_measure_in_one_line(monkeypatch):
+    from tools.cli import main
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    for args, says in [(["--batch"], "drop --batch"), (["--models", "3b,11b-vision"], "drop --models 11b-vision"),
+                       (["--quant", "int8"], "drop --quant")]:
+        r = CliRunner().invoke(main, ["bench", "--tp", "2", *args])
+        assert r.exit_code == 2 and r.output.strip() == ("error: --tp 2 benchmarks batch-1 decode of the text models "
+                                                         f"for now; {says}"), r.output
+    r = CliRunner().invoke(main, ["bench", "--tp", "4"])
+    assert r.exit_code == 2 and r.output.strip() == "error: --tp 4 needs 4 GPUs; this machine has 2"
 
 
 def test_llama32_bench_writes_the_common_record(monkeypatch, tmp_path):

@@ -75,6 +75,10 @@ def test_quantized_norm_mlp_add_is_the_mlp_block(spec):
                            from_quantized_linear(down_rec, "cpu"), EPS)
     assert out is resid
     np.testing.assert_allclose(resid.numpy(), want, rtol=1e-5, atol=1e-4)
+    resid = torch.from_numpy(x.copy())  # accumulate=False: a tensor-parallel rank's partial sum overwrites x
+    ops.norm_mlp_add(resid, torch.from_numpy(nw), from_quantized_linear(gu_rec, "cpu"),
+                     from_quantized_linear(down_rec, "cpu"), EPS, accumulate=False)
+    np.testing.assert_allclose(resid.numpy(), want - x, rtol=1e-5, atol=1e-4)
 
 
 @gpu

@@ -4,6 +4,7 @@ ids against the one-process engine, shard shapes and slice-only reads, golden lo
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from refimpl.compare import TOLERANCES, compare
 from refimpl.errors import ConfigError
 from refimpl.formats.checkpoint import load_checkpoint, save_checkpoint
 from refimpl.formats.params import expected_shapes, random_params
-from refimpl.formats.safetensors_io import SafetensorsFile
+from refimpl.formats.safetensors_io import SafetensorsFile, save_safetensors
 from refimpl.generate import RefEngine, Sampling
 from refimpl.model.config import LlamaConfig
 from tests._tp_harness import run_job
@@ -147,6 +148,17 @@ def test_golden_logits_at_tp2(ranks):
         assert got0 == got1  # the gathered logits are the same on both ranks
 
 
+def test_fused_decode_step_equals_the_eager_forward(ranks):
+    """A decoded token runs accel.model.decode_step over the shard (rank 0 adding its o/down partial sums into the
+    residual stream, rank 1 overwriting it with its own, one all-reduce each): the eager forward's logits."""
+    steps, _ = golden_steps()
+    fused = [got for step, got in zip(steps, ranks[0]["golden"]["logits"]) if len(step["ids"]) == 1]
+    assert len(fused) == len(ranks[0]["golden"]["eager"]) >= 2
+    for i, (got, eager) in enumerate(zip(fused, ranks[0]["golden"]["eager"])):
+        c = compare(f"decode step {i}", np.array(got), np.array(eager), TOLERANCES["fp32"])
+        assert c.ok, f"decode step {i}: max_abs {c.max_abs:.3g} nmse {c.nmse:.3g} at {c.worst} {c.problem}"
+
+
 def cli(*args, launcher=(sys.executable, "-m")) -> dict:
     """`llama32 ARGS --json` in a fresh process -> its record (rank 0 alone writes stdout: one JSON line)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -233,11 +245,35 @@ def test_a_rank_loads_its_shard_without_the_whole_model(tmp_path):
         assert rank["shard_bytes"] <= rise < 0.75 * model_bytes, (rise / 2**20, model_bytes / 2**20)
 
 
-@pytest.mark.parametrize("command", [["bench"], ["diff", "hi"]])
-def test_other_commands_refuse_tp(command, tmp_path, monkeypatch):
+def test_diff_refuses_tp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    model = [] if command == ["bench"] else ["--model", str(GOLDEN)]
-    r = CliRunner().invoke(main, [*command, *model, "--tp", "2"], input="")
-    assert r.exit_code == 2
-    assert r.output == (f"error: --tp 2: llama32 {command[0]} runs on one device for now; tensor parallel runs "
-                        f"`llama32 generate`, `chat`, `batch` and `serve` only (docs/tp.md)\n")
+    r = CliRunner().invoke(main, ["diff", "hi", "--model", str(GOLDEN), "--tp", "2"])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
+    assert r.output.startswith("error: --tp 2: llama32 diff compares activation by activation, and a tensor-parallel "
+                               "rank holds slices of them; check --tp 2 with `llama32 golden check --tp 2`"), r.output
+
+
+def test_golden_check_tp2_compares_each_steps_logits(tmp_path):
+    """`golden check --tp 2` passes on golden/toy-gqa and fails on a copy whose last step's logits are off by 1%
+    (exit 1, the failing row named); the vision record is skipped; what it cannot check is refused."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+    def check(golden):
+        return subprocess.run([sys.executable, "-m", "tools.cli", "golden", "check", "--tp", "2", "--device", "cpu",
+                               "--golden", str(golden)], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    ok = check(GOLDEN)
+    assert ok.returncode == 0, ok.stderr
+    assert [line.split()[0] for line in ok.stdout.splitlines() if "/logits" in line] == [
+        "prefill/logits", "decode0/logits", "decode1/logits"] and ok.stdout.count(" ok") == 3
+    bad_dir = tmp_path / "toy-gqa"
+    shutil.copytree(GOLDEN, bad_dir)
+    acts = SafetensorsFile(bad_dir / "golden.safetensors")
+    tensors = {name: acts.load(name) for name in acts.tensors}
+    tensors["decode1/logits"] = tensors["decode1/logits"] * np.float32(1.01)
+    save_safetensors(bad_dir / "golden.safetensors", tensors)
+    bad = check(bad_dir)
+    assert bad.returncode == 1, bad.stderr
+    assert "decode1/logits" in bad.stdout and "FAIL" in bad.stdout.split("decode1/logits")[1].splitlines()[0]
+    r = CliRunner().invoke(main, ["golden", "check", "--tp", "2", "--filter", "*.attn.*"])
+    assert r.exit_code == 2 and r.output.strip() == ("error: --tp 2 checks each step's logits on the accel backend (a "
+                                                     "rank holds slices of the other activations); drop --filter")

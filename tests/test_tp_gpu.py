@@ -1,6 +1,7 @@
 """Tensor parallelism on 2 GPUs over NCCL (needs 2 CUDA GPUs): TP=2 logits within bf16 tolerance of the one-GPU
-engine's on random weights at Llama 3.2 1B's layer shapes (2 layers), golden/toy-gqa's recorded logits at --tp 2,
-and `llama32 generate --tp 2` giving `--tp 1`'s greedy ids in fp32."""
+engine's on random weights at Llama 3.2 1B's layer shapes (2 layers; the decoded tokens through the fused decode
+step captured in a CUDA graph with its all-reduces, and through the eager forward), golden/toy-gqa's recorded
+logits at --tp 2, and `llama32 generate --tp 2` giving `--tp 1`'s greedy ids in fp32."""
 import json
 import os
 import subprocess
@@ -39,18 +40,27 @@ def one_b_layers(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("1b2"), cfg, random_params(cfg, seed=1), dtype="BF16")
 
 
-def test_tp2_logits_within_bf16_of_one_gpu(one_b_layers, tmp_path):
+def check_against_one_gpu(model_dir, tmp_path, **case):
+    """TP=2's logits for a prompt and two decoded tokens (the captured fused step, and the eager forward after it)
+    against one GPU's."""
     from accel.engine import AccelEngine
     steps = [{"ids": PROMPT, "start": 0}] + [{"ids": [t], "start": len(PROMPT) + i} for i, t in enumerate([11, 279])]
     ranks = run_job({"kind": "cases", "device": "cuda", "cases": {"m": {
-        "dir": str(one_b_layers), "dtype": "bf16", "steps": steps, "capacity": len(PROMPT) + 2}}}, tmp_path)
-    engine = AccelEngine.from_checkpoint(load_checkpoint(one_b_layers, with_tokenizer=False), device="cuda:0",
+        "dir": str(model_dir), "dtype": "bf16", "steps": steps, "capacity": len(PROMPT) + 2, **case}}}, tmp_path)
+    engine = AccelEngine.from_checkpoint(load_checkpoint(model_dir, with_tokenizer=False), device="cuda:0",
                                          dtype="bf16")
     sess = engine.session(len(PROMPT) + 2)
     for i, step in enumerate(steps):
         ref = engine.prefill(step["ids"], sess, step["start"])[0].float().cpu().numpy()
         assert_close(f"step {i} logits", ranks[0]["m"]["logits"][i], ref, TOLERANCES["bf16"])
         assert ranks[0]["m"]["logits"][i] == ranks[1]["m"]["logits"][i]
+    for i, (fused, eager) in enumerate(zip(ranks[0]["m"]["logits"][1:], ranks[0]["m"]["eager"])):
+        assert_close(f"decode step {i}: the captured fused step against the eager forward", fused, eager,
+                     TOLERANCES["bf16"])
+
+
+def test_tp2_logits_within_bf16_of_one_gpu(one_b_layers, tmp_path):
+    check_against_one_gpu(one_b_layers, tmp_path)
 
 
 def test_golden_logits_at_tp2_bf16(tmp_path):
@@ -72,3 +82,4 @@ def test_cli_tp2_greedy_equals_tp1_fp32():
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)["generated_ids"]
     assert ids("--tp", "2") == ids("--backend", "accel")
+

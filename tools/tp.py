@@ -1,5 +1,5 @@
-"""`--tp N`: the CLI side of tensor parallelism (accel.tp). generate, chat, batch and serve run it; the other commands
-refuse it for now."""
+"""`--tp N`: the CLI side of tensor parallelism (accel.tp). generate, chat, batch and serve run it, bench measures it
+(tools/bench/tp.py), golden check checks its logits; diff refuses it (a rank holds slices of what it compares)."""
 from __future__ import annotations
 
 import os
@@ -13,12 +13,6 @@ from refimpl.errors import GenerationError
 TP_OPTION = click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
                          help="Tensor parallel over N processes (one a GPU; --device cpu: gloo on the CPU). Started "
                               "here, or one a rank under torchrun --nproc-per-node N. Text models, accel backend.")
-
-
-def refuse_tp(tp: int, command: str) -> None:
-    if tp > 1:
-        raise GenerationError(f"--tp {tp}: llama32 {command} runs on one device for now; tensor parallel runs "
-                              f"`llama32 generate`, `chat`, `batch` and `serve` only (docs/tp.md)")
 
 
 def check_tp(tp: int, backend: str, **unsupported) -> None:
@@ -70,3 +64,10 @@ def load_tp_batch(model_path: Path, tp: int, device: str | None, dtype: str | No
     engine, _ = click.get_current_context().with_resource(
         _batch_launch().tp_batch_engine(model_path, tp, device, dtype, **options))
     return engine
+
+
+def under_torchrun_once(tp: int, groups: int, what: str) -> None:
+    """Under torchrun a process joins one group: refuse a command that would start several (one a model)."""
+    from accel.tp.group import under_torchrun
+    if tp > 1 and groups > 1 and under_torchrun():
+        raise GenerationError(f"--tp {tp} under torchrun runs one model: give one {what}, not {groups}")

@@ -34,17 +34,19 @@ class DenseMatrix:
             return gemv_fwd(self.weight, x, norm_weight=norm_weight, eps=eps, table=tuning.gemv)
         return torch_norm_linear(x, norm_weight, self.weight, eps)
 
-    def linear_add(self, a, residual, tuning: Tuning = DEFAULT, gate=None):
+    def linear_add(self, a, residual, tuning: Tuning = DEFAULT, gate=None, accumulate: bool = True):
         if uses_triton(a):
-            return gemv_fwd(self.weight, a, residual=residual, gate=gate, out=residual, table=tuning.gemv)
-        return torch_linear_add(a, self.weight, residual, gate)
-
-    def swiglu_linear_add(self, gate_up, residual, tuning: Tuning = DEFAULT, gate=None):
-        if uses_triton(gate_up):
-            return gemv_fwd(self.weight, gate_up, swiglu=True, residual=residual, gate=gate, out=residual,
+            return gemv_fwd(self.weight, a, residual=residual if accumulate else None, gate=gate, out=residual,
                             table=tuning.gemv)
-        return torch_swiglu_linear_add(gate_up, self.weight, residual, gate)
+        return torch_linear_add(a, self.weight, residual, gate, accumulate)
 
-    def norm_mlp_add(self, x, norm_weight, down, eps, tuning: Tuning = DEFAULT):
+    def swiglu_linear_add(self, gate_up, residual, tuning: Tuning = DEFAULT, gate=None, accumulate: bool = True):
+        if uses_triton(gate_up):
+            return gemv_fwd(self.weight, gate_up, swiglu=True, residual=residual if accumulate else None, gate=gate,
+                            out=residual, table=tuning.gemv)
+        return torch_swiglu_linear_add(gate_up, self.weight, residual, gate, accumulate)
+
+    def norm_mlp_add(self, x, norm_weight, down, eps, tuning: Tuning = DEFAULT, accumulate: bool = True):
         """With this gate_up and `down` (a matrix of either kind): the SwiGLU in down's prologue."""
-        return down.swiglu_linear_add(self.norm_linear(x, norm_weight, eps, tuning), x, tuning)
+        return down.swiglu_linear_add(self.norm_linear(x, norm_weight, eps, tuning), x, tuning,
+                                      accumulate=accumulate)

@@ -74,16 +74,16 @@ def norm_linear(x, norm_weight, weight, eps, tuning: Tuning = DEFAULT):
     return matrix(weight).norm_linear(x, norm_weight, eps, tuning)
 
 
-def linear_add(a, weight, residual, tuning: Tuning = DEFAULT, gate=None):
-    return matrix(weight).linear_add(a, residual, tuning, gate)
+def linear_add(a, weight, residual, tuning: Tuning = DEFAULT, gate=None, accumulate: bool = True):
+    return matrix(weight).linear_add(a, residual, tuning, gate, accumulate)
 
 
-def swiglu_linear_add(gate_up, weight, residual, tuning: Tuning = DEFAULT, gate=None):
-    return matrix(weight).swiglu_linear_add(gate_up, residual, tuning, gate)
+def swiglu_linear_add(gate_up, weight, residual, tuning: Tuning = DEFAULT, gate=None, accumulate: bool = True):
+    return matrix(weight).swiglu_linear_add(gate_up, residual, tuning, gate, accumulate)
 
 
-def norm_mlp_add(x, norm_weight, gate_up, down, eps, tuning: Tuning = DEFAULT):
-    return matrix(gate_up).norm_mlp_add(x, norm_weight, matrix(down), eps, tuning)
+def norm_mlp_add(x, norm_weight, gate_up, down, eps, tuning: Tuning = DEFAULT, accumulate: bool = True):
+    return matrix(gate_up).norm_mlp_add(x, norm_weight, matrix(down), eps, tuning, accumulate)
 
 
 def norm_cross_attention(q, norm_weight, eps, keys, values, visible, tuning: Tuning = DEFAULT):

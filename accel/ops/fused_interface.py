@@ -83,20 +83,23 @@ class FusedOps(Protocol):
         """x [1, D], norm_weight [D], weight [N, D] -> linear(rms_norm(x, norm_weight, eps), weight), [1, N]."""
 
     def linear_add(self, a: Tensor, weight: Tensor, residual: Tensor, tuning: Tuning = DEFAULT,
-                   gate: Tensor | None = None) -> Tensor:
+                   gate: Tensor | None = None, accumulate: bool = True) -> Tensor:
         """a [1, Din], weight [D, Din], residual [1, D] -> residual += linear(a, weight) in place (the product
         rounded to the dtype before the add); returns residual. gate [1] (a device tensor, model dtype):
-        residual += gate · linear(a, weight), the product rounded before the add."""
+        residual += gate · linear(a, weight), the product rounded before the add. accumulate False (no gate):
+        residual = linear(a, weight), overwritten (a tensor-parallel rank's partial sum, accel.tp.model)."""
 
     def swiglu_linear_add(self, gate_up: Tensor, weight: Tensor, residual: Tensor,
-                          tuning: Tuning = DEFAULT, gate: Tensor | None = None) -> Tensor:
+                          tuning: Tuning = DEFAULT, gate: Tensor | None = None, accumulate: bool = True) -> Tensor:
         """gate_up [1, 2F], weight [D, F], residual [1, D] -> residual += linear(swiglu_gate_up(gate_up), weight)
-        in place (times gate first, as linear_add); returns residual."""
+        in place (times gate first, as linear_add; accumulate False: overwritten, as linear_add); returns
+        residual."""
 
     def norm_mlp_add(self, x: Tensor, norm_weight: Tensor, gate_up: Tensor, down: Tensor, eps: float,
-                     tuning: Tuning = DEFAULT) -> Tensor:
+                     tuning: Tuning = DEFAULT, accumulate: bool = True) -> Tensor:
         """x [1, D], norm_weight [D], gate_up [2F, D] (rows gate, then up), down [D, F] -> x += linear(
-        swiglu_gate_up(norm_linear(x, norm_weight, gate_up, eps)), down) in place, the same roundings; returns x."""
+        swiglu_gate_up(norm_linear(x, norm_weight, gate_up, eps)), down) in place, the same roundings; returns x.
+        accumulate False: x = that product, overwritten once the norm has read x (as linear_add)."""
 
     def norm_cross_attention(self, q: Tensor, norm_weight: Tensor, eps: float, keys: Tensor, values: Tensor,
                              visible: Tensor, tuning: Tuning = DEFAULT) -> Tensor:

@@ -112,17 +112,22 @@ def torch_norm_linear(x, norm_weight, weight, eps):
     return F.linear(torch_rms_norm(x, norm_weight, eps), weight)  # [1, D] -> [1, N]
 
 
-def torch_linear_add(a, weight, residual, gate=None):
-    """The product is rounded to the dtype before the add, as x + o is (and gate · o before it, with a gate)."""
-    return residual.add_(_gated(F.linear(a, weight), gate))
+def torch_linear_add(a, weight, residual, gate=None, accumulate: bool = True):
+    """The product is rounded to the dtype before the add, as x + o is (and gate · o before it, with a gate);
+    accumulate False: the product overwrites residual."""
+    return _add_or_write(residual, _gated(F.linear(a, weight), gate), accumulate)
 
 
-def torch_swiglu_linear_add(gate_up, weight, residual, gate=None):
-    return residual.add_(_gated(F.linear(torch_swiglu_gate_up(gate_up), weight), gate))
+def torch_swiglu_linear_add(gate_up, weight, residual, gate=None, accumulate: bool = True):
+    return _add_or_write(residual, _gated(F.linear(torch_swiglu_gate_up(gate_up), weight), gate), accumulate)
 
 
 def _gated(y, gate):
     return y if gate is None else gate * y
+
+
+def _add_or_write(residual, y, accumulate: bool):
+    return residual.add_(y) if accumulate else residual.copy_(y)
 
 
 def torch_norm_cross_attention(q, norm_weight, eps, keys, values, visible):

@@ -1,14 +1,17 @@
 """TPEngine: generation over a tensor-parallel group, rank 0 driving, the other ranks following.
 
 Rank 0 holds the engine contract's `generate` (refimpl.generate.RefEngine's): it broadcasts each request (the
-prompt ids and the cache size), every rank runs the same forward over its shard (accel.tp.model), and rank 0
-alone samples from the gathered logits and broadcasts the token with whether to go on. So greedy and sampled
+prompt ids and the cache size), every rank runs the same forward over its shard (accel.tp.model: the prompt
+eager, each token the fused decode step, replayed as a CUDA graph on the GPU), and rank 0 alone samples from
+the gathered logits and broadcasts the token with whether to go on. So greedy and sampled
 decoding are the same on every rank by construction, whatever their generators. The other ranks sit in `serve`
 until rank 0's `close`.
 
 Messages (int64, broadcast from rank 0): a request [op, prompt length, a number], then the prompt ids, then per
-token [token, go on]. op GENERATE: into a fresh cache of that capacity; KEEP: allocate the kept cache of that
+token [token, go on]. op GENERATE: into a cache of at least that capacity (the last one kept while requests fit
+in it); KEEP: allocate the kept cache of that
 capacity (no prompt follows: `new_cache`, for a chat's turns); CONTINUE: into the kept cache from that position;
+FORWARD: the ids' forward alone into the kept cache from that position (`logits`: golden check), no token after;
 STOP: leave `serve`.
 """
 from __future__ import annotations
@@ -26,23 +29,34 @@ from refimpl.model import ops as np_ops
 from refimpl.model.config import LlamaConfig
 
 from .. import ops
-from ..engine import check_fits
+from ..engine import Decoder, check_fits
+from ..kernels.tuning import DEFAULT
+from ..model import RopeTables, decode_step
 from ..sampling import make_generator, penalize, sample
 from ..weights import DTYPES, Weights
 from .group import TPGroup, failed_ranks, sigint_deferred
 from .load import load_shard, open_text_checkpoint
-from .model import ShardCache, forward
+from .model import RankSplit, ShardCache, forward
 from .shard import ShardPlan, shard_elements
 
-STOP, GENERATE, KEEP, CONTINUE = 0, 1, 2, 3
+STOP, GENERATE, KEEP, CONTINUE, FORWARD = 0, 1, 2, 3, 4
 
 
 class RankFailed(GenerationError):
     """Another rank failed; its own error is printed where it happened."""
 
 
+class ShardSession:
+    """A rank's cache and the decode step over it (accel.engine.Decoder: one CUDA graph replay a token on the GPU,
+    the all-reduces and the logits' all-gather captured in it; on the CPU the same step uncaptured)."""
+
+    def __init__(self, cache: ShardCache, decoder: Decoder):
+        self.cache, self.decoder, self.capacity = cache, decoder, cache.capacity
+
+
 class TPEngine:
     backend = "accel"
+    tuning = DEFAULT  # the kernels' launch tables (accel.kernels.tuning)
 
     def __init__(self, group: TPGroup, cfg: LlamaConfig, weights: Weights, dtype: str):
         self.group, self.dtype_name, self.dtype = group, dtype, DTYPES[dtype]
@@ -50,7 +64,9 @@ class TPEngine:
         self.config, self.local, self.weights = cfg, self.plan.local, weights
         self.device = group.device
         self.triton = group.device.type == "cuda"  # on the CPU, the ops' torch versions (not the interpreter)
-        self.kept: ShardCache | None = None  # the cache a chat's turns continue in (`new_cache`)
+        self.use_graph = self.triton
+        self.kept: ShardSession | None = None  # the cache a chat's turns continue in (`new_cache`)
+        self._session: ShardSession | None = None  # the last request's, kept while the next fits in it
 
     @classmethod
     def load(cls, group: TPGroup, model_dir: Path, dtype: str | None) -> "TPEngine":
@@ -77,21 +93,57 @@ class TPEngine:
         return cls(group, cfg, weights, dtype)
 
     # ---- every rank ----
-    def alloc_cache(self, capacity: int) -> ShardCache:
-        """This rank's cache of `capacity` slots (its KV heads), with the RoPE tables."""
+    def alloc_cache(self, capacity: int) -> ShardSession:
+        """This rank's cache of `capacity` slots (its KV heads), with the RoPE tables, and the decode step over it
+        (captured now, before anything is written to the cache: the capture's warm-up runs write slot 0)."""
         c = self.local
         shape = (c.num_hidden_layers, c.num_key_value_heads, capacity, c.head_dim)  # [L, K/N, S, E]
         cos, sin = np_ops.rope_tables(np.arange(capacity), c.head_dim, c.rope_theta, c.rope_scaling)
-        return ShardCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                          torch.zeros(shape, dtype=self.dtype, device=self.device),
-                          torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device),
-                          torch.arange(capacity, device=self.device))
+        cache = ShardCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device),
+                           torch.arange(capacity, device=self.device))
+        return ShardSession(cache, self._decoder(cache))
 
-    def forward(self, ids: torch.Tensor, start: int, cache: ShardCache) -> torch.Tensor:
+    def _decoder(self, cache: ShardCache) -> Decoder:
+        """accel.model.decode_step over this rank's shard, its collectives RankSplit's. Captured with the thread-
+        local error mode: the NCCL watchdog thread polls events meanwhile."""
+        split = RankSplit(self.group.rank, self.group.world, self.plan.vocab_range()[0], self.config.vocab_size)
+        w, cfg, tables, tuning = self.weights, self.local, RopeTables(cache.cos, cache.sin), self.tuning
+
+        def step(token, position):
+            return decode_step(w, cfg, token, position, tables, cache.k, cache.v, tuning, split)
+        return Decoder(self, cache, self.use_graph, step, capture_mode="thread_local")
+
+    def session(self, capacity: int) -> ShardSession:
+        """A session of at least `capacity` slots: the last one while requests fit in it (every rank decides
+        alike: they all see the same capacities)."""
+        if self._session is None or self._session.capacity < capacity:
+            self._session = None  # free the old cache and graph before allocating the new ones
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._session = self.alloc_cache(capacity)
+        return self._session
+
+    def forward(self, ids: torch.Tensor, start: int, sess: ShardSession) -> torch.Tensor:
+        """ids [T] at positions start.. into the session's cache -> the gathered logits [1, V] (one token: the
+        decode step's output buffer, rewritten by the next step)."""
+        if ids.shape[0] == 1:
+            return sess.decoder.step(ids, start)
+        return self.prefill(ids, start, sess)
+
+    def prefill(self, ids: torch.Tensor, start: int, sess: ShardSession) -> torch.Tensor:
+        """The eager forward (accel.tp.model.forward) of ids [T] at positions start.. -> the gathered logits
+        [1, V] of the last one."""
         first_id, _ = self.plan.vocab_range()
         with ops.torch_only(not self.triton):
             return forward(self.weights, self.local, self.config.vocab_size, first_id, self.group.world, ids, start,
-                           cache)
+                           sess.cache)
+
+    def decode_greedy(self, sess: ShardSession, logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """Every rank: n greedy tokens after the prompt's logits, picked on each rank from the same gathered
+        logits, so no token is broadcast (accel.engine.Decoder.greedy: no host sync) -> [n] on the device."""
+        return sess.decoder.greedy(logits, start, n)
 
     def _broadcast(self, values: list[int] | None, n: int) -> torch.Tensor:
         t = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -100,7 +152,7 @@ class TPEngine:
         dist.broadcast(t, src=0)
         return t
 
-    def _follow(self, ids: torch.Tensor, cache: ShardCache, pos: int) -> None:
+    def _follow(self, ids: torch.Tensor, cache: ShardSession, pos: int) -> None:
         """A worker's request: prefill ids at pos, then decode each token rank 0 broadcasts while it says go on."""
         while True:
             self.forward(ids, pos, cache)
@@ -120,7 +172,9 @@ class TPEngine:
             if op == KEEP:
                 self.kept = self.alloc_cache(number)
             elif op == GENERATE:
-                self._follow(self._broadcast(None, n), self.alloc_cache(number), 0)
+                self._follow(self._broadcast(None, n), self.session(number), 0)
+            elif op == FORWARD:
+                self.forward(self._broadcast(None, n), number, self.kept)
             else:
                 self._follow(self._broadcast(None, n), self.kept, number)
 
@@ -129,7 +183,7 @@ class TPEngine:
         """Release the other ranks from `serve`."""
         self._broadcast([STOP, 0, 0], 3)
 
-    def new_cache(self, capacity: int) -> ShardCache:
+    def new_cache(self, capacity: int) -> ShardSession:
         """The engine contract's cache (a chat's): every rank allocates its part, kept for `generate(cache=...)`."""
         if not 0 < capacity <= self.config.max_position_embeddings:
             raise GenerationError(f"cache capacity {capacity} is outside [1, {self.config.max_position_embeddings}] "
@@ -138,7 +192,16 @@ class TPEngine:
         self.kept = self.alloc_cache(capacity)
         return self.kept
 
-    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: ShardCache | None = None,
+    def logits(self, ids: list[int], start: int) -> torch.Tensor:
+        """The gathered logits [1, V] of the last of ids, run at positions start.. into the kept cache (new_cache's)
+        by every rank: a prompt's eager forward, one token's decode step (golden check's steps)."""
+        if self.kept is None or start + len(ids) > self.kept.capacity:
+            raise GenerationError(f"{len(ids)} tokens at position {start} need a cache from new_cache that holds "
+                                  f"them")
+        self._broadcast([FORWARD, len(ids), start], 3)
+        return self.forward(self._broadcast(ids, len(ids)), start, self.kept)
+
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: ShardSession | None = None,
                  start: int = 0, **inputs) -> Iterator[int]:
         """refimpl.generate.RefEngine.generate's contract: with `cache` (from new_cache, the last one made), the
         prompt goes at positions start.. after the earlier tokens already in it."""
@@ -154,13 +217,13 @@ class TPEngine:
             start = 0
             capacity = len(prompt_ids) + s.max_new_tokens
             self._broadcast([GENERATE, len(prompt_ids), capacity], 3)
-            cache = self.alloc_cache(capacity)
+            cache = self.session(capacity)
         else:
             self._broadcast([CONTINUE, len(prompt_ids), start], 3)
         ids = self._broadcast(prompt_ids, len(prompt_ids))
         yield from self._lead(ids, cache, start, s, set(stop_ids))
 
-    def _lead(self, ids: torch.Tensor, cache: ShardCache, pos: int, s: Sampling, stop_ids: set) -> Iterator[int]:
+    def _lead(self, ids: torch.Tensor, cache: ShardSession, pos: int, s: Sampling, stop_ids: set) -> Iterator[int]:
         """Rank 0's side of `_follow`: sample a token and yield it; when asked for the next, tell the others whether
         to go on, then step. A consumer that stops early (the generator closed at its yield) still releases them,
         and Ctrl-C inside a step takes effect after it (accel.tp.group.sigint_deferred): the ranks stay in step."""

@@ -9,9 +9,11 @@ Per layer, on the residual stream x [T, D] (whole on every rank):
 The embedding is vocab-parallel: a rank looks up the ids its rows hold (zero for the others) and the rows are
 all-reduced; the logits [1, ceil(V/N)] of every rank are all-gathered into [1, V].
 
-The eager path: accel.ops (Triton kernels on CUDA, their torch versions elsewhere), one forward for the prompt
-and for each decoded token (T = 1). The fused decode kernels and CUDA graphs of accel.model are not used per
-shard yet.
+`forward` is the eager path: accel.ops (Triton kernels on CUDA, their torch versions elsewhere), what a prompt
+runs. A decoded token runs accel.model.decode_step, the one-GPU engine's fused step, over the rank's shard with
+`RankSplit`'s collectives (accel.tp.engine captures it in a CUDA graph on the GPU, the collectives inside): the
+rank owning the residual stream (rank 0) adds its o and down products into x in the GEMVs' epilogues, the others
+write theirs into x, and one all-reduce of x gives every rank x + Σ partials.
 """
 from __future__ import annotations
 
@@ -45,12 +47,46 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def embed(w: Weights, ids: torch.Tensor, first_id: int) -> torch.Tensor:
-    """ids [T] -> x [T, D]: each rank's rows (token ids first_id..) looked up, the others zero, summed over ranks."""
+def embed_rows(table: torch.Tensor, ids: torch.Tensor, first_id: int) -> torch.Tensor:
+    """ids [T] -> [T, D]: this rank's rows (token ids first_id..) looked up, zero for the others' ids (summed over
+    the ranks: the embedding)."""
     local = ids - first_id  # [T]
-    mine = (local >= 0) & (local < w.embed.shape[0])  # [T]
-    x = w.embed[local.clamp(0, w.embed.shape[0] - 1)]  # [Vr, D][T] -> [T, D]
-    return all_reduce(x * mine[:, None].to(x.dtype))
+    mine = (local >= 0) & (local < table.shape[0])  # [T]
+    x = table[local.clamp(0, table.shape[0] - 1)]  # [Vr, D][T] -> [T, D]
+    return x * mine[:, None].to(x.dtype)
+
+
+# one flat output (no per-rank list to copy out); torch 2.13 renamed all_gather_into_tensor all_gather_single
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_logits(local: torch.Tensor, world: int, vocab_size: int) -> torch.Tensor:
+    """Every rank's logits [1, ceil(V/N)] -> [1, V], the same on every rank."""
+    out = torch.empty(world, local.shape[1], dtype=local.dtype, device=local.device)  # [N, ceil(V/N)]
+    _all_gather_flat(out, local)
+    return out.reshape(1, -1)[:, :vocab_size]  # [1, N·ceil(V/N)] -> [1, V]
+
+
+class RankSplit:
+    """accel.model.decode_step's hooks on one rank (accel.model.WholeModel's counterpart): the vocab-parallel
+    embedding, the all-reduce of the residual stream after o and down, the logits gathered."""
+
+    def __init__(self, rank: int, world: int, first_id: int, vocab_size: int):
+        self.owner = rank == 0  # rank 0's o/down products add to x; the other ranks' overwrite it
+        self.world, self.first_id, self.vocab_size = world, first_id, vocab_size
+
+    def embedding(self, token, table):
+        x = embed_rows(table, token, self.first_id)  # [1, D]
+        self.reduce(x)
+        return x
+
+    @staticmethod
+    def reduce(x) -> None:
+        """x [1, D] summed over the ranks, in place."""
+        all_reduce(x)
+
+    def gather(self, logits):
+        return gather_logits(logits, self.world, self.vocab_size)
 
 
 def layer(lw, cfg: LlamaConfig, x, cache_k, cache_v, cos, sin, positions):
@@ -75,11 +111,8 @@ def forward(w: Weights, cfg: LlamaConfig, vocab_size: int, first_id: int, world:
     T = ids.shape[0]
     positions = cache.slots[start:start + T]  # [T]
     cos, sin = cache.cos[start:start + T], cache.sin[start:start + T]  # [T, E/2]
-    x = embed(w, ids, first_id)
+    x = all_reduce(embed_rows(w.embed, ids, first_id))
     for i, lw in enumerate(w.layers):
         x = layer(lw, cfg, x, cache.k[i], cache.v[i], cos, sin, positions)
     h = ops.rms_norm(x[-1:], w.norm, cfg.rms_norm_eps)  # [1, D]
-    local = ops.linear(h, w.lm_head)  # [1, D] -> [1, ceil(V/N)]
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local)
-    return torch.cat(parts, dim=1)[:, :vocab_size]  # [1, N·ceil(V/N)] -> [1, V]
+    return gather_logits(ops.linear(h, w.lm_head), world, vocab_size)  # [1, D] -> [1, ceil(V/N)] -> [1, V]

@@ -16,7 +16,7 @@ import click
 from refimpl.errors import GenerationError
 
 from tools.cli.options import Count, UserPath
-from tools.tp import TP_OPTION, refuse_tp
+from tools.tp import TP_OPTION
 
 VISION_MODELS = ("11b-vision", "90b-vision")  # 11b: measured; 90b: its memory need against this GPU
 
@@ -95,6 +95,21 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _tp_bench(models: list[str], tp: int, new_tokens: int, json_out, **unsupported) -> None:
+    """tools.bench.tp: batch-1 decode at TP=1 and TP=tp in one run. unsupported: the options it does not take, by
+    flag name -> value given."""
+    import torch
+    given = [flag for flag, value in unsupported.items() if value]
+    if given:
+        raise GenerationError(f"--tp {tp} benchmarks batch-1 decode of the text models for now; drop {given[0]}")
+    if torch.cuda.device_count() < tp:
+        raise GenerationError(f"--tp {tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
+    from tools.bench import tp as tp_bench
+    args = tp_bench.arg_parser().parse_args([])
+    args.models, args.tp, args.new_tokens, args.json_out = models, tp, max(new_tokens, 2), json_out
+    tp_bench.run(args, command=shlex.join(["llama32", "bench", *_bench_args(sys.argv)]))
+
+
 def _batch_bench(models: list[str], device: str, skip_hf: bool, json_out) -> None:
     """tools.bench.batch with its defaults for the chosen text models."""
     from tools.bench import batch
@@ -134,8 +149,8 @@ def _serve_bench(models: list[str], device: str, skip_hf: bool, json_out) -> Non
 @TP_OPTION
 def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, profile, json_out, train=False,
           quant=None, batch=False, serve=False, tp=1):
-    """Benchmark the accel engine on a CUDA GPU (random weights at the real Llama 3.2 shapes)."""
-    refuse_tp(tp, "bench")
+    """Benchmark the accel engine on a CUDA GPU (random weights at the real Llama 3.2 shapes). With --tp N: batch-1
+    decode at TP=1 and TP=N in the same run (tools/bench/tp.py)."""
     common = _benchmarks()
     MODELS = common.MODELS
     chosen = [m.strip() for m in models.split(",") if m.strip()]
@@ -146,6 +161,12 @@ def bench(models, skip_hf, skip_attention, new_tokens, prefill_tokens, device, p
     import torch
     if not torch.cuda.is_available():
         raise GenerationError("llama32 bench needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    if tp > 1:
+        vision = next((m for m in chosen if m in VISION_MODELS), None)
+        _tp_bench(chosen, tp, new_tokens, json_out, **{f"--models {vision}": vision, "--batch": batch,
+                                                       "--serve": serve, "--train": train, "--quant": quant,
+                                                       "--profile": profile})
+        return
     if batch:
         _batch_bench([m for m in chosen if m in MODELS], device, skip_hf, json_out)
         return

@@ -20,7 +20,7 @@ from tools.debug.diff import diff_engines
 from tools.debug.lockstep import first_divergence, report
 from tools.cli.golden import key_filter
 from tools.cli.options import MODEL_OPTION, QUANT_HELP, Count, UserPath
-from tools.tp import TP_OPTION, refuse_tp
+from tools.tp import TP_OPTION
 
 
 @click.command()
@@ -51,7 +51,10 @@ from tools.tp import TP_OPTION, refuse_tp
 def diff(prompt, model, a_backend, b_backend, dtype, device, quant, decode_steps, chat, filters, isolate, dump, plot,
          verbose, images=(), tp=1):
     """Compare backends --a and --b activation by activation on PROMPT; exit 1 if they diverge."""
-    refuse_tp(tp, "diff")
+    if tp > 1:
+        raise GenerationError(f"--tp {tp}: llama32 diff compares activation by activation, and a tensor-parallel "
+                              f"rank holds slices of them; check --tp {tp} with `llama32 golden check --tp {tp}` "
+                              f"(each step's logits) or against --tp 1's ids with `llama32 generate --json`")
     if plot:
         from tools.debug.plot import require_matplotlib
         require_matplotlib()

@@ -10,10 +10,11 @@ from refimpl.model.names import matches
 
 from tools.engines import engine_for
 from tools.cli.options import UserPath
-from tools.debug.golden import check_golden, load_golden, make_golden
+from tools.debug.golden import check_golden, check_golden_logits, load_golden, make_golden
 from tools.debug.golden_record import DEFAULT_DIR, GoldenError, find_golden_dirs
 from tools.debug.lockstep import first_divergence, report
 from tools.debug.vision_golden import check_vision_golden, is_vision_golden, load_vision_golden
+from tools.tp import TP_OPTION
 
 
 @click.group()
@@ -40,7 +41,8 @@ def key_filter(patterns: tuple[str, ...]):
 
 
 @golden.command()
-@click.option("--backend", type=click.Choice(["refimpl", "accel"]), default="refimpl", show_default=True)
+@click.option("--backend", type=click.Choice(["refimpl", "accel"]), default=None,
+              help="The backend checked (default: refimpl; accel with --tp).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
               help="accel compute dtype, and the tolerance used (default: the backend's own dtype).")
 @click.option("--device", default=None, help="accel device, e.g. cuda:0 or cpu.")
@@ -50,10 +52,16 @@ def key_filter(patterns: tuple[str, ...]):
               "or 'decode0/*' (repeatable).")
 @click.option("--isolate", is_flag=True, help="Feed every op the golden input, so each row measures one op alone.")
 @click.option("--verbose", "-v", is_flag=True, help="Print every row, not just the per-layer summary.")
-def check(backend, dtype, device, golden_dir, filters, isolate, verbose):
-    """Run a backend on the recorded tokens and compare every activation; exit 1 if any is out of tolerance."""
-    failed = False
+@TP_OPTION
+def check(backend, dtype, device, golden_dir, filters, isolate, verbose, tp=1):
+    """Run a backend on the recorded tokens and compare every activation; exit 1 if any is out of tolerance.
+    With --tp N: each step's logits (a rank holds slices of the other activations)."""
     dirs = find_golden_dirs(golden_dir)
+    backend = backend or ("accel" if tp > 1 else "refimpl")
+    if tp > 1:
+        _check_tp(dirs, tp, backend, dtype, device, filters, isolate)
+        return
+    failed = False
     for model_dir in dirs:
         if is_vision_golden(model_dir):  # the record carries its image and prompt
             rec, ckpt = load_vision_golden(model_dir), load_checkpoint(model_dir)
@@ -68,6 +76,34 @@ def check(backend, dtype, device, golden_dir, filters, isolate, verbose):
         mode = ", each op on golden inputs" if isolate else ""
         click.echo(f"== {model_dir}: {backend} ({used}{mode}) vs golden made by {rec.manifest.get('tool')}")
         for line in report(rows, used, verbose):
+            click.echo(line)
+        failed |= first_divergence(rows) is not None
+    if failed:
+        sys.exit(1)
+
+
+def _check_tp(dirs, tp: int, backend: str, dtype, device, filters, isolate) -> None:
+    """golden check --tp: the text records' logits, each record's model split over a group of its own; exit 1 if
+    any step is out of tolerance."""
+    from refimpl.errors import GenerationError
+    from tools.tp import under_torchrun_once
+    flag = "--filter" if filters else "--isolate" if isolate else "--backend refimpl" if backend == "refimpl" else None
+    if flag:
+        raise GenerationError(f"--tp {tp} checks each step's logits on the accel backend (a rank holds slices of the "
+                              f"other activations); drop {flag}")
+    text = [d for d in dirs if not is_vision_golden(d)]
+    under_torchrun_once(tp, len(text), "golden record")
+    from accel.tp.launch import tp_engine
+    failed = False
+    for model_dir in dirs:
+        if model_dir not in text:
+            click.echo(f"== {model_dir}: skipped (a Llama 3.2 Vision record; --tp runs text models)")
+            continue
+        rec = load_golden(model_dir)
+        with tp_engine(model_dir, tp, device, dtype) as (engine, _):
+            rows, used = check_golden_logits(rec, engine)
+        click.echo(f"== {model_dir}: accel --tp {tp} ({used}, logits) vs golden made by {rec.manifest.get('tool')}")
+        for line in report(rows, used, verbose=True):
             click.echo(line)
         failed |= first_divergence(rows) is not None
     if failed:

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from refimpl.compare import TOLERANCES
+from refimpl.compare import TOLERANCES, compare
 from refimpl.model.config import LlamaConfig
 from refimpl.errors import quote
 from refimpl.formats.jsonfile import read_json_object
@@ -131,6 +131,18 @@ def load_golden(model_dir: str | Path) -> GoldenRecord:
 
 
 # ---------------------------------------------------------------- checking, op by op
+
+def check_golden_logits(rec: GoldenRecord, engine) -> tuple[list[Row], str]:
+    """A tensor-parallel engine (accel.tp) against the record: each step's last-token logits, the only activation
+    a rank holds whole (the rest are its slices), on a fresh cache; the engine's dtype's tolerance."""
+    engine.new_cache(max(p for s in rec.steps for p in s.positions) + 1)
+    rows = []
+    for step in rec.steps:
+        got = engine.logits(step.ids, step.positions[0]).float().cpu().numpy()  # [1, V]
+        rows.append(Row(step.name, compare("logits", got, rec.get(step.name, "logits")[-1:],
+                                           TOLERANCES[engine.dtype_name])))
+    return rows, engine.dtype_name
+
 
 def check_golden(rec: GoldenRecord, engine, dtype: str | None = None, keep=lambda key: True,
                  isolate: bool = False) -> tuple[list[Row], str]:

@@ -1,0 +1,195 @@
+"""Tensor-parallel decoding (accel.tp) at the Llama 3.2 1B/3B shapes on random bf16 weights: TP=1 (the one-GPU
+engine, accel.engine.AccelEngine) against TP=N in the same run.
+
+    decode     batch 1: a 32-token prompt, then --new-tokens greedy tokens, one CUDA graph replay a token (on every
+               rank the same argmax of the same gathered logits: no token is broadcast, no host sync); CUDA events
+               on rank 0 time the replays after a warm-up run (graph capture), median of --reps.
+               Roofline: the weight bytes a token reads (the whole model's, accel.weights.Weights.nbytes_per_token)
+               over the measured copy bandwidth of the GPUs it runs on (each rank measures its own).
+    allreduce  one all-reduce of the residual stream [1, D] as the decode step runs it: captured in a CUDA graph
+               with 2·L others (L layers), replayed; µs each.
+Ranks are processes: this one is rank 0 and spawns ranks 1..N-1 (accel.tp.group.spawn), which run the same
+measurements. Other rows (batch 64, the vision models) are other leaves' records.
+Method and timing: tools.bench.common.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from tools.bench import common
+
+PROMPT = 32
+
+
+def shard_weights(cfg, plan, device, seed: int):
+    """Random bf16 weights of one rank's shard: its local config's shapes, ceil(V/N) vocabulary rows."""
+    import torch
+
+    from accel.weights import random_weights
+    return random_weights(dataclasses.replace(plan.local, vocab_size=plan.vocab_rows), device, torch.bfloat16, seed)
+
+
+def allreduce_us(split, D: int, layers: int, device) -> float:
+    """µs an all-reduce of a [1, D] bf16 row (split.reduce: the decode step's) takes inside a CUDA graph of
+    2·layers of them."""
+    import torch
+    x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
+    calls = [lambda: split.reduce(x)] * (2 * layers)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        for c in calls:
+            c()
+    times = []
+    for _ in range(11):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return statistics.median(times[1:])
+
+
+def tp_row(group, key: str, new_tokens: int, reps: int, copy: float) -> dict:
+    """Every rank: batch-1 decode of one model over the group -> its row (rank 0's timings)."""
+    import torch
+
+    from accel.tp.engine import TPEngine
+    from accel.tp.model import RankSplit
+    from accel.tp.shard import ShardPlan
+    cfg, dev = common.model_config(key), group.device
+    plan = ShardPlan(cfg, group.rank, group.world)
+    engine = TPEngine(group, cfg, shard_weights(cfg, plan, dev, seed=1 + group.rank), "bf16")
+    sess = engine.session(PROMPT + new_tokens)
+    prompt = torch.tensor(common.prompt_ids(cfg, PROMPT), device=dev)
+    ms, _ = common.timed_greedy(engine, sess, lambda: engine.forward(prompt, 0, sess), PROMPT, new_tokens, reps)
+    split = RankSplit(group.rank, group.world, 0, 0)
+    row = {"model": common.MODELS[key], "tp": group.world, "batch": 1, "new_tokens": new_tokens,
+           "decode_tok_s": (new_tokens - 1) / (ms * 1e-3),
+           "copy_tb_s_all_gpus": copy, "allreduce_us": allreduce_us(split, cfg.hidden_size, cfg.num_hidden_layers, dev)}
+    if group.is_root:
+        print(f"  {row['model']} TP={group.world}: {row['decode_tok_s']:.1f} tok/s, all-reduce "
+              f"{row['allreduce_us']:.1f} us (copy {copy:.2f} TB/s over the ranks)", flush=True)
+    return row
+
+
+def tp_rows(group, keys: list[str], new_tokens: int, reps: int, copy: float) -> list[dict]:
+    import torch
+    rows = []
+    for key in keys:
+        rows.append(tp_row(group, key, new_tokens, reps, copy))
+        torch.cuda.empty_cache()  # the model's engine and weights are gone with tp_row's frame
+    return rows
+
+
+def group_rows(group, keys: list[str], new_tokens: int, reps: int) -> list[dict]:
+    """Every rank: the GPUs' copy bandwidth summed (what the weights stream at, all ranks together), then the
+    rows."""
+    import torch
+    import torch.distributed as dist
+    copy = torch.tensor([common.copy_bandwidth(group.device)], dtype=torch.float64, device=group.device)
+    dist.all_reduce(copy)
+    return tp_rows(group, keys, new_tokens, reps, float(copy))
+
+
+def _serve_rank(group, keys, new_tokens, reps) -> None:
+    """A spawned rank's part: the same measurements in step with rank 0 (its numbers are rank 0's to report)."""
+    group_rows(group, keys, new_tokens, reps)
+
+
+def tp1_row(key: str, device, new_tokens: int, copy_tb_s: float) -> dict:
+    """The one-GPU engine's batch-1 decode on the same shapes (its own random weights)."""
+    import torch
+
+    from accel.engine import AccelEngine
+    from accel.weights import random_weights
+    cfg = common.model_config(key)
+    weights = random_weights(cfg, device, torch.bfloat16, seed=0)
+    rate, _, _ = common.decode_rate(AccelEngine(cfg, weights, torch.device(device), "bf16"), PROMPT, new_tokens)
+    row = {"model": common.MODELS[key], "tp": 1, "batch": 1, "new_tokens": new_tokens, "decode_tok_s": rate,
+           "copy_tb_s_all_gpus": copy_tb_s, "bytes_per_token_gb": weights.nbytes_per_token() / 1e9}
+    del weights
+    torch.cuda.empty_cache()
+    return row
+
+
+def run(args, command: str | None = None) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from accel.tp.group import spawn
+    rec = common.record("cuda:0", command=command, tp=args.tp, decode=[])
+    copy = common.copy_bandwidth("cuda:0")
+    one = {}
+    for k in args.models:
+        one[k] = tp1_row(k, "cuda:0", args.new_tokens, copy)
+        print(f"  {one[k]['model']} TP=1: {one[k]['decode_tok_s']:.1f} tok/s ({one[k]['bytes_per_token_gb']:.3f} GB "
+              f"a token, copy {copy:.2f} TB/s)", flush=True)
+    print(f"TP=1 measured; starting {args.tp} ranks ...", flush=True)
+    group, procs = spawn(args.tp, "cuda", _serve_rank, (args.models, args.new_tokens, args.reps))
+    try:
+        tp = group_rows(group, args.models, args.new_tokens, args.reps)
+    finally:
+        dist.destroy_process_group()
+        for p in procs:
+            p.join(timeout=60)
+    rec["decode"] = [one[k] for k in args.models]
+    for row in tp:
+        base = one[next(k for k in args.models if common.MODELS[k] == row["model"])]
+        row["bytes_per_token_gb"] = base["bytes_per_token_gb"]
+        row["speedup_vs_tp1"] = row["decode_tok_s"] / base["decode_tok_s"]
+        for r in (base, row):
+            r["roofline_tok_s"] = r["copy_tb_s_all_gpus"] * 1e12 / (r["bytes_per_token_gb"] * 1e9)
+            r["roofline_pct"] = 100 * r["decode_tok_s"] / r["roofline_tok_s"]
+        rec["decode"].append(row)
+    torch.cuda.synchronize()
+    print(render(rec), flush=True)
+    common.write_record(args.json_out, rec)
+    return rec
+
+
+def render(rec: dict) -> str:
+    lines = [f"tensor-parallel decode — {rec['device']} x{rec['tp']} — {rec['date']}",
+             f"{'model':<14}{'TP':>4}{'batch':>6}{'tok/s':>9}{'x TP=1':>8}{'roofline':>10}"
+             f"{'% roof':>8}{'all-reduce us':>15}"]
+    for r in rec["decode"]:
+        speed = f"{r['speedup_vs_tp1']:.2f}" if "speedup_vs_tp1" in r else "-"
+        ar = f"{r['allreduce_us']:.1f}" if "allreduce_us" in r else "-"
+        lines.append(f"{r['model']:<14}{r['tp']:>4}{r['batch']:>6}"
+                     f"{r['decode_tok_s']:>9.1f}{speed:>8}"
+                     f"{r['roofline_tok_s']:>10.1f}{r['roofline_pct']:>8.1f}{ar:>15}")
+    lines.append(f"(batch 1: a {PROMPT}-token prompt, then greedy tokens, one CUDA graph replay a token; roofline: "
+                 "the whole model's weight bytes a token over the copy bandwidth of the GPUs used; all-reduce: one "
+                 "[1, D] bf16 all-reduce inside a CUDA graph)")
+    return "\n".join(lines)
+
+
+def arg_parser():
+    ap = common.parser("tools.bench.tp", __doc__, models="1b,3b")
+    ap.add_argument("--tp", type=int, default=2, help="ranks, one GPU each (default 2)")
+    ap.add_argument("--new-tokens", type=int, default=256, help="greedy tokens decoded (default 256)")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs after the warm-up one (default 3)")
+    return ap
+
+
+def main(argv=None):
+    ap = arg_parser()
+    args = ap.parse_args(argv)
+    if args.tp < 2 or args.new_tokens < 2 or args.reps < 1:
+        ap.error("--tp and --new-tokens must be >= 2, --reps >= 1")
+    common.require_cuda("python3 -m tools.bench.tp")
+    import torch
+    if torch.cuda.device_count() < args.tp:
+        ap.error(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
