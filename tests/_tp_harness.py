@@ -9,6 +9,7 @@ import socket
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -17,6 +18,7 @@ from accel.tp.engine import TPEngine
 from accel.tp.group import init
 from refimpl.formats.safetensors_io import SafetensorsFile
 from refimpl.generate import Sampling
+from refimpl.quant.schemes import QuantSpec
 
 
 class Recorder(TPEngine):
@@ -43,7 +45,8 @@ def _case(group, case: dict) -> dict:
     original = SafetensorsFile.load
     SafetensorsFile.load = lambda self, name: whole.append(name) or original(self, name)
     try:
-        engine = Recorder.load(group, Path(case["dir"]), case.get("dtype", "fp32"))
+        engine = Recorder.load(group, Path(case["dir"]), case.get("dtype", "fp32"),
+                               QuantSpec.parse(case["quant"]) if case.get("quant") else None)
     finally:
         SafetensorsFile.load = original
     engine.followed = []
@@ -62,6 +65,32 @@ def _case(group, case: dict) -> dict:
     else:
         engine.serve()
     out["followed"] = engine.followed
+    return out
+
+
+def _vision_case(group, case: dict) -> dict:
+    """A Llama 3.2 Vision checkpoint (accel.tp.vision_engine): the images of case["images"] (an .npz of
+    pixel_values, aspect_ratio_ids, aspect_ratio_mask, cross_attention_mask) encoded on every rank, then the
+    prompt and each step's ids in lockstep -> the gathered logits of each step."""
+    from accel.tp.vision_engine import TPVisionEngine
+    from refimpl.vision.inputs import ImageInputs
+    engine = TPVisionEngine.load(group, Path(case["dir"]), case.get("dtype", "fp32"),
+                                  QuantSpec.parse(case["quant"]) if case.get("quant") else None)
+    steps, out = case["steps"], {"logits": []}
+    images = None
+    if group.rank == 0 and case.get("images"):
+        with np.load(case["images"], allow_pickle=False) as f:
+            images = ImageInputs(*(f[k] for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask",
+                                                  "cross_attention_mask")))
+    if case.get("images"):
+        cache = engine._image_request(images, len(steps[0]), case["capacity"])
+    else:
+        cache = engine.alloc_cache(case["capacity"])
+    start = 0
+    for ids in steps:
+        logits = engine.forward(torch.tensor(ids, device=engine.device), start, cache)
+        out["logits"].append(logits[0].float().tolist())
+        start += len(ids)
     return out
 
 
@@ -110,6 +139,8 @@ def _rank(rank: int, world: int, port: int, job: dict, out: str) -> None:
         group = init(rank, world, device, "127.0.0.1", port)
         if job["kind"] in ("peak", "fail"):
             result = {"peak": _peak, "fail": _fail}[job["kind"]](group, job["case"])
+        elif job["kind"] == "vision":
+            result = {name: _vision_case(group, case) for name, case in job["cases"].items()}
         else:
             result = {name: _case(group, case) for name, case in job["cases"].items()}
         dist.destroy_process_group()

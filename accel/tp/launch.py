@@ -21,7 +21,7 @@ from refimpl.quant.schemes import QuantSpec
 
 from .engine import RankFailed, TPEngine
 from .group import TPGroup, from_env, spawn, under_torchrun
-from .load import open_text_checkpoint
+from .load import check_quant, open_text_checkpoint
 from .vision_engine import TPVisionEngine
 from .vision_load import open_vision_checkpoint
 
@@ -59,6 +59,7 @@ def tp_engine(model_dir: Path, world: int, device: str | None, dtype: str | None
     """(rank 0's engine, the checkpoint without weights) for the block; the other ranks are released and the group
     ended after it. Under torchrun, a rank other than 0 serves and then exits the process (SystemExit 0)."""
     procs = []
+    check_quant(quant)
     if under_torchrun():
         try:  # every rank reads the same files: rank 0 alone says what is wrong with them
             ckpt = open_checkpoint(model_dir, world=world)
