@@ -83,7 +83,7 @@ def _vision_case(group, case: dict) -> dict:
             images = ImageInputs(*(f[k] for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask",
                                                   "cross_attention_mask")))
     if case.get("images"):
-        cache = engine._image_request(images, len(steps[0]), case["capacity"])
+        cache = engine.image_request(images, len(steps[0]), case["capacity"])
     else:
         cache = engine.alloc_cache(case["capacity"])
     start = 0

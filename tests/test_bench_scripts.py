@@ -21,10 +21,11 @@ from tools.bench.sweeps import gemv as gemv_sweep, qgemv as qgemv_sweep  # noqa:
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench"
 LIVE = ["agreement", "batch", "cpu", "gpu", "hf_attention", "load", "quant_gpu", "quant_quality", "serve", "startup",
-        "train", "vision"]
+        "tp_vision", "train", "vision"]
 SWEEPS = ["sweeps.gemv", "sweeps.qgemv"]
-SCRIPTS = ["agreement", "batch", "cpu", "hf_attention", "load", "quant_quality", "serve", "startup", "vision", *SWEEPS]  # those with a main()
-GPU_ONLY = ["batch", "hf_attention", "serve", "vision", "sweeps.gemv", "sweeps.qgemv"]
+SCRIPTS = ["agreement", "batch", "cpu", "hf_attention", "load", "quant_quality", "serve", "startup", "tp_vision",
+           "vision", *SWEEPS]  # those with a main()
+GPU_ONLY = ["batch", "hf_attention", "serve", "tp_vision", "vision", "sweeps.gemv", "sweeps.qgemv"]
 
 
 def bench_imports(module: str) -> set[str]:

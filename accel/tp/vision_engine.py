@@ -95,8 +95,9 @@ class TPVisionEngine(TPEngine):
         mask = ints[I + I * A:].reshape(T, I, A) if has_mask else None
         return pixels, torch.as_tensor(ints[:I], device=self.device), ints[I:I + I * A].reshape(I, A), mask
 
-    def _image_request(self, images: ImageInputs | None, n: int, capacity: int) -> TPVisionCache:
-        """Every rank's side of an IMAGES request: the images shared, encoded, their keys/values cached."""
+    def image_request(self, images: ImageInputs | None, n: int, capacity: int) -> TPVisionCache:
+        """Every rank's side of an IMAGES request (rank 0 passes the images, the others None): the images shared,
+        encoded, their keys/values cached -> the request's cache."""
         pixels, ratio_ids, ratio_mask, mask = self._share_images(images, n)
         cache = self.alloc_cache(capacity, self.image_tokens(pixels.shape[0]))
         with ops.torch_only(not self.triton):
@@ -117,7 +118,7 @@ class TPVisionEngine(TPEngine):
             elif op == GENERATE:
                 self._follow(self._broadcast(None, n), self.alloc_cache(number), 0)
             elif op == IMAGES:
-                cache = self._image_request(None, n, number)
+                cache = self.image_request(None, n, number)
                 self._follow(self._broadcast(None, n), cache, 0)
             else:
                 assert op == CONTINUE
@@ -142,6 +143,6 @@ class TPVisionEngine(TPEngine):
             return
         capacity = len(prompt_ids) + s.max_new_tokens
         self._broadcast([IMAGES, len(prompt_ids), capacity], 3)
-        cache = self._image_request(images, len(prompt_ids), capacity)
+        cache = self.image_request(images, len(prompt_ids), capacity)
         ids = self._broadcast(prompt_ids, len(prompt_ids))
         yield from self._lead(ids, cache, 0, s, set(stop_ids))

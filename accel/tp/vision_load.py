@@ -34,6 +34,7 @@ from refimpl.quant.schemes import QuantSpec
 from ..vision.weights import CrossLayer, fuse_vision_qkv, vision_gates
 from ..weights import LayerWeights, Weights
 from .load import ShardReader
+from .random_shard import RandomShard
 from .shard import ShardPlan, Slice, check_divisible
 
 EMBED = TEXT + "embed_tokens.weight"
@@ -167,16 +168,25 @@ def load_vision_shard(model_dir: Path, plan: VisionShardPlan, device, dtype: tor
                       spec: QuantSpec | None = None) -> TPVisionWeights:
     """This rank's weights (TPVisionWeights), read slice by slice; with `spec` the decoder's matrices (and the
     lm_head unless spec.lm_head is False) quantized as accel.tp.load.ShardReader does, the encoder in `dtype`."""
-    source = VisionSlices(Path(model_dir))
-    r = ShardReader(source, plan, device, dtype, spec)
+    return build_vision_shard(ShardReader(VisionSlices(Path(model_dir)), plan, device, dtype, spec), plan)
+
+
+def build_vision_shard(r, plan: VisionShardPlan) -> TPVisionWeights:
+    """TPVisionWeights from a reader of this rank's tensors: r.tensor(name), r.matrix(names, quant key) and
+    r.spec (accel.tp.load.ShardReader, or accel.tp.random_shard.RandomShard for the benchmark)."""
     t = plan.cfg.text
     self_layers = [i for i in range(t.num_hidden_layers) if i not in t.cross_attention_layers]
     layers = [_self_layer(r, i) for i in self_layers]
     cross = [_cross_layer(r, i) for i in t.cross_attention_layers]
-    head = r.matrix([LM_HEAD], "lm_head.weight") if spec is not None and spec.lm_head else r.tensor(LM_HEAD)
+    head = r.matrix([LM_HEAD], "lm_head.weight") if r.spec is not None and r.spec.lm_head else r.tensor(LM_HEAD)
     text = Weights(r.tensor(EMBED), layers, r.tensor(TEXT + "norm.weight"), head)
     vision = {name: r.tensor(name) for name in expected_vision_shapes(plan.cfg)
               if name.startswith(("vision_model.", "multi_modal_projector."))}
     return TPVisionWeights(text, self_layers, [c for c, _ in cross], [kv for _, kv in cross], vision,
                            fuse_vision_qkv(vision, plan.cfg), vision_gates(vision, plan.cfg))
 
+
+def random_vision_shard(plan: VisionShardPlan, device, dtype: torch.dtype, spec: QuantSpec | None = None,
+                        seed: int = 0) -> TPVisionWeights:
+    """Random weights drawn as this rank's shard on its device (accel.tp.random_shard: the benchmark's 90B)."""
+    return build_vision_shard(RandomShard(plan, expected_vision_shapes(plan.cfg), device, dtype, spec, seed), plan)
