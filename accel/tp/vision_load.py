@@ -10,7 +10,7 @@ one rank's slices from the safetensors files.
     embed_tokens                    vocab-parallel over its V + 8 rows (the image token's row among them)
     lm_head                         vocab-parallel over V rows
     vision_model.*, projector       replicated: every rank encodes the image itself
-The encoder is replicated, not split: it is ~0.9B parameters in both the 11B and the 90B model (1.7 GB in bf16,
+The encoder is replicated, not split: it is ~0.9B parameters in both the 11B and the 90B model (1.9 GB in bf16,
 under 2% of a 90B rank's shard), runs once per image, and each rank needs the whole image tokens [N, D] for its KV
 heads' keys and values anyway. Split, its 40 layers would cost 80 all-reduces of [I·A·Q, 1280] per image to save
 at most half of a once-per-request encode; replicated, it needs no communication and is the one-GPU code as it is.

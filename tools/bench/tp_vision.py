@@ -150,7 +150,7 @@ def main(argv=None) -> None:
     bad = [n for n, _ in runs if n not in ("11b-vision", "90b-vision")]
     if bad:
         ap.error(f"--runs: unknown model {bad[0]!r}; expected 11b-vision or 90b-vision")
-    require_cuda("tools.bench.tp_vision")
+    require_cuda("python3 -m tools.bench.tp_vision")
     results = []
     print(f"{'model':<12}{'ranks':>6}{'weights':>8}{'encode ms':>10}{'prefill ms':>11}{'tok/s':>8}"
           f"{'roofline':>9}{'%':>6}{'GB/token':>9}", flush=True)
