@@ -95,6 +95,19 @@ def test_generate_image_tp2_int8_equals_hf_on_the_ranks_quantized_weights(toy_hf
     assert record["quant"] == "int8" and want != plain  # the quantization shows in the toy's answer
 
 
+def test_chat_tp2_text_turns_equal_the_refimpl():
+    """A Vision model's chat (text turns, each continuing in the ranks' kept caches) as the refimpl's."""
+    def chat(*extra):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([sys.executable, "-m", "tools.cli", "chat", "--model", str(TOY), "--max-new-tokens",
+                               "6", *extra], input="the sea\nand the moon?\n", capture_output=True, text=True,
+                              env=env, timeout=300, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+    tp2 = chat("--tp", "2", "--device", "cpu")
+    assert tp2 == chat("--backend", "refimpl") and tp2.count("> ") == 2
+
+
 # ---- logits against HF: two images, text before the first, MQA and GQA ----
 
 def two_image_prompt():

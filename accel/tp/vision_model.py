@@ -39,6 +39,7 @@ class TPVisionCache:
     xv: torch.Tensor | None = None
     cross_mask: np.ndarray | None = None
     image_tokens: int = 0
+    decode_rows: tuple | None = None  # (visible [1, N], has_image [1, 1]) on the device: every generated token's
 
     @property
     def capacity(self) -> int:
@@ -83,11 +84,17 @@ def cross_layer(cl: CrossLayer, cfg, x, xk, xv, visible, has_image):
 
 
 def _image_rows(cache: TPVisionCache, cfg: MllamaConfig, start: int, T: int, device):
-    """(visible [T, N] bool, has_image [T, 1]) for the queries at positions start..start+T-1."""
+    """(visible [T, N] bool, has_image [T, 1]) for the queries at positions start..start+T-1. A generated token
+    (past the prompt's mask) reuses the prompt's last row: copied to the device once, not a host copy a step."""
+    decoding = T == 1 and (cache.cross_mask is None or start >= len(cache.cross_mask))
+    if decoding and cache.decode_rows is not None:
+        return cache.decode_rows
     visible, row_has = cross_attention_rows(cache, np.arange(start, start + T), cfg.vision.tokens_per_tile,
                                             cache.image_tokens)
-    return (torch.as_tensor(visible | ~row_has[:, None]).to(device),
-            torch.as_tensor(row_has[:, None]).to(device))
+    rows = (torch.as_tensor(visible | ~row_has[:, None]).to(device), torch.as_tensor(row_has[:, None]).to(device))
+    if decoding:
+        cache.decode_rows = rows
+    return rows
 
 
 def forward(w: TPVisionWeights, cfg: MllamaConfig, local, first_id: int, world: int, ids: torch.Tensor, start: int,
