@@ -24,7 +24,7 @@ from refimpl.compare import TOLERANCES, compare
 from refimpl.formats.checkpoint import load_checkpoint
 from refimpl.formats.vision_checkpoint import expected_vision_shapes
 from refimpl.model.vision_config import MllamaConfig
-from refimpl.quant.schemes import quantize_int8
+from refimpl.quant.schemes import QuantSpec
 from tests._mllama_hf import IMAGE, cross_mask, hf_logits, hf_model, image_arrays
 from tests._tp_harness import run_job
 from tests.test_tp import PROMPT, hf_model as hf_text_model
@@ -44,20 +44,20 @@ def cli(*args) -> dict:
     return json.loads(done.stdout)
 
 
-def shard_int8(name: str, w: torch.Tensor, world: int = 2) -> torch.Tensor:
-    """w as a rank set keeps it under --quant int8, dequantized by the NumPy oracle: row-parallel matrices
+def shard_quantized(name: str, w: torch.Tensor, spec: QuantSpec, world: int = 2) -> torch.Tensor:
+    """w as a rank set keeps it under --quant spec, dequantized by the NumPy oracle: row-parallel matrices
     quantized per column slice, the others per whole row."""
     a = w.detach().float().numpy()
     parts = np.split(a, world, axis=1) if name.endswith(ROW_PARALLEL) else [a]
-    return torch.from_numpy(np.concatenate([quantize_int8(p).dequantize() for p in parts], axis=1))
+    return torch.from_numpy(np.concatenate([spec.quantize(p).dequantize() for p in parts], axis=1))
 
 
-def quantize_decoder(model, decoder_prefix: str) -> None:
-    """The decoder's matrices (and the lm_head) of an HF model replaced by shard_int8's values, in place."""
+def quantize_decoder(model, decoder_prefix: str, spec: QuantSpec = QuantSpec("int8")) -> None:
+    """The decoder's matrices (and the lm_head) of an HF model replaced by shard_quantized's values, in place."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 2 and (name.startswith(decoder_prefix) and "proj" in name or "lm_head" in name):
-                p.copy_(shard_int8(name, p))
+                p.copy_(shard_quantized(name, p, spec))
 
 
 def hf_greedy(model, n: int, **inputs) -> list[int]:
@@ -84,15 +84,17 @@ def test_generate_image_tp2_equals_hf(toy_hf):
     assert record["generated_ids"] == hf_greedy(model, 12, **toy_hf[1])
 
 
-def test_generate_image_tp2_int8_equals_hf_on_the_ranks_quantized_weights(toy_hf):
+@pytest.mark.parametrize("quant", ["int8", "int4:32"])
+def test_generate_image_tp2_quantized_equals_hf_on_the_ranks_quantized_weights(toy_hf, quant):
+    """int4:32: rank slices of down_proj (48 columns) end in a 16-column group, as the oracle's halves do."""
     record = cli("generate", ASK, "--model", str(TOY), "--image", str(PICTURE), "--tp", "2", "--device", "cpu",
-                 "--max-new-tokens", "10", "--quant", "int8")
+                 "--max-new-tokens", "10", "--quant", quant)
     model = MllamaForConditionalGeneration.from_pretrained(TOY, dtype=torch.float32).eval()
     plain = hf_greedy(model, 10, **toy_hf[1])
-    quantize_decoder(model, "model.language_model.")
+    quantize_decoder(model, "model.language_model.", QuantSpec.parse(quant))
     want = hf_greedy(model, 10, **toy_hf[1])
     assert record["generated_ids"] == want
-    assert record["quant"] == "int8" and want != plain  # the quantization shows in the toy's answer
+    assert record["quant"] == quant and want != plain  # the quantization shows in the toy's answer
 
 
 def test_chat_tp2_text_turns_equal_the_refimpl():
@@ -189,7 +191,6 @@ def test_tp2_int8_greedy_equals_hf_on_the_ranks_quantized_weights(text_int8):
 
 def test_tp2_int8_logits_near_one_process_int8(text_int8):
     """The one-process engine quantizes o/down per whole row, the ranks per column half: close, not equal."""
-    from refimpl.quant.schemes import QuantSpec
     _, path, steps, ranks = text_int8
     one = AccelEngine.from_checkpoint(load_checkpoint(path, with_tokenizer=False), device="cpu", dtype="fp32",
                                       use_triton=False, quant=QuantSpec.parse("int8"))
