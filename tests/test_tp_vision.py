@@ -201,3 +201,27 @@ def test_tp2_int8_logits_near_one_process_int8(text_int8):
         nmse = float(((got - ref) ** 2).mean() / (ref ** 2).mean())
         assert 0 < nmse < 1e-4, nmse  # differs (other o/down scales), within llama.cpp's "excellent"
 
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int4:32"])
+def test_random_shard_has_the_loaded_shards_shapes_and_types(quant):
+    """The benchmark's random weights (accel.tp.random_shard) are a rank's shard as the loader builds it."""
+    from accel.quant_ops import QuantTensor
+    from accel.tp.vision_load import load_vision_shard, random_vision_shard
+    plan = VisionShardPlan(MllamaConfig.from_file(TOY / "config.json"), 1, 2)
+    spec = QuantSpec.parse(quant) if quant else None
+    loaded = load_vision_shard(TOY, plan, "cpu", torch.float32, spec)
+    drawn = random_vision_shard(plan, "cpu", torch.float32, spec)
+
+    def leaves(w):
+        yield from (w.text.embed, w.text.norm, w.text.lm_head, *w.vision.values(), *w.vision_qkv.values())
+        for lw in w.text.layers:
+            yield from (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down)
+        for cl, kv in zip(w.cross, w.image_kv):
+            yield from (*vars(cl).values(), *kv)
+
+    def kind(t):
+        return (type(t).__name__, t.fmt, t.group, tuple(t.shape), tuple(t.scale.shape)) \
+            if isinstance(t, QuantTensor) else (type(t).__name__, tuple(t.shape), t.dtype)
+    assert [kind(t) for t in leaves(drawn)] == [kind(t) for t in leaves(loaded)]
+    assert drawn.self_layers == loaded.self_layers and len(drawn.vision_gates) == len(loaded.vision_gates)

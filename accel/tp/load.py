@@ -6,7 +6,8 @@ lives) plus one slice. From safetensors, only the slice's bytes are read
 (refimpl.formats.safetensors_io.SafetensorsFile.load_slice: never the whole tensor, never a memory map); from a
 GGUF file, a row slice's blocks alone are dequantized (a row is whole blocks), a column slice's tensor whole, and only
 the slice kept. Then fused as accel.weights fuses the whole model: qkv = [q; k; v] and gate_up = [gate; up] of this
-rank's rows.
+rank's rows; with --quant, each fused matrix quantized on the device as it is built (ShardReader, which
+accel.tp.vision_load's loader shares).
 """
 from __future__ import annotations
 
@@ -171,6 +172,7 @@ class ShardReader:
 
 
 def check_quant(spec: QuantSpec | None) -> None:
+    """--quant with --tp: the formats a rank can make of its own slices (int8, int4)."""
     if spec is not None and spec.format not in INT_FORMATS:
         raise GenerationError(f"--quant {spec.format} with --tp: each rank quantizes its own slices at load, in "
                               f"int8 or int4; a GGUF file's blocks are not kept under --tp")
