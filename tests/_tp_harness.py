@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from accel.tp.engine import TPEngine
 from accel.tp.group import init
+from accel.tp.launch import engine_class
 from refimpl.formats.safetensors_io import SafetensorsFile
 from refimpl.generate import Sampling
 from refimpl.quant.schemes import QuantSpec
@@ -102,18 +103,25 @@ def _status_kib(field: str) -> int:
 
 
 def _peak(group, case: dict) -> dict:
-    """Host memory of loading one shard: resident before, the high-water mark after, in KiB."""
+    """Host memory of loading one shard (a text or a Vision checkpoint): resident before, the high-water mark
+    after, in KiB; the bytes of the shard's tensors (their storages, each once)."""
     before = _status_kib("VmRSS")
-    engine = TPEngine.load(group, Path(case["dir"]), "fp32")
+    engine = engine_class(Path(case["dir"])).load(group, Path(case["dir"]), "fp32")
     peak = _status_kib("VmHWM")
-    shard = sum(t.nbytes for t in {id(t): t for t in _tensors(engine.weights)}.values())
-    return {"before_kib": before, "peak_kib": peak, "shard_bytes": shard}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(engine)}
+    return {"before_kib": before, "peak_kib": peak, "shard_bytes": sum(storages.values())}
 
 
-def _tensors(w):
+def _tensors(engine):
+    w = engine.weights
     yield from (w.embed, w.lm_head, w.norm)
     for lw in w.layers:
         yield from (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down)
+    vision = getattr(engine, "vision_weights", None)
+    if vision is not None:
+        for cl, kv in zip(vision.cross, vision.image_kv):
+            yield from (*vars(cl).values(), *kv)
+        yield from vision.vision.values()
 
 
 def _fail(group, case: dict) -> dict:

@@ -225,3 +225,23 @@ def test_random_shard_has_the_loaded_shards_shapes_and_types(quant):
             if isinstance(t, QuantTensor) else (type(t).__name__, tuple(t.shape), t.dtype)
     assert [kind(t) for t in leaves(drawn)] == [kind(t) for t in leaves(loaded)]
     assert drawn.self_layers == loaded.self_layers and len(drawn.vision_gates) == len(loaded.vision_gates)
+
+
+def test_a_rank_loads_its_vision_shard_without_the_whole_model(tmp_path):
+    """Host memory, as tests/test_tp.py's text case: each rank's high-water mark rises by its shard (half the
+    decoder, the whole small encoder) and one slice, well under the whole model."""
+    from refimpl.formats.checkpoint import save_checkpoint
+    cfg = MllamaConfig.from_hf({"model_type": "mllama", "image_token_index": 8192, "vision_config": {
+        "image_size": 28, "hidden_size": 64, "intermediate_size": 128, "attention_heads": 4, "num_hidden_layers": 2,
+        "num_global_layers": 1, "intermediate_layers_indices": [0, 1], "vision_output_dim": 64 * 3},
+        "text_config": {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
+                        "num_attention_heads": 8, "num_key_value_heads": 2, "cross_attention_layers": [3, 7]}})
+    params = {name: np.full(shape, 0.01, np.float32) for name, shape in expected_vision_shapes(cfg).items()}
+    model_bytes = sum(a.nbytes for a in params.values())
+    save_checkpoint(tmp_path / "model", cfg, params)
+    del params
+    for r, rank in enumerate(run_job({"kind": "peak", "case": {"dir": str(tmp_path / "model")}}, tmp_path)):
+        rise = (rank["peak_kib"] - rank["before_kib"]) * 1024
+        assert rank["shard_bytes"] == 4 * vision_shard_elements(VisionShardPlan(cfg, r, 2))
+        assert rank["shard_bytes"] < 0.52 * model_bytes
+        assert rank["shard_bytes"] <= rise < 0.75 * model_bytes, (rise / 2**20, model_bytes / 2**20)
