@@ -113,7 +113,9 @@ def run(name: str, world: int, quant: str, prompt_len: int, tokens: int) -> dict
     finally:
         dist.destroy_process_group()
         for p in procs:
-            p.join(timeout=120)
+            p.join(timeout=30)
+            if p.is_alive():  # stuck in a collective its peer left
+                p.kill()
         torch.cuda.empty_cache()
 
 
@@ -160,14 +162,19 @@ def main(argv=None) -> None:
             results.append({"model": name, "ranks": world, "skipped": why})
             print(f"{name:<12}{world:>6}  skipped: {why}", flush=True)
             continue
-        r = run(name, world, weights, args.prompt, args.tokens)
+        try:
+            r = run(name, world, weights, args.prompt, args.tokens)
+        except Exception as e:  # noqa: BLE001  one run's failure is its row; the others still run
+            results.append({"model": name, "ranks": world, "weights": weights, "error": f"{type(e).__name__}: {e}"})
+            print(f"{name:<12}{world:>6}  failed: {type(e).__name__}: {e}", flush=True)
+            continue
         r["fits"] = why
         results.append(r)
         print(f"{name:<12}{world:>6}{weights:>8}{r['encode_ms']:>10.1f}{r['prefill_ms']:>11.1f}"
               f"{r['decode_tokens_per_s']:>8.1f}{r['roofline_tokens_per_s']:>9.1f}{100 * r['of_roofline']:>6.1f}"
               f"{r['bytes_per_token_gb']:>9.2f}", flush=True)
     rec = record("cuda", runs=results)
-    one = {r["ranks"]: r for r in results if r["model"] == "11b-vision" and "skipped" not in r}
+    one = {r["ranks"]: r for r in results if r["model"] == "11b-vision" and "decode_tokens_per_s" in r}
     if 1 in one and 2 in one:
         rec["11b_tp2_over_tp1"] = one[2]["decode_tokens_per_s"] / one[1]["decode_tokens_per_s"]
         print(f"11b-vision TP=2 / TP=1 decode: {rec['11b_tp2_over_tp1']:.2f}x", flush=True)
