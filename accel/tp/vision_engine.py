@@ -44,6 +44,7 @@ class TPVisionEngine(TPEngine):
 
     @staticmethod
     def load_shard(group: TPGroup, model_dir: Path, dtype: torch.dtype, quant: QuantSpec | None):
+        """(the whole model's config, this rank's weights) of a Llama 3.2 Vision directory."""
         cfg = open_vision_checkpoint(model_dir, with_tokenizer=False, world=group.world).config
         plan = VisionShardPlan(cfg, group.rank, group.world)
         check_fits(group.device, vision_shard_elements(plan) * element_bytes(dtype, quant),
