@@ -19,6 +19,7 @@ import torch
 from transformers import AutoProcessor, LlamaForCausalLM, MllamaForConditionalGeneration
 
 from accel.engine import AccelEngine
+from accel.tp.group import free_port
 from accel.tp.vision_load import VisionShardPlan, vision_shard_elements
 from refimpl.compare import TOLERANCES, compare
 from refimpl.formats.checkpoint import load_checkpoint
@@ -36,9 +37,9 @@ ASK = "Look at this picture: <|image|> and tell me about the sea in it."
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 
 
-def cli(*args) -> dict:
+def cli(*args, launcher=(sys.executable, "-m")) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "tools.cli", *args, "--json"], capture_output=True, text=True,
+    done = subprocess.run([*launcher, "tools.cli", *args, "--json"], capture_output=True, text=True,
                           env=env, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -76,9 +77,15 @@ def toy_hf():
     return processor, inputs
 
 
-def test_generate_image_tp2_equals_hf(toy_hf):
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_generate_image_tp2_equals_hf(toy_hf, torchrun):
+    """Started by llama32 itself, and under torchrun (every rank runs the command; rank 0 answers)."""
+    launcher = (sys.executable, "-m")
+    if torchrun:
+        launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                    "127.0.0.1", "--master-port", str(free_port()), "-m")
     record = cli("generate", ASK, "--model", str(TOY), "--image", str(PICTURE), "--tp", "2", "--device", "cpu",
-                 "--max-new-tokens", "12")
+                 "--max-new-tokens", "12", launcher=launcher)
     model = MllamaForConditionalGeneration.from_pretrained(TOY, dtype=torch.float32).eval()
     assert record["prompt_ids"] == toy_hf[1]["input_ids"][0].tolist()
     assert record["generated_ids"] == hf_greedy(model, 12, **toy_hf[1])
