@@ -67,6 +67,7 @@ def measure(group: TPGroup, name: str, quant: str, prompt_len: int, tokens: int)
     """Every rank: its shard drawn, the image encoded, the prompt, then `tokens` greedy steps timed after 3 warm-up
     steps -> rank 0's record of the run (each rank's numbers gathered)."""
     cfg = vision_config(name)
+    torch.cuda.reset_peak_memory_stats(group.device)  # rank 0 ran the earlier runs too
     bandwidth = copy_bandwidth(group.device)
     spec = None if quant == "bf16" else QuantSpec.parse(quant)
     plan = VisionShardPlan(cfg, group.rank, group.world)
