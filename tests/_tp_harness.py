@@ -9,14 +9,17 @@ import socket
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from accel.tp.engine import TPEngine
 from accel.tp.group import init
+from accel.tp.launch import engine_class
 from refimpl.formats.safetensors_io import SafetensorsFile
 from refimpl.generate import Sampling
+from refimpl.quant.schemes import QuantSpec
 
 
 class Recorder(TPEngine):
@@ -43,7 +46,8 @@ def _case(group, case: dict) -> dict:
     original = SafetensorsFile.load
     SafetensorsFile.load = lambda self, name: whole.append(name) or original(self, name)
     try:
-        engine = Recorder.load(group, Path(case["dir"]), case.get("dtype", "fp32"))
+        engine = Recorder.load(group, Path(case["dir"]), case.get("dtype", "fp32"),
+                               QuantSpec.parse(case["quant"]) if case.get("quant") else None)
     finally:
         SafetensorsFile.load = original
     engine.followed = []
@@ -67,6 +71,32 @@ def _case(group, case: dict) -> dict:
     return out
 
 
+def _vision_case(group, case: dict) -> dict:
+    """A Llama 3.2 Vision checkpoint (accel.tp.vision_engine): the images of case["images"] (an .npz of
+    pixel_values, aspect_ratio_ids, aspect_ratio_mask, cross_attention_mask) encoded on every rank, then the
+    prompt and each step's ids in lockstep -> the gathered logits of each step."""
+    from accel.tp.vision_engine import TPVisionEngine
+    from refimpl.vision.inputs import ImageInputs
+    engine = TPVisionEngine.load(group, Path(case["dir"]), case.get("dtype", "fp32"),
+                                  QuantSpec.parse(case["quant"]) if case.get("quant") else None)
+    steps, out = case["steps"], {"logits": []}
+    images = None
+    if group.rank == 0 and case.get("images"):
+        with np.load(case["images"], allow_pickle=False) as f:
+            images = ImageInputs(*(f[k] for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask",
+                                                  "cross_attention_mask")))
+    if case.get("images"):
+        cache = engine.image_request(images, len(steps[0]), case["capacity"])
+    else:
+        cache = engine.alloc_cache(case["capacity"])
+    start = 0
+    for ids in steps:
+        logits = engine.forward(torch.tensor(ids, device=engine.device), start, cache)
+        out["logits"].append(logits[0].float().tolist())
+        start += len(ids)
+    return out
+
+
 def _status_kib(field: str) -> int:
     """VmRSS (resident now) or VmHWM (its high-water mark) of this process, in KiB. Not ru_maxrss: a spawned
     child's counts the parent's memory at the fork."""
@@ -75,18 +105,25 @@ def _status_kib(field: str) -> int:
 
 
 def _peak(group, case: dict) -> dict:
-    """Host memory of loading one shard: resident before, the high-water mark after, in KiB."""
+    """Host memory of loading one shard (a text or a Vision checkpoint): resident before, the high-water mark
+    after, in KiB; the bytes of the shard's tensors (their storages, each once)."""
     before = _status_kib("VmRSS")
-    engine = TPEngine.load(group, Path(case["dir"]), "fp32")
+    engine = engine_class(Path(case["dir"])).load(group, Path(case["dir"]), "fp32")
     peak = _status_kib("VmHWM")
-    shard = sum(t.nbytes for t in {id(t): t for t in _tensors(engine.weights)}.values())
-    return {"before_kib": before, "peak_kib": peak, "shard_bytes": shard}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(engine)}
+    return {"before_kib": before, "peak_kib": peak, "shard_bytes": sum(storages.values())}
 
 
-def _tensors(w):
+def _tensors(engine):
+    w = engine.weights
     yield from (w.embed, w.lm_head, w.norm)
     for lw in w.layers:
         yield from (lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down)
+    vision = getattr(engine, "vision_weights", None)
+    if vision is not None:
+        for cl, kv in zip(vision.cross, vision.image_kv):
+            yield from (*vars(cl).values(), *kv)
+        yield from vision.vision.values()
 
 
 def _fail(group, case: dict) -> dict:
@@ -112,6 +149,8 @@ def _rank(rank: int, world: int, port: int, job: dict, out: str) -> None:
         group = init(rank, world, device, "127.0.0.1", port)
         if job["kind"] in ("peak", "fail"):
             result = {"peak": _peak, "fail": _fail}[job["kind"]](group, job["case"])
+        elif job["kind"] == "vision":
+            result = {name: _vision_case(group, case) for name, case in job["cases"].items()}
         else:
             result = {name: _case(group, case) for name, case in job["cases"].items()}
         dist.destroy_process_group()

@@ -21,11 +21,11 @@ from tools.bench.sweeps import gemv as gemv_sweep, qgemv as qgemv_sweep, skinny 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench"
 LIVE = ["agreement", "batch", "cpu", "gpu", "hf_attention", "load", "quant_gpu", "quant_quality", "serve", "startup",
-        "tp", "tp_batch", "train", "vision"]
+        "tp", "tp_batch", "tp_vision", "train", "vision"]
 SWEEPS = ["sweeps.gemv", "sweeps.paged", "sweeps.qgemv", "sweeps.skinny"]
 SCRIPTS = ["agreement", "batch", "cpu", "hf_attention", "load", "quant_quality", "serve", "startup", "tp", "tp_batch",
-           "vision", *SWEEPS]  # those with a main()
-GPU_ONLY = ["batch", "hf_attention", "serve", "tp", "tp_batch", "vision", *SWEEPS]
+           "tp_vision", "vision", *SWEEPS]  # those with a main()
+GPU_ONLY = ["batch", "hf_attention", "serve", "tp", "tp_batch", "tp_vision", "vision", *SWEEPS]
 
 
 def bench_imports(module: str) -> set[str]:

@@ -213,7 +213,7 @@ def test_kv_heads_neither_split_nor_replicated_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--quant", "int8"], "--tp 2 does not take --quant"),
+    (["--quant", "gguf"], "--quant gguf with --tp: each rank quantizes its own slices"),
     (["--backend", "refimpl"], "--tp 2 runs on the accel backend"),
 ])
 def test_generate_tp_refuses_what_it_does_not_run(args, says):

@@ -27,6 +27,7 @@ from refimpl.errors import GenerationError
 from refimpl.generate import Sampling, check_prompt, text_only
 from refimpl.model import ops as np_ops
 from refimpl.model.config import LlamaConfig
+from refimpl.quant.schemes import QuantSpec
 
 from .. import ops
 from ..engine import Decoder, check_fits
@@ -35,9 +36,9 @@ from ..model import RopeTables, decode_step
 from ..sampling import make_generator, penalize, sample
 from ..weights import DTYPES, Weights
 from .group import TPGroup, failed_ranks, sigint_deferred
-from .load import load_shard, open_text_checkpoint
+from .load import check_quant, load_shard, open_text_checkpoint
 from .model import RankSplit, ShardCache, forward
-from .shard import ShardPlan, shard_elements
+from .shard import ShardPlan, element_bytes, shard_elements
 
 STOP, GENERATE, KEEP, CONTINUE, FORWARD = 0, 1, 2, 3, 4
 
@@ -69,19 +70,17 @@ class TPEngine:
         self._session: ShardSession | None = None  # the last request's, kept while the next fits in it
 
     @classmethod
-    def load(cls, group: TPGroup, model_dir: Path, dtype: str | None) -> "TPEngine":
-        """Every rank loads its shard. If any fails, every rank raises: rank 0 its own error, or that rank r failed
-        (RankFailed: the failing rank prints its own error, unless rank 0 failed too and says it)."""
+    def load(cls, group: TPGroup, model_dir: Path, dtype: str | None, quant: QuantSpec | None = None) -> "TPEngine":
+        """Every rank loads its shard (quant: each rank quantizes its own slices, accel.tp.load.ShardReader). If
+        any fails, every rank raises: rank 0 its own error, or that rank r failed (RankFailed: the failing rank
+        prints its own error, unless rank 0 failed too and says it)."""
         dtype = dtype or ("bf16" if group.device.type == "cuda" else "fp32")
         cfg, weights, error = None, None, None
         try:
-            cfg = open_text_checkpoint(model_dir, with_tokenizer=False, world=group.world).config
             if dtype not in DTYPES:
                 raise GenerationError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-            plan = ShardPlan(cfg, group.rank, group.world)
-            check_fits(group.device, shard_elements(plan) * DTYPES[dtype].itemsize,
-                       f"rank {group.rank}'s shard of {model_dir} in {dtype}")
-            weights = load_shard(model_dir, plan, group.device, DTYPES[dtype])
+            check_quant(quant)
+            cfg, weights = cls.load_shard(group, Path(model_dir), DTYPES[dtype], quant)
         except Exception as e:  # noqa: BLE001  told to every rank before anyone raises
             error = e
         failed = failed_ranks(error is None, group)
@@ -91,6 +90,15 @@ class TPEngine:
             raise RankFailed(f"rank {failed[0]} of --tp {group.world} failed to load {model_dir} (its error is "
                              f"printed above)")
         return cls(group, cfg, weights, dtype)
+
+    @staticmethod
+    def load_shard(group: TPGroup, model_dir: Path, dtype: torch.dtype, quant: QuantSpec | None):
+        """(the whole model's config, this rank's weights) of a text checkpoint."""
+        cfg = open_text_checkpoint(model_dir, with_tokenizer=False, world=group.world).config
+        plan = ShardPlan(cfg, group.rank, group.world)
+        check_fits(group.device, shard_elements(plan) * element_bytes(dtype, quant),
+                   f"rank {group.rank}'s shard of {model_dir}")
+        return cfg, load_shard(model_dir, plan, group.device, dtype, quant)
 
     # ---- every rank ----
     def alloc_cache(self, capacity: int) -> ShardSession:
@@ -229,7 +237,7 @@ class TPEngine:
         and Ctrl-C inside a step takes effect after it (accel.tp.group.sigint_deferred): the ranks stay in step."""
         gen = make_generator(self.device, s.seed)
         seen = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.device)  # [V]
-        seen[ids] = True
+        seen[ids[ids < self.config.vocab_size]] = True  # not an image token (a vision model's id V)
         told, token = True, None
         try:
             for n in range(s.max_new_tokens):

@@ -14,18 +14,39 @@ from typing import Iterator
 import torch.distributed as dist
 
 from refimpl.errors import Llama32Error, one_line
+from refimpl.family import family_of_config_json
+from refimpl.formats.jsonfile import read_config_json
 from refimpl.formats.params import Checkpoint
+from refimpl.quant.schemes import QuantSpec
 
 from .engine import RankFailed, TPEngine
 from .group import TPGroup, from_env, spawn, under_torchrun
-from .load import open_text_checkpoint
+from .load import check_quant, open_text_checkpoint
+from .vision_engine import TPVisionEngine
+from .vision_load import open_vision_checkpoint
 
 
-def _serve(group: TPGroup, model_dir: Path, dtype: str | None) -> None:
+def engine_class(model_dir: Path) -> type[TPEngine]:
+    """TPVisionEngine for a Llama 3.2 Vision directory (config.json's model_type), else TPEngine."""
+    path = Path(model_dir)
+    if path.is_dir() and (path / "config.json").is_file():
+        if family_of_config_json(read_config_json(path / "config.json")).takes_images:
+            return TPVisionEngine
+    return TPEngine
+
+
+def open_checkpoint(model_dir: Path, world: int) -> Checkpoint:
+    """The checkpoint's config, tokenizer and stop ids (no weights), every header and the split checked."""
+    if engine_class(model_dir) is TPVisionEngine:
+        return open_vision_checkpoint(model_dir, world=world)
+    return open_text_checkpoint(model_dir, world=world)
+
+
+def _serve(group: TPGroup, model_dir: Path, dtype: str | None, quant: QuantSpec | None) -> None:
     """A spawned rank's life: load its shard, serve rank 0's requests. Its own input error prints as one line
     (unless rank 0 failed too and says it); another rank's failure is rank 0's to report."""
     try:
-        TPEngine.load(group, model_dir, dtype).serve()
+        engine_class(model_dir).load(group, model_dir, dtype, quant).serve()
     except RankFailed:
         pass
     except Llama32Error as e:
@@ -33,30 +54,32 @@ def _serve(group: TPGroup, model_dir: Path, dtype: str | None) -> None:
 
 
 @contextlib.contextmanager
-def tp_engine(model_dir: Path, world: int, device: str | None, dtype: str | None
+def tp_engine(model_dir: Path, world: int, device: str | None, dtype: str | None, quant: QuantSpec | None = None
               ) -> Iterator[tuple[TPEngine, Checkpoint]]:
     """(rank 0's engine, the checkpoint without weights) for the block; the other ranks are released and the group
     ended after it. Under torchrun, a rank other than 0 serves and then exits the process (SystemExit 0)."""
     procs = []
+    check_quant(quant)
     if under_torchrun():
         try:  # every rank reads the same files: rank 0 alone says what is wrong with them
-            ckpt = open_text_checkpoint(model_dir, world=world)
+            ckpt = open_checkpoint(model_dir, world=world)
         except Llama32Error:
             if os.environ["RANK"] != "0":
                 raise SystemExit(2) from None
             raise
         group = from_env(world, device)
     else:
-        ckpt = open_text_checkpoint(model_dir, world=world)  # the split and the headers checked before any start
-        group, procs = spawn(world, device, _serve, (Path(model_dir), dtype))
+        ckpt = open_checkpoint(model_dir, world=world)  # the split and the headers checked before any start
+        group, procs = spawn(world, device, _serve, (Path(model_dir), dtype, quant))
+    engine_type = engine_class(model_dir)
     try:
         if not group.is_root:  # under torchrun
             try:
-                TPEngine.load(group, Path(model_dir), dtype).serve()
+                engine_type.load(group, Path(model_dir), dtype, quant).serve()
             except RankFailed:  # rank 0 says which rank failed, the failing rank why
                 raise SystemExit(2) from None
             raise SystemExit(0)
-        engine = TPEngine.load(group, Path(model_dir), dtype)
+        engine = engine_type.load(group, Path(model_dir), dtype, quant)
         try:
             yield engine, ckpt
         finally:

@@ -6,7 +6,8 @@ lives) plus one slice. From safetensors, only the slice's bytes are read
 (refimpl.formats.safetensors_io.SafetensorsFile.load_slice: never the whole tensor, never a memory map); from a
 GGUF file, a row slice's blocks alone are dequantized (a row is whole blocks), a column slice's tensor whole, and only
 the slice kept. Then fused as accel.weights fuses the whole model: qkv = [q; k; v] and gate_up = [gate; up] of this
-rank's rows.
+rank's rows; with --quant, each fused matrix quantized on the device as it is built (ShardReader, which
+accel.tp.vision_load's loader shares).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from refimpl.errors import CheckpointError
+from refimpl.errors import CheckpointError, GenerationError
 from refimpl.family import family_of_config_json
 from refimpl.formats.gguf_check import validate_gguf
 from refimpl.formats.gguf_loader import (ROPE_FREQS, Metadata, config_from_gguf, dequantize, file_tensors, hf_name,
@@ -29,7 +30,9 @@ from refimpl.formats.quant_checkpoint import declares_quantization
 from refimpl.formats.safe_open import open_regular, stat_path
 from refimpl.formats.shards import read_headers
 from refimpl.model.config import LlamaConfig
+from refimpl.quant.schemes import INT_FORMATS, QuantSpec
 
+from ..quant_ops import quantize
 from ..weights import LayerWeights, Weights, host_tensor
 from .shard import ShardPlan, Slice, check_divisible
 
@@ -129,34 +132,72 @@ def read(source, name: str, plan: ShardPlan) -> np.ndarray:
     return part
 
 
-def load_shard(model_dir: Path, plan: ShardPlan, device, dtype: torch.dtype) -> Weights:
-    """This rank's fused weights: accel.weights.Weights over plan.local's shapes, embed/lm_head [ceil(V/N), D]."""
-    path, cfg = Path(model_dir), plan.cfg
-    source = GGUFSlices(path) if is_gguf(path) else SafetensorsSlices(path, cfg)
+class ShardReader:
+    """A rank's tensors built from its slices (`read`), one slice on the host at a time, on `device`: norms and
+    vectors in `dtype`; matrices in `dtype`, or quantized by `spec` (a refimpl.quant.schemes.QuantSpec, int8 or
+    int4) into accel.quant_ops.QuantTensors, each from its float32 slices (as the one-device engine quantizes the
+    checkpoint's float32 values). A column-parallel slice keeps whole rows, so its scales are the unsharded
+    matrix's; a row-parallel slice (o, down) keeps 1/N of each row's columns, so its int8 scale is that column
+    slice's own max |w| / 127 (int8 with groups of K/N on the whole matrix; int4's groups of G are the unsharded
+    ones whenever G divides K/N)."""
 
-    def tensor(name: str) -> torch.Tensor:
-        return host_tensor(read(source, name, plan)).to(device=device, dtype=dtype)
+    def __init__(self, source, plan, device, dtype: torch.dtype, spec: QuantSpec | None = None):
+        self.source, self.plan, self.device, self.dtype, self.spec = source, plan, device, dtype, spec
 
-    def rows(names: list[str]) -> torch.Tensor:
+    def tensor(self, name: str) -> torch.Tensor:
+        return host_tensor(read(self.source, name, self.plan)).to(device=self.device, dtype=self.dtype)
+
+    def rows(self, names: list[str], dtype: torch.dtype | None = None) -> torch.Tensor:
         """The slices stacked by rows, each copied into its place as it is read (one on the host at a time)."""
-        spans = [plan.slice_of(n) for n in names]
-        out = torch.empty(sum(s.stop - s.start for s in spans), cfg.hidden_size, device=device, dtype=dtype)
-        row = 0
+        dtype = dtype or self.dtype
+        if len(names) == 1:  # a row or a column slice
+            return host_tensor(read(self.source, names[0], self.plan)).to(device=self.device, dtype=dtype)
+        spans = [self.plan.slice_of(n) for n in names]  # row slices (q/k/v, gate/up) of one width
+        out, row = None, 0
         for n, s in zip(names, spans):
-            out.narrow(0, row, s.stop - s.start).copy_(host_tensor(read(source, n, plan)))
+            part = host_tensor(read(self.source, n, self.plan))
+            if out is None:
+                out = torch.empty(sum(s.stop - s.start for s in spans), part.shape[1], device=self.device,
+                                  dtype=dtype)
+            out.narrow(0, row, s.stop - s.start).copy_(part)
             row += s.stop - s.start
         return out
 
+    def matrix(self, names: list[str], key: str):
+        """A (fused) matrix of these slices: dense in the run's dtype, or quantized by the spec's format for `key`
+        (the first name, as QuantSpec.for_matrix reads it: a fused group takes one format)."""
+        if self.spec is None:
+            return self.rows(names)
+        return quantize(self.rows(names, torch.float32), self.spec.for_matrix(key))
+
+
+def check_quant(spec: QuantSpec | None) -> None:
+    """--quant with --tp: the formats a rank can make of its own slices (int8, int4)."""
+    if spec is not None and spec.format not in INT_FORMATS:
+        raise GenerationError(f"--quant {spec.format} with --tp: each rank quantizes its own slices at load, in "
+                              f"int8 or int4; a GGUF file's blocks are not kept under --tp")
+
+
+def load_shard(model_dir: Path, plan: ShardPlan, device, dtype: torch.dtype,
+               spec: QuantSpec | None = None) -> Weights:
+    """This rank's fused weights: accel.weights.Weights over plan.local's shapes, embed/lm_head [ceil(V/N), D];
+    with `spec`, the layers' matrices (and the lm_head unless spec.lm_head is False) quantized (ShardReader)."""
+    path, cfg = Path(model_dir), plan.cfg
+    source = GGUFSlices(path) if is_gguf(path) else SafetensorsSlices(path, cfg)
+    r = ShardReader(source, plan, device, dtype, spec)
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         layers.append(LayerWeights(
-            attn_norm=tensor(p + "input_layernorm.weight"),
-            qkv=rows([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),  # [(H+2K)/N·E, D]
-            o=tensor(p + "self_attn.o_proj.weight"),  # [D, H/N·E]
-            mlp_norm=tensor(p + "post_attention_layernorm.weight"),
-            gate_up=rows([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),  # [2F/N, D]
-            down=tensor(p + "mlp.down_proj.weight")))  # [D, F/N]
-    embed = tensor("model.embed_tokens.weight")  # [ceil(V/N), D]
-    lm_head = embed if cfg.tie_word_embeddings else tensor("lm_head.weight")
-    return Weights(embed, layers, tensor("model.norm.weight"), lm_head)
+            attn_norm=r.tensor(p + "input_layernorm.weight"),
+            qkv=r.matrix([p + f"self_attn.{n}_proj.weight" for n in "qkv"], p + "self_attn.q_proj.weight"),
+            o=r.matrix([p + "self_attn.o_proj.weight"], p + "self_attn.o_proj.weight"),  # [D, H/N·E]
+            mlp_norm=r.tensor(p + "post_attention_layernorm.weight"),
+            gate_up=r.matrix([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_proj.weight"),
+            down=r.matrix([p + "mlp.down_proj.weight"], p + "mlp.down_proj.weight")))  # [D, F/N]
+    embed = r.tensor("model.embed_tokens.weight")  # [ceil(V/N), D]
+    lm_head = embed
+    if not cfg.tie_word_embeddings or (spec is not None and spec.lm_head):
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        lm_head = r.matrix([head], "lm_head.weight") if spec is not None and spec.lm_head else r.tensor(head)
+    return Weights(embed, layers, r.tensor("model.norm.weight"), lm_head)

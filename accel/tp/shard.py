@@ -105,6 +105,11 @@ def shard_elements(plan: ShardPlan) -> int:
     return n
 
 
+def element_bytes(dtype, quant) -> int:
+    """Bytes a value of the shard takes at most: the dtype's, or 1 for quantized codes (int8; int4 packs two)."""
+    return dtype.itemsize if quant is None else 1
+
+
 def check_divisible(cfg: LlamaConfig, world: int) -> None:
     """Refuse a split Megatron's scheme cannot make, in one line naming the numbers."""
     H, K, F = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size

@@ -22,6 +22,22 @@ from refimpl.model.config import PRESETS, LlamaConfig
 MODELS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b"}  # the text models the GPU benchmarks run, by short name
 
 
+VISION_11B = {"image_size": 560}  # every other vision field: HF's defaults, the 11B/90B encoder
+VISION_CONFIGS = {  # config.json's contents of the Llama 3.2 Vision models, by short name
+    "11b-vision": {"model_type": "mllama", "vision_config": VISION_11B},  # text defaults: the 11B decoder
+    "90b-vision": {"model_type": "mllama", "vision_config": VISION_11B,
+                   "text_config": {"hidden_size": 8192, "num_hidden_layers": 100, "num_attention_heads": 64,
+                                   "num_key_value_heads": 8, "intermediate_size": 28672,
+                                   "cross_attention_layers": list(range(3, 100, 5))}},
+}
+
+
+def vision_config(name: str):
+    """'90b-vision' -> its refimpl.model.vision_config.MllamaConfig (real shapes, for random weights)."""
+    from refimpl.model.vision_config import MllamaConfig
+    return MllamaConfig.from_hf(VISION_CONFIGS[name], source=name)
+
+
 def model_config(key: str) -> LlamaConfig:
     """'1b' -> the Llama 3.2 1B config (real shapes; the benchmarks fill them with random weights)."""
     return PRESETS[MODELS[key]]

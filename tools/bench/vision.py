@@ -21,21 +21,9 @@ from accel.vision.weights import random_vision_weights
 from refimpl.formats.vision_checkpoint import expected_vision_shapes, hub_name
 from refimpl.model.vision_config import MllamaConfig
 from refimpl.vision.inputs import ImageInputs
-from tools.bench.common import (copy_bandwidth, gemm_tflops, hf_bf16_model, median_ms, parser, profile_decode_steps,
-                                record, require_cuda, timed_greedy, write_record)
-
-VISION_11B = {"image_size": 560}  # every other vision field: HF's defaults, the 11B/90B encoder
-CONFIGS = {
-    "11b-vision": {"model_type": "mllama", "vision_config": VISION_11B},  # text defaults: the 11B decoder
-    "90b-vision": {"model_type": "mllama", "vision_config": VISION_11B,
-                   "text_config": {"hidden_size": 8192, "num_hidden_layers": 100, "num_attention_heads": 64,
-                                   "num_key_value_heads": 8, "intermediate_size": 28672,
-                                   "cross_attention_layers": list(range(3, 100, 5))}},
-}
-
-
-def config(name: str) -> MllamaConfig:
-    return MllamaConfig.from_hf(CONFIGS[name], source=name)
+from tools.bench.common import (VISION_CONFIGS, copy_bandwidth, gemm_tflops, hf_bf16_model, median_ms, parser,
+                                profile_decode_steps, record, require_cuda, timed_greedy, vision_config,
+                                write_record)
 
 
 def image_inputs(cfg: MllamaConfig, prompt_len: int, device) -> tuple[list[int], ImageInputs]:
@@ -109,7 +97,7 @@ def hf_decode_rate(model, ids: list[int], images: ImageInputs, new_tokens: int) 
 
 def vision_bench(name: str, device, with_hf: bool, new_tokens: int = 128, prompt_len: int = 512,
                  copy_tb_s: float | None = None, gemm_tflop_s: float | None = None) -> dict:
-    cfg = config(name)
+    cfg = vision_config(name)
     gc.collect()
     torch.cuda.empty_cache()
     weights = random_vision_weights(cfg, device, torch.bfloat16, expected_vision_shapes(cfg))
@@ -163,7 +151,7 @@ def vision_bench(name: str, device, with_hf: bool, new_tokens: int = 128, prompt
 def fits_report(name: str, device, context: int = 4096) -> dict:
     """Memory the model needs in bf16 (weights + KV for `context` positions + one 4-tile image) and whether it
     fits this GPU."""
-    need = memory_needed(config(name), context)
+    need = memory_needed(vision_config(name), context)
     total = torch.cuda.get_device_properties(device).total_memory / 1e9
     return {"model": name, "context": context, **need, "gpu_gb": total, "fits_one_gpu": need["total_gb"] < total}
 
@@ -188,10 +176,10 @@ def main(argv=None):
     result = record(copy_tb_s=copy_bandwidth(device), gemm_tflop_s=gemm_tflops(device))
     result["vision"] = vision_bench("11b-vision", device, with_hf=args.hf, copy_tb_s=result["copy_tb_s"],
                                     gemm_tflop_s=result["gemm_tflop_s"])
-    result["vision_memory"] = [fits_report(name, device) for name in CONFIGS]
+    result["vision_memory"] = [fits_report(name, device) for name in VISION_CONFIGS]
     print(json.dumps(result, indent=1), flush=True)
     if args.profile:
-        cfg = config("11b-vision")
+        cfg = vision_config("11b-vision")
         weights = random_vision_weights(cfg, device, torch.bfloat16, expected_vision_shapes(cfg))
         engine = VisionAccelEngine(cfg, weights, torch.device(device), "bf16")
         ids, images = image_inputs(cfg, 512, device)

@@ -75,8 +75,7 @@ def generate(prompt, model, chat, system, max_new_tokens, temperature, top_p, to
     settings = Sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
     if tp > 1:  # stdin read after the load: under torchrun only rank 0 comes back from it
         backend = "accel" if backend == "auto" else backend
-        engine, ckpt, load_s = load_tp(resolve_model(model), tp, backend, device, dtype, **{
-            "--lora": lora, "--quant": quant, "--image": images})
+        engine, ckpt, load_s = load_tp(resolve_model(model), tp, backend, device, dtype, quant, **{"--lora": lora})
         prompt = read_prompt(prompt)
     else:
         prompt = read_prompt(prompt)
