@@ -24,7 +24,7 @@ from refimpl.model.vision_config import MllamaConfig
 from .. import ops
 from ..vision import encoder
 from ..vision.weights import CrossLayer
-from .model import ShardCache, all_reduce, embed, layer
+from .model import ShardCache, all_reduce, embed_rows, layer
 from .vision_load import TPVisionWeights
 
 
@@ -104,7 +104,7 @@ def forward(w: TPVisionWeights, cfg: MllamaConfig, local, first_id: int, world: 
     T = ids.shape[0]
     positions = cache.text.slots[start:start + T]  # [T]
     cos, sin = cache.text.cos[start:start + T], cache.text.sin[start:start + T]  # [T, E/2]
-    x = embed(w.text, ids, first_id)  # [T, D]
+    x = all_reduce(embed_rows(w.text.embed, ids, first_id))  # [T, D]
     if cache.has_image:
         visible, has_image = _image_rows(cache, cfg, start, T, x.device)
         has_image = has_image.to(x.dtype)
