@@ -220,7 +220,8 @@ def test_engine_tp2_mqa_odd_vocab_logits_equal_one_process(tmp_path):
     prompts = [rng.integers(0, 67, n).tolist() for n in (4, 40, 1, 17)]
     got = run_job({"device": "cpu", "dir": str(tmp_path / "model"), "dtype": "fp32", "prompts": prompts,
                    "max_tokens": 6, "return_logits": True,
-                   "options": {"max_num_batched_tokens": 16, "num_blocks": 12, "block_size": 4}}, tmp_path)
+                   "options": {"max_num_batched_tokens": 16, "num_blocks": 12, "block_size": 4,
+                               "overlap": True}}, tmp_path)
     assert got["tokens"] == got["ref_tokens"]
     for i, (rows, ref_rows) in enumerate(zip(got["logits"], got["ref_logits"])):
         assert len(rows) == len(ref_rows) == 6

@@ -69,7 +69,7 @@ def init(rank: int, world: int, device: torch.device, addr: str | None = None, p
     if addr is not None:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     backend = "gloo"
-    if device.type == "cpu":  # the ranks share the cores: more threads than cores slowed decoding ~8x
+    if device.type == "cpu":  # the ranks share the cores: more threads than cores oversubscribe them
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     if device.type == "cuda":
         os.environ.update(NO_MULTICAST)
