@@ -42,15 +42,56 @@ def open_checkpoint(model_dir: Path, world: int) -> Checkpoint:
     return open_text_checkpoint(model_dir, world=world)
 
 
-def _serve(group: TPGroup, model_dir: Path, dtype: str | None, quant: QuantSpec | None) -> None:
-    """A spawned rank's life: load its shard, serve rank 0's requests. Its own input error prints as one line
-    (unless rank 0 failed too and says it); another rank's failure is rank 0's to report."""
+def rank_life(group: TPGroup, run) -> None:
+    """A spawned rank's life: run() (load its shard, follow rank 0). Its own input error prints as one line (unless
+    rank 0 failed too and says it); another rank's failure is rank 0's to report."""
     try:
-        engine_class(model_dir).load(group, model_dir, dtype, quant).serve()
+        run()
     except RankFailed:
         pass
     except Llama32Error as e:
         print(f"error: rank {group.rank}: {one_line(str(e))}", file=sys.stderr)
+
+
+def _serve(group: TPGroup, model_dir: Path, dtype: str | None, quant: QuantSpec | None) -> None:
+    rank_life(group, lambda: engine_class(model_dir).load(group, model_dir, dtype, quant).serve())
+
+
+@contextlib.contextmanager
+def started_group(world: int, device: str | None, open_ckpt, follower, args: tuple
+                  ) -> Iterator[tuple[TPGroup, Checkpoint]]:
+    """(this process's rank of the group, the checkpoint without weights from open_ckpt()) for the block: under
+    torchrun the rank RANK / WORLD_SIZE describe, else rank 0 with ranks 1..N-1 spawned, each running
+    follower(group, *args). Every rank reads the checkpoint's headers first: rank 0 alone says what is wrong with
+    them. After the block the group is ended and the spawned ranks joined."""
+    procs = []
+    if under_torchrun():
+        try:
+            ckpt = open_ckpt()
+        except Llama32Error:
+            if os.environ["RANK"] != "0":
+                raise SystemExit(2) from None
+            raise
+        group = from_env(world, device)
+    else:
+        ckpt = open_ckpt()  # the split and the headers checked before any start
+        group, procs = spawn(world, device, follower, args)
+    try:
+        yield group, ckpt
+    finally:
+        dist.destroy_process_group()
+        for p in procs:
+            p.join(timeout=60)
+
+
+def follow_and_exit(run) -> None:
+    """A rank other than 0 under torchrun: run() (follow rank 0 until it leaves), then exit the process (2 when a
+    rank failed: rank 0 says which, the failing rank why)."""
+    try:
+        run()
+    except RankFailed:
+        raise SystemExit(2) from None
+    raise SystemExit(0)
 
 
 @contextlib.contextmanager
@@ -58,33 +99,15 @@ def tp_engine(model_dir: Path, world: int, device: str | None, dtype: str | None
               ) -> Iterator[tuple[TPEngine, Checkpoint]]:
     """(rank 0's engine, the checkpoint without weights) for the block; the other ranks are released and the group
     ended after it. Under torchrun, a rank other than 0 serves and then exits the process (SystemExit 0)."""
-    procs = []
     check_quant(quant)
-    if under_torchrun():
-        try:  # every rank reads the same files: rank 0 alone says what is wrong with them
-            ckpt = open_checkpoint(model_dir, world=world)
-        except Llama32Error:
-            if os.environ["RANK"] != "0":
-                raise SystemExit(2) from None
-            raise
-        group = from_env(world, device)
-    else:
-        ckpt = open_checkpoint(model_dir, world=world)  # the split and the headers checked before any start
-        group, procs = spawn(world, device, _serve, (Path(model_dir), dtype, quant))
-    engine_type = engine_class(model_dir)
-    try:
-        if not group.is_root:  # under torchrun
-            try:
-                engine_type.load(group, Path(model_dir), dtype, quant).serve()
-            except RankFailed:  # rank 0 says which rank failed, the failing rank why
-                raise SystemExit(2) from None
-            raise SystemExit(0)
-        engine = engine_type.load(group, Path(model_dir), dtype, quant)
+    model_dir = Path(model_dir)
+    with started_group(world, device, lambda: open_checkpoint(model_dir, world=world), _serve,
+                       (model_dir, dtype, quant)) as (group, ckpt):
+        engine_type = engine_class(model_dir)
+        if not group.is_root:
+            follow_and_exit(lambda: engine_type.load(group, model_dir, dtype, quant).serve())
+        engine = engine_type.load(group, model_dir, dtype, quant)
         try:
             yield engine, ckpt
         finally:
             engine.close()
-    finally:
-        dist.destroy_process_group()
-        for p in procs:
-            p.join(timeout=60)
