@@ -92,10 +92,11 @@ class ShardPlan:
         return Slice(dim, r * n, (r + 1) * n)
 
 
-def shard_elements(plan: ShardPlan) -> int:
-    """The values of every tensor this rank keeps (its slices, padding included, and the norms)."""
+def shard_elements(plan, shapes: dict | None = None) -> int:
+    """The values of every tensor this rank keeps (its slices, padding included, and the replicated ones: the norms,
+    a Vision model's encoder). shapes: the checkpoint's {name: shape} (default: a text model's, of plan.cfg)."""
     n = 0
-    for name, shape in expected_shapes(plan.cfg).items():
+    for name, shape in (expected_shapes(plan.cfg) if shapes is None else shapes).items():
         s = plan.slice_of(name)
         if s is None:
             n += math.prod(shape)

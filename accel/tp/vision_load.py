@@ -17,7 +17,6 @@ at most half of a once-per-request encode; replicated, it needs no communication
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from ..vision.weights import CrossLayer, fuse_vision_qkv, vision_gates
 from ..weights import LayerWeights, Weights
 from .load import ShardReader
 from .random_shard import RandomShard
-from .shard import ShardPlan, Slice, check_divisible
+from .shard import ShardPlan, Slice, check_divisible, shard_elements
 
 EMBED = TEXT + "embed_tokens.weight"
 
@@ -84,15 +83,7 @@ class VisionShardPlan:
 
 def vision_shard_elements(plan: VisionShardPlan) -> int:
     """The values of every tensor this rank keeps (its slices, padding included, and the replicated ones)."""
-    n = 0
-    for name, shape in expected_vision_shapes(plan.cfg).items():
-        s = plan.slice_of(name)
-        if s is None:
-            n += math.prod(shape)
-        else:
-            kept = s.rows or s.stop - s.start
-            n += kept * shape[1] if s.dim == 0 else shape[0] * kept
-    return n
+    return shard_elements(plan, expected_vision_shapes(plan.cfg))
 
 
 def open_vision_checkpoint(path: Path, with_tokenizer: bool = True, world: int = 1) -> Checkpoint:
