@@ -36,8 +36,8 @@ from .. import ops
 from ..batch.block_manager import BlockManager
 from ..batch.engine import BatchEngine
 from ..batch.runner import ModelRunner, StepInputs
-from .engine import RankFailed, TPEngine
-from .group import TPGroup, failed_ranks, sigint_deferred
+from .engine import TPEngine, together
+from .group import TPGroup, sigint_deferred
 from .shard import ShardPlan
 
 STOP, STEP = 0, 1
@@ -156,22 +156,6 @@ class TPBatchEngine(BatchEngine):
 
     def close(self) -> None:
         self.runner.tp.stop()
-
-
-def together(group: TPGroup, what: str, fn):
-    """fn() on every rank; if it raises on any, every rank raises (the failing rank its own error, unless rank 0
-    failed too and says it; the others that rank r failed)."""
-    result, error = None, None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001  told to every rank before anyone raises
-        error = e
-    failed = failed_ranks(error is None, group)
-    if failed:
-        if error is not None and (group.is_root or 0 not in failed):
-            raise error
-        raise RankFailed(f"rank {failed[0]} of --tp {group.world} failed to {what} (its error is printed above)")
-    return result
 
 
 def pool_shape(group: TPGroup, engine: BatchEngine | None) -> tuple[int, int]:

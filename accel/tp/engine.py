@@ -55,6 +55,22 @@ class ShardSession:
         self.cache, self.decoder, self.capacity = cache, decoder, cache.capacity
 
 
+def together(group: TPGroup, what: str, fn):
+    """fn() on every rank; if it raises on any, every rank raises (the failing rank its own error, unless rank 0
+    failed too and says it; the others that rank r failed)."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001  told to every rank before anyone raises
+        error = e
+    failed = failed_ranks(error is None, group)
+    if failed:
+        if error is not None and (group.is_root or 0 not in failed):
+            raise error
+        raise RankFailed(f"rank {failed[0]} of --tp {group.world} failed to {what} (its error is printed above)")
+    return result
+
+
 class TPEngine:
     backend = "accel"
     tuning = DEFAULT  # the kernels' launch tables (accel.kernels.tuning)
@@ -75,20 +91,13 @@ class TPEngine:
         any fails, every rank raises: rank 0 its own error, or that rank r failed (RankFailed: the failing rank
         prints its own error, unless rank 0 failed too and says it)."""
         dtype = dtype or ("bf16" if group.device.type == "cuda" else "fp32")
-        cfg, weights, error = None, None, None
-        try:
+
+        def load():
             if dtype not in DTYPES:
                 raise GenerationError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
             check_quant(quant)
-            cfg, weights = cls.load_shard(group, Path(model_dir), DTYPES[dtype], quant)
-        except Exception as e:  # noqa: BLE001  told to every rank before anyone raises
-            error = e
-        failed = failed_ranks(error is None, group)
-        if failed:
-            if error is not None and (group.is_root or 0 not in failed):
-                raise error
-            raise RankFailed(f"rank {failed[0]} of --tp {group.world} failed to load {model_dir} (its error is "
-                             f"printed above)")
+            return cls.load_shard(group, Path(model_dir), DTYPES[dtype], quant)
+        cfg, weights = together(group, f"load {model_dir}", load)
         return cls(group, cfg, weights, dtype)
 
     @staticmethod
