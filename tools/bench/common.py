@@ -181,10 +181,11 @@ def device_ms(fn, reps: int = 20, sleep_cycles: int = 40_000_000) -> float:
     return sorted(times)[1]
 
 
-def graph_us(calls, reps: int = 10) -> float:
+def graph_us(calls, reps: int = 10, capture_error_mode: str = "global") -> float:
     """µs a call of `calls` captured in one CUDA graph (one call per weight copy: with >= 256 MB of copies the
     weights leave the L2 as a decode step's layers do), replayed `reps` times; the median, the graph's gaps
-    between kernels included as in decode."""
+    between kernels included as in decode. capture_error_mode: torch.cuda.graph's ("thread_local" for NCCL
+    collectives)."""
     import torch
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -193,7 +194,7 @@ def graph_us(calls, reps: int = 10) -> float:
             c()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, capture_error_mode=capture_error_mode):
         for c in calls:
             c()
     g.replay()

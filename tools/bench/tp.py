@@ -15,7 +15,6 @@ Method and timing: tools.bench.common.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 
 from tools.bench import common
 
@@ -36,25 +35,7 @@ def allreduce_us(split, D: int, layers: int, device) -> float:
     import torch
     x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
     calls = [lambda: split.reduce(x)] * (2 * layers)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        for c in calls:
-            c()
-    times = []
-    for _ in range(11):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(times[1:])
+    return common.graph_us(calls, capture_error_mode="thread_local")
 
 
 def tp_row(group, key: str, new_tokens: int, reps: int, copy: float) -> dict:
