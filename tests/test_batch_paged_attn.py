@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from accel.kernels import paged_attn  # noqa: E402
 from accel.kernels.paged_attn import paged_decode_attention_fwd  # noqa: E402
 from accel.ops.dispatch import INTERPRET  # noqa: E402
 from accel.ops.paged import torch_paged_decode_attention  # noqa: E402
@@ -52,13 +53,14 @@ SHAPES = [  # (H, K, E, lens, block_size)
 
 
 @pytest.mark.parametrize("H,K,E,lens,block_size", SHAPES)
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "triton_even", "torch"])
 def test_paged_decode_matches_reference(H, K, E, lens, block_size, impl):
-    if impl == "triton" and not INTERPRET:
+    if impl != "torch" and not INTERPRET:
         pytest.skip("the kernel on CPU tensors needs TRITON_INTERPRET=1 (on a GPU machine: test_paged_decode_gpu)")
     q, ck, cv, tables, lens_t = case(H, K, E, lens, block_size)
-    fn = paged_decode_attention_fwd if impl == "triton" else torch_paged_decode_attention
-    kw = {"split_len": 16} if impl == "triton" else {}  # several splits per sequence at these lengths
+    fn = paged_decode_attention_fwd if impl != "torch" else torch_paged_decode_attention
+    kw = {"triton": {"split_len": 16},  # several splits per sequence at these lengths
+          "triton_even": {"even": True}, "torch": {}}[impl]  # split_count's splits: several at these batch sizes
     got = fn(q, ck, cv, tables, lens_t, block_size, **kw)
     want = reference(q, ck, cv, tables, lens_t, block_size)
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -85,8 +87,9 @@ def test_paged_decode_gpu(dtype, tol):
     lens = [1, 15, 16, 17, 300, 1000, 2049, 0]
     q, ck, cv, tables, lens_t = case(32, 8, 64, lens, 16, dtype=dtype, num_blocks=1200)
     want = reference(q, ck, cv, tables, lens_t, 16)
-    got = paged_decode_attention_fwd(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), 16)
-    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    for even in (False, True):
+        got = paged_decode_attention_fwd(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), 16, even=even)
+        torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
     via_torch = torch_paged_decode_attention(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), 16)
     torch.testing.assert_close(via_torch.cpu().double(), want, rtol=tol, atol=tol)
 
@@ -104,6 +107,20 @@ def test_paged_decode_combines_every_group_launch_after_launch(block_n):
             got = paged_decode_attention_fwd(q, ck, cv, tables, lens_t, block_size, split_len=32, out=out,
                                              config={"BLOCK_N": block_n})
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernel on CPU tensors needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("programs", [1, 64, 4096])
+def test_even_splits_match_the_reference_at_every_split_count(programs, monkeypatch):
+    """even=True: 1 split a sequence, a few, and as many as the tiles (split_count's bounds), launched twice (the
+    arrival counts back at zero)."""
+    monkeypatch.setattr(paged_attn, "SPLIT_PROGRAMS", programs)
+    H, K, E, lens, block_size = 8, 2, 16, [33, 7, 0, 64, 50, 1], 16
+    q, ck, cv, tables, lens_t = case(H, K, E, lens, block_size, num_blocks=60)
+    want = reference(q, ck, cv, tables, lens_t, block_size)
+    for out in (None, torch.full_like(q, float("nan"))):
+        got = paged_decode_attention_fwd(q, ck, cv, tables, lens_t, block_size, out=out, even=True)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernel on CPU tensors needs TRITON_INTERPRET=1")

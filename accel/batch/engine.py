@@ -274,16 +274,18 @@ class BatchEngine:
             return None
         prev = None if self._in_flight is None else self._in_flight.tokens
         inp = self.runner.prepare(batch)
-        logits = self.runner.run(inp, prev)
+        logits, head = self.runner.run(inp, prev)
         sampled = inp.sampled
         seqs = [s.seq for s in sampled]
         out = _Launched(batch, sampled, [], [], None, None, None, None)
         if sampled:
-            out.tokens = sample(logits, seqs, prev)  # [R]
+            head = head.clone()  # [2, R]: greedy tokens, finite flags; out of the graph's buffer (the next replay's)
+            greedy = head[0]
+            out.tokens = sample(logits, seqs, prev, greedy)  # [R]: `greedy` itself when every row is plain greedy
             out.logprobs = launch_logprobs(logits, out.tokens, seqs)
-            # [R]: one read of the logits (a NaN or Inf in a row makes its fp32 sum NaN or Inf)
-            finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).to(torch.int64)
-            out.host = torch.stack([out.tokens, finite]).to("cpu", non_blocking=True)  # [2, R]: pinned from a GPU
+            if out.tokens is not greedy:
+                head = torch.stack([out.tokens, head[1]])
+            out.host = head.to("cpu", non_blocking=True)  # [2, R]: pinned from a GPU
             if out.tokens.is_cuda:
                 out.ready = torch.cuda.Event()
                 out.ready.record()

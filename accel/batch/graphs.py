@@ -4,7 +4,9 @@ A decode-only step's B rows are padded up to the next bucket of BUCKETS and its 
 of blocks (at least MIN_WIDTH, at most the model's context): the paged decode kernel's grid covers the table's width,
 so a graph serves every sequence that fits it. Graphs are captured on first use, after two eager warm-up runs on a
 side stream (Triton compiles and tunes outside the capture), over static input buffers that each replay's inputs are
-copied into; all of them share one memory pool (each replay's logits are read before the next replay).
+copied into; all of them share one memory pool (each replay's logits are read before the next replay). A graph ends
+with the rows' greedy tokens and finite-logits flags (accel.ops.paged.greedy_rows), so a greedy step needs no
+kernel after its replay but the copy of those out of the graph's buffer.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: object  # runner.StepInputs over the static buffers
     logits: torch.Tensor  # [rows, V], rewritten by each replay
+    head: torch.Tensor  # [2, rows] int64: greedy tokens and finite flags of the logits, rewritten by each replay
 
 
 class DecodeGraphs:
@@ -45,15 +48,16 @@ class DecodeGraphs:
             w *= 2
         return bucket, min(w, max(self.runner.max_width, width))
 
-    def run(self, inp, prev: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, inp, prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays inp's graph over its inputs (pinned host tensors: copied without waiting), its decode rows fed
-        from the previous step's tokens `prev` on the device (runner.feed_ids) -> logits [rows, V]."""
+        from the previous step's tokens `prev` on the device (runner.feed_ids) -> (logits [rows, V], head [2, rows]:
+        runner.forward_head's), both the graph's buffers."""
         g = self.graphs.get(inp.graph_key) or self._capture(inp)
         for name in ("ids", "positions", "slots", "tables", "lens"):
             getattr(g.inputs, name).copy_(getattr(inp, name), non_blocking=True)
         feed_ids(g.inputs.ids, inp.feed, prev)
         g.graph.replay()
-        return g.logits
+        return g.logits, g.head
 
     def _capture(self, inp) -> _Graph:
         dev = self.runner.device
@@ -65,13 +69,13 @@ class DecodeGraphs:
         with torch.inference_mode():
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.runner.forward(static)
+                    self.runner.forward_head(static)
             torch.cuda.current_stream(dev).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.runner.forward(static)
-        g = _Graph(graph, static, logits)
+                logits, head = self.runner.forward_head(static)
+        g = _Graph(graph, static, logits, head)
         self.graphs[inp.graph_key] = g
         return g

@@ -43,7 +43,7 @@ from refimpl.model.config import LlamaConfig
 
 from .. import ops
 from ..lora_stack import LoraStack, stack_adapters
-from ..ops.paged import batched_linear, invariant_linear, paged_decode_attention
+from ..ops.paged import batched_linear, greedy_rows, invariant_linear, paged_decode_attention
 from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 from .block_manager import BlockManager
@@ -259,21 +259,30 @@ class ModelRunner:
         return (blocks + np.arange(self.block_size)).reshape(-1)[:n]  # [W, bs] -> [n]
 
     # ---- the forward ----
-    def run(self, inp: StepInputs, prev: torch.Tensor | None = None) -> torch.Tensor:
-        """-> logits [R, V] of inp.sample_rows (model dtype). prev: the previous step's tokens [R'] on the device,
-        which inp.feed takes the decode rows' input ids from (the step runs after it on the same stream: nothing
-        waits)."""
+    def run(self, inp: StepInputs, prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [R, V] of inp.sample_rows (model dtype), head [2, R] int64: their greedy tokens and whether
+        each row's logits are all finite; a graph's buffers, rewritten by its next replay). prev: the previous
+        step's tokens [R'] on the device, which inp.feed takes the decode rows' input ids from (the step runs after
+        it on the same stream: nothing waits)."""
         self.tp.begin(inp, prev)
         if inp.graph_key is not None:
-            return self.graphs.run(inp, prev)[:len(inp.sampled)]
-        with torch.inference_mode(), ops.torch_only(not self.use_triton):
+            logits, head = self.graphs.run(inp, prev)
+            R = len(inp.sampled)
+            return logits[:R], head[:, :R]
+        with torch.inference_mode():
             feed_ids(inp.ids, inp.feed, prev)
-            return self._forward(inp)
+            return self.forward_head(inp)
 
     def forward(self, inp: StepInputs) -> torch.Tensor:
-        """The eager forward as the graphs capture it."""
+        """The eager forward as the graphs capture it -> logits [R, V]."""
         with ops.torch_only(not self.use_triton):
             return self._forward(inp)
+
+    def forward_head(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's logits and their greedy tokens and finite flags [2, R] (accel.ops.paged.greedy_rows)."""
+        with ops.torch_only(not self.use_triton):
+            logits = self._forward(inp)
+            return logits, greedy_rows(logits)
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         cfg, w = self.cfg, self.w

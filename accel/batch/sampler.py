@@ -109,11 +109,16 @@ def logprob_entries(launched: tuple | None) -> list:
     return [(r, (tok[j], chosen[j], list(zip(top_i[j], top_v[j]))[:ks[j]])) for j, r in enumerate(rows)]
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [R, V] (row r: the next token of seqs[r]) -> token ids [R] int64 on the device. Greedy rows without
-    penalties (the common case) cost one argmax: no copy of the logits. prev: penalize_rows'."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], prev: torch.Tensor | None = None,
+           greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V] (row r: the next token of seqs[r]) -> token ids [R] int64 on the device. greedy: the logits'
+    argmax [R] where already computed (the runner's head): returned itself when every row is greedy without
+    penalties (the common case: no work here), else unused. prev: penalize_rows'."""
     drawn = [r for r, s in enumerate(seqs) if not s.greedy]
-    if drawn or any(s.penalized for s in seqs):
+    penalized = any(s.penalized for s in seqs)
+    if not drawn and not penalized and greedy is not None:
+        return greedy
+    if drawn or penalized:
         logits = penalize_rows(logits.float().clone(), seqs, prev)
     tokens = torch.argmax(logits, dim=-1)  # [R]: the greedy rows' answer
     if not drawn:

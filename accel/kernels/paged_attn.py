@@ -33,11 +33,13 @@ from .flash_attn import LOG2E, dot_precision
 def _paged_decode_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, O, COUNT, sq_b, sq_h, sk_k, sk_s, sv_k, sv_s, st_b,
                          so_b, so_h, E, G, H, NK, split_len, n_splits, qk_scale, BLOCK_SIZE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, EVEN: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(LENS + b)
+    if EVEN:  # the sequence cut into n_splits splits of equal length, rounded up to whole tiles
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N), 1) * BLOCK_N
     start = split * split_len
     offs_g = tl.arange(0, BLOCK_G)
     g_ok = offs_g < G
@@ -111,6 +113,7 @@ def _combine(ACC, M, L, base, n_live, offs_e, E, g_ok, out_mask, BLOCK_G: tl.con
 # GPU: 64-key tiles, 2 warps: with 512-position splits the fastest at B 64 and 256 of tools/bench/sweeps/paged.py
 GPU_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}
 CPU_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+SPLIT_PROGRAMS = 1024  # split_count's target: (sequence, kv head, split) programs a launch
 _COUNTERS: dict = {}  # device -> int32 arrival counts of the combination, zero between launches
 
 
@@ -128,13 +131,23 @@ def _counters(device, n: int) -> torch.Tensor:
     return c
 
 
+def split_count(batch: int, kv_heads: int, max_len: int, block_n: int) -> int:
+    """Splits a sequence for the launches outside the batch-invariant mode (each sequence cut into this many
+    equal ones): enough (b, kv head, split) programs to reach SPLIT_PROGRAMS, never a split under one tile."""
+    want = triton.cdiv(SPLIT_PROGRAMS, batch * kv_heads)
+    return max(1, min(want, triton.cdiv(max_len, block_n)))
+
+
 def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, tables: torch.Tensor,
                                lens: torch.Tensor, block_size: int, split_len: int | None = None,
-                               out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, config: dict | None = None,
+                               even: bool = False) -> torch.Tensor:
     """q [B, H, E] (rotated; head rows contiguous), cache_k/cache_v [K, S, E], tables [B, W] int32 (physical block
     ids; entries past a sequence's length are never read), lens [B] int32 -> out [B, H, E] in q's dtype (out: rows
-    with unit stride along E). config overrides GPU_CONFIG / CPU_CONFIG (tools/bench/sweeps/paged.py). The result's
-    bits depend on each sequence's own q, K/V and length only (batch-invariant as it is)."""
+    with unit stride along E). config overrides GPU_CONFIG / CPU_CONFIG (tools/bench/sweeps/paged.py).
+    even=False: splits of split_len positions (default_split_len), so the result's bits depend on each sequence's
+    own q, K/V and length only (batch-invariant as it is). even=True: each sequence cut into split_count(...) equal
+    splits, a number that depends on B (faster: no nearly empty last split, the grid sized to the SMs)."""
     B, H, E = q.shape
     NK = cache_k.shape[0]
     assert H % NK == 0 and E <= 128 and q.stride(-1) == 1 and cache_k.stride(2) == 1 and cache_v.stride(2) == 1
@@ -144,7 +157,8 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
     cfg = {**(GPU_CONFIG if on_gpu else CPU_CONFIG), **(config or {})}
     block_n = min(cfg.pop("BLOCK_N"), split_len)
     assert split_len % block_n == 0 and block_n >= 16, "split_len must be a multiple of 16"
-    n_splits = max(1, triton.cdiv(tables.shape[1] * block_size, split_len))
+    max_len = tables.shape[1] * block_size
+    n_splits = split_count(B, NK, max_len, block_n) if even else max(1, triton.cdiv(max_len, split_len))
     G = H // NK
     acc = torch.empty((B, H, n_splits, E), dtype=torch.float32, device=q.device)
     m = torch.empty((B, H, n_splits), dtype=torch.float32, device=q.device)
@@ -156,5 +170,5 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
         cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), tables.stride(0), out.stride(0),
         out.stride(1), E, G, H, NK, split_len, n_splits, LOG2E / math.sqrt(E), BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_E=max(16, triton.next_power_of_2(E)),
-        DOT_PRECISION=dot_precision(q.dtype), **cfg)
+        DOT_PRECISION=dot_precision(q.dtype), EVEN=even, **cfg)
     return out

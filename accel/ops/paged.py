@@ -1,6 +1,6 @@
 """The batch engine's ops (accel.batch), each a Triton kernel or its torch version, picked by accel/ops/dispatch.py:
 the paged decode attention (accel/kernels/paged_attn.py), the batched linear layers and their batch-invariant version
-(accel/kernels/matmul.py).
+(accel/kernels/matmul.py), the greedy tokens of a batch of logits rows (accel/kernels/argmax.py).
 With `invariant`, the torch versions run one row at a time: every row then takes the same path whatever the batch."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..kernels.argmax import argmax_rows_fwd
 from ..kernels.matmul import invariant_matmul_fwd, matmul_fwd, row_bucket
 from ..kernels.paged_attn import paged_decode_attention_fwd
 from ..kernels.tuning import MATMUL
@@ -18,10 +19,12 @@ from .dispatch import rows, uses_triton
 def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int, invariant: bool = False, out=None):
     """q [B, H, E] (one new token per sequence), cache_k/cache_v [K, S, E] slot pools, tables [B, W] int32 block
     tables, lens [B] int32 (sequence b sees its positions 0..lens[b]-1) -> [B, H, E] in q's dtype, written into
-    `out` where given (the kernel writes it directly: no copy). The kernel is batch-invariant as it is; `invariant`
-    picks the torch version's row-at-a-time path."""
+    `out` where given (the kernel writes it directly: no copy). `invariant`: the kernel's fixed-length splits
+    (each row's bits its own), the torch version's row-at-a-time path; else the kernel cuts each sequence into a
+    number of equal splits chosen for B (accel/kernels/paged_attn.py)."""
     if uses_triton(q):
-        return paged_decode_attention_fwd(rows(q), cache_k, cache_v, tables, lens, block_size, out=out)
+        return paged_decode_attention_fwd(rows(q), cache_k, cache_v, tables, lens, block_size, out=out,
+                                          even=not invariant)
     if invariant:  # each row over exactly its own blocks (eager: the lengths come to the host)
         a = torch.cat([torch_paged_decode_attention(q[b:b + 1], cache_k, cache_v,
                                                     tables[b:b + 1, :max(1, -(-int(n) // block_size))],
@@ -66,3 +69,12 @@ def torch_paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: 
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a length-0 row (padding): zeros, not NaN
     out = torch.einsum("bkgn,kbne->bkge", weights, v)  # [B, K, G, E]
     return out.reshape(B, H, E).to(q.dtype)
+
+
+def greedy_rows(logits, out=None):
+    """logits [R, V] -> [2, R] int64 (into `out` where given): row 0 each row's greedy token (the first index of its
+    maximum, as torch.argmax), row 1 1 where all the row's logits are finite, else 0."""
+    if uses_triton(logits) and logits.stride(-1) == 1:
+        return argmax_rows_fwd(logits, out)
+    head = torch.stack([torch.argmax(logits, dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64)])
+    return head if out is None else out.copy_(head)
