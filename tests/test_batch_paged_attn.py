@@ -53,16 +53,14 @@ SHAPES = [  # (H, K, E, lens, block_size)
 
 
 @pytest.mark.parametrize("H,K,E,lens,block_size", SHAPES)
-@pytest.mark.parametrize("impl", ["triton", "triton_even", "triton_cores", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "triton_even", "torch"])
 def test_paged_decode_matches_reference(H, K, E, lens, block_size, impl):
     if impl != "torch" and not INTERPRET:
         pytest.skip("the kernel on CPU tensors needs TRITON_INTERPRET=1 (on a GPU machine: test_paged_decode_gpu)")
     q, ck, cv, tables, lens_t = case(H, K, E, lens, block_size)
     fn = paged_decode_attention_fwd if impl != "torch" else torch_paged_decode_attention
     kw = {"triton": {"split_len": 16},  # several splits per sequence at these lengths
-          "triton_even": {"even": True},  # split_count's splits: several at these batch sizes
-          "triton_cores": {"even": True, "config": {"DOT": False, "PRELOAD": True}},  # no tl.dot, ids ahead
-          "torch": {}}[impl]
+          "triton_even": {"even": True}, "torch": {}}[impl]  # split_count's splits: several at these batch sizes
     got = fn(q, ck, cv, tables, lens_t, block_size, **kw)
     want = reference(q, ck, cv, tables, lens_t, block_size)
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -89,9 +87,8 @@ def test_paged_decode_gpu(dtype, tol):
     lens = [1, 15, 16, 17, 300, 1000, 2049, 0]
     q, ck, cv, tables, lens_t = case(32, 8, 64, lens, 16, dtype=dtype, num_blocks=1200)
     want = reference(q, ck, cv, tables, lens_t, 16)
-    for even, dot, preload in ((False, True, False), (True, True, True), (True, False, False), (True, False, True)):
-        got = paged_decode_attention_fwd(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), 16, even=even,
-                                         config={"DOT": dot, "PRELOAD": preload})
+    for even in (False, True):
+        got = paged_decode_attention_fwd(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), 16, even=even)
         torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
     via_torch = torch_paged_decode_attention(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), 16)
     torch.testing.assert_close(via_torch.cpu().double(), want, rtol=tol, atol=tol)

@@ -33,8 +33,7 @@ from .flash_attn import LOG2E, dot_precision
 def _paged_decode_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, O, COUNT, sq_b, sq_h, sk_k, sk_s, sv_k, sv_s, st_b,
                          so_b, so_h, E, G, H, NK, split_len, n_splits, qk_scale, BLOCK_SIZE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, EVEN: tl.constexpr, DOT: tl.constexpr,
-                         PRELOAD: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, EVEN: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,41 +52,27 @@ def _paged_decode_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, O, COUNT, sq_b, sq_
         end = tl.minimum(start + split_len, ctx)
         offs_n = tl.arange(0, BLOCK_N)
         q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_e[None, :], mask=out_mask,
-                    other=0.0)  # [G, E], padded to BLOCK_G rows (>= 16 for tl.dot)
+                    other=0.0)  # [G, E], padded to BLOCK_G >= 16 rows for tl.dot
         CK = CK + kh * sk_k
         CV = CV + kh * sv_k
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_E], tl.float32)
-        table = TABLES + b * st_b
-        if PRELOAD:  # the first tile's block ids; each tile then loads the next one's before its math
-            nxt = tl.load(table + (start + offs_n) // BLOCK_SIZE, mask=start + offs_n < end, other=0)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
             ok = pos < end
-            if PRELOAD:
-                block = nxt
-            else:
-                block = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)  # constexpr: shifts, not divides
+            block = tl.load(TABLES + b * st_b + pos // BLOCK_SIZE, mask=ok, other=0)  # constexpr: shifts, not divides
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
             kv_ok = ok[:, None] & e_ok[None, :]
             k = tl.load(CK + slot[:, None] * sk_s + offs_e[None, :], mask=kv_ok, other=0.0)  # [N, E]
             v = tl.load(CV + slot[:, None] * sv_s + offs_e[None, :], mask=kv_ok, other=0.0)
-            if PRELOAD:
-                nxt = tl.load(table + (pos + BLOCK_N) // BLOCK_SIZE, mask=pos + BLOCK_N < end, other=0)
-            if DOT:
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N]
-            else:  # on the CUDA cores: [G, 1, E] * [1, N, E] summed over E
-                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N]
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # the tile's first key is inside: finite
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s * qk_scale - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT:
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # += [G, N] @ [N, E]
-            else:  # [G, N, 1] * [1, N, E] summed over N
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # += [G, N] @ [N, E]
             m_i = m_new
         n_live = tl.cdiv(ctx, split_len)
         if n_live == 1:  # the whole sequence in this split: what the combination would give, acc / l
@@ -159,9 +144,7 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
                                even: bool = False) -> torch.Tensor:
     """q [B, H, E] (rotated; head rows contiguous), cache_k/cache_v [K, S, E], tables [B, W] int32 (physical block
     ids; entries past a sequence's length are never read), lens [B] int32 -> out [B, H, E] in q's dtype (out: rows
-    with unit stride along E). config overrides GPU_CONFIG / CPU_CONFIG (tools/bench/sweeps/paged.py); its "DOT":
-    False takes the products on the CUDA cores (no tl.dot: the group's G query heads unpadded); "PRELOAD": True loads
-    each tile's block ids one tile ahead.
+    with unit stride along E). config overrides GPU_CONFIG / CPU_CONFIG (tools/bench/sweeps/paged.py).
     even=False: splits of split_len positions (default_split_len), so the result's bits depend on each sequence's
     own q, K/V and length only (batch-invariant as it is). even=True: each sequence cut into split_count(...) equal
     splits, a number that depends on B (faster: no nearly empty last split, the grid sized to the SMs)."""
@@ -173,8 +156,6 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
     split_len = default_split_len(on_gpu) if split_len is None else split_len
     cfg = {**(GPU_CONFIG if on_gpu else CPU_CONFIG), **(config or {})}
     block_n = min(cfg.pop("BLOCK_N"), split_len)
-    dot = cfg.pop("DOT", True)
-    preload = cfg.pop("PRELOAD", False)
     assert split_len % block_n == 0 and block_n >= 16, "split_len must be a multiple of 16"
     max_len = tables.shape[1] * block_size
     n_splits = split_count(B, NK, max_len, block_n) if even else max(1, triton.cdiv(max_len, split_len))
@@ -188,7 +169,6 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
         q, cache_k, cache_v, tables, lens, acc, m, l, out, _counters(q.device, B * NK), q.stride(0), q.stride(1),
         cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), tables.stride(0), out.stride(0),
         out.stride(1), E, G, H, NK, split_len, n_splits, LOG2E / math.sqrt(E), BLOCK_SIZE=block_size,
-        BLOCK_G=max(16 if dot else 1, triton.next_power_of_2(G)), BLOCK_N=block_n,
-        BLOCK_E=max(16, triton.next_power_of_2(E)),
-        DOT_PRECISION=dot_precision(q.dtype), EVEN=even, DOT=dot, PRELOAD=preload, **cfg)
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_E=max(16, triton.next_power_of_2(E)),
+        DOT_PRECISION=dot_precision(q.dtype), EVEN=even, **cfg)
     return out
