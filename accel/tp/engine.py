@@ -12,7 +12,7 @@ token [token, go on]. op GENERATE: into a cache of at least that capacity (the l
 in it); KEEP: allocate the kept cache of that
 capacity (no prompt follows: `new_cache`, for a chat's turns); CONTINUE: into the kept cache from that position;
 FORWARD: the ids' forward alone into the kept cache from that position (`logits`: golden check), no token after;
-STOP: leave `serve`.
+TRACE: the same op by op, every activation gathered on rank 0 (`steps`: diff, accel.tp.trace); STOP: leave `serve`.
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ from .group import TPGroup, failed_ranks, sigint_deferred
 from .load import check_quant, load_shard, open_text_checkpoint
 from .model import RankSplit, ShardCache, forward
 from .shard import ShardPlan, element_bytes, shard_elements
+from .trace import trace
 
-STOP, GENERATE, KEEP, CONTINUE, FORWARD = 0, 1, 2, 3, 4
+STOP, GENERATE, KEEP, CONTINUE, FORWARD, TRACE = 0, 1, 2, 3, 4, 5
 
 
 class RankFailed(GenerationError):
@@ -192,6 +193,8 @@ class TPEngine:
                 self._follow(self._broadcast(None, n), self.session(number), 0)
             elif op == FORWARD:
                 self.forward(self._broadcast(None, n), number, self.kept)
+            elif op == TRACE:
+                self.trace(self._broadcast(None, n), number)
             else:
                 self._follow(self._broadcast(None, n), self.kept, number)
 
@@ -217,6 +220,31 @@ class TPEngine:
                                   f"them")
         self._broadcast([FORWARD, len(ids), start], 3)
         return self.forward(self._broadcast(ids, len(ids)), start, self.kept)
+
+    def trace(self, ids: torch.Tensor, start: int) -> list:
+        """Every rank: ids' forward op by op into the kept cache -> [(name, whole activation)] (accel.tp.trace)."""
+        with ops.torch_only(not self.triton):
+            return trace(self.plan, self.weights, ids, start, self.kept.cache)
+
+    def steps(self, ids, positions, cache: ShardSession, last_logits_only: bool = False, **inputs):
+        """The engine protocol's trace mode (refimpl.engine_protocol) over the group, into new_cache's cache:
+        every rank runs the forward to its end first (the collectives), then rank 0 yields its activations, so a
+        consumer may stop early."""
+        text_only(inputs)
+        ids, start = [int(i) for i in ids], int(positions[0])
+        if cache is not self.kept or list(positions) != list(range(start, start + len(ids))) \
+                or start + len(ids) > cache.capacity:
+            raise GenerationError("a tensor-parallel trace runs consecutive positions in the cache new_cache made "
+                                  "last")
+        self._broadcast([TRACE, len(ids), start], 3)
+        activations = self.trace(self._broadcast(ids, len(ids)), start)
+        if last_logits_only:
+            activations[-1] = ("logits", activations[-1][1][-1:])
+        yield from activations
+
+    @staticmethod
+    def to_numpy(value) -> np.ndarray:
+        return value.detach().to(torch.float32).cpu().numpy()
 
     def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: ShardSession | None = None,
                  start: int = 0, **inputs) -> Iterator[int]:
