@@ -12,6 +12,7 @@ import datetime
 import importlib.metadata
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -118,6 +119,15 @@ def require_cuda(script: str) -> None:
     if not torch.cuda.is_available():
         print(f"error: {script} needs a CUDA GPU (torch.cuda.is_available() is False here)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def table(columns: list[tuple[str, str]], rows: list[list]) -> list[str]:
+    """A fixed-width table's lines, the header first: `columns` as (header, format spec such as '<14' or '>9.1f'),
+    each row's cells in column order. The header and a str cell ('-' where a row has no value) take only the
+    spec's alignment and width."""
+    def cell(value, spec: str) -> str:
+        return format(value, re.match(r"[<>^]?\d*", spec).group() if isinstance(value, str) else spec)
+    return ["".join(cell(v, spec) for v, (_, spec) in zip(row, columns)) for row in [[h for h, _ in columns], *rows]]
 
 
 # ---- timing ----

@@ -148,15 +148,13 @@ def free_gpu() -> None:
 
 
 def render(rec: dict) -> str:
-    lines = [f"{rec['device']}, {rec['date']}: decode tok/s of the batched engine, {rec['context']}-token contexts"]
     n = rec["tp"]
-    lines.append(f"{'model':<14}{'B':>5}{'TP=1 tok/s':>13}{f'TP={n} tok/s':>13}{'TP=1 ms':>9}{f'TP={n} ms':>9}"
-                 f"{'speed-up':>10}")
-    for m in rec["models"]:
-        for r in m["rows"]:
-            lines.append(f"{m['model']:<14}{r['batch']:>5}{r['tp1']['tok_s']:>13.0f}{r['tpn']['tok_s']:>13.0f}"
-                         f"{r['tp1']['step_ms']:>9.2f}{r['tpn']['step_ms']:>9.2f}{r['speedup']:>9.2f}x")
-    return "\n".join(lines)
+    columns = [("model", "<14"), ("B", ">5"), ("TP=1 tok/s", ">13.0f"), (f"TP={n} tok/s", ">13.0f"),
+               ("TP=1 ms", ">9.2f"), (f"TP={n} ms", ">9.2f"), ("speed-up", ">10")]
+    rows = [[m["model"], r["batch"], r["tp1"]["tok_s"], r["tpn"]["tok_s"], r["tp1"]["step_ms"], r["tpn"]["step_ms"],
+             f"{r['speedup']:.2f}x"] for m in rec["models"] for r in m["rows"]]
+    return "\n".join([f"{rec['device']}, {rec['date']}: decode tok/s of the batched engine, {rec['context']}-token "
+                      "contexts", *common.table(columns, rows)])
 
 
 def run(args) -> dict:
