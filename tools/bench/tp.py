@@ -161,10 +161,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.tp < 2 or args.new_tokens < 2 or args.reps < 1:
         ap.error("--tp and --new-tokens must be >= 2, --reps >= 1")
-    common.require_cuda("python3 -m tools.bench.tp")
-    import torch
-    if torch.cuda.device_count() < args.tp:
-        ap.error(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
+    common.require_gpus(ap, args.tp, "python3 -m tools.bench.tp")
     return run(args)
 
 
