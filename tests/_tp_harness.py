@@ -1,11 +1,10 @@
 """Runs tensor-parallel jobs in N spawned processes, for tests/test_tp.py (CPU, gloo) and tests/test_tp_gpu.py (one
 GPU a rank, NCCL): one group serves every case of a job (starting processes costs seconds). Each rank writes what it
-saw to <out>/rank<r>.json."""
+saw to <out>/rank<r>.json. `run_ranks` is the spawning for any rank function (tests/_tp_batch_harness.py's too)."""
 from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from accel.tp.engine import TPEngine
-from accel.tp.group import init
+from accel.tp.group import free_port, init
 from accel.tp.launch import engine_class
 from refimpl.formats.safetensors_io import SafetensorsFile
 from refimpl.generate import Sampling
@@ -142,33 +141,36 @@ def _fail(group, case: dict) -> dict:
     return {"raised": None}
 
 
-def _rank(rank: int, world: int, port: int, job: dict, out: str) -> None:
+def _cases(group, job: dict) -> dict:
+    if job["kind"] in ("peak", "fail"):
+        return {"peak": _peak, "fail": _fail}[job["kind"]](group, job["case"])
+    case = _vision_case if job["kind"] == "vision" else _case
+    return {name: case(group, c) for name, c in job["cases"].items()}
+
+
+def _rank(rank: int, world: int, port: int, work, job: dict, out: str) -> None:
+    """One spawned rank: its group, then work(group, job) -> what it writes to <out>/rank<r>.json (or the trace of
+    what it raised). `work` may close the group itself, to go on alone."""
     torch.set_num_threads(1)
     try:
         device = torch.device("cuda", rank) if job.get("device") == "cuda" else torch.device("cpu")
-        group = init(rank, world, device, "127.0.0.1", port)
-        if job["kind"] in ("peak", "fail"):
-            result = {"peak": _peak, "fail": _fail}[job["kind"]](group, job["case"])
-        elif job["kind"] == "vision":
-            result = {name: _vision_case(group, case) for name, case in job["cases"].items()}
-        else:
-            result = {name: _case(group, case) for name, case in job["cases"].items()}
-        dist.destroy_process_group()
+        result = work(init(rank, world, device, "127.0.0.1", port), job)
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except Exception:  # noqa: BLE001  reported to the test
         result = {"error": traceback.format_exc()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def run_job(job: dict, out: Path, world: int = 2, timeout: float = 600) -> list[dict]:
-    """Run `job` on `world` spawned ranks -> each rank's result (a rank's exception fails here, with its trace)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def run_ranks(work, job: dict, out: Path, world: int = 2, timeout: float = 600) -> list[dict]:
+    """work(group, job) on `world` spawned ranks (work: a module-level function, so spawn can name it) -> each
+    rank's result (a rank's exception fails here, with its trace)."""
+    port = free_port()
     ctx = mp.get_context("spawn")
     env = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = [ctx.Process(target=_rank, args=(r, world, port, job, str(out))) for r in range(world)]
+        procs = [ctx.Process(target=_rank, args=(r, world, port, work, job, str(out))) for r in range(world)]
         for p in procs:
             p.start()
     finally:
@@ -181,10 +183,15 @@ def run_job(job: dict, out: Path, world: int = 2, timeout: float = 600) -> list[
     if any(p.is_alive() for p in procs):
         for p in procs:
             p.kill()
-        raise AssertionError(f"the ranks of a {job['kind']} job did not finish in {timeout} s")
+        raise AssertionError(f"the ranks of a {job.get('kind', 'batch')} job did not finish in {timeout} s")
     missing = [r for r in range(world) if not Path(out, f"rank{r}.json").exists()]
     assert not missing, f"rank {missing[0]} wrote no result (exit code {procs[missing[0]].exitcode})"
     results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
     return results
+
+
+def run_job(job: dict, out: Path, world: int = 2, timeout: float = 600) -> list[dict]:
+    """Run `job` (its kind: text cases, vision cases, peak or fail) on `world` spawned ranks -> each rank's result."""
+    return run_ranks(_cases, job, out, world, timeout)

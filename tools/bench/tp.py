@@ -137,19 +137,15 @@ def run(args, command: str | None = None) -> dict:
 
 
 def render(rec: dict) -> str:
-    lines = [f"tensor-parallel decode — {rec['device']} x{rec['tp']} — {rec['date']}",
-             f"{'model':<14}{'TP':>4}{'batch':>6}{'tok/s':>9}{'x TP=1':>8}{'roofline':>10}"
-             f"{'% roof':>8}{'all-reduce us':>15}"]
-    for r in rec["decode"]:
-        speed = f"{r['speedup_vs_tp1']:.2f}" if "speedup_vs_tp1" in r else "-"
-        ar = f"{r['allreduce_us']:.1f}" if "allreduce_us" in r else "-"
-        lines.append(f"{r['model']:<14}{r['tp']:>4}{r['batch']:>6}"
-                     f"{r['decode_tok_s']:>9.1f}{speed:>8}"
-                     f"{r['roofline_tok_s']:>10.1f}{r['roofline_pct']:>8.1f}{ar:>15}")
-    lines.append(f"(batch 1: a {PROMPT}-token prompt, then greedy tokens, one CUDA graph replay a token; roofline: "
-                 "the whole model's weight bytes a token over the copy bandwidth of the GPUs used; all-reduce: one "
-                 "[1, D] bf16 all-reduce inside a CUDA graph)")
-    return "\n".join(lines)
+    columns = [("model", "<14"), ("TP", ">4"), ("batch", ">6"), ("tok/s", ">9.1f"), ("x TP=1", ">8.2f"),
+               ("roofline", ">10.1f"), ("% roof", ">8.1f"), ("all-reduce us", ">15.1f")]
+    rows = [[r["model"], r["tp"], r["batch"], r["decode_tok_s"], r.get("speedup_vs_tp1", "-"), r["roofline_tok_s"],
+             r["roofline_pct"], r.get("allreduce_us", "-")] for r in rec["decode"]]
+    return "\n".join([f"tensor-parallel decode — {rec['device']} x{rec['tp']} — {rec['date']}",
+                      *common.table(columns, rows),
+                      f"(batch 1: a {PROMPT}-token prompt, then greedy tokens, one CUDA graph replay a token; "
+                      "roofline: the whole model's weight bytes a token over the copy bandwidth of the GPUs used; "
+                      "all-reduce: one [1, D] bf16 all-reduce inside a CUDA graph)"])
 
 
 def arg_parser():
@@ -165,10 +161,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.tp < 2 or args.new_tokens < 2 or args.reps < 1:
         ap.error("--tp and --new-tokens must be >= 2, --reps >= 1")
-    common.require_cuda("python3 -m tools.bench.tp")
-    import torch
-    if torch.cuda.device_count() < args.tp:
-        ap.error(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
+    common.require_gpus(ap, args.tp, "python3 -m tools.bench.tp")
     return run(args)
 
 
