@@ -9,11 +9,11 @@ import gc
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from accel.batch import BatchEngine, SamplingParams
 from accel.tp.batch import batch_engine
 from accel.tp.engine import TPEngine
+from accel.tp.group import end_group
 from refimpl.formats.checkpoint import load_checkpoint
 from tests._batch_runs import nmse, run_recording
 from tests._tp_harness import run_ranks
@@ -46,7 +46,7 @@ def _compare(group, job: dict) -> dict:
         graphs = engine.runner.graphs
         result["graphs"] = [list(k) for k in graphs.graphs] if graphs is not None else []
         engine.close()
-    dist.destroy_process_group()
+    end_group(group)
     if group.rank == 0:
         del engine
         gc.collect()

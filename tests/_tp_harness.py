@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from accel.tp.engine import TPEngine
-from accel.tp.group import free_port, init
+from accel.tp.group import end_group, free_port, init
 from accel.tp.launch import engine_class
 from refimpl.formats.safetensors_io import SafetensorsFile
 from refimpl.generate import Sampling
@@ -154,9 +154,10 @@ def _rank(rank: int, world: int, port: int, work, job: dict, out: str) -> None:
     torch.set_num_threads(1)
     try:
         device = torch.device("cuda", rank) if job.get("device") == "cuda" else torch.device("cpu")
-        result = work(init(rank, world, device, "127.0.0.1", port), job)
+        group = init(rank, world, device, "127.0.0.1", port)
+        result = work(group, job)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            end_group(group)
     except Exception:  # noqa: BLE001  reported to the test
         result = {"error": traceback.format_exc()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))

@@ -57,6 +57,13 @@ GEMV: Mapping[tuple[int, int], GemvConfig] = MappingProxyType({
     (28672, 4096): GemvConfig("stream", 16, 512, 4, 264, 3),  # 11B gate_up
     (4096, 14336): GemvConfig("stream", 16, 512, 4, 256, 3),  # 11B down
     (128256, 4096): GemvConfig("stream", 8, 512, 4, 396, 4),  # 11B lm_head
+    # one rank's shard at --tp 2 (accel/tp/shard.py: o and down with K/2 inputs, gate_up with 2F/2 rows)
+    (2048, 1024): GemvConfig("split", 8, 1024, 4),  # 1B o
+    (8192, 2048): GemvConfig("split", 8, 2048, 8),  # 1B gate_up
+    (2048, 4096): GemvConfig("stream", 8, 512, 4, 256, 4),  # 1B down
+    (3072, 1536): GemvConfig("stream", 8, 512, 4, 384, 4),  # 3B o
+    (8192, 3072): GemvConfig("stream", 8, 512, 4, 396, 4),  # 3B gate_up
+    (3072, 4096): GemvConfig("stream", 8, 512, 4, 384, 4),  # 3B down
 })
 
 # The fused norm + qkv + RoPE + cache write, per (N, K) = ((H + 2K)·E, D): 1B one whole-row tile pair a program;

@@ -186,6 +186,7 @@ class TPEngine:
         while True:
             op, n, number = self._broadcast(None, 3).tolist()
             if op == STOP:
+                self._session = self.kept = None  # their graphs freed before the group ends (group.end_group)
                 return
             if op == KEEP:
                 self.kept = self.alloc_cache(number)
@@ -200,8 +201,10 @@ class TPEngine:
 
     # ---- rank 0 ----
     def close(self) -> None:
-        """Release the other ranks from `serve`."""
+        """Release the other ranks from `serve`; free this rank's caches and their CUDA graphs (the group's end waits
+        for them: accel.tp.group.end_group)."""
         self._broadcast([STOP, 0, 0], 3)
+        self._session = self.kept = None
 
     def new_cache(self, capacity: int) -> ShardSession:
         """The engine contract's cache (a chat's): every rank allocates its part, kept for `generate(cache=...)`."""

@@ -103,9 +103,8 @@ def tp1_row(key: str, device, new_tokens: int, copy_tb_s: float) -> dict:
 
 def run(args, command: str | None = None) -> dict:
     import torch
-    import torch.distributed as dist
 
-    from accel.tp.group import spawn
+    from accel.tp.group import end_group, spawn
     rec = common.record("cuda:0", command=command, tp=args.tp, decode=[])
     copy = common.copy_bandwidth("cuda:0")
     one = {}
@@ -118,7 +117,7 @@ def run(args, command: str | None = None) -> dict:
     try:
         tp = group_rows(group, args.models, args.new_tokens, args.reps)
     finally:
-        dist.destroy_process_group()
+        end_group(group)
         for p in procs:
             p.join(timeout=60)
     rec["decode"] = [one[k] for k in args.models]

@@ -89,11 +89,10 @@ def _follow(group, cfg, options: dict) -> None:
 def tensor_parallel(cfg, world: int, batches: list[int], context: int, steps: int, kind: str = "cuda",
                     eager: bool = False) -> dict:
     """The same rows over `world` GPUs, this process rank 0 (cuda:0), the others spawned (kind cpu: over gloo)."""
-    import torch.distributed as dist
 
     from accel.tp.batch import batch_engine
     from accel.tp.engine import TPEngine
-    from accel.tp.group import spawn
+    from accel.tp.group import end_group, spawn
     options = engine_options(max(batches), context, steps, eager)
     t0 = time.perf_counter()
     group, procs = spawn(world, kind, _follow, (cfg, options))
@@ -107,7 +106,7 @@ def tensor_parallel(cfg, world: int, batches: list[int], context: int, steps: in
         finally:
             engine.close()
     finally:
-        dist.destroy_process_group()
+        end_group(group)
         for p in procs:
             p.join(timeout=60)
     common.free_gpu()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from accel.tp.group import TPGroup, spawn
+from accel.tp.group import TPGroup, end_group, spawn
 from accel.tp.vision_engine import TPVisionEngine
 from accel.tp.vision_load import VisionShardPlan, random_vision_shard, vision_shard_elements
 from refimpl.quant.schemes import QuantSpec
@@ -112,7 +112,7 @@ def run(name: str, world: int, quant: str, prompt_len: int, tokens: int) -> dict
     try:
         return measure(group, name, quant, prompt_len, tokens)
     finally:
-        dist.destroy_process_group()
+        end_group(group)
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():  # stuck in a collective its peer left
