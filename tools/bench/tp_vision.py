@@ -12,7 +12,8 @@ as skipped.
 Method: tools.bench.common (random data, everything compared measured in the same run). The prompt runs the eager
 forward per shard; each decoded token the fused decode step (accel.tp.vision_engine), one CUDA graph replay a
 token with the all-reduces captured in it, timed as tools.bench.common.timed_greedy times a one-GPU engine: the
-greedy graph's replays (argmax on the device, no host sync), the median of --reps after a warm-up run.
+greedy graph's replays (argmax on the device, no host sync), the median of --reps after a warm-up run. "of it AR":
+the ms of a token its all-reduces take (2 a layer, each timed alone in a graph of them: tools.bench.tp).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from refimpl.quant.schemes import QuantSpec
 from refimpl.vision.inputs import ImageInputs
 from tools.bench.common import copy_bandwidth, parser, record, require_cuda, timed_greedy, vision_config, \
     write_record
+from tools.bench.tp import allreduce_us
 
 HEADROOM = 8 << 30  # bytes a GPU keeps beyond the shard: the copy-bandwidth buffers, caches, activations
 
@@ -83,6 +85,9 @@ def measure(group: TPGroup, name: str, quant: str, prompt_len: int, tokens: int,
     prompt = torch.tensor(ids, device=group.device)
     prefill_s, _ = _timed(lambda: engine.forward(prompt, 0, sess))
     ms, _ = timed_greedy(engine, sess, lambda: engine.forward(prompt, 0, sess), prompt_len, tokens, reps)
+    reduce_us = 0.0
+    if group.world > 1:  # the decode step's all-reduces: 2 a layer (self and cross alike)
+        reduce_us = allreduce_us(engine.rank_split(), cfg.text.hidden_size, cfg.text.num_hidden_layers, group.device)
     peak = torch.cuda.max_memory_allocated(group.device)
     mine = torch.tensor([step_bytes(engine, sess.cache, prompt_len + tokens // 2), bandwidth * 1e12, peak],
                         dtype=torch.float64, device=group.device)  # the KV read at the timed steps' middle position
@@ -94,7 +99,8 @@ def measure(group: TPGroup, name: str, quant: str, prompt_len: int, tokens: int,
     return {"model": name, "ranks": group.world, "weights": quant, "build_s": build_s,
             "capture_ms": capture_s * 1e3, "encode_ms": encode_s * 1e3, "prefill_ms": prefill_s * 1e3,
             "prompt_tokens": prompt_len, "decode_tokens": tokens, "decode_ms_per_token": ms / (tokens - 1),
-            "decode_tokens_per_s": rate, "roofline_tokens_per_s": roofline, "of_roofline": rate / roofline,
+            "decode_tokens_per_s": rate, "allreduce_us": reduce_us,
+            "allreduce_ms_per_token": 2 * cfg.text.num_hidden_layers * reduce_us / 1e3, "roofline_tokens_per_s": roofline, "of_roofline": rate / roofline,
             "bytes_per_token_gb": per_rank[:, 0].sum() / 1e9, "copy_tb_s": (per_rank[:, 1] / 1e12).tolist(),
             "peak_gb_per_rank": (per_rank[:, 2] / 1e9).tolist(),
             "shard_elements_per_rank": vision_shard_elements(plan)}
@@ -157,7 +163,7 @@ def main(argv=None) -> None:
     require_cuda("python3 -m tools.bench.tp_vision")
     results = []
     print(f"{'model':<12}{'ranks':>6}{'weights':>8}{'encode ms':>10}{'prefill ms':>11}{'tok/s':>8}"
-          f"{'roofline':>9}{'%':>6}{'GB/token':>9}", flush=True)
+          f"{'roofline':>9}{'%':>6}{'GB/token':>9}{'ms/token':>9}{'of it AR':>9}", flush=True)
     for name, world in runs:
         weights, why = pick_weights(name, world, args.quant)
         if weights is None:
@@ -174,7 +180,8 @@ def main(argv=None) -> None:
         results.append(r)
         print(f"{name:<12}{world:>6}{weights:>8}{r['encode_ms']:>10.1f}{r['prefill_ms']:>11.1f}"
               f"{r['decode_tokens_per_s']:>8.1f}{r['roofline_tokens_per_s']:>9.1f}{100 * r['of_roofline']:>6.1f}"
-              f"{r['bytes_per_token_gb']:>9.2f}", flush=True)
+              f"{r['bytes_per_token_gb']:>9.2f}{r['decode_ms_per_token']:>9.2f}{r['allreduce_ms_per_token']:>9.2f}",
+              flush=True)
     rec = record("cuda", runs=results)
     one = {r["ranks"]: r for r in results if r["model"] == "11b-vision" and "decode_tokens_per_s" in r}
     if 1 in one and 2 in one:
