@@ -7,7 +7,7 @@ memory, else in int8 (--quant auto); a run that fits in neither, or wants more G
 as skipped.
 
     python3 -m tools.bench.tp_vision [--runs 11b-vision:1,11b-vision:2,90b-vision:2] [--quant auto|bf16|int8]
-                                     [--prompt 64] [--tokens 32] [--reps 3] [--json-out F]
+                                     [--prompt 64] [--tokens 32] [--reps 3] [--profile ROWS] [--json-out F]
 
 Method: tools.bench.common (random data, everything compared measured in the same run). The prompt runs the eager
 forward per shard; each decoded token the fused decode step (accel.tp.vision_engine), one CUDA graph replay a
@@ -28,8 +28,8 @@ from accel.tp.vision_engine import TPVisionEngine
 from accel.tp.vision_load import VisionShardPlan, random_vision_shard, vision_shard_elements
 from refimpl.quant.schemes import QuantSpec
 from refimpl.vision.inputs import ImageInputs
-from tools.bench.common import copy_bandwidth, parser, record, require_cuda, timed_greedy, vision_config, \
-    write_record
+from tools.bench.common import copy_bandwidth, cuda_profile, parser, record, require_cuda, timed_greedy, \
+    vision_config, write_record
 from tools.bench.tp import allreduce_us
 
 HEADROOM = 8 << 30  # bytes a GPU keeps beyond the shard: the copy-bandwidth buffers, caches, activations
@@ -68,9 +68,11 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def measure(group: TPGroup, name: str, quant: str, prompt_len: int, tokens: int, reps: int) -> dict:
+def measure(group: TPGroup, name: str, quant: str, prompt_len: int, tokens: int, reps: int,
+            profile: int = 0) -> dict:
     """Every rank: its shard drawn, the decode step captured, the image encoded, the prompt, then `tokens` greedy
-    steps, timed (reps runs after a warm-up) -> rank 0's record of the run (each rank's numbers gathered)."""
+    steps, timed (reps runs after a warm-up) -> rank 0's record of the run (each rank's numbers gathered); with
+    `profile` rows, rank 0's per-kernel device times of one more run (torch.profiler's table)."""
     cfg = vision_config(name)
     torch.cuda.reset_peak_memory_stats(group.device)  # rank 0 ran the earlier runs too
     bandwidth = copy_bandwidth(group.device)
@@ -85,6 +87,12 @@ def measure(group: TPGroup, name: str, quant: str, prompt_len: int, tokens: int,
     prompt = torch.tensor(ids, device=group.device)
     prefill_s, _ = _timed(lambda: engine.forward(prompt, 0, sess))
     ms, _ = timed_greedy(engine, sess, lambda: engine.forward(prompt, 0, sess), prompt_len, tokens, reps)
+    kernels = None
+    if profile:  # every rank decodes; rank 0's kernels are recorded (their totals over tokens - 1 steps)
+        logits = engine.forward(prompt, 0, sess)
+        greedy = lambda: engine.decode_greedy(sess, logits, prompt_len, tokens)  # noqa: E731
+        kernels = cuda_profile(greedy, profile) if group.is_root else greedy()
+        torch.cuda.synchronize()
     reduce_us = 0.0
     if group.world > 1:  # the decode step's all-reduces: 2 a layer (self and cross alike)
         reduce_us = allreduce_us(engine.rank_split(), cfg.text.hidden_size, cfg.text.num_hidden_layers, group.device)
@@ -100,21 +108,22 @@ def measure(group: TPGroup, name: str, quant: str, prompt_len: int, tokens: int,
             "capture_ms": capture_s * 1e3, "encode_ms": encode_s * 1e3, "prefill_ms": prefill_s * 1e3,
             "prompt_tokens": prompt_len, "decode_tokens": tokens, "decode_ms_per_token": ms / (tokens - 1),
             "decode_tokens_per_s": rate, "allreduce_us": reduce_us,
-            "allreduce_ms_per_token": 2 * cfg.text.num_hidden_layers * reduce_us / 1e3, "roofline_tokens_per_s": roofline, "of_roofline": rate / roofline,
+            "allreduce_ms_per_token": 2 * cfg.text.num_hidden_layers * reduce_us / 1e3,
+            "roofline_tokens_per_s": roofline, "of_roofline": rate / roofline,
             "bytes_per_token_gb": per_rank[:, 0].sum() / 1e9, "copy_tb_s": (per_rank[:, 1] / 1e12).tolist(),
             "peak_gb_per_rank": (per_rank[:, 2] / 1e9).tolist(),
-            "shard_elements_per_rank": vision_shard_elements(plan)}
+            "shard_elements_per_rank": vision_shard_elements(plan), "kernels": kernels if group.is_root else None}
 
 
 def _serve(group: TPGroup, *args) -> None:
     measure(group, *args)
 
 
-def run(name: str, world: int, quant: str, prompt_len: int, tokens: int, reps: int) -> dict:
+def run(name: str, world: int, quant: str, prompt_len: int, tokens: int, reps: int, profile: int) -> dict:
     """One MODEL:N run: ranks 1..N-1 spawned, this process rank 0 (accel.tp.group.spawn)."""
-    group, procs = spawn(world, "cuda", _serve, (name, quant, prompt_len, tokens, reps))
+    group, procs = spawn(world, "cuda", _serve, (name, quant, prompt_len, tokens, reps, profile))
     try:
-        return measure(group, name, quant, prompt_len, tokens, reps)
+        return measure(group, name, quant, prompt_len, tokens, reps, profile)
     finally:
         dist.destroy_process_group()
         for p in procs:
@@ -153,6 +162,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (the image token first)")
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens a timed run decodes (at least 2)")
     ap.add_argument("--reps", type=int, default=3, help="timed runs (their median), after one warm-up run")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="also print rank 0's top ROWS kernels by device time over one more run's decode steps")
     args = ap.parse_args(argv)
     if args.tokens < 2 or args.reps < 1 or args.prompt < 1:
         ap.error("--tokens must be at least 2, --reps and --prompt at least 1")
@@ -171,7 +182,7 @@ def main(argv=None) -> None:
             print(f"{name:<12}{world:>6}  skipped: {why}", flush=True)
             continue
         try:
-            r = run(name, world, weights, args.prompt, args.tokens, args.reps)
+            r = run(name, world, weights, args.prompt, args.tokens, args.reps, args.profile)
         except Exception as e:  # noqa: BLE001  one run's failure is its row; the others still run
             results.append({"model": name, "ranks": world, "weights": weights, "error": f"{type(e).__name__}: {e}"})
             print(f"{name:<12}{world:>6}  failed: {type(e).__name__}: {e}", flush=True)
@@ -182,6 +193,8 @@ def main(argv=None) -> None:
               f"{r['decode_tokens_per_s']:>8.1f}{r['roofline_tokens_per_s']:>9.1f}{100 * r['of_roofline']:>6.1f}"
               f"{r['bytes_per_token_gb']:>9.2f}{r['decode_ms_per_token']:>9.2f}{r['allreduce_ms_per_token']:>9.2f}",
               flush=True)
+        if r["kernels"]:
+            print(f"rank 0's kernels over {args.tokens - 1} decode steps:\n{r['kernels']}", flush=True)
     rec = record("cuda", runs=results)
     one = {r["ranks"]: r for r in results if r["model"] == "11b-vision" and "decode_tokens_per_s" in r}
     if 1 in one and 2 in one:
