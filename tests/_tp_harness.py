@@ -72,26 +72,29 @@ def _case(group, case: dict) -> dict:
 
 def _vision_case(group, case: dict) -> dict:
     """A Llama 3.2 Vision checkpoint (accel.tp.vision_engine): the images of case["images"] (an .npz of
-    pixel_values, aspect_ratio_ids, aspect_ratio_mask, cross_attention_mask) encoded on every rank, then the
-    prompt and each step's ids in lockstep -> the gathered logits of each step."""
+    pixel_values, aspect_ratio_ids, aspect_ratio_mask, cross_attention_mask) encoded on every rank, or none, then
+    the prompt and each step's ids in lockstep -> the gathered logits of each step; of each decoded token (the
+    fused decode step) also the eager forward's logits of the same token (its k/v rewritten)."""
     from accel.tp.vision_engine import TPVisionEngine
     from refimpl.vision.inputs import ImageInputs
     engine = TPVisionEngine.load(group, Path(case["dir"]), case.get("dtype", "fp32"),
                                   QuantSpec.parse(case["quant"]) if case.get("quant") else None)
-    steps, out = case["steps"], {"logits": []}
+    steps, out = case["steps"], {"logits": [], "eager": []}
     images = None
     if group.rank == 0 and case.get("images"):
         with np.load(case["images"], allow_pickle=False) as f:
             images = ImageInputs(*(f[k] for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask",
                                                   "cross_attention_mask")))
     if case.get("images"):
-        cache = engine.image_request(images, len(steps[0]), case["capacity"])
+        sess = engine.image_request(images, len(steps[0]), case["capacity"])
     else:
-        cache = engine.alloc_cache(case["capacity"])
+        sess = engine.alloc_cache(case["capacity"])
     start = 0
     for ids in steps:
-        logits = engine.forward(torch.tensor(ids, device=engine.device), start, cache)
-        out["logits"].append(logits[0].float().tolist())
+        t = torch.tensor(ids, device=engine.device)
+        out["logits"].append(engine.forward(t, start, sess)[0].float().tolist())
+        if len(ids) == 1 and start > 0:
+            out["eager"].append(engine.prefill(t, start, sess)[0].float().tolist())
         start += len(ids)
     return out
 

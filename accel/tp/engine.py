@@ -50,10 +50,11 @@ class RankFailed(GenerationError):
 
 class ShardSession:
     """A rank's cache and the decode step over it (accel.engine.Decoder: one CUDA graph replay a token on the GPU,
-    the all-reduces and the logits' all-gather captured in it; on the CPU the same step uncaptured)."""
+    the all-reduces and the logits' all-gather captured in it; on the CPU the same step uncaptured). image_tokens:
+    a vision model's image slots (the step's cross layers run only with them)."""
 
-    def __init__(self, cache: ShardCache, decoder: Decoder):
-        self.cache, self.decoder, self.capacity = cache, decoder, cache.capacity
+    def __init__(self, cache, decoder: Decoder, image_tokens: int = 0):
+        self.cache, self.decoder, self.capacity, self.image_tokens = cache, decoder, cache.capacity, image_tokens
 
 
 def together(group: TPGroup, what: str, fn):
@@ -111,9 +112,11 @@ class TPEngine:
         return cfg, load_shard(model_dir, plan, group.device, dtype, quant)
 
     # ---- every rank ----
-    def alloc_cache(self, capacity: int) -> ShardSession:
+    def alloc_cache(self, capacity: int, image_tokens: int = 0) -> ShardSession:
         """This rank's cache of `capacity` slots (its KV heads), with the RoPE tables, and the decode step over it
-        (captured now, before anything is written to the cache: the capture's warm-up runs write slot 0)."""
+        (captured now, before anything is written to the cache: the capture's warm-up runs write slot 0).
+        image_tokens: a vision model's (TPVisionEngine), 0 for a text one."""
+        assert not image_tokens, "a text model has no image slots"
         c = self.local
         shape = (c.num_hidden_layers, c.num_key_value_heads, capacity, c.head_dim)  # [L, K/N, S, E]
         cos, sin = np_ops.rope_tables(np.arange(capacity), c.head_dim, c.rope_theta, c.rope_scaling)
@@ -123,24 +126,34 @@ class TPEngine:
                            torch.arange(capacity, device=self.device))
         return ShardSession(cache, self._decoder(cache))
 
-    def _decoder(self, cache: ShardCache) -> Decoder:
-        """accel.model.decode_step over this rank's shard, its collectives RankSplit's. Captured with the thread-
-        local error mode: the NCCL watchdog thread polls events meanwhile."""
-        split = RankSplit(self.group.rank, self.group.world, self.plan.vocab_range()[0], self.config.vocab_size)
-        w, cfg, tables, tuning = self.weights, self.local, RopeTables(cache.cos, cache.sin), self.tuning
+    def rank_split(self) -> RankSplit:
+        """The decode step's collectives on this rank (its embedding rows' first token id, the logits gathered)."""
+        return RankSplit(self.group.rank, self.group.world, self.plan.vocab_range()[0], self.config.vocab_size)
+
+    def decode_fn(self, cache):
+        """step(token, position) -> the gathered logits [1, V]: accel.model.decode_step over this rank's shard,
+        its collectives RankSplit's."""
+        split, w, cfg, tuning = self.rank_split(), self.weights, self.local, self.tuning
+        tables = RopeTables(cache.cos, cache.sin)
 
         def step(token, position):
             return decode_step(w, cfg, token, position, tables, cache.k, cache.v, tuning, split)
-        return Decoder(self, cache, self.use_graph, step, capture_mode="thread_local")
+        return step
 
-    def session(self, capacity: int) -> ShardSession:
-        """A session of at least `capacity` slots: the last one while requests fit in it (every rank decides
-        alike: they all see the same capacities)."""
-        if self._session is None or self._session.capacity < capacity:
+    def _decoder(self, cache) -> Decoder:
+        """The decode step (decode_fn) over the cache, captured with the thread-local error mode: the NCCL
+        watchdog thread polls events meanwhile."""
+        return Decoder(self, cache, self.use_graph, self.decode_fn(cache), capture_mode="thread_local")
+
+    def session(self, capacity: int, image_tokens: int = 0) -> ShardSession:
+        """A session of at least `capacity` slots (and exactly `image_tokens` image slots): the last one while
+        requests fit in it (every rank decides alike: they all see the same requests)."""
+        s = self._session
+        if s is None or s.capacity < capacity or s.image_tokens != image_tokens:
             self._session = None  # free the old cache and graph before allocating the new ones
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._session = self.alloc_cache(capacity)
+            self._session = self.alloc_cache(capacity, image_tokens)
         return self._session
 
     def forward(self, ids: torch.Tensor, start: int, sess: ShardSession) -> torch.Tensor:
@@ -188,16 +201,21 @@ class TPEngine:
             if op == STOP:
                 self._session = self.kept = None  # their graphs freed before the group ends (group.end_group)
                 return
-            if op == KEEP:
-                self.kept = self.alloc_cache(number)
-            elif op == GENERATE:
-                self._follow(self._broadcast(None, n), self.session(number), 0)
-            elif op == FORWARD:
-                self.forward(self._broadcast(None, n), number, self.kept)
-            elif op == TRACE:
-                self.trace(self._broadcast(None, n), number)
-            else:
-                self._follow(self._broadcast(None, n), self.kept, number)
+            self.follow_request(op, n, number)
+
+    def follow_request(self, op: int, n: int, number: int) -> None:
+        """A worker's side of one request [op, prompt length, number] (a subclass adds its own ops)."""
+        if op == KEEP:
+            self.kept = self.alloc_cache(number)
+        elif op == GENERATE:
+            self._follow(self._broadcast(None, n), self.session(number), 0)
+        elif op == FORWARD:
+            self.forward(self._broadcast(None, n), number, self.kept)
+        elif op == TRACE:
+            self.trace(self._broadcast(None, n), number)
+        else:
+            assert op == CONTINUE, op
+            self._follow(self._broadcast(None, n), self.kept, number)
 
     # ---- rank 0 ----
     def close(self) -> None:
