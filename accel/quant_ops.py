@@ -32,7 +32,7 @@ from .kernels.qgemv import qgemv_fwd
 from .kernels.qgemv_fused import gate_up_swiglu_qfwd, qkv_rope_qfwd
 from .kernels.tuning import DEFAULT, Tuning
 from .ops.dispatch import uses_triton
-from .ops.torch_ops import (torch_linear_add, torch_norm_linear, torch_qkv_rope, torch_swiglu_gate_up,
+from .ops.torch_ops import (gated_add, torch_linear_add, torch_norm_linear, torch_qkv_rope, torch_swiglu_gate_up,
                             torch_swiglu_linear_add)
 
 _DEQUANT_SCRATCH: dict[tuple, torch.Tensor] = {}  # QuantTensor.linear's, one a shape, dtype and device
@@ -110,16 +110,21 @@ class QuantTensor:
         return torch_norm_linear(x, norm_weight, self.dequantize(x.dtype), eps)
 
     def linear_add(self, a, residual, tuning: Tuning = DEFAULT, gate=None, accumulate: bool = True):
-        assert gate is None, "the quantized GEMV has no gated epilogue"
+        """accel.ops.linear_add; with a gate (a cross layer's), the GEMV's product then the gated add (the
+        quantized GEMV has no gated epilogue)."""
         if uses_triton(a):
+            if gate is not None:
+                return gated_add(residual, self.gemv(a, tuning), gate, accumulate)
             return self.gemv(a, tuning, residual=residual if accumulate else None, out=residual)
-        return torch_linear_add(a, self.dequantize(a.dtype), residual, accumulate=accumulate)
+        return torch_linear_add(a, self.dequantize(a.dtype), residual, gate, accumulate)
 
     def swiglu_linear_add(self, gate_up, residual, tuning: Tuning = DEFAULT, gate=None, accumulate: bool = True):
-        assert gate is None, "the quantized GEMV has no gated epilogue"
+        """accel.ops.swiglu_linear_add; a gate as linear_add's."""
         if uses_triton(gate_up):
+            if gate is not None:
+                return gated_add(residual, self.gemv(gate_up, tuning, swiglu=True), gate, accumulate)
             return self.gemv(gate_up, tuning, swiglu=True, residual=residual if accumulate else None, out=residual)
-        return torch_swiglu_linear_add(gate_up, self.dequantize(gate_up.dtype), residual, accumulate=accumulate)
+        return torch_swiglu_linear_add(gate_up, self.dequantize(gate_up.dtype), residual, gate, accumulate)
 
     def norm_swiglu(self, x, norm_weight, eps, tuning: Tuning = DEFAULT):
         """swiglu_gate_up(norm_linear(x, norm_weight, self, eps)) for this gate_up [2F, D]: one kernel

@@ -6,20 +6,17 @@ their tokens agree."""
 from __future__ import annotations
 
 import gc
-import json
-import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from accel.batch import BatchEngine, SamplingParams
 from accel.tp.batch import batch_engine
 from accel.tp.engine import TPEngine
-from accel.tp.group import free_port, init
+from accel.tp.group import end_group
 from refimpl.formats.checkpoint import load_checkpoint
 from tests._batch_runs import nmse, run_recording
+from tests._tp_harness import run_ranks
 
 
 def _requests(job: dict) -> list:
@@ -39,54 +36,33 @@ def worst_nmse(tokens, logits, ref_tokens, ref_logits) -> tuple[float, int]:
     return worst, compared
 
 
-def _rank(rank: int, world: int, port: int, job: dict, out: str) -> None:
-    torch.set_num_threads(1)
+def _compare(group, job: dict) -> dict:
+    """Rank 0: the requests through the TP engine, the group closed, then through the one-device engine -> both and
+    their worst NMSE; the other ranks follow rank 0's steps -> {}."""
     result = {}
-    try:
-        device = torch.device("cuda", rank) if job["device"] == "cuda" else torch.device("cpu")
-        group = init(rank, world, device, "127.0.0.1", port)
-        engine = batch_engine(group, TPEngine.load(group, Path(job["dir"]), job["dtype"]), **job["options"])
-        if rank == 0:
-            tokens, logits = run_recording(engine, _requests(job))
-            graphs = engine.runner.graphs
-            result["graphs"] = [list(k) for k in graphs.graphs] if graphs is not None else []
-            engine.close()
-        dist.destroy_process_group()
-        if rank == 0:
-            del engine
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            ref = BatchEngine.from_checkpoint(load_checkpoint(job["dir"], with_tokenizer=False), device=str(device),
-                                              dtype=job["dtype"], **job["options"])
-            ref_tokens, ref_logits = run_recording(ref, _requests(job))
-            worst, compared = worst_nmse(tokens, logits, ref_tokens, ref_logits)
-            result.update(tokens=tokens, ref_tokens=ref_tokens, worst_nmse=worst, steps_compared=compared)
-            if job.get("return_logits"):  # small vocabularies only: [requests][steps][V]
-                result.update(logits=[[r.tolist() for r in rows] for rows in logits],
-                              ref_logits=[[r.tolist() for r in rows] for rows in ref_logits])
-    except Exception:  # noqa: BLE001  reported to the test
-        result = {"error": traceback.format_exc()}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    engine = batch_engine(group, TPEngine.load(group, Path(job["dir"]), job["dtype"]), **job["options"])
+    if group.rank == 0:
+        tokens, logits = run_recording(engine, _requests(job))
+        graphs = engine.runner.graphs
+        result["graphs"] = [list(k) for k in graphs.graphs] if graphs is not None else []
+        engine.close()
+    end_group(group)
+    if group.rank == 0:
+        del engine
+        gc.collect()
+        if group.device.type == "cuda":
+            torch.cuda.empty_cache()
+        ref = BatchEngine.from_checkpoint(load_checkpoint(job["dir"], with_tokenizer=False),
+                                          device=str(group.device), dtype=job["dtype"], **job["options"])
+        ref_tokens, ref_logits = run_recording(ref, _requests(job))
+        worst, compared = worst_nmse(tokens, logits, ref_tokens, ref_logits)
+        result.update(tokens=tokens, ref_tokens=ref_tokens, worst_nmse=worst, steps_compared=compared)
+        if job.get("return_logits"):  # small vocabularies only: [requests][steps][V]
+            result.update(logits=[[r.tolist() for r in rows] for rows in logits],
+                          ref_logits=[[r.tolist() for r in rows] for rows in ref_logits])
+    return result
 
 
 def run_job(job: dict, out: Path, world: int = 2, timeout: float = 600) -> dict:
     """`job` on `world` spawned ranks -> rank 0's result (a rank's exception fails here, with its trace)."""
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, world, port, job, str(out))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    if any(p.is_alive() for p in procs):
-        for p in procs:
-            p.kill()
-        raise AssertionError(f"the ranks did not finish in {timeout} s")
-    results = []
-    for r in range(world):
-        path = Path(out, f"rank{r}.json")
-        assert path.exists(), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
-        results.append(json.loads(path.read_text()))
-        assert "error" not in results[-1], f"rank {r}:\n{results[-1]['error']}"
-    return results[0]
+    return run_ranks(_compare, job, out, world, timeout)[0]

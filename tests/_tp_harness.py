@@ -1,11 +1,10 @@
 """Runs tensor-parallel jobs in N spawned processes, for tests/test_tp.py (CPU, gloo) and tests/test_tp_gpu.py (one
 GPU a rank, NCCL): one group serves every case of a job (starting processes costs seconds). Each rank writes what it
-saw to <out>/rank<r>.json."""
+saw to <out>/rank<r>.json. `run_ranks` is the spawning for any rank function (tests/_tp_batch_harness.py's too)."""
 from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from accel.tp.engine import TPEngine
-from accel.tp.group import init
+from accel.tp.group import end_group, free_port, init
 from accel.tp.launch import engine_class
 from refimpl.formats.safetensors_io import SafetensorsFile
 from refimpl.generate import Sampling
@@ -73,26 +72,29 @@ def _case(group, case: dict) -> dict:
 
 def _vision_case(group, case: dict) -> dict:
     """A Llama 3.2 Vision checkpoint (accel.tp.vision_engine): the images of case["images"] (an .npz of
-    pixel_values, aspect_ratio_ids, aspect_ratio_mask, cross_attention_mask) encoded on every rank, then the
-    prompt and each step's ids in lockstep -> the gathered logits of each step."""
+    pixel_values, aspect_ratio_ids, aspect_ratio_mask, cross_attention_mask) encoded on every rank, or none, then
+    the prompt and each step's ids in lockstep -> the gathered logits of each step; of each decoded token (the
+    fused decode step) also the eager forward's logits of the same token (its k/v rewritten)."""
     from accel.tp.vision_engine import TPVisionEngine
     from refimpl.vision.inputs import ImageInputs
     engine = TPVisionEngine.load(group, Path(case["dir"]), case.get("dtype", "fp32"),
                                   QuantSpec.parse(case["quant"]) if case.get("quant") else None)
-    steps, out = case["steps"], {"logits": []}
+    steps, out = case["steps"], {"logits": [], "eager": []}
     images = None
     if group.rank == 0 and case.get("images"):
         with np.load(case["images"], allow_pickle=False) as f:
             images = ImageInputs(*(f[k] for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask",
                                                   "cross_attention_mask")))
     if case.get("images"):
-        cache = engine.image_request(images, len(steps[0]), case["capacity"])
+        sess = engine.image_request(images, len(steps[0]), case["capacity"])
     else:
-        cache = engine.alloc_cache(case["capacity"])
+        sess = engine.alloc_cache(case["capacity"])
     start = 0
     for ids in steps:
-        logits = engine.forward(torch.tensor(ids, device=engine.device), start, cache)
-        out["logits"].append(logits[0].float().tolist())
+        t = torch.tensor(ids, device=engine.device)
+        out["logits"].append(engine.forward(t, start, sess)[0].float().tolist())
+        if len(ids) == 1 and start > 0:
+            out["eager"].append(engine.prefill(t, start, sess)[0].float().tolist())
         start += len(ids)
     return out
 
@@ -142,33 +144,37 @@ def _fail(group, case: dict) -> dict:
     return {"raised": None}
 
 
-def _rank(rank: int, world: int, port: int, job: dict, out: str) -> None:
+def _cases(group, job: dict) -> dict:
+    if job["kind"] in ("peak", "fail"):
+        return {"peak": _peak, "fail": _fail}[job["kind"]](group, job["case"])
+    case = _vision_case if job["kind"] == "vision" else _case
+    return {name: case(group, c) for name, c in job["cases"].items()}
+
+
+def _rank(rank: int, world: int, port: int, work, job: dict, out: str) -> None:
+    """One spawned rank: its group, then work(group, job) -> what it writes to <out>/rank<r>.json (or the trace of
+    what it raised). `work` may close the group itself, to go on alone."""
     torch.set_num_threads(1)
     try:
         device = torch.device("cuda", rank) if job.get("device") == "cuda" else torch.device("cpu")
         group = init(rank, world, device, "127.0.0.1", port)
-        if job["kind"] in ("peak", "fail"):
-            result = {"peak": _peak, "fail": _fail}[job["kind"]](group, job["case"])
-        elif job["kind"] == "vision":
-            result = {name: _vision_case(group, case) for name, case in job["cases"].items()}
-        else:
-            result = {name: _case(group, case) for name, case in job["cases"].items()}
-        dist.destroy_process_group()
+        result = work(group, job)
+        if dist.is_initialized():
+            end_group(group)
     except Exception:  # noqa: BLE001  reported to the test
         result = {"error": traceback.format_exc()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def run_job(job: dict, out: Path, world: int = 2, timeout: float = 600) -> list[dict]:
-    """Run `job` on `world` spawned ranks -> each rank's result (a rank's exception fails here, with its trace)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def run_ranks(work, job: dict, out: Path, world: int = 2, timeout: float = 600) -> list[dict]:
+    """work(group, job) on `world` spawned ranks (work: a module-level function, so spawn can name it) -> each
+    rank's result (a rank's exception fails here, with its trace)."""
+    port = free_port()
     ctx = mp.get_context("spawn")
     env = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = [ctx.Process(target=_rank, args=(r, world, port, job, str(out))) for r in range(world)]
+        procs = [ctx.Process(target=_rank, args=(r, world, port, work, job, str(out))) for r in range(world)]
         for p in procs:
             p.start()
     finally:
@@ -181,10 +187,15 @@ def run_job(job: dict, out: Path, world: int = 2, timeout: float = 600) -> list[
     if any(p.is_alive() for p in procs):
         for p in procs:
             p.kill()
-        raise AssertionError(f"the ranks of a {job['kind']} job did not finish in {timeout} s")
+        raise AssertionError(f"the ranks of a {job.get('kind', 'batch')} job did not finish in {timeout} s")
     missing = [r for r in range(world) if not Path(out, f"rank{r}.json").exists()]
     assert not missing, f"rank {missing[0]} wrote no result (exit code {procs[missing[0]].exitcode})"
     results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
     return results
+
+
+def run_job(job: dict, out: Path, world: int = 2, timeout: float = 600) -> list[dict]:
+    """Run `job` (its kind: text cases, vision cases, peak or fail) on `world` spawned ranks -> each rank's result."""
+    return run_ranks(_cases, job, out, world, timeout)

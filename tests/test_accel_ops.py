@@ -262,6 +262,8 @@ def test_gemv_fusions_match_the_unfused_ops(N, K, config):
     resid, g = r.clone(), torch.tensor([-0.37])  # a cross layer's tanh gate (the split-K reduce's epilogue too)
     gemv_fwd(w, x, residual=resid, gate=g, out=resid, config=config)
     close(resid, (r + g * F.linear(x, w)).numpy(), "gemv gated residual", **tol)
+    close(gemv_fwd(w, gate_up, swiglu=True, gate=g, config=config),
+          (g * F.linear(torch_swiglu_gate_up(gate_up), w)).numpy(), "gemv gated, no residual", **tol)
 
 
 QKV_ROPE_SHAPES = [(4, 2, 16, 40), (3, 1, 24, 53), (8, 8, 32, 64), (8, 2, 64, 37)]  # (H, K, E, D)
@@ -361,6 +363,14 @@ def test_decode_gemv_ops_match_refimpl(path, N, K):
     resid = t(x.copy())
     A.norm_mlp_add(resid, t(nw), t(w_gate_up), t(w_mlp_down), 1e-5, accumulate=False)
     close(resid, R.linear(R.swiglu(gu[:, :N], gu[:, N:]), w_mlp_down), "norm_mlp_add written", **tol)
+    # a gate with accumulate=False (a tensor-parallel rank's cross layer): gate · product overwrites it
+    resid = t(r.copy())
+    A.linear_add(t(x), t(w), resid, gate=t(g), accumulate=False)
+    close(resid, g * R.linear(x, w), "linear_add gated, written", **tol)
+    resid = t(r.copy())
+    A.swiglu_linear_add(t(gate_up), t(w_down), resid, gate=t(-g), accumulate=False)
+    close(resid, -g * R.linear(R.swiglu(gate_up[:, :K], gate_up[:, K:]), w_down), "swiglu_linear_add gated, written",
+          **tol)
 
 
 @pytest.mark.parametrize("V", [7, 1000, 1537])

@@ -68,6 +68,13 @@ def test_model_map_and_gemv_shapes():
                                        "gate_up": (16384, 3072, "norm"), "down": (3072, 8192, "swiglu")}
 
 
+def test_table_aligns_cells_by_their_spec_and_writes_text_cells_as_they_are():
+    lines = common.table([("model", "<6"), ("tok/s", ">8.1f"), ("x", ">6")], [["a", 1.26, "1.50x"], ["bb", "-", "-"]])
+    assert lines == ["model    tok/s     x",
+                     "a          1.3 1.50x",
+                     "bb           -     -"]
+
+
 def test_record_names_command_device_date_and_versions(tmp_path, monkeypatch):
     import torch
     monkeypatch.setattr(sys, "argv", ["tools/bench/load.py", "--preset", "llama-3.2-1b"])

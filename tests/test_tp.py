@@ -245,12 +245,36 @@ def test_a_rank_loads_its_shard_without_the_whole_model(tmp_path):
         assert rank["shard_bytes"] <= rise < 0.75 * model_bytes, (rise / 2**20, model_bytes / 2**20)
 
 
-def test_diff_refuses_tp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(main, ["diff", "hi", "--model", str(GOLDEN), "--tp", "2"])
-    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
-    assert r.output.startswith("error: --tp 2: llama32 diff compares activation by activation, and a tensor-parallel "
-                               "rank holds slices of them; check --tp 2 with `llama32 golden check --tp 2`"), r.output
+def _diff(*args):
+    return CliRunner().invoke(main, ["diff", "the toy", "--steps", "2", "--device", "cpu", *args])
+
+
+@pytest.mark.parametrize("toy", ["toy-gqa", "toy-mqa"])  # KV heads split over the ranks / replicated on both
+def test_diff_tp2_compares_every_activation(toy):
+    """`diff --tp 2`: every activation of the split forward, gathered whole, against --tp 1 (--a accel) and against
+    the oracle (refimpl), on the same names the one-process diff compares."""
+    model = str(ROOT / "golden" / toy)
+    whole = _diff("--model", model, "--a", "accel")
+    assert whole.exit_code == 0, whole.output
+    checked = whole.output.strip().splitlines()[-1]
+    assert checked.startswith("all ") and checked.endswith("activations within fp32 tolerance"), checked
+    for reference in ("accel", "refimpl"):
+        r = _diff("--model", model, "--a", reference, "--tp", "2", "-v")
+        assert r.exit_code == 0, r.output
+        assert f"a={reference} vs b=accel (fp32, b over --tp 2)" in r.output
+        assert r.output.strip().splitlines()[-1] == checked  # the same activations, each within tolerance
+        assert "decode1/layers.0.attn.k_rot" in r.output and "prefill/logits" in r.output
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model", str(GOLDEN), "--isolate"], "error: --tp 2 does not take --isolate"),
+    (["--model", str(GOLDEN), "--b", "refimpl"], "error: --tp 2 splits the accel backend: give --b accel"),
+    (["--model", str(ROOT / "golden" / "toy-vision")], "error: --tp 2: llama32 diff splits Llama 3.2 text models;"),
+])
+def test_diff_tp_refusals(args, expected):
+    r = _diff(*args, "--tp", "2")
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert r.output.startswith(expected), r.output
 
 
 def test_golden_check_tp2_compares_each_steps_logits(tmp_path):

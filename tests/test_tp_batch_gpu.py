@@ -32,7 +32,7 @@ def test_tp2_batch_logits_within_bf16_of_one_gpu(one_b_layers, tmp_path, graphs)
     path, cfg = one_b_layers
     rng = random.Random(0)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in LENGTHS]
-    options = {"gpu_memory": 1 << 28, "max_num_batched_tokens": 512, **({} if graphs else {"cuda_graphs": False})}
+    options = {"gpu_memory": 1 << 28, "max_num_batched_tokens": 512, "cuda_graphs": graphs}
     got = run_job({"device": "cuda", "dir": str(path), "dtype": "bf16", "prompts": prompts, "max_tokens": 8,
                    "options": options}, tmp_path)
     print(f"worst logits NMSE, TP=2 vs one GPU (bf16): {got['worst_nmse']:.2e} over {got['steps_compared']} steps; "

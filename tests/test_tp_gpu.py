@@ -83,3 +83,15 @@ def test_cli_tp2_greedy_equals_tp1_fp32():
         return json.loads(done.stdout)["generated_ids"]
     assert ids("--tp", "2") == ids("--backend", "accel")
 
+
+
+def test_cli_diff_tp2_bf16_against_the_oracle():
+    """`llama32 diff --tp 2` on 2 GPUs: every activation of the split forward (gathered whole) within bf16 tolerance
+    of the refimpl's, a prompt and two decode steps."""
+    done = subprocess.run([sys.executable, "-m", "tools.cli", "diff", "Write one line about the sea.", "--model",
+                           str(GOLDEN), "--dtype", "bf16", "--steps", "2", "--tp", "2"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("all ") and last.endswith("activations within bf16 tolerance"), last

@@ -126,9 +126,14 @@ def two_image_prompt():
     return ids, pixels, ar_ids, ar_mask, cross_mask(ids, [2, 4])
 
 
+TEXT_ONLY = [5, 17, 9, 40, 41, 42]  # no image token: the cross layers skipped
+MORE = [33, 7, 90, 4, 61]  # decoded tokens: each one fused decode step on the ranks
+
+
 @pytest.fixture(scope="module")
 def vision_ranks(tmp_path_factory):
-    """name -> (HF's logits at the prompt's last token and two decode steps, both ranks' results)."""
+    """name -> (HF's logits at the prompt's last token and two decode steps, both ranks' results); also, for the
+    GQA model, the cases "gqa-image" (its images, five decoded tokens) and "gqa-text" (no image, five)."""
     ids, pixels, ar_ids, ar_mask, xmask = two_image_prompt()
     decoded = [33, 7]
     full = ids + decoded
@@ -144,17 +149,54 @@ def vision_ranks(tmp_path_factory):
         cases[name] = {"dir": str(path), "images": str(path / "images.npz"), "steps": [ids, *[[t] for t in decoded]],
                        "capacity": len(full)}
         out[name] = ref
+    gqa = cases["gqa"]
+    cases["gqa-image"] = {**gqa, "steps": [ids, *[[t] for t in MORE]], "capacity": len(ids) + len(MORE)}
+    cases["gqa-text"] = {"dir": gqa["dir"], "steps": [TEXT_ONLY, *[[t] for t in MORE]],
+                         "capacity": len(TEXT_ONLY) + len(MORE)}
     ranks = run_job({"kind": "vision", "cases": cases}, tmp_path_factory.mktemp("tpv"))
-    return {name: (ref, [r[name] for r in ranks]) for name, ref in out.items()}
+    return {name: (out.get(name), [r[name] for r in ranks], cases[name]) for name in cases}
 
 
 @pytest.mark.parametrize("name", ["mqa", "gqa"])
 def test_tp2_logits_with_two_images_equal_hf(vision_ranks, name):
-    ref, ranks = vision_ranks[name]
+    ref, ranks, _ = vision_ranks[name]
     for step, (want, got) in enumerate(zip(ref, ranks[0]["logits"])):
         c = compare(f"{name} step {step}", np.array(got), want, TOLERANCES["fp32"])
         assert c.ok, f"{name} step {step}: max_abs {c.max_abs:.3g} nmse {c.nmse:.3g} at {c.worst} {c.problem}"
     assert ranks[0]["logits"] == ranks[1]["logits"]
+
+
+@pytest.mark.parametrize("name", ["gqa-image", "gqa-text"])
+def test_tp2_decode_step_equals_the_one_device_engine(vision_ranks, name):
+    """Each decoded token runs accel.vision.model.decode_step over the split (RankSplit: the cross layers' gated
+    o/down partial sums reduced across the ranks): its logits, five tokens on, as the one-device engine's decode
+    step (accel.vision.engine, no split) and as the ranks' own eager forward of the same token, with the
+    image and without (the cross layers skipped)."""
+    from accel.vision.engine import VisionAccelEngine
+    from refimpl.vision.inputs import ImageInputs
+    _, ranks, case = vision_ranks[name]
+    engine = VisionAccelEngine.from_checkpoint(load_checkpoint(Path(case["dir"]), with_tokenizer=False),
+                                               device="cpu", dtype="fp32", use_triton=False)
+    images = None
+    if "images" in case:
+        with np.load(case["images"], allow_pickle=False) as f:
+            images = ImageInputs(*(f[k] for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask",
+                                                  "cross_attention_mask")))
+    prompt, *decoded = case["steps"]
+    sess = engine.session(case["capacity"], engine.image_tokens(images))
+    ref = [engine.prefill(prompt, sess, images)[0].numpy().copy()]
+    for n, token in enumerate(decoded):
+        ref.append(sess.decoder.step(torch.tensor(token), len(prompt) + n)[0].numpy().copy())
+    got = ranks[0]["logits"]
+    assert len(got) == len(ref) == 1 + len(MORE) and len(ranks[0]["eager"]) == len(MORE)
+    for step, want in enumerate(ref):
+        c = compare(f"{name} step {step}", np.array(got[step]), want, TOLERANCES["fp32"])
+        assert c.ok, f"{name} step {step}: max_abs {c.max_abs:.3g} nmse {c.nmse:.3g} at {c.worst} {c.problem}"
+    for step, eager in enumerate(ranks[0]["eager"], start=1):
+        c = compare(f"{name} eager {step}", np.array(got[step]), np.array(eager), TOLERANCES["fp32"])
+        assert c.ok, f"{name} eager {step}: max_abs {c.max_abs:.3g} nmse {c.nmse:.3g} at {c.worst} {c.problem}"
+    assert ranks[0]["logits"] == ranks[1]["logits"]
+    assert not np.allclose(got[1], got[2])  # each step's own logits, not the graph's buffer read twice
 
 
 def test_vision_shard_plan_splits_the_decoder_and_replicates_the_encoder():

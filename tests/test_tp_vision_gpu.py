@@ -1,8 +1,8 @@
 """Tensor-parallel Llama 3.2 Vision on 2 GPUs over NCCL (needs 2 CUDA GPUs): TP=2 logits within bf16 tolerance of
 the one-GPU engine's (accel.vision, its CUDA-graph decode step) at Llama 3.2 11B-Vision's per-layer shapes (text:
 hidden 4096, 32/8 heads, MLP 14336; encoder: 560² tiles of 1601 tokens, hidden 1280) on random bf16 weights, few
-layers (one cross layer between two self layers, 2 + 1 encoder layers), a prompt with text before a 4-tile image,
-the prompt's last logits and two decode steps."""
+layers (one cross layer between two self layers, 2 + 1 encoder layers), a prompt with text before a 4-tile image
+and the same prompt without it, the prompt's last logits and two decode steps (each rank's CUDA graph)."""
 from pathlib import Path
 
 import numpy as np
@@ -54,18 +54,25 @@ def model(tmp_path_factory):
     return cfg, path, im
 
 
-def test_tp2_logits_within_bf16_of_one_gpu(model, tmp_path):
+@pytest.mark.parametrize("with_image", [True, False])
+def test_tp2_logits_within_bf16_of_one_gpu(model, tmp_path, with_image):
+    """The prompt (eager per shard) and each decoded token (the fused decode step, one CUDA graph a token on each
+    rank, all-reduces inside) against the one-GPU engine, with the image and text-only (cross layers skipped)."""
     from accel.vision.engine import VisionAccelEngine
     cfg, path, im = model
-    ranks = run_job({"kind": "vision", "device": "cuda", "cases": {"m": {
-        "dir": str(path), "dtype": "bf16", "images": str(path / "images.npz"),
-        "steps": [PROMPT, *[[t] for t in DECODED]], "capacity": len(PROMPT) + len(DECODED)}}}, tmp_path)
+    prompt = PROMPT if with_image else [t for t in PROMPT if t != IMAGE]
+    im = im if with_image else None
+    case = {"dir": str(path), "dtype": "bf16", "steps": [prompt, *[[t] for t in DECODED]],
+            "capacity": len(prompt) + len(DECODED)}
+    if with_image:
+        case["images"] = str(path / "images.npz")
+    ranks = run_job({"kind": "vision", "device": "cuda", "cases": {"m": case}}, tmp_path)
     engine = VisionAccelEngine.from_checkpoint(load_checkpoint(Path(path), with_tokenizer=False), device="cuda:0",
                                                dtype="bf16")
-    sess = engine.session(len(PROMPT) + len(DECODED), engine.image_tokens(im))
-    ref = [engine.prefill(PROMPT, sess, im)[0].float().cpu().numpy()]
+    sess = engine.session(len(prompt) + len(DECODED), engine.image_tokens(im))
+    ref = [engine.prefill(prompt, sess, im)[0].float().cpu().numpy()]
     for n, token in enumerate(DECODED):
-        step = sess.decoder.step(torch.tensor([token], device=engine.device), len(PROMPT) + n)
+        step = sess.decoder.step(torch.tensor([token], device=engine.device), len(prompt) + n)
         ref.append(step[0].float().cpu().numpy())
     for i, (want, got) in enumerate(zip(ref, ranks[0]["m"]["logits"])):
         c = compare(f"step {i} logits", np.array(got), want, TOLERANCES["bf16"])

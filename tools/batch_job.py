@@ -2,8 +2,8 @@
 
 The request loop (`run_group`) takes any engine with the batch request API (refimpl.batch_api), so
 the same loop drives the paged continuous-batching engine and the NumPy reference one request at a time.
-Stop strings are found in the decoded text: the text is cut before the earliest one, the request aborted, and
-its finish reason is "stop", as for a stop token.
+Stop strings are found in the text as it grows (tools.text_stream, incrementally): the text is cut before the
+earliest one, the request aborted, and its finish reason is "stop", as for a stop token.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from refimpl.batch_api import SamplingParams
 from refimpl.progress import Progress
 
-from tools.text_stream import find_stop
+from tools.text_stream import TextStream
 
 
 class OrderedWriter:
@@ -56,15 +56,25 @@ def result_record(req, ids: list[int], text: str, reason: str) -> dict:
 
 
 class _Live:
-    """One request in flight and the ids it has generated so far."""
+    """One request in flight: the ids it has generated so far and, with stop strings, its text as it grows."""
 
-    def __init__(self, req):
-        self.req, self.ids = req, []
+    def __init__(self, req, tokenizer):
+        self.req, self.ids, self.tok = req, [], tokenizer
+        self.stream = TextStream(tokenizer, req.stop) if req.stop else None
 
-
-def _finish(live, tokenizer, reason: str, cut: int | None = None) -> dict:
-    text = tokenizer.decode(live.ids)
-    return result_record(live.req, live.ids, text if cut is None else text[:cut], reason)
+    def step(self, out) -> dict | None:
+        """The engine's output for this request -> its record once it is finished (None: not yet)."""
+        self.ids.extend(out.new_token_ids)
+        if self.stream is None:
+            return result_record(self.req, self.ids, self.tok.decode(self.ids), out.finish_reason) \
+                if out.finished else None
+        self.stream.push(out.new_token_ids)
+        if self.stream.stopped:
+            return result_record(self.req, self.ids, self.stream.text, "stop")
+        if not out.finished:
+            return None
+        self.stream.finish()
+        return result_record(self.req, self.ids, self.stream.text, out.finish_reason)
 
 
 def run_group(engine, requests, tokenizer, stop_ids, on_done, tally: Tally, progress: Progress | None = None) -> None:
@@ -75,24 +85,16 @@ def run_group(engine, requests, tokenizer, stop_ids, on_done, tally: Tally, prog
         params = SamplingParams(stop_token_ids=tuple(stop_ids), **req.sampling)
         images = {} if req.image_inputs is None else {"images": req.image_inputs}
         live[engine.add_request(req.prompt_ids, params, request_id=req.id, adapter=req.adapter, **images)] = \
-            _Live(req)
+            _Live(req, tokenizer)
     while engine.has_unfinished():
         for out in engine.step():
             r = live.get(out.request_id)
             if r is None:  # already finished here by a stop string
                 continue
-            r.ids.extend(out.new_token_ids)
             tally.completion_tokens += len(out.new_token_ids)
-            record = None
-            if r.req.stop and not out.finished:
-                cut = find_stop(tokenizer.decode(r.ids), r.req.stop)
-                if cut is not None:
-                    engine.abort(out.request_id)
-                    record = _finish(r, tokenizer, "stop", cut)
-            elif out.finished:
-                text = tokenizer.decode(r.ids)
-                cut = find_stop(text, r.req.stop) if r.req.stop else None
-                record = _finish(r, tokenizer, "stop" if cut is not None else out.finish_reason, cut)
+            record = r.step(out)
+            if record is not None and not out.finished:  # a stop string: the engine would go on
+                engine.abort(out.request_id)
             if record is not None:
                 del live[out.request_id]
                 tally.requests += 1

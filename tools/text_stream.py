@@ -1,12 +1,22 @@
 """Token ids -> the text shown or sent as they arrive: incremental, with stop strings (llama32 serve's streams,
 llama32 generate and chat's printed answers, llama32 batch's stop strings).
 
-A choice's text is re-decoded from all its ids at each step (a token can change how the bytes before it decode),
-and only what can no longer change is released: not a trailing incomplete UTF-8 sequence (U+FFFD), not a tail that
-could still grow into a stop string. When a stop string appears, the text ends before it (OpenAI's rule: the stop
-string is not returned).
+A step decodes only a short window of ids, as vLLM's incremental detokenizer does: ids[prefix:] is decoded and
+the text of ids[prefix:read], returned before, cut off its front; those ids are there as context, for a tokenizer
+that decodes a word differently at the start of a text. Both offsets move on once the window ends in a whole
+character; until then its complete characters are returned and a trailing incomplete UTF-8 sequence (U+FFFD)
+waits. The offsets only ever sit where the text decoded so far ends in a whole character, so the pieces add up to
+the decode of all the ids at once. A step costs O(window + longest stop string), not O(text): a choice of n tokens
+costs O(n) in all, not O(n^2) (the window: the ids of the last piece returned and those since, a few; only ids
+that never complete a character, invalid bytes one after another, keep it growing).
+
+Only what can no longer change is released: not an incomplete character, not a tail that could still grow into a
+stop string. A stop string therefore never starts in released text, and is searched for only in what is held.
+When one appears, the text ends before it (OpenAI's rule: the stop string is not returned).
 """
 from __future__ import annotations
+
+INCOMPLETE = "\ufffd"  # what a decoder gives for bytes that are not (yet) a whole UTF-8 character
 
 
 def find_stop(text: str, stops, start: int = 0) -> int | None:
@@ -15,53 +25,90 @@ def find_stop(text: str, stops, start: int = 0) -> int | None:
     return min(found) if found else None
 
 
+def stop_prefix_len(text: str, stops) -> int:
+    """The length of the longest tail of `text` that is a proper prefix of one of the stop strings."""
+    longest = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
+class Detokenizer:
+    """Ids in, final text out: `push(ids)` -> the characters those ids completed (the decode of every id pushed so
+    far, piece by piece); `flush()` -> what is left, a trailing incomplete sequence included."""
+
+    def __init__(self, tokenizer, skip_ids=()):
+        self.tok, self.skip_ids = tokenizer, set(skip_ids)
+        self.ids: list[int] = []  # every id not skipped
+        self.prefix = self.read = 0  # window = ids[prefix:]; ids[prefix:read] decode to prefix_text
+        self.prefix_text = ""
+        self.done = 0  # characters past prefix_text already returned from a window that ended mid-character
+
+    def _tail(self) -> str:
+        """The window's text past what ids[prefix:read] decode to."""
+        return self.tok.decode(self.ids[self.prefix:])[len(self.prefix_text):]
+
+    def push(self, new_ids) -> str:
+        self.ids.extend(t for t in new_ids if t not in self.skip_ids)
+        tail = self._tail()
+        if not tail or tail.endswith(INCOMPLETE):
+            whole = tail.rstrip(INCOMPLETE)
+            piece, self.done = whole[self.done:], max(self.done, len(whole))
+            return piece
+        piece = tail[self.done:]
+        self.prefix, self.read, self.done = self.read, len(self.ids), 0
+        self.prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        return piece
+
+    def flush(self) -> str:
+        tail = self._tail()
+        piece, self.done = tail[self.done:], max(self.done, len(tail))
+        return piece
+
+
 class TextStream:
-    """One choice: `push(ids)` -> the text newly safe to send, `stopped` once a stop string was found."""
+    """One choice: `push(ids)` -> the text newly safe to send, `stopped` once a stop string was found, `text` the
+    text so far (up to the stop string once stopped)."""
 
     def __init__(self, tokenizer, stops: list[str], stop_ids=()):
-        self.tok, self.stops, self.stop_ids = tokenizer, list(stops), set(stop_ids)
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the text already released
-        self.text = ""
+        self.stops = list(stops)
+        self.detok = Detokenizer(tokenizer, stop_ids)
+        self.ids: list[int] = []  # every id pushed, stop ids included
+        self.sent: list[str] = []  # the pieces released
+        self.held = ""  # final text not released yet: a tail that may still become a stop string
         self.stopped = False
         self.tokens_at_stop: int | None = None  # ids generated when the stop string was complete
 
-    def _decode(self) -> str:
-        return self.tok.decode([t for t in self.ids if t not in self.stop_ids])
+    @property
+    def text(self) -> str:
+        return "".join(self.sent) + self.held
 
     def push(self, new_ids: list[int]) -> str:
         if self.stopped:
             return ""
         self.ids.extend(new_ids)
-        text = self._decode()
-        hit = find_stop(text, self.stops, max(0, self.sent - max((len(s) for s in self.stops), default=0)))
+        self.held += self.detok.push(new_ids)
+        hit = find_stop(self.held, self.stops)
         if hit is not None:
             self.stopped, self.tokens_at_stop = True, len(self.ids)
-            self.text = text[:hit]
-            return self._release(len(self.text))
-        self.text = text
-        return self._release(self._safe_end(text))
+            self.held = self.held[:hit]
+            return self._release(len(self.held))
+        return self._release(len(self.held) - stop_prefix_len(self.held, self.stops))
 
     def finish(self) -> str:
         """The rest of the text once the choice is over (a held-back tail that never became a stop string)."""
         if not self.stopped:
-            self.text = self._decode()
-        return self._release(len(self.text))
+            self.held += self.detok.flush()
+        return self._release(len(self.held))
 
     def _release(self, end: int) -> str:
-        end = max(end, self.sent)
-        delta = self.text[self.sent:end]
-        self.sent = end
+        delta, self.held = self.held[:end], self.held[end:]
+        if delta:
+            self.sent.append(delta)
         return delta
-
-    def _safe_end(self, text: str) -> int:
-        end = len(text.rstrip("\ufffd"))  # not a trailing incomplete UTF-8 sequence
-        for s in self.stops:
-            for k in range(min(len(s) - 1, end), 0, -1):  # the longest tail that is a proper prefix of s
-                if text[:end].endswith(s[:k]):
-                    end -= k
-                    break
-        return end
 
 
 class TokenPrinter:

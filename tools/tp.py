@@ -1,5 +1,5 @@
 """`--tp N`: the CLI side of tensor parallelism (accel.tp). generate, chat, batch and serve run it, bench measures it
-(tools/bench/tp.py), golden check checks its logits; diff refuses it (a rank holds slices of what it compares)."""
+(tools/bench/tp.py), golden check checks its logits, diff compares its activations gathered whole (accel.tp.trace)."""
 from __future__ import annotations
 
 import os

@@ -74,7 +74,8 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread-local: under --tp the NCCL watchdog thread polls its events while a rank captures
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits, head = self.runner.forward_head(static)
         g = _Graph(graph, static, logits, head)
         self.graphs[inp.graph_key] = g

@@ -148,13 +148,12 @@ def sm_count(device: torch.device) -> int:
 
 @triton.jit
 def epilogue(acc, R, Y, rows, N, HAS_RESIDUAL: tl.constexpr, GATE=None, HAS_GATE: tl.constexpr = False):
-    """Y = [R +] [gate ·] acc; GATE: a one-element tensor (a cross layer's tanh gate), its product rounded too."""
-    if HAS_RESIDUAL:  # round the product first, as the unfused F.linear then `x + r` does
-        r = tl.load(R + tl.minimum(rows, N - 1))
-        acc = acc.to(Y.dtype.element_ty).to(tl.float32)
-        if HAS_GATE:  # gate · o rounded before the add, as the unfused `x + g * o`
-            acc = (acc * tl.load(GATE).to(tl.float32)).to(Y.dtype.element_ty).to(tl.float32)
-        acc = acc + r.to(tl.float32)
+    """Y = [R +] [gate ·] acc; GATE: a one-element tensor (a cross layer's tanh gate), its product rounded too.
+    A gate without R: a tensor-parallel rank's gated partial sum (accel.tp), gate · round(acc)."""
+    if HAS_GATE:  # round the product first, as the unfused F.linear then `g * o` does
+        acc = acc.to(Y.dtype.element_ty).to(tl.float32) * tl.load(GATE).to(tl.float32)
+    if HAS_RESIDUAL:  # round the product (gate · o) first, as the unfused F.linear then `x + r` does
+        acc = acc.to(Y.dtype.element_ty).to(tl.float32) + tl.load(R + tl.minimum(rows, N - 1)).to(tl.float32)
     tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=rows < N)
 
 

@@ -171,7 +171,7 @@ def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor
              table: Mapping[tuple[int, int], GemvConfig] = tuning.GEMV) -> torch.Tensor:
     """y = [residual +] weight @ f(x), weight [N, K] (rows contiguous), x [K] or [1, K] ([2K] or [1, 2K] with
     swiglu) -> [1, N] in x's dtype (or `out`). f: rms_norm with norm_weight [K], or swiglu, or identity.
-    gate (one element, with residual): y = residual + gate · (weight @ f(x)), each product rounded.
+    gate (one element): y = [residual +] gate · (weight @ f(x)), each product rounded.
     `config` (else `table`'s row for [N, K], else the rule) picks the kernel and its launch."""
     N, K = weight.shape
     assert weight.stride(1) == 1, "weight rows must be contiguous"
@@ -184,7 +184,7 @@ def gemv_fwd(weight: torch.Tensor, x: torch.Tensor, *, norm_weight: torch.Tensor
     assert out.numel() == N and out.reshape(-1).stride(0) == 1
     if residual is not None:
         assert residual.numel() == N and residual.reshape(-1).stride(0) == 1
-    assert gate is None or (residual is not None and gate.numel() == 1), "a gate scales the residual branch"
+    assert gate is None or gate.numel() == 1, "a gate is one element"
     cfg = GemvConfig(*config) if config is not None else gemv_config(N, K, sm_count(weight.device),
                                                                      weight.element_size(), table)
     prologue = PROLOGUE_SWIGLU if swiglu else PROLOGUE_NORM if norm_weight is not None else PROLOGUE_NONE

@@ -57,6 +57,20 @@ GEMV: Mapping[tuple[int, int], GemvConfig] = MappingProxyType({
     (28672, 4096): GemvConfig("stream", 16, 512, 4, 264, 3),  # 11B gate_up
     (4096, 14336): GemvConfig("stream", 16, 512, 4, 256, 3),  # 11B down
     (128256, 4096): GemvConfig("stream", 8, 512, 4, 396, 4),  # 11B lm_head
+    # one rank's shard at --tp 2 (accel/tp/shard.py: o and down with K/2 inputs, gate_up with 2F/2 rows)
+    (2048, 1024): GemvConfig("split", 8, 1024, 4),  # 1B o
+    (8192, 2048): GemvConfig("split", 8, 2048, 8),  # 1B gate_up
+    (2048, 4096): GemvConfig("stream", 8, 512, 4, 256, 4),  # 1B down
+    (3072, 1536): GemvConfig("stream", 8, 512, 4, 384, 4),  # 3B o
+    (8192, 3072): GemvConfig("stream", 8, 512, 4, 396, 4),  # 3B gate_up
+    (3072, 4096): GemvConfig("stream", 8, 512, 4, 384, 4),  # 3B down
+    # Llama 3.2 90B-Vision's decoder, one rank's shard at --tp 2 (accel.tp); the rule's persistent kernel was
+    # slower at each, down by 1.4× (docs/performance.md, tensor-parallel Vision)
+    (8192, 4096): GemvConfig("stream", 8, 512, 4, 528, 4),  # 90B TP=2 o
+    (4096, 8192): GemvConfig("stream", 16, 512, 4, 256, 3),  # 90B TP=2 cross q
+    (28672, 8192): GemvConfig("stream", 8, 512, 4, 528, 4),  # 90B TP=2 gate_up
+    (8192, 14336): GemvConfig("stream", 16, 512, 4, 264, 3),  # 90B TP=2 down
+    (64128, 8192): GemvConfig("stream", 8, 512, 4, 396, 4),  # 90B TP=2 lm_head
 })
 
 # The fused norm + qkv + RoPE + cache write, per (N, K) = ((H + 2K)·E, D): 1B one whole-row tile pair a program;

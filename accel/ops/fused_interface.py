@@ -86,8 +86,8 @@ class FusedOps(Protocol):
                    gate: Tensor | None = None, accumulate: bool = True) -> Tensor:
         """a [1, Din], weight [D, Din], residual [1, D] -> residual += linear(a, weight) in place (the product
         rounded to the dtype before the add); returns residual. gate [1] (a device tensor, model dtype):
-        residual += gate · linear(a, weight), the product rounded before the add. accumulate False (no gate):
-        residual = linear(a, weight), overwritten (a tensor-parallel rank's partial sum, accel.tp.model)."""
+        residual += gate · linear(a, weight), the product rounded before the add. accumulate False:
+        residual = [gate ·] linear(a, weight), overwritten (a tensor-parallel rank's partial sum, accel.tp.model)."""
 
     def swiglu_linear_add(self, gate_up: Tensor, weight: Tensor, residual: Tensor,
                           tuning: Tuning = DEFAULT, gate: Tensor | None = None, accumulate: bool = True) -> Tensor:

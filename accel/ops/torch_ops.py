@@ -115,18 +115,17 @@ def torch_norm_linear(x, norm_weight, weight, eps):
 def torch_linear_add(a, weight, residual, gate=None, accumulate: bool = True):
     """The product is rounded to the dtype before the add, as x + o is (and gate · o before it, with a gate);
     accumulate False: the product overwrites residual."""
-    return _add_or_write(residual, _gated(F.linear(a, weight), gate), accumulate)
+    return gated_add(residual, F.linear(a, weight), gate, accumulate)
 
 
 def torch_swiglu_linear_add(gate_up, weight, residual, gate=None, accumulate: bool = True):
-    return _add_or_write(residual, _gated(F.linear(torch_swiglu_gate_up(gate_up), weight), gate), accumulate)
+    return gated_add(residual, F.linear(torch_swiglu_gate_up(gate_up), weight), gate, accumulate)
 
 
-def _gated(y, gate):
-    return y if gate is None else gate * y
-
-
-def _add_or_write(residual, y, accumulate: bool):
+def gated_add(residual, y, gate=None, accumulate: bool = True):
+    """residual += [gate ·] y in place (accumulate False: residual = [gate ·] y), each product rounded; returns
+    residual. The epilogue of linear_add / swiglu_linear_add, for a product y [1, D] computed before."""
+    y = y if gate is None else gate * y
     return residual.add_(y) if accumulate else residual.copy_(y)
 
 

@@ -155,7 +155,9 @@ class TPBatchEngine(BatchEngine):
             return super().step()
 
     def close(self) -> None:
+        """Release the other ranks; free the CUDA graphs (the group's end waits for them: group.end_group)."""
         self.runner.tp.stop()
+        self.runner.graphs = None
 
 
 def pool_shape(group: TPGroup, engine: BatchEngine | None) -> tuple[int, int]:

@@ -12,7 +12,7 @@ token [token, go on]. op GENERATE: into a cache of at least that capacity (the l
 in it); KEEP: allocate the kept cache of that
 capacity (no prompt follows: `new_cache`, for a chat's turns); CONTINUE: into the kept cache from that position;
 FORWARD: the ids' forward alone into the kept cache from that position (`logits`: golden check), no token after;
-STOP: leave `serve`.
+TRACE: the same op by op, every activation gathered on rank 0 (`steps`: diff, accel.tp.trace); STOP: leave `serve`.
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ from .group import TPGroup, failed_ranks, sigint_deferred
 from .load import check_quant, load_shard, open_text_checkpoint
 from .model import RankSplit, ShardCache, forward
 from .shard import ShardPlan, element_bytes, shard_elements
+from .trace import trace
 
-STOP, GENERATE, KEEP, CONTINUE, FORWARD = 0, 1, 2, 3, 4
+STOP, GENERATE, KEEP, CONTINUE, FORWARD, TRACE = 0, 1, 2, 3, 4, 5
 
 
 class RankFailed(GenerationError):
@@ -49,10 +50,11 @@ class RankFailed(GenerationError):
 
 class ShardSession:
     """A rank's cache and the decode step over it (accel.engine.Decoder: one CUDA graph replay a token on the GPU,
-    the all-reduces and the logits' all-gather captured in it; on the CPU the same step uncaptured)."""
+    the all-reduces and the logits' all-gather captured in it; on the CPU the same step uncaptured). image_tokens:
+    a vision model's image slots (the step's cross layers run only with them)."""
 
-    def __init__(self, cache: ShardCache, decoder: Decoder):
-        self.cache, self.decoder, self.capacity = cache, decoder, cache.capacity
+    def __init__(self, cache, decoder: Decoder, image_tokens: int = 0):
+        self.cache, self.decoder, self.capacity, self.image_tokens = cache, decoder, cache.capacity, image_tokens
 
 
 def together(group: TPGroup, what: str, fn):
@@ -110,9 +112,11 @@ class TPEngine:
         return cfg, load_shard(model_dir, plan, group.device, dtype, quant)
 
     # ---- every rank ----
-    def alloc_cache(self, capacity: int) -> ShardSession:
+    def alloc_cache(self, capacity: int, image_tokens: int = 0) -> ShardSession:
         """This rank's cache of `capacity` slots (its KV heads), with the RoPE tables, and the decode step over it
-        (captured now, before anything is written to the cache: the capture's warm-up runs write slot 0)."""
+        (captured now, before anything is written to the cache: the capture's warm-up runs write slot 0).
+        image_tokens: a vision model's (TPVisionEngine), 0 for a text one."""
+        assert not image_tokens, "a text model has no image slots"
         c = self.local
         shape = (c.num_hidden_layers, c.num_key_value_heads, capacity, c.head_dim)  # [L, K/N, S, E]
         cos, sin = np_ops.rope_tables(np.arange(capacity), c.head_dim, c.rope_theta, c.rope_scaling)
@@ -122,24 +126,34 @@ class TPEngine:
                            torch.arange(capacity, device=self.device))
         return ShardSession(cache, self._decoder(cache))
 
-    def _decoder(self, cache: ShardCache) -> Decoder:
-        """accel.model.decode_step over this rank's shard, its collectives RankSplit's. Captured with the thread-
-        local error mode: the NCCL watchdog thread polls events meanwhile."""
-        split = RankSplit(self.group.rank, self.group.world, self.plan.vocab_range()[0], self.config.vocab_size)
-        w, cfg, tables, tuning = self.weights, self.local, RopeTables(cache.cos, cache.sin), self.tuning
+    def rank_split(self) -> RankSplit:
+        """The decode step's collectives on this rank (its embedding rows' first token id, the logits gathered)."""
+        return RankSplit(self.group.rank, self.group.world, self.plan.vocab_range()[0], self.config.vocab_size)
+
+    def decode_fn(self, cache):
+        """step(token, position) -> the gathered logits [1, V]: accel.model.decode_step over this rank's shard,
+        its collectives RankSplit's."""
+        split, w, cfg, tuning = self.rank_split(), self.weights, self.local, self.tuning
+        tables = RopeTables(cache.cos, cache.sin)
 
         def step(token, position):
             return decode_step(w, cfg, token, position, tables, cache.k, cache.v, tuning, split)
-        return Decoder(self, cache, self.use_graph, step, capture_mode="thread_local")
+        return step
 
-    def session(self, capacity: int) -> ShardSession:
-        """A session of at least `capacity` slots: the last one while requests fit in it (every rank decides
-        alike: they all see the same capacities)."""
-        if self._session is None or self._session.capacity < capacity:
+    def _decoder(self, cache) -> Decoder:
+        """The decode step (decode_fn) over the cache, captured with the thread-local error mode: the NCCL
+        watchdog thread polls events meanwhile."""
+        return Decoder(self, cache, self.use_graph, self.decode_fn(cache), capture_mode="thread_local")
+
+    def session(self, capacity: int, image_tokens: int = 0) -> ShardSession:
+        """A session of at least `capacity` slots (and exactly `image_tokens` image slots): the last one while
+        requests fit in it (every rank decides alike: they all see the same requests)."""
+        s = self._session
+        if s is None or s.capacity < capacity or s.image_tokens != image_tokens:
             self._session = None  # free the old cache and graph before allocating the new ones
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._session = self.alloc_cache(capacity)
+            self._session = self.alloc_cache(capacity, image_tokens)
         return self._session
 
     def forward(self, ids: torch.Tensor, start: int, sess: ShardSession) -> torch.Tensor:
@@ -185,20 +199,30 @@ class TPEngine:
         while True:
             op, n, number = self._broadcast(None, 3).tolist()
             if op == STOP:
+                self._session = self.kept = None  # their graphs freed before the group ends (group.end_group)
                 return
-            if op == KEEP:
-                self.kept = self.alloc_cache(number)
-            elif op == GENERATE:
-                self._follow(self._broadcast(None, n), self.session(number), 0)
-            elif op == FORWARD:
-                self.forward(self._broadcast(None, n), number, self.kept)
-            else:
-                self._follow(self._broadcast(None, n), self.kept, number)
+            self.follow_request(op, n, number)
+
+    def follow_request(self, op: int, n: int, number: int) -> None:
+        """A worker's side of one request [op, prompt length, number] (a subclass adds its own ops)."""
+        if op == KEEP:
+            self.kept = self.alloc_cache(number)
+        elif op == GENERATE:
+            self._follow(self._broadcast(None, n), self.session(number), 0)
+        elif op == FORWARD:
+            self.forward(self._broadcast(None, n), number, self.kept)
+        elif op == TRACE:
+            self.trace(self._broadcast(None, n), number)
+        else:
+            assert op == CONTINUE, op
+            self._follow(self._broadcast(None, n), self.kept, number)
 
     # ---- rank 0 ----
     def close(self) -> None:
-        """Release the other ranks from `serve`."""
+        """Release the other ranks from `serve`; free this rank's caches and their CUDA graphs (the group's end waits
+        for them: accel.tp.group.end_group)."""
         self._broadcast([STOP, 0, 0], 3)
+        self._session = self.kept = None
 
     def new_cache(self, capacity: int) -> ShardSession:
         """The engine contract's cache (a chat's): every rank allocates its part, kept for `generate(cache=...)`."""
@@ -217,6 +241,31 @@ class TPEngine:
                                   f"them")
         self._broadcast([FORWARD, len(ids), start], 3)
         return self.forward(self._broadcast(ids, len(ids)), start, self.kept)
+
+    def trace(self, ids: torch.Tensor, start: int) -> list:
+        """Every rank: ids' forward op by op into the kept cache -> [(name, whole activation)] (accel.tp.trace)."""
+        with ops.torch_only(not self.triton):
+            return trace(self.plan, self.weights, ids, start, self.kept.cache)
+
+    def steps(self, ids, positions, cache: ShardSession, last_logits_only: bool = False, **inputs):
+        """The engine protocol's trace mode (refimpl.engine_protocol) over the group, into new_cache's cache:
+        every rank runs the forward to its end first (the collectives), then rank 0 yields its activations, so a
+        consumer may stop early."""
+        text_only(inputs)
+        ids, start = [int(i) for i in ids], int(positions[0])
+        if cache is not self.kept or list(positions) != list(range(start, start + len(ids))) \
+                or start + len(ids) > cache.capacity:
+            raise GenerationError("a tensor-parallel trace runs consecutive positions in the cache new_cache made "
+                                  "last")
+        self._broadcast([TRACE, len(ids), start], 3)
+        activations = self.trace(self._broadcast(ids, len(ids)), start)
+        if last_logits_only:
+            activations[-1] = ("logits", activations[-1][1][-1:])
+        yield from activations
+
+    @staticmethod
+    def to_numpy(value) -> np.ndarray:
+        return value.detach().to(torch.float32).cpu().numpy()
 
     def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: ShardSession | None = None,
                  start: int = 0, **inputs) -> Iterator[int]:

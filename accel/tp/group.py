@@ -12,6 +12,7 @@ starts): it can take a shared host's GPUs out of service.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -95,7 +96,16 @@ def _child(rank: int, world: int, device: str | None, port: int, target, args) -
     try:
         target(group, *args)
     finally:
-        dist.destroy_process_group()
+        end_group(group)
+
+
+def end_group(group: TPGroup) -> None:
+    """Leave the group. NCCL's destroy waits until every CUDA graph holding one of its collectives is freed, so
+    the graphs a rank's engine captured (kept alive in reference cycles) are collected first."""
+    gc.collect()
+    if group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)
+    dist.destroy_process_group()
 
 
 def spawn(world: int, device: str | None, target, args: tuple) -> tuple[TPGroup, list]:

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-import torch.distributed as dist
 
 from refimpl.errors import Llama32Error, one_line
 from refimpl.family import family_of_config_json
@@ -20,7 +19,7 @@ from refimpl.formats.params import Checkpoint
 from refimpl.quant.schemes import QuantSpec
 
 from .engine import RankFailed, TPEngine
-from .group import TPGroup, from_env, spawn, under_torchrun
+from .group import TPGroup, end_group, from_env, spawn, under_torchrun
 from .load import check_quant, open_text_checkpoint
 from .vision_engine import TPVisionEngine
 from .vision_load import open_vision_checkpoint
@@ -79,7 +78,7 @@ def started_group(world: int, device: str | None, open_ckpt, follower, args: tup
     try:
         yield group, ckpt
     finally:
-        dist.destroy_process_group()
+        end_group(group)
         for p in procs:
             p.join(timeout=60)
 

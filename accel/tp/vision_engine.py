@@ -6,9 +6,16 @@ the integers (aspect_ratio_ids [I], aspect_ratio_mask [I·A], the mask [T·I·A]
 any request. Every rank encodes the images itself (the encoder is replicated, accel.tp.vision_load says why) and
 writes its KV heads' image keys/values into its cache; then rank 0 leads and the others follow, token by token,
 as for a text model.
+
+The prompt runs the eager forward (accel.tp.vision_model), which also writes the decode step's mask row and gates;
+each generated token runs accel.vision.model.decode_step, the one-GPU engine's fused step, over the rank's shard
+with RankSplit's collectives, replayed as one CUDA graph a token on the GPU (the cross layers in it when the
+request has an image). A session (cache + captured step) is kept for the next request of the same image slots
+that fits in it, as TPEngine keeps a text one.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -18,20 +25,20 @@ import torch.distributed as dist
 from refimpl.errors import GenerationError
 from refimpl.generate import Sampling, check_prompt
 from refimpl.generate_vision import check_images
-from refimpl.model import ops as np_ops
 from refimpl.model.vision_config import MllamaConfig
 from refimpl.quant.schemes import QuantSpec
 from refimpl.vision.inputs import ImageInputs
 
 from .. import ops
 from ..engine import check_fits
-from .engine import CONTINUE, GENERATE, KEEP, STOP, TPEngine
+from ..vision.model import VisionStaticCache, decode_step
+from .engine import ShardSession, TPEngine
 from .group import TPGroup
-from .model import ShardCache
+from .model import RankSplit
 from .shard import element_bytes
 from .vision_load import TPVisionWeights, VisionShardPlan, load_vision_shard, open_vision_checkpoint, \
     vision_shard_elements
-from .vision_model import TPVisionCache, encode_images, forward
+from .vision_model import encode_images, forward
 
 IMAGES = 4
 
@@ -56,24 +63,39 @@ class TPVisionEngine(TPEngine):
         v = self.config.vision
         return num_images * v.max_num_tiles * v.tokens_per_tile
 
-    def alloc_cache(self, capacity: int, image_tokens: int = 0) -> TPVisionCache:
-        """This rank's cache: its KV heads' self-attention slots and image keys/values."""
-        c, C = self.local, len(self.config.text.cross_attention_layers)
-        K, E = c.num_key_value_heads, c.head_dim
-        shape = (len(self.vision_weights.self_layers), K, capacity, E)  # [Ls, K/N, S, E]
-        cos, sin = np_ops.rope_tables(np.arange(capacity), E, c.rope_theta, c.rope_scaling)
-        zeros = lambda s: torch.zeros(s, dtype=self.dtype, device=self.device)  # noqa: E731
-        text = ShardCache(zeros(shape), zeros(shape), torch.from_numpy(cos).to(self.device),
-                          torch.from_numpy(sin).to(self.device), torch.arange(capacity, device=self.device))
-        if not image_tokens:
-            return TPVisionCache(text)
-        return TPVisionCache(text, zeros((C, K, image_tokens, E)), zeros((C, K, image_tokens, E)))  # [C, K/N, N, E]
+    def alloc_cache(self, capacity: int, image_tokens: int = 0) -> ShardSession:
+        """This rank's cache (its KV heads' self-attention slots, and image keys/values for `image_tokens`) and
+        the decode step over it, captured before anything is written to the cache (as TPEngine.alloc_cache)."""
+        cache = VisionStaticCache.allocate(self.local, capacity, image_tokens, self.dtype, self.device)
+        cache.image_tokens = image_tokens  # the decode step's schedule: the cross layers only with an image
+        return ShardSession(cache, self._decoder(cache), image_tokens)
 
-    def forward(self, ids: torch.Tensor, start: int, cache: TPVisionCache) -> torch.Tensor:
+    def rank_split(self) -> RankSplit:
+        return RankSplit(self.group.rank, self.group.world, self.plan.embed_range()[0], self.config.vocab_size)
+
+    def decode_fn(self, cache: VisionStaticCache):
+        """accel.vision.model.decode_step over this rank's shard (its local text config), RankSplit's collectives."""
+        split, w, tuning = self.rank_split(), self.vision_weights, self.tuning
+        cfg = dataclasses.replace(self.config, text=self.local)
+
+        def step(token, position):
+            return decode_step(w, cfg, token, position, cache, tuning, split)
+        return step
+
+    def forward(self, ids: torch.Tensor, start: int, sess: ShardSession) -> torch.Tensor:
+        """As TPEngine.forward, but an image request's prompt always runs the eager forward (one token too): it
+        writes the decode step's mask row and gates."""
+        if ids.shape[0] == 1 and (start > 0 or not sess.cache.has_image):
+            return sess.decoder.step(ids, start)
+        return self.prefill(ids, start, sess)
+
+    def prefill(self, ids: torch.Tensor, start: int, sess: ShardSession) -> torch.Tensor:
+        """The eager forward (accel.tp.vision_model.forward) of ids [T] at positions start.. -> the gathered
+        logits [1, V] of the last one."""
         first_id, _ = self.plan.embed_range()
         with ops.torch_only(not self.triton):
             return forward(self.vision_weights, self.config, self.local, first_id, self.group.world, ids, start,
-                           cache)
+                           sess.cache)
 
     def _share_images(self, images: ImageInputs | None, T: int):
         """Rank 0's images (None elsewhere) on every rank -> (pixels [I, A, C, X, X] float32 on the device,
@@ -96,37 +118,27 @@ class TPVisionEngine(TPEngine):
         mask = ints[I + I * A:].reshape(T, I, A) if has_mask else None
         return pixels, torch.as_tensor(ints[:I], device=self.device), ints[I:I + I * A].reshape(I, A), mask
 
-    def image_request(self, images: ImageInputs | None, n: int, capacity: int) -> TPVisionCache:
+    def image_request(self, images: ImageInputs | None, n: int, capacity: int) -> ShardSession:
         """Every rank's side of an IMAGES request (rank 0 passes the images, the others None): the images shared,
-        encoded, their keys/values cached -> the request's cache."""
+        a session with their image slots (the last one if it fits), the images encoded and their keys/values
+        cached -> the session."""
         pixels, ratio_ids, ratio_mask, mask = self._share_images(images, n)
-        cache = self.alloc_cache(capacity, self.image_tokens(pixels.shape[0]))
+        sess = self.session(capacity, self.image_tokens(pixels.shape[0]))
         with ops.torch_only(not self.triton):
             encode_images(self.vision_weights, self.config, self.local, pixels.to(self.dtype), ratio_ids,
-                          ratio_mask, cache)
-        cache.cross_mask, cache.image_tokens = mask, cache.xk.shape[2]
-        return cache
+                          ratio_mask, sess.cache)
+        sess.cache.cross_mask = mask
+        return sess
 
     # ---- ranks 1..N-1 ----
-    def serve(self) -> None:
-        """Follow rank 0's requests until it sends STOP."""
-        while True:
-            op, n, number = self._broadcast(None, 3).tolist()
-            if op == STOP:
-                return
-            if op == KEEP:
-                self.kept = self.alloc_cache(number)
-            elif op == GENERATE:
-                self._follow(self._broadcast(None, n), self.alloc_cache(number), 0)
-            elif op == IMAGES:
-                cache = self.image_request(None, n, number)
-                self._follow(self._broadcast(None, n), cache, 0)
-            else:
-                assert op == CONTINUE
-                self._follow(self._broadcast(None, n), self.kept, number)
+    def follow_request(self, op: int, n: int, number: int) -> None:
+        if op != IMAGES:
+            return super().follow_request(op, n, number)
+        sess = self.image_request(None, n, number)
+        self._follow(self._broadcast(None, n), sess, 0)
 
     # ---- rank 0 ----
-    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: TPVisionCache | None = None,
+    def generate(self, prompt_ids: list[int], s: Sampling, stop_ids=(), cache: ShardSession | None = None,
                  start: int = 0, images: ImageInputs | None = None):
         """refimpl.generate_vision.VisionEngine.generate's contract; with `cache` (new_cache's, text turns only)
         the prompt continues it from `start`."""
@@ -144,6 +156,6 @@ class TPVisionEngine(TPEngine):
             return
         capacity = len(prompt_ids) + s.max_new_tokens
         self._broadcast([IMAGES, len(prompt_ids), capacity], 3)
-        cache = self.image_request(images, len(prompt_ids), capacity)
+        sess = self.image_request(images, len(prompt_ids), capacity)
         ids = self._broadcast(prompt_ids, len(prompt_ids))
-        yield from self._lead(ids, cache, 0, s, set(stop_ids))
+        yield from self._lead(ids, sess, 0, s, set(stop_ids))

@@ -8,49 +8,28 @@ The self layers are accel.tp.model's. A cross layer on the residual stream x [T,
 The image (`encode_images`): every rank runs the replicated encoder and projector on the same pixels (image
 tokens [N, D], whole), then each cross layer's k/v of its own KV heads, [N, D] · [K/N·E, D]ᵀ, into its cache.
 A prompt without an image skips the cross layers, as HF does.
+
+`forward` is the eager path, what a prompt runs; a decoded token runs accel.vision.model.decode_step over the
+shard with accel.tp.model.RankSplit's collectives (accel.tp.vision_engine: a CUDA graph a token on the GPU), the
+cross layers' gated o/down partial sums reduced as a self layer's (x + tanh(g)·Σ partials: the gate is linear).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from refimpl.model.llama_vision import cross_attention_rows
 from refimpl.model.vision_config import MllamaConfig
 
 from .. import ops
 from ..vision import encoder
+from ..vision.model import VisionStaticCache, layer_slots, request_masks
 from ..vision.weights import CrossLayer
-from .model import ShardCache, all_reduce, embed_rows, layer
+from .model import all_reduce, embed_rows, gather_logits, layer
 from .vision_load import TPVisionWeights
 
 
-@dataclass
-class TPVisionCache:
-    """The self layers' cache (ShardCache: k/v [Ls, K/N, S, E], the RoPE tables) and the image's keys/values of
-    this rank's KV heads xk/xv [C, K/N, N, E] (None without an image), with the prompt's cross-attention mask
-    [T0, I, A] (host) that refimpl.model.llama_vision.cross_attention_rows reads."""
-
-    text: ShardCache
-    xk: torch.Tensor | None = None
-    xv: torch.Tensor | None = None
-    cross_mask: np.ndarray | None = None
-    image_tokens: int = 0
-    decode_rows: tuple | None = None  # (visible [1, N], has_image [1, 1]) on the device: every generated token's
-
-    @property
-    def capacity(self) -> int:
-        return self.text.capacity
-
-    @property
-    def has_image(self) -> bool:
-        return self.image_tokens > 0
-
-
-def write_image_kv(w: TPVisionWeights, cfg: MllamaConfig, local, states, cache: TPVisionCache) -> None:
+def write_image_kv(w: TPVisionWeights, cfg: MllamaConfig, local, states, cache: VisionStaticCache) -> None:
     """The image tokens states [N, D] -> each cross layer's normed keys and values of this rank's KV heads.
     As accel.vision.model.write_image_kv: the RMSNorm with a unit weight rounds the normed keys to the model
     dtype before the k_norm weight multiplies them, as HF's k_norm does."""
@@ -58,12 +37,12 @@ def write_image_kv(w: TPVisionWeights, cfg: MllamaConfig, local, states, cache: 
     for c, (k_w, v_w, k_norm) in enumerate(w.image_kv):
         ones = torch.ones_like(k_norm)
         k = ops.rms_norm(F.linear(states, k_w).view(N * K, E), ones, cfg.text.rms_norm_eps)  # [N, D] -> [N·K, E]
-        torch.mul(k.view(N, K, E).permute(1, 0, 2), k_norm, out=cache.xk[c])  # -> [K, N, E]
-        cache.xv[c].copy_(F.linear(states, v_w).view(N, K, E).permute(1, 0, 2))  # [N, D] -> [K, N, E]
+        torch.mul(k.view(N, K, E).permute(1, 0, 2), k_norm, out=cache.xk_all[c])  # -> [K, N, E]
+        cache.xv_all[c].copy_(F.linear(states, v_w).view(N, K, E).permute(1, 0, 2))  # [N, D] -> [K, N, E]
 
 
 def encode_images(w: TPVisionWeights, cfg: MllamaConfig, local, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
-                  cache: TPVisionCache) -> None:
+                  cache: VisionStaticCache) -> None:
     """pixel_values [I, A, C, X, X] and aspect_ratio_ids [I] on the device, aspect_ratio_mask [I, A] on the host
     -> the replicated encoder and projector, then this rank's image keys/values into the cache."""
     features = encoder.encode(w.vision, cfg.vision, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
@@ -83,42 +62,21 @@ def cross_layer(cl: CrossLayer, cfg, x, xk, xv, visible, has_image):
     return x + cl.mlp_gate.tanh() * down
 
 
-def _image_rows(cache: TPVisionCache, cfg: MllamaConfig, start: int, T: int, device):
-    """(visible [T, N] bool, has_image [T, 1]) for the queries at positions start..start+T-1. A generated token
-    (past the prompt's mask) reuses the prompt's last row: copied to the device once, not a host copy a step."""
-    decoding = T == 1 and (cache.cross_mask is None or start >= len(cache.cross_mask))
-    if decoding and cache.decode_rows is not None:
-        return cache.decode_rows
-    visible, row_has = cross_attention_rows(cache, np.arange(start, start + T), cfg.vision.tokens_per_tile,
-                                            cache.image_tokens)
-    rows = (torch.as_tensor(visible | ~row_has[:, None]).to(device), torch.as_tensor(row_has[:, None]).to(device))
-    if decoding:
-        cache.decode_rows = rows
-    return rows
-
-
 def forward(w: TPVisionWeights, cfg: MllamaConfig, local, first_id: int, world: int, ids: torch.Tensor, start: int,
-            cache: TPVisionCache) -> torch.Tensor:
+            cache: VisionStaticCache) -> torch.Tensor:
     """ids [T] at positions start..start+T-1 -> the last token's logits [1, V], the same on every rank.
-    local: the rank's text config; first_id: the first token id of its embedding rows."""
+    local: the rank's text config; first_id: the first token id of its embedding rows. With an image, also the
+    decode step's mask row and gates (accel.vision.model.request_masks)."""
     T = ids.shape[0]
-    positions = cache.text.slots[start:start + T]  # [T]
-    cos, sin = cache.text.cos[start:start + T], cache.text.sin[start:start + T]  # [T, E/2]
+    positions = cache.tables.slots[start:start + T]  # [T]
+    cos, sin = cache.tables.cos[start:start + T], cache.tables.sin[start:start + T]  # [T, E/2]
     x = all_reduce(embed_rows(w.text.embed, ids, first_id))  # [T, D]
     if cache.has_image:
-        visible, has_image = _image_rows(cache, cfg, start, T, x.device)
-        has_image = has_image.to(x.dtype)
-    slot = {i: j for j, i in enumerate(w.self_layers)}
-    cross = {i: c for c, i in enumerate(cfg.text.cross_attention_layers)}
-    for i in range(cfg.text.num_hidden_layers):
-        if i in slot:
-            j = slot[i]
-            x = layer(w.text.layers[j], local, x, cache.text.k[j], cache.text.v[j], cos, sin, positions)
-        elif cache.has_image:
-            c = cross[i]
-            x = cross_layer(w.cross[c], local, x, cache.xk[c], cache.xv[c], visible, has_image)
+        visible, has_image = request_masks(w.cross, cfg, np.arange(start, start + T), cache, x.device)
+    for i, j, c in layer_slots(cfg.text, cache.has_image):
+        if j is not None:
+            x = layer(w.text.layers[j], local, x, cache.k_all[j], cache.v_all[j], cos, sin, positions)
+        else:
+            x = cross_layer(w.cross[c], local, x, cache.xk_all[c], cache.xv_all[c], visible, has_image)
     h = ops.rms_norm(x[-1:], w.text.norm, local.rms_norm_eps)  # [1, D]
-    part = ops.linear(h, w.text.lm_head)  # [1, D] -> [1, ceil(V/N)]
-    parts = [torch.empty_like(part) for _ in range(world)]
-    dist.all_gather(parts, part)
-    return torch.cat(parts, dim=1)[:, :cfg.vocab_size]  # [1, N·ceil(V/N)] -> [1, V]
+    return gather_logits(ops.linear(h, w.text.lm_head), world, cfg.vocab_size)  # [1, ceil(V/N)] -> [1, V]

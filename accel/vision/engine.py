@@ -18,12 +18,10 @@ from refimpl.errors import GenerationError
 from refimpl.formats.params import Checkpoint
 from refimpl.generate import Sampling, check_prompt
 from refimpl.generate_vision import check_images
-from refimpl.model import ops as np_ops
 from refimpl.model.llama_vision import forward_steps
 from refimpl.model.vision_config import MllamaConfig
 from refimpl.vision.inputs import ImageInputs
 
-from .. import model as text_fast
 from .. import ops
 from ..engine import AccelEngine, Decoder, DecodeSession, check_fits, resolve_device, resolve_dtype
 from ..kernels.tuning import DEFAULT, Tuning
@@ -67,21 +65,7 @@ class VisionAccelEngine(AccelEngine):
         Ls, C = len(self.weights.self_layers), len(t.cross_attention_layers)
         need = 2 * (Ls * capacity + C * image_tokens) * K * E * size
         check_fits(self.device, need, f"a KV cache of {capacity} positions and {image_tokens} image tokens")
-        k_all = torch.zeros((Ls, K, capacity, E), dtype=self.dtype, device=self.device)  # [Ls, K, S, E]
-        v_all = torch.zeros_like(k_all)
-        cos, sin = np_ops.rope_tables(np.arange(capacity), E, t.rope_theta, t.rope_scaling)
-        tables = text_fast.RopeTables(torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device))
-        k = dict(zip(self.weights.self_layers, k_all.unbind(0)))
-        v = dict(zip(self.weights.self_layers, v_all.unbind(0)))
-        cache = VisionStaticCache(k, v, capacity, k_all=k_all, v_all=v_all, tables=tables)
-        if image_tokens:
-            cache.xk_all = torch.zeros((C, K, image_tokens, E), dtype=self.dtype, device=self.device)
-            cache.xv_all = torch.zeros_like(cache.xk_all)
-            cache.xk = dict(zip(t.cross_attention_layers, cache.xk_all.unbind(0)))
-            cache.xv = dict(zip(t.cross_attention_layers, cache.xv_all.unbind(0)))
-            cache.decode_visible = torch.ones((1, image_tokens), dtype=torch.bool, device=self.device)
-            cache.decode_gates = torch.zeros((C, 2), dtype=self.dtype, device=self.device)
-        return cache
+        return VisionStaticCache.allocate(t, capacity, image_tokens, self.dtype, self.device)
 
     def _device_images(self, images: ImageInputs) -> ImageInputs:
         """The pixels and aspect-ratio ids as device tensors (kept if they are already); the masks stay host

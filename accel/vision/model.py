@@ -21,12 +21,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from refimpl.model import ops as np_ops
 from refimpl.model.llama_vision import TEXT, VisionCache, cross_attention_rows
 from refimpl.model.vision_config import MllamaConfig
 
 from .. import ops
 from ..kernels.tuning import DEFAULT, Tuning
-from ..model import RopeTables, decode_layer, self_layer
+from ..model import WHOLE, RopeTables, decode_layer, self_layer
 from . import encoder
 from .weights import CrossLayer, VisionWeights, self_layer_config
 
@@ -42,6 +43,28 @@ class VisionStaticCache(VisionCache):
     xv_all: torch.Tensor | None = None
     decode_visible: torch.Tensor | None = None  # [1, N] bool: what generated tokens see (the prompt's last row)
     decode_gates: torch.Tensor | None = None  # [C, 2] model dtype: tanh(attn gate), tanh(mlp gate) · row has image
+
+    @classmethod
+    def allocate(cls, t, capacity: int, image_tokens: int, dtype, device) -> "VisionStaticCache":
+        """Zeroed caches for text config t (a tensor-parallel rank's local one: its KV heads): the self layers'
+        k/v [Ls, K, S, E] with RoPE tables for `capacity` positions; with image_tokens N, the image keys/values
+        [C, K, N, E] and the decode step's mask row and gates."""
+        K, E, C = t.num_key_value_heads, t.head_dim, len(t.cross_attention_layers)
+        self_layers = [i for i in range(t.num_hidden_layers) if i not in t.cross_attention_layers]
+        k_all = torch.zeros((len(self_layers), K, capacity, E), dtype=dtype, device=device)  # [Ls, K, S, E]
+        v_all = torch.zeros_like(k_all)
+        cos, sin = np_ops.rope_tables(np.arange(capacity), E, t.rope_theta, t.rope_scaling)
+        tables = RopeTables(torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device))
+        cache = cls(dict(zip(self_layers, k_all.unbind(0))), dict(zip(self_layers, v_all.unbind(0))), capacity,
+                    k_all=k_all, v_all=v_all, tables=tables)
+        if image_tokens:
+            cache.xk_all = torch.zeros((C, K, image_tokens, E), dtype=dtype, device=device)  # [C, K, N, E]
+            cache.xv_all = torch.zeros_like(cache.xk_all)
+            cache.xk = dict(zip(t.cross_attention_layers, cache.xk_all.unbind(0)))
+            cache.xv = dict(zip(t.cross_attention_layers, cache.xv_all.unbind(0)))
+            cache.decode_visible = torch.ones((1, image_tokens), dtype=torch.bool, device=device)
+            cache.decode_gates = torch.zeros((C, 2), dtype=dtype, device=device)
+        return cache
 
 
 def write_image_kv(w: VisionWeights, cfg: MllamaConfig, states, cache: VisionStaticCache) -> None:
@@ -85,25 +108,24 @@ def gated_cross_layer(cl: CrossLayer, cfg, x, h, next_norm, has_image, attend):
     return ops.add_rms_norm(cl.mlp_gate.tanh() * down, x, next_norm, eps)
 
 
-def _schedule(w: VisionWeights, cfg: MllamaConfig, has_image: bool):
-    """[(layer index, self-layer slot or None for a cross layer, cross slot, next norm weight)] of the layers
-    that run; the cross layers only with an image."""
-    t = cfg.text
-    run = [i for i in range(t.num_hidden_layers) if has_image or i not in t.cross_attention_layers]
-    slot = {i: j for j, i in enumerate(w.self_layers)}
+def layer_slots(t, has_image: bool) -> list[tuple[int, int | None, int | None]]:
+    """[(layer index, self-layer slot or None, cross slot or None)] of the layers that run, for text config t;
+    the cross layers only with an image."""
+    self_layers = [i for i in range(t.num_hidden_layers) if i not in t.cross_attention_layers]
+    slot = {i: j for j, i in enumerate(self_layers)}
     cross = {i: c for c, i in enumerate(t.cross_attention_layers)}
-    norms = [w.params[f"{TEXT}layers.{i}.input_layernorm.weight"] for i in run] + [w.params[TEXT + "norm.weight"]]
-    return [(i, slot.get(i), cross.get(i), norms[n + 1]) for n, i in enumerate(run)], norms[0]
+    return [(i, slot.get(i), cross.get(i)) for i in range(t.num_hidden_layers) if has_image or i in slot]
 
 
-def _request_masks(w: VisionWeights, cfg: MllamaConfig, T: int, cache: VisionStaticCache, device):
-    """The prompt's cross-attention mask (visible [T, N] bool, rows before the first image seeing every image
-    token, as HF's masking makes them) and row-has-image [T, 1]; also the decode step's mask row and gates."""
-    visible, row_has = cross_attention_rows(cache, np.arange(T), cfg.vision.tokens_per_tile, cache.image_tokens)
+def request_masks(cross: list[CrossLayer], cfg: MllamaConfig, positions, cache: VisionStaticCache, device):
+    """The cross-attention mask of the queries at positions [T] (host ints): visible [T, N] bool (rows that may
+    see no tile see every image token, as HF's masking makes them) and row-has-image [T, 1]; also the decode
+    step's mask row and gates, the last position's (a prompt's last row is every generated token's)."""
+    visible, row_has = cross_attention_rows(cache, positions, cfg.vision.tokens_per_tile, cache.image_tokens)
     visible = torch.as_tensor(visible | ~row_has[:, None]).to(device)  # [T, N]
     has = torch.as_tensor(row_has).to(device).to(cache.xk_all.dtype)[:, None]  # [T, 1]
     cache.decode_visible.copy_(visible[-1:])
-    for c, cl in enumerate(w.cross):  # the MLP branch of a token whose row sees no image is zeroed
+    for c, cl in enumerate(cross):  # the MLP branch of a token whose row sees no image is zeroed
         cache.decode_gates[c, 0:1].copy_(cl.attn_gate.tanh())
         cache.decode_gates[c, 1:2].copy_(cl.mlp_gate.tanh() * has[-1])
     return visible, has
@@ -116,12 +138,13 @@ def prefill(w: VisionWeights, cfg: MllamaConfig, ids, cache: VisionStaticCache):
     T = ids.shape[0]
     positions = torch.arange(T, device=ids.device)
     cos, sin = cache.tables.cos[:T], cache.tables.sin[:T]
-    x = ops.embedding(ids, w.params[TEXT + "embed_tokens.weight"])  # [T, D]
+    x = ops.embedding(ids, w.text.embed)  # [T, D]
     if cache.has_image:
-        visible, has = _request_masks(w, cfg, T, cache, x.device)
-    layers, first_norm = _schedule(w, cfg, cache.has_image)
-    h = ops.rms_norm(x, first_norm, t.rms_norm_eps)
-    for i, j, c, next_norm in layers:
+        visible, has = request_masks(w.cross, cfg, np.arange(T), cache, x.device)
+    layers = layer_slots(t, cache.has_image)
+    norms = [w.params[f"{TEXT}layers.{i}.input_layernorm.weight"] for i, _, _ in layers] + [w.text.norm]
+    h = ops.rms_norm(x, norms[0], t.rms_norm_eps)
+    for (i, j, c), next_norm in zip(layers, norms[1:]):
         if j is not None:
             x, h = self_layer(w.text.layers[j], sub, x, h, next_norm, cos, sin, cache.k_all[j], cache.v_all[j],
                               positions)
@@ -131,28 +154,33 @@ def prefill(w: VisionWeights, cfg: MllamaConfig, ids, cache: VisionStaticCache):
 
 
 def decode_step(w: VisionWeights, cfg: MllamaConfig, token, position, cache: VisionStaticCache,
-                tuning: Tuning = DEFAULT):
+                tuning: Tuning = DEFAULT, split=WHOLE):
     """token [1], position [1] (device) -> logits [1, V]. Capturable in a CUDA graph: the image buffers, the mask
-    row and the gates are static tensors of the cache."""
+    row and the gates are static tensors of the cache. split: WHOLE, or one tensor-parallel rank's part
+    (accel.tp.model.RankSplit, as accel.model.decode_step's: w is then the rank's shard, accel.tp.vision_load's
+    TPVisionWeights, and cfg.text its local config)."""
     t, sub = cfg.text, self_layer_config(cfg)
     cos, sin = cache.tables.cos, cache.tables.sin
-    x = ops.embedding(token, w.params[TEXT + "embed_tokens.weight"])  # [1, D], updated in place by every layer
-    layers, _ = _schedule(w, cfg, cache.has_image)
-    for i, j, c, _next in layers:
+    x = split.embedding(token, w.text.embed)  # [1, D], updated in place by every layer
+    for i, j, c in layer_slots(t, cache.has_image):
         if j is not None:
-            decode_layer(w.text.layers[j], sub, x, position, cos, sin, cache.k_all[j], cache.v_all[j], tuning)
+            decode_layer(w.text.layers[j], sub, x, position, cos, sin, cache.k_all[j], cache.v_all[j], tuning, split)
         else:
             cross_decode_layer(w.cross[c], t, x, cache.xk_all[c], cache.xv_all[c], cache.decode_visible,
-                               cache.decode_gates[c], tuning)
-    return ops.norm_linear(x, w.params[TEXT + "norm.weight"], w.text.lm_head, t.rms_norm_eps, tuning)  # [1, V]
+                               cache.decode_gates[c], tuning, split)
+    return split.gather(ops.norm_linear(x, w.text.norm, w.text.lm_head, t.rms_norm_eps, tuning))  # [1, V]
 
 
-def cross_decode_layer(cl: CrossLayer, cfg, x, xk, xv, visible, gates, tuning: Tuning = DEFAULT):
+def cross_decode_layer(cl: CrossLayer, cfg, x, xk, xv, visible, gates, tuning: Tuning = DEFAULT, split=WHOLE):
     """One cross-attention layer of the decode step, updating x [1, D] in place (5 launches, as a self layer);
-    visible [1, N], gates [2] (decode_gates' row)."""
-    H, E, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
+    visible [1, N], gates [2] (decode_gates' row). Split over ranks as accel.model.decode_layer is: the owner of
+    the residual stream adds its gated o/down partial sums, the others overwrite x with theirs, split.reduce sums
+    x over the ranks (x + tanh(g)·Σ partials: the gate is linear)."""
+    H, E, eps, add = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps, split.owner
     q = ops.norm_linear(x, cl.attn_norm, cl.q, eps, tuning).view(1, H, E)  # [1, D] -> [1, H, E]
     a = ops.norm_cross_attention(q, cl.q_norm, eps, xk, xv, visible, tuning)  # [1, H, E]
-    ops.linear_add(a.reshape(1, H * E), cl.o, x, tuning, gate=gates[0:1])  # x += tanh(g)·o(a): resid_mid
+    ops.linear_add(a.reshape(1, H * E), cl.o, x, tuning, gate=gates[0:1], accumulate=add)  # x += tanh(g)·o(a)
+    split.reduce(x)  # resid_mid
     gate_up = ops.norm_linear(x, cl.mlp_norm, cl.gate_up, eps, tuning)  # [1, D] -> [1, 2F]
-    ops.swiglu_linear_add(gate_up, cl.down, x, tuning, gate=gates[1:2])  # x += tanh(g)·has·down(...): resid_post
+    ops.swiglu_linear_add(gate_up, cl.down, x, tuning, gate=gates[1:2], accumulate=add)  # x += tanh(g)·has·down
+    split.reduce(x)  # resid_post

@@ -21,7 +21,6 @@ Method and timing: tools.bench.common (records: command, device, date, versions)
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import time
 
@@ -74,13 +73,6 @@ def roofline_tok_s(weight_bytes: int, cfg, batch: int, context: float, copy_tb_s
 
 # ---- ours ----
 
-def sync() -> None:
-    """Wait for the GPU (nothing to wait for on CPU, where the tests run these functions on a toy model)."""
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def new_engine(cfg, weights, device, max_num_seqs: int, **options):
     import torch
 
@@ -103,32 +95,14 @@ def decode_rate(engine, prompts: list[list[int]], steps: int, profile: bool = Fa
     """All prompts prefilled (each has its first token), WARMUP_STEPS untimed steps, then `steps` timed steps
     decoding every sequence -> {"tok_s", "tokens" made in the timed steps, "replay_ms": one step's CUDA graph
     replayed alone (None without graphs), "profile": its top kernels (with `profile`)}; the requests are aborted
-    after. max_tokens leaves room for the tokens early requests make while later ones still prefill."""
-    from accel.batch import SamplingParams
-    params = SamplingParams(max_tokens=len(prompts[0]) + WARMUP_STEPS + steps, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    started = set()
-    while len(started) < len(ids):
-        started |= {o.request_id for o in engine.step() if o.new_token_ids}
-    for _ in range(WARMUP_STEPS):  # the first decode step of a batch size captures its graph: not timed
-        engine.step()
-    sync()
-    t0 = time.perf_counter()
-    made = 0
-    for _ in range(steps):
-        made += sum(len(o.new_token_ids) for o in engine.step())
-    sync()
-    elapsed = time.perf_counter() - t0
+    after. The steps: common.timed_batch_steps."""
+    ids, made, elapsed, _ = common.timed_batch_steps(engine, prompts, WARMUP_STEPS, steps)
     graph = decode_graph(engine, len(prompts))
     result = {"tok_s": made / elapsed, "tokens": made,
               "replay_ms": None if graph is None else common.median_ms(graph.replay, reps=20)}  # last step's inputs
     if profile and graph is not None:
         result["profile"] = common.cuda_profile(graph.replay, rows=12)
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    engine.step()  # the aborted requests' outputs
+    common.abort_all(engine, ids)
     return result
 
 
@@ -148,11 +122,11 @@ def workload_run(engine, requests) -> dict:
     from accel.batch import SamplingParams
     assert not engine.has_unfinished()
     engine.blocks.cached.clear()
-    sync()
+    common.sync()
     t0 = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in requests]
     tokens = run_until_done(engine, ids)
-    sync()
+    common.sync()
     elapsed = time.perf_counter() - t0
     return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
 
@@ -189,11 +163,11 @@ def hf_batch_seconds(model, prompts, new_tokens: int, cuda_graphs: str = "on") -
     """generate_batch of the prompts, new_tokens each: (seconds, tokens generated). Called outside inference mode
     (generate_batch runs under no_grad): transformers 5.17 warms its manager up in the calling thread and generates
     in its own, where tensors made in the caller's inference mode cannot be updated in place."""
-    sync()
+    common.sync()
     t0 = time.perf_counter()
     out = model.generate_batch(prompts, generation_config=hf_config(new_tokens),
                                continuous_batching_config=hf_cb_config(cuda_graphs))
-    sync()
+    common.sync()
     return time.perf_counter() - t0, sum(len(o.generated_tokens) for o in out.values())
 
 
@@ -228,7 +202,7 @@ def hf_workload(model, requests, cuda_graphs: str = "on") -> dict:
                                                  "max_requests_per_batch", "use_cuda_graph", "use_async_batching")}
     manager.start()
     try:
-        sync()
+        common.sync()
         t0 = time.perf_counter()
         for i, (p, n) in enumerate(requests):
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
@@ -240,7 +214,7 @@ def hf_workload(model, requests, cuda_graphs: str = "on") -> dict:
             if result.is_finished():
                 done += 1
                 tokens += len(result.generated_tokens)
-        sync()
+        common.sync()
         elapsed = time.perf_counter() - t0
     finally:
         manager.stop(block=True)
@@ -276,13 +250,7 @@ def variant_rates(cfg, weights, args, rows: list[dict], column: str, **options) 
         prompts = decode_prompts(cfg, row["batch"], args.context, args.seed)
         row[column] = decode_rate(engine, prompts, args.decode_steps)["tok_s"]
     del engine
-    free_gpu()
-
-
-def free_gpu() -> None:
-    import torch
-    gc.collect()
-    torch.cuda.empty_cache()
+    common.free_gpu()
 
 
 def model_rows(key: str, args, copy_tb_s: float) -> dict:
@@ -306,7 +274,7 @@ def model_rows(key: str, args, copy_tb_s: float) -> dict:
         result["workload"]["hf_requests"] = len(hf_jobs)
         result["workload"]["ours_on_hf_requests"] = workload_run(engine, hf_jobs)
     del engine
-    free_gpu()
+    common.free_gpu()
     if args.eager:
         variant_rates(cfg, weights, args, rows, "eager_tok_s", cuda_graphs=False)
     if not args.skip_invariant:
@@ -336,7 +304,7 @@ def model_rows(key: str, args, copy_tb_s: float) -> dict:
                 w["speedup_vs_hf"] = ours["output_tok_s"] / w["hf"]["output_tok_s"]
         del model
     del weights
-    free_gpu()
+    common.free_gpu()
     return result
 
 

@@ -12,6 +12,7 @@ import datetime
 import importlib.metadata
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -118,6 +119,23 @@ def require_cuda(script: str) -> None:
     if not torch.cuda.is_available():
         print(f"error: {script} needs a CUDA GPU (torch.cuda.is_available() is False here)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def require_gpus(ap: argparse.ArgumentParser, tp: int, script: str) -> None:
+    """require_cuda, then `tp` GPUs for --tp (fewer: one argparse error line)."""
+    require_cuda(script)
+    import torch
+    if torch.cuda.device_count() < tp:
+        ap.error(f"--tp {tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
+
+
+def table(columns: list[tuple[str, str]], rows: list[list]) -> list[str]:
+    """A fixed-width table's lines, the header first: `columns` as (header, format spec such as '<14' or '>9.1f'),
+    each row's cells in column order. The header and a str cell ('-' where a row has no value) take only the
+    spec's alignment and width."""
+    def cell(value, spec: str) -> str:
+        return format(value, re.match(r"[<>^]?\d*", spec).group() if isinstance(value, str) else spec)
+    return ["".join(cell(v, spec) for v, (_, spec) in zip(row, columns)) for row in [[h for h, _ in columns], *rows]]
 
 
 # ---- timing ----
@@ -279,6 +297,57 @@ def decode_rate(engine, prompt_len: int = 32, new_tokens: int = 256, reps: int =
     sess = engine.session(prompt_len + new_tokens)
     ms, tokens = timed_greedy(engine, sess, lambda: engine.prefill(prompt, sess), prompt_len, new_tokens, reps)
     return (new_tokens - 1) / (ms * 1e-3), prompt, tokens.tolist()
+
+
+def sync() -> None:
+    """Wait for the GPU (nothing to wait for on the CPU, where tests run a benchmark's loops on a toy model)."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_gpu() -> None:
+    """What the last measurement left (its engine, weights) collected and the GPU's cached blocks returned."""
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def timed_batch_steps(engine, prompts: list[list[int]], warmup: int, steps: int
+                      ) -> tuple[list[str], int, float, float]:
+    """A batch engine's decode as called: every prompt added (eos ignored; room for `warmup` + `steps` tokens past
+    the prompt, for early requests make tokens while later ones still prefill), steps until each has its first
+    token, `warmup` untimed steps (a batch size's first decode step captures its CUDA graph), then `steps` timed
+    ones -> (the request ids, still running: abort_all ends them; the tokens the timed steps made; their
+    seconds; the seconds of prefill and warm-up)."""
+    from accel.batch import SamplingParams
+    params = SamplingParams(max_tokens=len(prompts[0]) + warmup + steps, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    started = set()
+    t0 = time.perf_counter()
+    while len(started) < len(ids):
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    for _ in range(warmup):
+        engine.step()
+    sync()
+    t1 = time.perf_counter()
+    made = 0
+    for _ in range(steps):
+        made += sum(len(o.new_token_ids) for o in engine.step())
+    sync()
+    return ids, made, time.perf_counter() - t1, t1 - t0
+
+
+def abort_all(engine, ids: list[str]) -> None:
+    """The requests `ids` aborted, the engine stepped until it is idle (its blocks free for the next measurement)."""
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()  # the aborted requests' outputs
 
 
 def prefill_call(engine, tokens: int = 2048):

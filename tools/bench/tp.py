@@ -8,6 +8,8 @@ engine, accel.engine.AccelEngine) against TP=N in the same run.
                over the measured copy bandwidth of the GPUs it runs on (each rank measures its own).
     allreduce  one all-reduce of the residual stream [1, D] as the decode step runs it: captured in a CUDA graph
                with 2·L others (L layers), replayed; µs each.
+    shard      rank 0's shard (its heads, hidden units, vocabulary rows) decoding alone on one GPU through the
+               one-GPU engine, no collectives: a TP=N token's compute, apart from its all-reduces and waits.
 Ranks are processes: this one is rank 0 and spawns ranks 1..N-1 (accel.tp.group.spawn), which run the same
 measurements. Other rows (batch 64, the vision models) are other leaves' records.
 Method and timing: tools.bench.common.
@@ -85,17 +87,24 @@ def _serve_rank(group, keys, new_tokens, reps) -> None:
     group_rows(group, keys, new_tokens, reps)
 
 
-def tp1_row(key: str, device, new_tokens: int, copy_tb_s: float) -> dict:
-    """The one-GPU engine's batch-1 decode on the same shapes (its own random weights)."""
+def tp1_row(key: str, device, new_tokens: int, copy_tb_s: float, shard_of: int = 1) -> dict:
+    """The one-GPU engine's batch-1 decode on the same shapes (its own random weights). shard_of N: on rank 0's
+    shard of a --tp N split instead (its heads, hidden units and vocabulary rows), alone on one GPU: what a rank
+    computes a token without the collectives."""
     import torch
 
     from accel.engine import AccelEngine
+    from accel.tp.shard import ShardPlan
     from accel.weights import random_weights
     cfg = common.model_config(key)
+    if shard_of > 1:
+        plan = ShardPlan(cfg, 0, shard_of)
+        cfg = dataclasses.replace(plan.local, vocab_size=plan.vocab_rows)
     weights = random_weights(cfg, device, torch.bfloat16, seed=0)
     rate, _, _ = common.decode_rate(AccelEngine(cfg, weights, torch.device(device), "bf16"), PROMPT, new_tokens)
     row = {"model": common.MODELS[key], "tp": 1, "batch": 1, "new_tokens": new_tokens, "decode_tok_s": rate,
-           "copy_tb_s_all_gpus": copy_tb_s, "bytes_per_token_gb": weights.nbytes_per_token() / 1e9}
+           "copy_tb_s_all_gpus": copy_tb_s, "bytes_per_token_gb": weights.nbytes_per_token() / 1e9,
+           "shard_of": shard_of}
     del weights
     torch.cuda.empty_cache()
     return row
@@ -103,9 +112,8 @@ def tp1_row(key: str, device, new_tokens: int, copy_tb_s: float) -> dict:
 
 def run(args, command: str | None = None) -> dict:
     import torch
-    import torch.distributed as dist
 
-    from accel.tp.group import spawn
+    from accel.tp.group import end_group, spawn
     rec = common.record("cuda:0", command=command, tp=args.tp, decode=[])
     copy = common.copy_bandwidth("cuda:0")
     one = {}
@@ -113,19 +121,23 @@ def run(args, command: str | None = None) -> dict:
         one[k] = tp1_row(k, "cuda:0", args.new_tokens, copy)
         print(f"  {one[k]['model']} TP=1: {one[k]['decode_tok_s']:.1f} tok/s ({one[k]['bytes_per_token_gb']:.3f} GB "
               f"a token, copy {copy:.2f} TB/s)", flush=True)
-    print(f"TP=1 measured; starting {args.tp} ranks ...", flush=True)
+    alone = {k: tp1_row(k, "cuda:0", args.new_tokens, copy, shard_of=args.tp) for k in args.models}
+    print(f"TP=1 and a shard alone measured; starting {args.tp} ranks ...", flush=True)
     group, procs = spawn(args.tp, "cuda", _serve_rank, (args.models, args.new_tokens, args.reps))
     try:
         tp = group_rows(group, args.models, args.new_tokens, args.reps)
     finally:
-        dist.destroy_process_group()
+        end_group(group)
         for p in procs:
             p.join(timeout=60)
     rec["decode"] = [one[k] for k in args.models]
+    rec["shard_alone"] = [alone[k] for k in args.models]
     for row in tp:
         base = one[next(k for k in args.models if common.MODELS[k] == row["model"])]
         row["bytes_per_token_gb"] = base["bytes_per_token_gb"]
         row["speedup_vs_tp1"] = row["decode_tok_s"] / base["decode_tok_s"]
+        row["shard_alone_ms"] = 1e3 / alone[next(k for k in args.models if common.MODELS[k] == row["model"])][
+            "decode_tok_s"]
         for r in (base, row):
             r["roofline_tok_s"] = r["copy_tb_s_all_gpus"] * 1e12 / (r["bytes_per_token_gb"] * 1e9)
             r["roofline_pct"] = 100 * r["decode_tok_s"] / r["roofline_tok_s"]
@@ -137,19 +149,18 @@ def run(args, command: str | None = None) -> dict:
 
 
 def render(rec: dict) -> str:
-    lines = [f"tensor-parallel decode — {rec['device']} x{rec['tp']} — {rec['date']}",
-             f"{'model':<14}{'TP':>4}{'batch':>6}{'tok/s':>9}{'x TP=1':>8}{'roofline':>10}"
-             f"{'% roof':>8}{'all-reduce us':>15}"]
-    for r in rec["decode"]:
-        speed = f"{r['speedup_vs_tp1']:.2f}" if "speedup_vs_tp1" in r else "-"
-        ar = f"{r['allreduce_us']:.1f}" if "allreduce_us" in r else "-"
-        lines.append(f"{r['model']:<14}{r['tp']:>4}{r['batch']:>6}"
-                     f"{r['decode_tok_s']:>9.1f}{speed:>8}"
-                     f"{r['roofline_tok_s']:>10.1f}{r['roofline_pct']:>8.1f}{ar:>15}")
-    lines.append(f"(batch 1: a {PROMPT}-token prompt, then greedy tokens, one CUDA graph replay a token; roofline: "
-                 "the whole model's weight bytes a token over the copy bandwidth of the GPUs used; all-reduce: one "
-                 "[1, D] bf16 all-reduce inside a CUDA graph)")
-    return "\n".join(lines)
+    columns = [("model", "<14"), ("TP", ">4"), ("batch", ">6"), ("tok/s", ">9.1f"), ("x TP=1", ">8.2f"),
+               ("roofline", ">10.1f"), ("% roof", ">8.1f"), ("all-reduce us", ">15.1f"), ("ms", ">7.3f"),
+               ("shard alone ms", ">16.3f")]
+    rows = [[r["model"], r["tp"], r["batch"], r["decode_tok_s"], r.get("speedup_vs_tp1", "-"), r["roofline_tok_s"],
+             r["roofline_pct"], r.get("allreduce_us", "-"), 1e3 / r["decode_tok_s"], r.get("shard_alone_ms", "-")]
+            for r in rec["decode"]]
+    return "\n".join([f"tensor-parallel decode — {rec['device']} x{rec['tp']} — {rec['date']}",
+                      *common.table(columns, rows),
+                      f"(batch 1: a {PROMPT}-token prompt, then greedy tokens, one CUDA graph replay a token; "
+                      "roofline: the whole model's weight bytes a token over the copy bandwidth of the GPUs used; "
+                      "all-reduce: one [1, D] bf16 all-reduce inside a CUDA graph; ms: a token; shard alone: rank "
+                      "0's shard decoding on one GPU without collectives, what a TP=N token costs before them)"])
 
 
 def arg_parser():
@@ -165,10 +176,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.tp < 2 or args.new_tokens < 2 or args.reps < 1:
         ap.error("--tp and --new-tokens must be >= 2, --reps >= 1")
-    common.require_cuda("python3 -m tools.bench.tp")
-    import torch
-    if torch.cuda.device_count() < args.tp:
-        ap.error(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
+    common.require_gpus(ap, args.tp, "python3 -m tools.bench.tp")
     return run(args)
 
 

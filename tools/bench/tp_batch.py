@@ -13,7 +13,6 @@ bytes and kernels as a loaded checkpoint's shard, without writing one. Method an
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 
 from tools.bench import common
@@ -55,30 +54,11 @@ def prompts(cfg, batch: int, context: int, seed: int = 0) -> list[list[int]]:
 
 
 def decode_rate(engine, batch_prompts: list[list[int]], steps: int) -> dict:
-    """All prompts prefilled, WARMUP_STEPS untimed steps, then `steps` timed steps -> {"tok_s", "step_ms"}; the
-    requests are aborted after."""
-    from accel.batch import SamplingParams
-    params = SamplingParams(max_tokens=max_tokens(len(batch_prompts[0]), steps), ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in batch_prompts]
-    started = set()
-    t0 = time.perf_counter()
-    while len(started) < len(ids):
-        started |= {o.request_id for o in engine.step() if o.new_token_ids}
-    for _ in range(WARMUP_STEPS):
-        engine.step()
-    sync()
-    print(f"  B={len(ids)}: prefilled and warmed up (graph captured) in {time.perf_counter() - t0:.1f} s", flush=True)
-    t0 = time.perf_counter()
-    made = 0
-    for _ in range(steps):
-        made += sum(len(o.new_token_ids) for o in engine.step())
-    sync()
-    elapsed = time.perf_counter() - t0
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    engine.step()
+    """All prompts prefilled, WARMUP_STEPS untimed steps, then `steps` timed steps (common.timed_batch_steps) ->
+    {"tok_s", "step_ms", "tokens"}; the requests are aborted after."""
+    ids, made, elapsed, warm_s = common.timed_batch_steps(engine, batch_prompts, WARMUP_STEPS, steps)
+    print(f"  B={len(ids)}: prefilled and warmed up (graph captured) in {warm_s:.1f} s", flush=True)
+    common.abort_all(engine, ids)
     if made != steps * len(ids):
         raise RuntimeError(f"{made} tokens in {steps} steps of {len(ids)} sequences: a sequence stopped early")
     return {"tok_s": made / elapsed, "step_ms": 1e3 * elapsed / steps, "tokens": made}
@@ -94,7 +74,7 @@ def one_gpu(cfg, batches: list[int], context: int, steps: int, kind: str = "cuda
                          **engine_options(max(batches), context, steps, eager))
     rows = {b: decode_rate(engine, prompts(cfg, b, context), steps) for b in batches}
     del engine
-    free_gpu()
+    common.free_gpu()
     return rows
 
 
@@ -109,11 +89,10 @@ def _follow(group, cfg, options: dict) -> None:
 def tensor_parallel(cfg, world: int, batches: list[int], context: int, steps: int, kind: str = "cuda",
                     eager: bool = False) -> dict:
     """The same rows over `world` GPUs, this process rank 0 (cuda:0), the others spawned (kind cpu: over gloo)."""
-    import torch.distributed as dist
 
     from accel.tp.batch import batch_engine
     from accel.tp.engine import TPEngine
-    from accel.tp.group import spawn
+    from accel.tp.group import end_group, spawn
     options = engine_options(max(batches), context, steps, eager)
     t0 = time.perf_counter()
     group, procs = spawn(world, kind, _follow, (cfg, options))
@@ -127,36 +106,21 @@ def tensor_parallel(cfg, world: int, batches: list[int], context: int, steps: in
         finally:
             engine.close()
     finally:
-        dist.destroy_process_group()
+        end_group(group)
         for p in procs:
             p.join(timeout=60)
-    free_gpu()
+    common.free_gpu()
     return rows
 
 
-def sync() -> None:
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def free_gpu() -> None:
-    import torch
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def render(rec: dict) -> str:
-    lines = [f"{rec['device']}, {rec['date']}: decode tok/s of the batched engine, {rec['context']}-token contexts"]
     n = rec["tp"]
-    lines.append(f"{'model':<14}{'B':>5}{'TP=1 tok/s':>13}{f'TP={n} tok/s':>13}{'TP=1 ms':>9}{f'TP={n} ms':>9}"
-                 f"{'speed-up':>10}")
-    for m in rec["models"]:
-        for r in m["rows"]:
-            lines.append(f"{m['model']:<14}{r['batch']:>5}{r['tp1']['tok_s']:>13.0f}{r['tpn']['tok_s']:>13.0f}"
-                         f"{r['tp1']['step_ms']:>9.2f}{r['tpn']['step_ms']:>9.2f}{r['speedup']:>9.2f}x")
-    return "\n".join(lines)
+    columns = [("model", "<14"), ("B", ">5"), ("TP=1 tok/s", ">13.0f"), (f"TP={n} tok/s", ">13.0f"),
+               ("TP=1 ms", ">9.2f"), (f"TP={n} ms", ">9.2f"), ("speed-up", ">10")]
+    rows = [[m["model"], r["batch"], r["tp1"]["tok_s"], r["tpn"]["tok_s"], r["tp1"]["step_ms"], r["tpn"]["step_ms"],
+             f"{r['speedup']:.2f}x"] for m in rec["models"] for r in m["rows"]]
+    return "\n".join([f"{rec['device']}, {rec['date']}: decode tok/s of the batched engine, {rec['context']}-token "
+                      "contexts", *common.table(columns, rows)])
 
 
 def run(args) -> dict:
@@ -191,10 +155,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.tp < 2 or args.context < 1 or args.decode_steps < 1 or min(args.batch_sizes) < 1:
         ap.error("--tp must be >= 2; --context, --decode-steps and the batch sizes >= 1")
-    common.require_cuda("python3 -m tools.bench.tp_batch")
-    import torch
-    if torch.cuda.device_count() < args.tp:
-        ap.error(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
+    common.require_gpus(ap, args.tp, "python3 -m tools.bench.tp_batch")
     return run(args)
 
 

@@ -7,10 +7,13 @@ memory, else in int8 (--quant auto); a run that fits in neither, or wants more G
 as skipped.
 
     python3 -m tools.bench.tp_vision [--runs 11b-vision:1,11b-vision:2,90b-vision:2] [--quant auto|bf16|int8]
-                                     [--prompt 64] [--tokens 32] [--json-out F]
+                                     [--prompt 64] [--tokens 32] [--reps 3] [--profile ROWS] [--json-out F]
 
-Method: tools.bench.common (random data, everything compared measured in the same run). The forward per shard is
-accel.tp's eager one: each step's kernels are launched from the host, no CUDA graph.
+Method: tools.bench.common (random data, everything compared measured in the same run). The prompt runs the eager
+forward per shard; each decoded token the fused decode step (accel.tp.vision_engine), one CUDA graph replay a
+token with the all-reduces captured in it, timed as tools.bench.common.timed_greedy times a one-GPU engine: the
+greedy graph's replays (argmax on the device, no host sync), the median of --reps after a warm-up run. "of it AR":
+the ms of a token its all-reduces take (2 a layer, each timed alone in a graph of them: tools.bench.tp).
 """
 from __future__ import annotations
 
@@ -20,12 +23,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from accel.tp.group import TPGroup, spawn
+from accel.tp.group import TPGroup, end_group, spawn
 from accel.tp.vision_engine import TPVisionEngine
 from accel.tp.vision_load import VisionShardPlan, random_vision_shard, vision_shard_elements
 from refimpl.quant.schemes import QuantSpec
 from refimpl.vision.inputs import ImageInputs
-from tools.bench.common import copy_bandwidth, parser, record, require_cuda, vision_config, write_record
+from tools.bench.common import copy_bandwidth, cuda_profile, parser, record, require_cuda, timed_greedy, \
+    vision_config, write_record
+from tools.bench.tp import allreduce_us
 
 HEADROOM = 8 << 30  # bytes a GPU keeps beyond the shard: the copy-bandwidth buffers, caches, activations
 
@@ -50,9 +55,9 @@ def step_bytes(engine: TPVisionEngine, cache, context: int) -> int:
         tensors += [lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down]
     for cl in w.cross:
         tensors += [cl.attn_norm, cl.q, cl.q_norm, cl.o, cl.mlp_norm, cl.gate_up, cl.down]
-    kv = cache.text.k[:, :, :context]
-    return (sum(t.nbytes for t in tensors) + w.text.embed[0].nbytes + 2 * kv.nbytes + cache.xk.nbytes
-            + cache.xv.nbytes)
+    kv = cache.k_all[:, :, :context]
+    return (sum(t.nbytes for t in tensors) + w.text.embed[0].nbytes + 2 * kv.nbytes + cache.xk_all.nbytes
+            + cache.xv_all.nbytes)
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -63,9 +68,11 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def measure(group: TPGroup, name: str, quant: str, prompt_len: int, tokens: int) -> dict:
-    """Every rank: its shard drawn, the image encoded, the prompt, then `tokens` greedy steps timed after 3 warm-up
-    steps -> rank 0's record of the run (each rank's numbers gathered)."""
+def measure(group: TPGroup, name: str, quant: str, prompt_len: int, tokens: int, reps: int,
+            profile: int = 0) -> dict:
+    """Every rank: its shard drawn, the decode step captured, the image encoded, the prompt, then `tokens` greedy
+    steps, timed (reps runs after a warm-up) -> rank 0's record of the run (each rank's numbers gathered); with
+    `profile` rows, rank 0's per-kernel device times of one more run (torch.profiler's table)."""
     cfg = vision_config(name)
     torch.cuda.reset_peak_memory_stats(group.device)  # rank 0 ran the earlier runs too
     bandwidth = copy_bandwidth(group.device)
@@ -74,45 +81,51 @@ def measure(group: TPGroup, name: str, quant: str, prompt_len: int, tokens: int)
     build_s, weights = _timed(lambda: random_vision_shard(plan, group.device, torch.bfloat16, spec))
     engine = TPVisionEngine(group, cfg, weights, "bf16")
     ids, images = image_prompt(cfg, prompt_len)
-    capacity = prompt_len + 3 + tokens
-    encode_s, cache = _timed(lambda: engine.image_request(images if group.is_root else None, prompt_len, capacity))
-    prefill_s, logits = _timed(lambda: engine.forward(torch.tensor(ids, device=group.device), 0, cache))
-    token, pos = logits.argmax(-1), prompt_len  # every rank holds the same gathered logits: no broadcast needed
-
-    def steps(n):
-        nonlocal token, pos
-        for _ in range(n):
-            token = engine.forward(token, pos, cache).argmax(-1)
-            pos += 1
-    steps(3)
-    decode_s, _ = _timed(lambda: steps(tokens))
+    capacity = prompt_len + tokens
+    capture_s, sess = _timed(lambda: engine.session(capacity, engine.image_tokens(1)))
+    encode_s, _ = _timed(lambda: engine.image_request(images if group.is_root else None, prompt_len, capacity))
+    prompt = torch.tensor(ids, device=group.device)
+    prefill_s, _ = _timed(lambda: engine.forward(prompt, 0, sess))
+    ms, _ = timed_greedy(engine, sess, lambda: engine.forward(prompt, 0, sess), prompt_len, tokens, reps)
+    kernels = None
+    if profile:  # every rank decodes; rank 0's kernels are recorded (their totals over tokens - 1 steps)
+        logits = engine.forward(prompt, 0, sess)
+        greedy = lambda: engine.decode_greedy(sess, logits, prompt_len, tokens)  # noqa: E731
+        kernels = cuda_profile(greedy, profile) if group.is_root else greedy()
+        torch.cuda.synchronize()
+    reduce_us = 0.0
+    if group.world > 1:  # the decode step's all-reduces: 2 a layer (self and cross alike)
+        reduce_us = allreduce_us(engine.rank_split(), cfg.text.hidden_size, cfg.text.num_hidden_layers, group.device)
     peak = torch.cuda.max_memory_allocated(group.device)
-    mine = torch.tensor([step_bytes(engine, cache, pos - tokens // 2), bandwidth * 1e12, peak], dtype=torch.float64,
-                        device=group.device)  # the KV read at the timed steps' middle position
+    mine = torch.tensor([step_bytes(engine, sess.cache, prompt_len + tokens // 2), bandwidth * 1e12, peak],
+                        dtype=torch.float64, device=group.device)  # the KV read at the timed steps' middle position
     every = [torch.empty_like(mine) for _ in range(group.world)]
     dist.all_gather(every, mine)
     per_rank = torch.stack(every).cpu().numpy()  # [N, 3]: bytes a token, bytes/s, peak bytes allocated
     roofline = per_rank[:, 1].sum() / per_rank[:, 0].sum()
-    rate = tokens / decode_s
+    rate = (tokens - 1) / (ms * 1e-3)
     return {"model": name, "ranks": group.world, "weights": quant, "build_s": build_s,
-            "encode_ms": encode_s * 1e3, "prefill_ms": prefill_s * 1e3, "prompt_tokens": prompt_len,
-            "decode_tokens_per_s": rate, "roofline_tokens_per_s": roofline, "of_roofline": rate / roofline,
+            "capture_ms": capture_s * 1e3, "encode_ms": encode_s * 1e3, "prefill_ms": prefill_s * 1e3,
+            "prompt_tokens": prompt_len, "decode_tokens": tokens, "decode_ms_per_token": ms / (tokens - 1),
+            "decode_tokens_per_s": rate, "allreduce_us": reduce_us,
+            "allreduce_ms_per_token": 2 * cfg.text.num_hidden_layers * reduce_us / 1e3,
+            "roofline_tokens_per_s": roofline, "of_roofline": rate / roofline,
             "bytes_per_token_gb": per_rank[:, 0].sum() / 1e9, "copy_tb_s": (per_rank[:, 1] / 1e12).tolist(),
             "peak_gb_per_rank": (per_rank[:, 2] / 1e9).tolist(),
-            "shard_elements_per_rank": vision_shard_elements(plan)}
+            "shard_elements_per_rank": vision_shard_elements(plan), "kernels": kernels if group.is_root else None}
 
 
 def _serve(group: TPGroup, *args) -> None:
     measure(group, *args)
 
 
-def run(name: str, world: int, quant: str, prompt_len: int, tokens: int) -> dict:
+def run(name: str, world: int, quant: str, prompt_len: int, tokens: int, reps: int, profile: int) -> dict:
     """One MODEL:N run: ranks 1..N-1 spawned, this process rank 0 (accel.tp.group.spawn)."""
-    group, procs = spawn(world, "cuda", _serve, (name, quant, prompt_len, tokens))
+    group, procs = spawn(world, "cuda", _serve, (name, quant, prompt_len, tokens, reps, profile))
     try:
-        return measure(group, name, quant, prompt_len, tokens)
+        return measure(group, name, quant, prompt_len, tokens, reps, profile)
     finally:
-        dist.destroy_process_group()
+        end_group(group)
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():  # stuck in a collective its peer left
@@ -147,8 +160,13 @@ def main(argv=None) -> None:
     ap.add_argument("--quant", choices=["auto", "bf16", "int8"], default="auto",
                     help="the weights: auto = bf16 where the shard fits, else int8")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (the image token first)")
-    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--tokens", type=int, default=32, help="greedy tokens a timed run decodes (at least 2)")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs (their median), after one warm-up run")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="also print rank 0's top ROWS kernels by device time over one more run's decode steps")
     args = ap.parse_args(argv)
+    if args.tokens < 2 or args.reps < 1 or args.prompt < 1:
+        ap.error("--tokens must be at least 2, --reps and --prompt at least 1")
     runs = [run_spec(r) for r in args.runs.split(",") if r.strip()]
     bad = [n for n, _ in runs if n not in ("11b-vision", "90b-vision")]
     if bad:
@@ -156,7 +174,7 @@ def main(argv=None) -> None:
     require_cuda("python3 -m tools.bench.tp_vision")
     results = []
     print(f"{'model':<12}{'ranks':>6}{'weights':>8}{'encode ms':>10}{'prefill ms':>11}{'tok/s':>8}"
-          f"{'roofline':>9}{'%':>6}{'GB/token':>9}", flush=True)
+          f"{'roofline':>9}{'%':>6}{'GB/token':>9}{'ms/token':>9}{'of it AR':>9}", flush=True)
     for name, world in runs:
         weights, why = pick_weights(name, world, args.quant)
         if weights is None:
@@ -164,7 +182,7 @@ def main(argv=None) -> None:
             print(f"{name:<12}{world:>6}  skipped: {why}", flush=True)
             continue
         try:
-            r = run(name, world, weights, args.prompt, args.tokens)
+            r = run(name, world, weights, args.prompt, args.tokens, args.reps, args.profile)
         except Exception as e:  # noqa: BLE001  one run's failure is its row; the others still run
             results.append({"model": name, "ranks": world, "weights": weights, "error": f"{type(e).__name__}: {e}"})
             print(f"{name:<12}{world:>6}  failed: {type(e).__name__}: {e}", flush=True)
@@ -173,7 +191,10 @@ def main(argv=None) -> None:
         results.append(r)
         print(f"{name:<12}{world:>6}{weights:>8}{r['encode_ms']:>10.1f}{r['prefill_ms']:>11.1f}"
               f"{r['decode_tokens_per_s']:>8.1f}{r['roofline_tokens_per_s']:>9.1f}{100 * r['of_roofline']:>6.1f}"
-              f"{r['bytes_per_token_gb']:>9.2f}", flush=True)
+              f"{r['bytes_per_token_gb']:>9.2f}{r['decode_ms_per_token']:>9.2f}{r['allreduce_ms_per_token']:>9.2f}",
+              flush=True)
+        if r["kernels"]:
+            print(f"rank 0's kernels over {args.tokens - 1} decode steps:\n{r['kernels']}", flush=True)
     rec = record("cuda", runs=results)
     one = {r["ranks"]: r for r in results if r["model"] == "11b-vision" and "decode_tokens_per_s" in r}
     if 1 in one and 2 in one:

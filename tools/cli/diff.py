@@ -50,11 +50,11 @@ from tools.tp import TP_OPTION
 @TP_OPTION
 def diff(prompt, model, a_backend, b_backend, dtype, device, quant, decode_steps, chat, filters, isolate, dump, plot,
          verbose, images=(), tp=1):
-    """Compare backends --a and --b activation by activation on PROMPT; exit 1 if they diverge."""
+    """Compare backends --a and --b activation by activation on PROMPT; exit 1 if they diverge. With --tp N, b is
+    the accel backend split over N ranks (what a rank holds a slice of gathered whole), a as given: --a accel
+    compares it against --tp 1."""
     if tp > 1:
-        raise GenerationError(f"--tp {tp}: llama32 diff compares activation by activation, and a tensor-parallel "
-                              f"rank holds slices of them; check --tp {tp} with `llama32 golden check --tp {tp}` "
-                              f"(each step's logits) or against --tp 1's ids with `llama32 generate --json`")
+        b_engine = tp_side(model, tp, b_backend, dtype, device, quant, isolate)  # before any load
     if plot:
         from tools.debug.plot import require_matplotlib
         require_matplotlib()
@@ -71,13 +71,13 @@ def diff(prompt, model, a_backend, b_backend, dtype, device, quant, decode_steps
         raise GenerationError(f"prompt ({len(prompt_ids)} tokens) + --steps ({decode_steps}) exceeds the context "
                               f"of {ckpt.config.max_position_embeddings} positions")
     a = engine_for(ckpt, a_backend, device if a_backend == "accel" else None, dtype if a_backend == "accel" else None)
-    b = engine_for(ckpt, b_backend, device, dtype)
+    b = b_engine if tp > 1 else engine_for(ckpt, b_backend, device, dtype)
     dumped = {} if dump else None
     rows, used = diff_engines(a, b, prompt_ids, decode_steps, dtype, key_filter(filters), isolate, dumped,
                               vision.engine_kwargs if vision is not None else None)
     if not rows:
         raise GenerationError(f"--filter {' '.join(filters)}: matches no activation name (see refimpl/model/names.py)")
-    mode = ", each op on a's inputs" if isolate else ""
+    mode = ", each op on a's inputs" if isolate else f", b over --tp {tp}" if tp > 1 else ""
     click.echo(f"== {ckpt.path}: a={a_backend} vs b={b_backend} ({used}{mode}), {len(prompt_ids)} prompt tokens + "
                f"{decode_steps} decode steps")
     for line in report(rows, used, verbose):
@@ -91,3 +91,22 @@ def diff(prompt, model, a_backend, b_backend, dtype, device, quant, decode_steps
         click.echo(f"wrote {plot}")
     if first_divergence(rows) is not None:
         sys.exit(1)
+
+
+def tp_side(model, tp: int, b_backend: str, dtype, device, quant, isolate):
+    """The --tp side (b): rank 0's accel.tp engine, the other ranks started (under torchrun they follow it from
+    here and exit, before the reference side loads anything)."""
+    from tools.tp import load_tp
+    if isolate:
+        raise GenerationError(f"--tp {tp} does not take --isolate (it would feed a's values to every rank's slices); "
+                              f"drop one of them")
+    if b_backend != "accel":
+        raise GenerationError(f"--tp {tp} splits the accel backend: give --b accel")
+    path = resolve_model(model)
+    from accel.tp.launch import engine_class
+    from accel.tp.engine import TPEngine
+    if engine_class(path) is not TPEngine:
+        raise GenerationError(f"--tp {tp}: llama32 diff splits Llama 3.2 text models; {path} is a Vision model "
+                              f"(check it with `llama32 generate --tp {tp}` against --tp 1)")
+    engine, _, _ = load_tp(path, tp, b_backend, device, dtype, quant)
+    return engine
