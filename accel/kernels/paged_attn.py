@@ -12,11 +12,14 @@ split to arrive combines all of them, in split order:
 then sets the count back to zero for the next launch (a CUDA graph replays it). Which program combines depends on
 timing; what it computes does not.
 Keys are gathered per row through the block table, so the kernel's tile (BLOCK_N keys) does not depend on the block
-size. split_len is fixed, never derived from B or the grid, and the combination's order is the splits': a sequence's
-reduction order depends on its own length only (what a batch-invariant step needs). The grid covers `max_len` positions
-(the tables' width × block_size), so one launch shape serves every length below it (CUDA graphs); a split past a
-sequence's length does nothing, and the combination reads the ⌈len / split_len⌉ splits that hold positions. A
-sequence of length 0 (a padding row) gives zeros.
+size. By default split_len is fixed, never derived from B or the grid, and the combination's order is the splits': a
+sequence's reduction order depends on its own length only (what a batch-invariant step needs). The grid covers
+`max_len` positions (the tables' width × block_size), so one launch shape serves every length below it (CUDA graphs);
+a split past a sequence's length does nothing, and the combination reads the ⌈len / split_len⌉ splits that hold
+positions. A sequence of length 0 (a padding row) gives zeros.
+With `even` (the engine outside its batch-invariant mode) the grid has split_count(B, ...) splits a sequence and each
+sequence is cut into that many equal ones (whole tiles), so the programs fill the GPU whatever B is and no split is
+nearly empty (a 513-token sequence: 320 + 193 positions, not 512 + 1); a row's reduction order then depends on B.
 """
 from __future__ import annotations
 
