@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import accel.hf
+from accel.hf import lora as lora_module
 from accel.hf import patch
 from tests._mllama_hf import IMAGE
 from tests._hf_tiny import assert_close, assert_no_worse, left_padded, llama, mllama_inputs
@@ -127,25 +128,55 @@ def test_apply_is_idempotent_takes_flags_and_refuses_unknown_models():
 
 
 def test_lora_branch_in_the_activations_dtype_equals_peft_in_fp32(monkeypatch):
-    """apply(lora=True) alone: PEFT's LoRA linears as one addmm onto the base output; in fp32 (no casts) the same
-    logits and LoRA gradients as PEFT's own forward; revert() gives PEFT's forward back. Runs anywhere (torch ops)."""
+    """apply(lora=True) alone: PEFT's LoRA linears as one autograd Function (accel/hf/lora.py); in fp32 (no casts)
+    the same logits and LoRA gradients as PEFT's own forward; revert() gives PEFT's forward back. Runs anywhere
+    (torch ops)."""
     model = lora(llama(kv_heads=2, seed=7)).train()
     ids, mask = left_padded([9, 6], 9, seed=9)
     inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
     want_logits, want_grads = forward_backward(model, inputs)
     counts = accel.hf.apply(model, rms_norm=False, swiglu=False, rope=False, lora=True)
     assert counts == {"lora": 2 * 5}  # q, v, gate, up, down in each of 2 layers
-    addmm_calls = []
-    real_addmm = torch.Tensor.addmm_
-    monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: addmm_calls.append(1) or real_addmm(*a, **k))
+    calls = []
+    real = lora_module.lora_linear
+    monkeypatch.setattr(lora_module, "lora_linear", lambda *a: calls.append(1) or real(*a))
     got_logits, got_grads = forward_backward(model, inputs)
-    assert len(addmm_calls) == 10  # every LoRA linear took the patched forward
+    assert len(calls) == 10  # every LoRA linear took the patched forward
     rows = mask.bool()
     assert_close("logits", got_logits[rows], want_logits[rows])
     assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in want_grads)
     for name in want_grads:
         assert_close(name, got_grads[name], want_grads[name])
     assert accel.hf.revert(model) == 10 and all("forward" not in vars(m) for m in model.modules())
+
+
+def test_lora_linear_gradients_equal_finite_differences():
+    """The Function's written-out backward against numerical differentiation (fp64), a base bias, 3D input."""
+    g = torch.Generator().manual_seed(3)
+    x, w, bias = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 3, 6), (5, 6), (5,)))
+    a, b = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)
+    x.requires_grad_(), a.requires_grad_(), b.requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, a, b: lora_module.lora_linear(x, w, bias, a, b, 0.7), (x, a, b))
+    want = x @ w.t() + bias + 0.7 * (x @ a.t()) @ b.t()
+    assert_close("y", lora_module.lora_linear(x, w, bias, a, b, 0.7), want)
+
+
+def test_lora_forward_leaves_what_it_does_not_cover_to_peft(monkeypatch):
+    """A bias on lora_B (lora_bias=True) or a trainable base weight: PEFT's own forward, the same answers."""
+    peft = pytest.importorskip("peft")
+    calls = []
+    real = lora_module.lora_linear
+    monkeypatch.setattr(lora_module, "lora_linear", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+    for kw in (dict(lora_bias=True), dict()):
+        model = peft.get_peft_model(llama(kv_heads=2, seed=5), peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["q_proj"], **kw))
+        if not kw:
+            model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.requires_grad_(True)
+        want = model(input_ids=ids).logits
+        accel.hf.apply(model, rms_norm=False, swiglu=False, rope=False, lora=True)
+        assert_close("logits", model(input_ids=ids).logits, want)
+        assert len(calls) == (0 if kw else 1)  # layer 1's q_proj (frozen base) still takes the Function
 
 
 def _gpt2():

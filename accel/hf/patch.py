@@ -24,6 +24,7 @@ import types
 
 import torch
 
+from accel.hf.lora import lora_linear_forward
 from accel.hf.memo import PerTensor
 from accel.train import fused
 from accel.train.loss import linear_cross_entropy
@@ -127,29 +128,6 @@ def fused_loss_forward(self, *args, labels=None, **kwargs):
     loss = total / (n_items if n_items is not None else (shift != -100).sum())
     return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
                                   attentions=getattr(out, "attentions", None))
-
-
-def lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """PEFT's LoRA Linear forward with the branch computed in the activations' dtype and accumulated into the base
-    GEMM's output (one addmm): x·Wᵀ + s·(x·Aᵀ)·Bᵀ with A and B cast to the activations' dtype, as autocast
-    would run them; their gradients reach the fp32 adapters through the casts. PEFT's own forward upcasts x and runs the
-    branch in fp32, adding [tokens, out] fp32 tensors to the bf16 output; the answers differ by that rounding.
-    PEFT's forward runs where this does not apply: extra arguments, adapters disabled or merged, several active
-    adapters, a variant (DoRA), dropout."""
-    names = self.active_adapters
-    if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A
-            or names[0] in getattr(self, "lora_variant", {})
-            or not isinstance(self.lora_dropout[names[0]], torch.nn.Identity)):
-        return type(self).forward(self, x, *args, **kwargs)
-    name = names[0]
-    y = self.base_layer(x)  # [.., Dout]
-    a, b = self.lora_A[name].weight.to(y.dtype), self.lora_B[name].weight.to(y.dtype)  # [R, Din], [Dout, R]
-    xa = x.reshape(-1, x.shape[-1]) @ a.t()  # [N, Din] @ [Din, R] -> [N, R]
-    if not y.is_contiguous():
-        y = y.contiguous()
-    # in place on the base output (its GEMM's backward does not read it): no copy of it for the addmm
-    y.view(-1, y.shape[-1]).addmm_(xa, b.t(), alpha=self.scaling[name])  # [N, Dout] += [N, R] @ [R, Dout]
-    return y
 
 
 FORWARDS = {"rms_norm": rms_norm_forward, "swiglu": swiglu_mlp_forward,
