@@ -150,6 +150,31 @@ def test_lora_branch_in_the_activations_dtype_equals_peft_in_fp32(monkeypatch):
     assert accel.hf.revert(model) == 10 and all("forward" not in vars(m) for m in model.modules())
 
 
+@cpu_interpreter
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"], ["gate_proj", "down_proj"]])
+def test_lora_mlp_as_one_function_equals_peft(targets, kernel_calls, monkeypatch):
+    """apply(lora=True) with the SwiGLU patch: the MLP (its LoRA linears, plain frozen ones among them, and the
+    SwiGLU kernel) as one Function (accel/hf/mlp.py); fp32 logits and every LoRA gradient equal PEFT's unpatched."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(llama(kv_heads=2, layers=2, seed=4), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=targets)).train()
+    ids, mask = left_padded([9, 6], 9, seed=5)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    want_logits, want_grads = forward_backward(model, inputs)
+    accel.hf.apply(model, lora=True)
+    calls = []
+    real = patch.lora_swiglu_mlp
+    monkeypatch.setattr(patch, "lora_swiglu_mlp", lambda *a: calls.append(1) or real(*a))
+    got_logits, got_grads = forward_backward(model, inputs)
+    assert len(calls) == 2  # each layer's MLP
+    rows = mask.bool()
+    assert_close("logits", got_logits[rows], want_logits[rows])
+    assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in want_grads)
+    for name in want_grads:
+        assert_close(name, got_grads[name], want_grads[name])
+
+
 def test_lora_linear_gradients_equal_finite_differences():
     """The Function's written-out backward against numerical differentiation (fp64), a base bias, 3D input."""
     g = torch.Generator().manual_seed(3)

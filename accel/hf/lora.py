@@ -16,35 +16,58 @@ from __future__ import annotations
 import torch
 
 
+def project(x2: torch.Tensor, weight, bias, ac, bc, s: float):
+    """x2 [N, Din] -> (x2·Wᵀ + bias + s·(x2·Aᵀ)·Bᵀ [N, Dout], x2·Aᵀ [N, R]); without an adapter (ac None):
+    (x2·Wᵀ + bias, None). ac [R, Din], bc [Dout, R] in x2's dtype."""
+    y = x2 @ weight.t() if bias is None else torch.addmm(bias, x2, weight.t())  # [N, Din] @ [Din, Dout]
+    if ac is None:
+        return y, None
+    xa = x2 @ ac.t()  # [N, Din] @ [Din, R] -> [N, R]
+    return y.addmm_(xa, bc.t(), alpha=s), xa  # [N, Dout] += s · [N, R] @ [R, Dout]
+
+
+def project_backward(dy2: torch.Tensor, x2, xa, weight, ac, bc, s: float, grads_ab: bool, dx=None):
+    """project's backward: dy2 [N, Dout] -> (dx [N, Din] (added into `dx` where given), (dA [R, Din], dB [Dout, R])
+    in dy2's dtype, or (None, None) without an adapter or where `grads_ab` is False). x2 may be None then."""
+    dx = dy2 @ weight if dx is None else dx.addmm_(dy2, weight)  # [N, Dout] @ [Dout, Din]
+    if ac is None:
+        return dx, (None, None)
+    dyb = dy2 @ bc  # [N, Dout] @ [Dout, R] -> [N, R]
+    dx.addmm_(dyb, ac, alpha=s)  # += s · [N, R] @ [R, Din]
+    if not grads_ab:
+        return dx, (None, None)
+    return dx, (torch.mm(dyb.t(), x2).mul_(s), torch.mm(dy2.t(), xa).mul_(s))  # [R,N]@[N,Din], [Dout,N]@[N,R]
+
+
+def casts(a, b, dtype):
+    """The adapters in the activations' dtype (as torch.autocast would run them); (None, None) without one."""
+    return (None, None) if a is None else (a.to(dtype), b.to(dtype))
+
+
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, a, b, scaling: float):
         x2 = x.reshape(-1, x.shape[-1])  # [N, Din]
-        ac, bc = a.to(x.dtype), b.to(x.dtype)  # [R, Din], [Dout, R]
-        xa = x2 @ ac.t()  # [N, Din] @ [Din, R] -> [N, R]
-        y = x2 @ weight.t() if bias is None else torch.addmm(bias, x2, weight.t())  # [N, Dout]
-        y.addmm_(xa, bc.t(), alpha=scaling)  # [N, Dout] += s · [N, R] @ [R, Dout]
-        ctx.save_for_backward(x2, weight, ac, bc, xa)
-        ctx.scaling, ctx.a_dtype, ctx.b_dtype = scaling, a.dtype, b.dtype
+        y, xa = project(x2, weight, bias, *casts(a, b, x.dtype), scaling)
+        ctx.save_for_backward(x2, xa)
+        # parameters kept as they are, outside the saved tensors that gradient checkpointing drops and recomputes
+        ctx.params, ctx.scaling = (weight, a, b), scaling
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, ac, bc, xa = ctx.saved_tensors
-        s = ctx.scaling
+        x2, xa = ctx.saved_tensors
+        weight, a, b = ctx.params
         dy2 = dy.reshape(-1, dy.shape[-1])  # [N, Dout]
-        dyb = dy2 @ bc  # [N, Dout] @ [Dout, R] -> [N, R]
-        dx = da = db = None
-        if ctx.needs_input_grad[0]:
-            dx = (dy2 @ weight).addmm_(dyb, ac, alpha=s)  # [N, Din] = dy·W + s · [N, R] @ [R, Din]
-            dx = dx.view(*dy.shape[:-1], x2.shape[-1])
-        if ctx.needs_input_grad[3]:
-            da = torch.mm(dyb.t(), x2).mul_(s).to(ctx.a_dtype)  # [R, N] @ [N, Din] -> [R, Din]
-        if ctx.needs_input_grad[4]:
-            db = torch.mm(dy2.t(), xa).mul_(s).to(ctx.b_dtype)  # [Dout, N] @ [N, R] -> [Dout, R]
+        grads_ab = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        dx, (da, db) = project_backward(dy2, x2, xa, weight, *casts(a, b, dy.dtype), ctx.scaling, grads_ab)
+        dx = dx.view(*dy.shape[:-1], x2.shape[-1]) if ctx.needs_input_grad[0] else None
+        if grads_ab:
+            da, db = da.to(a.dtype), db.to(b.dtype)
         return dx, None, None, da, db, None
 
 
+@torch.compiler.disable  # opaque to torch.compile, as accel/train/fused.py's ops
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
                 scaling: float) -> torch.Tensor:
     """x [.., Din], weight [Dout, Din] and bias [Dout] or None (frozen: no gradient), a [R, Din], b [Dout, R]
@@ -53,19 +76,29 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """PEFT's LoRA Linear forward through lora_linear. PEFT's forward runs where this does not apply: extra
-    arguments, adapters disabled or merged, several active adapters, a variant (DoRA), dropout, a bias on lora_B,
-    a base layer that is not a plain nn.Linear (or has hooks, or a trainable weight, or another dtype than x)."""
-    names = self.active_adapters
-    base = self.base_layer
-    if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A
-            or names[0] in getattr(self, "lora_variant", {}) or self.fan_in_fan_out
-            or not isinstance(self.lora_dropout[names[0]], torch.nn.Identity)
-            or self.lora_B[names[0]].bias is not None or not _plain_linear(base, x)):
+    """PEFT's LoRA Linear forward through lora_linear; PEFT's own forward where `projection` says it does not
+    apply (or with extra arguments)."""
+    p = None if args or kwargs else projection(self, x)
+    if p is None or p[2] is None:
         return type(self).forward(self, x, *args, **kwargs)
-    name = names[0]
-    return lora_linear(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                       self.scaling[name])
+    return lora_linear(x, *p)
+
+
+def projection(module: torch.nn.Module, x: torch.Tensor):
+    """A linear module as (weight, bias, a, b, scaling) for x (a = b = None: a plain frozen nn.Linear), or None
+    where the LoRA Function does not compute what its forward does: a PEFT LoRA Linear with its adapters disabled
+    or merged, several active adapters, a variant (DoRA), dropout, a bias on lora_B, fan_in_fan_out; a base layer
+    that is not a plain nn.Linear (or has hooks, a trainable weight or bias, or another dtype than x)."""
+    if type(module) is torch.nn.Linear:
+        return (module.weight, module.bias, None, None, 1.0) if _plain_linear(module, x) else None
+    names = getattr(module, "active_adapters", None)
+    if (names is None or module.disable_adapters or module.merged or len(names) != 1
+            or names[0] not in module.lora_A or names[0] in getattr(module, "lora_variant", {})
+            or module.fan_in_fan_out or not isinstance(module.lora_dropout[names[0]], torch.nn.Identity)
+            or module.lora_B[names[0]].bias is not None or not _plain_linear(module.base_layer, x)):
+        return None
+    name, base = names[0], module.base_layer
+    return base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]
 
 
 def _plain_linear(base, x: torch.Tensor) -> bool:

@@ -24,7 +24,8 @@ import types
 
 import torch
 
-from accel.hf.lora import lora_linear_forward
+from accel.hf.lora import lora_linear_forward, projection
+from accel.hf.mlp import lora_swiglu_mlp
 from accel.hf.memo import PerTensor
 from accel.train import fused
 from accel.train.loss import linear_cross_entropy
@@ -58,10 +59,27 @@ def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.config.hidden_act not in SILU or not kernels_run_on(x):
         return type(self).forward(self, x)
+    projs = lora_projections(self, x)
+    if projs is not None:
+        return lora_swiglu_mlp(x, *projs)
     gate, up = self.gate_proj(x), self.up_proj(x)
     if gate.dtype != up.dtype:
         return self.down_proj(self.act_fn(gate) * up)
     return self.down_proj(fused.swiglu_pair(gate, up))
+
+
+def lora_projections(mlp, x: torch.Tensor):
+    """(gate, up, down) as accel.hf.lora.projection tuples where all three are plain frozen linears or LoRA linears
+    patched by apply(lora=True), at least one of them LoRA: the MLP then runs as one Function (accel/hf/mlp.py).
+    None otherwise."""
+    mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if not any(getattr(m, "llama32_patched", False) and hasattr(m, "lora_A") for m in mods):
+        return None
+    projs = tuple(projection(m, x) for m in mods)
+    if any(p is None or (p[2] is not None and not getattr(m, "llama32_patched", False))
+           for p, m in zip(projs, mods)):
+        return None
+    return projs
 
 
 _rope_tables = PerTensor()  # (cos, sin) -> the kernel's tables: the model passes one pair to every layer
