@@ -9,7 +9,8 @@
                            # fused_linear_cross_entropy=True, lora=True (PEFT's LoRA branch in bf16) on request
 
 attention.py: the attention function (FlashAttention forward + backward, GQA-native, masks, fallbacks to SDPA);
-patch.py: the module patch, a table by model_type; memo.py: what is derived once per tensor (masks, RoPE tables).
+patch.py: the module patch, a table by model_type; lora.py / mlp.py: PEFT's LoRA Linear and HF's MLP as one
+autograd Function each (lora=True); memo.py: what is derived once per tensor (masks, RoPE tables).
 """
 from __future__ import annotations
 

@@ -162,8 +162,9 @@ def model_type_of(model: torch.nn.Module) -> str:
 def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
           fused_linear_cross_entropy: bool = False, lora: bool = False) -> dict[str, int]:
     """Patch `model` (a transformers model, or a PEFT model around one) in place -> {flag: modules patched now}
-    ("rope": 1 where its modeling file's function was replaced now). `lora`: PEFT's LoRA linears compute their
-    branch in the activations' dtype (lora_linear_forward). Idempotent: what was patched before is not counted
+    ("rope": 1 where its modeling file's function was replaced now). `lora`: PEFT's LoRA linears as one autograd Function
+    each, their branch in the activations' dtype (accel/hf/lora.py), and with `swiglu` each MLP as one
+    (accel/hf/mlp.py). Idempotent: what was patched before is not counted
     again. Raises ValueError for a model_type not in PATCHES."""
     table = PATCHES[model_type_of(model)]
     flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy))
