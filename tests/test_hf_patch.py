@@ -175,6 +175,38 @@ def test_lora_mlp_as_one_function_equals_peft(targets, kernel_calls, monkeypatch
         assert_close(name, got_grads[name], want_grads[name])
 
 
+@cpu_interpreter
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                     ["q_proj", "v_proj"]])
+def test_lora_qkv_rope_as_one_function_equals_peft_sdpa(targets, monkeypatch):
+    """apply(lora=True) under "llama32": each self-attention's q, k, v (LoRA or plain frozen) and RoPE as one
+    Function (accel/hf/qkv.py); fp32 logits and every LoRA gradient equal the unpatched PEFT model's under SDPA,
+    GQA and padding included."""
+    peft = pytest.importorskip("peft")
+    accel.hf.register()
+    torch.manual_seed(1)
+    model = peft.get_peft_model(llama(kv_heads=2, layers=2, seed=8), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=targets)).train()
+    model.base_model.model.set_attn_implementation("sdpa")
+    ids, mask = left_padded([9, 6], 9, seed=6)
+    # no cache, as under gradient checkpointing (with one, HF's forward runs: its cache update is HF's)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), use_cache=False)
+    want_logits, want_grads = forward_backward(model, inputs)
+    model.base_model.model.set_attn_implementation("llama32")
+    counts = accel.hf.apply(model, lora=True)
+    assert counts["attention"] == 2
+    calls = []
+    real = patch.lora_qkv_rope
+    monkeypatch.setattr(patch, "lora_qkv_rope", lambda *a: calls.append(1) or real(*a))
+    got_logits, got_grads = forward_backward(model, inputs)
+    assert len(calls) == 2  # each layer's self-attention
+    rows = mask.bool()
+    assert_close("logits", got_logits[rows], want_logits[rows])
+    assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in want_grads)
+    for name in want_grads:
+        assert_close(name, got_grads[name], want_grads[name])
+
+
 def test_lora_linear_gradients_equal_finite_differences():
     """The Function's written-out backward against numerical differentiation (fp64), a base bias, 3D input."""
     g = torch.Generator().manual_seed(3)

@@ -24,20 +24,24 @@ import types
 
 import torch
 
+from accel.hf.attention import attention_forward
 from accel.hf.lora import lora_linear_forward, projection
 from accel.hf.mlp import lora_swiglu_mlp
+from accel.hf.qkv import lora_qkv_rope
 from accel.hf.memo import PerTensor
 from accel.train import fused
 from accel.train.loss import linear_cross_entropy
 
 # model_type -> {kernel flag: class names of the modules whose forward it replaces; "rope": the modeling file}
 PATCHES = {
-    "llama": {"rms_norm": ("LlamaRMSNorm",), "swiglu": ("LlamaMLP",),
+    "llama": {"rms_norm": ("LlamaRMSNorm",), "swiglu": ("LlamaMLP",), "attention": ("LlamaAttention",),
               "fused_linear_cross_entropy": ("LlamaForCausalLM",), "rope": "transformers.models.llama.modeling_llama"},
     "mllama": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
+               "attention": ("MllamaTextSelfAttention",),
                "fused_linear_cross_entropy": ("MllamaForConditionalGeneration",),
                "rope": "transformers.models.mllama.modeling_mllama"},
     "mllama_text_model": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
+                          "attention": ("MllamaTextSelfAttention",),
                           "fused_linear_cross_entropy": ("MllamaForCausalLM",),
                           "rope": "transformers.models.mllama.modeling_mllama"},
 }
@@ -68,11 +72,9 @@ def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(fused.swiglu_pair(gate, up))
 
 
-def lora_projections(mlp, x: torch.Tensor):
-    """(gate, up, down) as accel.hf.lora.projection tuples where all three are plain frozen linears or LoRA linears
-    patched by apply(lora=True), at least one of them LoRA: the MLP then runs as one Function (accel/hf/mlp.py).
-    None otherwise."""
-    mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+def adapted_projections(mods, x: torch.Tensor):
+    """accel.hf.lora.projection tuples of `mods` where all are plain frozen linears or LoRA linears patched by
+    apply(lora=True), at least one of them LoRA (their consumer then runs them in one Function); None otherwise."""
     if not any(getattr(m, "llama32_patched", False) and hasattr(m, "lora_A") for m in mods):
         return None
     projs = tuple(projection(m, x) for m in mods)
@@ -80,6 +82,11 @@ def lora_projections(mlp, x: torch.Tensor):
            for p, m in zip(projs, mods)):
         return None
     return projs
+
+
+def lora_projections(mlp, x: torch.Tensor):
+    """The MLP's (gate, up, down) as adapted_projections: the MLP then runs as one Function (accel/hf/mlp.py)."""
+    return adapted_projections((mlp.gate_proj, mlp.up_proj, mlp.down_proj), x)
 
 
 _rope_tables = PerTensor()  # (cos, sin) -> the kernel's tables: the model passes one pair to every layer
@@ -104,6 +111,47 @@ def rope_function(original):
         return qr.transpose(1, 2), kr.transpose(1, 2)
     apply_rotary_pos_emb.llama32_original = original
     return apply_rotary_pos_emb
+
+
+def qkv_attention_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+    """HF's self-attention forward (training: no cache) with q, k, v and RoPE as one Function (accel/hf/qkv.py),
+    then the "llama32" attention and o_proj; HF's own forward where qkv_plan says it does not apply."""
+    plan = None if args else qkv_plan(self, hidden_states, kwargs)
+    if plan is None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    q, k, v = lora_qkv_rope(hidden_states, *plan)
+    rest = {n: x for n, x in kwargs.items() if n not in ("position_embeddings", "attention_mask", "cache",
+                                                         "past_key_values", "past_key_value")}
+    out, weights = attention_forward(self, q, k, v, kwargs.get("attention_mask"), dropout=0.0,
+                                     scaling=self.scaling, **rest)
+    out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()  # [B, T, H, E] -> [B, T, H·E]
+    return self.o_proj(out), weights
+
+
+def qkv_plan(attn, x: torch.Tensor, kwargs: dict):
+    """(cos rows, sin rows, (H, K), q, k, v projections) for lora_qkv_rope, or None where HF's forward must run: a
+    cache, another attention implementation than "llama32", attention dropout while training, RoPE tables not of
+    HF's layout, q / k / v not all plain frozen linears or LoRA linears patched by apply(lora=True)."""
+    pe = kwargs.get("position_embeddings")
+    if (pe is None or x.dim() != 3 or attn.config._attn_implementation != "llama32" or not kernels_run_on(x)
+            or any(kwargs.get(n) is not None for n in ("cache", "past_key_values", "past_key_value"))
+            or (attn.training and getattr(attn, "attention_dropout", getattr(attn, "dropout", 0.0)) > 0)):
+        return None
+    cos, sin = pe
+    B, T, _ = x.shape
+    E = attn.head_dim
+    if cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1:] != (T, E) or sin.shape != cos.shape:
+        return None
+    projs = adapted_projections((attn.q_proj, attn.k_proj, attn.v_proj), x)
+    if projs is None:
+        return None
+    heads = (projs[0][0].shape[0] // E, projs[1][0].shape[0] // E)
+    rows = _rope_rows.get((cos, sin), B, lambda: tuple(t.expand(B, T, -1).reshape(B * T, -1)
+                                                       for t in halves(cos, sin)))  # [B·T, E/2] fp32 each
+    return (*rows, heads, *projs)
+
+
+_rope_rows = PerTensor()  # (cos, sin) -> [B·T, E/2] rows: the model passes one pair to every layer
 
 
 def patch_rope(module_name: str) -> int:
@@ -149,7 +197,8 @@ def fused_loss_forward(self, *args, labels=None, **kwargs):
 
 
 FORWARDS = {"rms_norm": rms_norm_forward, "swiglu": swiglu_mlp_forward,
-            "fused_linear_cross_entropy": fused_loss_forward, "lora": lora_linear_forward}
+            "fused_linear_cross_entropy": fused_loss_forward, "lora": lora_linear_forward,
+            "attention": qkv_attention_forward}
 
 
 def model_type_of(model: torch.nn.Module) -> str:
@@ -162,12 +211,14 @@ def model_type_of(model: torch.nn.Module) -> str:
 def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
           fused_linear_cross_entropy: bool = False, lora: bool = False) -> dict[str, int]:
     """Patch `model` (a transformers model, or a PEFT model around one) in place -> {flag: modules patched now}
-    ("rope": 1 where its modeling file's function was replaced now). `lora`: PEFT's LoRA linears as one autograd Function
-    each, their branch in the activations' dtype (accel/hf/lora.py), and with `swiglu` each MLP as one
-    (accel/hf/mlp.py). Idempotent: what was patched before is not counted
-    again. Raises ValueError for a model_type not in PATCHES."""
+    ("rope": 1 where its modeling file's function was replaced now). `lora`: PEFT's LoRA linears as one autograd
+    Function each, their branch in the activations' dtype (accel/hf/lora.py); with `swiglu` each MLP as one
+    (accel/hf/mlp.py), with `rope` each self-attention's q, k, v and RoPE as one (accel/hf/qkv.py; "attention":
+    under attn_implementation "llama32"). Idempotent: what was patched before is not counted again. Raises
+    ValueError for a model_type not in PATCHES."""
     table = PATCHES[model_type_of(model)]
-    flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy))
+    flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy),
+             ("attention", lora and rope))
     wanted = {flag: table[flag] for flag, on in flags if on}
     counts = dict.fromkeys(wanted, 0)
     if rope:
