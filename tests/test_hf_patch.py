@@ -207,6 +207,32 @@ def test_lora_qkv_rope_as_one_function_equals_peft_sdpa(targets, monkeypatch):
         assert_close(name, got_grads[name], want_grads[name])
 
 
+@cpu_interpreter
+def test_lora_functions_on_mllama_with_an_image_equal_peft_sdpa(monkeypatch):
+    """apply(lora=True) on the tiny Mllama under "llama32": the text self-attentions' q, k, v + RoPE and the MLPs
+    as Functions (the cross-attention layers keep HF's forward around the LoRA linears); logits and gradients are
+    the unpatched PEFT model's under SDPA."""
+    model, kw = mllama_inputs()
+    model = lora(model).train()
+    model.base_model.model.set_attn_implementation("sdpa")
+    inputs = dict(kw, labels=kw["input_ids"].masked_fill(kw["input_ids"] == IMAGE, -100), use_cache=False)
+    want_logits, want_grads = forward_backward(model, inputs)
+    accel.hf.register()
+    model.base_model.model.set_attn_implementation("llama32")
+    calls = {"qkv": 0, "mlp": 0}
+    for name, fn in (("qkv", "lora_qkv_rope"), ("mlp", "lora_swiglu_mlp")):
+        real = getattr(patch, fn)
+        monkeypatch.setattr(patch, fn, lambda *a, _real=real, _name=name: calls.__setitem__(
+            _name, calls[_name] + 1) or _real(*a))
+    assert accel.hf.apply(model, lora=True)["attention"] == 2  # the 2 self-attention layers
+    got_logits, got_grads = forward_backward(model, inputs)
+    assert calls == {"qkv": 2, "mlp": 4}
+    assert_close("logits", got_logits, want_logits)
+    assert got_grads.keys() == want_grads.keys() and want_grads
+    for name in want_grads:
+        assert_close(name, got_grads[name], want_grads[name])
+
+
 def test_lora_linear_gradients_equal_finite_differences():
     """The Function's written-out backward against numerical differentiation (fp64), a base bias, 3D input."""
     g = torch.Generator().manual_seed(3)
