@@ -284,7 +284,7 @@ def test_patched_generate_with_left_padding_gives_the_same_greedy_ids(kernel_cal
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_patched_lora_llama_equals_unpatched(kernel_calls):
+def test_gpu_bf16_patched_lora_llama_equals_unpatched(kernel_calls, monkeypatch):
     """A 1B-like shape (hidden 2048, MLP 8192, 32/8 heads of 64; 2 layers), 2 x 512 tokens, bf16, LoRA."""
     model = lora(llama(heads=32, kv_heads=8, hidden=2048, layers=2, intermediate=8192).to(torch.bfloat16))
     model = model.cuda().train()
@@ -305,6 +305,16 @@ def test_gpu_bf16_patched_lora_llama_equals_unpatched(kernel_calls):
     assert_no_worse("logits (lora)", lora_logits[rows], want_logits[rows], ref_logits[rows])
     for name in want_grads:
         assert_no_worse(f"{name} (lora)", lora_grads[name], want_grads[name], ref_grads[name])
+    accel.hf.register()  # and under "llama32": q, k, v + RoPE as one Function as well
+    model.base_model.model.set_attn_implementation("llama32")
+    calls = []
+    real = patch.lora_qkv_rope
+    monkeypatch.setattr(patch, "lora_qkv_rope", lambda *a: calls.append(1) or real(*a))
+    qkv_logits, qkv_grads = forward_backward(model, dict(inputs, use_cache=False))
+    assert len(calls) == 2
+    assert_no_worse("logits (llama32, lora)", qkv_logits[rows], want_logits[rows], ref_logits[rows])
+    for name in want_grads:
+        assert_no_worse(f"{name} (llama32, lora)", qkv_grads[name], want_grads[name], ref_grads[name])
 
 
 def fused_loss_run(model, inputs):
