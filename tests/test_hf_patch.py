@@ -151,7 +151,8 @@ def test_lora_branch_in_the_activations_dtype_equals_peft_in_fp32(monkeypatch):
 
 
 @cpu_interpreter
-@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"], ["gate_proj", "down_proj"]])
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+                                     ["gate_proj", "down_proj"]])
 def test_lora_mlp_as_one_function_equals_peft(targets, kernel_calls, monkeypatch):
     """apply(lora=True) with the SwiGLU patch: the MLP (its LoRA linears, plain frozen ones among them, and the
     SwiGLU kernel) as one Function (accel/hf/mlp.py); fp32 logits and every LoRA gradient equal PEFT's unpatched."""
