@@ -6,8 +6,9 @@ flash_attn is importable), on the GPU.
 
 Random bf16 weights at the Llama 3.2 1B / 3B / 11B-Vision shapes (configs built here; nothing is downloaded). For
 each model, attention implementation and module patch ("none"; "kernels": accel.hf.apply with RMSNorm, SwiGLU
-MLP, RoPE in Triton and the fused lm_head + cross-entropy; "kernels+lora", training only: PEFT's LoRA branch in
-bf16 as well, apply(lora=True)):
+MLP, RoPE in Triton and the fused lm_head + cross-entropy; "kernels+lora", training only: apply(lora=True) as
+well: PEFT's LoRA linears, each MLP and (under "llama32") each self-attention's q, k, v + RoPE as one autograd
+Function each, the LoRA branch in bf16):
   train    HF + PEFT LoRA (r 16 on every linear of the text decoder), gradient checkpointing, one sequence of
            --tokens (2048) tokens (11B-Vision: with one 4-tile image): tokens/s and peak memory (GiB)
   prefill  generate(max_new_tokens=1) over --prefill-tokens (8192) tokens: ms
