@@ -3,7 +3,8 @@ for accel.hf.apply(rope=True, lora=True) with attn_implementation="llama32": one
 and ~10 views op by op (an HF + PEFT step at batch 1 is mostly host time). Saves x and the [N, R] adapter products;
 the RoPE tables are the model's (shared by every layer).
 
-    x [B, T, D] -> q [B, H, T, E], k [B, K, T, E] (rotated), v [B, K, T, E]   (views of [B·T, heads, E] rows)
+    x [B, T, D] -> q [B, H, T, E], k [B, K, T, E] (rotated), v [B, K, T, E]   (HF's layout: transposed views of
+                                                                            [B·T, heads, E] rows, made inside)
 """
 from __future__ import annotations
 
@@ -29,14 +30,17 @@ class _LoraQKVRope(torch.autograd.Function):
         # checkpointing drops and recomputes
         ctx.params, ctx.scalings, ctx.tables = [(w, a, b) for w, _, a, b in projs], scalings, (cos, sin)
         ctx.x_shape = x.shape
-        return q, k, v
+        B, T = x.shape[:2]  # HF's layout, as views made here: no autograd view nodes outside
+        return tuple(t.view(B, T, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [B, heads, T, E]
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         x2, xa_q, xa_k, xa_v = ctx.saved_tensors
         need = ctx.needs_input_grad
         cos, sin = ctx.tables
-        dq, dk = (d if d.stride(-1) == 1 and d.stride(-2) == d.shape[-1] else d.contiguous() for d in (dq, dk))
+        # [B, heads, T, E] -> [B·T, heads, E] rows (a view where the gradient is laid out as the output is)
+        dq, dk, dv = (d.transpose(1, 2).reshape(-1, *d.shape[1:2], d.shape[-1]) for d in (dq, dk, dv))
+        dq, dk = (d if d.stride(-1) == 1 else d.contiguous() for d in (dq, dk))
         dq, dk = rope_fwd(dq, dk, cos, -sin)  # the inverse rotation, [N, heads, E]
         dx = None
         out = []
@@ -56,6 +60,4 @@ def lora_qkv_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     frozen), a [R, D] or None, b [Dout, R] or None, scaling) -> (q [B, H, T, E] rotated, k [B, K, T, E] rotated,
     v [B, K, T, E]) in x's dtype, HF's layout (views); gradients for x and the adapters."""
     flat = [t for p in (q, k, v) for t in p[:4]]
-    B, T = x.shape[:2]
-    qr, kr, vr = _LoraQKVRope.apply(x, cos, sin, heads, *flat, q[4], k[4], v[4])
-    return tuple(t.view(B, T, *t.shape[1:]).transpose(1, 2) for t in (qr, kr, vr))
+    return _LoraQKVRope.apply(x, cos, sin, heads, *flat, q[4], k[4], v[4])
