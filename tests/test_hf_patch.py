@@ -263,6 +263,16 @@ def test_lora_forward_leaves_what_it_does_not_cover_to_peft(monkeypatch):
         assert len(calls) == (0 if kw else 1)  # layer 1's q_proj (frozen base) still takes the Function
 
 
+def test_revert_of_a_peft_model_with_every_flag():
+    """PEFT's wrappers hand attribute lookups on to the model they wrap: revert() on the PeftModel must undo what
+    apply() did below it (the causal LM's fused loss forward included) and nothing else."""
+    model = lora(llama())
+    counts = accel.hf.apply(model, fused_linear_cross_entropy=True, lora=True)
+    assert counts["fused_linear_cross_entropy"] == 1 and counts["lora"] == 2 * 5 and counts["attention"] == 2
+    assert accel.hf.revert(model) == sum(counts.values())
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))

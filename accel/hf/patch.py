@@ -48,6 +48,12 @@ PATCHES = {
 SILU = ("silu", "swish")
 
 
+def patched(module: torch.nn.Module) -> bool:
+    """Whether apply() replaced this module's forward. Its own attribute only: PEFT's wrappers (PeftModel,
+    LoraModel) hand unknown attribute lookups on to the model they wrap."""
+    return vars(module).get("llama32_patched", False)
+
+
 def kernels_run_on(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -75,10 +81,10 @@ def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 def adapted_projections(mods, x: torch.Tensor):
     """accel.hf.lora.projection tuples of `mods` where all are plain frozen linears or LoRA linears patched by
     apply(lora=True), at least one of them LoRA (their consumer then runs them in one Function); None otherwise."""
-    if not any(getattr(m, "llama32_patched", False) and hasattr(m, "lora_A") for m in mods):
+    if not any(patched(m) and hasattr(m, "lora_A") for m in mods):
         return None
     projs = tuple(projection(m, x) for m in mods)
-    if any(p is None or (p[2] is not None and not getattr(m, "llama32_patched", False))
+    if any(p is None or (p[2] is not None and not patched(m))
            for p, m in zip(projs, mods)):
         return None
     return projs
@@ -227,7 +233,7 @@ def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, ro
     if lora:
         counts["lora"] = 0
     for module in model.modules():
-        if getattr(module, "llama32_patched", False):
+        if patched(module):
             continue
         flag = next((f for f, names in wanted.items() if type(module).__name__ in names), None)
         if flag is None and lora_class is not None and type(module) is lora_class:
@@ -252,7 +258,7 @@ def revert(model: torch.nn.Module) -> int:
     (for every model of that type) -> how many modules (and RoPE functions) were patched."""
     n = unpatch_rope(PATCHES[model_type_of(model)]["rope"])
     for module in model.modules():
-        if getattr(module, "llama32_patched", False):
+        if patched(module):
             del module.forward, module.llama32_patched
             n += 1
     return n
