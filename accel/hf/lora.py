@@ -88,21 +88,33 @@ def projection(module: torch.nn.Module, x: torch.Tensor):
     """A linear module as (weight, bias, a, b, scaling) for x (a = b = None: a plain frozen nn.Linear), or None
     where the LoRA Function does not compute what its forward does: a PEFT LoRA Linear with its adapters disabled
     or merged, several active adapters, a variant (DoRA), dropout, a bias on lora_B, fan_in_fan_out; a base layer
-    that is not a plain nn.Linear (or has hooks, a trainable weight or bias, or another dtype than x)."""
+    that is not a plain nn.Linear (or has hooks, a trainable weight or bias, or another dtype than x).
+    Called on every forward: submodules and parameters are read from their dicts (nn.Module's attribute lookup
+    is a slow path)."""
     if type(module) is torch.nn.Linear:
-        return (module.weight, module.bias, None, None, 1.0) if _plain_linear(module, x) else None
+        return _plain_linear(module, x)
     names = getattr(module, "active_adapters", None)
-    if (names is None or module.disable_adapters or module.merged or len(names) != 1
-            or names[0] not in module.lora_A or names[0] in getattr(module, "lora_variant", {})
-            or module.fan_in_fan_out or not isinstance(module.lora_dropout[names[0]], torch.nn.Identity)
-            or module.lora_B[names[0]].bias is not None or not _plain_linear(module.base_layer, x)):
+    if names is None or len(names) != 1 or module.disable_adapters or module.merged or module.fan_in_fan_out:
         return None
-    name, base = names[0], module.base_layer
-    return base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]
+    name, subs = names[0], module._modules
+    lora_a, lora_b = subs["lora_A"]._modules.get(name), subs["lora_B"]._modules.get(name)
+    if (lora_a is None or name in getattr(module, "lora_variant", ())
+            or not isinstance(subs["lora_dropout"]._modules[name], torch.nn.Identity)
+            or lora_b._parameters.get("bias") is not None):
+        return None
+    base = _plain_linear(subs["base_layer"], x)
+    if base is None:
+        return None
+    return base[0], base[1], lora_a._parameters["weight"], lora_b._parameters["weight"], module.scaling[name]
 
 
-def _plain_linear(base, x: torch.Tensor) -> bool:
-    """Whether base(x) is F.linear(x, base.weight, base.bias) with a frozen weight of x's dtype."""
-    return (type(base) is torch.nn.Linear and not base._forward_hooks and not base._forward_pre_hooks
-            and "forward" not in base.__dict__ and not base.weight.requires_grad and base.weight.dtype == x.dtype
-            and (base.bias is None or not base.bias.requires_grad))
+def _plain_linear(base, x: torch.Tensor):
+    """(weight, bias, None, None, 1.0) where base(x) is F.linear(x, weight, bias) with a frozen weight (and bias) of
+    x's dtype; None otherwise."""
+    if (type(base) is not torch.nn.Linear or base._forward_hooks or base._forward_pre_hooks
+            or "forward" in base.__dict__):
+        return None
+    weight, bias = base._parameters["weight"], base._parameters["bias"]
+    if weight.requires_grad or weight.dtype != x.dtype or (bias is not None and bias.requires_grad):
+        return None
+    return weight, bias, None, None, 1.0
