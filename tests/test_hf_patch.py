@@ -273,6 +273,19 @@ def test_revert_of_a_peft_model_with_every_flag():
     assert all("forward" not in vars(m) for m in model.modules())
 
 
+def test_adapter_casts_are_shared_until_an_adapter_changes():
+    """One bf16 cast of A and B per optimizer step (forward, recompute and backward share it); an in-place update
+    of either (the optimizer's step) gives a fresh cast; adapters already in the activations' dtype are not cast."""
+    a, b = torch.randn(4, 6), torch.randn(5, 4)
+    first = lora_module.casts(a, b, torch.bfloat16)
+    assert lora_module.casts(a, b, torch.bfloat16) is first and first[0].dtype == torch.bfloat16
+    with torch.no_grad():
+        b.add_(1.0)
+    second = lora_module.casts(a, b, torch.bfloat16)
+    assert second is not first and torch.equal(second[1], b.to(torch.bfloat16))
+    assert lora_module.casts(a, b, torch.float32) == (a, b)
+
+
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))

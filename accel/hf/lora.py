@@ -13,7 +13,11 @@ models they are PEFT's.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+from accel.hf.memo import version
 
 
 def project(x2: torch.Tensor, weight, bias, ac, bc, s: float):
@@ -39,9 +43,22 @@ def project_backward(dy2: torch.Tensor, x2, xa, weight, ac, bc, s: float, grads_
     return dx, (torch.mm(dyb.t(), x2).mul_(s), torch.mm(dy2.t(), xa).mul_(s))  # [R,N]@[N,Din], [Dout,N]@[N,R]
 
 
+_casts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a -> (versions, b, dtype, (a cast, b cast))
+
+
 def casts(a, b, dtype):
-    """The adapters in the activations' dtype (as torch.autocast would run them); (None, None) without one."""
-    return (None, None) if a is None else (a.to(dtype), b.to(dtype))
+    """The adapters in the activations' dtype (as torch.autocast would run them); (None, None) without one. Cast once
+    per change of a or b (their version counters: the optimizer's in-place step bumps them), so the forward,
+    gradient checkpointing's recompute and the backward of a step share one cast of each."""
+    if a is None or (a.dtype == dtype and b.dtype == dtype):
+        return a, b
+    versions = (version(a), version(b))
+    hit = _casts.get(a)
+    if hit is not None and hit[0] == versions and hit[1] is b and hit[2] == dtype:
+        return hit[3]
+    pair = (a.detach().to(dtype), b.detach().to(dtype))
+    _casts[a] = (versions, b, dtype, pair)
+    return pair
 
 
 class _LoraLinear(torch.autograd.Function):
