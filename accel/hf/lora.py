@@ -43,7 +43,7 @@ def project_backward(dy2: torch.Tensor, x2, xa, weight, ac, bc, s: float, grads_
     return dx, (torch.mm(dyb.t(), x2).mul_(s), torch.mm(dy2.t(), xa).mul_(s))  # [R,N]@[N,Din], [Dout,N]@[N,R]
 
 
-_casts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a -> (versions, b, dtype, (a cast, b cast))
+_casts: dict = {}  # id(a) -> (weakref to a, versions, b, dtype, (a cast, b cast)); dropped with a
 
 
 def casts(a, b, dtype):
@@ -53,11 +53,12 @@ def casts(a, b, dtype):
     if a is None or (a.dtype == dtype and b.dtype == dtype):
         return a, b
     versions = (version(a), version(b))
-    hit = _casts.get(a)
-    if hit is not None and hit[0] == versions and hit[1] is b and hit[2] == dtype:
-        return hit[3]
+    hit = _casts.get(id(a))
+    if hit is not None and hit[0]() is a and hit[1] == versions and hit[2] is b and hit[3] == dtype:
+        return hit[4]
     pair = (a.detach().to(dtype), b.detach().to(dtype))
-    _casts[a] = (versions, b, dtype, pair)
+    key = id(a)
+    _casts[key] = (weakref.ref(a, lambda _, key=key: _casts.pop(key, None)), versions, b, dtype, pair)
     return pair
 
 
