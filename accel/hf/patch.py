@@ -46,6 +46,9 @@ PATCHES = {
                           "rope": "transformers.models.mllama.modeling_mllama"},
 }
 SILU = ("silu", "swish")
+# rows of [rows, V] logits alive at once in the fused loss: an HF + PEFT LoRA step's peak memory is there, so fewer
+# than accel.train.loss's default (256 rows: 63 MB at V = 128256 in bf16; docs/performance.md has the runs)
+LOSS_CHUNK_ROWS = 256
 
 
 def patched(module: torch.nn.Module) -> bool:
@@ -196,7 +199,8 @@ def fused_loss_forward(self, *args, labels=None, **kwargs):
     if shift is None:  # token t predicts token t + 1
         shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     shift = shift.reshape(-1).to(h.device)
-    total = linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, shift, use_triton=True)
+    total = linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, shift, chunk=LOSS_CHUNK_ROWS,
+                                 use_triton=True)
     loss = total / (n_items if n_items is not None else (shift != -100).sum())
     return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
                                   attentions=getattr(out, "attentions", None))
