@@ -2,7 +2,7 @@
 forward and backward, for accel.hf.apply(lora=True).
 
     y = x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ      x [N, Din], W [Dout, Din] frozen, A [R, Din], B [Dout, R] (PEFT keeps them
-                                          fp32; cast to x's dtype each call, as torch.autocast would run them)
+                                          fp32; cast to x's dtype once per optimizer step, as torch.autocast would run them)
 
 PEFT's own forward upcasts x and runs the branch in fp32 (fp32 GEMMs off the tensor cores, a [N, Dout] fp32 sum and
 a cast back); here the branch accumulates into the base output (one addmm), and the backward is written out: dx =

@@ -14,6 +14,9 @@ something else:
   * RoPE: only HF's half-split layout with cos/sin [B or 1, T, E] whose halves repeat (every Llama RoPE type).
   * lm_head + cross-entropy (off by default): only a training forward with labels, a frozen bias-free nn.Linear
     lm_head, all logits (logits_to_keep 0); the output then carries the loss and no logits (as Liger's).
+  * LoRA (off by default, PEFT models): accel/hf/lora.py's conditions (one active plain adapter, no dropout, a
+    frozen nn.Linear base); the MLP and (under "llama32", without a cache) the self-attention's q, k, v + RoPE as
+    one Function only where all their linears are plain frozen ones or patched LoRA ones.
   * All: only where the Triton kernels run (CUDA tensors, or the interpreter: TRITON_INTERPRET=1).
 """
 from __future__ import annotations
@@ -26,9 +29,9 @@ import torch
 
 from accel.hf.attention import attention_forward
 from accel.hf.lora import lora_linear_forward, projection
+from accel.hf.memo import PerTensor
 from accel.hf.mlp import lora_swiglu_mlp
 from accel.hf.qkv import lora_qkv_rope
-from accel.hf.memo import PerTensor
 from accel.train import fused
 from accel.train.loss import linear_cross_entropy
 
@@ -87,8 +90,7 @@ def adapted_projections(mods, x: torch.Tensor):
     if not any(patched(m) and hasattr(m, "lora_A") for m in mods):
         return None
     projs = tuple(projection(m, x) for m in mods)
-    if any(p is None or (p[2] is not None and not patched(m))
-           for p, m in zip(projs, mods)):
+    if any(p is None or (p[2] is not None and not patched(m)) for p, m in zip(projs, mods)):
         return None
     return projs
 
