@@ -73,6 +73,15 @@ def test_ratios_are_against_the_unpatched_sdpa_row():
     assert "1.25x" in hf_attention.format_row(rows[1])
 
 
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    """A drift shared by a round's rows cancels in the paired ratio: sdpa's steps 10, 20, 40 ms against 5, 10, 40."""
+    rows = [dict(model="3b", kind="train", attention="sdpa", patch="", ms=20.0, peak_gib=4.0, steps_ms=[10, 20, 40]),
+            dict(model="3b", kind="train", attention="llama32", patch="", ms=10.0, peak_gib=4.0, steps_ms=[5, 10, 40])]
+    hf_attention.add_ratios(rows)
+    assert rows[1]["paired_vs_sdpa"] == 2.0 and rows[0]["paired_vs_sdpa"] == 1.0
+    assert "paired 2.00x" in hf_attention.format_row(rows[1])
+
+
 class _FakeEvent:
     clock = [0.0]
 

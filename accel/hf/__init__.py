@@ -6,10 +6,11 @@
     # or, on a loaded model: model.set_attn_implementation("llama32") / model.config._attn_implementation = "llama32"
 
     accel.hf.apply(model)  # optional: RMSNorm, SwiGLU MLP, RoPE -> Triton forward + backward (revert undoes);
-                           # fused_linear_cross_entropy=True, lora=True (PEFT's LoRA branch in bf16) on request
+                           # fused_linear_cross_entropy=True, lora=True (PEFT's LoRA as Functions, bf16) on request
 
 attention.py: the attention function (FlashAttention forward + backward, GQA-native, masks, fallbacks to SDPA);
-patch.py: the module patch, a table by model_type; memo.py: what is derived once per tensor (masks, RoPE tables).
+patch.py: the module patch, a table by model_type; lora.py / mlp.py / qkv.py: PEFT's LoRA Linear, HF's MLP and
+a self-attention's q, k, v + RoPE as one autograd Function each (lora=True); memo.py: what is derived once per tensor (masks, RoPE tables).
 """
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ something else:
   * RoPE: only HF's half-split layout with cos/sin [B or 1, T, E] whose halves repeat (every Llama RoPE type).
   * lm_head + cross-entropy (off by default): only a training forward with labels, a frozen bias-free nn.Linear
     lm_head, all logits (logits_to_keep 0); the output then carries the loss and no logits (as Liger's).
+  * LoRA (off by default, PEFT models): accel/hf/lora.py's conditions (one active plain adapter, no dropout, a
+    frozen nn.Linear base); the MLP and (under "llama32", without a cache) the self-attention's q, k, v + RoPE as
+    one Function only where all their linears are plain frozen ones or patched LoRA ones.
   * All: only where the Triton kernels run (CUDA tensors, or the interpreter: TRITON_INTERPRET=1).
 """
 from __future__ import annotations
@@ -24,22 +27,37 @@ import types
 
 import torch
 
+from accel.hf.attention import attention_forward
+from accel.hf.lora import lora_linear_forward, projection
 from accel.hf.memo import PerTensor
+from accel.hf.mlp import lora_swiglu_mlp
+from accel.hf.qkv import lora_qkv_rope
 from accel.train import fused
 from accel.train.loss import linear_cross_entropy
 
 # model_type -> {kernel flag: class names of the modules whose forward it replaces; "rope": the modeling file}
 PATCHES = {
-    "llama": {"rms_norm": ("LlamaRMSNorm",), "swiglu": ("LlamaMLP",),
+    "llama": {"rms_norm": ("LlamaRMSNorm",), "swiglu": ("LlamaMLP",), "attention": ("LlamaAttention",),
               "fused_linear_cross_entropy": ("LlamaForCausalLM",), "rope": "transformers.models.llama.modeling_llama"},
     "mllama": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
+               "attention": ("MllamaTextSelfAttention",),
                "fused_linear_cross_entropy": ("MllamaForConditionalGeneration",),
                "rope": "transformers.models.mllama.modeling_mllama"},
     "mllama_text_model": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
+                          "attention": ("MllamaTextSelfAttention",),
                           "fused_linear_cross_entropy": ("MllamaForCausalLM",),
                           "rope": "transformers.models.mllama.modeling_mllama"},
 }
 SILU = ("silu", "swish")
+# rows of [rows, V] logits alive at once in the fused loss: an HF + PEFT LoRA step's peak memory is there, so fewer
+# than accel.train.loss's default (256 rows: 63 MB at V = 128256 in bf16; docs/performance.md has the runs)
+LOSS_CHUNK_ROWS = 256
+
+
+def patched(module: torch.nn.Module) -> bool:
+    """Whether apply() replaced this module's forward. Its own attribute only: PEFT's wrappers (PeftModel,
+    LoraModel) hand unknown attribute lookups on to the model they wrap."""
+    return vars(module).get("llama32_patched", False)
 
 
 def kernels_run_on(x: torch.Tensor) -> bool:
@@ -57,10 +75,29 @@ def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.config.hidden_act not in SILU or not kernels_run_on(x):
         return type(self).forward(self, x)
+    projs = lora_projections(self, x)
+    if projs is not None:
+        return lora_swiglu_mlp(x, *projs)
     gate, up = self.gate_proj(x), self.up_proj(x)
     if gate.dtype != up.dtype:
         return self.down_proj(self.act_fn(gate) * up)
     return self.down_proj(fused.swiglu_pair(gate, up))
+
+
+def adapted_projections(mods, x: torch.Tensor):
+    """accel.hf.lora.projection tuples of `mods` where all are plain frozen linears or LoRA linears patched by
+    apply(lora=True), at least one of them LoRA (their consumer then runs them in one Function); None otherwise."""
+    if not any(patched(m) and hasattr(m, "lora_A") for m in mods):
+        return None
+    projs = tuple(projection(m, x) for m in mods)
+    if any(p is None or (p[2] is not None and not patched(m)) for p, m in zip(projs, mods)):
+        return None
+    return projs
+
+
+def lora_projections(mlp, x: torch.Tensor):
+    """The MLP's (gate, up, down) as adapted_projections: the MLP then runs as one Function (accel/hf/mlp.py)."""
+    return adapted_projections((mlp.gate_proj, mlp.up_proj, mlp.down_proj), x)
 
 
 _rope_tables = PerTensor()  # (cos, sin) -> the kernel's tables: the model passes one pair to every layer
@@ -85,6 +122,47 @@ def rope_function(original):
         return qr.transpose(1, 2), kr.transpose(1, 2)
     apply_rotary_pos_emb.llama32_original = original
     return apply_rotary_pos_emb
+
+
+def qkv_attention_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+    """HF's self-attention forward (training: no cache) with q, k, v and RoPE as one Function (accel/hf/qkv.py),
+    then the "llama32" attention and o_proj; HF's own forward where qkv_plan says it does not apply."""
+    plan = None if args else qkv_plan(self, hidden_states, kwargs)
+    if plan is None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    q, k, v = lora_qkv_rope(hidden_states, *plan)
+    rest = {n: x for n, x in kwargs.items() if n not in ("position_embeddings", "attention_mask", "cache",
+                                                         "past_key_values", "past_key_value")}
+    out, weights = attention_forward(self, q, k, v, kwargs.get("attention_mask"), dropout=0.0,
+                                     scaling=self.scaling, **rest)
+    out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()  # [B, T, H, E] -> [B, T, H·E]
+    return self.o_proj(out), weights
+
+
+def qkv_plan(attn, x: torch.Tensor, kwargs: dict):
+    """(cos rows, sin rows, (H, K), q, k, v projections) for lora_qkv_rope, or None where HF's forward must run: a
+    cache, another attention implementation than "llama32", attention dropout while training, RoPE tables not of
+    HF's layout, q / k / v not all plain frozen linears or LoRA linears patched by apply(lora=True)."""
+    pe = kwargs.get("position_embeddings")
+    if (pe is None or x.dim() != 3 or attn.config._attn_implementation != "llama32" or not kernels_run_on(x)
+            or any(kwargs.get(n) is not None for n in ("cache", "past_key_values", "past_key_value"))
+            or (attn.training and getattr(attn, "attention_dropout", getattr(attn, "dropout", 0.0)) > 0)):
+        return None
+    cos, sin = pe
+    B, T, _ = x.shape
+    E = attn.head_dim
+    if cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1:] != (T, E) or sin.shape != cos.shape:
+        return None
+    projs = adapted_projections((attn.q_proj, attn.k_proj, attn.v_proj), x)
+    if projs is None:
+        return None
+    heads = (projs[0][0].shape[0] // E, projs[1][0].shape[0] // E)
+    rows = _rope_rows.get((cos, sin), B, lambda: tuple(t.expand(B, T, -1).reshape(B * T, -1)
+                                                       for t in halves(cos, sin)))  # [B·T, E/2] fp32 each
+    return (*rows, heads, *projs)
+
+
+_rope_rows = PerTensor()  # (cos, sin) -> [B·T, E/2] rows: the model passes one pair to every layer
 
 
 def patch_rope(module_name: str) -> int:
@@ -123,37 +201,16 @@ def fused_loss_forward(self, *args, labels=None, **kwargs):
     if shift is None:  # token t predicts token t + 1
         shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     shift = shift.reshape(-1).to(h.device)
-    total = linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, shift, use_triton=True)
+    total = linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, shift, chunk=LOSS_CHUNK_ROWS,
+                                 use_triton=True)
     loss = total / (n_items if n_items is not None else (shift != -100).sum())
     return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
                                   attentions=getattr(out, "attentions", None))
 
 
-def lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """PEFT's LoRA Linear forward with the branch computed in the activations' dtype and accumulated into the base
-    GEMM's output (one addmm): x·Wᵀ + s·(x·Aᵀ)·Bᵀ with A and B cast to the activations' dtype, as autocast
-    would run them; their gradients reach the fp32 adapters through the casts. PEFT's own forward upcasts x and runs the
-    branch in fp32, adding [tokens, out] fp32 tensors to the bf16 output; the answers differ by that rounding.
-    PEFT's forward runs where this does not apply: extra arguments, adapters disabled or merged, several active
-    adapters, a variant (DoRA), dropout."""
-    names = self.active_adapters
-    if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A
-            or names[0] in getattr(self, "lora_variant", {})
-            or not isinstance(self.lora_dropout[names[0]], torch.nn.Identity)):
-        return type(self).forward(self, x, *args, **kwargs)
-    name = names[0]
-    y = self.base_layer(x)  # [.., Dout]
-    a, b = self.lora_A[name].weight.to(y.dtype), self.lora_B[name].weight.to(y.dtype)  # [R, Din], [Dout, R]
-    xa = x.reshape(-1, x.shape[-1]) @ a.t()  # [N, Din] @ [Din, R] -> [N, R]
-    if not y.is_contiguous():
-        y = y.contiguous()
-    # in place on the base output (its GEMM's backward does not read it): no copy of it for the addmm
-    y.view(-1, y.shape[-1]).addmm_(xa, b.t(), alpha=self.scaling[name])  # [N, Dout] += [N, R] @ [R, Dout]
-    return y
-
-
 FORWARDS = {"rms_norm": rms_norm_forward, "swiglu": swiglu_mlp_forward,
-            "fused_linear_cross_entropy": fused_loss_forward, "lora": lora_linear_forward}
+            "fused_linear_cross_entropy": fused_loss_forward, "lora": lora_linear_forward,
+            "attention": qkv_attention_forward}
 
 
 def model_type_of(model: torch.nn.Module) -> str:
@@ -166,11 +223,14 @@ def model_type_of(model: torch.nn.Module) -> str:
 def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
           fused_linear_cross_entropy: bool = False, lora: bool = False) -> dict[str, int]:
     """Patch `model` (a transformers model, or a PEFT model around one) in place -> {flag: modules patched now}
-    ("rope": 1 where its modeling file's function was replaced now). `lora`: PEFT's LoRA linears compute their
-    branch in the activations' dtype (lora_linear_forward). Idempotent: what was patched before is not counted
-    again. Raises ValueError for a model_type not in PATCHES."""
+    ("rope": 1 where its modeling file's function was replaced now). `lora`: PEFT's LoRA linears as one autograd
+    Function each, their branch in the activations' dtype (accel/hf/lora.py); with `swiglu` each MLP as one
+    (accel/hf/mlp.py), with `rope` each self-attention's q, k, v and RoPE as one (accel/hf/qkv.py; "attention":
+    under attn_implementation "llama32"). Idempotent: what was patched before is not counted again. Raises
+    ValueError for a model_type not in PATCHES."""
     table = PATCHES[model_type_of(model)]
-    flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy))
+    flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy),
+             ("attention", lora and rope))
     wanted = {flag: table[flag] for flag, on in flags if on}
     counts = dict.fromkeys(wanted, 0)
     if rope:
@@ -179,7 +239,7 @@ def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, ro
     if lora:
         counts["lora"] = 0
     for module in model.modules():
-        if getattr(module, "llama32_patched", False):
+        if patched(module):
             continue
         flag = next((f for f, names in wanted.items() if type(module).__name__ in names), None)
         if flag is None and lora_class is not None and type(module) is lora_class:
@@ -204,7 +264,7 @@ def revert(model: torch.nn.Module) -> int:
     (for every model of that type) -> how many modules (and RoPE functions) were patched."""
     n = unpatch_rope(PATCHES[model_type_of(model)]["rope"])
     for module in model.modules():
-        if getattr(module, "llama32_patched", False):
+        if patched(module):
             del module.forward, module.llama32_patched
             n += 1
     return n

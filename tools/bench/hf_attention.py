@@ -1,13 +1,14 @@
 """HF transformers with attn_implementation="llama32" (accel.hf) against "sdpa" (and "flash_attention_2" where
 flash_attn is importable), on the GPU.
 
-    python -m tools.bench.hf_attention [--models 1b,3b,11b-vision] [--json-out F] [--steps 5] [--layers N]
+    python -m tools.bench.hf_attention [--models 1b,3b,11b-vision] [--json-out F] [--steps 12] [--layers N]
                                        [--kinds train,prefill,image] [--patches none,kernels,kernels+lora]
 
 Random bf16 weights at the Llama 3.2 1B / 3B / 11B-Vision shapes (configs built here; nothing is downloaded). For
 each model, attention implementation and module patch ("none"; "kernels": accel.hf.apply with RMSNorm, SwiGLU
-MLP, RoPE in Triton and the fused lm_head + cross-entropy; "kernels+lora", training only: PEFT's LoRA branch in
-bf16 as well, apply(lora=True)):
+MLP, RoPE in Triton and the fused lm_head + cross-entropy; "kernels+lora", training only: apply(lora=True) as
+well: PEFT's LoRA linears, each MLP and (under "llama32") each self-attention's q, k, v + RoPE as one autograd
+Function each, the LoRA branch in bf16):
   train    HF + PEFT LoRA (r 16 on every linear of the text decoder), gradient checkpointing, one sequence of
            --tokens (2048) tokens (11B-Vision: with one 4-tile image): tokens/s and peak memory (GiB)
   prefill  generate(max_new_tokens=1) over --prefill-tokens (8192) tokens: ms
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="attention implementations (flash_attention_2 is skipped where flash_attn is missing)")
     ap.add_argument("--tokens", type=int, default=2048, help="training sequence length")
     ap.add_argument("--prefill-tokens", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=5,
+    ap.add_argument("--steps", type=int, default=12,
                     help=f"timed training rounds (after {WARMUP_ROUNDS} warm-up rounds; a round = one step of each row)")
     ap.add_argument("--layers", type=int, default=None, help="cut every model to this many decoder layers")
     ap.add_argument("--kinds", default="train,prefill,image")
@@ -264,13 +265,17 @@ def bench_model(name: str, args, impls, rows: list) -> None:
 
 
 def add_ratios(rows: list) -> None:
-    """vs_sdpa (speed over the unpatched sdpa row of the same model and kind) and mem_vs_sdpa."""
+    """vs_sdpa (speed over the unpatched sdpa row of the same model and kind: median step over median step) and
+    mem_vs_sdpa; for training rows also paired_vs_sdpa, the median over rounds of sdpa's step over this row's step
+    in the same round (the host's speed drifts over seconds: a round's rows share its drift)."""
     base = {(r["model"], r["kind"]): r for r in rows if r["attention"] == "sdpa" and not r["patch"] and "ms" in r}
     for r in rows:
         b = base.get((r["model"], r["kind"]))
         if b and "ms" in r:
             r["vs_sdpa"] = b["ms"] / r["ms"]
             r["mem_vs_sdpa"] = r["peak_gib"] / b["peak_gib"]
+            if len(r.get("steps_ms", ())) == len(b.get("steps_ms", ())) > 0:
+                r["paired_vs_sdpa"] = statistics.median(t0 / t for t0, t in zip(b["steps_ms"], r["steps_ms"]))
 
 
 def format_row(r: dict) -> str:
@@ -279,6 +284,8 @@ def format_row(r: dict) -> str:
         return f"{head} error: {r['error']}"
     tps = f"{r['tokens_per_s']:>9.0f}" if "tokens_per_s" in r else f"{'':>9}"
     ratio = f"{r['vs_sdpa']:>6.2f}x {r['mem_vs_sdpa']:>5.2f}x" if "vs_sdpa" in r else ""
+    if "paired_vs_sdpa" in r:
+        ratio += f"  paired {r['paired_vs_sdpa']:.2f}x"
     fb = f" fallbacks {r['fallbacks']}" if r.get("fallbacks") else ""
     return f"{head} {r['ms']:>10.2f} {tps} {r['peak_gib']:>7.2f} {ratio}{fb}"
 
@@ -290,7 +297,7 @@ def main(argv=None) -> None:
     accel.hf.register()
     impls = [i for i in args.impls if i != "flash_attention_2" or importlib.util.find_spec("flash_attn")]
     print(f"{'model':<11} {'kind':<8} {'attention':<18} {'patch':<12} {'ms':>10} {'tokens/s':>9} {'peak GiB':>7}"
-          f" {'vs sdpa (speed, memory)'}")
+          f" {'vs sdpa (speed, memory; training: paired by round)'}")
     rows: list = []
     for name in args.models:
         bench_model(name, args, impls, rows)
