@@ -81,6 +81,30 @@ def test_quantized_norm_mlp_add_is_the_mlp_block(spec):
     np.testing.assert_allclose(resid.numpy(), want - x, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("spec", ["int8", "int4:64"])
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_quantized_gated_products_are_a_cross_layers(spec, accumulate):
+    """linear_add / swiglu_linear_add with a gate (a Vision cross layer's tanh gate, as a quantized tensor-parallel
+    shard runs them) on quantized weights: x + g·product, or (accumulate False: a rank's partial sum) g·product,
+    with the oracle's dequantized weights."""
+    F, D = 38, 64
+    o_rec, down_rec = record(spec, D, F, seed=12), record(spec, D, F, seed=13)
+    rng = np.random.default_rng(14)
+    x, a = (3 * rng.standard_normal((1, D))).astype(np.float32), rng.standard_normal((1, F)).astype(np.float32)
+    gu = (3 * rng.standard_normal((1, 2 * F))).astype(np.float32)
+    g = np.tanh(np.array([-0.6], np.float32))
+    kept = x if accumulate else 0
+    resid = torch.from_numpy(x.copy())
+    ops.linear_add(torch.from_numpy(a), from_quantized_linear(o_rec, "cpu"), resid, gate=torch.from_numpy(g),
+                   accumulate=accumulate)
+    np.testing.assert_allclose(resid.numpy(), kept + g * (a @ o_rec.dequantize().T), rtol=1e-5, atol=1e-4)
+    resid = torch.from_numpy(x.copy())
+    ops.swiglu_linear_add(torch.from_numpy(gu), from_quantized_linear(down_rec, "cpu"), resid,
+                          gate=torch.from_numpy(g), accumulate=accumulate)
+    act = np_ops.swiglu(gu[:, :F], gu[:, F:])  # [1, F]
+    np.testing.assert_allclose(resid.numpy(), kept + g * (act @ down_rec.dequantize().T), rtol=1e-5, atol=1e-4)
+
+
 @gpu
 @pytest.mark.parametrize("spec", ["int8", "int4:64", "int4:32"])
 @pytest.mark.parametrize("F, D", [(8192, 2048), (8192, 3072)])
