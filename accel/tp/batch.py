@@ -169,8 +169,8 @@ def pool_shape(group: TPGroup, engine: BatchEngine | None) -> tuple[int, int]:
     return num_blocks, block_size
 
 
-# Off unless asked for: CUDA graphs and overlapped steps over a group captured on 2 GPUs but their timed steps did not
-# complete (docs/tp.md); on the CPU over gloo both are tested.
+# Off unless asked for (cuda_graphs=True, overlap=True): over 2 GPUs the graphed steps now run (docs/tp.md), but
+# their logits test has not yet completed on GPUs; on the CPU over gloo both are tested.
 UNPROVEN_OFF = {"cuda_graphs": False, "overlap": False}
 
 
