@@ -228,6 +228,15 @@ def graph_us(calls, reps: int = 10, capture_error_mode: str = "global") -> float
     return statistics.median(times)
 
 
+def allreduce_us(split, D: int, layers: int, device) -> float:
+    """µs an all-reduce of a [1, D] bf16 row (split.reduce: the decode step's) takes inside a CUDA graph of
+    2·layers of them."""
+    import torch
+    x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
+    calls = [lambda: split.reduce(x)] * (2 * layers)
+    return graph_us(calls, capture_error_mode="thread_local")
+
+
 def cuda_profile(fn, rows: int):
     """fn() once under torch.profiler (CUDA activity), synchronised -> the top `rows` kernels by device time."""
     import torch

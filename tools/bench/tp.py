@@ -31,15 +31,6 @@ def shard_weights(cfg, plan, device, seed: int):
     return random_weights(dataclasses.replace(plan.local, vocab_size=plan.vocab_rows), device, torch.bfloat16, seed)
 
 
-def allreduce_us(split, D: int, layers: int, device) -> float:
-    """µs an all-reduce of a [1, D] bf16 row (split.reduce: the decode step's) takes inside a CUDA graph of
-    2·layers of them."""
-    import torch
-    x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
-    calls = [lambda: split.reduce(x)] * (2 * layers)
-    return common.graph_us(calls, capture_error_mode="thread_local")
-
-
 def tp_row(group, key: str, new_tokens: int, reps: int, copy: float) -> dict:
     """Every rank: batch-1 decode of one model over the group -> its row (rank 0's timings)."""
     import torch
@@ -56,7 +47,7 @@ def tp_row(group, key: str, new_tokens: int, reps: int, copy: float) -> dict:
     split = RankSplit(group.rank, group.world, 0, 0)
     row = {"model": common.MODELS[key], "tp": group.world, "batch": 1, "new_tokens": new_tokens,
            "decode_tok_s": (new_tokens - 1) / (ms * 1e-3),
-           "copy_tb_s_all_gpus": copy, "allreduce_us": allreduce_us(split, cfg.hidden_size, cfg.num_hidden_layers, dev)}
+           "copy_tb_s_all_gpus": copy, "allreduce_us": common.allreduce_us(split, cfg.hidden_size, cfg.num_hidden_layers, dev)}
     if group.is_root:
         print(f"  {row['model']} TP={group.world}: {row['decode_tok_s']:.1f} tok/s, all-reduce "
               f"{row['allreduce_us']:.1f} us (copy {copy:.2f} TB/s over the ranks)", flush=True)

@@ -28,9 +28,8 @@ from accel.tp.vision_engine import TPVisionEngine
 from accel.tp.vision_load import VisionShardPlan, random_vision_shard, vision_shard_elements
 from refimpl.quant.schemes import QuantSpec
 from refimpl.vision.inputs import ImageInputs
-from tools.bench.common import copy_bandwidth, cuda_profile, parser, record, require_cuda, timed_greedy, \
+from tools.bench.common import allreduce_us, copy_bandwidth, cuda_profile, parser, record, require_cuda, timed_greedy, \
     vision_config, write_record
-from tools.bench.tp import allreduce_us
 
 HEADROOM = 8 << 30  # bytes a GPU keeps beyond the shard: the copy-bandwidth buffers, caches, activations
 
