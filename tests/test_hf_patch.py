@@ -62,16 +62,23 @@ def forward_backward(model, inputs):
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_same_step(got_logits, got_grads, want_logits, want_grads, rows=None, lora_only=False):
+    """The patched step's logits (at `rows`, default all) and every gradient equal the reference's; lora_only:
+    the trainable parameters are the adapters' alone."""
+    rows = rows if rows is not None else torch.ones(got_logits.shape[:2], dtype=torch.bool)
+    assert_close("logits", got_logits[rows], want_logits[rows])
+    assert got_grads.keys() == want_grads.keys() and want_grads
+    assert not lora_only or all("lora_" in n for n in want_grads)
+    for name in want_grads:
+        assert_close(name, got_grads[name], want_grads[name])
+
+
 def assert_patch_keeps_the_run(model, inputs, rows=None):
     patched = copy.deepcopy(model)
     want_logits, want_grads = forward_backward(model, inputs)  # first: apply() replaces RoPE for both
     counts = accel.hf.apply(patched)
     got_logits, got_grads = forward_backward(patched, inputs)
-    rows = rows if rows is not None else torch.ones(got_logits.shape[:2], dtype=torch.bool)
-    assert_close("logits", got_logits[rows], want_logits[rows])
-    assert got_grads.keys() == want_grads.keys() and want_grads
-    for name in want_grads:
-        assert_close(name, got_grads[name], want_grads[name])
+    assert_same_step(got_logits, got_grads, want_logits, want_grads, rows)
     return counts
 
 
@@ -142,11 +149,7 @@ def test_lora_branch_in_the_activations_dtype_equals_peft_in_fp32(monkeypatch):
     monkeypatch.setattr(lora_module, "lora_linear", lambda *a: calls.append(1) or real(*a))
     got_logits, got_grads = forward_backward(model, inputs)
     assert len(calls) == 10  # every LoRA linear took the patched forward
-    rows = mask.bool()
-    assert_close("logits", got_logits[rows], want_logits[rows])
-    assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in want_grads)
-    for name in want_grads:
-        assert_close(name, got_grads[name], want_grads[name])
+    assert_same_step(got_logits, got_grads, want_logits, want_grads, mask.bool(), lora_only=True)
     assert accel.hf.revert(model) == 10 and all("forward" not in vars(m) for m in model.modules())
 
 
@@ -169,11 +172,7 @@ def test_lora_mlp_as_one_function_equals_peft(targets, kernel_calls, monkeypatch
     monkeypatch.setattr(patch, "lora_swiglu_mlp", lambda *a: calls.append(1) or real(*a))
     got_logits, got_grads = forward_backward(model, inputs)
     assert len(calls) == 2  # each layer's MLP
-    rows = mask.bool()
-    assert_close("logits", got_logits[rows], want_logits[rows])
-    assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in want_grads)
-    for name in want_grads:
-        assert_close(name, got_grads[name], want_grads[name])
+    assert_same_step(got_logits, got_grads, want_logits, want_grads, mask.bool(), lora_only=True)
 
 
 @cpu_interpreter
@@ -201,11 +200,7 @@ def test_lora_qkv_rope_as_one_function_equals_peft_sdpa(targets, monkeypatch):
     monkeypatch.setattr(patch, "lora_qkv_rope", lambda *a: calls.append(1) or real(*a))
     got_logits, got_grads = forward_backward(model, inputs)
     assert len(calls) == 2  # each layer's self-attention
-    rows = mask.bool()
-    assert_close("logits", got_logits[rows], want_logits[rows])
-    assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in want_grads)
-    for name in want_grads:
-        assert_close(name, got_grads[name], want_grads[name])
+    assert_same_step(got_logits, got_grads, want_logits, want_grads, mask.bool(), lora_only=True)
 
 
 @cpu_interpreter
@@ -228,10 +223,7 @@ def test_lora_functions_on_mllama_with_an_image_equal_peft_sdpa(monkeypatch):
     assert accel.hf.apply(model, lora=True)["attention"] == 2  # the 2 self-attention layers
     got_logits, got_grads = forward_backward(model, inputs)
     assert calls == {"qkv": 2, "mlp": 4}
-    assert_close("logits", got_logits, want_logits)
-    assert got_grads.keys() == want_grads.keys() and want_grads
-    for name in want_grads:
-        assert_close(name, got_grads[name], want_grads[name])
+    assert_same_step(got_logits, got_grads, want_logits, want_grads)
 
 
 def test_lora_linear_gradients_equal_finite_differences():
