@@ -1,7 +1,7 @@
 """The batched engine over 2 GPUs (NCCL; needs 2 CUDA GPUs): at Llama 3.2 1B's shapes (2 layers, random bf16
 weights), requests of mixed lengths through `--tp 2`'s engine (decode steps replayed from CUDA graphs with the
-all-reduces captured in them, and eagerly) give logits within bf16 tolerance of the one-GPU engine's, compared at
-every step until a request's tokens differ. (Random weights give near-flat logits: on an H200 half the requests'
+all-reduces captured in them and steps overlapped, CUDA's defaults; and eager steps read back one by one) give
+logits within bf16 tolerance of the one-GPU engine's, compared at every step until a request's tokens differ. (Random weights give near-flat logits: on an H200 half the requests'
 greedy ids parted within 8 tokens, after a bf16 near-tie went the other way with the sums split over 2 GPUs.)"""
 import dataclasses
 import random
@@ -26,17 +26,19 @@ def one_b_layers(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("1b2"), cfg, random_params(cfg, seed=1), dtype="BF16"), cfg
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_tp2_batch_logits_within_bf16_of_one_gpu(one_b_layers, tmp_path, graphs):
-    """graphs: decode steps replay CUDA graphs (both engines); eager: neither has any."""
+@pytest.mark.parametrize("options", [{"cuda_graphs": True}, {"cuda_graphs": False, "overlap": False}],
+                         ids=["graphs-overlap", "eager-sync"])
+def test_tp2_batch_logits_within_bf16_of_one_gpu(one_b_layers, tmp_path, options):
+    """graphs-overlap: the defaults on CUDA, decode steps replaying CUDA graphs and each step launched before the
+    previous one's tokens are read back (both engines); eager-sync: neither."""
     path, cfg = one_b_layers
     rng = random.Random(0)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in LENGTHS]
-    options = {"gpu_memory": 1 << 28, "max_num_batched_tokens": 512, "cuda_graphs": graphs}
+    options = {"gpu_memory": 1 << 28, "max_num_batched_tokens": 512, **options}
     got = run_job({"device": "cuda", "dir": str(path), "dtype": "bf16", "prompts": prompts, "max_tokens": 8,
-                   "options": options}, tmp_path)
+                   "options": options}, tmp_path, timeout=240)
     print(f"worst logits NMSE, TP=2 vs one GPU (bf16): {got['worst_nmse']:.2e} over {got['steps_compared']} steps; "
           f"graphs {got['graphs']}")
-    assert bool(got["graphs"]) == graphs, got["graphs"]
+    assert bool(got["graphs"]) == options["cuda_graphs"], got["graphs"]
     assert got["steps_compared"] >= len(LENGTHS) * 4
     assert got["worst_nmse"] < 1e-3  # as tests/test_batch_gpu.py grades a batch row against the request alone

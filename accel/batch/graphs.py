@@ -16,6 +16,7 @@ import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 64  # blocks: short contexts share one graph per bucket
+GRAPH_INPUTS = ("ids", "positions", "slots", "tables", "lens")  # StepInputs' fields copied into a graph's buffers
 
 
 def feed_ids(ids: torch.Tensor, feed: torch.Tensor | None, prev: torch.Tensor | None) -> None:
@@ -53,7 +54,7 @@ class DecodeGraphs:
         from the previous step's tokens `prev` on the device (runner.feed_ids) -> (logits [rows, V], head [2, rows]:
         runner.forward_head's), both the graph's buffers."""
         g = self.graphs.get(inp.graph_key) or self._capture(inp)
-        for name in ("ids", "positions", "slots", "tables", "lens"):
+        for name in GRAPH_INPUTS:
             getattr(g.inputs, name).copy_(getattr(inp, name), non_blocking=True)
         feed_ids(g.inputs.ids, inp.feed, prev)
         g.graph.replay()
@@ -61,8 +62,7 @@ class DecodeGraphs:
 
     def _capture(self, inp) -> _Graph:
         dev = self.runner.device
-        static = replace(inp, **{name: getattr(inp, name).to(dev) for name in
-                                 ("ids", "positions", "slots", "tables", "lens")})
+        static = replace(inp, **{name: getattr(inp, name).to(dev) for name in GRAPH_INPUTS})
         static = replace(static, sample_rows=torch.arange(inp.num_decode, device=dev), sampled=[])
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))

@@ -32,7 +32,7 @@ past the pool (`pad_slot`) and attending to nothing.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -48,8 +48,8 @@ from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 from .block_manager import BlockManager
 from .collectives import ONE_DEVICE
-from .graphs import DecodeGraphs, feed_ids
-from .host_copy import host_tensor, to_device
+from .graphs import GRAPH_INPUTS, DecodeGraphs, feed_ids
+from .host_copy import host_tensor
 from .scheduler import Scheduled
 from .vision import ImageStep, VisionLayers
 
@@ -141,9 +141,10 @@ class ModelRunner:
 
     # ---- inputs ----
     def prepare(self, batch: list[Scheduled]) -> StepInputs:
-        """The step's inputs, built in NumPy over whole columns (torch.tensor over nested lists costs about a
-        microsecond an element) and sent from pinned memory without waiting for the device. A decode row whose token
-        is still on the device (Sequence.pending) gets it there: StepInputs.feed."""
+        """The step's inputs on the host (pinned on CUDA: `placed` and the graphs copy them without waiting for the
+        device), built in NumPy over whole columns (torch.tensor over nested lists costs about a microsecond an
+        element). A decode row whose token is still on the device (Sequence.pending) gets it there:
+        StepInputs.feed."""
         decode, prefill = [], []
         for s in batch:
             (decode if s.num_tokens == 1 else prefill).append(s)
@@ -174,13 +175,25 @@ class ModelRunner:
             num_paged, chunks = T, []
         cuda = self.device.type == "cuda"
 
-        def t(x, host=key is not None):  # graph inputs are copied into the graph's own buffers from the host
-            return host_tensor(x, pin=cuda) if host else to_device(x, None, self.device)
+        def t(x):
+            return host_tensor(x, pin=cuda)
         return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
-                          [(f, n, t(sl, False)) for f, n, sl in chunks],
-                          t(np.asarray(sample_rows, np.int64), False), sampled, key,
-                          t(self.lora.tiles(lora_rows, "cpu"), False) if adapters else None, images,
-                          t(np.asarray(feed, np.int64).T, False) if feed else None)
+                          [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
+                          t(self.lora.tiles(lora_rows, "cpu")) if adapters else None, images,
+                          t(np.asarray(feed, np.int64).T) if feed else None)
+
+    def placed(self, inp: StepInputs) -> StepInputs:
+        """prepare's host tensors on the device, each copy queued from pinned memory (nothing waits); a graphed
+        step's GRAPH_INPUTS stay on the host: graphs.run copies them into its graph's own buffers."""
+        if self.device.type != "cuda":
+            return inp
+        keep = GRAPH_INPUTS if inp.graph_key is not None else ()
+
+        def move(x):
+            return x if x is None or x.device.type == "cuda" else x.to(self.device, non_blocking=True)
+        moved = {name: move(getattr(inp, name)) for name in ("ids", "positions", "slots", "tables", "lens",
+                                                            "sample_rows", "lora_tiles", "feed") if name not in keep}
+        return replace(inp, prefills=[(f, n, move(sl)) for f, n, sl in inp.prefills], **moved)
 
     def _decode_rows(self, dseqs: list, rows: int, width: int, ids, positions, slots):
         """Rows 0.. of the decode sequences: their token (0 where it is still on the device), position and slot ->
@@ -260,11 +273,13 @@ class ModelRunner:
 
     # ---- the forward ----
     def run(self, inp: StepInputs, prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits [R, V] of inp.sample_rows (model dtype), head [2, R] int64: their greedy tokens and whether
-        each row's logits are all finite; a graph's buffers, rewritten by its next replay). prev: the previous
+        """inp: prepare's (host tensors) -> (logits [R, V] of inp.sample_rows (model dtype), head [2, R] int64: their
+        greedy tokens and whether each row's logits are all finite; a graph's buffers, rewritten by its next
+        replay). prev: the previous
         step's tokens [R'] on the device, which inp.feed takes the decode rows' input ids from (the step runs after
         it on the same stream: nothing waits)."""
         self.tp.begin(inp, prev)
+        inp = self.placed(inp)
         if inp.graph_key is not None:
             logits, head = self.graphs.run(inp, prev)
             R = len(inp.sampled)

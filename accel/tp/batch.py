@@ -16,14 +16,17 @@ the rank's columns, so each rank's update of o and down is a partial sum, all-re
 The paged pool is rank 0's size (its BatchEngine sizes it from its memory); every other rank allocates the same
 blocks for its KV heads, or fails to start naming itself.
 
-Messages (int64, broadcast from rank 0): a header [op, T, decode rows, table rows, table width, prefill chunks,
-sampled rows, graph rows, graph width, LoRA tiles + 1 (0: none), fed rows, previous tokens, payload length], then
-for op STEP the payload: ids, positions and slots (T each), the tables (rows·width) and lens (rows) of the paged
-rows, (first row, rows, context) per prefill chunk, each chunk's context slots, the sampled rows, the LoRA tiles (3
-each), the feed (2 · fed rows: a decode row and the row of the previous step's tokens its input id is taken from,
-where the engine launches a step before the previous one's tokens reach the host); then the previous step's tokens
-themselves where rows are fed (they never leave the device). The payload is built on the device without waiting
-for it. op STOP: the followers leave `follow`.
+Messages: each step's inputs go from rank 0's host to the other ranks' hosts over a gloo group of the same ranks
+(`channel`, on the CPU whatever the device), so no rank's host waits for its device to learn what to run next: with
+overlapped steps (accel/batch/engine.py) rank 0 sends step n+1 while step n runs, and a follower queues step n+1's
+copies and graph replay behind step n on its stream. Two int64 broadcasts: a header [op, T, decode rows, table rows,
+table width, prefill chunks, sampled rows, graph rows, graph width, LoRA tiles + 1 (0: none), fed rows, previous
+tokens, payload length], then for op STEP the payload: ids, positions and slots (T each), the tables (rows·width)
+and lens (rows) of the paged rows, (first row, rows, context) per prefill chunk, each chunk's context slots, the
+sampled rows, the LoRA tiles (3 each), the feed (2 · fed rows: a decode row and the row of the previous step's
+tokens its input id is taken from, where the engine launches a step before the previous one's tokens reach the
+host). The previous step's tokens themselves, where rows are fed, never leave the device: one NCCL broadcast queued
+on the stream. op STOP: the followers leave `follow`.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from ..batch.block_manager import BlockManager
 from ..batch.engine import BatchEngine
 from ..batch.runner import ModelRunner, StepInputs
 from .engine import TPEngine, together
-from .group import TPGroup, sigint_deferred
+from .group import TIMEOUT, TPGroup, sigint_deferred
 from .shard import ShardPlan
 
 STOP, STEP = 0, 1
@@ -47,8 +50,9 @@ HEADER = 13
 class Collectives:
     """A rank's collectives in the runner's forward (accel/batch/collectives.py's contract)."""
 
-    def __init__(self, group: TPGroup, plan: ShardPlan):
-        self.group, self.world = group, group.world
+    def __init__(self, group: TPGroup, plan: ShardPlan, channel=None):
+        """channel: the gloo group of the step messages (rank 0's Lead sends on it)."""
+        self.group, self.world, self.channel = group, group.world, channel
         self.first_id, _ = plan.vocab_range()
         self.vocab = plan.cfg.vocab_size
 
@@ -79,67 +83,78 @@ class Lead(Collectives):
     """Rank 0's: each step's inputs go to the other ranks before its forward."""
 
     def begin(self, inp: StepInputs, prev=None) -> None:
-        """prev: the previous step's tokens on the device, where inp feeds rows from them."""
-        header, payload = pack(inp, self.group.device, prev)
-        _broadcast(torch.tensor(header, dtype=torch.int64).to(self.group.device))
-        _broadcast(payload)
+        """inp: the runner's host tensors; prev: the previous step's tokens on the device, where inp feeds rows
+        from them. Nothing here waits for the device."""
+        header, payload = pack(inp, prev)
+        dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=self.channel)
+        dist.broadcast(payload, src=0, group=self.channel)
         if header[-2]:
-            _broadcast(prev)
+            dist.broadcast(prev, src=0)
 
     def stop(self) -> None:
-        _broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64).to(self.group.device))
+        dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64), src=0, group=self.channel)
 
 
-def _broadcast(t: torch.Tensor) -> torch.Tensor:
-    dist.broadcast(t, src=0)
-    return t
+def message_channel(group: TPGroup):
+    """The gloo group of the step messages, made on every rank (a collective call): the default group itself on
+    the CPU."""
+    return None if group.device.type == "cpu" else dist.new_group(backend="gloo", timeout=TIMEOUT)
 
 
-def pack(inp: StepInputs, device, prev=None) -> tuple[list[int], torch.Tensor]:
-    """A step's inputs -> (the header, the payload [n] int64 on `device`), from shapes the host knows and copies
-    that wait for nothing (the inputs are on the device already, or in host memory the engine filled)."""
+def pack(inp: StepInputs, prev=None) -> tuple[list[int], torch.Tensor]:
+    """A step's inputs (host tensors) -> (the header, the payload [n] int64 on the host)."""
     T, (rows, width) = inp.ids.shape[0], tuple(inp.tables.shape)
     key = inp.graph_key or (0, 0)
     chunks = [torch.tensor([f, n, sl.shape[0]], dtype=torch.int64) for f, n, sl in inp.prefills]
     tiles = [] if inp.lora_tiles is None else [inp.lora_tiles.reshape(-1)]
-    feed = getattr(inp, "feed", None)  # [2, F] where the engine overlaps its steps
-    fed = [] if feed is None else [feed.reshape(-1)]
+    fed = [] if inp.feed is None else [inp.feed.reshape(-1)]
     parts = [inp.ids, inp.positions, inp.slots, inp.tables.reshape(-1), inp.lens, *chunks,
              *(sl for _, _, sl in inp.prefills), inp.sample_rows, *tiles, *fed]
-    payload = torch.cat([p.to(device, torch.int64, non_blocking=True) for p in parts])
+    payload = torch.cat([p.to(torch.int64) for p in parts])
     num_tiles = 0 if inp.lora_tiles is None else inp.lora_tiles.shape[0] + 1
-    num_fed, num_prev = (0, 0) if feed is None else (feed.shape[1], prev.shape[0])
+    num_fed, num_prev = (0, 0) if inp.feed is None else (inp.feed.shape[1], prev.shape[0])
     header = [STEP, T, inp.num_decode, rows, width, len(inp.prefills), inp.sample_rows.shape[0], *key, num_tiles,
               num_fed, num_prev, payload.shape[0]]
     return header, payload
 
 
 def unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
-    """pack's inverse, on the payload's device (followers sample nothing: `sampled` empty)."""
+    """pack's inverse: host tensors as the runner's prepare makes them, views of the payload or (the int32 ones)
+    pinned like it where it is (followers sample nothing: `sampled` empty)."""
     _, T, num_decode, rows, width, P, R, g_rows, g_width, num_tiles, num_fed, _, _ = header
     sizes = [T, T, T, rows * width, rows, 3 * P]
     ids, positions, slots, tables, lens, meta, rest = torch.split(payload, [*sizes, payload.shape[0] - sum(sizes)])
-    meta = meta.reshape(P, 3).tolist() if P else []  # a decode step reads nothing back
+    meta = meta.reshape(P, 3).tolist() if P else []
     tiles = 3 * max(num_tiles - 1, 0)
     *context, sample_rows, lora_tiles, feed = torch.split(rest, [c for _, _, c in meta] + [R, tiles, 2 * num_fed])
     prefills = [(f, n, sl) for (f, n, _), sl in zip(meta, context)]
-    fed = {"feed": feed.reshape(2, num_fed)} if num_fed else {}
+    pin = payload.is_pinned()
+
+    def int32(t):
+        t = t.to(torch.int32)
+        return t.pin_memory() if pin else t
     return StepInputs(ids=ids, positions=positions, slots=slots, num_decode=num_decode,
-                      tables=tables.reshape(rows, width).to(torch.int32), lens=lens.to(torch.int32),
-                      prefills=prefills, sample_rows=sample_rows, sampled=[],
-                      graph_key=(g_rows, g_width) if g_rows else None,
-                      lora_tiles=lora_tiles.reshape(-1, 3).to(torch.int32) if num_tiles else None, **fed)
+                      tables=int32(tables.reshape(rows, width)), lens=int32(lens), prefills=prefills,
+                      sample_rows=sample_rows, sampled=[], graph_key=(g_rows, g_width) if g_rows else None,
+                      lora_tiles=int32(lora_tiles.reshape(-1, 3)) if num_tiles else None,
+                      feed=feed.reshape(2, num_fed) if num_fed else None)
 
 
-def receive(device: torch.device) -> tuple[StepInputs, torch.Tensor | None] | None:
-    """A follower's next step from rank 0 and the previous step's tokens it feeds rows from (None where it feeds
-    none); None: STOP."""
-    header = _broadcast(torch.zeros(HEADER, dtype=torch.int64, device=device)).tolist()
+def receive(device: torch.device, channel=None) -> tuple[StepInputs, torch.Tensor | None] | None:
+    """A follower's next step from rank 0 (its host tensors, pinned on CUDA) and the previous step's tokens it
+    feeds rows from (None where it feeds none; on the device, their broadcast queued); None: STOP."""
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=channel)
+    header = header.tolist()
     if header[0] == STOP:
         return None
-    inp = unpack(header, _broadcast(torch.empty(header[-1], dtype=torch.int64, device=device)))
-    num_prev = header[-2]
-    return inp, _broadcast(torch.empty(num_prev, dtype=torch.int64, device=device)) if num_prev else None
+    payload = torch.empty(header[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
+    dist.broadcast(payload, src=0, group=channel)
+    prev = None
+    if header[-2]:
+        prev = torch.empty(header[-2], dtype=torch.int64, device=device)
+        dist.broadcast(prev, src=0)
+    return unpack(header, payload), prev
 
 
 class TPBatchEngine(BatchEngine):
@@ -165,13 +180,9 @@ def pool_shape(group: TPGroup, engine: BatchEngine | None) -> tuple[int, int]:
     t = torch.zeros(2, dtype=torch.int64, device=group.device)
     if engine is not None:
         t.copy_(torch.tensor([len(engine.blocks.blocks), engine.blocks.block_size]))
-    num_blocks, block_size = _broadcast(t).tolist()
+    dist.broadcast(t, src=0)
+    num_blocks, block_size = t.tolist()
     return num_blocks, block_size
-
-
-# Off unless asked for (cuda_graphs=True, overlap=True): over 2 GPUs the graphed steps now run (docs/tp.md), but
-# their logits test has not yet completed on GPUs; on the CPU over gloo both are tested.
-UNPROVEN_OFF = {"cuda_graphs": False, "overlap": False}
 
 
 def batch_engine(group: TPGroup, shard: TPEngine, stop_ids=(), adapters: dict | None = None,
@@ -181,12 +192,11 @@ def batch_engine(group: TPGroup, shard: TPEngine, stop_ids=(), adapters: dict | 
     ranks follow rank 0's steps until its `close`, then None."""
     if options.get("batch_invariant"):
         raise GenerationError("--batch-invariant runs on one device only: a sum over ranks follows NCCL's order")
-    # the configuration that has completed on GPUs (docs/tp.md): eager steps, each read back before the next
-    options = {**UNPROVEN_OFF, **options}
     plan = shard.plan
+    channel = message_channel(group)
     engine = together(group, "start the batch engine", lambda: TPBatchEngine(
-        shard.local, shard.weights, group.device, shard.dtype_name, stop_ids, tp=Lead(group, plan), **options)
-        if group.is_root else None)
+        shard.local, shard.weights, group.device, shard.dtype_name, stop_ids, tp=Lead(group, plan, channel),
+        **options) if group.is_root else None)
     pool = pool_shape(group, engine)
     runner = together(group, "allocate its share of the KV pool", lambda: engine.runner if group.is_root
                       else follower_runner(group, shard, pool, options))
@@ -194,12 +204,8 @@ def batch_engine(group: TPGroup, shard: TPEngine, stop_ids=(), adapters: dict | 
     if engine is not None:
         return engine
     with torch.inference_mode():
-        while (step := receive(group.device)) is not None:
-            inp, prev = step
-            if prev is None:
-                runner.run(inp)
-            else:  # rows fed from the previous step's tokens (an engine that overlaps its steps)
-                runner.run(inp, prev)
+        while (step := receive(group.device, channel)) is not None:
+            runner.run(*step)  # rows fed from the previous step's tokens where the engine overlaps its steps
     return None
 
 
