@@ -142,16 +142,19 @@ def test_step_message_round_trip():
                      tables=torch.tensor([[2, 0], [1, 3]], dtype=torch.int32),
                      lens=torch.tensor([4, 10], dtype=torch.int32),
                      prefills=[(2, 3, torch.tensor([64, 65, 66]))], sample_rows=torch.tensor([0, 1, 4]),
-                     sampled=[], graph_key=None)
-    header, payload = pack(inp)
+                     sampled=[], graph_key=None, lora_tiles=torch.tensor([[0, 2, 1], [2, 5, 0]], dtype=torch.int32),
+                     feed=torch.tensor([[0, 1], [1, 0]]))
+    header, payload = pack(inp, prev=torch.tensor([41, 42, 43]))
+    assert header[-2] == 3  # the previous step's tokens follow: rows 0 and 1 take theirs from them
     got = unpack(header, payload)
-    for name in ("ids", "positions", "slots", "tables", "lens", "sample_rows"):
+    for name in ("ids", "positions", "slots", "tables", "lens", "sample_rows", "lora_tiles", "feed"):
         assert torch.equal(getattr(got, name), getattr(inp, name)), name
         assert getattr(got, name).dtype == getattr(inp, name).dtype, name
     assert got.num_decode == 2 and got.graph_key is None and len(got.prefills) == 1
     assert got.prefills[0][:2] == (2, 3) and torch.equal(got.prefills[0][2], inp.prefills[0][2])
-    inp.graph_key, inp.prefills = (4, 64), []
-    assert unpack(*pack(inp)).graph_key == (4, 64)
+    inp.graph_key, inp.prefills, inp.lora_tiles, inp.feed = (4, 64), [], None, None
+    got = unpack(*pack(inp))
+    assert got.graph_key == (4, 64) and got.lora_tiles is None and got.feed is None
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -1,8 +1,9 @@
 """The batched engine over 2 GPUs (NCCL; needs 2 CUDA GPUs): at Llama 3.2 1B's shapes (2 layers, random bf16
 weights), requests of mixed lengths through `--tp 2`'s engine (decode steps replayed from CUDA graphs with the
 all-reduces captured in them and steps overlapped, CUDA's defaults; and eager steps read back one by one) give
-logits within bf16 tolerance of the one-GPU engine's, compared at every step until a request's tokens differ. (Random weights give near-flat logits: on an H200 half the requests'
-greedy ids parted within 8 tokens, after a bf16 near-tie went the other way with the sums split over 2 GPUs.)"""
+logits within bf16 tolerance of the one-GPU engine's, compared at every step until a request's tokens differ.
+(Random weights give near-flat logits: on an H200 half the requests' greedy ids parted within 8 tokens, after a
+bf16 near-tie went the other way with the sums split over 2 GPUs.)"""
 import dataclasses
 import random
 

@@ -96,9 +96,9 @@ class Lead(Collectives):
 
 
 def message_channel(group: TPGroup):
-    """The gloo group of the step messages, made on every rank (a collective call): the default group itself on
-    the CPU."""
-    return None if group.device.type == "cpu" else dist.new_group(backend="gloo", timeout=TIMEOUT)
+    """The gloo group of the step messages, made on every rank (a collective call); on the CPU too, beside the
+    default gloo group, so the CPU tests run the GPUs' path."""
+    return dist.new_group(backend="gloo", timeout=TIMEOUT)
 
 
 def pack(inp: StepInputs, prev=None) -> tuple[list[int], torch.Tensor]:
@@ -188,8 +188,8 @@ def pool_shape(group: TPGroup, engine: BatchEngine | None) -> tuple[int, int]:
 def batch_engine(group: TPGroup, shard: TPEngine, stop_ids=(), adapters: dict | None = None,
                  **options) -> TPBatchEngine | None:
     """Rank 0: the engine over its shard (BatchEngine's options: max_num_seqs, max_num_batched_tokens, gpu_memory,
-    block_size, num_blocks, cuda_graphs; adapters: {name: PEFT LoRA directory}, the same on every rank); the other
-    ranks follow rank 0's steps until its `close`, then None."""
+    block_size, num_blocks, cuda_graphs, overlap, both by default on CUDA as on one GPU; adapters: {name: PEFT LoRA
+    directory}, the same on every rank); the other ranks follow rank 0's steps until its `close`, then None."""
     if options.get("batch_invariant"):
         raise GenerationError("--batch-invariant runs on one device only: a sum over ranks follows NCCL's order")
     plan = shard.plan

@@ -13,7 +13,9 @@ Method: tools.bench.common (random data, everything compared measured in the sam
 forward per shard; each decoded token the fused decode step (accel.tp.vision_engine), one CUDA graph replay a
 token with the all-reduces captured in it, timed as tools.bench.common.timed_greedy times a one-GPU engine: the
 greedy graph's replays (argmax on the device, no host sync), the median of --reps after a warm-up run. "of it AR":
-the ms of a token its all-reduces take (2 a layer, each timed alone in a graph of them: tools.bench.tp).
+the ms of a token its all-reduces take (2 a layer, each timed alone in a graph of them: tools.bench.tp); "peak
+GB": the most any rank had allocated on its GPU during the run (torch.cuda.max_memory_allocated: the shard, its
+quantization's temporaries, caches and activations).
 """
 from __future__ import annotations
 
@@ -173,7 +175,7 @@ def main(argv=None) -> None:
     require_cuda("python3 -m tools.bench.tp_vision")
     results = []
     print(f"{'model':<12}{'ranks':>6}{'weights':>8}{'encode ms':>10}{'prefill ms':>11}{'tok/s':>8}"
-          f"{'roofline':>9}{'%':>6}{'GB/token':>9}{'ms/token':>9}{'of it AR':>9}", flush=True)
+          f"{'roofline':>9}{'%':>6}{'GB/token':>9}{'ms/token':>9}{'of it AR':>9}{'peak GB':>8}", flush=True)
     for name, world in runs:
         weights, why = pick_weights(name, world, args.quant)
         if weights is None:
@@ -190,8 +192,8 @@ def main(argv=None) -> None:
         results.append(r)
         print(f"{name:<12}{world:>6}{weights:>8}{r['encode_ms']:>10.1f}{r['prefill_ms']:>11.1f}"
               f"{r['decode_tokens_per_s']:>8.1f}{r['roofline_tokens_per_s']:>9.1f}{100 * r['of_roofline']:>6.1f}"
-              f"{r['bytes_per_token_gb']:>9.2f}{r['decode_ms_per_token']:>9.2f}{r['allreduce_ms_per_token']:>9.2f}",
-              flush=True)
+              f"{r['bytes_per_token_gb']:>9.2f}{r['decode_ms_per_token']:>9.2f}{r['allreduce_ms_per_token']:>9.2f}"
+              f"{max(r['peak_gb_per_rank']):>8.1f}", flush=True)
         if r["kernels"]:
             print(f"rank 0's kernels over {args.tokens - 1} decode steps:\n{r['kernels']}", flush=True)
     rec = record("cuda", runs=results)
