@@ -275,9 +275,8 @@ class ModelRunner:
     def run(self, inp: StepInputs, prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """inp: prepare's (host tensors) -> (logits [R, V] of inp.sample_rows (model dtype), head [2, R] int64: their
         greedy tokens and whether each row's logits are all finite; a graph's buffers, rewritten by its next
-        replay). prev: the previous
-        step's tokens [R'] on the device, which inp.feed takes the decode rows' input ids from (the step runs after
-        it on the same stream: nothing waits)."""
+        replay). prev: the previous step's tokens [R'] on the device, which inp.feed takes the decode rows' input
+        ids from (the step runs after it on the same stream: nothing waits)."""
         self.tp.begin(inp, prev)
         inp = self.placed(inp)
         if inp.graph_key is not None:

@@ -50,9 +50,8 @@ HEADER = 13
 class Collectives:
     """A rank's collectives in the runner's forward (accel/batch/collectives.py's contract)."""
 
-    def __init__(self, group: TPGroup, plan: ShardPlan, channel=None):
-        """channel: the gloo group of the step messages (rank 0's Lead sends on it)."""
-        self.group, self.world, self.channel = group, group.world, channel
+    def __init__(self, group: TPGroup, plan: ShardPlan):
+        self.group, self.world = group, group.world
         self.first_id, _ = plan.vocab_range()
         self.vocab = plan.cfg.vocab_size
 
@@ -81,6 +80,11 @@ class Collectives:
 
 class Lead(Collectives):
     """Rank 0's: each step's inputs go to the other ranks before its forward."""
+
+    def __init__(self, group: TPGroup, plan: ShardPlan, channel):
+        """channel: message_channel's group, which the step messages go over."""
+        super().__init__(group, plan)
+        self.channel = channel
 
     def begin(self, inp: StepInputs, prev=None) -> None:
         """inp: the runner's host tensors; prev: the previous step's tokens on the device, where inp feeds rows
