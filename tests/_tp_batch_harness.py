@@ -43,8 +43,9 @@ def _compare(group, job: dict) -> dict:
     engine = batch_engine(group, TPEngine.load(group, Path(job["dir"]), job["dtype"]), **job["options"])
     if group.rank == 0:
         tokens, logits = run_recording(engine, _requests(job))
-        graphs = engine.runner.graphs
+        graphs = engine.runner.graphs  # not kept past close: the group's end waits until every graph is freed
         result["graphs"] = [list(k) for k in graphs.graphs] if graphs is not None else []
+        del graphs
         engine.close()
     end_group(group)
     if group.rank == 0:

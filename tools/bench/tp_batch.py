@@ -37,12 +37,14 @@ def shard_weights(cfg, rank: int, world: int, device):
                           seed=rank)
 
 
-def engine_options(batch: int, context: int, steps: int, eager: bool = False) -> dict:
+def engine_options(batch: int, context: int, steps: int, eager: bool = False, cuda: bool = True) -> dict:
     """A pool holding `batch` sequences of decode_rate's tokens (sized, not taken from free memory: the same blocks
-    at TP=1 and TP=N); eager: no CUDA graphs."""
+    at TP=1 and TP=N); on CUDA, graphs and overlapped steps (asked for: off by default at TP=N, accel.tp.batch's
+    UNPROVEN_OFF), or with `eager` no graphs (the steps then overlapped at TP=1, not at TP=N)."""
     per_seq = -(-(context + max_tokens(context, steps)) // BLOCK_SIZE)
     return {"max_num_seqs": batch, "max_num_batched_tokens": 8192, "block_size": BLOCK_SIZE,
-            "num_blocks": batch * per_seq + 1, **({"cuda_graphs": False} if eager else {})}
+            "num_blocks": batch * per_seq + 1,
+            **({"cuda_graphs": False} if eager or not cuda else {"cuda_graphs": True, "overlap": True})}
 
 
 def max_tokens(context: int, steps: int) -> int:
@@ -89,7 +91,7 @@ def one_gpu(cfg, batches: list[int], context: int, steps: int, kind: str = "cuda
     from accel.batch import BatchEngine
     device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
     engine = BatchEngine(cfg, shard_weights(cfg, 0, 1, device), device, "bf16", cfg.eos_token_ids,
-                         **engine_options(max(batches), context, steps, eager))
+                         **engine_options(max(batches), context, steps, eager, kind == "cuda"))
     rows = {b: decode_rate(engine, prompts(cfg, b, context), steps) for b in batches}
     del engine
     common.free_gpu()
@@ -117,7 +119,7 @@ def tensor_parallel(cfg, world: int, batches: list[int], context: int, steps: in
     from accel.tp.batch import batch_engine
     from accel.tp.engine import TPEngine
     from accel.tp.group import end_group, spawn
-    options = engine_options(max(batches), context, steps, eager)
+    options = engine_options(max(batches), context, steps, eager, kind == "cuda")
     t0 = time.perf_counter()
     group, procs = spawn(world, kind, _follow, (cfg, options, profile))
     print(f"  TP={world}: group of {world} ranks up in {time.perf_counter() - t0:.1f} s", flush=True)
