@@ -6,6 +6,8 @@ QGEMV     (N, K, bits, group[, "rope"]) of a quantized weight -> QGemvConfig (ac
 QGEMV_PDL code width -> PdlMode: how the quantized decode kernels launch on sm_90+ (accel/kernels/qgemv.py, PDL).
 MATMUL    (N, K, row bucket) of a batched step's linear layer -> MatmulConfig (accel/kernels/matmul.py); shapes and
           buckets not listed run cuBLAS (accel.ops.paged.batched_linear).
+SWIGLU_MATMUL  (2F, K, row bucket) of the fused gate_up weight -> MatmulConfig of the gate_up GEMM with SwiGLU in
+          its epilogue (accel.ops.paged.batched_swiglu_linear); not listed: the GEMM as MATMUL says, then SwiGLU.
 A `Tuning` bundles one table of each (MATMUL aside: the batched engine reads it as it is) plus the decode
 attention's launch options; the engine runs `DEFAULT`.
 Below them, the constants the other launchers read as they are (the decode attention's context thresholds and
@@ -189,6 +191,14 @@ MATMUL: Mapping[tuple[int, int, int], MatmulConfig] = MappingProxyType({
     (128256, 3072, 32): MatmulConfig(128, 128, 32, 1, 8, 3),  # 3B lm_head
     (128256, 3072, 64): MatmulConfig(128, 128, 64, 1, 8, 3),  # 3B lm_head
     (128256, 3072, 128): MatmulConfig(256, 64, 128, 1, 8, 3),  # 3B lm_head
+})
+
+
+# The batched step's gate_up GEMM with SwiGLU in its epilogue (accel/kernels/matmul.py swiglu_matmul_fwd) per
+# (2F, K, bucket) of the fused gate_up weight; block_n counts gate rows (a program reads 2·block_n weight rows).
+# Only where the sweep (tools.bench.sweeps.skinny --swiglu) measured it faster than the path it replaces (the gate_up
+# GEMM by MATMUL or cuBLAS, then the SwiGLU kernel) by more than 3%; elsewhere that path runs.
+SWIGLU_MATMUL: Mapping[tuple[int, int, int], MatmulConfig] = MappingProxyType({
 })
 
 
