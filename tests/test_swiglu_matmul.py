@@ -101,15 +101,14 @@ def test_swiglu_table_rows_are_valid_configs():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("M", [1, 3, 16, 64])
+@pytest.mark.parametrize("M", [3, 64])
 def test_bf16_gpu_is_the_gemm_then_swiglu_bitwise(M):
     """bf16 at the 1B and 3B gate_up shapes: bit for bit the same config's GEMM then the SwiGLU kernel (the table's
     rows, MATMUL's, the invariant tiles, split-K or not), and within bf16 rounding of HF's order from float64."""
     for F_, K in ((8192, 2048), (8192, 3072)):
         x, w = case(M, F_, K, torch.bfloat16, "cuda", seed=M)
         want = hf_swiglu(x, w).float()
-        configs = [MatmulConfig(64, 128, 16, 1, 4, 4), MatmulConfig(64, 128, 16, 2, 4, 3),
-                   MatmulConfig(64, 64, 64, 4, 4, 3), INVARIANT]
+        configs = [MatmulConfig(64, 128, 16, 1, 4, 4), MatmulConfig(64, 64, 64, 4, 4, 3), INVARIANT]
         configs += [c for k, c in SWIGLU_MATMUL.items() if k[:2] == (2 * F_, K)]
         configs += [c._replace(block_n=c.block_n // 2) for k, c in MATMUL.items() if k[:2] == (2 * F_, K)]
         for cfg in dict.fromkeys(configs):

@@ -83,16 +83,22 @@ def candidates(N: int, K: int, M: int, sms: int) -> list[MatmulConfig]:
 
 def swiglu_candidates(N: int, K: int, M: int, sms: int) -> list[MatmulConfig]:
     """The fused gate_up + SwiGLU's configs for the [N = 2F, K] weight (block_n: gate rows, 2·block_n weight rows a
-    program): MATMUL's row for the shape and bucket with half its rows (the same programs and bytes each), then
-    `candidates` over the F gate rows up to 128 of them a program, the pipeline refit to the two weight tiles."""
+    program): MATMUL's row for the shape and bucket with half its rows (the same programs and bytes each), the
+    8-warp 128-row tiles as 64 gate + 64 up rows, then `candidates` over the F gate rows up to 128 of them a program, the pipeline refit to the two weight tiles (those
+    that do not fit at two stages left out)."""
     out = []
     table = MATMUL.get((N, K, row_bucket(M)))
     if table is not None and table.block_n >= 32:
         out.append(table._replace(block_n=table.block_n // 2))
-    for c in candidates(N // 2, K, M, sms):
+    cands = candidates(N // 2, K, M, sms)
+    # the 128-row tiles of the plain GEMM's best (8 warps) as 64 gate + 64 up rows, first
+    halves = [c._replace(block_n=64) for c in candidates(N, K, M, sms) if c.block_n == 128 and c.warps == 8]
+    for c in halves + cands:
         if c.block_n > 128:  # 512 weight rows and two [256, BM] fp32 accumulators a program: registers spill
             continue
-        out.append(c._replace(stages=fit_stages(2 * c.block_n, c.block_k, c.block_m, c.stages)))
+        c = c._replace(stages=fit_stages(2 * c.block_n, c.block_k, c.block_m, c.stages))
+        if c.stages * (2 * c.block_n + c.block_m) * c.block_k * 2 <= SMEM:  # two stages may not fit either
+            out.append(c)
     out = list(dict.fromkeys(out))
     return out if time.time() < DEADLINE else out[:1]
 
