@@ -1,8 +1,9 @@
 """The gate_up GEMM with SwiGLU in its epilogue (accel/kernels/matmul.py swiglu_matmul_fwd) against the GEMM then
 the SwiGLU kernel with the same config — bit for bit, split-K or not — and against a float64 product with HF's
 roundings; the batched engine's dispatch (accel.ops.paged.batched_swiglu_linear) by the SWIGLU_MATMUL table.
-fp32 under the Triton interpreter (its tl.dot of bf16 operands returns garbage on CPU: tests/test_matmul.py), bf16
-on the GPU."""
+fp32 under the Triton interpreter, bf16 on the GPU: on CPU the interpreter's tl.dot of bf16 operands returns garbage
+(tests/test_matmul.py) and its fp32 -> bf16 casts truncate where the GPU rounds to nearest, so no bf16 bit there
+says anything about the GPU's."""
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -29,20 +29,12 @@ import triton.language as tl
 
 from .common import split_scratch
 from .flash_attn import dot_precision
+from .swiglu import silu_mul
 from .tuning import MatmulConfig
 
 # the batch-invariant mode's tiles, never chosen by the row count (CPU: big tiles, fewer interpreted programs)
 INVARIANT = MatmulConfig(64, 64, 64, 1, 4, 3)
 INVARIANT_CPU = MatmulConfig(16, 32, 16, 1, 4, 1)
-
-
-@triton.jit
-def _silu_mul(g, u, dtype):
-    """silu(g) · u with HF's roundings (accel/kernels/swiglu.py): g and u as the GEMM stores them, silu in fp32
-    rounded, the product in fp32 rounded."""
-    g = g.to(dtype).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype)
-    return (act.to(tl.float32) * u.to(dtype).to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -107,12 +99,12 @@ def _matmul_kernel(X, W, Y, P, CNT, M, N, K, sx_m, sw_n, sy_m, slice_k, BLOCK_M:
                 if SWIGLU:
                     total_up += tl.load(part_j + N, mask=ok, other=0.0, cache_modifier=".cg")
             if SWIGLU:
-                tl.store(y_ptrs, _silu_mul(total, total_up, Y.dtype.element_ty), mask=ok)
+                tl.store(y_ptrs, silu_mul(total, total_up, Y.dtype.element_ty), mask=ok)
             else:
                 tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=ok)
             tl.store(CNT + tile, 0)
     elif SWIGLU:
-        tl.store(y_ptrs, _silu_mul(acc, acc_up, Y.dtype.element_ty), mask=ok)
+        tl.store(y_ptrs, silu_mul(acc, acc_up, Y.dtype.element_ty), mask=ok)
     else:
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=ok)
 
