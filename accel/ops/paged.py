@@ -15,8 +15,8 @@ from ..kernels.matmul import (invariant_matmul_fwd, invariant_swiglu_matmul_fwd,
                               swiglu_matmul_fwd)
 from ..kernels.paged_attn import paged_decode_attention_fwd
 from ..kernels.tuning import MATMUL, SWIGLU_MATMUL
-from .fused import swiglu_gate_up
 from .dispatch import rows, uses_triton
+from .fused import swiglu_gate_up
 
 
 def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int, invariant: bool = False, out=None):
