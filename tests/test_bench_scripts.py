@@ -298,3 +298,20 @@ def test_quant_gemv_table_times_the_steps_mlp_layout(monkeypatch):
     assert us > 0 and seen == [] and fused and set(fused) == {shapes["gate_up"][:2]}
     us, nbytes = quant_gpu.quant_step_us("down", *shapes["down"], "int4:64", cfg)
     assert us > 0 and seen == [("residual", cfg.intermediate_size)]
+
+
+def test_swiglu_candidates_start_at_the_matmul_row_and_fit():
+    """The fused gate_up + SwiGLU's candidates: MATMUL's row for the bucket with half its rows first (where it lists
+    one), each pipeline refit to two weight tiles and one activation tile, at most 128 gate rows a program."""
+    from accel.kernels.tuning import MATMUL
+    for model in ("1b", "3b"):
+        N, K = skinny_sweep.shapes(model)["gate_up"]
+        for M in (1, 8, 64, 256):
+            cands = skinny_sweep.swiglu_candidates(N, K, M, 132)
+            assert cands and len(cands) == len(set(cands))
+            table = MATMUL.get((N, K, M))
+            if table is not None:
+                assert cands[0] == table._replace(block_n=table.block_n // 2)
+            for c in cands:
+                assert K % (c.block_k * c.split_k) == 0 and c.block_n <= 128
+                assert c.stages * (2 * c.block_n + c.block_m) * c.block_k * 2 <= skinny_sweep.SMEM

@@ -8,7 +8,8 @@ prefill chunk (a new prompt, or the next chunk of a long one, possibly after a c
       contiguous [K, n, E] (positions 0..n-1 in order: the chunk's earlier prefix included);
     o, gate_up, down GEMMs over all T rows (one read of the weights for the whole batch), residual adds in the norms.
 The GEMMs run cuBLAS, or the weight-streaming kernel (accel/kernels/matmul.py) for the weight shapes and row buckets
-where it measured faster (accel/kernels/tuning.py's MATMUL).
+where it measured faster (accel/kernels/tuning.py's MATMUL); gate_up with SwiGLU in that kernel's epilogue where
+SWIGLU_MATMUL lists the shape and bucket (no [T, 2F] round trip, one launch fewer), else the GEMM then SwiGLU.
 LoRA adapters are applied unmerged, per row: the runner holds every adapter stacked (accel/lora_stack.py), a step
 builds the tiles of its rows' adapters once, and each linear layer adds every row's update in one segmented product
 (accel/ops/lora_batch.py), whatever mix of adapters and base rows shares the step.
@@ -43,7 +44,8 @@ from refimpl.model.config import LlamaConfig
 
 from .. import ops
 from ..lora_stack import LoraStack, stack_adapters
-from ..ops.paged import batched_linear, greedy_rows, invariant_linear, paged_decode_attention
+from ..ops.paged import (batched_linear, batched_swiglu_linear, greedy_rows, invariant_linear, invariant_swiglu_linear,
+                         paged_decode_attention)
 from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 from .block_manager import BlockManager
@@ -312,7 +314,7 @@ class ModelRunner:
             a = self._attention(lw, h, cos, sin, i, inp)  # [T, H·E]
             o = self.tp.reduce(self._linear(a, lw.o, i, "o", inp))  # [T, H·E] -> [T, D]
             x, h = ops.add_rms_norm(o, x, lw.mlp_norm, eps)  # resid_mid, mlp_norm
-            act = ops.swiglu_gate_up(self._linear(h, lw.gate_up, i, "gate_up", inp))  # [T, D] -> [T, 2F] -> [T, F]
+            act = self._gate_up_swiglu(h, lw.gate_up, i, inp)  # [T, D] -> [T, 2F] -> [T, F]
             down = self.tp.reduce(self._linear(act, lw.down, i, "down", inp))  # [T, F] -> [T, D]
             x, h = ops.add_rms_norm(down, x, next_norm, eps)  # resid_post
         if len(inp.sample_rows) < h.shape[0]:  # else every row, in order (rows sampled are listed in order)
@@ -336,6 +338,14 @@ class ModelRunner:
         the adapters in the step: accel/ops/lora_batch.py)."""
         y = self._dense(x, weight)
         return y if inp.lora_tiles is None else self.lora.add(layer, fused, y, x, inp.lora_tiles)
+
+    def _gate_up_swiglu(self, h, gate_up, layer: int, inp: StepInputs) -> torch.Tensor:
+        """silu(h·gateᵀ) · (h·upᵀ) [T, F]: one GEMM with SwiGLU in its epilogue (accel/kernels/matmul.py) where
+        the table lists the shape (always in the invariant mode: its one tiling); a step with adapters adds their
+        updates to gate and up first, so it keeps the GEMM, the update, then SwiGLU."""
+        if inp.lora_tiles is not None:
+            return ops.swiglu_gate_up(self._linear(h, gate_up, layer, "gate_up", inp))
+        return invariant_swiglu_linear(h, gate_up) if self.invariant else batched_swiglu_linear(h, gate_up)
 
     def _attention(self, lw, h, cos, sin, layer: int, inp: StepInputs) -> torch.Tensor:
         cfg = self.cfg

@@ -18,16 +18,25 @@ from .common import gdc_wait, launch_pdl, pdl_kw
 
 
 @triton.jit
+def silu_mul(g, u, dtype: tl.constexpr):
+    """silu(g) · u -> dtype with HF's roundings, from g and u as the GEMM stores them (rounded to dtype): silu in
+    fp32 rounded, the product in fp32 rounded. The SwiGLU kernel's and the fused gate_up GEMM's epilogue
+    (matmul.py): one rounding order for both, so the fused kernel gives the same bits."""
+    g = g.to(dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)  # silu, rounded like torch's silu output
+    return (act.to(tl.float32) * u.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, F, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # a programmatic dependent (common.pdl_launches): the previous kernel's output first
         gdc_wait()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < F
-    g = tl.load(G + row * stride_g + cols, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=inside, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty)  # silu, rounded like torch's silu output
-    tl.store(Y + row * stride_y + cols, (act.to(tl.float32) * u).to(Y.dtype.element_ty), mask=inside)
+    g = tl.load(G + row * stride_g + cols, mask=inside, other=0.0)
+    u = tl.load(U + row * stride_u + cols, mask=inside, other=0.0)
+    tl.store(Y + row * stride_y + cols, silu_mul(g, u, Y.dtype.element_ty), mask=inside)
 
 
 def _launch(gate, up, out):

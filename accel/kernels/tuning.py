@@ -6,6 +6,8 @@ QGEMV     (N, K, bits, group[, "rope"]) of a quantized weight -> QGemvConfig (ac
 QGEMV_PDL code width -> PdlMode: how the quantized decode kernels launch on sm_90+ (accel/kernels/qgemv.py, PDL).
 MATMUL    (N, K, row bucket) of a batched step's linear layer -> MatmulConfig (accel/kernels/matmul.py); shapes and
           buckets not listed run cuBLAS (accel.ops.paged.batched_linear).
+SWIGLU_MATMUL  (2F, K, row bucket) of the fused gate_up weight -> MatmulConfig of the gate_up GEMM with SwiGLU in
+          its epilogue (accel.ops.paged.batched_swiglu_linear); not listed: the GEMM as MATMUL says, then SwiGLU.
 A `Tuning` bundles one table of each (MATMUL aside: the batched engine reads it as it is) plus the decode
 attention's launch options; the engine runs `DEFAULT`.
 Below them, the constants the other launchers read as they are (the decode attention's context thresholds and
@@ -189,6 +191,33 @@ MATMUL: Mapping[tuple[int, int, int], MatmulConfig] = MappingProxyType({
     (128256, 3072, 32): MatmulConfig(128, 128, 32, 1, 8, 3),  # 3B lm_head
     (128256, 3072, 64): MatmulConfig(128, 128, 64, 1, 8, 3),  # 3B lm_head
     (128256, 3072, 128): MatmulConfig(256, 64, 128, 1, 8, 3),  # 3B lm_head
+})
+
+
+# The batched step's gate_up GEMM with SwiGLU in its epilogue (accel/kernels/matmul.py swiglu_matmul_fwd) per
+# (2F, K, bucket) of the fused gate_up weight; block_n counts gate rows (a program reads 2·block_n weight rows).
+# Only where the sweep (tools.bench.sweeps.skinny --swiglu) measured it faster than the path it replaces (the gate_up
+# GEMM by MATMUL or cuBLAS, then the SwiGLU kernel) by more than 3%: every bucket 1-256 at the 1B and 3B shapes;
+# shapes not listed take that path.
+SWIGLU_MATMUL: Mapping[tuple[int, int, int], MatmulConfig] = MappingProxyType({
+    (16384, 2048, 1): MatmulConfig(64, 128, 16, 1, 4, 4),  # 1B gate_up
+    (16384, 2048, 2): MatmulConfig(64, 128, 16, 1, 4, 4),  # 1B gate_up
+    (16384, 2048, 4): MatmulConfig(64, 128, 16, 1, 4, 4),  # 1B gate_up
+    (16384, 2048, 8): MatmulConfig(64, 128, 16, 1, 4, 4),  # 1B gate_up
+    (16384, 2048, 16): MatmulConfig(64, 128, 16, 1, 4, 4),  # 1B gate_up
+    (16384, 2048, 32): MatmulConfig(64, 128, 32, 1, 8, 3),  # 1B gate_up
+    (16384, 2048, 64): MatmulConfig(64, 128, 64, 1, 4, 4),  # 1B gate_up
+    (16384, 2048, 128): MatmulConfig(64, 128, 128, 1, 4, 3),  # 1B gate_up
+    (16384, 2048, 256): MatmulConfig(64, 64, 256, 1, 8, 4),  # 1B gate_up
+    (16384, 3072, 1): MatmulConfig(64, 128, 16, 1, 4, 4),  # 3B gate_up
+    (16384, 3072, 2): MatmulConfig(64, 128, 16, 1, 4, 4),  # 3B gate_up
+    (16384, 3072, 4): MatmulConfig(64, 128, 16, 1, 4, 4),  # 3B gate_up
+    (16384, 3072, 8): MatmulConfig(64, 128, 16, 1, 4, 4),  # 3B gate_up
+    (16384, 3072, 16): MatmulConfig(64, 128, 16, 1, 4, 4),  # 3B gate_up
+    (16384, 3072, 32): MatmulConfig(64, 128, 32, 1, 4, 4),  # 3B gate_up
+    (16384, 3072, 64): MatmulConfig(64, 64, 64, 1, 4, 6),  # 3B gate_up
+    (16384, 3072, 128): MatmulConfig(64, 128, 128, 1, 4, 3),  # 3B gate_up
+    (16384, 3072, 256): MatmulConfig(64, 64, 256, 1, 8, 4),  # 3B gate_up
 })
 
 

@@ -1,6 +1,7 @@
 """The batch engine's ops (accel.batch), each a Triton kernel or its torch version, picked by accel/ops/dispatch.py:
 the paged decode attention (accel/kernels/paged_attn.py), the batched linear layers and their batch-invariant version
-(accel/kernels/matmul.py), the greedy tokens of a batch of logits rows (accel/kernels/argmax.py).
+(accel/kernels/matmul.py), the gate_up GEMM with SwiGLU in its epilogue (the same kernel), the greedy tokens of a
+batch of logits rows (accel/kernels/argmax.py).
 With `invariant`, the torch versions run one row at a time: every row then takes the same path whatever the batch."""
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.argmax import argmax_rows_fwd
-from ..kernels.matmul import invariant_matmul_fwd, matmul_fwd, row_bucket
+from ..kernels.matmul import (invariant_matmul_fwd, invariant_swiglu_matmul_fwd, matmul_fwd, row_bucket,
+                              swiglu_matmul_fwd)
 from ..kernels.paged_attn import paged_decode_attention_fwd
-from ..kernels.tuning import MATMUL
+from ..kernels.tuning import MATMUL, SWIGLU_MATMUL
 from .dispatch import rows, uses_triton
+from .fused import swiglu_gate_up
 
 
 def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int, invariant: bool = False, out=None):
@@ -42,6 +45,23 @@ def batched_linear(x, weight, table=MATMUL):
         if cfg is not None:
             return matmul_fwd(rows(x), rows(weight), cfg)
     return F.linear(x, weight)
+
+
+def batched_swiglu_linear(x, gate_up, table=SWIGLU_MATMUL, linear_table=MATMUL):
+    """x [T, Din], gate_up [2F, Din] -> silu(x @ gateᵀ) · (x @ upᵀ) [T, F]: the fused kernel where `table`
+    (tuning.py's SWIGLU_MATMUL) lists the weight's shape at T's row bucket, else batched_linear then SwiGLU."""
+    if uses_triton(x) and x.shape[0]:
+        cfg = table.get((gate_up.shape[0], gate_up.shape[1], row_bucket(x.shape[0])))
+        if cfg is not None:
+            return swiglu_matmul_fwd(rows(x), rows(gate_up), cfg)
+    return swiglu_gate_up(batched_linear(x, gate_up, linear_table))
+
+
+def invariant_swiglu_linear(x, gate_up):
+    """invariant_linear then SwiGLU -> [T, F], in one kernel under Triton (the same bits as the two)."""
+    if uses_triton(x) and x.shape[0]:
+        return invariant_swiglu_matmul_fwd(rows(x), rows(gate_up))
+    return swiglu_gate_up(invariant_linear(x, gate_up))
 
 
 def invariant_linear(x, weight):
