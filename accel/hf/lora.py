@@ -30,17 +30,22 @@ def project(x2: torch.Tensor, weight, bias, ac, bc, s: float):
     return y.addmm_(xa, bc.t(), alpha=s), xa  # [N, Dout] += s · [N, R] @ [R, Dout]
 
 
-def project_backward(dy2: torch.Tensor, x2, xa, weight, ac, bc, s: float, grads_ab: bool, dx=None):
-    """project's backward: dy2 [N, Dout] -> (dx [N, Din] (added into `dx` where given), (dA [R, Din], dB [Dout, R])
-    in dy2's dtype, or (None, None) without an adapter or where `grads_ab` is False). x2 may be None then."""
-    dx = dy2 @ weight if dx is None else dx.addmm_(dy2, weight)  # [N, Dout] @ [Dout, Din]
-    if ac is None:
-        return dx, (None, None)
-    dyb = dy2 @ bc  # [N, Dout] @ [Dout, R] -> [N, R]
-    dx.addmm_(dyb, ac, alpha=s)  # += s · [N, R] @ [R, Din]
-    if not grads_ab:
-        return dx, (None, None)
-    return dx, (torch.mm(dyb.t(), x2).mul_(s), torch.mm(dy2.t(), xa).mul_(s))  # [R,N]@[N,Din], [Dout,N]@[N,R]
+def project_backward(dy2: torch.Tensor, x2, xa, weight, ac, bc, s: float, grads_ab: bool, dx=None,
+                     into_x: bool = False):
+    """project's backward: dy2 [N, Dout] -> (dx [N, Din] (added into `dx` where given; written into x2's buffer
+    with `into_x`, where the caller needs x2 no more), (dA [R, Din], dB [Dout, R]) in dy2's dtype, or (None, None)
+    without an adapter or where `grads_ab` is False). x2 may be None then."""
+    dyb = None if ac is None else dy2 @ bc  # [N, Dout] @ [Dout, R] -> [N, R]
+    ab = (None, None)
+    if dyb is not None and grads_ab:  # before dx: it may overwrite x2
+        ab = (torch.mm(dyb.t(), x2).mul_(s), torch.mm(dy2.t(), xa).mul_(s))  # [R,N]@[N,Din], [Dout,N]@[N,R]
+    if dx is not None:
+        dx.addmm_(dy2, weight)  # += [N, Dout] @ [Dout, Din]
+    else:
+        dx = torch.mm(dy2, weight, out=x2) if into_x else dy2 @ weight
+    if dyb is not None:
+        dx.addmm_(dyb, ac, alpha=s)  # += s · [N, R] @ [R, Din]
+    return dx, ab
 
 
 _casts: dict = {}  # id(a) -> (weakref to a, versions, b, dtype, (a cast, b cast)); dropped with a
