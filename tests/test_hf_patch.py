@@ -300,16 +300,29 @@ def test_revert_of_a_peft_model_with_every_flag():
     assert all("forward" not in vars(m) for m in model.modules())
 
 
-def test_adapter_casts_are_shared_until_an_adapter_changes():
-    """One bf16 cast of A and B per optimizer step (forward, recompute and backward share it); an in-place update
-    of either (the optimizer's step) gives a fresh cast; adapters already in the activations' dtype are not cast."""
+def test_adapter_casts_live_from_the_recompute_to_the_backward():
+    """The bf16 casts of A and B in a training step with gradient checkpointing: the forward's call casts and keeps
+    nothing, the recompute's cast is kept and shared with the backward, whose call (last) drops it; an in-place
+    update of either adapter (the optimizer's step) gives a fresh cast; adapters already in the activations' dtype
+    are not cast."""
+    import weakref
     a, b = torch.randn(4, 6), torch.randn(5, 4)
-    first = lora_module.casts(a, b, torch.bfloat16)
-    assert lora_module.casts(a, b, torch.bfloat16) is first and first[0].dtype == torch.bfloat16
+    forward = lora_module.casts(a, b, torch.bfloat16)
+    assert forward[0].dtype == torch.bfloat16 and torch.equal(forward[1], b.to(torch.bfloat16))
+    kept_forward = weakref.ref(forward[0])
+    del forward
+    assert kept_forward() is None  # not kept
+    recompute = lora_module.casts(a, b, torch.bfloat16)
+    assert lora_module.casts(a, b, torch.bfloat16) is recompute  # kept
+    assert lora_module.casts(a, b, torch.bfloat16, last=True) is recompute
+    kept = weakref.ref(recompute[0])
+    del recompute
+    assert kept() is None  # nothing kept to the next step
+    lora_module.casts(a, b, torch.bfloat16), lora_module.casts(a, b, torch.bfloat16)
     with torch.no_grad():
         b.add_(1.0)
-    second = lora_module.casts(a, b, torch.bfloat16)
-    assert second is not first and torch.equal(second[1], b.to(torch.bfloat16))
+    fresh = lora_module.casts(a, b, torch.bfloat16)
+    assert torch.equal(fresh[1], b.to(torch.bfloat16)) and lora_module.casts(a, b, torch.bfloat16) is not fresh
     same = lora_module.casts(a, b, torch.float32)
     assert same[0] is a and same[1] is b
 

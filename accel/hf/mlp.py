@@ -39,12 +39,13 @@ class _LoraSwiGLUMLP(torch.autograd.Function):
         (pg, pu, pd), (sg, su, sd) = ctx.params, ctx.scalings
         h = swiglu_fwd(g, u) if grads_ab[2] else None  # recomputed: only the down adapter's dA reads it
         # dh into h's buffer (once dA has read h), then d gate into dh's: one [N, F] buffer for the three
-        dh, ab_d = project_backward(dy2, h, xa_d, pd[0], *casts(*pd[1:], dy.dtype), sd, grads_ab[2],
-                                    into_x=h is not None)
+        dh, ab_d = project_backward(dy2, h, xa_d, pd[0], *casts(*pd[1:], dy.dtype, last=True), sd,
+                                    grads_ab[2], into_x=h is not None)
         dg, du = swiglu_bwd(g, u, dh, dgate=dh)  # [N, F] each
         del h, dh
-        dx, ab_g = project_backward(dg, x2, xa_g, pg[0], *casts(*pg[1:], dy.dtype), sg, grads_ab[0])
-        dx, ab_u = project_backward(du, x2, xa_u, pu[0], *casts(*pu[1:], dy.dtype), su, grads_ab[1], dx=dx)
+        dx, ab_g = project_backward(dg, x2, xa_g, pg[0], *casts(*pg[1:], dy.dtype, last=True), sg, grads_ab[0])
+        dx, ab_u = project_backward(du, x2, xa_u, pu[0], *casts(*pu[1:], dy.dtype, last=True), su, grads_ab[1],
+                                    dx=dx)
         out = [dx.view(*dy.shape[:-1], x2.shape[-1]) if need[0] else None]
         for (da, db), (_, a, b) in zip((ab_g, ab_u, ab_d), ctx.params):
             out += [None, None, None if da is None else da.to(a.dtype), None if db is None else db.to(b.dtype)]

@@ -19,7 +19,8 @@ something else:
     one Function only where all their linears are plain frozen ones or patched LoRA ones.
   * Frozen vision tower (Llama 3.2 Vision): its forward runs under torch.no_grad() only where no parameter of it
     trains and no input needs a gradient, so no parameter's gradient changes.
-  * All (but the frozen vision tower): only where the Triton kernels run (CUDA tensors, or the interpreter: TRITON_INTERPRET=1).
+  * All (but the frozen vision tower): only where the Triton kernels run (CUDA tensors, or the interpreter:
+    TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -242,8 +243,8 @@ def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, ro
     Function each, their branch in the activations' dtype (accel/hf/lora.py); with `swiglu` each MLP as one
     (accel/hf/mlp.py), with `rope` each self-attention's q, k, v and RoPE as one (accel/hf/qkv.py; "attention":
     under attn_implementation "llama32"). `frozen_vision` (Llama 3.2 Vision): the vision tower runs without
-    autograd where nothing in it trains ("frozen_vision": 1). Idempotent: what was patched before is not counted again. Raises
-    ValueError for a model_type not in PATCHES."""
+    autograd where nothing in it trains ("frozen_vision": 1). Idempotent: what was patched before is not counted
+    again. Raises ValueError for a model_type not in PATCHES."""
     table = PATCHES[model_type_of(model)]
     flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy),
              ("attention", lora and rope), ("frozen_vision", frozen_vision))
