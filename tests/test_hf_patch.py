@@ -327,6 +327,26 @@ def test_adapter_casts_live_from_the_recompute_to_the_backward():
     assert same[0] is a and same[1] is b
 
 
+def test_what_is_derived_from_a_tensor_dies_with_it():
+    """accel.hf.memo.PerTensor (the masks' and RoPE tables' memo): derived once per tensor and version; an entry
+    goes when one of its tensors does, so a step's masks do not outlive it."""
+    import weakref
+    from accel.hf.memo import PerTensor
+    memo, calls = PerTensor(keep=8), []
+    cos, sin = torch.randn(4), torch.randn(4)
+    value = memo.get((cos, sin), 1, lambda: calls.append(1) or cos * sin)
+    assert memo.get((cos, sin), 1, lambda: calls.append(1)) is value and calls == [1]
+    with torch.no_grad():
+        cos.add_(1.0)  # a new version: derived again
+    again = memo.get((cos, sin), 1, lambda: calls.append(2) or cos * sin)
+    assert calls == [1, 2] and torch.equal(again, cos * sin) and len(memo) == 1
+    kept = weakref.ref(again)
+    del value, again
+    assert kept() is not None and len(memo) == 1  # the memo holds it while cos and sin live
+    del cos
+    assert kept() is None and len(memo) == 0
+
+
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
