@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.bench import hf_attention
+from tools.bench import common, hf_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def test_refuses_without_cuda_in_one_line():
 
 @pytest.mark.parametrize("args, message", [
     (["--models", "1b,7b"], "error: --models: 7b not one of 1b, 3b, 11b-vision"),
-    (["--kinds", "train,decode"], "error: --kinds: expected some of train, prefill, image, got train,decode"),
+    (["--kinds", "train,decode"], "error: --kinds: expected some of train, prefill, image, memory, got train,decode"),
     (["--impls", "llama32"], "error: --impls: sdpa must be among them"),
     (["--tokens", "0"], "error: --tokens: expected a positive integer, got 0"),
     (["--patches", "kernels"], "error: --patches: expected none (every row is compared with it)"),
@@ -131,3 +131,25 @@ def test_training_rows_run_round_robin_and_an_error_leaves_the_rounds(monkeypatc
     assert order == [configs[0], configs[1], configs[2]] + [configs[0], configs[2]] * (rounds - 1)
     import accel.hf
     accel.hf.revert(model)  # RoPE is patched process-wide: leave HF's behind
+
+
+def test_peak_allocations_replays_the_allocators_trace():
+    """A trace by hand: 1000 bytes allocated before recording, of which a 300-byte block is freed; the step's own
+    allocations peak at 1000 - 300 + 100 + 200 + 400 = 1400 bytes, when its 50-byte block is already freed."""
+    f = lambda path, line, name: {"filename": path, "line": line, "name": name}  # noqa: E731
+    mlp = [f("/x/torch/autograd/function.py", 1, "apply"), f("/r/accel/hf/mlp.py", 40, "backward"),
+           f("/x/torch/utils/checkpoint.py", 9, "unpack")]
+    loss = [f("/r/accel/train/loss.py", 30, "forward"), f("/r/accel/hf/patch.py", 5, "fused_loss_forward")]
+    trace = [dict(action="alloc", addr=1, size=100, frames=mlp),
+             dict(action="free_completed", addr=9, size=300, frames=[]),
+             dict(action="alloc", addr=2, size=50, frames=loss),
+             dict(action="alloc", addr=3, size=200, frames=mlp),
+             dict(action="free_completed", addr=2, size=50, frames=[]),
+             dict(action="alloc", addr=4, size=400, frames=[]),
+             dict(action="free_completed", addr=4, size=400, frames=[]),
+             dict(action="alloc", addr=5, size=100, frames=loss)]
+    found = common.peak_allocations(trace, 1000)
+    assert found["peak_bytes"] == 1400 and found["before_bytes"] == 700
+    assert found["groups"] == [["(no Python frame: the autograd engine's own ops)", 400, 1],
+                               ["hf/mlp.py:40 backward < utils/checkpoint.py:9 unpack", 300, 2]]
+    assert found["at_peak"] == "(no Python frame: the autograd engine's own ops)"

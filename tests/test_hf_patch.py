@@ -113,8 +113,43 @@ def test_lora_mllama_with_an_image_equals_unpatched(kernel_calls):
     counts = assert_patch_keeps_the_run(model, dict(kw, labels=kw["input_ids"].masked_fill(
         kw["input_ids"] == IMAGE, -100)))
     # 4 text layers (2 self, 2 cross): 2 norms each, + the final norm, + 2 (q, k) head norms per cross layer
-    assert counts == {"rms_norm": 4 * 2 + 1 + 2 * 2, "swiglu": 4, "rope": 1}
+    assert counts == {"rms_norm": 4 * 2 + 1 + 2 * 2, "swiglu": 4, "rope": 1, "frozen_vision": 1}
     assert kernel_calls["rms_norm"] > 0 and kernel_calls["swiglu_pair"] == 4 and kernel_calls["rope_qk"] == 2
+
+
+def vision_output_records_grad(model):
+    """-> a list that each forward of the model's vision tower appends to: whether its output records autograd."""
+    seen = []
+    model.get_base_model().model.vision_model.register_forward_hook(
+        lambda m, args, out: seen.append(out.last_hidden_state.requires_grad))
+    return seen
+
+
+def test_frozen_vision_tower_keeps_no_autograd_state_and_the_gradients():
+    """LoRA on the text decoder only, with gradient checkpointing as PEFT sets it up (enable_input_require_grads
+    makes the vision patch embedding's output require a gradient): unpatched, the frozen tower records autograd;
+    patched, its forward runs without, and every adapter's gradient is the unpatched run's. With an adapter in the
+    tower, it records autograd again."""
+    peft = pytest.importorskip("peft")
+    model, kw = mllama_inputs()
+    inputs = dict(kw, labels=kw["input_ids"].masked_fill(kw["input_ids"] == IMAGE, -100))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(1)
+    text = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                                       target_modules=text)).train()
+    patched = copy.deepcopy(model)
+    seen, seen_patched = vision_output_records_grad(model), vision_output_records_grad(patched)
+    want = forward_backward(model, inputs)
+    assert accel.hf.apply(patched, rms_norm=False, swiglu=False, rope=False) == {"frozen_vision": 1}
+    got = forward_backward(patched, inputs)
+    assert seen == [True] and seen_patched == [False]
+    assert_same_step(*got, *want, lora_only=True)
+    assert any("cross_attn.k_proj.lora_" in n for n in want[1])  # the image's K/V projections do train
+
+    patched.get_base_model().model.vision_model.patch_embedding.weight.requires_grad_(True)
+    got = forward_backward(patched, inputs)
+    assert seen_patched[-1] is True and "vision_model.patch_embedding.weight" in "".join(got[1])
 
 
 def test_apply_is_idempotent_takes_flags_and_refuses_unknown_models():
@@ -265,18 +300,51 @@ def test_revert_of_a_peft_model_with_every_flag():
     assert all("forward" not in vars(m) for m in model.modules())
 
 
-def test_adapter_casts_are_shared_until_an_adapter_changes():
-    """One bf16 cast of A and B per optimizer step (forward, recompute and backward share it); an in-place update
-    of either (the optimizer's step) gives a fresh cast; adapters already in the activations' dtype are not cast."""
+def test_adapter_casts_live_from_the_recompute_to_the_backward():
+    """The bf16 casts of A and B in a training step with gradient checkpointing: the forward's call casts and keeps
+    nothing, the recompute's cast is kept and shared with the backward, whose call (last) drops it; an in-place
+    update of either adapter (the optimizer's step) gives a fresh cast; adapters already in the activations' dtype
+    are not cast."""
+    import weakref
     a, b = torch.randn(4, 6), torch.randn(5, 4)
-    first = lora_module.casts(a, b, torch.bfloat16)
-    assert lora_module.casts(a, b, torch.bfloat16) is first and first[0].dtype == torch.bfloat16
+    forward = lora_module.casts(a, b, torch.bfloat16)
+    assert forward[0].dtype == torch.bfloat16 and torch.equal(forward[1], b.to(torch.bfloat16))
+    kept_forward = weakref.ref(forward[0])
+    del forward
+    assert kept_forward() is None  # not kept
+    recompute = lora_module.casts(a, b, torch.bfloat16)
+    assert lora_module.casts(a, b, torch.bfloat16) is recompute  # kept
+    assert lora_module.casts(a, b, torch.bfloat16, last=True) is recompute
+    kept = weakref.ref(recompute[0])
+    del recompute
+    assert kept() is None  # nothing kept to the next step
+    lora_module.casts(a, b, torch.bfloat16), lora_module.casts(a, b, torch.bfloat16)
     with torch.no_grad():
         b.add_(1.0)
-    second = lora_module.casts(a, b, torch.bfloat16)
-    assert second is not first and torch.equal(second[1], b.to(torch.bfloat16))
+    fresh = lora_module.casts(a, b, torch.bfloat16)
+    assert torch.equal(fresh[1], b.to(torch.bfloat16)) and lora_module.casts(a, b, torch.bfloat16) is not fresh
     same = lora_module.casts(a, b, torch.float32)
     assert same[0] is a and same[1] is b
+
+
+def test_what_is_derived_from_a_tensor_dies_with_it():
+    """accel.hf.memo.PerTensor (the masks' and RoPE tables' memo): derived once per tensor and version; an entry
+    goes when one of its tensors does, so a step's masks do not outlive it."""
+    import weakref
+    from accel.hf.memo import PerTensor
+    memo, calls = PerTensor(keep=8), []
+    cos, sin = torch.randn(4), torch.randn(4)
+    value = memo.get((cos, sin), 1, lambda: calls.append(1) or cos * sin)
+    assert memo.get((cos, sin), 1, lambda: calls.append(1)) is value and calls == [1]
+    with torch.no_grad():
+        cos.add_(1.0)  # a new version: derived again
+    again = memo.get((cos, sin), 1, lambda: calls.append(2) or cos * sin)
+    assert calls == [1, 2] and torch.equal(again, cos * sin) and len(memo) == 1
+    kept = weakref.ref(again)
+    del value, again
+    assert kept() is not None and len(memo) == 1  # the memo holds it while cos and sin live
+    del cos
+    assert kept() is None and len(memo) == 0
 
 
 def _gpt2():
@@ -340,7 +408,8 @@ def fused_loss_run(model, inputs):
     want.loss.backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    counts = accel.hf.apply(model, rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=True)
+    counts = accel.hf.apply(model, rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=True,
+                            frozen_vision=False)
     assert counts == {"fused_linear_cross_entropy": 1}
     got = model(**inputs)
     assert got.logits is None  # the point: the [T, V] logits never exist

@@ -134,6 +134,18 @@ def test_swiglu_pair_against_oracle(T, F):
 
 
 @interpreted
+def test_swiglu_bwd_into_its_inputs_buffers():
+    """swiglu_bwd writing d gate over dy and d up over up (accel/hf/mlp.py reuses its buffers): the oracle's."""
+    from accel.kernels.swiglu import swiglu_bwd
+    gate, up, dy = randn(5, 1500, seed=3, scale=3.0), randn(5, 1500, seed=4), randn(5, 1500, seed=5)
+    dg, du = grads.swiglu_backward(np64(gate), np64(up), np64(dy))
+    got_g, got_u = swiglu_bwd(gate, up, dy, dgate=dy, dup=up)
+    assert got_g.data_ptr() == dy.data_ptr() and got_u.data_ptr() == up.data_ptr()
+    close(got_g, dg, "d gate")
+    close(got_u, du, "d up")
+
+
+@interpreted
 def test_swiglu_finite_difference():
     directional_check(fused.swiglu, [randn(3, 2, 22, seed=7, scale=2.0).requires_grad_()])
 

@@ -30,35 +30,45 @@ def project(x2: torch.Tensor, weight, bias, ac, bc, s: float):
     return y.addmm_(xa, bc.t(), alpha=s), xa  # [N, Dout] += s · [N, R] @ [R, Dout]
 
 
-def project_backward(dy2: torch.Tensor, x2, xa, weight, ac, bc, s: float, grads_ab: bool, dx=None):
-    """project's backward: dy2 [N, Dout] -> (dx [N, Din] (added into `dx` where given), (dA [R, Din], dB [Dout, R])
-    in dy2's dtype, or (None, None) without an adapter or where `grads_ab` is False). x2 may be None then."""
-    dx = dy2 @ weight if dx is None else dx.addmm_(dy2, weight)  # [N, Dout] @ [Dout, Din]
-    if ac is None:
-        return dx, (None, None)
-    dyb = dy2 @ bc  # [N, Dout] @ [Dout, R] -> [N, R]
-    dx.addmm_(dyb, ac, alpha=s)  # += s · [N, R] @ [R, Din]
-    if not grads_ab:
-        return dx, (None, None)
-    return dx, (torch.mm(dyb.t(), x2).mul_(s), torch.mm(dy2.t(), xa).mul_(s))  # [R,N]@[N,Din], [Dout,N]@[N,R]
+def project_backward(dy2: torch.Tensor, x2, xa, weight, ac, bc, s: float, grads_ab: bool, dx=None,
+                     into_x: bool = False):
+    """project's backward: dy2 [N, Dout] -> (dx [N, Din] (added into `dx` where given; written into x2's buffer
+    with `into_x`, where the caller needs x2 no more), (dA [R, Din], dB [Dout, R]) in dy2's dtype, or (None, None)
+    without an adapter or where `grads_ab` is False). x2 may be None then."""
+    dyb = None if ac is None else dy2 @ bc  # [N, Dout] @ [Dout, R] -> [N, R]
+    ab = (None, None)
+    if dyb is not None and grads_ab:  # before dx: it may overwrite x2
+        ab = (torch.mm(dyb.t(), x2).mul_(s), torch.mm(dy2.t(), xa).mul_(s))  # [R,N]@[N,Din], [Dout,N]@[N,R]
+    if dx is not None:
+        dx.addmm_(dy2, weight)  # += [N, Dout] @ [Dout, Din]
+    else:
+        dx = torch.mm(dy2, weight, out=x2) if into_x else dy2 @ weight
+    if dyb is not None:
+        dx.addmm_(dyb, ac, alpha=s)  # += s · [N, R] @ [R, Din]
+    return dx, ab
 
 
-_casts: dict = {}  # id(a) -> (weakref to a, versions, b, dtype, (a cast, b cast)); dropped with a
+_casts: dict = {}  # id(a) -> (weakref to a, versions, b, dtype, (a cast, b cast) or None); dropped with a
 
 
-def casts(a, b, dtype):
-    """The adapters in the activations' dtype (as torch.autocast would run them); (None, None) without one. Cast once
-    per change of a or b (their version counters: the optimizer's in-place step bumps them), so the forward,
-    gradient checkpointing's recompute and the backward of a step share one cast of each."""
+def casts(a, b, dtype, last: bool = False):
+    """The adapters in the activations' dtype (as torch.autocast would run them); (None, None) without one.
+    The first call at a version of a and b (their version counters: the optimizer's in-place step bumps them)
+    casts without keeping the cast; the second (gradient checkpointing's recompute) keeps it for the calls after,
+    and the call with `last` (a backward's) drops it. So a training step keeps no layer's casts while the other
+    layers run (the forward's are freed at once; the recompute's live until the layer's backward), and nothing is
+    kept from one step to the next; calls without `last` (inference) keep it from their second on."""
     if a is None or (a.dtype == dtype and b.dtype == dtype):
         return a, b
-    versions = (version(a), version(b))
-    hit = _casts.get(id(a))
-    if hit is not None and hit[0]() is a and hit[1] == versions and hit[2] is b and hit[3] == dtype:
-        return hit[4]
-    pair = (a.detach().to(dtype), b.detach().to(dtype))
-    key = id(a)
-    _casts[key] = (weakref.ref(a, lambda _, key=key: _casts.pop(key, None)), versions, b, dtype, pair)
+    key, versions = id(a), (version(a), version(b))
+    hit = _casts.get(key)
+    seen = hit is not None and hit[0]() is a and hit[1] == versions and hit[2] is b and hit[3] == dtype
+    pair = hit[4] if seen and hit[4] is not None else (a.detach().to(dtype), b.detach().to(dtype))
+    if last:
+        _casts.pop(key, None)
+    elif not seen or hit[4] is None:
+        _casts[key] = (weakref.ref(a, lambda _, key=key: _casts.pop(key, None)), versions, b, dtype,
+                       pair if seen else None)
     return pair
 
 
@@ -78,7 +88,8 @@ class _LoraLinear(torch.autograd.Function):
         weight, a, b = ctx.params
         dy2 = dy.reshape(-1, dy.shape[-1])  # [N, Dout]
         grads_ab = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        dx, (da, db) = project_backward(dy2, x2, xa, weight, *casts(a, b, dy.dtype), ctx.scaling, grads_ab)
+        ac, bc = casts(a, b, dy.dtype, last=True)
+        dx, (da, db) = project_backward(dy2, x2, xa, weight, ac, bc, ctx.scaling, grads_ab)
         dx = dx.view(*dy.shape[:-1], x2.shape[-1]) if ctx.needs_input_grad[0] else None
         if grads_ab:
             da, db = da.to(a.dtype), db.to(b.dtype)

@@ -3,7 +3,8 @@ lora=True): down(silu(gate(x)) · up(x)), each projection x·Wᵀ (+ bias) (+ s�
 the SwiGLU in the Triton kernels of accel/kernels/swiglu.py, the adapters' branch in the activations' dtype as
 accel/hf/lora.py computes it. One autograd node for what costs four (three LoRA linears and the SwiGLU) otherwise:
 an HF + PEFT step at batch 1 is mostly host time. Saves x, gate, up and the [N, R] adapter products; the SwiGLU
-output is recomputed in the backward (one kernel) instead of kept.
+output is recomputed in the backward (one kernel) instead of kept, and the backward's [N, F] temporaries share
+buffers: the SwiGLU output, its gradient and the gate's gradient are one (the up's gradient a second).
 """
 from __future__ import annotations
 
@@ -37,10 +38,14 @@ class _LoraSwiGLUMLP(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])  # [N, D]
         (pg, pu, pd), (sg, su, sd) = ctx.params, ctx.scalings
         h = swiglu_fwd(g, u) if grads_ab[2] else None  # recomputed: only the down adapter's dA reads it
-        dh, ab_d = project_backward(dy2, h, xa_d, pd[0], *casts(*pd[1:], dy.dtype), sd, grads_ab[2])
-        dg, du = swiglu_bwd(g, u, dh)  # [N, F] each
-        dx, ab_g = project_backward(dg, x2, xa_g, pg[0], *casts(*pg[1:], dy.dtype), sg, grads_ab[0])
-        dx, ab_u = project_backward(du, x2, xa_u, pu[0], *casts(*pu[1:], dy.dtype), su, grads_ab[1], dx=dx)
+        # dh into h's buffer (once dA has read h), then d gate into dh's: one [N, F] buffer for the three
+        dh, ab_d = project_backward(dy2, h, xa_d, pd[0], *casts(*pd[1:], dy.dtype, last=True), sd,
+                                    grads_ab[2], into_x=h is not None)
+        dg, du = swiglu_bwd(g, u, dh, dgate=dh)  # [N, F] each
+        del h, dh
+        dx, ab_g = project_backward(dg, x2, xa_g, pg[0], *casts(*pg[1:], dy.dtype, last=True), sg, grads_ab[0])
+        dx, ab_u = project_backward(du, x2, xa_u, pu[0], *casts(*pu[1:], dy.dtype, last=True), su, grads_ab[1],
+                                    dx=dx)
         out = [dx.view(*dy.shape[:-1], x2.shape[-1]) if need[0] else None]
         for (da, db), (_, a, b) in zip((ab_g, ab_u, ab_d), ctx.params):
             out += [None, None, None if da is None else da.to(a.dtype), None if db is None else db.to(b.dtype)]

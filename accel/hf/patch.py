@@ -17,7 +17,10 @@ something else:
   * LoRA (off by default, PEFT models): accel/hf/lora.py's conditions (one active plain adapter, no dropout, a
     frozen nn.Linear base); the MLP and (under "llama32", without a cache) the self-attention's q, k, v + RoPE as
     one Function only where all their linears are plain frozen ones or patched LoRA ones.
-  * All: only where the Triton kernels run (CUDA tensors, or the interpreter: TRITON_INTERPRET=1).
+  * Frozen vision tower (Llama 3.2 Vision): its forward runs under torch.no_grad() only where no parameter of it
+    trains and no input needs a gradient, so no parameter's gradient changes.
+  * All (but the frozen vision tower): only where the Triton kernels run (CUDA tensors, or the interpreter:
+    TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ PATCHES = {
     "llama": {"rms_norm": ("LlamaRMSNorm",), "swiglu": ("LlamaMLP",), "attention": ("LlamaAttention",),
               "fused_linear_cross_entropy": ("LlamaForCausalLM",), "rope": "transformers.models.llama.modeling_llama"},
     "mllama": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
-               "attention": ("MllamaTextSelfAttention",),
+               "attention": ("MllamaTextSelfAttention",), "frozen_vision": ("MllamaVisionModel",),
                "fused_linear_cross_entropy": ("MllamaForConditionalGeneration",),
                "rope": "transformers.models.mllama.modeling_mllama"},
     "mllama_text_model": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
@@ -183,6 +186,19 @@ def unpatch_rope(module_name: str) -> int:
     return 1
 
 
+def frozen_vision_forward(self, *args, **kwargs):
+    """HF's vision model forward, under torch.no_grad() where nothing in it trains and no input tensor needs a
+    gradient. transformers' enable_input_require_grads (which PEFT calls for gradient checkpointing) makes the patch
+    embedding's output require a gradient, so the frozen tower would otherwise keep every layer's activations
+    (it is not checkpointed) and run its whole backward for a gradient nothing reads."""
+    if torch.is_grad_enabled() and not any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (*args, *kwargs.values())):
+        if not any(p.requires_grad for p in self.parameters()):
+            with torch.no_grad():
+                return type(self).forward(self, *args, **kwargs)
+    return type(self).forward(self, *args, **kwargs)
+
+
 def fused_loss_forward(self, *args, labels=None, **kwargs):
     """The causal LM's forward with the lm_head and HF's causal-LM loss (labels shifted left, mean over the label
     tokens or sum / num_items_in_batch) fused: the [T, V] logits never exist at once."""
@@ -210,7 +226,7 @@ def fused_loss_forward(self, *args, labels=None, **kwargs):
 
 FORWARDS = {"rms_norm": rms_norm_forward, "swiglu": swiglu_mlp_forward,
             "fused_linear_cross_entropy": fused_loss_forward, "lora": lora_linear_forward,
-            "attention": qkv_attention_forward}
+            "attention": qkv_attention_forward, "frozen_vision": frozen_vision_forward}
 
 
 def model_type_of(model: torch.nn.Module) -> str:
@@ -221,17 +237,18 @@ def model_type_of(model: torch.nn.Module) -> str:
 
 
 def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-          fused_linear_cross_entropy: bool = False, lora: bool = False) -> dict[str, int]:
+          fused_linear_cross_entropy: bool = False, lora: bool = False, frozen_vision: bool = True) -> dict[str, int]:
     """Patch `model` (a transformers model, or a PEFT model around one) in place -> {flag: modules patched now}
     ("rope": 1 where its modeling file's function was replaced now). `lora`: PEFT's LoRA linears as one autograd
     Function each, their branch in the activations' dtype (accel/hf/lora.py); with `swiglu` each MLP as one
     (accel/hf/mlp.py), with `rope` each self-attention's q, k, v and RoPE as one (accel/hf/qkv.py; "attention":
-    under attn_implementation "llama32"). Idempotent: what was patched before is not counted again. Raises
-    ValueError for a model_type not in PATCHES."""
+    under attn_implementation "llama32"). `frozen_vision` (Llama 3.2 Vision): the vision tower runs without
+    autograd where nothing in it trains ("frozen_vision": 1). Idempotent: what was patched before is not counted
+    again. Raises ValueError for a model_type not in PATCHES."""
     table = PATCHES[model_type_of(model)]
     flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy),
-             ("attention", lora and rope))
-    wanted = {flag: table[flag] for flag, on in flags if on}
+             ("attention", lora and rope), ("frozen_vision", frozen_vision))
+    wanted = {flag: table[flag] for flag, on in flags if on and flag in table}
     counts = dict.fromkeys(wanted, 0)
     if rope:
         counts["rope"] = patch_rope(table["rope"])

@@ -47,7 +47,8 @@ class _LoraQKVRope(torch.autograd.Function):
         for d, xa, (w, a, b), s, i in zip((dq, dk, dv), (xa_q, xa_k, xa_v), ctx.params, ctx.scalings, range(3)):
             grads_ab = need[6 + 4 * i] or need[7 + 4 * i]
             d2 = d.reshape(d.shape[0], -1)  # [N, heads·E]
-            dx, (da, db) = project_backward(d2, x2, xa, w, *casts(a, b, d.dtype), s, grads_ab, dx=dx)
+            dx, (da, db) = project_backward(d2, x2, xa, w, *casts(a, b, d.dtype, last=True), s, grads_ab,
+                                                dx=dx)
             out += [None, None, None if da is None else da.to(a.dtype), None if db is None else db.to(b.dtype)]
         dx = dx.view(ctx.x_shape) if need[0] else None
         return (dx, None, None, None, *out, None, None, None)

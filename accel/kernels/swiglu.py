@@ -99,9 +99,12 @@ def swiglu_gate_up_bwd(gate_up: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return dgu
 
 
-def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, dgate: torch.Tensor | None = None,
+               dup: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gate, up (the forward's inputs), dy [T, F] -> (d gate, d up) [T, F] each, in gate's dtype: separate
-    outputs for separate gate and up GEMMs (HF's MLP), no fused buffer to copy into."""
-    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    outputs for separate gate and up GEMMs (HF's MLP), no fused buffer to copy into. The outputs may alias the
+    inputs (each element is read before it is written, by the same program)."""
+    dgate = torch.empty_like(gate) if dgate is None else dgate
+    dup = torch.empty_like(up) if dup is None else dup
     _launch_bwd(gate, up, dy, dgate, dup)
     return dgate, dup

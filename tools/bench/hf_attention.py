@@ -13,6 +13,10 @@ Function each, the LoRA branch in bf16):
            --tokens (2048) tokens (11B-Vision: with one 4-tile image): tokens/s and peak memory (GiB)
   prefill  generate(max_new_tokens=1) over --prefill-tokens (8192) tokens: ms
   image    11B-Vision only: one no-grad forward over 512 text tokens and a 4-tile image: ms
+  memory   the training step of each training configuration, after two untimed steps: memory allocated before it
+           (weights, adapters, AdamW states), the peak of its forward, backward and optimizer step, then one
+           more step under torch.cuda.memory._record_memory_history: the allocations alive at its peak grouped by
+           where they were made (--memory-top groups; common.peak_allocations)
 Each row's `vs_sdpa` is its speed over the unpatched sdpa row of the same model and kind (the issue's targets on 3B
 and 11B-Vision: the attention alone >= 1.05, with the patch >= 1.3 at <= 0.7x sdpa's peak memory), `fallbacks`
 what the llama32 attention handed to SDPA (accel.hf.fallback_counts(): should be empty). --layers N cuts every
@@ -29,7 +33,7 @@ import sys
 
 import torch
 
-from tools.bench.common import median_ms, model_config, parser, record, require_cuda, write_record
+from tools.bench.common import median_ms, model_config, parser, peak_allocations, record, require_cuda, write_record
 
 LORA_TARGETS = r".*(language_model|model\.layers).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 ROPE_32 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -44,6 +48,7 @@ VISION_11B = dict(
                        intermediate_layers_indices=[3, 7, 15, 23, 30]),
 )
 MODELS = ("1b", "3b", "11b-vision")
+KINDS = ("train", "prefill", "image", "memory")
 IMAGE_TEXT_TOKENS = 512
 
 
@@ -62,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=12,
                     help=f"timed training rounds (after {WARMUP_ROUNDS} warm-up rounds; a round = one step of each row)")
     ap.add_argument("--layers", type=int, default=None, help="cut every model to this many decoder layers")
-    ap.add_argument("--kinds", default="train,prefill,image")
+    ap.add_argument("--kinds", default="train,prefill,image", help="some of train, prefill, image, memory")
+    ap.add_argument("--memory-top", type=int, default=15, help="memory: groups of allocations listed per row")
     ap.add_argument("--patches", default="none,kernels,kernels+lora",
                     help="module patches to run each implementation with: none, kernels, kernels+lora (training)")
     args = ap.parse_args(argv)
@@ -71,8 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         fail(f"--models: {', '.join(bad)} not one of {', '.join(MODELS)}")
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if set(args.kinds) - {"train", "prefill", "image"}:
-        fail(f"--kinds: expected some of train, prefill, image, got {','.join(args.kinds)}")
+    if set(args.kinds) - set(KINDS):
+        fail(f"--kinds: expected some of {', '.join(KINDS)}, got {','.join(args.kinds)}")
     args.patches = ["" if p.strip() == "none" else p.strip() for p in args.patches.split(",") if p.strip()]
     if "" not in args.patches or set(args.patches) - set(PATCH_ROWS):
         fail("--patches: expected none (every row is compared with it) and some of kernels, kernels+lora")
@@ -134,7 +140,8 @@ PATCH_ROWS = {"": None, "kernels": dict(fused_linear_cross_entropy=True),  # row
 def configurations(impls, patches, kind: str):
     """(attention implementation, patch) pairs: every implementation unpatched, then with the kernels (RMSNorm,
     SwiGLU, RoPE, and the fused lm_head + cross-entropy), then (training) with the LoRA branch in bf16 as well."""
-    return [(impl, patch) for patch in patches if patch != "kernels+lora" or kind == "train" for impl in impls]
+    return [(impl, patch) for patch in patches if patch != "kernels+lora" or kind in ("train", "memory")
+            for impl in impls]
 
 
 def switch(model, impl: str, patch: str) -> None:
@@ -221,6 +228,74 @@ def train_rows(rows: list, model_name: str, model, lora, inputs: dict, configs: 
         print(format_row(row), flush=True)
 
 
+def memory_rows(rows: list, model_name: str, model, lora, inputs: dict, configs: list, top: int) -> None:
+    """Per training configuration: two untimed steps (AdamW states, cached casts, compiled kernels), then a step
+    with the peak memory of its forward, backward and optimizer step, then one under the CUDA allocator's history
+    -> a row with what was allocated before that step (GiB), those peaks, and the allocations alive at the
+    recorded step's peak grouped by where they were made (the `top` largest)."""
+    params = [p for p in lora.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    lora.train()
+    gib = 2**30
+
+    def step(phases: dict | None = None) -> None:
+        """One training step; with `phases`, the peak allocated (GiB) of its forward, backward and optimizer step."""
+        loss = None
+
+        def forward():
+            nonlocal loss
+            loss = lora(**inputs, labels=inputs["input_ids"]).loss
+        for name, run in (("forward", forward), ("backward", lambda: loss.backward()), ("optimizer", opt.step)):
+            if phases is not None:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            run()
+            if phases is not None:
+                torch.cuda.synchronize()
+                phases[name] = round(torch.cuda.max_memory_allocated() / gib, 3)
+        opt.zero_grad(set_to_none=True)
+
+    for c in configs:
+        row = dict(model=model_name, kind="memory", attention=c[0], patch=c[1])
+        try:
+            switch(model, *c)
+            step(), step()
+            torch.cuda.synchronize()
+            row["resident_gib"] = torch.cuda.memory_allocated() / gib
+            phases: dict = {}
+            step(phases)
+            row["phase_peak_gib"] = phases
+            row["peak_gib"] = max(phases.values())
+            start = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(context="alloc", stacks="python")
+            step()
+            torch.cuda.synchronize()
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            torch.cuda.memory._record_memory_history(enabled=None)
+            found = peak_allocations(trace, start, top)
+            row.update(recorded_peak_gib=found["peak_bytes"] / gib, before_gib=found["before_bytes"] / gib,
+                       at_peak=found["at_peak"],
+                       groups=[[label, round(n / gib, 4), count] for label, n, count in found["groups"]])
+        except Exception as e:  # noqa: BLE001 - a row that cannot run says why, the rest still run
+            torch.cuda.memory._record_memory_history(enabled=None)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            opt.zero_grad(set_to_none=True)
+        rows.append(row)
+        print(format_memory_row(row), flush=True)
+
+
+def format_memory_row(r: dict) -> str:
+    head = f"{r['model']:<11} {r['kind']:<8} {r['attention']:<18} {r['patch'] or '-':<12}"
+    if "error" in r:
+        return f"{head} error: {r['error']}"
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_peak_gib"].items())
+    lines = [f"{head} resident {r['resident_gib']:.3f} GiB; peaks: {phases}; recorded step's peak "
+             f"{r['recorded_peak_gib']:.3f} = {r['before_gib']:.3f} allocated before it + the step's own:"]
+    lines += [f"    {n:>8.4f} GiB {count:>5} x  {label}" for label, n, count in r["groups"]]
+    lines.append(f"    the allocation that reached the peak: {r['at_peak']}")
+    return "\n".join(lines)
+
+
 def prefill_fn(model, tokens: int):
     inputs = text_inputs(tokens)
 
@@ -253,13 +328,17 @@ def bench_model(name: str, args, impls, rows: list) -> None:
             make = ((lambda: prefill_fn(model, args.prefill_tokens)) if kind == "prefill" else
                     (lambda: image_fn(model)))
             measure(rows, name, kind, impl, patch, model, make)
-    if "train" in args.kinds:
+    if "train" in args.kinds or "memory" in args.kinds:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lora = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                                           target_modules=LORA_TARGETS))
         inputs = (image_inputs(model, args.tokens) if vision else text_inputs(args.tokens))
-        train_rows(rows, name, model, lora, inputs, configurations(impls, args.patches, "train"), args.steps,
-                   args.tokens)
+        if "memory" in args.kinds:
+            memory_rows(rows, name, model, lora, inputs, configurations(impls, args.patches, "memory"),
+                        args.memory_top)
+        if "train" in args.kinds:
+            train_rows(rows, name, model, lora, inputs, configurations(impls, args.patches, "train"), args.steps,
+                       args.tokens)
     del model
     torch.cuda.empty_cache()
 
@@ -304,7 +383,8 @@ def main(argv=None) -> None:
     add_ratios(rows)
     print("\nwith ratios:")
     for r in rows:
-        print(format_row(r))
+        if r["kind"] != "memory":
+            print(format_row(r))
     write_record(args.json_out, record(transformers=__import__("transformers").__version__, rows=rows))
 
 
