@@ -31,8 +31,7 @@ def one_b_layers(tmp_path_factory):
                          ids=["graphs-overlap", "eager-sync"])
 def test_tp2_batch_logits_within_bf16_of_one_gpu(one_b_layers, tmp_path, options):
     """graphs-overlap: decode steps replaying CUDA graphs and each step launched before the previous one's tokens
-    are read back (both engines; the one-GPU engine's defaults, asked for at --tp 2: accel.tp.batch.UNPROVEN_OFF);
-    eager-sync: neither (--tp 2's defaults)."""
+    are read back (both engines; the defaults at --tp 1 and --tp 2); eager-sync: neither."""
     path, cfg = one_b_layers
     rng = random.Random(0)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in LENGTHS]

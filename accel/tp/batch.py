@@ -189,20 +189,13 @@ def pool_shape(group: TPGroup, engine: BatchEngine | None) -> tuple[int, int]:
     return num_blocks, block_size
 
 
-# Off unless asked for (cuda_graphs=True, overlap=True): over 2 GPUs the graphed, overlapped steps run and are the
-# fast ones (docs/performance.md), but their logits test has not yet completed on GPUs (docs/tp.md); on the CPU over
-# gloo the overlapped steps are tested.
-UNPROVEN_OFF = {"cuda_graphs": False, "overlap": False}
-
-
 def batch_engine(group: TPGroup, shard: TPEngine, stop_ids=(), adapters: dict | None = None,
                  **options) -> TPBatchEngine | None:
     """Rank 0: the engine over its shard (BatchEngine's options: max_num_seqs, max_num_batched_tokens, gpu_memory,
-    block_size, num_blocks, cuda_graphs, overlap, both off unless asked for: UNPROVEN_OFF; adapters: {name: PEFT
+    block_size, num_blocks, cuda_graphs, overlap: the one-GPU engine's defaults); adapters: {name: PEFT
     LoRA directory}, the same on every rank); the other ranks follow rank 0's steps until its `close`, then None."""
     if options.get("batch_invariant"):
         raise GenerationError("--batch-invariant runs on one device only: a sum over ranks follows NCCL's order")
-    options = {**UNPROVEN_OFF, **options}
     plan = shard.plan
     channel = message_channel(group)
     engine = together(group, "start the batch engine", lambda: TPBatchEngine(

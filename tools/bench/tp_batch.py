@@ -39,8 +39,8 @@ def shard_weights(cfg, rank: int, world: int, device):
 
 def engine_options(batch: int, context: int, steps: int, eager: bool = False, cuda: bool = True) -> dict:
     """A pool holding `batch` sequences of decode_rate's tokens (sized, not taken from free memory: the same blocks
-    at TP=1 and TP=N); on CUDA, graphs and overlapped steps (asked for: off by default at TP=N, accel.tp.batch's
-    UNPROVEN_OFF), or with `eager` no graphs (the steps then overlapped at TP=1, not at TP=N)."""
+    at TP=1 and TP=N); on CUDA, graphs and overlapped steps (the engines' defaults), or with `eager` no graphs (the
+    steps then overlapped at TP=1, not at TP=N)."""
     per_seq = -(-(context + max_tokens(context, steps)) // BLOCK_SIZE)
     return {"max_num_seqs": batch, "max_num_batched_tokens": 8192, "block_size": BLOCK_SIZE,
             "num_blocks": batch * per_seq + 1,
