@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.bench import common, hf_attention
+from tools.bench import hf_attention
+from tools.debug import memory_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,7 +149,7 @@ def test_peak_allocations_replays_the_allocators_trace():
              dict(action="alloc", addr=4, size=400, frames=[]),
              dict(action="free_completed", addr=4, size=400, frames=[]),
              dict(action="alloc", addr=5, size=100, frames=loss)]
-    found = common.peak_allocations(trace, 1000)
+    found = memory_trace.peak_allocations(trace, 1000)
     assert found["peak_bytes"] == 1400 and found["before_bytes"] == 700
     assert found["groups"] == [["(no Python frame: the autograd engine's own ops)", 400, 1],
                                ["hf/mlp.py:40 backward < utils/checkpoint.py:9 unpack", 300, 2]]

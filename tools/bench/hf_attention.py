@@ -16,7 +16,7 @@ Function each, the LoRA branch in bf16):
   memory   the training step of each training configuration, after two untimed steps: memory allocated before it
            (weights, adapters, AdamW states), the peak of its forward, backward and optimizer step, then one
            more step under torch.cuda.memory._record_memory_history: the allocations alive at its peak grouped by
-           where they were made (--memory-top groups; common.peak_allocations)
+           where they were made (--memory-top groups; tools.debug.memory_trace.peak_allocations)
 Each row's `vs_sdpa` is its speed over the unpatched sdpa row of the same model and kind (the issue's targets on 3B
 and 11B-Vision: the attention alone >= 1.05, with the patch >= 1.3 at <= 0.7x sdpa's peak memory), `fallbacks`
 what the llama32 attention handed to SDPA (accel.hf.fallback_counts(): should be empty). --layers N cuts every
@@ -33,7 +33,8 @@ import sys
 
 import torch
 
-from tools.bench.common import median_ms, model_config, parser, peak_allocations, record, require_cuda, write_record
+from tools.bench.common import median_ms, model_config, parser, record, require_cuda, write_record
+from tools.debug.memory_trace import peak_allocations
 
 LORA_TARGETS = r".*(language_model|model\.layers).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 ROPE_32 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
