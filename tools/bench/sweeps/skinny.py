@@ -139,14 +139,8 @@ def sweep_swiglu_case(N: int, K: int, M: int, dtype=torch.bfloat16, device: str 
             row["failed"][key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-    if row["configs"]:
-        best = min(row["configs"], key=row["configs"].get)
-        row["best_config"], row["best_us"] = json.loads(best), row["configs"][best]
-        row["matmul_faster"] = row["best_us"] < (1 - MARGIN) * row["unfused_us"]
     del ws
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+    return _best(row, row["unfused_us"], dev)
 
 
 def sweep_case(N: int, K: int, M: int, dtype=torch.bfloat16, device: str = "cuda", timer=graph_us,
@@ -174,11 +168,17 @@ def sweep_case(N: int, K: int, M: int, dtype=torch.bfloat16, device: str = "cuda
             row["failed"][key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             if dev.type == "cuda":
                 torch.cuda.synchronize()
+    del ws
+    return _best(row, row["cublas_us"], dev)
+
+
+def _best(row: dict, baseline_us: float, dev) -> dict:
+    """row with its fastest config ('best_config', 'best_us') and whether it beats baseline_us by MARGIN
+    ('matmul_faster'); the case's weights (freed by the caller) given back to the device."""
     if row["configs"]:
         best = min(row["configs"], key=row["configs"].get)
         row["best_config"], row["best_us"] = json.loads(best), row["configs"][best]
-        row["matmul_faster"] = row["best_us"] < (1 - MARGIN) * row["cublas_us"]
-    del ws
+        row["matmul_faster"] = row["best_us"] < (1 - MARGIN) * baseline_us
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
