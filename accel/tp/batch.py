@@ -144,9 +144,10 @@ def unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
                       feed=feed.reshape(2, num_fed) if num_fed else None)
 
 
-def receive(device: torch.device, channel=None) -> tuple[StepInputs, torch.Tensor | None] | None:
-    """A follower's next step from rank 0 (its host tensors, pinned on CUDA) and the previous step's tokens it
-    feeds rows from (None where it feeds none; on the device, their broadcast queued); None: STOP."""
+def receive(device: torch.device, channel) -> tuple[StepInputs, torch.Tensor | None] | None:
+    """A follower's next step from rank 0 over `channel` (message_channel's group; its host tensors, pinned on
+    CUDA) and the previous step's tokens it feeds rows from (None where it feeds none; on the device, their
+    broadcast queued); None: STOP."""
     header = torch.zeros(HEADER, dtype=torch.int64)
     dist.broadcast(header, src=0, group=channel)
     header = header.tolist()
@@ -192,7 +193,7 @@ def pool_shape(group: TPGroup, engine: BatchEngine | None) -> tuple[int, int]:
 def batch_engine(group: TPGroup, shard: TPEngine, stop_ids=(), adapters: dict | None = None,
                  **options) -> TPBatchEngine | None:
     """Rank 0: the engine over its shard (BatchEngine's options: max_num_seqs, max_num_batched_tokens, gpu_memory,
-    block_size, num_blocks, cuda_graphs, overlap: the one-GPU engine's defaults); adapters: {name: PEFT
+    block_size, num_blocks, cuda_graphs, overlap: the one-GPU engine's defaults; adapters: {name: PEFT
     LoRA directory}, the same on every rank); the other ranks follow rank 0's steps until its `close`, then None."""
     if options.get("batch_invariant"):
         raise GenerationError("--batch-invariant runs on one device only: a sum over ranks follows NCCL's order")
