@@ -22,15 +22,23 @@ from refimpl.quant.schemes import QuantSpec
 
 
 class Recorder(TPEngine):
-    """A following rank that keeps every [token, go on] message rank 0 broadcasts."""
+    """A following rank that keeps every [token, go on] message rank 0 broadcasts, and every rank the order of its
+    broadcasts and session allocations (on the GPU a session's capture runs the decode step's collectives, so every
+    rank must allocate at the same point of the message sequence)."""
 
     followed: list
+    order: list
 
     def _broadcast(self, values, n):
         t = super()._broadcast(values, n)
+        self.order.append(f"broadcast {n}")
         if n == 2:
             self.followed.append(t.tolist())
         return t
+
+    def alloc_cache(self, capacity, image_tokens=0):
+        self.order.append(f"alloc {capacity}")
+        return super().alloc_cache(capacity, image_tokens)
 
 
 def _shapes(engine: TPEngine) -> dict:
@@ -49,7 +57,7 @@ def _case(group, case: dict) -> dict:
                                QuantSpec.parse(case["quant"]) if case.get("quant") else None)
     finally:
         SafetensorsFile.load = original
-    engine.followed = []
+    engine.followed, engine.order = [], []
     out = {"shapes": _shapes(engine), "whole": whole, "logits": [], "eager": [], "tokens": []}
     for step in case.get("steps", []):  # golden-style: every rank runs the same forward in lockstep
         if step["start"] == 0:
@@ -66,7 +74,7 @@ def _case(group, case: dict) -> dict:
         engine.close()
     else:
         engine.serve()
-    out["followed"] = engine.followed
+    out["followed"], out["order"] = engine.followed, engine.order
     return out
 
 

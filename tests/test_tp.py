@@ -125,6 +125,14 @@ def test_every_rank_decodes_the_same_tokens(ranks, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_every_rank_allocates_its_session_at_the_same_message(ranks, name):
+    """On the GPU allocating a session captures the decode step, whose warm-up runs its all-reduces: a rank that
+    allocated after reading the prompt while rank 0 allocated before sending it hung (their collectives crossed)."""
+    assert "alloc" in " ".join(ranks[0][name]["order"])
+    assert ranks[1][name]["order"] == ranks[0][name]["order"]
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_each_rank_holds_its_slices_only(ranks, name):
     H, K, V, tied = MODELS[name]
     D, F, E = 48, 64, 12

@@ -207,8 +207,9 @@ class TPEngine:
         """A worker's side of one request [op, prompt length, number] (a subclass adds its own ops)."""
         if op == KEEP:
             self.kept = self.alloc_cache(number)
-        elif op == GENERATE:
-            self._follow(self._broadcast(None, n), self.session(number), 0)
+        elif op == GENERATE:  # the session first, as on rank 0: its capture's warm-up steps run collectives
+            sess = self.session(number)
+            self._follow(self._broadcast(None, n), sess, 0)
         elif op == FORWARD:
             self.forward(self._broadcast(None, n), number, self.kept)
         elif op == TRACE:
