@@ -49,6 +49,7 @@ SHAPES = [  # (H, K, E, lens, block_size)
     (8, 2, 16, [33, 7, 0, 64], 16),  # GQA 4, a padding row (length 0)
     (4, 1, 24, [3, 50, 16], 8),  # MQA, E not a power of two, block 8
     (6, 2, 32, [29, 1], 4),  # GQA 3, block smaller than the tile
+    (8, 2, 16, [70, 33, 0, 5], 32),  # blocks of two or more tiles: a tile's keys consecutive slots of one block
 ]
 
 
@@ -83,14 +84,17 @@ def test_paged_decode_ignores_slots_past_the_length():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])  # bf16: inputs round to 8 bits
-def test_paged_decode_gpu(dtype, tol):
+@pytest.mark.parametrize("block_size", [16, 64, 128])  # rows gathered per block; a tile one block; a tile half a block
+def test_paged_decode_gpu(dtype, tol, block_size):
     lens = [1, 15, 16, 17, 300, 1000, 2049, 0]
-    q, ck, cv, tables, lens_t = case(32, 8, 64, lens, 16, dtype=dtype, num_blocks=1200)
-    want = reference(q, ck, cv, tables, lens_t, 16)
+    q, ck, cv, tables, lens_t = case(32, 8, 64, lens, block_size, dtype=dtype, num_blocks=19200 // block_size)
+    want = reference(q, ck, cv, tables, lens_t, block_size)
     for even in (False, True):
-        got = paged_decode_attention_fwd(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), 16, even=even)
+        got = paged_decode_attention_fwd(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), block_size,
+                                         even=even)
         torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
-    via_torch = torch_paged_decode_attention(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), 16)
+    via_torch = torch_paged_decode_attention(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(),
+                                             block_size)
     torch.testing.assert_close(via_torch.cpu().double(), want, rtol=tol, atol=tol)
 
 

@@ -148,3 +148,20 @@ def test_variant_rates_build_their_own_engine(monkeypatch):
     batch.variant_rates(cfg, random_weights(cfg, "cpu", torch.bfloat16, seed=0), args, rows, "invariant_tok_s",
                         batch_invariant=True)
     assert built == [{"batch_invariant": True}] and all(r["invariant_tok_s"] > 0 for r in rows)
+
+
+def test_block_size_reaches_every_engine(monkeypatch, capsys):
+    """--block-size: the KV pool's block size of the run's engines (the variants' too); below 1 an argparse error."""
+    from accel.weights import random_weights
+    from tools.toy import TOYS
+    with pytest.raises(SystemExit) as e:
+        batch.main(["--block-size", "0"])
+    assert e.value.code == 2 and "--block-size must be >= 1" in capsys.readouterr().err
+    args = batch.arg_parser().parse_args(["--block-size", "8", "--device", "cpu", "--batch-sizes", "2",
+                                          "--context", "5", "--decode-steps", "2"])
+    cfg = TOYS[0].config
+    built, real = [], batch.new_engine
+    monkeypatch.setattr(batch, "new_engine", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    rows = [{"batch": 2}]
+    batch.variant_rates(cfg, random_weights(cfg, "cpu", torch.bfloat16, seed=0), args, rows, "eager_tok_s")
+    assert [e.blocks.block_size for e in built] == [8] and rows[0]["eager_tok_s"] > 0

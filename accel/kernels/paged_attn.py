@@ -11,8 +11,8 @@ split to arrive combines all of them, in split order:
     out = Σ_s 2^(m_s − M) · acc_s / Σ_s 2^(m_s − M) · l_s,   M = max_s m_s,
 then sets the count back to zero for the next launch (a CUDA graph replays it). Which program combines depends on
 timing; what it computes does not.
-Keys are gathered per row through the block table, so the kernel's tile (BLOCK_N keys) does not depend on the block
-size. By default split_len is fixed, never derived from B or the grid, and the combination's order is the splits': a
+Where the block size is a multiple of the tile (BLOCK_N keys), a tile is one block's consecutive slots: one block id
+a tile, a contiguous [BLOCK_N, E] load; else keys are gathered per row through the block table. By default split_len is fixed, never derived from B or the grid, and the combination's order is the splits': a
 sequence's reduction order depends on its own length only (what a batch-invariant step needs). The grid covers
 `max_len` positions (the tables' width × block_size), so one launch shape serves every length below it (CUDA graphs);
 a split past a sequence's length does nothing, and the combination reads the ⌈len / split_len⌉ splits that hold
@@ -64,8 +64,12 @@ def _paged_decode_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, O, COUNT, sq_b, sq_
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
             ok = pos < end
-            block = tl.load(TABLES + b * st_b + pos // BLOCK_SIZE, mask=ok, other=0)  # constexpr: shifts, not divides
-            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
+            if BLOCK_SIZE % BLOCK_N == 0:  # the tile inside one block (n0 a multiple of BLOCK_N): one id, one run
+                block = tl.load(TABLES + b * st_b + n0 // BLOCK_SIZE).to(tl.int64)
+                slot = block * BLOCK_SIZE + n0 % BLOCK_SIZE + offs_n  # [N], consecutive
+            else:  # each row's block: constexpr block size, so shifts, not divides
+                block = tl.load(TABLES + b * st_b + pos // BLOCK_SIZE, mask=ok, other=0)
+                slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
             kv_ok = ok[:, None] & e_ok[None, :]
             k = tl.load(CK + slot[:, None] * sk_s + offs_e[None, :], mask=kv_ok, other=0.0)  # [N, E]
             v = tl.load(CV + slot[:, None] * sv_s + offs_e[None, :], mask=kv_ok, other=0.0)

@@ -80,6 +80,12 @@ def new_engine(cfg, weights, device, max_num_seqs: int, **options):
     return BatchEngine(cfg, weights, torch.device(device), "bf16", max_num_seqs=max_num_seqs, **options)
 
 
+def engine_options(args) -> dict:
+    """The BatchEngine options every engine of a run shares (--block-size)."""
+    size = getattr(args, "block_size", None)
+    return {} if size is None else {"block_size": size}
+
+
 def run_until_done(engine, ids: list[str]) -> int:
     """Steps until every request in `ids` finished -> the tokens they generated."""
     left, tokens = set(ids), 0
@@ -245,7 +251,7 @@ def decode_rows(engine, cfg, weight_bytes: int, args, copy_tb_s: float) -> list[
 def variant_rates(cfg, weights, args, rows: list[dict], column: str, **options) -> None:
     """Each row's decode tok/s again on an engine built with `options` (its own: each engine takes most of the
     free memory for its KV pool), into row[column]."""
-    engine = new_engine(cfg, weights, args.device, max(args.batch_sizes), **options)
+    engine = new_engine(cfg, weights, args.device, max(args.batch_sizes), **engine_options(args), **options)
     for row in rows:
         prompts = decode_prompts(cfg, row["batch"], args.context, args.seed)
         row[column] = decode_rate(engine, prompts, args.decode_steps)["tok_s"]
@@ -261,10 +267,10 @@ def model_rows(key: str, args, copy_tb_s: float) -> dict:
     device = args.device
     weights = random_weights(cfg, device, torch.bfloat16, seed=0)
     weight_bytes = weights.nbytes_per_token()
-    engine = new_engine(cfg, weights, device, max(args.batch_sizes))
+    engine = new_engine(cfg, weights, device, max(args.batch_sizes), **engine_options(args))
     rows = decode_rows(engine, cfg, weight_bytes, args, copy_tb_s)
     result = {"model": common.MODELS[key], "weights_gb": weights.nbytes() / 1e9, "context": args.context,
-              "decode_steps": args.decode_steps, "decode": rows}
+              "decode_steps": args.decode_steps, "block_size": engine.blocks.block_size, "decode": rows}
     jobs = workload(args.requests, args.seed, cfg.vocab_size) if args.requests else []
     hf_jobs = jobs[:args.hf_requests] if not args.skip_hf else []
     if jobs:
@@ -316,7 +322,8 @@ def render(rec: dict) -> str:
     f = _fmt
     lines = [f"batched decode — {rec['device']} — {rec['date']}", f"copy bandwidth {rec['copy_tb_s']:.2f} TB/s", ""]
     for m in rec["models"]:
-        lines.append(f"{m['model']}: {m['context']}-token contexts, {m['decode_steps']} decode steps timed")
+        blocks = f", KV blocks of {m['block_size']}" if m.get("block_size") else ""
+        lines.append(f"{m['model']}: {m['context']}-token contexts, {m['decode_steps']} decode steps timed{blocks}")
         lines.append(f"{'B':>5}{'tok/s':>11}{'roofline':>11}{'% roof':>8}{'HF tok/s':>11}{'x HF':>7}"
                      f"{'replay':>11}{'% roof':>8}{'eager':>11}{'invariant':>11}{'cost %':>8}")
         for r in m["decode"]:
@@ -359,6 +366,8 @@ def arg_parser():
                     help=f"HF runs the workload's first N requests (ours runs them too, for the speedup; default "
                          f"{HF_REQUESTS})")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="the KV pool's block size in tokens (default: the engine's, accel.batch.engine)")
     ap.add_argument("--skip-hf", action="store_true", help="skip HF transformers' continuous batching")
     ap.add_argument("--hf-cuda-graphs", choices=("on", "auto", "off"), default="on",
                     help="HF continuous batching's CUDA graphs (auto: transformers decides; default on)")
@@ -374,8 +383,8 @@ def arg_parser():
 def main(argv=None):
     ap = arg_parser()
     args = ap.parse_args(argv)
-    for name in ("context", "decode_steps"):
-        if getattr(args, name) < 1:
+    for name in ("context", "decode_steps", "block_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.requests < 0 or args.hf_requests < 0:
         ap.error(f"--{'requests' if args.requests < 0 else 'hf-requests'} must be >= 0")
