@@ -279,8 +279,9 @@ class BatchEngine:
         seqs = [s.seq for s in sampled]
         out = _Launched(batch, sampled, [], [], None, None, None, None)
         if sampled:
-            head = head.clone()  # [2, R]: greedy tokens, finite flags; out of the graph's buffer (the next replay's)
-            greedy = head[0]
+            if any(s.penalized for s in seqs):  # the next step reads these tokens after its replay (penalize_rows):
+                head = head.clone()  # out of the graph's buffer; else read before it (feed), or never
+            greedy = head[0]  # head [2, R]: greedy tokens, finite flags
             out.tokens = sample(logits, seqs, prev, greedy)  # [R]: `greedy` itself when every row is plain greedy
             out.logprobs = launch_logprobs(logits, out.tokens, seqs)
             if out.tokens is not greedy:

@@ -7,11 +7,15 @@ side stream (Triton compiles and tunes outside the capture), over static input b
 copied into; all of them share one memory pool (each replay's logits are read before the next replay). A graph ends
 with the rows' greedy tokens and finite-logits flags (accel.ops.paged.greedy_rows), so a greedy step needs no
 kernel after its replay but the copy of those out of the graph's buffer.
+A graph's static inputs are views of one device buffer (`_Inputs`): a step packs its inputs, and the rows fed from
+the previous step's tokens, into one pinned host buffer and sends them in one copy. Rows fed in order (row i from
+the previous step's token i, the usual step) take those tokens in one device copy; other feeds index them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -25,12 +29,56 @@ def feed_ids(ids: torch.Tensor, feed: torch.Tensor | None, prev: torch.Tensor | 
         ids.index_copy_(0, feed[0], prev.index_select(0, feed[1]))
 
 
+class _Inputs:
+    """One device buffer holding a graph's GRAPH_INPUTS (views of it, `views`) and room for a step's feed (up to
+    [2, rows] int64), filled by one copy from a pinned host buffer laid out alike."""
+
+    def __init__(self, inp, device):
+        self.fields = []  # (name, byte offset, dtype, shape)
+        at = 0
+        for name in GRAPH_INPUTS:
+            t = getattr(inp, name)
+            self.fields.append((name, at, t.dtype, tuple(t.shape)))
+            at += -(-t.numel() * t.element_size() // 8) * 8  # 8-byte aligned: the int64 views
+        self.feed_at = at
+        self.nbytes = at + 2 * inp.ids.shape[0] * 8
+        self.device = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.views = {name: self._view(self.device, off, dtype, shape) for name, off, dtype, shape in self.fields}
+
+    @staticmethod
+    def _view(buf: torch.Tensor, off: int, dtype, shape) -> torch.Tensor:
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return buf[off:off + n].view(dtype).view(shape)
+
+    def send(self, inp) -> torch.Tensor | None:
+        """inp's GRAPH_INPUTS and feed (host tensors) into the device buffer in one copy -> the feed [2, F] on the
+        device (a view of the buffer), None without one."""
+        F = 0 if inp.feed is None else inp.feed.shape[1]
+        end = self.feed_at + 2 * F * 8
+        host = torch.empty(end, dtype=torch.uint8, pin_memory=True)  # the pinned cache keeps it until copied
+        h = host.numpy()
+        for name, off, _, _ in self.fields:
+            src = getattr(inp, name).numpy().reshape(-1).view(np.uint8)
+            h[off:off + src.shape[0]] = src
+        if F:
+            h[self.feed_at:end] = np.ascontiguousarray(inp.feed.numpy(), np.int64).reshape(-1).view(np.uint8)
+        self.device[:end].copy_(host, non_blocking=True)
+        return self._view(self.device, self.feed_at, torch.int64, (2, F)) if F else None
+
+
+def feed_in_order(feed: torch.Tensor) -> bool:
+    """Whether a host feed [2, F] feeds rows 0..F-1 from the previous step's tokens 0..F-1, in order."""
+    f = feed.numpy()
+    return bool((f == np.arange(f.shape[1])).all())
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: object  # runner.StepInputs over the static buffers
     logits: torch.Tensor  # [rows, V], rewritten by each replay
     head: torch.Tensor  # [2, rows] int64: greedy tokens and finite flags of the logits, rewritten by each replay
+    buffer: _Inputs  # the static inputs' device buffer
 
 
 class DecodeGraphs:
@@ -50,19 +98,25 @@ class DecodeGraphs:
         return bucket, min(w, max(self.runner.max_width, width))
 
     def run(self, inp, prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replays inp's graph over its inputs (pinned host tensors: copied without waiting), its decode rows fed
-        from the previous step's tokens `prev` on the device (runner.feed_ids) -> (logits [rows, V], head [2, rows]:
+        """Replays inp's graph over its inputs (host tensors: packed, copied without waiting), its decode rows fed
+        from the previous step's tokens `prev` on the device (feed_ids) -> (logits [rows, V], head [2, rows]:
         runner.forward_head's), both the graph's buffers."""
         g = self.graphs.get(inp.graph_key) or self._capture(inp)
-        for name in GRAPH_INPUTS:
-            getattr(g.inputs, name).copy_(getattr(inp, name), non_blocking=True)
-        feed_ids(g.inputs.ids, inp.feed, prev)
+        feed = g.buffer.send(inp)
+        if feed is not None:
+            if feed_in_order(inp.feed):
+                F = inp.feed.shape[1]
+                g.inputs.ids[:F].copy_(prev[:F])
+            else:
+                feed_ids(g.inputs.ids, feed, prev)
         g.graph.replay()
         return g.logits, g.head
 
     def _capture(self, inp) -> _Graph:
         dev = self.runner.device
-        static = replace(inp, **{name: getattr(inp, name).to(dev) for name in GRAPH_INPUTS})
+        buffer = _Inputs(inp, dev)
+        buffer.send(replace(inp, feed=None))
+        static = replace(inp, **buffer.views)
         static = replace(static, sample_rows=torch.arange(inp.num_decode, device=dev), sampled=[])
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -77,6 +131,6 @@ class DecodeGraphs:
             # thread-local: under --tp the NCCL watchdog thread polls its events while a rank captures
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits, head = self.runner.forward_head(static)
-        g = _Graph(graph, static, logits, head)
+        g = _Graph(graph, static, logits, head, buffer)
         self.graphs[inp.graph_key] = g
         return g

@@ -175,10 +175,10 @@ class ModelRunner:
         if self.invariant and prefill:  # every row through the paged kernel, each with its own table and length
             tables, lens = self._rows_tables(tables, lens, prefill, T)
             num_paged, chunks = T, []
-        cuda = self.device.type == "cuda"
+        pin = self.device.type == "cuda" and key is None  # a graphed step's inputs are packed: graphs.py
 
         def t(x):
-            return host_tensor(x, pin=cuda)
+            return host_tensor(x, pin=pin)
         return StepInputs(t(ids), t(positions), t(slots), num_paged, t(tables), t(lens),
                           [(f, n, t(sl)) for f, n, sl in chunks], t(np.asarray(sample_rows, np.int64)), sampled, key,
                           t(self.lora.tiles(lora_rows, "cpu")) if adapters else None, images,
@@ -186,10 +186,11 @@ class ModelRunner:
 
     def placed(self, inp: StepInputs) -> StepInputs:
         """prepare's host tensors on the device, each copy queued from pinned memory (nothing waits); a graphed
-        step's GRAPH_INPUTS stay on the host: graphs.run copies them into its graph's own buffers."""
+        step's GRAPH_INPUTS and feed stay on the host (graphs.run sends them into its graph's own buffer in one
+        copy), and its sample_rows too (every row of a graph gives logits)."""
         if self.device.type != "cuda":
             return inp
-        keep = GRAPH_INPUTS if inp.graph_key is not None else ()
+        keep = (*GRAPH_INPUTS, "feed", "sample_rows") if inp.graph_key is not None else ()
 
         def move(x):
             return x if x is None or x.device.type == "cuda" else x.to(self.device, non_blocking=True)
