@@ -54,15 +54,14 @@ SHAPES = [  # (H, K, E, lens, block_size)
 
 
 @pytest.mark.parametrize("H,K,E,lens,block_size", SHAPES)
-@pytest.mark.parametrize("impl", ["triton", "triton_even", "triton_tma", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "triton_even", "torch"])
 def test_paged_decode_matches_reference(H, K, E, lens, block_size, impl):
     if impl != "torch" and not INTERPRET:
         pytest.skip("the kernel on CPU tensors needs TRITON_INTERPRET=1 (on a GPU machine: test_paged_decode_gpu)")
     q, ck, cv, tables, lens_t = case(H, K, E, lens, block_size)
     fn = paged_decode_attention_fwd if impl != "torch" else torch_paged_decode_attention
     kw = {"triton": {"split_len": 16},  # several splits per sequence at these lengths
-          "triton_even": {"even": True}, "torch": {},  # split_count's splits: several at these batch sizes
-          "triton_tma": {"split_len": 16, "config": {"TMA": True}}}[impl]  # descriptors where a tile is in a block
+          "triton_even": {"even": True}, "torch": {}}[impl]  # split_count's splits: several at these batch sizes
     got = fn(q, ck, cv, tables, lens_t, block_size, **kw)
     want = reference(q, ck, cv, tables, lens_t, block_size)
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -80,8 +79,6 @@ def test_paged_decode_ignores_slots_past_the_length():
             ck[:, s], cv[:, s] = float("nan"), float("nan")
     for fn in (paged_decode_attention_fwd, torch_paged_decode_attention):
         torch.testing.assert_close(fn(q, ck, cv, tables, lens, 16), clean, rtol=1e-5, atol=1e-5)
-    tma = paged_decode_attention_fwd(q, ck, cv, tables, lens, 16, split_len=16, config={"TMA": True})
-    torch.testing.assert_close(tma, clean, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -92,9 +89,9 @@ def test_paged_decode_gpu(dtype, tol, block_size):
     lens = [1, 15, 16, 17, 300, 1000, 2049, 0]
     q, ck, cv, tables, lens_t = case(32, 8, 64, lens, block_size, dtype=dtype, num_blocks=19200 // block_size)
     want = reference(q, ck, cv, tables, lens_t, block_size)
-    for even, config in ((False, None), (True, None), (True, {"TMA": True})):
+    for even in (False, True):
         got = paged_decode_attention_fwd(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(), block_size,
-                                         even=even, config=config)
+                                         even=even)
         torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
     via_torch = torch_paged_decode_attention(q.cuda(), ck.cuda(), cv.cuda(), tables.cuda(), lens_t.cuda(),
                                              block_size)

@@ -34,9 +34,9 @@ from .flash_attn import LOG2E, dot_precision
 
 @triton.jit
 def _paged_decode_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, O, COUNT, sq_b, sq_h, sk_k, sk_s, sv_k, sv_s, st_b,
-                         so_b, so_h, E, G, H, NK, NSLOT, split_len, n_splits, qk_scale, BLOCK_SIZE: tl.constexpr,
+                         so_b, so_h, E, G, H, NK, split_len, n_splits, qk_scale, BLOCK_SIZE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, EVEN: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -56,31 +56,23 @@ def _paged_decode_kernel(Q, CK, CV, TABLES, LENS, ACC, M, L, O, COUNT, sq_b, sq_
         offs_n = tl.arange(0, BLOCK_N)
         q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_e[None, :], mask=out_mask,
                     other=0.0)  # [G, E], padded to BLOCK_G >= 16 rows for tl.dot
-        if not TMA:
-            CK = CK + kh * sk_k
-            CV = CV + kh * sv_k
+        CK = CK + kh * sk_k
+        CV = CV + kh * sv_k
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_E], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
             ok = pos < end
-            if TMA:  # the pools as [K·S, E] tensor descriptors: the tile's rows from kh's slot of its first key
-                block = tl.load(TABLES + b * st_b + n0 // BLOCK_SIZE)
-                row = kh * NSLOT + block * BLOCK_SIZE + n0 % BLOCK_SIZE
-                k = CK.load([row, 0])  # [N, E], columns past E zeros
-                v = CV.load([row, 0])
-                v = tl.where(ok[:, None], v, tl.zeros_like(v))  # rows past the length: zeros (the pool's may be NaN)
-            else:
-                if BLOCK_SIZE % BLOCK_N == 0:  # the tile inside one block (n0 a multiple of BLOCK_N): one id, one run
-                    block = tl.load(TABLES + b * st_b + n0 // BLOCK_SIZE).to(tl.int64)
-                    slot = block * BLOCK_SIZE + n0 % BLOCK_SIZE + offs_n  # [N], consecutive
-                else:  # each row's block: constexpr block size, so shifts, not divides
-                    block = tl.load(TABLES + b * st_b + pos // BLOCK_SIZE, mask=ok, other=0)
-                    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
-                kv_ok = ok[:, None] & e_ok[None, :]
-                k = tl.load(CK + slot[:, None] * sk_s + offs_e[None, :], mask=kv_ok, other=0.0)  # [N, E]
-                v = tl.load(CV + slot[:, None] * sv_s + offs_e[None, :], mask=kv_ok, other=0.0)
+            if BLOCK_SIZE % BLOCK_N == 0:  # the tile inside one block (n0 a multiple of BLOCK_N): one id, one run
+                block = tl.load(TABLES + b * st_b + n0 // BLOCK_SIZE).to(tl.int64)
+                slot = block * BLOCK_SIZE + n0 % BLOCK_SIZE + offs_n  # [N], consecutive
+            else:  # each row's block: constexpr block size, so shifts, not divides
+                block = tl.load(TABLES + b * st_b + pos // BLOCK_SIZE, mask=ok, other=0)
+                slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
+            kv_ok = ok[:, None] & e_ok[None, :]
+            k = tl.load(CK + slot[:, None] * sk_s + offs_e[None, :], mask=kv_ok, other=0.0)  # [N, E]
+            v = tl.load(CV + slot[:, None] * sv_s + offs_e[None, :], mask=kv_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, E] @ [E, N] -> [G, N]
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # the tile's first key is inside: finite
@@ -172,14 +164,6 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
     cfg = {**(GPU_CONFIG if on_gpu else CPU_CONFIG), **(config or {})}
     block_n = min(cfg.pop("BLOCK_N"), split_len)
     assert split_len % block_n == 0 and block_n >= 16, "split_len must be a multiple of 16"
-    tma = cfg.pop("TMA", False) and block_size % block_n == 0
-    block_e = max(16, triton.next_power_of_2(E))
-    S = cache_k.shape[1]
-    ck, cv = cache_k, cache_v
-    if tma:  # [K, S, E] pools as [K·S, E] rows
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        assert cache_k.stride(0) == S * cache_k.stride(1) and cache_v.stride(0) == S * cache_v.stride(1)
-        ck, cv = (TensorDescriptor(c, [NK * S, E], [c.stride(1), 1], [block_n, block_e]) for c in (cache_k, cache_v))
     max_len = tables.shape[1] * block_size
     n_splits = split_count(B, NK, max_len, block_n) if even else max(1, triton.cdiv(max_len, split_len))
     G = H // NK
@@ -189,9 +173,9 @@ def paged_decode_attention_fwd(q: torch.Tensor, cache_k: torch.Tensor, cache_v: 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     assert out.shape == q.shape and out.stride(-1) == 1
     _paged_decode_kernel[(B, NK, n_splits)](
-        q, ck, cv, tables, lens, acc, m, l, out, _counters(q.device, B * NK), q.stride(0), q.stride(1),
+        q, cache_k, cache_v, tables, lens, acc, m, l, out, _counters(q.device, B * NK), q.stride(0), q.stride(1),
         cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), tables.stride(0), out.stride(0),
-        out.stride(1), E, G, H, NK, S, split_len, n_splits, LOG2E / math.sqrt(E), BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_E=block_e,
-        DOT_PRECISION=dot_precision(q.dtype), EVEN=even, TMA=tma, **cfg)
+        out.stride(1), E, G, H, NK, split_len, n_splits, LOG2E / math.sqrt(E), BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_E=max(16, triton.next_power_of_2(E)),
+        DOT_PRECISION=dot_precision(q.dtype), EVEN=even, **cfg)
     return out
