@@ -52,7 +52,7 @@ from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence, Status
 from .vision import VisionLayers, image_kv_bytes, images_key
 
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = 64  # tokens: a paged-attention tile's keys in one block (docs/performance.md)
 
 
 @dataclass

@@ -120,7 +120,7 @@ def _combine(ACC, M, L, base, n_live, offs_e, E, g_ok, out_mask, BLOCK_G: tl.con
 # GPU: 64-key tiles, 2 warps: with 512-position splits the fastest at B 64 and 256 of tools/bench/sweeps/paged.py
 GPU_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}
 CPU_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
-SPLIT_PROGRAMS = 1024  # split_count's target: (sequence, kv head, split) programs a launch
+SPLIT_PROGRAMS = 512  # split_count's target: (sequence, kv head, split) programs a launch (docs/performance.md)
 _COUNTERS: dict = {}  # device -> int32 arrival counts of the combination, zero between launches
 
 

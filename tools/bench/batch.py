@@ -259,7 +259,9 @@ def variant_rates(cfg, weights, args, rows: list[dict], column: str, **options) 
     common.free_gpu()
 
 
-def model_rows(key: str, args, copy_tb_s: float) -> dict:
+def model_rows(key: str, args) -> dict:
+    """One model's rows; the copy bandwidth of its roofline measured right before its decode rows (common.
+    copy_bandwidth: the best of several trials)."""
     import torch
 
     from accel.weights import random_weights
@@ -267,10 +269,12 @@ def model_rows(key: str, args, copy_tb_s: float) -> dict:
     device = args.device
     weights = random_weights(cfg, device, torch.bfloat16, seed=0)
     weight_bytes = weights.nbytes_per_token()
+    copy_tb_s = common.copy_bandwidth(device)
     engine = new_engine(cfg, weights, device, max(args.batch_sizes), **engine_options(args))
     rows = decode_rows(engine, cfg, weight_bytes, args, copy_tb_s)
     result = {"model": common.MODELS[key], "weights_gb": weights.nbytes() / 1e9, "context": args.context,
-              "decode_steps": args.decode_steps, "block_size": engine.blocks.block_size, "decode": rows}
+              "decode_steps": args.decode_steps, "block_size": engine.blocks.block_size, "copy_tb_s": copy_tb_s,
+              "decode": rows}
     jobs = workload(args.requests, args.seed, cfg.vocab_size) if args.requests else []
     hf_jobs = jobs[:args.hf_requests] if not args.skip_hf else []
     if jobs:
@@ -324,6 +328,8 @@ def render(rec: dict) -> str:
     for m in rec["models"]:
         blocks = f", KV blocks of {m['block_size']}" if m.get("block_size") else ""
         lines.append(f"{m['model']}: {m['context']}-token contexts, {m['decode_steps']} decode steps timed{blocks}")
+        if m.get("copy_tb_s"):
+            lines.append(f"copy bandwidth before its rows {m['copy_tb_s']:.2f} TB/s (its roofline's)")
         lines.append(f"{'B':>5}{'tok/s':>11}{'roofline':>11}{'% roof':>8}{'HF tok/s':>11}{'x HF':>7}"
                      f"{'replay':>11}{'% roof':>8}{'eager':>11}{'invariant':>11}{'cost %':>8}")
         for r in m["decode"]:
@@ -393,11 +399,11 @@ def main(argv=None):
 
 
 def run(args, command: str | None = None) -> dict:
-    copy = common.copy_bandwidth(args.device)
-    rec = common.record(args.device, command=command, copy_tb_s=copy, models=[])
+    rec = common.record(args.device, command=command, models=[])
     for key in args.models:
         print(f"benchmarking batched decode, {common.MODELS[key]} ...", flush=True)
-        rec["models"].append(model_rows(key, args, copy))
+        rec["models"].append(model_rows(key, args))
+    rec["copy_tb_s"] = max(m["copy_tb_s"] for m in rec["models"])
     print(render(rec), flush=True)
     common.write_record(args.json_out, rec)
     return rec
