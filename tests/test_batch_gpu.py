@@ -61,7 +61,7 @@ def test_cuda_graphs_match_eager_and_survive_preemption(ckpt):
     graphed, _ = run(graphs_eng, prompts(), PARAMS)
     assert graphs_eng.runner.graphs.graphs, "no decode step ran as a graph"
     assert graphed == eager
-    tiny = BatchEngine.from_checkpoint(ckpt, dtype="bf16", num_blocks=60, max_num_batched_tokens=256)
+    tiny = BatchEngine.from_checkpoint(ckpt, dtype="bf16", num_blocks=60, block_size=16, max_num_batched_tokens=256)
     tight, _ = run(tiny, prompts(), PARAMS)
     assert tiny.stats()["num_preemptions"] > 0
     assert sum(a == b for a, b in zip(tight, eager)) >= len(eager) - 1  # bf16: another chunking may flip a near-tie
@@ -100,8 +100,8 @@ def test_overlapped_steps_give_the_tokens_of_steps_read_back_in_turn(ckpt):
         params[i] = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(free[i].token_ids[3],))
 
     def outputs(overlap):
-        eng = BatchEngine.from_checkpoint(ckpt, dtype="fp32", num_blocks=60, max_num_batched_tokens=256,
-                                          overlap=overlap)
+        eng = BatchEngine.from_checkpoint(ckpt, dtype="fp32", num_blocks=60, block_size=16,  # 960 slots: preempts
+                                          max_num_batched_tokens=256, overlap=overlap)
         outs = eng.generate(prompts(), params)
         assert eng.stats()["num_preemptions"] > 0 and eng.stats()["blocks_used"] == 0
         return outs

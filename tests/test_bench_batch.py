@@ -55,8 +55,7 @@ def toy_engine():
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         ckpt = load_checkpoint(write_toy_checkpoint(TOYS[0], d))
-    return BatchEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32", max_num_seqs=8,
-                                      block_size=16)  # the workload's 3-40-token prompts fill whole blocks
+    return BatchEngine.from_checkpoint(ckpt, device="cpu", dtype="fp32", max_num_seqs=8)
 
 
 def test_measuring_loops_on_a_toy_model(toy_engine, monkeypatch):

@@ -52,7 +52,14 @@ from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence, Status
 from .vision import VisionLayers, image_kv_bytes, images_key
 
-DEFAULT_BLOCK_SIZE = 64  # tokens: a paged-attention tile's keys in one block (docs/performance.md)
+GPU_BLOCK_SIZE = 64  # tokens a KV block on CUDA: one tile of the paged decode kernel (docs/performance.md)
+CPU_BLOCK_SIZE = 16  # elsewhere: the torch path pads every table to whole blocks
+
+
+def default_block_size(device: torch.device) -> int:
+    """The KV pool's block size where the caller names none: on CUDA one tile of the paged decode kernel
+    (accel/kernels/paged_attn.py GPU_CONFIG's 64 keys: a tile's keys are then one block's consecutive slots)."""
+    return GPU_BLOCK_SIZE if device.type == "cuda" else CPU_BLOCK_SIZE
 
 
 @dataclass
@@ -90,7 +97,7 @@ class BatchEngine:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value!r}")
-        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        block_size = default_block_size(device) if block_size is None else block_size
         if not isinstance(block_size, int) or block_size < 1:
             raise GenerationError(f"block_size must be a positive integer, got {block_size!r}")
         self.config, self.device, self.dtype_name = config, device, dtype
