@@ -80,7 +80,7 @@ def test_measuring_loops_on_a_toy_model(toy_engine, monkeypatch):
 
 def test_render_table():
     rec = {"device": "Test GPU", "date": "2026-11-26 18:00 UTC", "copy_tb_s": 3.0, "models": [{
-        "model": "llama-3.2-1b", "context": 512, "decode_steps": 64,
+        "model": "llama-3.2-1b", "context": 512, "decode_steps": 64, "block_size": 64, "copy_tb_s": 2.99,
         "decode": [{"batch": 64, "decode_tok_s": 20000.0, "roofline_tok_s": 25000.0, "roofline_pct": 80.0,
                     "hf_tok_s": 2000.0, "speedup_vs_hf": 10.0, "replay_tok_s": 22500.0, "replay_roofline_pct": 90.0,
                     "eager_tok_s": 5000.0, "invariant_tok_s": 15000.0, "invariant_cost_pct": 25.0},
@@ -90,6 +90,8 @@ def test_render_table():
                      "hf": {"seconds": 46.0, "output_tok_s": 1180.0}, "speedup_vs_hf": 9.3}}]}
     text = batch.render(rec)
     assert "batched decode — Test GPU — 2026-11-26 18:00 UTC" in text
+    assert "llama-3.2-1b: 512-token contexts, 64 decode steps timed, KV blocks of 64" in text
+    assert "copy bandwidth before its rows 2.99 TB/s (its roofline's)" in text
     assert ("   64      20000      25000    80.0       2000   10.0      22500    90.0       5000      15000"
             "    25.0") in text
     assert "    1        900       1100    81.8" + "          -      -          -       -" + "          -" * 2 + "       -" in text

@@ -12,7 +12,8 @@ split to arrive combines all of them, in split order:
 then sets the count back to zero for the next launch (a CUDA graph replays it). Which program combines depends on
 timing; what it computes does not.
 Where the block size is a multiple of the tile (BLOCK_N keys), a tile is one block's consecutive slots: one block id
-a tile, a contiguous [BLOCK_N, E] load; else keys are gathered per row through the block table. By default split_len is fixed, never derived from B or the grid, and the combination's order is the splits': a
+a tile, a contiguous [BLOCK_N, E] load; else keys are gathered per row through the block table.
+By default split_len is fixed, never derived from B or the grid, and the combination's order is the splits': a
 sequence's reduction order depends on its own length only (what a batch-invariant step needs). The grid covers
 `max_len` positions (the tables' width × block_size), so one launch shape serves every length below it (CUDA graphs);
 a split past a sequence's length does nothing, and the combination reads the ⌈len / split_len⌉ splits that hold
