@@ -19,8 +19,10 @@ something else:
     one Function only where all their linears are plain frozen ones or patched LoRA ones.
   * Frozen vision tower (Llama 3.2 Vision): its forward runs under torch.no_grad() only where no parameter of it
     trains and no input needs a gradient, so no parameter's gradient changes.
-  * All (but the frozen vision tower): only where the Triton kernels run (CUDA tensors, or the interpreter:
-    TRITON_INTERPRET=1).
+  * Offloaded checkpoints (off by default): the decoder layers whose gradient checkpointing is on keep their
+    inputs in pinned host memory until their backward (accel/hf/offload.py); on CPU a clone.
+  * All (but the frozen vision tower and the offloaded checkpoints): only where the Triton kernels run (CUDA
+    tensors, or the interpreter: TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 from accel.hf.attention import attention_forward
 from accel.hf.lora import lora_linear_forward, projection
 from accel.hf.memo import PerTensor
+from accel.hf import offload
 from accel.hf.mlp import lora_swiglu_mlp
 from accel.hf.qkv import lora_qkv_rope
 from accel.train import fused
@@ -41,14 +44,18 @@ from accel.train.loss import linear_cross_entropy
 # model_type -> {kernel flag: class names of the modules whose forward it replaces; "rope": the modeling file}
 PATCHES = {
     "llama": {"rms_norm": ("LlamaRMSNorm",), "swiglu": ("LlamaMLP",), "attention": ("LlamaAttention",),
-              "fused_linear_cross_entropy": ("LlamaForCausalLM",), "rope": "transformers.models.llama.modeling_llama"},
+              "fused_linear_cross_entropy": ("LlamaForCausalLM",), "offload_checkpoints": ("LlamaDecoderLayer",),
+              "rope": "transformers.models.llama.modeling_llama"},
     "mllama": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
                "attention": ("MllamaTextSelfAttention",), "frozen_vision": ("MllamaVisionModel",),
                "fused_linear_cross_entropy": ("MllamaForConditionalGeneration",),
+               "offload_checkpoints": ("MllamaSelfAttentionDecoderLayer", "MllamaCrossAttentionDecoderLayer"),
                "rope": "transformers.models.mllama.modeling_mllama"},
     "mllama_text_model": {"rms_norm": ("MllamaTextRMSNorm",), "swiglu": ("MllamaTextMLP",),
                           "attention": ("MllamaTextSelfAttention",),
                           "fused_linear_cross_entropy": ("MllamaForCausalLM",),
+                          "offload_checkpoints": ("MllamaSelfAttentionDecoderLayer",
+                                                  "MllamaCrossAttentionDecoderLayer"),
                           "rope": "transformers.models.mllama.modeling_mllama"},
 }
 SILU = ("silu", "swish")
@@ -237,13 +244,16 @@ def model_type_of(model: torch.nn.Module) -> str:
 
 
 def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-          fused_linear_cross_entropy: bool = False, lora: bool = False, frozen_vision: bool = True) -> dict[str, int]:
+          fused_linear_cross_entropy: bool = False, lora: bool = False, frozen_vision: bool = True,
+          offload_checkpoints: bool = False) -> dict[str, int]:
     """Patch `model` (a transformers model, or a PEFT model around one) in place -> {flag: modules patched now}
     ("rope": 1 where its modeling file's function was replaced now). `lora`: PEFT's LoRA linears as one autograd
     Function each, their branch in the activations' dtype (accel/hf/lora.py); with `swiglu` each MLP as one
     (accel/hf/mlp.py), with `rope` each self-attention's q, k, v and RoPE as one (accel/hf/qkv.py; "attention":
     under attn_implementation "llama32"). `frozen_vision` (Llama 3.2 Vision): the vision tower runs without
-    autograd where nothing in it trains ("frozen_vision": 1). Idempotent: what was patched before is not counted
+    autograd where nothing in it trains ("frozen_vision": 1). `offload_checkpoints`: the decoder layers whose
+    gradient checkpointing is on (enable it first) keep their inputs in pinned host memory until their backward
+    (accel/hf/offload.py; "offload_checkpoints": layers changed). Idempotent: what was patched before is not counted
     again. Raises ValueError for a model_type not in PATCHES."""
     table = PATCHES[model_type_of(model)]
     flags = (("rms_norm", rms_norm), ("swiglu", swiglu), ("fused_linear_cross_entropy", fused_linear_cross_entropy),
@@ -255,7 +265,12 @@ def apply(model: torch.nn.Module, rms_norm: bool = True, swiglu: bool = True, ro
     lora_class = _peft_lora_linear() if lora else None
     if lora:
         counts["lora"] = 0
+    layers = table["offload_checkpoints"] if offload_checkpoints else ()
+    if offload_checkpoints:
+        counts["offload_checkpoints"] = 0
     for module in model.modules():
+        if type(module).__name__ in layers:
+            counts["offload_checkpoints"] += offload.install(module)
         if patched(module):
             continue
         flag = next((f for f, names in wanted.items() if type(module).__name__ in names), None)
@@ -277,10 +292,12 @@ def _peft_lora_linear():
 
 
 def revert(model: torch.nn.Module) -> int:
-    """Undo apply(): every patched module runs its class's forward again, the modeling file's RoPE is HF's again
-    (for every model of that type) -> how many modules (and RoPE functions) were patched."""
+    """Undo apply(): every patched module runs its class's forward again, every offloaded layer HF's checkpoint
+    function, the modeling file's RoPE is HF's again (for every model of that type) -> how many modules (and RoPE
+    functions) were patched."""
     n = unpatch_rope(PATCHES[model_type_of(model)]["rope"])
     for module in model.modules():
+        n += offload.uninstall(module)
         if patched(module):
             del module.forward, module.llama32_patched
             n += 1
