@@ -213,3 +213,37 @@ def test_gpu_offload_keeps_the_gradients_and_frees_the_layer_inputs():
     del out
     saved = base - offloaded
     assert 0.9 * 3 * layer_bytes <= saved <= 1.1 * 3 * layer_bytes, (saved, layer_bytes)
+
+
+def test_frozen_vision_encoders_keep_only_the_states_their_vision_model_reads():
+    """apply(frozen_vision=True) on the tiny Mllama (3 local layers of which it reads outputs 0 and 2, 1 global
+    layer): without autograd each encoder returns HF's tensors at the read indices and None at the others (the global
+    one: none), and a LoRA step's loss, logits and every gradient are the unpatched model's; revert() undoes it."""
+    model, kw = mllama_inputs()
+    model = checkpointed_lora(model)
+    vision = model.base_model.model.model.vision_model
+    assert vision.intermediate_layers_indices == [0, 2] and len(vision.transformer.layers) == 3
+    patched = copy.deepcopy(model)
+    want = step(model, image_inputs(kw))
+    assert accel.hf.apply(patched, rms_norm=False, swiglu=False, rope=False) == {"frozen_vision": 1}
+    got = step(patched, image_inputs(kw))
+    assert_same(got, want)
+    p_vision = patched.base_model.model.model.vision_model
+    assert p_vision.transformer.llama32_keep == {0, 2} and p_vision.global_transformer.llama32_keep == frozenset()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 8, vision.hidden_size, generator=g)
+    for name, kept in (("transformer", (0, 2)), ("global_transformer", ())):
+        with torch.no_grad():
+            ref = getattr(vision, name)(x).hidden_states
+            out = getattr(p_vision, name)(x)
+        assert len(out.hidden_states) == len(ref)
+        for i, (a, b) in enumerate(zip(out.hidden_states, ref)):
+            if i in kept:
+                assert_close(f"{name} state {i}", a, b)
+            else:
+                assert a is None
+        assert_close(f"{name} last", out.last_hidden_state, ref[-1])
+    with torch.enable_grad():  # with autograd HF's forward runs, every state kept
+        assert all(t is not None for t in p_vision.transformer(x).hidden_states)
+    accel.hf.revert(patched)
+    assert "forward" not in vars(p_vision.transformer) and "llama32_keep" not in vars(p_vision.transformer)
