@@ -88,7 +88,8 @@ def test_offloaded_llama_lora_step_equals_hf_checkpointing():
     assert counts == {"offload_checkpoints": 3}
     assert_same(got, want)
     B, T = inputs["input_ids"].shape
-    assert host == {"current": 0, "peak": 3 * B * T * 48 * 4}  # every layer's [B, T, D] fp32 input, then none
+    # the [B, T, D] fp32 inputs of layers 1 and 2, then none (layer 0's is the embedding output: an autograd leaf)
+    assert host == {"current": 0, "peak": 2 * B * T * 48 * 4}
 
 
 def test_offloaded_mllama_with_an_image_equals_hf_checkpointing():
@@ -99,7 +100,7 @@ def test_offloaded_mllama_with_an_image_equals_hf_checkpointing():
     assert counts == {"offload_checkpoints": 4}  # 2 self-attention and 2 cross-attention layers; not the tower
     assert_same(got, want)
     assert any(".cross_attn.k_proj.lora_" in n for n in want[2])
-    assert host["peak"] == 4 * kw["input_ids"].numel() * 64 * 4
+    assert host["peak"] == 3 * kw["input_ids"].numel() * 64 * 4
 
 
 @cpu_interpreter

@@ -50,12 +50,17 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class HostCopy:
-    """A layer input held on the host: pinned, filled on the side stream (CUDA); a clone (CPU). `prev`: the copy
-    made before this one (weak), whose copy back this one's backward starts."""
+    """A layer input held on the host: pinned, filled on the side stream (CUDA); a clone (CPU). An autograd leaf
+    that requires a gradient (the embedding output, which transformers' enable_input_require_grads makes one) is
+    kept as it is: the graph holds it anyway. `prev`: the copy made before this one (weak), whose copy back this
+    one's backward starts."""
 
     def __init__(self, x: torch.Tensor):
         global _last
-        self.device, self.prev, self.back = x.device, _last, None
+        self.device, self.prev, self.back, self.counted = x.device, _last, None, 0
+        if x.is_leaf and x.requires_grad:
+            self.host, self.back = x, (x, None)
+            return
         if x.is_cuda:
             stream = side_stream(x.device)
             stream.wait_stream(torch.cuda.current_stream(x.device))  # x is written
@@ -65,7 +70,8 @@ class HostCopy:
             x.record_stream(stream)  # x's memory is not handed out again before the copy ran
         else:
             self.host = x.detach().clone()
-        _host["current"] += self.host.nbytes
+        self.counted = self.host.nbytes
+        _host["current"] += self.counted
         _host["peak"] = max(_host["peak"], _host["current"])
         _last = weakref.ref(self)
 
@@ -104,7 +110,7 @@ class HostCopy:
 
     def release(self) -> None:
         if self.host is not None:
-            _host["current"] -= self.host.nbytes
+            _host["current"] -= self.counted
             self.host = None
 
     def __del__(self):
