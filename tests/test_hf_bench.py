@@ -36,6 +36,9 @@ def test_refuses_without_cuda_in_one_line():
     (["--tokens", "0"], "error: --tokens: expected a positive integer, got 0"),
     (["--patches", "kernels"], "error: --patches: expected none (every row is compared with it)"),
     (["--patches", "none,liger"], "error: --patches: expected none (every row is compared with it)"),
+    (["--rows", "llama32:kernels+lora"], "error: --rows: expected impl:patch pairs, sdpa:none among them"),
+    (["--rows", "sdpa:none,llama32"], "error: --rows: expected impl:patch pairs, sdpa:none among them"),
+    (["--rows", "sdpa:none,llama32:liger"], "error: --rows: expected impl:patch pairs, sdpa:none among them"),
 ])
 def test_bad_arguments_are_one_line_errors(args, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -154,3 +157,16 @@ def test_peak_allocations_replays_the_allocators_trace():
     assert found["groups"] == [["(no Python frame: the autograd engine's own ops)", 400, 1],
                                ["hf/mlp.py:40 backward < utils/checkpoint.py:9 unpack", 300, 2]]
     assert found["at_peak"] == "(no Python frame: the autograd engine's own ops)"
+
+
+def test_rows_pick_configurations_and_offload_rows_show_their_host_memory():
+    args = hf_attention.parse_args(["--rows", "sdpa:none,llama32:kernels+lora,llama32:kernels+lora+offload"])
+    assert args.impls == ["sdpa", "llama32"] and args.patches == ["", "kernels+lora", "kernels+lora+offload"]
+    want = [("sdpa", ""), ("llama32", "kernels+lora"), ("llama32", "kernels+lora+offload")]
+    for kind in ("train", "memory"):
+        assert hf_attention.configurations(args.impls, args.patches, kind, args.rows) == want
+    assert hf_attention.configurations(args.impls, args.patches, "prefill", args.rows) == [("sdpa", "")]
+    row = dict(model="3b", kind="train", attention="llama32", patch="kernels+lora+offload", ms=5.0, tokens_per_s=1.0,
+               peak_gib=6.5, host_gib=0.328, pinned_gib=0.44)
+    assert hf_attention.format_row(row).endswith("host 0.328 GiB (pinned allocator 0.44 GiB)")
+    assert "host" not in hf_attention.format_row(dict(row, host_gib=0.0))

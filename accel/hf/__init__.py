@@ -10,7 +10,8 @@
 
 attention.py: the attention function (FlashAttention forward + backward, GQA-native, masks, fallbacks to SDPA);
 patch.py: the module patch, a table by model_type; lora.py / mlp.py / qkv.py: PEFT's LoRA Linear, HF's MLP and
-a self-attention's q, k, v + RoPE as one autograd Function each (lora=True); memo.py: what is derived once per tensor (masks, RoPE tables).
+a self-attention's q, k, v + RoPE as one autograd Function each (lora=True); offload.py: gradient checkpointing with
+the layer inputs on the host (offload_checkpoints=True); memo.py: what is derived once per tensor (masks, RoPE tables).
 """
 from __future__ import annotations
 

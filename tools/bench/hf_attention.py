@@ -3,12 +3,14 @@ flash_attn is importable), on the GPU.
 
     python -m tools.bench.hf_attention [--models 1b,3b,11b-vision] [--json-out F] [--steps 12] [--layers N]
                                        [--kinds train,prefill,image] [--patches none,kernels,kernels+lora]
+                                       [--rows sdpa:none,llama32:kernels+lora,llama32:kernels+lora+offload]
 
 Random bf16 weights at the Llama 3.2 1B / 3B / 11B-Vision shapes (configs built here; nothing is downloaded). For
 each model, attention implementation and module patch ("none"; "kernels": accel.hf.apply with RMSNorm, SwiGLU
 MLP, RoPE in Triton and the fused lm_head + cross-entropy; "kernels+lora", training only: apply(lora=True) as
 well: PEFT's LoRA linears, each MLP and (under "llama32") each self-attention's q, k, v + RoPE as one autograd
-Function each, the LoRA branch in bf16):
+Function each, the LoRA branch in bf16; "kernels+lora+offload", training only: apply(offload_checkpoints=True) as
+well: each checkpointed decoder layer's input in pinned host memory until its backward, accel/hf/offload.py):
   train    HF + PEFT LoRA (r 16 on every linear of the text decoder), gradient checkpointing, one sequence of
            --tokens (2048) tokens (11B-Vision: with one 4-tile image): tokens/s and peak memory (GiB)
   prefill  generate(max_new_tokens=1) over --prefill-tokens (8192) tokens: ms
@@ -19,9 +21,10 @@ Function each, the LoRA branch in bf16):
            where they were made (--memory-top groups; tools.debug.memory_trace.peak_allocations)
 Each row's `vs_sdpa` is its speed over the unpatched sdpa row of the same model and kind (the issue's targets on 3B
 and 11B-Vision: the attention alone >= 1.05, with the patch >= 1.3 at <= 0.7x sdpa's peak memory), `fallbacks`
-what the llama32 attention handed to SDPA (accel.hf.fallback_counts(): should be empty). --layers N cuts every
-model to N decoder layers (11B-Vision keeps a cross-attention layer among them) for a quick run.
-Prints a table; writes JSON.
+what the llama32 attention handed to SDPA (accel.hf.fallback_counts(): should be empty), `host_gib` the peak of the
+layer inputs held on the host (offload rows) and `pinned_gib` what the process's pinned allocator held after the
+row's steps (its blocks are powers of two, and cached). --layers N cuts every model to N decoder layers
+(11B-Vision keeps a cross-attention layer among them) for a quick run. Prints a table; writes JSON.
 """
 from __future__ import annotations
 
@@ -71,8 +74,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kinds", default="train,prefill,image", help="some of train, prefill, image, memory")
     ap.add_argument("--memory-top", type=int, default=15, help="memory: groups of allocations listed per row")
     ap.add_argument("--patches", default="none,kernels,kernels+lora",
-                    help="module patches to run each implementation with: none, kernels, kernels+lora (training)")
+                    help="module patches to run each implementation with: none, kernels, kernels+lora, "
+                         "kernels+lora+offload (the last two: training)")
+    ap.add_argument("--rows", default=None, help="impl:patch pairs to run instead of every --impls with every "
+                    "--patches, sdpa:none among them (e.g. sdpa:none,llama32:kernels+lora)")
     args = ap.parse_args(argv)
+    if args.rows is not None:
+        pairs = [tuple(r.strip().split(":")) for r in args.rows.split(",") if r.strip()]
+        args.rows = [(p[0], "" if p[-1] == "none" else p[-1]) for p in pairs]
+        if (any(len(p) != 2 for p in pairs) or ("sdpa", "") not in args.rows
+                or any(patch not in PATCH_ROWS for _, patch in args.rows)):
+            fail("--rows: expected impl:patch pairs, sdpa:none among them, patches of none, "
+                 + ", ".join(PATCH_ROWS)[2:])
+        args.impls = ",".join(dict.fromkeys(i for i, _ in args.rows))
+        args.patches = ",".join(dict.fromkeys(p or "none" for _, p in args.rows))
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in args.models if m not in MODELS]
     if bad:
@@ -82,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         fail(f"--kinds: expected some of {', '.join(KINDS)}, got {','.join(args.kinds)}")
     args.patches = ["" if p.strip() == "none" else p.strip() for p in args.patches.split(",") if p.strip()]
     if "" not in args.patches or set(args.patches) - set(PATCH_ROWS):
-        fail("--patches: expected none (every row is compared with it) and some of kernels, kernels+lora")
+        fail("--patches: expected none (every row is compared with it) and some of kernels, kernels+lora, "
+             "kernels+lora+offload")
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     if "sdpa" not in args.impls:
         fail("--impls: sdpa must be among them (every row is compared with it)")
@@ -135,14 +151,28 @@ def text_inputs(tokens: int) -> dict:
 
 
 PATCH_ROWS = {"": None, "kernels": dict(fused_linear_cross_entropy=True),  # row label -> accel.hf.apply flags
-              "kernels+lora": dict(fused_linear_cross_entropy=True, lora=True)}
+              "kernels+lora": dict(fused_linear_cross_entropy=True, lora=True),
+              "kernels+lora+offload": dict(fused_linear_cross_entropy=True, lora=True, offload_checkpoints=True)}
 
 
-def configurations(impls, patches, kind: str):
+def configurations(impls, patches, kind: str, rows=None):
     """(attention implementation, patch) pairs: every implementation unpatched, then with the kernels (RMSNorm,
-    SwiGLU, RoPE, and the fused lm_head + cross-entropy), then (training) with the LoRA branch in bf16 as well."""
-    return [(impl, patch) for patch in patches if patch != "kernels+lora" or kind in ("train", "memory")
-            for impl in impls]
+    SwiGLU, RoPE, and the fused lm_head + cross-entropy), then (training) with the LoRA branch in bf16 as well,
+    then with the offloaded checkpoints; only those in `rows` where given."""
+    return [(impl, patch) for patch in patches if "lora" not in patch or kind in ("train", "memory")
+            for impl in impls if rows is None or (impl, patch) in rows]
+
+
+def host_gib() -> dict:
+    """{"host_gib": the peak of the layer inputs held on the host since offload.reset_host_peak(), "pinned_gib":
+    what the pinned allocator holds now (None where this torch does not say)}."""
+    from accel.hf import offload
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except Exception:  # noqa: BLE001 - a torch without the pinned allocator's statistics: not reported
+        stats = {}
+    pinned = stats.get("allocated_bytes.current")
+    return dict(host_gib=offload.host_bytes()["peak"] / 2**30, pinned_gib=None if pinned is None else pinned / 2**30)
 
 
 def switch(model, impl: str, patch: str) -> None:
@@ -183,10 +213,12 @@ def train_rows(rows: list, model_name: str, model, lora, inputs: dict, configs: 
     median step (CUDA events around it), tokens/s and the peak memory of its steps. A configuration that raises
     (out of memory, an implementation the model refuses) becomes its row's error and leaves the rounds."""
     import accel.hf
+    from accel.hf import offload
     params = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     times = {c: [] for c in configs}
     peaks = dict.fromkeys(configs, 0.0)
+    hosts = dict.fromkeys(configs, {})
     fallbacks = {c: {} for c in configs}
     errors = {}
     lora.train()
@@ -198,6 +230,7 @@ def train_rows(rows: list, model_name: str, model, lora, inputs: dict, configs: 
                 switch(model, *c)
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                offload.reset_host_peak()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 lora(**inputs, labels=inputs["input_ids"]).loss.backward()
@@ -215,13 +248,14 @@ def train_rows(rows: list, model_name: str, model, lora, inputs: dict, configs: 
             if r >= WARMUP_ROUNDS:
                 times[c].append(start.elapsed_time(end))
                 peaks[c] = max(peaks[c], torch.cuda.max_memory_allocated() / 2**30)
+                hosts[c] = host_gib()  # the same layer inputs every step
     for impl, patch in configs:
         row = dict(model=model_name, kind="train", attention=impl, patch=patch)
         if (impl, patch) in errors:
             row["error"] = errors[(impl, patch)]
         else:
             ms = statistics.median(times[(impl, patch)])
-            row.update(ms=ms, tokens_per_s=tokens / ms * 1e3, peak_gib=peaks[(impl, patch)],
+            row.update(ms=ms, tokens_per_s=tokens / ms * 1e3, peak_gib=peaks[(impl, patch)], **hosts[(impl, patch)],
                        steps_ms=[round(t, 2) for t in times[(impl, patch)]])
         if impl == "llama32":
             row["fallbacks"] = fallbacks[(impl, patch)]
@@ -234,6 +268,7 @@ def memory_rows(rows: list, model_name: str, model, lora, inputs: dict, configs:
     with the peak memory of its forward, backward and optimizer step, then one under the CUDA allocator's history
     -> a row with what was allocated before that step (GiB), those peaks, and the allocations alive at the
     recorded step's peak grouped by where they were made (the `top` largest)."""
+    from accel.hf import offload
     params = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     lora.train()
@@ -264,7 +299,9 @@ def memory_rows(rows: list, model_name: str, model, lora, inputs: dict, configs:
             torch.cuda.synchronize()
             row["resident_gib"] = torch.cuda.memory_allocated() / gib
             phases: dict = {}
+            offload.reset_host_peak()
             step(phases)
+            row.update(host_gib())
             row["phase_peak_gib"] = phases
             row["peak_gib"] = max(phases.values())
             start = torch.cuda.memory_allocated()
@@ -286,12 +323,12 @@ def memory_rows(rows: list, model_name: str, model, lora, inputs: dict, configs:
 
 
 def format_memory_row(r: dict) -> str:
-    head = f"{r['model']:<11} {r['kind']:<8} {r['attention']:<18} {r['patch'] or '-':<12}"
+    head = f"{r['model']:<11} {r['kind']:<8} {r['attention']:<18} {r['patch'] or '-':<20}"
     if "error" in r:
         return f"{head} error: {r['error']}"
     phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_peak_gib"].items())
     lines = [f"{head} resident {r['resident_gib']:.3f} GiB; peaks: {phases}; recorded step's peak "
-             f"{r['recorded_peak_gib']:.3f} = {r['before_gib']:.3f} allocated before it + the step's own:"]
+             f"{r['recorded_peak_gib']:.3f} = {r['before_gib']:.3f} allocated before it + the step's own:{host(r)}"]
     lines += [f"    {n:>8.4f} GiB {count:>5} x  {label}" for label, n, count in r["groups"]]
     lines.append(f"    the allocation that reached the peak: {r['at_peak']}")
     return "\n".join(lines)
@@ -325,7 +362,7 @@ def bench_model(name: str, args, impls, rows: list) -> None:
     for kind in ("prefill", "image"):
         if kind not in args.kinds or (kind == "image" and not vision):
             continue
-        for impl, patch in configurations(impls, args.patches, kind):
+        for impl, patch in configurations(impls, args.patches, kind, args.rows):
             make = ((lambda: prefill_fn(model, args.prefill_tokens)) if kind == "prefill" else
                     (lambda: image_fn(model)))
             measure(rows, name, kind, impl, patch, model, make)
@@ -335,11 +372,11 @@ def bench_model(name: str, args, impls, rows: list) -> None:
                                                           target_modules=LORA_TARGETS))
         inputs = (image_inputs(model, args.tokens) if vision else text_inputs(args.tokens))
         if "memory" in args.kinds:
-            memory_rows(rows, name, model, lora, inputs, configurations(impls, args.patches, "memory"),
+            memory_rows(rows, name, model, lora, inputs, configurations(impls, args.patches, "memory", args.rows),
                         args.memory_top)
         if "train" in args.kinds:
-            train_rows(rows, name, model, lora, inputs, configurations(impls, args.patches, "train"), args.steps,
-                       args.tokens)
+            train_rows(rows, name, model, lora, inputs, configurations(impls, args.patches, "train", args.rows),
+                       args.steps, args.tokens)
     del model
     torch.cuda.empty_cache()
 
@@ -359,7 +396,7 @@ def add_ratios(rows: list) -> None:
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['model']:<11} {r['kind']:<8} {r['attention']:<18} {r['patch'] or '-':<12}"
+    head = f"{r['model']:<11} {r['kind']:<8} {r['attention']:<18} {r['patch'] or '-':<20}"
     if "error" in r:
         return f"{head} error: {r['error']}"
     tps = f"{r['tokens_per_s']:>9.0f}" if "tokens_per_s" in r else f"{'':>9}"
@@ -367,7 +404,15 @@ def format_row(r: dict) -> str:
     if "paired_vs_sdpa" in r:
         ratio += f"  paired {r['paired_vs_sdpa']:.2f}x"
     fb = f" fallbacks {r['fallbacks']}" if r.get("fallbacks") else ""
-    return f"{head} {r['ms']:>10.2f} {tps} {r['peak_gib']:>7.2f} {ratio}{fb}"
+    return f"{head} {r['ms']:>10.2f} {tps} {r['peak_gib']:>7.2f} {ratio}{fb}{host(r)}"
+
+
+def host(r: dict) -> str:
+    """The host memory an offload row used: its layer inputs' peak, and what the pinned allocator held."""
+    if not r.get("host_gib"):
+        return ""
+    pinned = "" if r.get("pinned_gib") is None else f" (pinned allocator {r['pinned_gib']:.2f} GiB)"
+    return f"  host {r['host_gib']:.3f} GiB{pinned}"
 
 
 def main(argv=None) -> None:
@@ -376,7 +421,7 @@ def main(argv=None) -> None:
     import accel.hf
     accel.hf.register()
     impls = [i for i in args.impls if i != "flash_attention_2" or importlib.util.find_spec("flash_attn")]
-    print(f"{'model':<11} {'kind':<8} {'attention':<18} {'patch':<12} {'ms':>10} {'tokens/s':>9} {'peak GiB':>7}"
+    print(f"{'model':<11} {'kind':<8} {'attention':<18} {'patch':<20} {'ms':>10} {'tokens/s':>9} {'peak GiB':>7}"
           f" {'vs sdpa (speed, memory; training: paired by round)'}")
     rows: list = []
     for name in args.models:
