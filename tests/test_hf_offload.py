@@ -16,22 +16,12 @@ import torch
 
 import accel.hf
 from accel.hf import offload, patch
-from tests._hf_tiny import assert_close, left_padded, llama, mllama_inputs
+from tests._hf_tiny import assert_close, cpu_interpreter, hf_rope, left_padded, llama, mllama_inputs  # noqa: F401
 from tests._mllama_hf import IMAGE
 
 peft = pytest.importorskip("peft")
 
-cpu_interpreter = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                     reason="CPU-interpreter coverage of the kernels' patches")
 TEXT = r".*(language_model|model\.layers).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
-
-
-@pytest.fixture(autouse=True)
-def hf_rope():
-    """RoPE is patched in the modeling files, process-wide: every test leaves HF's own behind."""
-    yield
-    for module_name in {t["rope"] for t in patch.PATCHES.values()}:
-        patch.unpatch_rope(module_name)
 
 
 def checkpointed_lora(model):
