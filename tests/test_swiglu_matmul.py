@@ -53,21 +53,6 @@ def test_fp32_is_the_gemm_then_swiglu(M, F_, K, cfg):
 
 
 @interpreter
-def test_fp32_norm_inside_is_the_normed_gemm_then_swiglu():
-    """norm=(g, eps): the fused kernel on rms_norm(x, g), the norm inside it; against the kernel on the normed x
-    (within fp32 rounding: the norm's scale now multiplies the products) and HF's order from float64."""
-    x, w = case(20, 40, 96)
-    x = x * torch.logspace(-1, 1, 20)[:, None]
-    g = 1 + 0.3 * torch.randn(96, generator=torch.Generator().manual_seed(3))
-    cfg = MatmulConfig(16, 32, 16, 1, 4, 2)
-    h = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * g.double()).float()
-    got = swiglu_matmul_fwd(x, w, cfg, norm=(g, 1e-5))
-    torch.testing.assert_close(got, swiglu_matmul_fwd(h, w, cfg), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, hf_swiglu(h, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(batched_swiglu_linear(x, w, {}, {}, norm=(g, 1e-5)), got, rtol=1e-5, atol=1e-5)
-
-
-@interpreter
 def test_split_k_repeats_bitwise_between_other_launches():
     """Both halves' partials summed by the last program, its counter returned to 0: the same bits on every call,
     other split launches (the plain GEMM's too) between them."""
@@ -97,7 +82,7 @@ def test_dispatch_takes_the_fused_kernel_where_the_table_lists_the_bucket(monkey
     cfg = MatmulConfig(16, 32, 16, 2, 4, 1)
     used = []
     monkeypatch.setattr("accel.ops.paged.swiglu_matmul_fwd",
-                        lambda a, b, c, *more: used.append(c) or swiglu_matmul_fwd(a, b, c, *more))
+                        lambda a, b, c: used.append(c) or swiglu_matmul_fwd(a, b, c))
     assert torch.equal(batched_swiglu_linear(x, w, {(40, 64, 8): cfg}), swiglu_matmul_fwd(x, w, cfg))
     assert used == [cfg]
     assert torch.equal(batched_swiglu_linear(x, w, {}, {}), swiglu_gate_up_fwd(F.linear(x, w)))
@@ -133,17 +118,3 @@ def test_bf16_gpu_is_the_gemm_then_swiglu_bitwise(M):
             torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2)
         assert torch.equal(batched_swiglu_linear(x, w), batched_swiglu_linear(x, w))
         torch.testing.assert_close(batched_swiglu_linear(x, w).float(), want, rtol=1.6e-2, atol=1e-2)
-
-
-@gpu
-@pytest.mark.gpu
-def test_bf16_gpu_norm_inside_at_the_table_rows():
-    """The mlp norm inside the fused kernel at each SWIGLU_MATMUL row (bf16): within bf16 tolerance of the norm
-    kernel then the fused kernel."""
-    gen = torch.Generator("cuda").manual_seed(0)
-    for (N2, K, M), cfg in SWIGLU_MATMUL.items():
-        x, w = case(M, N2 // 2, K, torch.bfloat16, "cuda", seed=M)
-        g = (1 + 0.3 * torch.randn(K, generator=gen, device="cuda")).to(torch.bfloat16)
-        got = swiglu_matmul_fwd(x, w, cfg, norm=(g, 1e-5)).float()
-        want = swiglu_matmul_fwd(ops.rms_norm(x, g, 1e-5), w, cfg).float()
-        assert ((got - want) ** 2).mean() / (want ** 2).mean() < 1e-4, (N2, K, M)

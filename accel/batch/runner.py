@@ -45,7 +45,7 @@ from refimpl.model.config import LlamaConfig
 from .. import ops
 from ..lora_stack import LoraStack, stack_adapters
 from ..ops.paged import (batched_linear, batched_swiglu_linear, greedy_rows, invariant_linear, invariant_swiglu_linear,
-                         paged_decode_attention, swiglu_config)
+                         paged_decode_attention)
 from ..ops.torch_ops import split_qkv
 from ..weights import Weights
 from .block_manager import BlockManager
@@ -307,8 +307,6 @@ class ModelRunner:
         first_norm, layers = self._schedule(inp)
         x, h = self.tp.embed_norm(inp.ids, w.embed, first_norm, eps)  # [T, D] each
         cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [T, E/2] fp32
-        if self._norms_in_gemms(inp, x):
-            return self._forward_norms_in_gemms(inp, x, h, cos, sin)
         for i, c, next_norm in layers:  # i: the self layer's index in the paged cache; c: a cross layer's
             if c is not None:
                 x, h = self.vision.cross(c, x, h, next_norm, inp.images)
@@ -323,30 +321,6 @@ class ModelRunner:
         if len(inp.sample_rows) < h.shape[0]:  # else every row, in order (rows sampled are listed in order)
             h = h[inp.sample_rows]
         return self.tp.gather(self._dense(h, w.lm_head))  # [R, D] -> [R, V]
-
-    def _norms_in_gemms(self, inp: StepInputs, x) -> bool:
-        """Whether the step runs _forward_norms_in_gemms: on one device, a text model, no adapter in the step,
-        outside the batch-invariant mode, where the fused gate_up + SwiGLU kernel is listed for the step's rows
-        (accel/ops/paged.py swiglu_config: the decode steps of the 1B and 3B shapes)."""
-        return (self.use_triton and not self.invariant and inp.lora_tiles is None and self.vision is None
-                and self.tp is ONE_DEVICE and swiglu_config(x, self.w.layers[0].gate_up) is not None)
-
-    def _forward_norms_in_gemms(self, inp: StepInputs, x, h, cos, sin) -> torch.Tensor:
-        """_forward with the residual adds in the o and down GEMMs (cuBLAS's beta = 1 or the kernel's epilogue)
-        and the mlp norm and the final norm inside the gate_up + SwiGLU and lm_head kernels: of a layer's two
-        norms only the next layer's attention norm still runs alone (17 launches a step fewer at 16 layers)."""
-        w, eps = self.w, self.cfg.rms_norm_eps
-        last = len(w.layers) - 1
-        for i, lw in enumerate(w.layers):
-            a = self._attention(lw, h, cos, sin, i, inp)  # [T, H·E]
-            x = batched_linear(a, lw.o, residual=x)  # resid_mid = x + a·Woᵀ, over x
-            act = batched_swiglu_linear(x, lw.gate_up, norm=(lw.mlp_norm, eps))  # [T, D] -> [T, F]
-            x = batched_linear(act, lw.down, residual=x)  # resid_post
-            if i < last:
-                h = ops.rms_norm(x, w.layers[i + 1].attn_norm, eps)
-        if len(inp.sample_rows) < x.shape[0]:
-            x = x[inp.sample_rows]
-        return batched_linear(x, w.lm_head, norm=(w.norm, eps))  # [R, D] -> [R, V]
 
     def _schedule(self, inp: StepInputs):
         """(the first layer's input norm, [(self layer i or None, cross layer c or None, the next layer's norm)]):

@@ -38,17 +38,13 @@ INVARIANT_CPU = MatmulConfig(16, 32, 16, 1, 4, 1)
 
 
 @triton.jit
-def _matmul_kernel(X, W, Y, P, CNT, G, M, N, K, sx_m, sw_n, sy_m, slice_k, eps, BLOCK_M: tl.constexpr,
+def _matmul_kernel(X, W, Y, P, CNT, M, N, K, sx_m, sw_n, sy_m, slice_k, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                   STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU: tl.constexpr = False,
-                   NORM: tl.constexpr = False, RESID: tl.constexpr = False):
+                   STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU: tl.constexpr = False):
     """Program (m block, n block, K slice s) of a (M / BM, N / BN, slices) grid (the m blocks of a weight tile
     launch side by side: its second read comes from the L2); slice s covers K columns [s·slice_k, (s + 1)·slice_k).
     SWIGLU: W is a fused [2N, K] gate_up, the program's gate rows n and up rows N + n go to two accumulators and Y
-    [M, N] gets silu(gate) · up. NORM (no split: a program sees whole rows of X): X is RMS-normed with weight G [K]
-    on the way in, each tile scaled by G and the row's 1 / rms applied to the products (rms_norm(X)·Wᵀ = r ⊙
-    ((X ⊙ G)·Wᵀ), r one scale a row). RESID: Y [M, N] holds a residual, added to the products before they are
-    stored over it (each element read and written by one program)."""
+    [M, N] gets silu(gate) · up."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
@@ -62,7 +58,6 @@ def _matmul_kernel(X, W, Y, P, CNT, G, M, N, K, sx_m, sw_n, sy_m, slice_k, eps, 
     k_hi = tl.minimum(K, k_lo + slice_k)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWIGLU only
-    sumsq = tl.zeros([BLOCK_M], tl.float32)  # NORM only: each x row's sum of squares
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         w_ptrs = W + w_rows[:, None] * sw_n + (k0 + offs_k)[None, :]
         x_ptrs = X + x_rows[:, None] * sx_m + (k0 + offs_k)[None, :]
@@ -78,18 +73,9 @@ def _matmul_kernel(X, W, Y, P, CNT, G, M, N, K, sx_m, sw_n, sy_m, slice_k, eps, 
             x = tl.load(x_ptrs, mask=k_ok, other=0.0)
             if SWIGLU:
                 w_up = tl.load(up_ptrs, mask=k_ok, other=0.0)
-        if NORM:
-            xf = x.to(tl.float32)
-            sumsq += tl.sum(xf * xf, axis=1)
-            g = tl.load(G + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
-            x = (xf * g[None, :]).to(X.dtype.element_ty)  # [BM, BK] ⊙ [BK]
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # += [BN, BK] @ [BK, BM]
         if SWIGLU:
             acc_up = tl.dot(w_up, tl.trans(x), acc_up, input_precision=DOT_PRECISION)
-    if NORM:
-        r = tl.rsqrt(sumsq / K + eps)  # [BM]: each row's 1 / rms, in fp32 as rms_norm
-        acc = acc * r[None, :]
-        acc_up = acc_up * r[None, :]
     ok = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     y_ptrs = Y + offs_m[None, :] * sy_m + offs_n[:, None]  # acc[n, m] -> y[m, n]
     if SPLIT:
@@ -115,15 +101,11 @@ def _matmul_kernel(X, W, Y, P, CNT, G, M, N, K, sx_m, sw_n, sy_m, slice_k, eps, 
             if SWIGLU:
                 tl.store(y_ptrs, silu_mul(total, total_up, Y.dtype.element_ty), mask=ok)
             else:
-                if RESID:
-                    total += tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
                 tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=ok)
             tl.store(CNT + tile, 0)
     elif SWIGLU:
         tl.store(y_ptrs, silu_mul(acc, acc_up, Y.dtype.element_ty), mask=ok)
     else:
-        if RESID:
-            acc += tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
@@ -132,44 +114,36 @@ def row_bucket(M: int) -> int:
     return 1 << max(0, M - 1).bit_length()
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, N: int, config, swiglu: bool, norm=None,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor, N: int, config, swiglu: bool) -> torch.Tensor:
     cfg = MatmulConfig(*config)
     M, K = x.shape
     assert w.shape[1] == K and x.stride(1) == 1 and w.stride(1) == 1, "x [M, K], w [N, K], rows contiguous"
-    assert residual is None or (residual.shape == (M, N) and residual.stride(1) == 1 and not swiglu)
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if residual is None else residual
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     tiles_k = triton.cdiv(K, cfg.block_k)
     per = triton.cdiv(tiles_k, cfg.split_k)
     split = triton.cdiv(tiles_k, per)  # slices that hold a tile (split_k may not divide the tiles)
-    assert norm is None or split == 1, "a normed input needs whole rows a program (split_k 1)"
-    g, eps = (y, 0.0) if norm is None else norm
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
     p, c = split_scratch(x.device, split * M * w.shape[0], grid[0] * grid[1]) if split > 1 else (y, y)
-    _matmul_kernel[grid](x, w, y, p, c, g, M, N, K, x.stride(0), w.stride(0), y.stride(0), per * cfg.block_k, eps,
-                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages,
-                         DOT_PRECISION=dot_precision(x.dtype), SWIGLU=swiglu, NORM=norm is not None,
-                         RESID=residual is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+    _matmul_kernel[grid](x, w, y, p, c, M, N, K, x.stride(0), w.stride(0), y.stride(0), per * cfg.block_k,
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
+                         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, DOT_PRECISION=dot_precision(x.dtype),
+                         SWIGLU=swiglu, num_warps=cfg.warps, num_stages=cfg.stages)
     return y
 
 
-def matmul_fwd(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | tuple, norm=None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K]ᵀ -> [M, N] in x's dtype (fp32 accumulation), launched as `config` says. norm: (weight
-    [K], eps): rms_norm(x, weight, eps) @ wᵀ, the norm inside the kernel (config.split_k 1); residual [M, N]: added
-    to the products in fp32, one rounding (residual + x @ wᵀ), written over residual (returned)."""
-    return _launch(x, w, w.shape[0], config, False, norm, residual)
+def matmul_fwd(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | tuple) -> torch.Tensor:
+    """x [M, K] @ w [N, K]ᵀ -> [M, N] in x's dtype (fp32 accumulation), launched as `config` says."""
+    return _launch(x, w, w.shape[0], config, False)
 
 
-def swiglu_matmul_fwd(x: torch.Tensor, gate_up: torch.Tensor, config: MatmulConfig | tuple,
-                      norm=None) -> torch.Tensor:
+def swiglu_matmul_fwd(x: torch.Tensor, gate_up: torch.Tensor, config: MatmulConfig | tuple) -> torch.Tensor:
     """x [M, K], gate_up [2F, K] (gate rows first, then up rows) -> silu(x @ gateᵀ) · (x @ upᵀ), [M, F] in x's
     dtype: bit for bit matmul_fwd(x, gate_up, config) then swiglu.swiglu_gate_up_fwd, one launch and no [M, 2F]
-    round trip. config.block_n counts gate rows (a program reads 2·block_n weight rows). norm: as matmul_fwd's."""
+    round trip. config.block_n counts gate rows (a program reads 2·block_n weight rows)."""
     assert gate_up.shape[0] % 2 == 0, "gate_up [2F, K] expected"
-    return _launch(x, gate_up, gate_up.shape[0] // 2, config, True, norm)
+    return _launch(x, gate_up, gate_up.shape[0] // 2, config, True)
 
 
 def invariant_matmul_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

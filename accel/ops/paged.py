@@ -1,8 +1,7 @@
 """The batch engine's ops (accel.batch), each a Triton kernel or its torch version, picked by accel/ops/dispatch.py:
 the paged decode attention (accel/kernels/paged_attn.py), the batched linear layers and their batch-invariant version
-(accel/kernels/matmul.py; a linear layer may take its input's RMS norm and its output's residual add inside the
-kernel), the gate_up GEMM with SwiGLU in its epilogue (the same kernel), the greedy tokens of a batch of logits rows
-(accel/kernels/argmax.py).
+(accel/kernels/matmul.py), the gate_up GEMM with SwiGLU in its epilogue (the same kernel), the greedy tokens of a
+batch of logits rows (accel/kernels/argmax.py).
 With `invariant`, the torch versions run one row at a time: every row then takes the same path whatever the batch."""
 from __future__ import annotations
 
@@ -15,10 +14,9 @@ from ..kernels.argmax import argmax_rows_fwd
 from ..kernels.matmul import (invariant_matmul_fwd, invariant_swiglu_matmul_fwd, matmul_fwd, row_bucket,
                               swiglu_matmul_fwd)
 from ..kernels.paged_attn import paged_decode_attention_fwd
-from ..kernels import tuning
+from ..kernels.tuning import MATMUL, SWIGLU_MATMUL
 from .dispatch import rows, uses_triton
 from .fused import swiglu_gate_up
-from .interface import rms_norm
 
 
 def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int, invariant: bool = False, out=None):
@@ -39,45 +37,24 @@ def paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size: int, i
     return a if out is None else out.copy_(a)
 
 
-def linear_config(x, weight, table=None, norm=None):
-    """The weight-streaming kernel's launch config for x [T, Din] @ weight [Dout, Din]ᵀ: where `table` (default
-    tuning.MATMUL, where it measured faster than cuBLAS) lists the weight's shape at T's row bucket (and, for a
-    normed input, without split-K: the kernel's norm needs whole rows a program); None: cuBLAS."""
-    if not (uses_triton(x) and x.shape[0]):
-        return None
-    cfg = (tuning.MATMUL if table is None else table).get((weight.shape[0], weight.shape[1], row_bucket(x.shape[0])))
-    return None if cfg is None or (norm is not None and cfg.split_k > 1) else cfg
+def batched_linear(x, weight, table=MATMUL):
+    """x [T, Din] @ weight [Dout, Din]ᵀ -> [T, Dout]: the weight-streaming kernel where `table` (accel/kernels/
+    tuning.py's MATMUL: where it measured faster) lists the weight's shape at T's row bucket, else cuBLAS."""
+    if uses_triton(x) and x.shape[0]:
+        cfg = table.get((weight.shape[0], weight.shape[1], row_bucket(x.shape[0])))
+        if cfg is not None:
+            return matmul_fwd(rows(x), rows(weight), cfg)
+    return F.linear(x, weight)
 
 
-def batched_linear(x, weight, table=None, norm=None, residual=None):
-    """x [T, Din] @ weight [Dout, Din]ᵀ -> [T, Dout]: the weight-streaming kernel where linear_config gives a
-    config, else cuBLAS. norm (weight [Din], eps): rms_norm(x) @ weightᵀ, the norm inside the kernel where it can
-    be; residual [T, Dout]: residual + x @ weightᵀ, added before the one rounding and written over `residual`
-    (cuBLAS's beta = 1, or the kernel's epilogue)."""
-    cfg = linear_config(x, weight, table, norm)
-    if cfg is not None:
-        return matmul_fwd(rows(x), rows(weight), cfg, norm, residual)
-    if norm is not None:
-        x = rms_norm(x, *norm)
-    return F.linear(x, weight) if residual is None else residual.addmm_(x, weight.t())
-
-
-def swiglu_config(x, gate_up, table=None):
-    """The fused gate_up + SwiGLU kernel's config where `table` (default tuning.SWIGLU_MATMUL) lists gate_up's
-    shape at x's row bucket (every entry without split-K: the kernel can take its input's norm); None: unfused."""
-    if not (uses_triton(x) and x.shape[0]):
-        return None
-    table = tuning.SWIGLU_MATMUL if table is None else table
-    return table.get((gate_up.shape[0], gate_up.shape[1], row_bucket(x.shape[0])))
-
-
-def batched_swiglu_linear(x, gate_up, table=None, linear_table=None, norm=None):
-    """x [T, Din], gate_up [2F, Din] -> silu(x @ gateᵀ) · (x @ upᵀ) [T, F]: the fused kernel where swiglu_config
-    gives a config, else batched_linear then SwiGLU. norm: as batched_linear's."""
-    cfg = swiglu_config(x, gate_up, table)
-    if cfg is not None and (norm is None or cfg.split_k == 1):
-        return swiglu_matmul_fwd(rows(x), rows(gate_up), cfg, norm)
-    return swiglu_gate_up(batched_linear(x, gate_up, linear_table, norm))
+def batched_swiglu_linear(x, gate_up, table=SWIGLU_MATMUL, linear_table=MATMUL):
+    """x [T, Din], gate_up [2F, Din] -> silu(x @ gateᵀ) · (x @ upᵀ) [T, F]: the fused kernel where `table`
+    (tuning.py's SWIGLU_MATMUL) lists the weight's shape at T's row bucket, else batched_linear then SwiGLU."""
+    if uses_triton(x) and x.shape[0]:
+        cfg = table.get((gate_up.shape[0], gate_up.shape[1], row_bucket(x.shape[0])))
+        if cfg is not None:
+            return swiglu_matmul_fwd(rows(x), rows(gate_up), cfg)
+    return swiglu_gate_up(batched_linear(x, gate_up, linear_table))
 
 
 def invariant_swiglu_linear(x, gate_up):
