@@ -14,8 +14,9 @@ roofline and against HF transformers' continuous batching (`generate_batch`, pag
               [32, 512] (eos ignored: every request makes its full count): total time and output tok/s, ours and HF's
               (its ContinuousBatchingManager, each request its own max_new_tokens) on the first --hf-requests of
               them (ours timed on those too: the speedup compares the same requests).
-    HF        its CUDA graphs on and its KV cache at HF_MEMORY of the free memory (hf_cb_config; --hf-cuda-graphs
-              auto: transformers' defaults), the rest sized by transformers as generate_batch sizes it.
+    HF        its CUDA graphs on and its KV cache at HF_MEMORY of the free memory (--hf-cuda-graphs auto:
+              transformers' defaults), the rest sized by transformers as generate_batch sizes it; how HF is
+              driven: tools/bench/common/hf.py.
 Method and timing: tools.bench.common (records: command, device, date, versions).
 """
 from __future__ import annotations
@@ -28,7 +29,6 @@ from tools.bench import common
 
 BATCH_SIZES = (1, 8, 32, 64, 128, 256)
 HF_REQUESTS = 200  # HF runs the first 200 of the workload: all 1000 take it minutes a model (docs/performance.md)
-HF_MEMORY = 0.6  # of the free GPU memory, HF's KV cache (with its CUDA graphs)
 WARMUP_STEPS = 2  # untimed decode steps before the timed ones (graph capture, Triton compiles)
 
 
@@ -137,99 +137,6 @@ def workload_run(engine, requests) -> dict:
     return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
 
 
-# ---- HF transformers ----
-
-def hf_model(cfg, weights, device):
-    """transformers' Llama on the same weights and its attention implementation (sdpa unless flash attention is
-    installed: continuous batching pages it itself, "paged|sdpa")."""
-    model = common.hf_llama(cfg, weights, device)
-    return model, model.config._attn_implementation
-
-
-def hf_config(new_tokens: int):
-    import transformers
-    return transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                                         pad_token_id=0)
-
-
-def hf_cb_config(cuda_graphs: str):
-    """HF's ContinuousBatchingConfig. "on" (the default): its CUDA graphs forced on (transformers turns them on by
-    itself only where its attention needs no mask, i.e. with flash-attn installed) and its KV cache at HF_MEMORY of
-    the free memory (its 0.9 leaves too little for its own graph warm-up: docs/performance.md); "auto": every
-    field left to transformers; "off": graphs off."""
-    if cuda_graphs == "auto":
-        return None
-    import transformers
-    if cuda_graphs == "off":
-        return transformers.ContinuousBatchingConfig(use_cuda_graph=False)
-    return transformers.ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=HF_MEMORY)
-
-
-def hf_batch_seconds(model, prompts, new_tokens: int, cuda_graphs: str = "on") -> tuple[float, int]:
-    """generate_batch of the prompts, new_tokens each: (seconds, tokens generated). Called outside inference mode
-    (generate_batch runs under no_grad): transformers 5.17 warms its manager up in the calling thread and generates
-    in its own, where tensors made in the caller's inference mode cannot be updated in place."""
-    common.sync()
-    t0 = time.perf_counter()
-    out = model.generate_batch(prompts, generation_config=hf_config(new_tokens),
-                               continuous_batching_config=hf_cb_config(cuda_graphs))
-    common.sync()
-    return time.perf_counter() - t0, sum(len(o.generated_tokens) for o in out.values())
-
-
-def hf_decode_rate(model, prompts, steps: int, cuda_graphs: str = "on") -> float | None:
-    """Decode tok/s of generate_batch: (1 + steps tokens each) minus (1 token each: the prefill, and the manager's
-    set-up and CUDA-graph warm-up, which every call repeats), after a warm-up call. None if the difference drowns in
-    noise."""
-    hf_batch_seconds(model, prompts[:2], 2, cuda_graphs)
-    short, first = hf_batch_seconds(model, prompts, 1, cuda_graphs)
-    full, tokens = hf_batch_seconds(model, prompts, 1 + steps, cuda_graphs)
-    if first != len(prompts) or tokens != len(prompts) * (1 + steps):  # requests dropped: HF's run failed
-        print(f"HF generate_batch at B={len(prompts)} returned {tokens} of {len(prompts) * (1 + steps)} tokens: "
-              f"not timed", flush=True)
-        return None
-    return (tokens - len(prompts)) / (full - short) if full > short else None
-
-
-def hf_workload(model, requests, cuda_graphs: str = "on") -> dict:
-    """The workload through HF's ContinuousBatchingManager, each request with its own max_new_tokens. The manager
-    is sized as generate_batch sizes it (workload hints: the longest prompt and output, the request count) and
-    warmed up (its CUDA graphs captured, where it uses them) before the clock starts."""
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-    longest = max(n for _, n in requests)
-    hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in requests), max_generated_length=longest,
-                          num_requests=len(requests))
-    manager = model.init_continuous_batching(generation_config=hf_config(longest),
-                                             continuous_batching_config=hf_cb_config(cuda_graphs),
-                                             workload_hints=hints)
-    manager.warmup()
-    cb = manager.continuous_batching_config  # as resolved: the sizes and graphs HF runs with
-    chosen = {k: getattr(cb, k, None) for k in ("block_size", "num_blocks", "max_batch_tokens",
-                                                 "max_requests_per_batch", "use_cuda_graph", "use_async_batching")}
-    manager.start()
-    try:
-        common.sync()
-        t0 = time.perf_counter()
-        for i, (p, n) in enumerate(requests):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-        tokens, done = 0, 0
-        while done < len(requests):
-            result = manager.get_result(timeout=600)
-            if result is None:
-                raise RuntimeError(f"HF's manager stopped after {done} of {len(requests)} requests")
-            if result.is_finished():
-                done += 1
-                tokens += len(result.generated_tokens)
-        common.sync()
-        elapsed = time.perf_counter() - t0
-    finally:
-        manager.stop(block=True)
-    want = sum(n for _, n in requests)
-    if tokens != want:  # a request that failed still finishes, with fewer tokens
-        raise RuntimeError(f"HF's manager made {tokens} of the {want} tokens asked for")
-    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed, "config": chosen}
-
-
 # ---- one model ----
 
 def decode_rows(engine, cfg, weight_bytes: int, args, copy_tb_s: float) -> list[dict]:
@@ -292,12 +199,12 @@ def model_rows(key: str, args) -> dict:
         for row in rows:
             row["invariant_cost_pct"] = 100 * (1 - row["invariant_tok_s"] / row["decode_tok_s"])
     if not args.skip_hf:
-        model, impl = hf_model(cfg, weights, device)
+        model, impl = common.hf_model(cfg, weights, device)
         result["hf_attn_implementation"], result["hf_cuda_graphs"] = impl, args.hf_cuda_graphs
         for row in rows:
             prompts = decode_prompts(cfg, row["batch"], args.context, args.seed)
             try:
-                row["hf_tok_s"] = hf_decode_rate(model, prompts, args.decode_steps, args.hf_cuda_graphs)
+                row["hf_tok_s"] = common.hf_decode_rate(model, prompts, args.decode_steps, args.hf_cuda_graphs)
             except Exception as e:  # noqa: BLE001  as for the workload below
                 row["hf_tok_s"], row["hf_error"] = None, f"{type(e).__name__}: {e}"[:300]
                 print(f"HF generate_batch at B={row['batch']} failed: {row['hf_error']}", flush=True)
@@ -305,7 +212,7 @@ def model_rows(key: str, args) -> dict:
         if hf_jobs:
             w = result["workload"]
             try:
-                w["hf"] = hf_workload(model, hf_jobs, args.hf_cuda_graphs)
+                w["hf"] = common.hf_workload(model, hf_jobs, args.hf_cuda_graphs)
             except Exception as e:  # noqa: BLE001  HF failing (its manager, memory) is a result, not the end of the run
                 w["hf_error"] = f"{type(e).__name__}: {e}"[:300]
                 print(f"HF's workload failed: {w['hf_error']}", flush=True)
