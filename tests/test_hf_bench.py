@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.bench import hf_attention
+from tools.bench import common, hf_attention
 from tools.debug import memory_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_defaults():
 
 @pytest.mark.parametrize("name, billions", [("1b", 1.236), ("3b", 3.213), ("11b-vision", 10.67)])
 def test_model_shapes_are_llama_3_2s(name, billions):
-    model = hf_attention.build(name, None, device="meta")
+    model = common.hf_random_model(name, None, device="meta")
     n = sum(p.numel() for p in model.parameters())
     assert abs(n / 1e9 - billions) < 0.01, n
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())

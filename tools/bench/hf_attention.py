@@ -5,7 +5,7 @@ flash_attn is importable), on the GPU.
                                        [--kinds train,prefill,image] [--patches none,kernels,kernels+lora]
                                        [--rows sdpa:none,llama32:kernels+lora,llama32:kernels+lora+offload]
 
-Random bf16 weights at the Llama 3.2 1B / 3B / 11B-Vision shapes (configs built here; nothing is downloaded). For
+Random bf16 weights at the Llama 3.2 1B / 3B / 11B-Vision shapes (common.hf_random_model; nothing downloaded). For
 each model, attention implementation and module patch ("none"; "kernels": accel.hf.apply with RMSNorm, SwiGLU
 MLP, RoPE in Triton and the fused lm_head + cross-entropy; "kernels+lora", training only: apply(lora=True) as
 well: PEFT's LoRA linears, each MLP and (under "llama32") each self-attention's q, k, v + RoPE as one autograd
@@ -30,27 +30,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 
 import torch
 
-from tools.bench.common import median_ms, model_config, parser, record, require_cuda, write_record
+from tools.bench.common import (hf_image_inputs, hf_random_model, hf_text_inputs, median_ms, parser, record,
+                                require_cuda, write_record)
 from tools.debug.memory_trace import peak_allocations
 
 LORA_TARGETS = r".*(language_model|model\.layers).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
-ROPE_32 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-VISION_11B = dict(
-    text_config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                     cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38],
-                     rope_parameters=dict(ROPE_32, factor=8.0)),
-    vision_config=dict(image_size=560, patch_size=14, max_num_tiles=4, hidden_size=1280, intermediate_size=5120,
-                       num_hidden_layers=32, num_global_layers=8, attention_heads=16, vision_output_dim=7680,
-                       intermediate_layers_indices=[3, 7, 15, 23, 30]),
-)
 MODELS = ("1b", "3b", "11b-vision")
 KINDS = ("train", "prefill", "image", "memory")
 IMAGE_TEXT_TOKENS = 512
@@ -107,47 +96,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if value < 1:
             fail(f"{name}: expected a positive integer, got {value}")
     return args
-
-
-def build(name: str, layers: int | None, device: str = "cuda"):
-    """A random bf16 model of `name`'s shape on `device` (every Mllama gate nonzero, so the image matters)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MllamaConfig, MllamaForConditionalGeneration
-    if name == "11b-vision":
-        spec = json.loads(json.dumps(VISION_11B))
-        if layers:  # keep the first cross-attention layer among the first `layers`
-            spec["text_config"]["num_hidden_layers"] = layers
-            spec["text_config"]["cross_attention_layers"] = [min(3, layers - 1)]
-        config, cls = MllamaConfig(**spec), MllamaForConditionalGeneration
-    else:
-        spec = {k: v for k, v in model_config(name).to_hf().items() if k not in ("architectures", "model_type")}
-        if layers:
-            spec["num_hidden_layers"] = layers
-        config, cls = LlamaConfig(**spec), LlamaForCausalLM
-    with torch.device(device):
-        model = cls._from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "gate" in pname and p.numel() == 1:
-                p.fill_(0.5)
-    return model.eval()
-
-
-def image_inputs(model, text_tokens: int) -> dict:
-    """One 4-tile image (aspect 2x2) after an <|image|> token at the start of `text_tokens` tokens."""
-    vc = model.config.vision_config
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(10, 128000, (1, text_tokens), device="cuda", generator=g)
-    ids[0, 0] = model.config.image_token_index
-    pixels = torch.randn(1, 1, 4, 3, vc.image_size, vc.image_size, device="cuda", generator=g, dtype=torch.bfloat16)
-    xmask = torch.ones(1, text_tokens, 1, 4, dtype=torch.long, device="cuda")
-    return dict(input_ids=ids, pixel_values=pixels, cross_attention_mask=xmask,
-                aspect_ratio_ids=torch.tensor([[6]], device="cuda"),  # (2, 2) in MllamaImageProcessor's list
-                aspect_ratio_mask=torch.ones(1, 1, 4, dtype=torch.long, device="cuda"))
-
-
-def text_inputs(tokens: int) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(1)
-    return dict(input_ids=torch.randint(10, 128000, (1, tokens), device="cuda", generator=g))
 
 
 PATCH_ROWS = {"": None, "kernels": dict(fused_linear_cross_entropy=True),  # row label -> accel.hf.apply flags
@@ -335,7 +283,7 @@ def format_memory_row(r: dict) -> str:
 
 
 def prefill_fn(model, tokens: int):
-    inputs = text_inputs(tokens)
+    inputs = hf_text_inputs(tokens)
 
     def run():
         with torch.no_grad():
@@ -346,7 +294,7 @@ def prefill_fn(model, tokens: int):
 
 
 def image_fn(model):
-    inputs = image_inputs(model, IMAGE_TEXT_TOKENS)
+    inputs = hf_image_inputs(model, IMAGE_TEXT_TOKENS)
 
     def run():
         with torch.no_grad():
@@ -357,7 +305,7 @@ def image_fn(model):
 
 def bench_model(name: str, args, impls, rows: list) -> None:
     import peft
-    model = build(name, args.layers)
+    model = hf_random_model(name, args.layers)
     vision = name == "11b-vision"
     for kind in ("prefill", "image"):
         if kind not in args.kinds or (kind == "image" and not vision):
@@ -370,7 +318,7 @@ def bench_model(name: str, args, impls, rows: list) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lora = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                                           target_modules=LORA_TARGETS))
-        inputs = (image_inputs(model, args.tokens) if vision else text_inputs(args.tokens))
+        inputs = (hf_image_inputs(model, args.tokens) if vision else hf_text_inputs(args.tokens))
         if "memory" in args.kinds:
             memory_rows(rows, name, model, lora, inputs, configurations(impls, args.patches, "memory", args.rows),
                         args.memory_top)

@@ -1,10 +1,12 @@
 """HF transformers on the same weights: the baselines the benchmarks measure beside ours."""
 from __future__ import annotations
 
+import json
 import time
 
 from refimpl.model.config import LlamaConfig
 
+from .cli import model_config
 from .runs import sync
 
 HF_MEMORY = 0.6  # of the free GPU memory, HF's KV cache in its continuous batching (with its CUDA graphs)
@@ -36,6 +38,67 @@ def hf_llama(cfg: LlamaConfig, weights, device):
         views.setdefault("lm_head.weight", weights.lm_head)
     return hf_bf16_model(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf())), device,
                          views.__getitem__)
+
+
+# ---- models at the Llama 3.2 shapes, random weights (tools/bench/hf_attention.py) ----
+
+HF_ROPE_32 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+HF_VISION_11B = dict(
+    text_config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                     cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38],
+                     rope_parameters=dict(HF_ROPE_32, factor=8.0)),
+    vision_config=dict(image_size=560, patch_size=14, max_num_tiles=4, hidden_size=1280, intermediate_size=5120,
+                       num_hidden_layers=32, num_global_layers=8, attention_heads=16, vision_output_dim=7680,
+                       intermediate_layers_indices=[3, 7, 15, 23, 30]),
+)
+
+
+def hf_random_model(name: str, layers: int | None = None, device: str = "cuda"):
+    """transformers' model of `name`'s shape ("1b", "3b", "11b-vision"; `layers`: cut to that many decoder layers,
+    11B-Vision keeping a cross-attention layer among them), random bf16 weights on `device` (every Mllama gate
+    nonzero, so the image matters)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MllamaConfig, MllamaForConditionalGeneration
+    if name == "11b-vision":
+        spec = json.loads(json.dumps(HF_VISION_11B))
+        if layers:  # keep the first cross-attention layer among the first `layers`
+            spec["text_config"]["num_hidden_layers"] = layers
+            spec["text_config"]["cross_attention_layers"] = [min(3, layers - 1)]
+        config, cls = MllamaConfig(**spec), MllamaForConditionalGeneration
+    else:
+        spec = {k: v for k, v in model_config(name).to_hf().items() if k not in ("architectures", "model_type")}
+        if layers:
+            spec["num_hidden_layers"] = layers
+        config, cls = LlamaConfig(**spec), LlamaForCausalLM
+    with torch.device(device):
+        model = cls._from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "gate" in pname and p.numel() == 1:
+                p.fill_(0.5)
+    return model.eval()
+
+
+def hf_image_inputs(model, text_tokens: int) -> dict:
+    """One 4-tile image (aspect 2x2) after an <|image|> token at the start of `text_tokens` tokens."""
+    import torch
+    vc = model.config.vision_config
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(10, 128000, (1, text_tokens), device="cuda", generator=g)
+    ids[0, 0] = model.config.image_token_index
+    pixels = torch.randn(1, 1, 4, 3, vc.image_size, vc.image_size, device="cuda", generator=g, dtype=torch.bfloat16)
+    xmask = torch.ones(1, text_tokens, 1, 4, dtype=torch.long, device="cuda")
+    return dict(input_ids=ids, pixel_values=pixels, cross_attention_mask=xmask,
+                aspect_ratio_ids=torch.tensor([[6]], device="cuda"),  # (2, 2) in MllamaImageProcessor's list
+                aspect_ratio_mask=torch.ones(1, 1, 4, dtype=torch.long, device="cuda"))
+
+
+def hf_text_inputs(tokens: int) -> dict:
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return dict(input_ids=torch.randint(10, 128000, (1, tokens), device="cuda", generator=g))
 
 
 # ---- continuous batching (generate_batch, ContinuousBatchingManager): tools/bench/batch.py's baseline ----
