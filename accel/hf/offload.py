@@ -88,8 +88,7 @@ class HostCopy:
         with torch.cuda.stream(stream):
             x.copy_(self.host, non_blocking=True)
             done = stream.record_event()
-        # no record_stream: the compute stream waits for `done` before it uses x or lets x go (take, release), so
-        # x's memory returns to the allocator when the compute stream drops it, not after later side-stream work
+        x.record_stream(stream)
         self.back = (x, done)
 
     def take(self) -> torch.Tensor:
@@ -110,9 +109,6 @@ class HostCopy:
         return x
 
     def release(self) -> None:
-        if self.back is not None and self.back[1] is not None:  # a copy back started and never taken: it is over
-            torch.cuda.current_stream(self.device).wait_event(self.back[1])  # before x's memory can be reused
-            self.back = None
         if self.host is not None:
             _host["current"] -= self.counted
             self.host = None
