@@ -60,7 +60,8 @@ def hf_random_model(name: str, layers: int | None = None, device: str = "cuda"):
     11B-Vision keeping a cross-attention layer among them), random bf16 weights on `device` (every Mllama gate
     nonzero, so the image matters)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MllamaConfig, MllamaForConditionalGeneration
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM, MllamaConfig, MllamaForConditionalGeneration
     if name == "11b-vision":
         spec = json.loads(json.dumps(HF_VISION_11B))
         if layers:  # keep the first cross-attention layer among the first `layers`
@@ -71,7 +72,7 @@ def hf_random_model(name: str, layers: int | None = None, device: str = "cuda"):
         spec = {k: v for k, v in model_config(name).to_hf().items() if k not in ("architectures", "model_type")}
         if layers:
             spec["num_hidden_layers"] = layers
-        config, cls = LlamaConfig(**spec), LlamaForCausalLM
+        config, cls = HFLlamaConfig(**spec), LlamaForCausalLM
     with torch.device(device):
         model = cls._from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
